@@ -1,0 +1,1 @@
+"""Corpus readers and replay that count which experts a user's traffic routes to."""

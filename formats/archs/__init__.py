@@ -1,0 +1,29 @@
+"""Architecture registry: GGUF ``general.architecture`` -> module that builds a ``ModelSpec``."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..errors import UnsupportedError
+from . import laguna, olmoe, qwen2moe, qwen3moe, qwen35moe
+from .base import DENSE, FULL, LINEAR, MOE, SLIDING, ArchModule, LayerKind, ModelSpec
+
+if TYPE_CHECKING:
+    from ..gguf_file import GGUFModel
+
+ARCHS: dict[str, ArchModule] = {a.ARCH.name: a.ARCH for a in (qwen35moe, laguna, qwen3moe, olmoe, qwen2moe)}
+
+
+def model_spec(model: "GGUFModel") -> ModelSpec:
+    """The spec of an opened GGUF; unknown or non-MoE architectures are a clear error."""
+    arch = model.arch
+    entry = ARCHS.get(arch)
+    if entry is None:
+        raise UnsupportedError(
+            model.path,
+            f"architecture '{arch}' is not a mixture-of-experts model sparkpack supports "
+            f"(supported: {', '.join(ARCHS)})",
+        )
+    return entry.build(model)
+
+
+__all__ = ["ARCHS", "model_spec", "ModelSpec", "LayerKind", "FULL", "SLIDING", "LINEAR", "MOE", "DENSE"]

@@ -1,0 +1,58 @@
+"""Quant block math: how many bytes a tensor, an expert, a layer takes in a given GGML type.
+
+The block table comes from gguf-py (``GGML_QUANT_SIZES``) so every type gguf knows is covered;
+nothing here is hand-copied from ggml.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+
+def quant_name(qtype: int) -> str:
+    try:
+        return GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"type{qtype}"
+
+
+def quant_type(name: str | int) -> GGMLQuantizationType:
+    """Parse 'Q4_K', 'q8_0', 'F16' or a numeric id."""
+    if isinstance(name, int):
+        return GGMLQuantizationType(name)
+    try:
+        return GGMLQuantizationType[name.upper()]
+    except KeyError:
+        known = ", ".join(t.name for t in GGML_QUANT_SIZES)
+        raise ValueError(f"unknown quant type {name!r} (known: {known})") from None
+
+
+def block_size(qtype: int) -> int:
+    """Elements per block (1 for plain float/int types)."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][0]
+
+
+def type_size(qtype: int) -> int:
+    """Bytes per block."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1]
+
+
+def row_nbytes(n_cols: int, qtype: int) -> int:
+    """Bytes of one row of ``n_cols`` elements (ne[0]); rows must hold whole blocks."""
+    bs, ts = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    if n_cols % bs:
+        raise ValueError(f"row of {n_cols} elements is not a whole number of {quant_name(qtype)} blocks ({bs})")
+    return n_cols // bs * ts
+
+
+def tensor_nbytes(shape: Sequence[int], qtype: int) -> int:
+    """Bytes of a tensor with GGUF shape ``shape`` (ne[0] first)."""
+    n_rows = 1
+    for d in shape[1:]:
+        n_rows *= int(d)
+    return row_nbytes(int(shape[0]), qtype) * n_rows if shape else 0
+
+
+def fits_blocks(n_cols: int, qtype: int) -> bool:
+    return n_cols % block_size(qtype) == 0

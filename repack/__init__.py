@@ -1,0 +1,1 @@
+"""The ``repack`` command line: inspect, synth, convert-hf, calibrate, split, join, verify."""

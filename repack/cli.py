@@ -1,0 +1,46 @@
+"""Entry point of ``repack``. Each subcommand lives in its own module and registers here."""
+from __future__ import annotations
+
+import importlib
+
+import click
+
+from formats.errors import cli_entry
+
+# module -> attribute holding the click command. Imported lazily so `repack --help` stays fast
+# and a command's heavy imports (torch, datasets) load only when it runs.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "inspect": ("repack.inspect_cmd", "inspect_cmd"),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, attr = COMMANDS[name]
+        return getattr(importlib.import_module(module), attr)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="sparkpack")
+def cli() -> None:
+    """Repack MoE GGUF models so their experts stream from host RAM to a small GPU.
+
+    \b
+    Typical flow:
+      repack calibrate model.gguf --corpus logs/   # learn which experts your traffic uses
+      repack split model.gguf --vram 14GiB         # GGUF -> model.sparkpack
+      spark-run model.sparkpack                    # chat / serve
+    """
+
+
+def main() -> None:
+    cli_entry(cli, "repack")
+
+
+if __name__ == "__main__":
+    main()

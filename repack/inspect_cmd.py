@@ -1,0 +1,122 @@
+"""``repack inspect``: what is in a model file and what it needs to run all-GPU."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import click
+
+from formats.archs import model_spec
+from formats.experts import expert_nbytes, expert_tensor_names
+from formats.gguf_file import GGUFModel
+from formats.memory import RUNTIME_OVERHEAD_BYTES, kv_cache_bytes, recurrent_state_bytes
+
+from .units import fmt_size
+
+GROUPS = ("routed experts", "shared expert", "router", "attention", "dense ffn", "embeddings", "output", "norms")
+
+
+def tensor_group(name: str, expert_names: set[str]) -> str:
+    """Coarse role of a tensor, for the quant-type and byte breakdown."""
+    if name in expert_names or name.endswith("_exps.weight"):
+        return "routed experts"
+    if "shexp" in name:
+        return "shared expert"
+    if "ffn_gate_inp" in name or "exp_probs_b" in name:
+        return "router"
+    if name.startswith("token_embd"):
+        return "embeddings"
+    if name.startswith("output.") :
+        return "output"
+    if "norm" in name:
+        return "norms"
+    if ".attn_" in name or ".ssm_" in name:
+        return "attention"
+    if ".ffn_" in name:
+        return "dense ffn"
+    return "norms" if name.startswith("output_norm") else "attention"
+
+
+def gguf_report(path: Path, ctx: int) -> dict[str, Any]:
+    model = GGUFModel(path)
+    spec = model_spec(model)
+    experts = expert_tensor_names(spec)
+    by_group: dict[str, dict[str, Any]] = {g: {"bytes": 0, "types": defaultdict(int)} for g in GROUPS}
+    for t in model.tensors.values():
+        g = by_group[tensor_group(t.name, experts)]
+        g["bytes"] += t.nbytes
+        g["types"][t.type_name] += 1
+    tensor_bytes = sum(t.nbytes for t in model.tensors.values())
+    expert_bytes = by_group["routed experts"]["bytes"]
+    kv = kv_cache_bytes(spec, ctx)
+    state = recurrent_state_bytes(spec)
+    per_expert = {il: expert_nbytes(model, spec, il) for il in spec.moe_layers}
+    report = {
+        "file": str(path),
+        "file_bytes": model.file_size,
+        "arch": spec.arch,
+        "name": model.get("general.name"),
+        "layers": spec.n_layer,
+        "layer_kinds": spec.layer_counts(),
+        "n_embd": spec.n_embd,
+        "vocab": spec.n_vocab,
+        "experts": spec.n_expert,
+        "experts_used": spec.n_expert_used,
+        "moe_layers": len(spec.moe_layers),
+        "expert_ffn": spec.n_ff_exp,
+        "shared_expert_ffn": spec.n_ff_shexp,
+        "router": spec.router,
+        "bytes_per_expert": max(per_expert.values()) if per_expert else 0,
+        "tensor_count": len(model.tensors),
+        "tensor_bytes": tensor_bytes,
+        "expert_bytes": expert_bytes,
+        "other_bytes": tensor_bytes - expert_bytes,
+        "groups": {g: {"bytes": v["bytes"], "types": dict(v["types"])} for g, v in by_group.items() if v["bytes"]},
+        "ctx": ctx,
+        "kv_cache_bytes": kv,
+        "recurrent_state_bytes": state,
+        "runtime_overhead_bytes": RUNTIME_OVERHEAD_BYTES,
+        "vram_all_gpu_bytes": tensor_bytes + kv + state + RUNTIME_OVERHEAD_BYTES,
+    }
+    model.close()
+    return report
+
+
+def print_report(r: dict[str, Any]) -> None:
+    echo = click.echo
+    echo(f"{r['file']}  ({fmt_size(r['file_bytes'])})")
+    echo(f"  arch            {r['arch']}" + (f"  ({r['name']})" if r.get("name") else ""))
+    kinds = ", ".join(f"{v} {k}" for k, v in sorted(r["layer_kinds"].items()))
+    echo(f"  layers          {r['layers']}  ({kinds})")
+    echo(f"  embedding       {r['n_embd']}, vocab {r['vocab']}")
+    echo(f"  experts         {r['experts']} per layer, top-{r['experts_used']}, router {r['router']}, "
+         f"expert ffn {r['expert_ffn']}" + (f", shared expert ffn {r['shared_expert_ffn']}"
+                                            if r["shared_expert_ffn"] else ""))
+    echo(f"  one expert      {fmt_size(r['bytes_per_expert'])}")
+    echo("")
+    echo(f"  {'tensor group':<16} {'bytes':>12}  quant types")
+    for g, v in r["groups"].items():
+        types = ", ".join(f"{t} x{n}" for t, n in sorted(v["types"].items()))
+        echo(f"  {g:<16} {fmt_size(v['bytes']):>12}  {types}")
+    share = r["expert_bytes"] / r["tensor_bytes"] if r["tensor_bytes"] else 0
+    echo("")
+    echo(f"  expert weights  {fmt_size(r['expert_bytes'])} ({share:.1%} of {fmt_size(r['tensor_bytes'])})")
+    echo(f"  other weights   {fmt_size(r['other_bytes'])}")
+    echo(f"  VRAM all-GPU    {fmt_size(r['vram_all_gpu_bytes'])} at ctx {r['ctx']} "
+         f"(KV {fmt_size(r['kv_cache_bytes'])}, recurrent state {fmt_size(r['recurrent_state_bytes'])}, "
+         f"runtime {fmt_size(r['runtime_overhead_bytes'])})")
+
+
+@click.command("inspect")
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("--ctx", default=4096, show_default=True, help="Context length for the KV-cache estimate.")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def inspect_cmd(model: Path, ctx: int, as_json: bool) -> None:
+    """Show a model's architecture, experts, quant types and VRAM needs."""
+    report = gguf_report(model, ctx)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        print_report(report)
