@@ -53,9 +53,11 @@ class GGUFModel:
         import gguf  # imported here so that ``formats`` loads fast for --help
 
         try:
-            self._reader = gguf.GGUFReader(self.path, "r")
+            self._reader = _checked_reader(gguf)(self.path, "r")
         except SparkpackError:
             raise
+        except _TruncatedTensor as e:
+            raise FormatError(self.path, str(e)) from None
         except (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError, MemoryError) as e:
             raise FormatError(self.path, f"malformed or truncated GGUF ({_short(e)})") from None
         self.file_size = self.path.stat().st_size
@@ -171,6 +173,41 @@ class GGUFModel:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _TruncatedTensor(ValueError):
+    pass
+
+
+def _checked_reader(gguf):
+    """gguf.GGUFReader that checks each tensor's byte range before viewing it.
+
+    The stock reader reshapes a short memmap slice when a tensor runs past the end of the file and
+    fails with a numpy message; checking first lets the user read which tensor and why.
+    """
+
+    class CheckedReader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields):  # type: ignore[override]
+            size = len(self.data)
+            for field in fields:
+                _, name_data, _, dims, raw_dtype, offset_tensor = field.parts
+                name = bytes(name_data).decode("utf-8", "replace")
+                try:
+                    qtype = gguf.GGMLQuantizationType(int(raw_dtype[0]))
+                except ValueError:
+                    raise ValueError(f"tensor {name} has unknown type id {int(raw_dtype[0])}") from None
+                n_elems = 1
+                for d in dims.tolist():
+                    n_elems *= int(d)
+                bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+                end = int(start_offs) + int(offset_tensor[0]) + n_elems * ts // bs
+                if end > size:
+                    raise _TruncatedTensor(
+                        f"tensor {name} ends at byte {end}, past the end of the file ({size} bytes): "
+                        "the file is truncated or its tensor index is corrupt")
+            return super()._build_tensors(start_offs, fields)
+
+    return CheckedReader
 
 
 def _short(e: BaseException) -> str:

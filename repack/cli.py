@@ -11,6 +11,7 @@ from formats.errors import cli_entry
 # and a command's heavy imports (torch, datasets) load only when it runs.
 COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("repack.inspect_cmd", "inspect_cmd"),
+    "synth": ("repack.synth_cmd", "synth_cmd"),
 }
 
 

@@ -1,0 +1,144 @@
+"""Random but valid GGML quant blocks with a chosen weight scale, fast enough for 20 GB files.
+
+Synthetic models must look like real quantized weights to every consumer (gguf's dequantizer,
+llama.cpp, our kernels): finite f16 scales, every code in range, dequantized RMS near a target.
+Quantizing Gaussian noise through ``gguf.quants.quantize`` would be exact but runs at a few MB/s,
+so instead each block starts as raw random bytes (the packed codes are uniform over their range,
+which is a valid quantized tensor) and only the per-block scale fields are overwritten with values
+chosen so the dequantized RMS hits the target. Offsets (``m``/``dmin``) are set to centre the codes,
+so the weights are zero-mean like real ones.
+
+Byte layouts follow ggml's block structs (``ggml-common.h``): the field offsets below are the ones
+``gguf.quants`` dequantizes, which the tests check.
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+FLOAT_TYPES = (T.F32, T.F16, T.BF16)
+SUPPORTED = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K) + FLOAT_TYPES
+
+
+def _rms_uniform_int(lo: int, hi: int, centre: float) -> float:
+    """RMS of (k - centre) for k uniform over lo..hi (what a random code dequantizes to)."""
+    k = np.arange(lo, hi + 1, dtype=np.float64)
+    return float(np.sqrt(np.mean((k - centre) ** 2)))
+
+
+# Per-block jitter of the scale (real blocks do not share one scale): j = 0.8 + 0.4 * u / 255.
+_JITTER_RMS = float(np.sqrt(np.mean((0.8 + 0.4 * np.arange(256) / 255.0) ** 2)))
+
+
+def _pack_k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Pack 8 six-bit scales and 8 six-bit mins per row into ggml's 12-byte K-quant layout."""
+    out = np.empty((sc.shape[0], 12), np.uint8)
+    out[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = (m[:, 0:4] & 63) | ((m[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:8] & 15) | ((m[:, 4:8] & 15) << 4)
+    return out
+
+
+# Sub-block scale patterns, picked per block by one random byte: a table gather is several times
+# faster than packing bits per block. K-quant scales lie in 32..63 (6 bits) with mins equal to the
+# scales (see the centring below); Q6_K's int8 scales in 64..127.
+_PATTERNS = np.random.default_rng(20260101)
+_K_SC = _PATTERNS.integers(32, 64, size=(256, 8)).astype(np.uint8)
+_K_TABLE = _pack_k_scales(_K_SC, _K_SC)
+_Q6_TABLE = _PATTERNS.integers(64, 128, size=(256, 16)).astype(np.uint8)
+_K_SC_RMS = float(np.sqrt(np.mean(_K_SC.astype(np.float64) ** 2)))
+_Q6_SC_RMS = float(np.sqrt(np.mean(_Q6_TABLE.astype(np.float64) ** 2)))
+
+# RMS of one dequantized weight divided by the block's f16 ``d`` (before jitter).
+_CODE_RMS = {
+    T.Q8_0: _rms_uniform_int(-128, 127, 0.0),
+    T.Q4_0: _rms_uniform_int(0, 15, 8.0),
+    T.Q4_1: _rms_uniform_int(0, 15, 7.5),
+    T.Q5_0: _rms_uniform_int(0, 31, 16.0),
+    T.Q5_1: _rms_uniform_int(0, 31, 15.5),
+    T.Q4_K: _rms_uniform_int(0, 15, 7.5) * _K_SC_RMS,
+    T.Q5_K: _rms_uniform_int(0, 31, 15.5) * _K_SC_RMS,
+    T.Q6_K: _rms_uniform_int(0, 63, 32.0) * _Q6_SC_RMS,
+}
+
+
+def make_rng(*seed: int) -> np.random.Generator:
+    """A fast generator keyed by a tuple (model seed, tensor index, chunk...): chunks can be made in
+    any order or process and still give the same file."""
+    return np.random.Generator(np.random.SFC64(np.random.SeedSequence(list(seed))))
+
+
+def random_bytes(rng: np.random.Generator, n: int) -> np.ndarray:
+    """``n`` uniform random bytes at several GB/s (``Generator.bytes`` is ~10x slower)."""
+    words = rng.bit_generator.random_raw((n + 7) // 8)
+    return words.view(np.uint8)[:n]
+
+
+def _f16_bytes(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+
+def _block_d(blocks: np.ndarray, jitter_col: int, base: float) -> np.ndarray:
+    """Per-block scale ``base`` x jitter, the jitter read from a still-random byte of the block."""
+    return base * (0.8 + 0.4 * blocks[:, jitter_col].astype(np.float32) / 255.0)
+
+
+def random_blocks(qtype: int, n_blocks: int, scale: float, rng: np.random.Generator) -> np.ndarray:
+    """``n_blocks`` valid blocks of ``qtype`` whose weights have RMS ~= ``scale``, as uint8 rows.
+
+    For float types a "block" is one element (Gaussian values of std ``scale``).
+    """
+    qtype = T(qtype)
+    ts = GGML_QUANT_SIZES[qtype][1]
+    if qtype in FLOAT_TYPES:
+        vals = rng.standard_normal(n_blocks, dtype=np.float32) * np.float32(scale)
+        return float_bytes(vals, qtype).reshape(n_blocks, ts)
+    if qtype not in _CODE_RMS:
+        raise ValueError(f"no random block generator for {qtype.name}")
+    blocks = random_bytes(rng, n_blocks * ts).reshape(n_blocks, ts)
+    base = scale / (_CODE_RMS[qtype] * _JITTER_RMS)
+    if qtype in (T.Q8_0, T.Q4_0, T.Q5_0):
+        blocks[:, 0:2] = _f16_bytes(_block_d(blocks, 0, base))
+    elif qtype in (T.Q4_1, T.Q5_1):
+        d = _block_d(blocks, 0, base).astype(np.float16)
+        centre = 7.5 if qtype == T.Q4_1 else 15.5
+        blocks[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
+        blocks[:, 2:4] = _f16_bytes(-centre * d.astype(np.float32))
+    elif qtype in (T.Q4_K, T.Q5_K):
+        d = _block_d(blocks, 0, base).astype(np.float16)
+        centre = 7.5 if qtype == T.Q4_K else 15.5
+        pattern = _K_TABLE[blocks[:, 4]]
+        blocks[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
+        # value = d*sc*q - dmin*m; with m == sc and dmin = centre*d the codes are centred.
+        blocks[:, 2:4] = _f16_bytes(centre * d.astype(np.float32))
+        blocks[:, 4:16] = pattern
+    elif qtype == T.Q6_K:
+        # layout: ql[128] qh[64] scales[16] (int8) d (f16)
+        pattern = _Q6_TABLE[blocks[:, 192]]
+        blocks[:, 208:210] = _f16_bytes(_block_d(blocks, 208, base))
+        blocks[:, 192:208] = pattern
+    return blocks
+
+
+def float_bytes(values: np.ndarray, qtype: int) -> np.ndarray:
+    """Float32 values encoded as F32, F16 or BF16 bytes (flat uint8)."""
+    values = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    qtype = T(qtype)
+    if qtype == T.F32:
+        return values.view(np.uint8)
+    if qtype == T.F16:
+        return values.astype(np.float16).view(np.uint8)
+    if qtype == T.BF16:
+        bits = values.view(np.uint32)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even
+        return rounded.astype(np.uint16).view(np.uint8)
+    raise ValueError(f"{qtype.name} is not a float type")
+
+
+def random_tensor_bytes(qtype: int, n_elements: int, scale: float, rng: np.random.Generator) -> np.ndarray:
+    """Flat bytes of ``n_elements`` random weights in ``qtype`` (a whole number of blocks)."""
+    bs = GGML_QUANT_SIZES[T(qtype)][0]
+    if n_elements % bs:
+        raise ValueError(f"{n_elements} elements are not whole {T(qtype).name} blocks of {bs}")
+    return random_blocks(qtype, n_elements // bs, scale, rng).reshape(-1)
+

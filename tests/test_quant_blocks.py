@@ -1,0 +1,89 @@
+"""Random quant blocks dequantize (through gguf-py, the referee) to finite, zero-mean weights of the
+intended RMS; the quant-mix rules pick llama-quant.cpp's types; routing skew is calibrated."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import quants
+from gguf.constants import GGMLQuantizationType as T
+
+from formats.quant_blocks import SUPPORTED, float_bytes, make_rng, random_blocks, random_tensor_bytes
+from formats.quant_mix import tensor_qtype, use_more_bits
+from formats.routing_skew import REFERENCE_TOP_SHARE, reference_skew, top_share
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda q: q.name)
+@pytest.mark.parametrize("scale", [0.02, 1.5])
+def test_blocks_dequantize_to_target_rms(qtype: T, scale: float) -> None:
+    blocks = random_blocks(qtype, 3000, scale, make_rng(7, int(qtype)))
+    values = np.asarray(quants.dequantize(blocks.reshape(-1), qtype), dtype=np.float64).reshape(-1)
+    assert np.isfinite(values).all()
+    rms = float(np.sqrt(np.mean(values**2)))
+    assert scale / 1.15 < rms < scale * 1.15, (qtype.name, rms)
+    assert abs(values.mean()) < 0.15 * rms  # centred like real weights (Q4_0/Q5_0 codes are -8..7)
+
+
+def test_same_seed_same_bytes_other_seed_other_bytes() -> None:
+    a = random_tensor_bytes(T.Q4_K, 256 * 64, 0.02, make_rng(1, 2, 3))
+    b = random_tensor_bytes(T.Q4_K, 256 * 64, 0.02, make_rng(1, 2, 3))
+    c = random_tensor_bytes(T.Q4_K, 256 * 64, 0.02, make_rng(1, 2, 4))
+    assert a.nbytes == 64 * 144 and np.array_equal(a, b) and not np.array_equal(a, c)
+    with pytest.raises(ValueError, match="not whole"):
+        random_tensor_bytes(T.Q4_K, 100, 0.02, make_rng(0))
+
+
+@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16], ids=lambda q: q.name)
+def test_float_bytes_round_trip(qtype: T) -> None:
+    x = np.linspace(-3, 3, 64, dtype=np.float32)
+    back = np.asarray(quants.dequantize(float_bytes(x, qtype), qtype), dtype=np.float32).reshape(-1)
+    assert np.allclose(back, x, rtol=1e-2, atol=1e-2)
+
+
+def test_use_more_bits_layers_for_40() -> None:
+    assert [i for i in range(40) if use_more_bits(i, 40)] == [0, 1, 2, 3, 4, 7, 10, 13, 16, 19, 22, 25, 28, 31,
+                                                              34, 35, 36, 37, 38, 39]
+
+
+@pytest.mark.parametrize("name, shape, mix, expected", [
+    ("output.weight", (2048, 151936), "Q4_K_M", T.Q6_K),
+    ("output.weight", (2048, 151936), "Q8_0", T.Q8_0),
+    ("output.weight", (96, 1000), "Q4_K_M", T.Q8_0),
+    ("token_embd.weight", (2048, 151936), "Q4_K_M", T.Q4_K),
+    ("blk.0.attn_v.weight", (2048, 512), "Q4_K_M", T.Q6_K),
+    ("blk.5.attn_v.weight", (2048, 512), "Q4_K_M", T.Q4_K),
+    ("blk.7.attn_qkv.weight", (2048, 8192), "Q5_K_M", T.Q6_K),
+    ("blk.7.ffn_down_exps.weight", (512, 2048, 256), "Q4_K_M", T.Q6_K),
+    ("blk.8.ffn_down_exps.weight", (512, 2048, 256), "Q4_K_M", T.Q4_K),
+    ("blk.8.ffn_gate_exps.weight", (2048, 512, 256), "Q5_K_M", T.Q5_K),
+    ("blk.8.ffn_down_shexp.weight", (128, 256), "Q4_K_M", T.Q5_0),  # row not a multiple of 256
+    ("blk.7.ffn_down_shexp.weight", (128, 256), "Q4_K_M", T.Q8_0),  # Q6_K layer, falls back
+    ("blk.8.ffn_down_shexp.weight", (128, 256), "Q5_K_M", T.Q5_1),
+    ("blk.8.attn_q.weight", (48, 256), "Q8_0", T.F16),  # not even 32-blocks
+    ("blk.0.ffn_gate_inp.weight", (2048, 256), "Q4_K_M", T.F32),
+    ("blk.0.ffn_gate_inp_shexp.weight", (2048,), "Q4_K_M", T.F32),
+    ("blk.0.attn_norm.weight", (2048,), "Q8_0", T.F32),
+    ("blk.0.ssm_conv1d.weight", (4, 8192), "Q4_K_M", T.F32),
+    ("blk.0.ssm_a", (32,), "Q4_K_M", T.F32),
+    ("blk.1.exp_probs_b.bias", (256,), "Q4_K_M", T.F32),
+    ("blk.0.ssm_beta.weight", (2048, 32), "Q4_K_M", T.Q4_K),
+    ("blk.0.ffn_gate_inp.weight", (2048, 256), "F16", T.F32),
+    ("blk.8.ffn_up_exps.weight", (2048, 512, 256), "BF16", T.BF16),
+    ("output.weight", (2048, 151936), "F16", T.F16),
+])
+def test_quant_mix_rules(name: str, shape: tuple[int, ...], mix: str, expected: T) -> None:
+    assert tensor_qtype(name, shape, mix, 40) == expected
+
+
+def test_unknown_mix_is_an_error() -> None:
+    with pytest.raises(ValueError, match="unknown quant mix"):
+        tensor_qtype("output.weight", (256, 256), "Q3_K_XL", 4)
+
+
+@pytest.mark.parametrize("n_expert, top_k", [(256, 8), (128, 8)])
+def test_top_share_is_monotone_and_reference_hits_target(n_expert: int, top_k: int) -> None:
+    grid = [0.0, 0.1, 0.2, 0.3, 0.5, 0.8]
+    shares = [top_share(s, n_expert, top_k) for s in grid]
+    assert all(a <= b for a, b in zip(shares, shares[1:])), shares
+    assert shares[0] < 0.7 < 0.99 < shares[-1]  # no skew is near uniform; strong skew concentrates
+    s_ref = reference_skew(n_expert, top_k)
+    assert abs(top_share(s_ref, n_expert, top_k) - REFERENCE_TOP_SHARE) <= 0.02
