@@ -12,6 +12,7 @@ from formats.errors import cli_entry
 COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("repack.inspect_cmd", "inspect_cmd"),
     "synth": ("repack.synth_cmd", "synth_cmd"),
+    "convert-hf": ("repack.convert_hf_cmd", "convert_hf_cmd"),
 }
 
 

@@ -24,3 +24,24 @@ def synth_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[Path, Path]]:
+    """``make(arch, outtype="f32") -> (hf_dir, gguf)``: a tiny random transformers model
+    (tests/hf_tiny.py) and its conversion by repack.convert_hf, built once per session."""
+    from repack.convert_hf import convert
+    from tests.hf_tiny import make_tiny_hf
+
+    root = tmp_path_factory.mktemp("tiny_hf_gguf")
+    cache: dict[tuple[str, str], tuple[Path, Path]] = {}
+
+    def make(arch: str, outtype: str = "f32") -> tuple[Path, Path]:
+        hf_dir = root / arch
+        if not (hf_dir / "config.json").exists():
+            make_tiny_hf(arch, hf_dir, seed=0)
+        if (arch, outtype) not in cache:
+            cache[(arch, outtype)] = (hf_dir, convert(hf_dir, root / f"{arch}-{outtype}.gguf", outtype))
+        return cache[(arch, outtype)]
+
+    return make
