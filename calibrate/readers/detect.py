@@ -1,0 +1,78 @@
+"""Which reader a file needs, from its extension and a sniff of its first records.
+
+JSONL is ambiguous: a Claude Code session, a Codex rollout and a list of chat records share the
+extension, and only session files must be grouped into one conversation. The first records decide.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from . import claude_code, codex
+from .datasets_reader import is_saved_dataset
+from .text import is_binary
+
+SNIFF_RECORDS = 20
+JSON_LINES = {".jsonl", ".ndjson"}
+DATASET_FILES = {".parquet", ".arrow"}
+SNIFFED_TEXT = {".log", ".txt", ""}
+
+
+def sniff_records(path: Path, limit: int = SNIFF_RECORDS) -> list[dict]:
+    """Up to ``limit`` leading lines that parse as JSON objects (bad lines ignored here)."""
+    out: list[dict] = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if len(out) >= limit:
+                break
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(value, dict):
+                out.append(value)
+    return out
+
+
+def _starts_with_object(path: Path) -> bool:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        first = next((line for line in f if line.strip()), "")
+    try:
+        return isinstance(json.loads(first), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def detect_file(path: Path) -> str:
+    """One of: dataset, claude_code, codex, jsonl, json, text, binary, empty."""
+    if is_saved_dataset(path) or path.suffix in DATASET_FILES:
+        return "dataset"
+    if path.stat().st_size == 0:
+        return "empty"
+    if is_binary(path):
+        return "binary"
+    if path.suffix in SNIFFED_TEXT and not _starts_with_object(path):  # logs are often JSONL
+        return "text"
+    if path.suffix in JSON_LINES or path.suffix in (".json", *SNIFFED_TEXT):
+        head = sniff_records(path)
+        if claude_code.looks_like(head):
+            return "claude_code"
+        if codex.looks_like(head):
+            return "codex"
+        return "json" if path.suffix == ".json" else "jsonl"
+    return "text"
+
+
+def walk(root: Path) -> Iterator[Path]:
+    """Files (and saved-dataset folders) under ``root`` in a stable order, hidden entries skipped."""
+    if not root.is_dir() or is_saved_dataset(root):
+        yield root
+        return
+    for child in sorted(root.iterdir()):
+        if child.name.startswith(".") or child.name == "__pycache__":
+            continue
+        if child.is_dir():
+            yield from walk(child)
+        elif child.is_file():
+            yield child
