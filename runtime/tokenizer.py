@@ -1,0 +1,211 @@
+"""The model's tokenizer rebuilt from its GGUF metadata (``tokenizer.ggml.*``).
+
+A GGUF (and a .sparkpack, whose manifest carries the same keys) has no tokenizer.json, so the
+byte-level BPE is reassembled here with the HF ``tokenizers`` library from the token list, the
+merges and the pre-tokenizer *name*; the split regex for each name is the original HF one that
+llama.cpp adapts in ``llama-vocab.cpp``. Like llama.cpp (and unlike Qwen's tokenizer.json) no NFC
+normaliser is applied: the GGUF does not record one, and llama.cpp is the behaviour GGUF users get.
+
+CONTROL tokens become special added tokens and USER_DEFINED ones plain added tokens, so both
+encode as single ids (``<|im_start|>``, ``<think>``) and only CONTROL ones are dropped by
+``decode(skip_special=True)``, as in transformers.
+"""
+from __future__ import annotations
+
+import codecs
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from formats.errors import SparkpackError
+
+# gguf.TokenType values
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+           r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+
+# tokenizer.ggml.pre -> (split regexes applied in sequence, ignore_merges). Laguna first cuts the
+# text into lines and newline runs, then applies the Qwen2 pattern inside each piece.
+PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "default": ((_GPT2,), False),
+    "gpt-2": ((_GPT2,), False),
+    "gpt2": ((_GPT2,), False),
+    "qwen2": ((_QWEN2,), False),
+    "deepseek-r1-qwen": ((_QWEN2,), False),
+    "qwen35": ((_QWEN35,), False),
+    "laguna": ((r"[^\n]+|[\n]+", _QWEN2), False),
+    "llama-bpe": ((_LLAMA3,), True),
+    "llama3": ((_LLAMA3,), True),
+    "llama-v3": ((_LLAMA3,), True),
+}
+
+# End-of-generation token texts, the list llama.cpp marks as EOG, plus Laguna's turn end.
+_EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
+    "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "</assistant>",
+})
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for every byte (byte-level BPE tokens are spelled in these)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+
+MetadataSource = Mapping[str, Any] | Callable[[str], Any] | Any
+
+
+def _getter(source: MetadataSource) -> Callable[[str], Any]:
+    if isinstance(source, Mapping):
+        return source.get
+    get = getattr(source, "get", None)
+    if callable(get):
+        return lambda key: get(key, None)
+    if callable(source):
+        return source
+    raise TypeError(f"cannot read metadata from {type(source).__name__}")
+
+
+class StreamDecoder:
+    """Incremental detokenizer: ``push(id)`` returns only complete text, holding back the bytes
+    of a UTF-8 character split across tokens (emoji and CJK often are) until it is whole."""
+
+    def __init__(self, tokenizer: "GGUFTokenizer", skip_special: bool = False):
+        self._tok = tokenizer
+        self._skip = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        return self._utf8.decode(self._tok.token_bytes(token_id, self._skip))
+
+    def flush(self) -> str:
+        """Whatever is still held (an incomplete character becomes U+FFFD)."""
+        return self._utf8.decode(b"", final=True)
+
+
+class GGUFTokenizer:
+    """Encode/decode with a GGUF model's own vocabulary; ids equal those of the HF tokenizer.json
+    the GGUF was converted from."""
+
+    def __init__(self, tokens: list[str], merges: list[str], token_types: list[int], pre: str,
+                 special_ids: dict[str, int | None], add_bos: bool = False, add_eos: bool = False,
+                 where: str | None = None):
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+        if pre not in PRE_TOKENIZERS:
+            raise SparkpackError(where, f"unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); "
+                                        f"supported: {', '.join(sorted(PRE_TOKENIZERS))}")
+        regexes, ignore_merges = PRE_TOKENIZERS[pre]
+        self.tokens = tokens
+        self.token_types = token_types
+        self.vocab_size = len(tokens)
+        vocab = {t: i for i, t in enumerate(tokens)}
+        pairs = []
+        for m in merges:
+            a, sep, b = m.partition(" ")
+            if not sep:
+                raise SparkpackError(where, f"malformed merge {m!r} in tokenizer.ggml.merges")
+            pairs.append((a, b))
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges, fuse_unk=False))
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in regexes]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        added = [AddedToken(tokens[i], special=token_types[i] == CONTROL, normalized=False)
+                 for i in range(len(tokens)) if token_types[i] in (CONTROL, USER_DEFINED)]
+        if added:
+            tok.add_tokens(added)
+        self._tok = tok
+        self._special = frozenset(i for i, t in enumerate(token_types) if t == CONTROL)
+        self._added = frozenset(i for i, t in enumerate(token_types) if t in (CONTROL, USER_DEFINED))
+        self.bos_id = special_ids.get("bos")
+        self.eos_id = special_ids.get("eos")
+        self.eot_id = special_ids.get("eot")
+        self.eom_id = special_ids.get("eom")
+        self.pad_id = special_ids.get("pad")
+        self.add_bos = bool(add_bos) and self.bos_id is not None
+        self.add_eos = bool(add_eos) and self.eos_id is not None
+        stops = {i for i in (self.eos_id, self.eot_id, self.eom_id) if i is not None}
+        stops |= {i for i in self._added if tokens[i] in _EOG_TEXTS}
+        self.stop_ids: frozenset[int] = frozenset(stops)
+
+    @classmethod
+    def from_metadata(cls, source: MetadataSource) -> "GGUFTokenizer":
+        """From a GGUFModel, a dict of metadata (a .sparkpack manifest) or a ``get(key)`` callable."""
+        get = _getter(source)
+        path = getattr(source, "path", None)
+        where = os.fspath(path) if path is not None else None
+        model = get("tokenizer.ggml.model")
+        if model is None:
+            raise SparkpackError(where, "has no tokenizer (tokenizer.ggml.model is missing)")
+        if model != "gpt2":
+            raise SparkpackError(where, f"tokenizer model {model!r} is not supported (only byte-level BPE, "
+                                        "tokenizer.ggml.model = 'gpt2')")
+        tokens = list(get("tokenizer.ggml.tokens") or [])
+        merges = list(get("tokenizer.ggml.merges") or [])
+        if not tokens or not merges:
+            raise SparkpackError(where, "tokenizer.ggml.tokens or tokenizer.ggml.merges is missing or empty")
+        types = get("tokenizer.ggml.token_type")
+        types = [int(t) for t in types] if types is not None else [NORMAL] * len(tokens)
+        if len(types) != len(tokens):
+            raise SparkpackError(where, f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+
+        def tid(name: str) -> int | None:
+            v = get(f"tokenizer.ggml.{name}_token_id")
+            return int(v) if v is not None and 0 <= int(v) < len(tokens) else None
+
+        ids = {n: tid(n) for n in ("bos", "eos", "eot", "eom", "pad")}
+        return cls(tokens, merges, types, str(get("tokenizer.ggml.pre") or "default"), ids,
+                   add_bos=bool(get("tokenizer.ggml.add_bos_token")), add_eos=bool(get("tokenizer.ggml.add_eos_token")),
+                   where=where)
+
+    def encode(self, text: str, add_special: bool = False) -> list[int]:
+        """Special-token texts in ``text`` always become their single ids; ``add_special`` adds
+        the BOS/EOS the model asks for (tokenizer.ggml.add_bos_token / add_eos_token)."""
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special:
+            if self.add_bos:
+                ids = [self.bos_id, *ids]
+            if self.add_eos:
+                ids = [*ids, self.eos_id]
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def token_bytes(self, token_id: int, skip_special: bool = False) -> bytes:
+        """The raw bytes one token stands for (may be part of a UTF-8 character)."""
+        token_id = int(token_id)
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token id {token_id} is outside the vocabulary (0..{self.vocab_size - 1})")
+        text = self.tokens[token_id]
+        if token_id in self._added:
+            return b"" if skip_special and token_id in self._special else text.encode("utf-8")
+        try:
+            return bytes(_UNICODE_TO_BYTE[c] for c in text)
+        except KeyError:  # a token outside the byte alphabet: its text is its bytes
+            return text.encode("utf-8")
+
+    def stream(self, skip_special: bool = False) -> StreamDecoder:
+        return StreamDecoder(self, skip_special)
+
+    def is_special(self, token_id: int) -> bool:
+        return int(token_id) in self._special
+
+    def token_to_id(self, text: str) -> int | None:
+        return self._tok.token_to_id(text)
