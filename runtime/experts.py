@@ -1,0 +1,104 @@
+"""The one door through which MoE layers reach their experts.
+
+A MoE block asks ``provider.forward(layer, expert, x)``: "the SwiGLU output of expert ``expert`` of
+``layer`` for these rows". Where the weights live (GPU hot set, host cache, disk) is the provider's
+business, so a tiered expert store replaces only this class. The quantized GGUF bytes stay the
+source of truth: the plain provider below reads one expert's byte ranges (``formats.experts``)
+and dequantizes them on first use, keeping the result; ``max_bytes`` bounds how much stays
+expanded (least recently used experts are dropped and re-expanded from the bytes when needed
+again), which matters for real models: Qwen3-30B's experts are ~115 GiB in float32.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from formats.archs import ModelSpec
+from formats.experts import expert_slices
+from formats.gguf_file import GGUFModel
+
+from .layers import swiglu
+from .weights import PackSource, dequantize_bytes
+
+
+class ExpertProvider(Protocol):
+    def forward(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU output ``[n, n_embd]`` of one expert for rows ``x [n, n_embd]``."""
+        ...
+
+
+class GGUFExperts:
+    """Experts dequantized per (layer, expert) from the GGUF bytes, on first use."""
+
+    def __init__(self, gguf: GGUFModel, spec: ModelSpec, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, max_bytes: int | None = None):
+        self.gguf, self.spec = gguf, spec
+        self.device, self.dtype = torch.device(device), dtype
+        self.max_bytes = max_bytes
+        self.cached_bytes = 0
+        self._cache: OrderedDict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = OrderedDict()
+
+    def weights(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(gate [ff, embd], up [ff, embd], down [embd, ff])`` of one expert."""
+        key = (layer, expert)
+        w = self._cache.get(key)
+        if w is not None:
+            self._cache.move_to_end(key)
+            return w
+        parts: dict[str, torch.Tensor] = {}
+        for role, tensor, raw in self.expert_raw(layer, expert):
+            info = self.gguf.tensors[tensor]
+            parts[role] = dequantize_bytes(raw, info.qtype, info.shape[:2], self.device, self.dtype)
+        if "gate_up" in parts:  # merged tensor: gate rows first, then up rows
+            gate, up = parts["gate_up"].chunk(2, dim=0)
+        else:
+            gate, up = parts["gate"], parts["up"]
+        w = (gate, up, parts["down"])
+        self._cache[key] = w
+        self.cached_bytes += _nbytes(w)
+        while self.max_bytes is not None and self.cached_bytes > self.max_bytes and len(self._cache) > 1:
+            self.cached_bytes -= _nbytes(self._cache.popitem(last=False)[1])
+        return w
+
+    def expert_raw(self, layer: int, expert: int) -> list[tuple[str, str, np.ndarray]]:
+        """``(role, tensor name, bytes)`` of each part of one expert, as the GGUF stores it."""
+        return [(s.role, s.tensor, self.gguf.bytes_at(s.offset, s.nbytes))
+                for s in expert_slices(self.gguf, self.spec, layer, expert)]
+
+    def forward(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
+        return swiglu(x, *self.weights(layer, expert))
+
+
+class PackExperts(GGUFExperts):
+    """The same provider over a ``.sparkpack``: each expert is one range of its hot or cold shard
+    (read, and decompressed when the pack is compressed, on first use)."""
+
+    def __init__(self, source: PackSource, spec: ModelSpec, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, max_bytes: int | None = None):
+        super().__init__(source, spec, device, dtype, max_bytes)  # type: ignore[arg-type]
+        self.pack = source.pack
+
+    def expert_raw(self, layer: int, expert: int) -> list[tuple[str, str, np.ndarray]]:
+        roles = {p.role: p.tensor for p in self.pack.parts[layer]}
+        return [(role, roles[role], raw) for role, raw in self.pack.expert_parts(layer, expert).items()]
+
+
+def _nbytes(tensors: tuple[torch.Tensor, ...]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider: ExpertProvider,
+        layer: int) -> torch.Tensor:
+    """Weighted sum of the chosen experts' outputs: ``x [T, n_embd]``, ``weights/ids [T, k]``."""
+    observe = getattr(provider, "observe_routing", None)  # calibration counts routings here
+    if observe is not None:
+        observe(layer, ids)
+    out = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        rows, slot = torch.nonzero(ids == e, as_tuple=True)
+        y = provider.forward(layer, e, x[rows]) * weights[rows, slot, None].to(x.dtype)
+        out.index_add_(0, rows, y)
+    return out

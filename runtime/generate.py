@@ -1,0 +1,61 @@
+"""Token generation: prefill the prompt once, then decode one token at a time from the cache.
+
+``Session`` keeps a model's cache together with the tokens it has consumed, so a chat can send the
+whole re-rendered conversation each turn and only the new suffix is computed (the cache, DeltaNet
+state included, can only grow, so anything that is not an extension starts a fresh cache).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Protocol
+
+import torch
+
+from .models.base import MoEModel
+
+
+class TokenSampler(Protocol):
+    def sample(self, logits: torch.Tensor, history: list[int]) -> int: ...
+
+
+class Session:
+    def __init__(self, model: MoEModel):
+        self.model = model
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = self.model.new_cache()
+        self.fed: list[int] = []
+
+    def feed(self, ids: list[int]) -> torch.Tensor:
+        """Make the cache hold exactly ``ids`` and return the logits of the last one ``[n_vocab]``."""
+        if not ids:
+            raise ValueError("nothing to feed: empty token list")
+        n = len(self.fed)
+        if len(ids) <= n or ids[:n] != self.fed:
+            self.reset()
+            n = 0
+        logits = self.model.forward(ids[n:], self.cache)[-1]
+        self.fed = list(ids)
+        return logits
+
+
+def generate(model: MoEModel, tokenizer: object | None, prompt_ids: list[int], sampler: TokenSampler | None,
+             max_new_tokens: int, stop_ids: Iterable[int] | None = None,
+             session: Session | None = None) -> Iterator[int]:
+    """Yield up to ``max_new_tokens`` tokens after ``prompt_ids``; a stop token ends the stream
+    (it is not yielded). ``sampler`` None means greedy (argmax, first index on ties), the
+    deterministic mode the exactness tests compare; ``stop_ids`` None takes the tokenizer's."""
+    if stop_ids is None:
+        stop_ids = getattr(tokenizer, "stop_ids", ()) if tokenizer is not None else ()
+    stops = set(int(s) for s in stop_ids)
+    session = session if session is not None else Session(model)
+    history = list(prompt_ids)
+    logits = session.feed(history)
+    for _ in range(max_new_tokens):
+        tok = int(torch.argmax(logits)) if sampler is None else int(sampler.sample(logits, history))
+        if tok in stops:
+            return
+        yield tok
+        history.append(tok)
+        logits = session.feed(history)

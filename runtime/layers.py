@@ -1,0 +1,175 @@
+"""Building blocks shared by the model files: norms, rotary embeddings, attention, MLPs, routers.
+
+Everything works on one sequence (no batch axis): activations are ``[T, ...]`` with T the number of
+new tokens. All math runs in the dtype of the activations (float32 by default, float64 for
+references): the caller picks the precision once. Only half-precision activations (bf16/f16 on
+GPU) are widened to float32 for reductions (norms, softmax, routing), as transformers does.
+Conventions follow transformers, the referee, on GGUF-converted weights (see the model files for
+what the converter changed, e.g. Qwen3.5's ``1 + w`` norms are stored already added).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .cache import KVCache
+
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in at least float32 (reductions in bf16/f16 lose too much)."""
+    return x.float() if x.dtype in HALF else x
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last axis; ``weight`` None means no scale."""
+    xw = wide(x)
+    y = (xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y if weight is None else y * weight
+
+
+def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """The FLA/transformers l2 norm: eps inside the rsqrt of the squared sum (not a max with eps)."""
+    xw = wide(x)
+    return (xw * torch.rsqrt((xw * xw).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU MLP with weights in torch ``[out, in]`` layout."""
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+# --- rotary embeddings -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rope:
+    """NEOX-style rotary embedding over the first ``dim`` channels of each head.
+
+    ``inv_freq`` holds the dim/2 frequencies (plain, or YaRN-corrected); ``scale`` multiplies
+    cos/sin (YaRN's attention factor, 1 otherwise). ``sections`` turns on Qwen3.5's interleaved
+    multi-section rope (imrope): frequency i uses the height position when ``i % 3 == 1`` and
+    ``i < 3 * sections[1]``, the width position when ``i % 3 == 2`` and ``i < 3 * sections[2]``,
+    the time position otherwise. Text has the same position on all three axes, so imrope then
+    equals plain rope; the section logic is kept so multimodal positions can be fed later.
+    """
+
+    dim: int
+    inv_freq: torch.Tensor
+    scale: float = 1.0
+    sections: tuple[int, ...] = ()
+
+    def cos_sin(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``pos`` is ``[T]`` or, for imrope, ``[3, T]``; returns cos/sin of shape ``[T, dim]``.
+
+        Angles are formed in float32 like transformers does (positions times float32 inv_freq),
+        then cast: matching the referee bit for bit matters more here than float64 angles.
+        """
+        inv = self.inv_freq.to(device=pos.device, dtype=torch.float32)
+        if pos.dim() == 1:
+            freqs = pos[:, None].float() * inv
+        else:
+            f3 = pos[..., None].float() * inv  # [3, T, dim/2]
+            freqs = f3[0].clone()
+            for axis in (1, 2):
+                if len(self.sections) > axis and self.sections[axis] > 0:
+                    idx = slice(axis, 3 * self.sections[axis], 3)
+                    freqs[:, idx] = f3[axis][:, idx]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` of shape ``[T, H, head_dim]``; channels past ``dim`` pass through."""
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        rot, rest = x[..., : self.dim], x[..., self.dim :]
+        half = self.dim // 2
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
+
+
+def rope_inv_freq(base: float, dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+
+
+def yarn_rope(base: float, dim: int, factor: float, orig_ctx: int, beta_fast: float = 32.0,
+              beta_slow: float = 1.0, attn_factor: float | None = None) -> Rope:
+    """YaRN as transformers computes it (truncated correction range, mscale 0.1*ln(factor)+1)."""
+
+    def corr_dim(n_rot: float) -> float:
+        return (dim * math.log(orig_ctx / (n_rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(corr_dim(beta_fast)), 0)
+    high = min(math.ceil(corr_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extra = 1.0 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
+    if attn_factor is None:
+        attn_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return Rope(dim, inv, attn_factor)
+
+
+# --- attention ---------------------------------------------------------------------------------
+
+
+def attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: KVCache | None,
+              pos0: int, window: int = 0) -> torch.Tensor:
+    """Causal GQA attention of ``q [T, H, d]`` over cached + new keys; returns ``[T, H, d]``.
+
+    The cache keeps every key, so the sliding window is only a mask (``i - j < window``), exactly
+    the transformers/llama.cpp rule; query head h reads kv head ``h // (H / H_kv)``.
+    """
+    if cache is not None:
+        k, v = cache.append(k_new, v_new)
+    else:
+        k, v = k_new, v_new
+    T, H, d = q.shape
+    S, Hkv, _ = k.shape
+    rep = H // Hkv
+    qh = q.reshape(T, Hkv, rep, d).permute(1, 2, 0, 3)  # [Hkv, rep, T, d]
+    kh = k.permute(1, 0, 2)[:, None]  # [Hkv, 1, S, d]
+    vh = v.permute(1, 0, 2)[:, None]
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * (d ** -0.5)  # [Hkv, rep, T, S]
+    qpos = torch.arange(pos0, pos0 + T, device=q.device)[:, None]
+    kpos = torch.arange(S, device=q.device)[None, :] + (pos0 + T - S)
+    allowed = kpos <= qpos
+    if window > 0:
+        allowed &= (qpos - kpos) < window
+    scores = wide(scores).masked_fill(~allowed, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), vh)  # [Hkv, rep, T, d]
+    return out.permute(2, 0, 1, 3).reshape(T, H, d)
+
+
+# --- routers -----------------------------------------------------------------------------------
+
+
+def route_softmax(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen routers: softmax over all experts, top-k, optionally renormalised to sum 1."""
+    probs = torch.softmax(wide(logits), dim=-1)
+    w, ids = torch.topk(probs, k, dim=-1)
+    if norm:
+        w = w / w.sum(-1, keepdim=True)
+    return w, ids
+
+
+def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor | None, k: int, norm: bool,
+                  scale: float = 1.0, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Laguna router: experts chosen on sigmoid + correction bias, weighted by the unbiased
+    sigmoids (renormalised), times the routed scaling factor."""
+    logits = wide(logits)
+    if softcap > 0:
+        logits = torch.tanh(logits / softcap) * softcap
+    scores = torch.sigmoid(logits)
+    choose = scores if bias is None else scores + bias
+    _, ids = torch.topk(choose, k, dim=-1)
+    w = scores.gather(-1, ids)
+    if norm:
+        w = w / w.sum(-1, keepdim=True)
+    return w * scale, ids

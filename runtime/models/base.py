@@ -1,0 +1,63 @@
+"""What every model file shares: loading, the embedding -> blocks -> norm -> head loop, caches.
+
+A model file subclasses ``MoEModel`` and writes ``block(il, x, cache, pos0)``: the residual block
+of layer ``il`` on hidden states ``x [T, n_embd]``. Batch size is one sequence; prefill is a call
+with many tokens, decode a call with one, and both go through the same code.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from formats.archs import LINEAR, ModelSpec
+from formats.gguf_file import GGUFModel
+
+from ..cache import Cache, KVCache, RecurrentState
+from ..experts import ExpertProvider, GGUFExperts
+from ..weights import Weights
+
+
+class MoEModel(ABC):
+    arch = ""
+
+    def __init__(self, gguf: GGUFModel, spec: ModelSpec, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, experts: ExpertProvider | None = None):
+        self.gguf, self.spec = gguf, spec
+        self.device, self.dtype = torch.device(device), dtype
+        self.w = Weights(gguf, device, dtype)
+        self.experts = experts if experts is not None else GGUFExperts(gguf, spec, device, dtype)
+        self.eps = spec.rms_eps
+
+    def meta(self, suffix: str, default=None):
+        """An ``{arch}.suffix`` metadata value not carried by the spec."""
+        return self.gguf.get(f"{self.spec.arch}.{suffix}", default)
+
+    def new_cache(self) -> Cache:
+        return Cache([RecurrentState() if k.attention == LINEAR else KVCache() for k in self.spec.layers])
+
+    @abstractmethod
+    def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: int) -> torch.Tensor:
+        """Layer ``il``'s residual block on ``x [T, n_embd]`` whose first token is at ``pos0``."""
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor | list[int], cache: Cache | None = None) -> torch.Tensor:
+        """Logits ``[T, n_vocab]`` for the new tokens ``ids``; advances ``cache`` when given.
+
+        Without a cache the call is a fresh full-sequence forward (a throwaway cache is used).
+        """
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
+        cache = cache if cache is not None else self.new_cache()
+        pos0 = cache.pos
+        x = self.w("token_embd.weight")[ids]
+        for il in range(self.spec.n_layer):
+            x = self.block(il, x, cache, pos0)
+        cache.pos += ids.numel()
+        x = self.norm(x, "output_norm.weight")
+        head = self.w.opt("output.weight")
+        return torch.nn.functional.linear(x, head if head is not None else self.w("token_embd.weight"))
+
+    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        from ..layers import rms_norm
+
+        return rms_norm(x, self.w(name), self.eps)

@@ -1,0 +1,69 @@
+"""Laguna (GGUF ``laguna``, Laguna XS.2): pre-norm GQA attention with q/k RMSNorm, per-layer head
+counts and a softplus output gate (one scalar per head, or per channel when the gate tensor is
+that wide), full layers (``il % 4 == 0``) and sliding-window layers with their own rope base and
+rotary width (YaRN on full layers when the file says so); a leading dense MLP block, then MoE with
+a sigmoid router + score-correction bias, renormalised, times ``expert_weights_scale``, plus an
+always-on shared expert."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from formats.archs import DENSE, SLIDING
+
+from ..cache import Cache
+from ..experts import moe
+from ..layers import Rope, attention, rms_norm, rope_inv_freq, route_sigmoid, swiglu, yarn_rope
+from .base import MoEModel
+
+
+class Laguna(MoEModel):
+    arch = "laguna"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        hp = self.spec.hparams
+        self.window = int(hp["sliding_window"])
+        self.rope_swa = Rope(hp["rope_dim_swa"], rope_inv_freq(hp["rope_freq_base_swa"], hp["rope_dim_swa"]))
+        if str(self.meta("rope.scaling.type", "none")) == "yarn":
+            self.rope_full = yarn_rope(
+                hp["rope_freq_base"], hp["rope_dim"], float(self.meta("rope.scaling.factor")),
+                int(self.meta("rope.scaling.original_context_length")),
+                float(self.meta("rope.scaling.yarn_beta_fast", 32.0)),
+                float(self.meta("rope.scaling.yarn_beta_slow", 1.0)),
+                self.meta("rope.scaling.yarn_attn_factor"))
+        else:
+            self.rope_full = Rope(hp["rope_dim"], rope_inv_freq(hp["rope_freq_base"], hp["rope_dim"]))
+        self.scale = float(hp["expert_weights_scale"])
+        self.norm_topk = bool(hp["norm_topk"])
+
+    def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: int) -> torch.Tensor:
+        x = x + self.attn(il, self.norm(x, f"blk.{il}.attn_norm.weight"), cache, pos0)
+        return x + self.ffn(il, self.norm(x, f"blk.{il}.ffn_norm.weight"))
+
+    def attn(self, il: int, h: torch.Tensor, cache: Cache, pos0: int) -> torch.Tensor:
+        p, w, d, T = f"blk.{il}.", self.w, self.spec.head_dim, h.shape[0]
+        swa = self.spec.layers[il].attention == SLIDING
+        q = F.linear(h, w(p + "attn_q.weight")).view(T, -1, d)
+        k = F.linear(h, w(p + "attn_k.weight")).view(T, -1, d)
+        v = F.linear(h, w(p + "attn_v.weight")).view(T, -1, d)
+        q = rms_norm(q, w(p + "attn_q_norm.weight"), self.eps)
+        k = rms_norm(k, w(p + "attn_k_norm.weight"), self.eps)
+        rope = self.rope_swa if swa else self.rope_full
+        cos, sin = rope.cos_sin(torch.arange(pos0, pos0 + T, device=h.device), h.dtype)
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        o = attention(q, k, v, cache.layers[il], pos0, self.window if swa else 0)  # [T, H, d]
+        gate = F.softplus(F.linear(h, w(p + "attn_gate.weight")))
+        o = o * gate[..., None] if gate.shape[-1] == o.shape[1] else o * gate.view(T, -1, d)
+        return F.linear(o.reshape(T, -1), w(p + "attn_output.weight"))
+
+    def ffn(self, il: int, h: torch.Tensor) -> torch.Tensor:
+        p, w = f"blk.{il}.", self.w
+        if self.spec.layers[il].ffn == DENSE:
+            return swiglu(h, w(p + "ffn_gate.weight"), w(p + "ffn_up.weight"), w(p + "ffn_down.weight"))
+        logits = F.linear(h, w(p + "ffn_gate_inp.weight"))
+        weights, ids = route_sigmoid(logits, w.opt(p + "exp_probs_b.bias"), self.spec.n_expert_used,
+                                     self.norm_topk, self.scale)
+        shared = swiglu(h, w(p + "ffn_gate_shexp.weight"), w(p + "ffn_up_shexp.weight"),
+                        w(p + "ffn_down_shexp.weight"))
+        return moe(h, weights, ids, self.experts, il) + shared

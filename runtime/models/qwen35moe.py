@@ -1,0 +1,152 @@
+"""Qwen3.5/3.6 MoE (GGUF ``qwen35moe``): Gated DeltaNet linear-attention layers with a gated full
+attention layer every ``full_attention_interval``; every layer MoE (softmax top-k renormalised)
+plus a shared expert behind a sigmoid gate.
+
+What the converter changed, which this file relies on: every ``1 + w`` RMSNorm weight is stored
+with the 1 added (the DeltaNet output norm is a plain ``w`` norm and stays as is); ``A_log`` is
+stored as ``ssm_a = -exp(A_log)``; the conv kernel is squeezed to ``[C, K]``; and the DeltaNet
+value heads are reordered from grouped-by-key-head to tiled order, so value head ``h`` reads key
+head ``h % n_k_heads`` (not ``h // ratio`` as in transformers). Within this reordered basis the
+math is transformers' recurrent gated delta rule.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from formats.archs import LINEAR
+
+from ..cache import Cache, RecurrentState
+from ..experts import moe
+from ..layers import Rope, attention, l2_norm, rms_norm, rope_inv_freq, route_softmax, swiglu, wide
+from .base import MoEModel
+
+
+CHUNK = 64  # tokens per step of the chunked prefill; shorter inputs run the recurrent form
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recurrent form, one token at a time: ``q, k [T, H, dk]``, ``v [T, H, dv]``, ``g, beta [T, H]``,
+    ``state [H, dk, dv]``. Returns outputs ``[T, H, dv]`` and the new state. The reference form,
+    used for decode and short prefills; longer prefills use the chunked form below."""
+    out = torch.empty_like(v)
+    for t in range(q.shape[0]):
+        state = state * g[t].exp()[:, None, None]
+        kv_mem = (state * k[t][:, :, None]).sum(-2)  # [H, dv]
+        delta = (v[t] - kv_mem) * beta[t][:, None]
+        state = state + k[t][:, :, None] * delta[:, None, :]
+        out[t] = (state * q[t][:, :, None]).sum(-2)
+    return out, state
+
+
+def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                             beta: torch.Tensor, state: torch.Tensor, chunk: int = CHUNK
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same recurrence, ``chunk`` tokens per step (for prefill): equal outputs up to round-off.
+
+    Within a chunk with start state S0 and cumulative log-decay G, the recurrent updates
+    u_t = beta_t (v_t - S'_t k_t) form a unit lower-triangular system
+    (I + A) U = beta (V - e^G (K S0)),  A[t,s] = beta_t e^(G_t - G_s) k_t.k_s  (s < t),
+    after which O = e^G (Q S0) + tril(Q K^T e^(G_t - G_s)) U and the end state is
+    e^(G_last) S0 + K^T (e^(G_last - G) U). Shapes as in ``gated_delta_rule``.
+    """
+    T, H, _ = q.shape
+    out = torch.empty_like(v)
+    for c0 in range(0, T, chunk):
+        sl = slice(c0, min(c0 + chunk, T))
+        qc, kc, vc = (t[sl].transpose(0, 1) for t in (q, k, v))  # [H, C, d]
+        bc = beta[sl].transpose(0, 1)[..., None]  # [H, C, 1]
+        G = g[sl].transpose(0, 1).cumsum(-1)  # [H, C]
+        C = G.shape[-1]
+        diff = G[:, :, None] - G[:, None, :]  # G_t - G_s
+        causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        decay = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()  # 0 above diagonal
+        A = (bc * decay * (kc @ kc.transpose(-1, -2))).tril(-1)
+        eye = torch.eye(C, dtype=q.dtype, device=q.device).expand(H, C, C)
+        rhs = bc * (vc - G.exp()[..., None] * (kc @ state))
+        U = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+        out[sl] = (G.exp()[..., None] * (qc @ state) + ((qc @ kc.transpose(-1, -2)) * decay) @ U).transpose(0, 1)
+        last = G[:, -1:]
+        state = last.exp()[..., None] * state + kc.transpose(-1, -2) @ ((last - G).exp()[..., None] * U)
+    return out, state
+
+
+class Qwen35MoE(MoEModel):
+    arch = "qwen35moe"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        hp = self.spec.hparams
+        sections = tuple(int(s) for s in hp.get("rope_sections") or ())
+        self.rope = Rope(hp["rope_dim"], rope_inv_freq(hp["rope_freq_base"], hp["rope_dim"]), 1.0, sections)
+        self.kernel = int(hp["ssm_conv_kernel"])
+        self.n_k = int(hp["ssm_group_count"])
+        self.d_k = int(hp["ssm_state_size"])
+        self.n_v = int(hp["ssm_time_step_rank"])
+        self.d_v = int(hp["ssm_inner_size"]) // self.n_v
+        self.norm_topk = bool(self.meta("expert_weights_norm", hp.get("norm_topk", True)))
+
+    def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: int) -> torch.Tensor:
+        h = self.norm(x, f"blk.{il}.attn_norm.weight")
+        if self.spec.layers[il].attention == LINEAR:
+            x = x + self.delta_net(il, h, cache.layers[il])
+        else:
+            x = x + self.attn(il, h, cache, pos0)
+        return x + self.ffn(il, self.norm(x, f"blk.{il}.post_attention_norm.weight"))
+
+    def attn(self, il: int, h: torch.Tensor, cache: Cache, pos0: int) -> torch.Tensor:
+        p, w, d, T = f"blk.{il}.", self.w, self.spec.head_dim, h.shape[0]
+        qg = F.linear(h, w(p + "attn_q.weight")).view(T, -1, 2 * d)  # per head: [query | gate]
+        q, gate = qg[..., :d], qg[..., d:]
+        k = F.linear(h, w(p + "attn_k.weight")).view(T, -1, d)
+        v = F.linear(h, w(p + "attn_v.weight")).view(T, -1, d)
+        q = rms_norm(q, w(p + "attn_q_norm.weight"), self.eps)
+        k = rms_norm(k, w(p + "attn_k_norm.weight"), self.eps)
+        cos, sin = self.rope.cos_sin(torch.arange(pos0, pos0 + T, device=h.device), h.dtype)
+        q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+        o = attention(q, k, v, cache.layers[il], pos0) * torch.sigmoid(gate)
+        return F.linear(o.reshape(T, -1), w(p + "attn_output.weight"))
+
+    def delta_net(self, il: int, h: torch.Tensor, st: RecurrentState) -> torch.Tensor:
+        p, w, T = f"blk.{il}.", self.w, h.shape[0]
+        qkv = F.linear(h, w(p + "attn_qkv.weight"))  # [T, C]
+        z = F.linear(h, w(p + "attn_gate.weight")).view(T, self.n_v, self.d_v)
+        beta = torch.sigmoid(F.linear(h, w(p + "ssm_beta.weight")))
+        g = F.softplus(F.linear(h, w(p + "ssm_alpha.weight")) + w(p + "ssm_dt.bias")) * w(p + "ssm_a")
+
+        # causal depthwise conv over [previous K-1 inputs ; new inputs], then SiLU
+        conv_w = w(p + "ssm_conv1d.weight")  # [C, K]
+        prev = st.conv if st.conv is not None else qkv.new_zeros(self.kernel - 1, qkv.shape[1])
+        xin = torch.cat((prev, qkv), dim=0)
+        st.conv = xin[xin.shape[0] - (self.kernel - 1):].clone()
+        qkv = F.silu((xin.unfold(0, self.kernel, 1) * conv_w).sum(-1))  # [T, C]
+
+        kd = self.n_k * self.d_k
+        q = qkv[:, :kd].reshape(T, self.n_k, self.d_k)
+        k = qkv[:, kd:2 * kd].reshape(T, self.n_k, self.d_k)
+        v = qkv[:, 2 * kd:].reshape(T, self.n_v, self.d_v)
+        q = l2_norm(q) * self.d_k ** -0.5
+        k = l2_norm(k)
+        rep = self.n_v // self.n_k
+        q, k = q.repeat(1, rep, 1), k.repeat(1, rep, 1)  # tiled: value head h uses key head h % n_k
+        # the recurrent state accumulates over the whole sequence: keep it in >= float32
+        state = st.ssm if st.ssm is not None else wide(h.new_zeros(self.n_v, self.d_k, self.d_v))
+        rule = gated_delta_rule_chunked if T > CHUNK else gated_delta_rule
+        o, st.ssm = rule(*(wide(t) for t in (q, k, v, g, beta)), state)
+        o = rms_norm(o.to(h.dtype), w(p + "ssm_norm.weight"), self.eps) * F.silu(z)
+        return F.linear(o.reshape(T, -1), w(p + "ssm_out.weight"))
+
+    def ffn(self, il: int, h: torch.Tensor) -> torch.Tensor:
+        p, w = f"blk.{il}.", self.w
+        logits = F.linear(h, w(p + "ffn_gate_inp.weight"))
+        weights, ids = route_softmax(logits, self.spec.n_expert_used, self.norm_topk)
+        out = moe(h, weights, ids, self.experts, il)
+        if w.has(p + "ffn_up_shexp.weight"):
+            shared = swiglu(h, w(p + "ffn_gate_shexp.weight"), w(p + "ffn_up_shexp.weight"),
+                            w(p + "ffn_down_shexp.weight"))
+            gate = w.opt(p + "ffn_gate_inp_shexp.weight")
+            if gate is not None:
+                shared = shared * torch.sigmoid(F.linear(h, gate.reshape(1, -1)))
+            out = out + shared
+        return out

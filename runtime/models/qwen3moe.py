@@ -1,0 +1,42 @@
+"""Qwen3 MoE (GGUF ``qwen3moe``, Qwen3-30B-A3B): pre-norm GQA attention with per-head q/k RMSNorm
+and NEOX rope over the whole head, then a softmax top-k MoE (renormalised), no shared expert."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..cache import Cache
+from ..experts import moe
+from ..layers import Rope, attention, rms_norm, rope_inv_freq, route_softmax
+from .base import MoEModel
+
+
+class Qwen3MoE(MoEModel):
+    arch = "qwen3moe"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        hp = self.spec.hparams
+        self.rope = Rope(hp["rope_dim"], rope_inv_freq(hp["rope_freq_base"], hp["rope_dim"]))
+        self.norm_topk = bool(self.meta("expert_weights_norm", hp.get("norm_topk", True)))
+
+    def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: int) -> torch.Tensor:
+        x = x + self.attn(il, self.norm(x, f"blk.{il}.attn_norm.weight"), cache, pos0)
+        return x + self.ffn(il, self.norm(x, f"blk.{il}.ffn_norm.weight"))
+
+    def attn(self, il: int, h: torch.Tensor, cache: Cache, pos0: int) -> torch.Tensor:
+        p, w, d, T = f"blk.{il}.", self.w, self.spec.head_dim, h.shape[0]
+        q = F.linear(h, w(p + "attn_q.weight")).view(T, -1, d)
+        k = F.linear(h, w(p + "attn_k.weight")).view(T, -1, d)
+        v = F.linear(h, w(p + "attn_v.weight")).view(T, -1, d)
+        q = rms_norm(q, w(p + "attn_q_norm.weight"), self.eps)
+        k = rms_norm(k, w(p + "attn_k_norm.weight"), self.eps)
+        cos, sin = self.rope.cos_sin(torch.arange(pos0, pos0 + T, device=h.device), h.dtype)
+        q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+        o = attention(q, k, v, cache.layers[il], pos0)
+        return F.linear(o.reshape(T, -1), w(p + "attn_output.weight"))
+
+    def ffn(self, il: int, h: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(h, self.w(f"blk.{il}.ffn_gate_inp.weight"))
+        weights, ids = route_softmax(logits, self.spec.n_expert_used, self.norm_topk)
+        return moe(h, weights, ids, self.experts, il)

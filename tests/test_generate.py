@@ -1,0 +1,186 @@
+"""Generation loop, cache reuse across chat turns, and the spark-run command line."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from runtime import cli
+from runtime.generate import Session, generate
+from runtime.models import load_model
+
+
+@pytest.fixture(scope="module")
+def qwen(tiny_hf_gguf) -> Path:
+    return tiny_hf_gguf("qwen3moe")[1]
+
+
+@pytest.fixture(scope="module")
+def qwen35(tiny_hf_gguf) -> Path:
+    return tiny_hf_gguf("qwen35moe")[1]
+
+
+def run_cli(args: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
+    """Run spark-run in-process through its real entry point (cli_entry, one-line errors)."""
+    monkeypatch.setattr(sys, "argv", ["spark-run", *args])
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+class ScriptedSampler:
+    """Returns a fixed token sequence and records the history it was shown."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens, self.histories = list(tokens), []
+
+    def sample(self, logits: torch.Tensor, history: list[int]) -> int:
+        self.histories.append(list(history))
+        return self.tokens.pop(0)
+
+
+def test_stop_token_ends_generation_and_is_not_yielded(qwen):
+    model = load_model(qwen)
+    sampler = ScriptedSampler([5, 6, 7, 8, 9])
+    assert list(generate(model, None, [1, 2, 3], sampler, 10, stop_ids=[7])) == [5, 6]
+    assert sampler.histories == [[1, 2, 3], [1, 2, 3, 5], [1, 2, 3, 5, 6]]
+    assert list(generate(model, None, [1, 2, 3], ScriptedSampler([5, 6, 7]), 2, stop_ids=[])) == [5, 6]
+
+
+def test_session_reuses_the_cached_prefix(qwen35):
+    model = load_model(qwen35, dtype=torch.float64)
+    session = Session(model)
+    ids = [3, 14, 15, 92, 65, 35, 89]
+    first = session.feed(ids[:4])
+    assert torch.equal(first, model.forward(ids[:4])[-1])
+    second = session.feed(ids)  # extension: only the 3 new tokens are computed
+    assert session.cache.pos == len(ids)
+    assert torch.allclose(second, model.forward(ids)[-1], rtol=0, atol=1e-10)
+    third = session.feed([3, 14, 7])  # not an extension: starts over (recurrent state cannot rewind)
+    assert session.cache.pos == 3
+    assert torch.allclose(third, model.forward([3, 14, 7])[-1], rtol=0, atol=1e-10)
+
+
+def test_prompt_ids_logits_out_writes_every_position(qwen, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "l.npy"
+    code, _, err = run_cli([str(qwen), "--prompt-ids", "4, 8,15", "--logits-out", str(out)], monkeypatch, capsys)
+    assert code == 0, err
+    logits = np.load(out)
+    ref = load_model(qwen).forward([4, 8, 15]).numpy()
+    assert logits.shape == ref.shape and np.allclose(logits, ref, rtol=0, atol=1e-5)
+    assert [p.name for p in tmp_path.iterdir()] == ["l.npy"]  # no temp file left behind
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt-ids", "1,x,3", "--logits-out", "{tmp}/o.npy"], "--prompt-ids must be comma-separated integers"),
+    (["--prompt-ids", "1,99999", "--logits-out", "{tmp}/o.npy"], "token id 99999 is outside the vocabulary"),
+    (["--prompt-ids", ",", "--logits-out", "{tmp}/o.npy"], "--prompt-ids is empty"),
+    (["--logits-out", "{tmp}/o.npy"], "--logits-out needs --prompt-ids"),
+    (["-p", "hi", "--prompt-ids", "1"], "either -p/--prompt or --prompt-ids"),
+])
+def test_bad_arguments_are_one_line_errors(qwen, tmp_path, monkeypatch, capsys, args, message):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    code, out, err = run_cli([str(qwen), *args], monkeypatch, capsys)
+    assert code == 1
+    assert err.startswith("spark-run: error: ") and message in err and err.count("\n") == 1
+    assert "Traceback" not in err and not (tmp_path / "o.npy").exists()
+
+
+def test_missing_and_non_gguf_model_files(tmp_path, monkeypatch, capsys):
+    code, _, err = run_cli([str(tmp_path / "nope.gguf"), "--prompt-ids", "1"], monkeypatch, capsys)
+    assert code == 1 and err == f"spark-run: error: {tmp_path / 'nope.gguf'}: no such file\n"
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf at all")
+    code, _, err = run_cli([str(junk), "--prompt-ids", "1"], monkeypatch, capsys)
+    assert code == 1 and "not a GGUF file" in err and err.count("\n") == 1
+
+
+def test_cuda_request_without_a_gpu_is_a_clear_error(qwen, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err = run_cli([str(qwen), "--device", "cuda", "--prompt-ids", "1"], monkeypatch, capsys)
+    assert code == 1 and "no CUDA device is available" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_sparkpack_runs_like_its_gguf(qwen35, tmp_path, monkeypatch, capsys, compress):
+    """A pack (some experts hot, the rest in cold shards, optionally zstd) gives the GGUF's logits."""
+    from formats.archs import model_spec
+    from formats.gguf_file import GGUFModel
+    from formats.pack_writer import write_pack
+
+    gguf = GGUFModel(qwen35)
+    spec = model_spec(gguf)
+    hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
+    hot[:, ::3] = True
+    pack = write_pack(gguf, spec, tmp_path / "m.sparkpack", hot, compress=compress)
+    out = tmp_path / "l.npy"
+    code, _, err = run_cli([str(pack), "--prompt-ids", "5,6,7,8,9", "--logits-out", str(out)], monkeypatch, capsys)
+    assert code == 0, err
+    assert np.array_equal(np.load(out), load_model(qwen35).forward([5, 6, 7, 8, 9]).numpy())
+
+
+def greedy_text(gguf: Path, ids: list[int], n: int) -> str:
+    from runtime.tokenizer import GGUFTokenizer
+
+    model = load_model(gguf)
+    tok = GGUFTokenizer.from_metadata(model.gguf)
+    return tok.decode(list(generate(model, tok, ids, None, n)), skip_special=True)
+
+
+def hf_chat_ids(hf_dir: Path, messages: list[dict]) -> list[int]:
+    """The prompt transformers' own tokenizer and template build: the referee for -p."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(hf_dir).apply_chat_template(messages, add_generation_prompt=True,
+                                                                     tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_raw_prompt_is_plain_continuation(qwen, monkeypatch, capsys):
+    from runtime.tokenizer import GGUFTokenizer
+
+    tok = GGUFTokenizer.from_metadata(load_model(qwen).gguf)
+    code, out, err = run_cli([str(qwen), "-p", "The quick brown", "--raw", "--temperature", "0",
+                              "--max-tokens", "10"], monkeypatch, capsys)
+    assert code == 0, err
+    assert out == greedy_text(qwen, tok.encode("The quick brown", add_special=True), 10) + "\n"
+
+
+@pytest.mark.parametrize("arch", ["laguna", "qwen3moe"])
+def test_chat_prompt_applies_the_template(arch, tiny_hf_gguf, monkeypatch, capsys):
+    hf_dir, gguf = tiny_hf_gguf(arch)
+    code, out, err = run_cli([str(gguf), "-p", "what is the capital of France?", "--temperature", "0",
+                              "--max-tokens", "12"], monkeypatch, capsys)
+    assert code == 0, err
+    ids = hf_chat_ids(hf_dir, [{"role": "user", "content": "what is the capital of France?"}])
+    assert out == greedy_text(gguf, ids, 12) + "\n"
+
+
+def test_interactive_chat_keeps_the_history(tiny_hf_gguf, monkeypatch, capsys):
+    import io
+
+    hf_dir, gguf = tiny_hf_gguf("qwen35moe")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nand again\n"))
+    code, out, err = run_cli([str(gguf), "--temperature", "0", "--max-tokens", "6"], monkeypatch, capsys)
+    assert code == 0, err
+    first = greedy_text(gguf, hf_chat_ids(hf_dir, [{"role": "user", "content": "hello"}]), 6)
+    history = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": first},
+               {"role": "user", "content": "and again"}]
+    second = greedy_text(gguf, hf_chat_ids(hf_dir, history), 6)
+    assert out == f"{first}\n{second}\n"
+
+
+def test_sampling_is_reproducible_with_a_seed(qwen, monkeypatch, capsys):
+    args = [str(qwen), "-p", "hello", "--temperature", "1.5", "--top-k", "0", "--top-p", "1", "--min-p", "0",
+            "--max-tokens", "16"]
+    runs = [run_cli(args + ["--seed", s], monkeypatch, capsys) for s in ("7", "7", "8")]
+    assert all(code == 0 for code, _, _ in runs)
+    assert runs[0][1] == runs[1][1] and runs[0][1].strip()
+    assert runs[0][1] != runs[2][1]
