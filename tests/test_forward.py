@@ -8,6 +8,7 @@ dequantized weights.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -21,6 +22,12 @@ from runtime.layers import Rope, rope_inv_freq, yarn_rope
 from runtime.models import load_model
 
 ARCHS = ("qwen3moe", "laguna", "qwen35moe")
+# CI runs this file on the CPU; on the GPU machine the same file runs with SPARKPACK_TEST_DEVICE=cuda.
+DEVICE = os.environ.get("SPARKPACK_TEST_DEVICE", "cpu")
+
+
+def load(path, **kwargs):
+    return load_model(path, device=DEVICE, **kwargs)
 N_TOKENS = 24  # longer than laguna's tiny sliding window (8) so the window mask matters
 
 
@@ -45,7 +52,7 @@ def token_ids(vocab: int, n: int = N_TOKENS, seed: int = 1) -> list[int]:
 
 def row_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Worst per-position relative L2 error."""
-    out, ref = out.double(), ref.double()
+    out, ref = out.double().cpu(), ref.double().cpu()
     return float(((out - ref).norm(dim=-1) / ref.norm(dim=-1)).max())
 
 
@@ -57,18 +64,18 @@ def hf_logits(hf, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_match_transformers(arch, tiny_hf_gguf, hf_ref):
     hf = hf_ref(arch)
-    model = load_model(tiny_hf_gguf(arch)[1])
+    model = load(tiny_hf_gguf(arch)[1])
     ids = token_ids(hf.config.vocab_size)
     out, ref = model.forward(ids), hf_logits(hf, ids)
     assert out.shape == ref.shape
     assert row_rel_err(out, ref) < 1e-4
-    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+    assert torch.equal(out.argmax(-1).cpu(), ref.argmax(-1).cpu())
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_continuation_matches_transformers(arch, tiny_hf_gguf, hf_ref):
     hf = hf_ref(arch)
-    model = load_model(tiny_hf_gguf(arch)[1])
+    model = load(tiny_hf_gguf(arch)[1])
     prompt = token_ids(hf.config.vocab_size, 6, seed=2)
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
@@ -81,7 +88,7 @@ def test_greedy_continuation_matches_transformers(arch, tiny_hf_gguf, hf_ref):
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
 def test_prefill_then_decode_equals_full_forward(arch, outtype, tiny_hf_gguf):
     """In float64, so that matmul blocking round-off (1e-5 in float32) cannot hide a cache bug."""
-    model = load_model(tiny_hf_gguf(arch, outtype)[1], dtype=torch.float64)
+    model = load(tiny_hf_gguf(arch, outtype)[1], dtype=torch.float64)
     ids = token_ids(model.spec.n_vocab)
     full = model.forward(ids)
     cache = model.new_cache()
@@ -94,7 +101,7 @@ def test_prefill_then_decode_equals_full_forward(arch, outtype, tiny_hf_gguf):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_q8_0_float32_matches_float64_reference(arch, tiny_hf_gguf):
     path = tiny_hf_gguf(arch, "q8_0")[1]
-    m32, m64 = load_model(path), load_model(path, dtype=torch.float64)
+    m32, m64 = load(path), load(path, dtype=torch.float64)
     ids = token_ids(m32.spec.n_vocab)
     out, ref = m32.forward(ids), m64.forward(ids)
     assert ref.dtype == torch.float64
@@ -105,7 +112,7 @@ def test_q8_0_float32_matches_float64_reference(arch, tiny_hf_gguf):
     # the q8_0 weights really are quantized: near the f32 model at the first position, not equal.
     # (Later positions drift further: routing flips at near-ties and the recurrent state amplify
     # the quantization error of these tiny random models; llama.cpp's own q8_0 file agrees.)
-    f32 = load_model(tiny_hf_gguf(arch)[1]).forward(ids)
+    f32 = load(tiny_hf_gguf(arch)[1]).forward(ids)
     per_row = (out - f32).norm(dim=-1) / f32.norm(dim=-1)
     assert 0 < float(per_row[0]) < 0.1
 
@@ -132,7 +139,7 @@ def test_experts_are_reached_only_through_the_provider(tiny_hf_gguf):
     counting = CountingExperts(GGUFExperts(gguf, spec, max_bytes=1))  # keeps one expert: evicts on every miss
     model = MODELS["qwen3moe"](gguf, spec, experts=counting)
     ids = token_ids(spec.n_vocab, 8)
-    assert row_rel_err(model.forward(ids), load_model(path).forward(ids)) < 1e-6
+    assert row_rel_err(model.forward(ids), load(path).forward(ids)) < 1e-6
     rows_per_layer = {}
     for layer, _, n in counting.calls:
         rows_per_layer[layer] = rows_per_layer.get(layer, 0) + n
@@ -175,7 +182,7 @@ def test_spark_run_logits_out_matches_transformers(arch, tiny_hf_gguf, hf_ref, t
     ids = token_ids(hf.config.vocab_size, 12, seed=3)
     out = tmp_path / "logits.npy"
     r = subprocess.run([sys.executable, "-m", "runtime.cli", str(tiny_hf_gguf(arch)[1]),
-                        "--prompt-ids", ",".join(map(str, ids)), "--logits-out", str(out)],
+                        "--prompt-ids", ",".join(map(str, ids)), "--logits-out", str(out), "--device", DEVICE],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     logits = np.load(out)
@@ -188,7 +195,7 @@ def test_mixed_k_quant_file(arch, synth_model):
     """A Q4_K_M-style file (Q4_K/Q6_K plus fallbacks, real tensor layout, synthetic weights): the
     float32 forward matches float64 on the same dequantized weights, and the cache is exact."""
     path = synth_model(arch, "Q4_K_M")
-    m32, m64 = load_model(path), load_model(path, dtype=torch.float64)
+    m32, m64 = load(path), load(path, dtype=torch.float64)
     ids = token_ids(m32.spec.n_vocab, 12)
     ref = m64.forward(ids)
     assert torch.isfinite(ref).all()
@@ -208,7 +215,7 @@ def test_laguna_yarn_full_layers_match_transformers(tmp_path):
                                "factor": 4.0, "original_max_position_embeddings": 128},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}
     hf_dir = make_tiny_hf("laguna", tmp_path / "hf", seed=3, rope_parameters=rope)
-    model = load_model(convert(hf_dir, tmp_path / "yarn.gguf", "f32"))
+    model = load(convert(hf_dir, tmp_path / "yarn.gguf", "f32"))
     assert model.rope_full.scale > 1.0 and model.rope_swa.scale == 1.0
     hf = load_tiny_hf(hf_dir)
     ids = token_ids(hf.config.vocab_size, 40)
@@ -240,6 +247,6 @@ def test_qwen35moe_long_prefill_matches_transformers(tiny_hf_gguf, hf_ref):
     from runtime.models.qwen35moe import CHUNK
 
     hf = hf_ref("qwen35moe")
-    model = load_model(tiny_hf_gguf("qwen35moe")[1])
+    model = load(tiny_hf_gguf("qwen35moe")[1])
     ids = token_ids(hf.config.vocab_size, 2 * CHUNK + 11)
     assert row_rel_err(model.forward(ids), hf_logits(hf, ids)) < 1e-4
