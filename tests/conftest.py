@@ -1,10 +1,17 @@
 """Shared fixtures. Helpers append their own fixtures here; keep each one small."""
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton decides at decoration time whether a kernel runs in its interpreter, so this must be set
+# before any test module imports runtime.kernels. CI has no GPU: kernels run interpreted there.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,147 @@
+"""Bandwidth and correctness of the quantized Triton kernels at real decode shapes (CUDA only).
+
+Decode is bound by the weight bytes each token reads, so the figure of merit is achieved GB/s
+(weights + activations + outputs) against the device's own copy bandwidth, measured here with
+the same timer. Every case is also checked against dequantize-then-matmul in fp32 at the same
+shape, so a fast wrong kernel cannot pass.
+
+    python bench/kernels_bench.py                    # all kernel types, B = 1, 4, 16, 64
+    python bench/kernels_bench.py --qtypes Q4_K Q6_K --batches 1 --dtype float32
+    python bench/kernels_bench.py --block-n 0 4 8 16 32   # sweep rows per program (0 = default)
+
+Needs only torch and triton (no gguf): blocks are generated and dequantized by
+``runtime.kernels.reference``. Run from anywhere; the repository root is put on sys.path.
+Exits 1 if any case is outside its error bound.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from runtime.kernels import qmatvec as qmv  # noqa: E402
+from runtime.kernels.moe import moe_experts  # noqa: E402
+from runtime.kernels.reference import dequantize_rows, random_blocks  # noqa: E402
+
+QTYPES = {"Q4_K": qmv.Q4_K, "Q6_K": qmv.Q6_K, "Q8_0": qmv.Q8_0, "Q5_K": qmv.Q5_K, "Q5_0": qmv.Q5_0,
+          "Q4_0": qmv.Q4_0}
+# (name, K, N): expert gate/up, expert down, output head (Qwen3.5/3.6 vocabulary)
+SHAPES = [("expert_gate_up", 2048, 512), ("expert_down", 512, 2048), ("output_head", 2048, 248320)]
+
+
+def median_ms(fn) -> float:
+    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy (read + write bytes) with the same timer as the kernels."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * nbytes / ms / 1e6
+
+
+def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.double() - ref.double()).norm() / ref.double().norm())
+
+
+def bench_qmatvec(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator) -> bool:
+    ok = True
+    dtype = getattr(torch, args.dtype)
+    print(f"{'shape':16} {'qtype':5} {'B':>3} {'bn':>3} {'us':>9} {'GB/s':>7} {'%copy':>6} {'bf16 us':>9} {'rel-L2':>9}")
+    for name, K, N in SHAPES:
+        for qname in args.qtypes:
+            qtype = QTYPES[qname]
+            w = random_blocks(qtype, N, K, gen)
+            w_ref = dequantize_rows(w, qtype, K)  # fp32 [N, K]: reference only, never used by the kernel
+            w_bf16 = w_ref.to(torch.bfloat16)
+            for B, bn in [(B, bn) for B in args.batches for bn in args.block_n]:
+                x = torch.randn(B, K, device="cuda", generator=gen).to(dtype)
+                y = torch.empty(B, N, device="cuda")
+                ms = median_ms(lambda: qmv.qmatvec(x, w, qtype, K, out=y, block_n=bn or None))
+                dense_ms = median_ms(lambda: x.to(torch.bfloat16) @ w_bf16.T)
+                y.fill_(float("nan"))
+                qmv.qmatvec(x, w, qtype, K, out=y, block_n=bn or None)
+                err = rel_l2(y, x.float() @ w_ref.T)
+                bound = 1e-4 if (B <= qmv.SMALL_B_MAX or dtype == torch.float32) else 2e-2
+                nbytes = w.numel() + x.numel() * x.element_size() + y.numel() * 4
+                gbs = nbytes / ms / 1e6
+                flag = "" if err < bound else f"  FAIL (bound {bound:g})"
+                ok &= err < bound
+                print(f"{name:16} {qname:5} {B:3d} {bn:3d} {ms * 1e3:9.1f} {gbs:7.0f} {100 * gbs / copy_gbs:5.0f}% "
+                      f"{dense_ms * 1e3:9.1f} {err:9.2e}{flag}")
+            del w, w_ref, w_bf16
+            torch.cuda.empty_cache()
+    return ok
+
+
+def bench_moe(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator) -> bool:
+    """One decode token (T=1, top-8) through pools of 128 slots: Q4_K gate/up, Q6_K down."""
+    n_embd, n_ff, n_slots, topk = 2048, args.moe_ff, 128, 8
+    gq, dq = qmv.Q4_K, qmv.Q6_K
+    gate = random_blocks(gq, n_slots * n_ff, n_embd, gen).reshape(n_slots, n_ff, -1)
+    up = random_blocks(gq, n_slots * n_ff, n_embd, gen).reshape(n_slots, n_ff, -1)
+    down = random_blocks(dq, n_slots * n_embd, n_ff, gen).reshape(n_slots, n_embd, -1)
+    ok = True
+    for T, bn in [(T, bn) for T in args.moe_tokens for bn in args.block_n]:
+        x = torch.randn(T, n_embd, device="cuda", generator=gen)
+        ids = torch.stack([torch.randperm(n_slots, device="cuda", generator=gen)[:topk] for _ in range(T)])
+        ids = ids.to(torch.int32)
+        wts = torch.softmax(torch.randn(T, topk, device="cuda", generator=gen), dim=-1)
+        slots = torch.arange(n_slots, dtype=torch.int32, device="cuda")
+        y = torch.empty(T, n_embd, device="cuda")
+        run = lambda: moe_experts(x, ids, wts, slots, gate, up, down, gq, gq, dq, n_ff, out=y,  # noqa: E731
+                                  block_n=bn or None)
+        ms = median_ms(run)
+        run()
+        ref = torch.zeros(T, n_embd, device="cuda", dtype=torch.float64)
+        for t in range(T):
+            for j in range(topk):
+                e = int(ids[t, j])
+                g = dequantize_rows(gate[e], gq, n_embd) @ x[t]
+                u = dequantize_rows(up[e], gq, n_embd) @ x[t]
+                ref[t] += wts[t, j] * (dequantize_rows(down[e], dq, n_ff) @ (torch.nn.functional.silu(g) * u))
+        err = rel_l2(y, ref)
+        # residency must not change results: move every expert to another slot, expect equal bits
+        perm = torch.randperm(n_slots, device="cuda", generator=gen)
+        moved = moe_experts(x, ids, wts, perm.to(torch.int32), gate[perm.argsort()], up[perm.argsort()],
+                            down[perm.argsort()], gq, gq, dq, n_ff, block_n=bn or None)
+        same = torch.equal(moved, y)
+        used = torch.unique(ids).numel()
+        nbytes = used * (gate[0].numel() + up[0].numel() + down[0].numel())
+        gbs = nbytes / ms / 1e6
+        good = err < 1e-4 and same
+        ok &= good
+        print(f"moe T={T:2d} top{topk} n_ff={n_ff} bn={bn}: {ms * 1e3:8.1f} us  {gbs:6.0f} GB/s ({100 * gbs / copy_gbs:3.0f}% "
+              f"of copy)  rel-L2 {err:.2e}  slot-invariant {same}{'' if good else '  FAIL'}")
+    return ok
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--qtypes", nargs="+", default=list(QTYPES), choices=list(QTYPES))
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 64])
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--moe-ff", type=int, default=768, help="expert ffn width (Qwen3-30B-A3B: 768, Laguna: 512)")
+    ap.add_argument("--moe-tokens", nargs="+", type=int, default=[1, 4])
+    ap.add_argument("--block-n", nargs="+", type=int, default=[0], help="rows per program to try; 0 = default")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("kernels_bench needs a CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be fp32
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"{torch.cuda.get_device_name()}: device copy {copy_gbs:.0f} GB/s (read + write)")
+    ok = bench_qmatvec(args, copy_gbs, gen)
+    ok &= bench_moe(args, copy_gbs, gen)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

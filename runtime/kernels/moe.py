@@ -1,0 +1,147 @@
+"""Fused mixture-of-experts decode: experts read through a slot table from per-layer weight pools.
+
+Why a slot table: hot (pinned) experts and cached experts live in the same uint8 pools
+``[n_slots, rows, row_bytes]`` and the kernels find expert ``e`` at ``slot_table[e]``, so every
+expert takes one code path whatever its residency. Residency must never change results, so the
+arithmetic never depends on the slot: the same bytes give the same bits in any slot, and the sum
+over the k chosen experts runs in a fixed order (k ascending) in its own pass rather than with
+atomics.
+
+Three launches:
+1. ``_gate_up_kernel``: one program per (token, choice) pair and block of ``n_ff`` rows computes
+   gate and up dots from the same activation row and writes ``silu(gate) * up`` (fp32) to a small
+   ``[T*k, n_ff]`` scratch.
+2. ``_down_kernel``: one program per pair and block of ``n_embd`` rows writes the down product
+   times the routing weight to a ``[T*k, n_embd]`` fp32 scratch. Splitting over the k experts
+   (instead of one program looping over them) gives k times more programs, which batch-1 decode
+   needs to keep enough bytes in flight.
+3. ``_sum_topk_kernel``: the per-token sum over the k choices, in a fixed order (deterministic,
+   unlike atomics; the scratch is only T*k*n_embd*4 bytes).
+
+The first two reuse the per-family unpacking of ``qmatvec`` (one compiled variant per quant type).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from runtime.kernels.qmatvec import _output, _row_dot, check_weight
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, ids_ptr, slot_ptr, gate_ptr, up_ptr, h_ptr,
+                    TOPK, N_FF, K, gate_slot_bytes, up_slot_bytes, up_row0, gate_row_bytes, up_row_bytes,
+                    stride_x, stride_ids,
+                    GATE_QTYPE: tl.constexpr, UP_QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    pair = tl.program_id(0)
+    t = pair // TOPK
+    j = pair % TOPK
+    expert = tl.load(ids_ptr + t * stride_ids + j)
+    slot = tl.load(slot_ptr + expert).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n3 = n[:, None, None]
+    # A non-resident expert (slot -1) reads nothing (zero valid rows) and yields zeros; the caller
+    # guarantees residency before launch (moe_experts(validate=True) checks it).
+    rmask = n3 < tl.where(slot >= 0, N_FF, 0)
+    slot = tl.maximum(slot, 0)
+    g_rows = gate_ptr + slot * gate_slot_bytes + n3.to(tl.int64) * gate_row_bytes
+    u_rows = up_ptr + slot * up_slot_bytes + (n3 + up_row0).to(tl.int64) * up_row_bytes
+    x_row = x_ptr + t * stride_x
+    g = _row_dot(GATE_QTYPE, g_rows, rmask, x_row, K, BLOCK_N)
+    u = _row_dot(UP_QTYPE, u_rows, rmask, x_row, K, BLOCK_N)
+    h = g / (1.0 + tl.exp(-g)) * u
+    tl.store(h_ptr + pair.to(tl.int64) * N_FF + n, h, mask=n < N_FF)
+
+
+@triton.jit
+def _down_kernel(h_ptr, ids_ptr, wts_ptr, slot_ptr, down_ptr, part_ptr,
+                 TOPK, N_EMBD, N_FF, down_slot_bytes, down_row_bytes, stride_ids, stride_wts,
+                 DOWN_QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    pair = tl.program_id(0)
+    t = pair // TOPK
+    j = pair % TOPK
+    expert = tl.load(ids_ptr + t * stride_ids + j)
+    weight = tl.load(wts_ptr + t * stride_wts + j).to(tl.float32)
+    slot = tl.load(slot_ptr + expert).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n3 = n[:, None, None]
+    rmask = n3 < tl.where(slot >= 0, N_EMBD, 0)
+    rows = down_ptr + tl.maximum(slot, 0) * down_slot_bytes + n3.to(tl.int64) * down_row_bytes
+    h_row = h_ptr + pair.to(tl.int64) * N_FF
+    part = weight * _row_dot(DOWN_QTYPE, rows, rmask, h_row, N_FF, BLOCK_N)
+    tl.store(part_ptr + pair.to(tl.int64) * N_EMBD + n, part, mask=n < N_EMBD)
+
+
+@triton.jit
+def _sum_topk_kernel(part_ptr, y_ptr, TOPK, N_EMBD, stride_y, BLOCK: tl.constexpr):
+    """y[t] = sum over j = 0..k-1, in that order, of the weighted expert outputs."""
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in range(0, TOPK):
+        acc += tl.load(part_ptr + (t * TOPK + j).to(tl.int64) * N_EMBD + n, mask=n < N_EMBD, other=0.0)
+    tl.store(y_ptr + t * stride_y + n, acc, mask=n < N_EMBD)
+
+
+def _block_n(pairs: int) -> int:
+    """Rows per program: small blocks when few (token, expert) pairs would leave SMs idle."""
+    return 4 if pairs < 64 else 8
+
+
+def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                slot_table: torch.Tensor, gate_raw: torch.Tensor, up_raw: torch.Tensor | None,
+                down_raw: torch.Tensor, gate_qtype: int, up_qtype: int | None, down_qtype: int,
+                n_ff: int, validate: bool = False, out: torch.Tensor | None = None,
+                block_n: int | None = None) -> torch.Tensor:
+    """Routed-expert output ``sum_j w[t,j] * down_e(silu(gate_e x_t) * up_e x_t)`` -> [T, n_embd] fp32.
+
+    x: [T, n_embd] (f32/f16/bf16); topk_ids/topk_weights: [T, k]; slot_table: int32 [n_expert]
+    (expert id -> slot in the pools, -1 = not resident). Pools are uint8 ``[n_slots, rows,
+    row_bytes]``: gate/up have ``n_ff`` rows of n_embd elements, down ``n_embd`` rows of n_ff.
+    ``up_raw=None`` means a merged gate_up pool of ``2*n_ff`` rows (gate rows first, then up), as
+    in ``ffn_gate_up_exps``. ``validate=True`` checks residency on the host (a device sync: for
+    tests and debugging, not the decode loop). ``block_n`` (a power of two) overrides the rows
+    per program, for tuning.
+    """
+    T_, n_embd = x.shape
+    topk = topk_ids.shape[1]
+    merged = up_raw is None
+    if merged:
+        up_raw, up_qtype, up_row0 = gate_raw, gate_qtype, n_ff
+    else:
+        up_row0 = 0
+    check_weight(gate_raw, gate_qtype, n_embd)
+    check_weight(up_raw, up_qtype, n_embd)
+    check_weight(down_raw, down_qtype, n_ff)
+    if gate_raw.shape[1] != (2 * n_ff if merged else n_ff) or down_raw.shape[1] != n_embd:
+        raise ValueError(f"pool rows do not match n_ff={n_ff}, n_embd={n_embd}: gate {tuple(gate_raw.shape)}, "
+                         f"down {tuple(down_raw.shape)}")
+    if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != T_:
+        raise ValueError("topk_ids and topk_weights must both be [T, k]")
+    if slot_table.dtype != torch.int32:
+        raise ValueError("slot_table must be int32")
+    if validate:
+        slots = slot_table[topk_ids.long()]
+        if bool((slots < 0).any()) or bool((slots >= gate_raw.shape[0]).any()):
+            raise ValueError("a selected expert is not resident (slot -1 or out of range)")
+    x = x.contiguous()
+    topk_ids = topk_ids.contiguous()
+    topk_weights = topk_weights.contiguous()
+    y = _output(out, (T_, n_embd), x.device)
+    if T_ == 0 or topk == 0:
+        return y.zero_()
+    h = torch.empty((T_ * topk, n_ff), dtype=torch.float32, device=x.device)
+    bn = block_n or _block_n(T_ * topk)
+    _gate_up_kernel[(T_ * topk, triton.cdiv(n_ff, bn))](
+        x, topk_ids, slot_table, gate_raw, up_raw, h,
+        topk, n_ff, n_embd, gate_raw[0].numel(), up_raw[0].numel(), up_row0,
+        gate_raw.shape[2], up_raw.shape[2], x.stride(0), topk_ids.stride(0),
+        GATE_QTYPE=int(gate_qtype), UP_QTYPE=int(up_qtype), BLOCK_N=bn, num_warps=4)
+    part = torch.empty((T_ * topk, n_embd), dtype=torch.float32, device=x.device)
+    _down_kernel[(T_ * topk, triton.cdiv(n_embd, bn))](
+        h, topk_ids, topk_weights, slot_table, down_raw, part,
+        topk, n_embd, n_ff, down_raw[0].numel(), down_raw.shape[2], topk_ids.stride(0),
+        topk_weights.stride(0), DOWN_QTYPE=int(down_qtype), BLOCK_N=bn, num_warps=4)
+    _sum_topk_kernel[(T_, triton.cdiv(n_embd, 1024))](part, y, topk, n_embd, y.stride(0), BLOCK=1024, num_warps=4)
+    return y

@@ -1,0 +1,328 @@
+"""Quantized matrix-vector / small-batch products that read GGUF quant blocks as stored.
+
+Why: decode at batch 1 is bound by the bytes of weights read per token, so the runtime never keeps
+a dequantized copy of a weight in VRAM. The weight is a uint8 tensor ``[N, row_bytes]`` (row n =
+the GGUF blocks of output row n) and each kernel expands the blocks in registers.
+
+Structure. Every quant family has one ``@triton.jit`` unpacking helper that turns a 256-element
+chunk of ``BLOCK_N`` rows into integer codes ``q`` shaped ``[BLOCK_N, NSUB, SUB]`` plus one scale
+(and, for the K-quants with mins, one offset) per sub-block, so that ``w = scale * q - offset``.
+The sub-block structure is kept because the scale math then runs once per sub-block instead of
+once per weight (llama.cpp's mmvq does the same): per weight the kernels only load a byte, shift,
+mask and multiply-add. Two kernels consume those helpers:
+
+* ``_qmv_kernel`` (B <= 8, decode): for each batch row, sum(q * x) per sub-block, then scale.
+  The unpacked codes are shared by all batch rows.
+* ``_qmm_kernel`` (8 < B <= 64): expands ``w`` to ``[BLOCK_N, 256]`` and uses ``tl.dot``.
+
+A prefill-grade grouped matmul (large B, tensor cores, weight tiles in shared memory reused
+across many token tiles, split-K for skinny N) is a separate later kernel.
+
+Block layouts follow ggml-common.h and are checked against ``gguf.quants.dequantize`` by the
+tests; the byte offsets are written next to each helper.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# GGML type ids (gguf.constants.GGMLQuantizationType), repeated here so the GPU machine needs no gguf.
+Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 6, 8, 12, 13, 14
+
+# qtype -> (elements per block, bytes per block)
+BLOCK_LAYOUT: dict[int, tuple[int, int]] = {
+    Q4_0: (32, 18), Q5_0: (32, 22), Q8_0: (32, 34),
+    Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
+}
+SUPPORTED_QTYPES = tuple(BLOCK_LAYOUT)
+
+# Every kernel walks K in chunks of 256 elements (one K-quant super-block, eight 32-blocks).
+SMALL_B_MAX = 8  # batch rows up to which the decode kernel is used
+DOT_B_MAX = 64  # batch rows per tl.dot launch
+
+
+# ----------------------------------------------------------------------------- byte helpers
+
+@triton.jit
+def _u8(ptr, mask):
+    return tl.load(ptr, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _f16(ptr, mask):
+    """A little-endian f16 at a possibly unaligned byte address, as fp32."""
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _k_scale_min(base, s, mask):
+    """6-bit scale and min of sub-block ``s`` (0..7) from the 12 packed bytes at ``base``.
+
+    Bytes 0-3: low 6 bits = scales 0-3, top 2 bits = high bits of scales 4-7; bytes 4-7: same for
+    mins; bytes 8-11: low nibble = low 4 bits of scales 4-7, high nibble = mins 4-7.
+    """
+    j = s % 4
+    b0 = _u8(base + j, mask)
+    b1 = _u8(base + 4 + j, mask)
+    b2 = _u8(base + 8 + j, mask)
+    low = s < 4
+    sc = tl.where(low, b0 & 63, (b2 & 15) | ((b0 >> 6) << 4))
+    mn = tl.where(low, b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+# ----------------------------------------------------------------------------- per-family unpacking
+# Each helper: row (int64 byte offsets [BN,1,1] of each row start, already added to w_ptr),
+# c = index of the 256-element chunk, K = row length, rmask [BN,1,1].
+# Returns q [BN,NSUB,SUB] float32 codes, scale [BN,NSUB,1], offset [BN,NSUB,1] (w = scale*q - offset).
+
+@triton.jit
+def _unpack_q4_k(row, c, K, rmask):
+    # block_q4_K (144 B): d f16 @0, dmin f16 @2, scales[12] @4, qs[128] @16;
+    # element 64*i + l (l<32) = low nibble of qs[32*i + l], 64*i + 32 + l = its high nibble.
+    s = tl.arange(0, 8)[None, :, None]
+    l = tl.arange(0, 32)[None, None, :]
+    base = row + c * 144
+    q = (_u8(base + 16 + (s // 2) * 32 + l, rmask) >> ((s % 2) * 4)) & 15
+    sc, mn = _k_scale_min(base + 4, s, rmask)
+    return q.to(tl.float32), _f16(base, rmask) * sc, _f16(base + 2, rmask) * mn
+
+
+@triton.jit
+def _unpack_q5_k(row, c, K, rmask):
+    # block_q5_K (176 B): d @0, dmin @2, scales[12] @4, qh[32] @16, qs[128] @48;
+    # low 4 bits as in Q4_K, 5th bit of element 32*s + l = bit s of qh[l].
+    s = tl.arange(0, 8)[None, :, None]
+    l = tl.arange(0, 32)[None, None, :]
+    base = row + c * 176
+    ql = (_u8(base + 48 + (s // 2) * 32 + l, rmask) >> ((s % 2) * 4)) & 15
+    qh = (_u8(base + 16 + l, rmask) >> s) & 1
+    sc, mn = _k_scale_min(base + 4, s, rmask)
+    q = ql | (qh << 4)
+    return q.to(tl.float32), _f16(base, rmask) * sc, _f16(base + 2, rmask) * mn
+
+
+@triton.jit
+def _unpack_q6_k(row, c, K, rmask):
+    # block_q6_K (210 B): ql[128] @0, qh[64] @128, scales int8[16] @192, d f16 @208; sub-blocks of 16.
+    # Element 128*h + r: low 4 bits = nibble (r // 64) of ql[64*h + r % 64],
+    # high 2 bits = bits 2*(r // 32) of qh[32*h + r % 32]; code - 32.
+    s = tl.arange(0, 16)[None, :, None]
+    l = tl.arange(0, 16)[None, None, :]
+    base = row + c * 210
+    h = s // 8
+    r = (s % 8) * 16 + l
+    ql = (_u8(base + h * 64 + r % 64, rmask) >> ((r // 64) * 4)) & 15
+    qh = (_u8(base + 128 + h * 32 + r % 32, rmask) >> ((r // 32) * 2)) & 3
+    q = (ql | (qh << 4)) - 32
+    sc = tl.load(base + 192 + s, mask=rmask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    return q.to(tl.float32), _f16(base + 208, rmask) * sc, tl.zeros_like(sc)
+
+
+@triton.jit
+def _unpack_q8_0(row, c, K, rmask):
+    # block_q8_0 (34 B): d f16 @0, qs int8[32] @2. A chunk is 8 blocks; blocks past K are masked.
+    s = tl.arange(0, 8)[None, :, None]
+    l = tl.arange(0, 32)[None, None, :]
+    mask = rmask & ((c * 8 + s) * 32 < K)
+    base = row + (c * 8 + s) * 34
+    q = tl.load(base + 2 + l, mask=mask, other=0).to(tl.int8, bitcast=True)
+    d = _f16(base, mask)
+    return q.to(tl.float32), d, tl.zeros_like(d)
+
+
+@triton.jit
+def _unpack_q4_0(row, c, K, rmask):
+    # block_q4_0 (18 B): d @0, qs[16] @2; element l<16 = low nibble of qs[l], l>=16 = high nibble
+    # of qs[l-16]; code - 8.
+    s = tl.arange(0, 8)[None, :, None]
+    l = tl.arange(0, 32)[None, None, :]
+    mask = rmask & ((c * 8 + s) * 32 < K)
+    base = row + (c * 8 + s) * 18
+    q = ((_u8(base + 2 + l % 16, mask) >> ((l // 16) * 4)) & 15) - 8
+    d = _f16(base, mask)
+    return q.to(tl.float32), d, tl.zeros_like(d)
+
+
+@triton.jit
+def _unpack_q5_0(row, c, K, rmask):
+    # block_q5_0 (22 B): d @0, qh u32 little-endian @2 (bit l = 5th bit of element l), qs[16] @6
+    # (nibbles as Q4_0); code - 16.
+    s = tl.arange(0, 8)[None, :, None]
+    l = tl.arange(0, 32)[None, None, :]
+    mask = rmask & ((c * 8 + s) * 32 < K)
+    base = row + (c * 8 + s) * 22
+    ql = (_u8(base + 6 + l % 16, mask) >> ((l // 16) * 4)) & 15
+    qh = (_u8(base + 2 + l // 8, mask) >> (l % 8)) & 1
+    q = (ql | (qh << 4)) - 16
+    d = _f16(base, mask)
+    return q.to(tl.float32), d, tl.zeros_like(d)
+
+
+@triton.jit
+def _unpack(QTYPE: tl.constexpr, row, c, K, rmask):
+    """Dispatch on the (compile-time) quant type: each type compiles to its own kernel."""
+    if QTYPE == 12:
+        return _unpack_q4_k(row, c, K, rmask)
+    elif QTYPE == 13:
+        return _unpack_q5_k(row, c, K, rmask)
+    elif QTYPE == 14:
+        return _unpack_q6_k(row, c, K, rmask)
+    elif QTYPE == 8:
+        return _unpack_q8_0(row, c, K, rmask)
+    elif QTYPE == 2:
+        return _unpack_q4_0(row, c, K, rmask)
+    else:
+        return _unpack_q5_0(row, c, K, rmask)
+
+
+@triton.jit
+def _chunk_dot(QTYPE: tl.constexpr, q, scale, offset, x_row_ptr, c, K):
+    """Per-row dot of one unpacked chunk with one activation row -> [BN] fp32.
+
+    sum_i w_i x_i = sum_s scale_s * sum_l q x  -  sum_s offset_s * sum_l x.
+    """
+    NSUB: tl.constexpr = 16 if QTYPE == 14 else 8
+    SUB: tl.constexpr = 256 // NSUB
+    s = tl.arange(0, NSUB)[None, :, None]
+    l = tl.arange(0, SUB)[None, None, :]
+    k = c * 256 + s * SUB + l
+    x = tl.load(x_row_ptr + k, mask=k < K, other=0.0).to(tl.float32)  # [1,NSUB,SUB]
+    qx = tl.sum(q * x, axis=2)  # [BN,NSUB]
+    part = tl.sum(qx * tl.sum(scale, axis=2), axis=1)
+    if QTYPE == 12 or QTYPE == 13:
+        xs = tl.sum(x, axis=2)  # [1,NSUB]
+        part -= tl.sum(xs * tl.sum(offset, axis=2), axis=1)
+    return part
+
+
+@triton.jit
+def _row_dot(QTYPE: tl.constexpr, w_rows, rmask, x_row_ptr, K, BLOCK_N: tl.constexpr):
+    """[BN] dots of BLOCK_N quantized rows with one activation row (one token), over all of K."""
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for c in range(0, tl.cdiv(K, 256)):
+        q, scale, offset = _unpack(QTYPE, w_rows, c, K, rmask)
+        acc += _chunk_dot(QTYPE, q, scale, offset, x_row_ptr, c, K)
+    return acc
+
+
+# ----------------------------------------------------------------------------- kernels
+
+@triton.jit
+def _qmv_kernel(x_ptr, w_ptr, y_ptr, B, N, K, row_bytes, stride_xb, stride_yb,
+                QTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_n = tl.program_id(0)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n3 = n[:, None, None]
+    rmask = n3 < N
+    w_rows = w_ptr + n3.to(tl.int64) * row_bytes
+    bidx = tl.arange(0, BLOCK_B)[:, None]
+    acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
+    for c in range(0, tl.cdiv(K, 256)):
+        q, scale, offset = _unpack(QTYPE, w_rows, c, K, rmask)
+        for b in tl.static_range(BLOCK_B):
+            if b < B:
+                part = _chunk_dot(QTYPE, q, scale, offset, x_ptr + b * stride_xb, c, K)
+                acc += tl.where(bidx == b, part[None, :], 0.0)
+    tl.store(y_ptr + bidx * stride_yb + n[None, :], acc, mask=(bidx < B) & (n[None, :] < N))
+
+
+@triton.jit
+def _qmm_kernel(x_ptr, w_ptr, y_ptr, B, N, K, row_bytes, stride_xb, stride_yb,
+                QTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
+                DOT_FP32: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n3 = n[:, None, None]
+    rmask = n3 < N
+    w_rows = w_ptr + n3.to(tl.int64) * row_bytes
+    b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    kk = tl.arange(0, 256)
+    acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
+    for c in range(0, tl.cdiv(K, 256)):
+        q, scale, offset = _unpack(QTYPE, w_rows, c, K, rmask)
+        w = tl.reshape(q * scale - offset, [BLOCK_N, 256])
+        k = c * 256 + kk
+        x = tl.load(x_ptr + b[:, None] * stride_xb + k[None, :],
+                    mask=(b[:, None] < B) & (k[None, :] < K), other=0.0)
+        if DOT_FP32:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    tl.store(y_ptr + b[:, None] * stride_yb + n[None, :], acc, mask=(b[:, None] < B) & (n[None, :] < N))
+
+
+# ----------------------------------------------------------------------------- Python wrappers
+
+def row_bytes_of(qtype: int, K: int) -> int:
+    """Bytes of one quantized row of K elements (K a whole number of blocks)."""
+    qk, ts = BLOCK_LAYOUT[int(qtype)]
+    if K % qk:
+        raise ValueError(f"K={K} is not a whole number of {qk}-element blocks")
+    return K // qk * ts
+
+
+def check_weight(w_raw: torch.Tensor, qtype: int, K: int) -> None:
+    """Shared argument checks: the kernels index bytes blindly, so a wrong layout must fail here."""
+    if int(qtype) not in BLOCK_LAYOUT:
+        raise ValueError(f"quant type {int(qtype)} has no Triton kernel (supported: {SUPPORTED_QTYPES})")
+    if w_raw.dtype != torch.uint8:
+        raise ValueError(f"quantized weights must be uint8 bytes, got {w_raw.dtype}")
+    if w_raw.shape[-1] != row_bytes_of(qtype, K) or not w_raw.is_contiguous():
+        raise ValueError(f"weight rows are {w_raw.shape[-1]} bytes; {K} elements need "
+                         f"{row_bytes_of(qtype, K)} (contiguous)")
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def _output(out: torch.Tensor | None, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """A caller-given fp32 output (reused buffers; tests poison it) or a fresh one."""
+    if out is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    if tuple(out.shape) != shape or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError(f"out must be float32 {shape} with unit inner stride, got {out.dtype} {tuple(out.shape)}")
+    return out
+
+
+def qmatvec(x: torch.Tensor, w_raw: torch.Tensor, qtype: int, K: int,
+            out: torch.Tensor | None = None, block_n: int | None = None) -> torch.Tensor:
+    """``y = x @ W^T`` in fp32, W given as GGUF blocks ``[N, row_bytes]`` uint8; x ``[B, K]``.
+
+    B <= 8 uses the decode kernel (one pass over the weights for all rows); larger B up to 64 the
+    ``tl.dot`` kernel; beyond that the call is split into slices of 64 rows (correct but not the
+    prefill kernel this runtime will want). ``out``: a float32 ``[B, N]`` buffer to write into;
+    ``block_n`` (a power of two) overrides the rows per program, for tuning.
+    """
+    check_weight(w_raw, qtype, K)
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"x must be [B, {K}], got {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or x.device != w_raw.device:
+        raise ValueError(f"x must be f32/f16/bf16 on {w_raw.device}, got {x.dtype} on {x.device}")
+    x = x.contiguous()
+    B, N = x.shape[0], w_raw.shape[0]
+    y = _output(out, (B, N), x.device)
+    if B == 0 or N == 0:
+        return y
+    qtype = int(qtype)
+    if B <= SMALL_B_MAX:
+        block_n = block_n or (16 if N >= 8192 else 4)
+        _qmv_kernel[(triton.cdiv(N, block_n),)](
+            x, w_raw, y, B, N, K, w_raw.shape[1], x.stride(0), y.stride(0),
+            QTYPE=qtype, BLOCK_B=_next_pow2(B), BLOCK_N=block_n, num_warps=4)
+        return y
+    for b0 in range(0, B, DOT_B_MAX):
+        xs, ys = x[b0:b0 + DOT_B_MAX], y[b0:b0 + DOT_B_MAX]
+        bs = xs.shape[0]
+        block_b = max(16, _next_pow2(bs))
+        bn = max(16, block_n or 32)  # tl.dot needs 16 or more
+        _qmm_kernel[(triton.cdiv(N, bn), triton.cdiv(bs, block_b))](
+            xs, w_raw, ys, bs, N, K, w_raw.shape[1], xs.stride(0), ys.stride(0),
+            QTYPE=qtype, BLOCK_B=block_b, BLOCK_N=bn, DOT_FP32=x.dtype == torch.float32,
+            num_warps=4)
+    return y
