@@ -13,6 +13,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("repack.inspect_cmd", "inspect_cmd"),
     "synth": ("repack.synth_cmd", "synth_cmd"),
     "convert-hf": ("repack.convert_hf_cmd", "convert_hf_cmd"),
+    "split": ("repack.split_cmd", "split_cmd"),
+    "join": ("repack.join_cmd", "join_cmd"),
+    "verify": ("repack.verify_cmd", "verify_cmd"),
+    "calibrate": ("repack.calibrate_cmd", "calibrate_cmd"),
 }
 
 

@@ -114,7 +114,16 @@ def print_report(r: dict[str, Any]) -> None:
 @click.option("--ctx", default=4096, show_default=True, help="Context length for the KV-cache estimate.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def inspect_cmd(model: Path, ctx: int, as_json: bool) -> None:
-    """Show a model's architecture, experts, quant types and VRAM needs."""
+    """Show a model's (or a .sparkpack's) architecture, experts, quant types and VRAM needs."""
+    if model.is_dir():  # a .sparkpack (Pack.open explains what is wrong with any other directory)
+        from .pack_info import pack_report, print_pack_report
+
+        report = pack_report(model)
+        if as_json:
+            click.echo(json.dumps(report, indent=2))
+        else:
+            print_pack_report(report)
+        return
     report = gguf_report(model, ctx)
     if as_json:
         click.echo(json.dumps(report, indent=2))

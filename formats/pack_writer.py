@@ -1,0 +1,384 @@
+"""Write a ``.sparkpack`` directory from a GGUF: the streaming, crash-safe half of ``repack split``.
+
+Everything is copied with ``preadv`` into one reusable buffer of a few MiB, never through the
+GGUF's memory map, so resident memory stays flat however large the model (file-backed pages of a
+map count toward RSS). Each piece is hashed while it passes through the buffer. The pack is built
+in a hidden temporary directory beside the destination and renamed into place only when complete:
+an interrupted split leaves nothing at the destination that could load as a pack. Layout and
+fsync policy: docs/FORMAT.md.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import shutil
+import threading
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .archs import ModelSpec
+from .errors import FormatError, SparkpackError
+from .experts import expert_slices, expert_tensor_names
+from .gguf_file import GGUFModel
+from .profile import HASH_NAME, hash_file_range, model_identity
+from .sparkpack import (ALIGNMENT, COLD_DIR, HEADER_SHARD, HOT_SHARD, MANIFEST, PACK_FORMAT, PACK_VERSION,
+                        PART_ALIGNMENT, cold_shard_name)
+
+CHUNK = 8 << 20
+DEFAULT_JOBS = min(8, os.cpu_count() or 1)
+ZSTD_LEVEL = 3
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _pread_all(fd: int, view: memoryview, offset: int) -> None:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            raise FormatError(None, f"source file ends early at byte {offset + got}")
+        got += n
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+class _Buffers(threading.local):
+    """One copy buffer per worker thread, allocated on first use."""
+
+    def get(self, n: int) -> memoryview:
+        buf = getattr(self, "buf", None)
+        if buf is None or len(buf) < n:
+            self.buf = buf = memoryview(bytearray(max(n, CHUNK)))
+        return buf
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, (bytes, bytearray)):
+        return v.decode("utf-8", "replace")
+    return v
+
+
+def spec_json(spec: ModelSpec) -> dict[str, Any]:
+    d = asdict(spec)
+    d["expert_tensors"] = {str(k): v for k, v in spec.expert_tensors.items()}
+    d["moe_layers"] = spec.moe_layers
+    return _jsonable(d)
+
+
+def tmp_dir_for(out: Path) -> Path:
+    return out.parent / f".{out.name}.tmp-{os.getpid()}"
+
+
+def remove_stale_tmp(out: Path) -> None:
+    """Delete temporary directories left by splits that were killed (their process is gone)."""
+    for p in out.parent.glob(f".{out.name}.tmp-*"):
+        try:
+            pid = int(p.name.rsplit("-", 1)[1])
+        except ValueError:
+            continue
+        if pid == os.getpid() or _alive(pid):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sync_dir_tree(path: Path) -> None:
+    """Flush the new pack to disk once, before it is renamed into place.
+
+    ``syncfs`` on the pack's filesystem costs one call instead of an fsync per cold shard (10k of
+    them on a full-size model); without libc we fall back to ``os.sync``.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.syncfs(fd) != 0:
+                os.sync()
+        except (OSError, AttributeError):
+            os.sync()
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_pack(model: GGUFModel, spec: ModelSpec, out: Path, hot: np.ndarray, *, compress: bool = False,
+               force: bool = False, plan_info: dict[str, Any] | None = None,
+               progress: Callable[[int], None] = lambda n: None, jobs: int = DEFAULT_JOBS) -> Path:
+    """Write ``out`` (a ``.sparkpack`` directory) with the experts marked in ``hot`` in the hot shard.
+
+    ``progress`` is called with byte counts as data is copied (the total is the GGUF's tensor bytes);
+    ``jobs`` threads copy pieces in parallel.
+    """
+    out = Path(out)
+    if out.exists() and not force:
+        raise SparkpackError(out, "already exists (use --force to replace it)")
+    if not out.parent.is_dir():
+        raise SparkpackError(out.parent, "output directory does not exist")
+    remove_stale_tmp(out)
+    tmp = tmp_dir_for(out)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        manifest = _write_contents(model, spec, tmp, hot, compress, plan_info or {}, progress, jobs)
+        mpath = tmp / MANIFEST
+        with open(mpath, "w") as f:
+            json.dump(manifest, f, separators=(",", ":"))
+            f.write("\n")
+        _sync_dir_tree(tmp)
+        _swap_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished pack in; an old pack is moved aside first and deleted only after."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        if old is not None:
+            os.rename(old, out)
+        raise
+    _fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _source_layout(model: GGUFModel) -> list[tuple[int, int]]:
+    """Byte ranges of the data section not covered by any tensor (GGUF alignment padding)."""
+    gaps, pos = [], model.data_offset
+    for t in sorted(model.tensors.values(), key=lambda t: t.offset):
+        if t.offset < pos:
+            raise FormatError(model.path, f"tensor {t.name} overlaps the previous tensor; cannot pack this file")
+        if t.offset > pos:
+            gaps.append((pos, t.offset - pos))
+        pos = t.offset + t.nbytes
+    if pos < model.file_size:
+        gaps.append((pos, model.file_size - pos))
+    return gaps
+
+
+def _write_contents(model: GGUFModel, spec: ModelSpec, tmp: Path, hot: np.ndarray, compress: bool,
+                    plan_info: dict[str, Any], progress: Callable[[int], None], jobs: int) -> dict[str, Any]:
+    """Lay everything out first (offsets are known before any byte moves), then copy the pieces in
+    parallel: each tensor or expert is an independent task that reads, hashes and writes its own
+    range (``pwrite`` into the hot shard, or its own cold file). ``preadv``, ``pwrite``, hashlib and
+    zstd release the GIL, so threads scale until the disk is the limit."""
+    identity = model_identity(model)
+    experts = expert_tensor_names(spec)
+    src_fd = os.open(model.path, os.O_RDONLY)
+    try:
+        hdr_pos, gaps = _write_header(model, src_fd, tmp)
+    except BaseException:
+        os.close(src_fd)
+        raise
+    hdr_sum = hash_file_range(tmp / HEADER_SHARD, 0, hdr_pos)
+
+    # --- layout -----------------------------------------------------------------------------
+    pos = 0
+    tensors_json: list[dict[str, Any]] = []
+    tasks: list[tuple[Any, ...]] = []  # (kind, json record to complete, args...)
+    for t in sorted(model.tensors.values(), key=lambda t: t.offset):
+        entry: dict[str, Any] = {"name": t.name, "shape": list(t.shape), "type": t.type_name, "qtype": t.qtype,
+                                 "source_offset": t.offset, "nbytes": t.nbytes}
+        if t.name in experts:
+            entry.update(shard=None, offset=None, checksum=None)
+        else:
+            pos = _align(pos, ALIGNMENT)
+            entry.update(shard=HOT_SHARD, offset=pos)
+            tasks.append(("tensor", entry, [(t.offset, 0, t.nbytes)], pos, t.nbytes))
+            pos += t.nbytes
+        tensors_json.append(entry)
+    layers_json = []
+    (tmp / COLD_DIR).mkdir()
+    for il in spec.moe_layers:
+        parts, rel = [], 0
+        for s in expert_slices(model, spec, il, 0):
+            rel = _align(rel, PART_ALIGNMENT)
+            parts.append({"role": s.role, "tensor": s.tensor, "offset": rel, "nbytes": s.nbytes})
+            rel += s.nbytes
+        enb = rel
+        records = []
+        if not hot[il].all():
+            (tmp / COLD_DIR / f"L{il:03d}").mkdir()
+        for e in range(spec.n_expert):
+            pieces = [(s.offset, p["offset"], s.nbytes) for s, p in zip(expert_slices(model, spec, il, e), parts)]
+            if hot[il, e]:
+                pos = _align(pos, ALIGNMENT)
+                rec: dict[str, Any] = {"hot": True, "shard": HOT_SHARD, "offset": pos, "stored_nbytes": enb,
+                                       "compression": None}
+                tasks.append(("hot_expert", rec, pieces, pos, enb))
+                pos += enb
+            else:
+                rec = {"hot": False, "shard": cold_shard_name(il, e, compressed=compress), "offset": 0,
+                       "compression": "zstd" if compress else None}
+                tasks.append(("cold_expert", rec, pieces, 0, enb))
+            records.append(rec)
+        layers_json.append({"layer": il, "expert_nbytes": enb, "parts": parts, "experts": records})
+    hot_size = pos
+
+    # --- copy -------------------------------------------------------------------------------
+    hot_fd = os.open(tmp / HOT_SHARD, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.ftruncate(hot_fd, hot_size)  # padding is the zeros of the file's holes
+        _run_tasks(tasks, src_fd, hot_fd, tmp, compress, progress, jobs)
+    finally:
+        os.close(hot_fd)
+        os.close(src_fd)
+
+    n_hot = int(hot.sum())
+    n_total = len(spec.moe_layers) * spec.n_expert
+    return {
+        "format": PACK_FORMAT,
+        "version": PACK_VERSION,
+        "alignment": ALIGNMENT,
+        "checksum": HASH_NAME,
+        "compression": "zstd" if compress else None,
+        "arch": spec.arch,
+        "source": {"file_name": model.path.name, "identity": identity.to_json(), "data_offset": model.data_offset,
+                   "gguf_alignment": model.alignment, "gaps": gaps},
+        "shards": [{"path": HEADER_SHARD, "kind": "header", "nbytes": hdr_pos, "checksum": hdr_sum},
+                   {"path": HOT_SHARD, "kind": "hot", "nbytes": hot_size}],
+        "spec": spec_json(spec),
+        "metadata": {k: _jsonable(model.get(k)) for k in model.metadata_keys},
+        "tensors": tensors_json,
+        "experts": layers_json,
+        "placement": {"hot_experts": n_hot, "total_experts": n_total, **_jsonable(plan_info)},
+    }
+
+
+def _write_header(model: GGUFModel, src_fd: int, tmp: Path) -> tuple[int, list[list[Any]]]:
+    """header.bin: the original header bytes, then every padding gap that is not all zeros."""
+    fd = os.open(tmp / HEADER_SHARD, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        pos = 0
+        while pos < model.data_offset:
+            buf = memoryview(bytearray(min(CHUNK, model.data_offset - pos)))
+            _pread_all(src_fd, buf, pos)
+            _pwrite_all(fd, buf, pos)
+            pos += len(buf)
+        gaps: list[list[Any]] = []
+        for off, n in _source_layout(model):
+            raw = memoryview(bytearray(n))
+            _pread_all(src_fd, raw, off)
+            if any(raw):
+                _pwrite_all(fd, raw, pos)
+                gaps.append([off, n, pos])
+                pos += n
+            else:
+                gaps.append([off, n, None])
+    finally:
+        os.close(fd)
+    return pos, gaps
+
+
+def _run_tasks(tasks: list[tuple[Any, ...]], src_fd: int, hot_fd: int, tmp: Path, compress: bool,
+               progress: Callable[[int], None], jobs: int) -> None:
+    bufs = _Buffers()
+    zlocal = threading.local()
+
+    def compressor():
+        zc = getattr(zlocal, "zc", None)
+        if zc is None:
+            import zstandard
+
+            zc = zlocal.zc = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        return zc
+
+    def run(task: tuple[Any, ...]) -> int:
+        kind, rec, pieces, dst_off, nbytes = task
+        h = hashlib.new(HASH_NAME)
+        if kind == "tensor":  # possibly huge: stream it in chunks
+            (src_off, _, n), = pieces
+            buf = bufs.get(CHUNK)
+            done = 0
+            while done < n:
+                k = min(CHUNK, n - done)
+                _pread_all(src_fd, buf[:k], src_off + done)
+                h.update(buf[:k])
+                _pwrite_all(hot_fd, buf[:k], dst_off + done)
+                done += k
+            rec["checksum"] = f"{HASH_NAME}:{h.hexdigest()}"
+            return n
+        # one expert: a few MB, assembled in the buffer with zeroed padding, then one write
+        buf = bufs.get(nbytes)[:nbytes]
+        cursor = 0
+        for src_off, rel, n in pieces:
+            buf[cursor:rel] = bytes(rel - cursor)
+            _pread_all(src_fd, buf[rel: rel + n], src_off)
+            cursor = rel + n
+        buf[cursor:] = bytes(nbytes - cursor)
+        h.update(buf)
+        rec["checksum"] = f"{HASH_NAME}:{h.hexdigest()}"
+        if kind == "hot_expert":
+            _pwrite_all(hot_fd, buf, dst_off)
+            return nbytes
+        data: memoryview | bytes = compressor().compress(buf) if compress else buf
+        fd = os.open(tmp / rec["shard"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _pwrite_all(fd, memoryview(data), 0)
+        finally:
+            os.close(fd)
+        rec["stored_nbytes"] = len(data)
+        if compress:
+            rec["shard_checksum"] = f"{HASH_NAME}:{hashlib.new(HASH_NAME, data).hexdigest()}"
+        return nbytes
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        # bounded window of futures: results are tiny, but 10k pending tasks need not all exist
+        pending: set = set()
+        it = iter(tasks)
+        exhausted = False
+        while True:
+            while not exhausted and len(pending) < 4 * max(1, jobs):
+                try:
+                    pending.add(pool.submit(run, next(it)))
+                except StopIteration:
+                    exhausted = True
+            if not pending:
+                break
+            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            for f in done:
+                progress(f.result())  # re-raises a worker's error here
