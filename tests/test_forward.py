@@ -182,7 +182,7 @@ def test_spark_run_logits_out_matches_transformers(arch, tiny_hf_gguf, hf_ref, t
     ids = token_ids(hf.config.vocab_size, 12, seed=3)
     out = tmp_path / "logits.npy"
     r = subprocess.run([sys.executable, "-m", "runtime.cli", str(tiny_hf_gguf(arch)[1]),
-                        "--prompt-ids", ",".join(map(str, ids)), "--logits-out", str(out), "--device", DEVICE],
+                        "--prompt-ids", ",".join(map(str, ids)), "--logits-out", str(out), "--device", DEVICE, "--dtype", "float32"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     logits = np.load(out)

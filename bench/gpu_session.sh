@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One device call that measures the formats pipeline at full size: synth a Qwen3.6-35B-A3B-shaped
+# Q4_K_M GGUF (~20 GB), split it into a pack, verify, join back (byte-compared), and measure zstd
+# on a layer-cut copy; then run the forward and dequant tests on CUDA.
+#   usage (repo root, on the GPU machine, wheels from .whl/ carried): bash bench/gpu_session.sh [steps]
+# steps: any of synth split compress tests kernels (default: all but kernels)
+set -euo pipefail
+steps="${*:-synth split compress tests}"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+work="${BENCH_DIR:-/var/tmp/sparkpack-bench}"
+mkdir -p "$work"
+echo "== machine"; nproc; free -g | head -2; df -h "$work" /dev/shm | tail -2
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+model="$work/qwen36-q4km.gguf"
+for step in $steps; do
+  case "$step" in
+    synth)
+      echo "== synth (disk)"
+      python3 bench/synth_bench.py --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -o "$model" --keep ;;
+    split)
+      echo "== split / verify / join (page cache warm from synth)"
+      python3 bench/split_bench.py "$model" --hot-fraction 0.6 --workdir "$work" ;;
+    compress)
+      echo "== zstd ratio on the first 4 layers (same shapes)"
+      cut="$work/cut.gguf"
+      python3 -m repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M --layers 4 -j 16 -o "$cut" >/dev/null
+      python3 bench/split_bench.py "$cut" --hot-fraction 0.6 --workdir "$work" --compress
+      rm -f "$cut" ;;
+    tests)
+      echo "== forward + dequant tests on CUDA"
+      SPARKPACK_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_forward.py tests/test_dequant.py 2>&1 | tail -5 ;;
+    kernels)
+      echo "== kernels"
+      python3 bench/kernels_bench.py ;;
+  esac
+done
