@@ -12,6 +12,7 @@ from formats.errors import cli_entry
 COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("repack.inspect_cmd", "inspect_cmd"),
     "synth": ("repack.synth_cmd", "synth_cmd"),
+    "demo": ("repack.demo_cmd", "demo_cmd"),
     "convert-hf": ("repack.convert_hf_cmd", "convert_hf_cmd"),
     "split": ("repack.split_cmd", "split_cmd"),
     "join": ("repack.join_cmd", "join_cmd"),
