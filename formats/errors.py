@@ -43,6 +43,10 @@ def cli_entry(command, prog: str) -> None:
     except click.exceptions.Abort:
         click.echo(f"{prog}: aborted", err=True)
         sys.exit(130)
+    except click.UsageError as e:  # bad option or argument: one line, with where to look
+        cmd = e.ctx.command_path if e.ctx is not None else prog
+        click.echo(f"{prog}: error: {e.format_message()} (see '{cmd} --help')", err=True)
+        sys.exit(e.exit_code)
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
