@@ -3,7 +3,8 @@
 # Q4_K_M GGUF (~20 GB), split it into a pack, verify, join back (byte-compared), and measure zstd
 # on a layer-cut copy; then run the forward and dequant tests on CUDA.
 #   usage (repo root, on the GPU machine, wheels from .whl/ carried): bash bench/gpu_session.sh [steps]
-# steps: any of synth split compress tests kernels (default: all but kernels)
+# steps: any of synth split compress tests kernels calib (default: synth split compress tests)
+# calib replays BENCH_CORPUS (default: corpora/) through the synthetic model on CUDA.
 set -euo pipefail
 steps="${*:-synth split compress tests}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -29,7 +30,15 @@ for step in $steps; do
       rm -f "$cut" ;;
     tests)
       echo "== forward + dequant tests on CUDA"
-      SPARKPACK_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_forward.py tests/test_dequant.py 2>&1 | tail -5 ;;
+      SPARKPACK_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --tb=short ${TESTS:-tests/test_forward.py tests/test_dequant.py tests/test_kernels.py} \
+        > "${OUT:-$work}/tests.log" 2>&1 || true
+      tail -15 "${OUT:-$work}/tests.log" ;;
+    calib)
+      echo "== calibration throughput (full-size synthetic model, CUDA)"
+      [ -f "$model" ] || python3 -m repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 16 --skew reference -o "$model" >/dev/null
+      /usr/bin/time -v python3 -m repack.cli calibrate "$model" --corpus "${BENCH_CORPUS:-corpora}" --device cuda \
+        --max-tokens "${CALIB_TOKENS:-4096}" -o "$work/calib.profile.json" --quiet 2> "$work/calib.err" || { tail -5 "$work/calib.err"; exit 1; }
+      grep -E "Elapsed|Maximum resident" "$work/calib.err" ;;
     kernels)
       echo "== kernels"
       python3 bench/kernels_bench.py ;;

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import filecmp
+import json
 import os
 import shutil
 import subprocess
@@ -32,6 +33,18 @@ def run_child(cmd: list[str]) -> tuple[float, int]:
     if proc.returncode:
         sys.exit(f"{' '.join(cmd)} failed with exit code {proc.returncode}")
     return seconds, usage.ru_maxrss * 1024
+
+
+def cold_bytes(pack: Path) -> tuple[int, int]:
+    """(expert bytes, bytes on disk) over the cold shards, from the manifest."""
+    manifest = json.loads((pack / "manifest.json").read_text())
+    raw = stored = 0
+    for layer in manifest["experts"]:
+        for e in layer["experts"]:
+            if not e["hot"]:
+                raw += layer["expert_nbytes"]
+                stored += e["stored_nbytes"]
+    return raw, stored
 
 
 def main() -> None:
@@ -60,11 +73,15 @@ def main() -> None:
         rows.append(("join", *run_child(repack + ["join", str(pack), "-o", str(joined)])))
         same = filecmp.cmp(a.model, joined, shallow=False)
         n_files = sum(len(f) for _, _, f in os.walk(pack))
+        raw, stored = cold_bytes(pack)
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
     print(f"model {a.model.name}: {size / 2**30:.2f} GiB, pack files {n_files}, "
           f"compress {'zstd' if a.compress else 'off'}, join byte-identical: {'yes' if same else 'NO'}")
+    if raw:
+        print(f"cold shards: {raw / 2**30:.3f} GiB of expert bytes stored in {stored / 2**30:.3f} GiB "
+              f"(ratio {raw / stored:.3f}, {1 - stored / raw:.1%} saved)")
     print(f"{'step':<7} {'seconds':>8} {'GB/s':>6} {'peak RSS MiB':>12}")
     for step, seconds, rss in rows:
         print(f"{step:<7} {seconds:>8.2f} {size / seconds / 1e9:>6.2f} {rss / 2**20:>12.0f}")

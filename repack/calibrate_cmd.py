@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,7 @@ def run_calibrate(gguf, spec, identity, corpus: Path, output: Path, max_tokens: 
         if stop_after is not None and counted[0] >= stop_after:
             raise _Stop()
 
+    started, tokens_before = time.perf_counter(), state.total_tokens
     try:
         replayer.replay(convs, state, max_tokens=max_tokens, trace=trace, skip=list(state.done),
                         after_each=after_each, on_tokens=bar.update)
@@ -145,6 +147,7 @@ def run_calibrate(gguf, spec, identity, corpus: Path, output: Path, max_tokens: 
         click.echo(f"checkpoint saved to {ckpt}; rerun with --resume to continue", err=True)
         raise
     bar.close()
+    seconds = time.perf_counter() - started
     if state.total_tokens == 0:
         if trace is not None:
             trace.abandon()
@@ -168,6 +171,8 @@ def run_calibrate(gguf, spec, identity, corpus: Path, output: Path, max_tokens: 
                + (f" ({state.split_windows} longer than --ctx {ctx}, split into windows)" if state.split_windows
                   else "")
                + (" (stopped at --max-tokens)" if state.truncated else ""))
+    replayed = state.total_tokens - tokens_before
+    click.echo(f"replay: {replayed} tokens in {seconds:.1f} s ({replayed / max(seconds, 1e-9):.0f} tokens/s)")
     if state.skipped:
         click.echo("not replayed: " + ", ".join(f"{n} {why}" for why, n in sorted(state.skipped.items())))
     click.echo(f"top 60% of experts take {top_share(both, spec.moe_layers):.1%} of routings "
