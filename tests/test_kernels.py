@@ -259,7 +259,8 @@ def test_kernels_compile_for_h100() -> None:
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this triton install has no CUDA backend (ptxas)")
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
+    env = {**os.environ, "TRITON_INTERPRET": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-c", "from tests.test_kernels import aot_compile_all; aot_compile_all()"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "compiled 11" in proc.stdout, proc.stderr[-3000:]

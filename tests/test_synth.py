@@ -191,14 +191,16 @@ def test_cli_writes_and_rejects_bad_combinations(tmp_path: Path) -> None:
 
 
 MEDIUM_WRITER = textwrap.dedent("""
-    import json, resource, sys
+    import json, sys
     from dataclasses import replace
     from repack.synth import write_synthetic
     from repack.synth.presets import get_preset
     p = replace(get_preset("qwen3moe", "tiny"), name="medium", n_embd=1024, n_expert=64, n_ff_exp=1024,
                 n_vocab=4096, special_start=3000)
     path = write_synthetic(sys.argv[1], "qwen3moe", p, "Q4_K_M")
-    kib = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    # VmHWM, not ru_maxrss: rusage survives exec, so a child forked from a big pytest process
+    # would report the parent's size; the mm's high-water mark starts fresh at exec.
+    kib = int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM")))
     print(json.dumps({"peak_rss": kib * 1024, "size": path.stat().st_size}))
 """)
 
