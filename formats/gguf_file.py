@@ -7,6 +7,7 @@ become one ``FormatError`` line naming the file.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -38,10 +39,7 @@ class TensorInfo:
 
     @property
     def n_elements(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 class GGUFModel:

@@ -17,6 +17,8 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from gguf.vocab import bytes_to_unicode
+
 from formats.errors import SparkpackError
 
 # gguf.TokenType values
@@ -52,20 +54,8 @@ _EOG_TEXTS = frozenset({
 })
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in for every byte (byte-level BPE tokens are spelled in these)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
-
-
-_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+# byte-level BPE tokens spell bytes in GPT-2's printable stand-ins (gguf-py has the map)
+_UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
 
 MetadataSource = Mapping[str, Any] | Callable[[str], Any] | Any
 

@@ -4,6 +4,7 @@ them (``conversion/{qwen,laguna}.py``) and its loader expects (``src/models/*.cp
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -23,10 +24,7 @@ class TensorPlan:
 
     @property
     def n_elements(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def _llama_order(name: str) -> tuple[int, str]:

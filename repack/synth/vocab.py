@@ -7,11 +7,12 @@ special tokens at their real ids for full-size presets, and filler up to the voc
 """
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
-import re
+from gguf.vocab import bytes_to_unicode
 
 # tokenizer.ggml.token_type values (gguf.TokenType)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -32,19 +33,6 @@ The quick brown fox jumps over the lazy dog. Please write a function that return
 You are a helpful assistant. What is the weather today? I will call a tool to get the answer for you.
 system user assistant tool tools function name arguments content message messages response error file
 """ * 3 + " the and of to in is that for it with as on this be are was by an or not from at have"
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible map from bytes to printable unicode characters."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 def learn_merges(text: str, n_merges: int) -> list[tuple[str, str]]:
