@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Baseline: llama.cpp's own llama-bench (CUDA, all layers on the GPU) on the same GGUFs we serve, so
+# BENCHMARKS.md can put our tokens/s next to llama.cpp's. Runs on the GPU machine (no network), from
+# the repo root, with the git-ignored .device/llama.cpp carried: a stripped llama.cpp tree (from the
+# llama-cpp-python 0.3.36 sdist, build d066322) holding only what CMake needs for llama-bench.
+#   bash bench/llama_bench.sh --build-only             # build only (e.g. in the background, ~5 min)
+#   bash bench/llama_bench.sh [--no-build] M.gguf ...  # build unless the binary exists, then bench
+# Builds only the llama-bench target, sm_90, into $LLAMA_BUILD (default /tmp/llama-build); needs
+# cmake >= 3.18, gcc and a CUDA toolkit with nvcc + cuBLAS (CUDA_HOME or /usr/local/cuda).
+# Per model: pp512/pp4096 and tg128 at KV depths 0/1024/4096 (this llama-bench has -d/--n-depth),
+# flash attention on, 3 repetitions; markdown on stdout, json in $OUT/llama_bench_<model>.json.
+# Extra llama-bench flags: LLAMA_BENCH_ARGS (e.g. "-ub 2048" or "-ncmoe 20"); values of a flag given
+# above (-p -n -d ...) are added to the list, not replaced.
+set -euo pipefail
+build_dir="${LLAMA_BUILD:-/tmp/llama-build}"
+bin="$build_dir/bin/llama-bench"
+build=1 build_only=0
+case "${1:-}" in
+  --build-only) build_only=1; shift ;;
+  --no-build) build=0; shift ;;
+esac
+
+if [ "$build" = 1 ] && [ ! -x "$bin" ]; then
+  cuda="${CUDA_HOME:-/usr/local/cuda}"
+  command -v nvcc >/dev/null || export PATH="$cuda/bin:$PATH"
+  echo "== build llama-bench (nvcc: $(command -v nvcc || echo MISSING), $(cmake --version | head -1))"
+  t0=$(date +%s)
+  cmake -B "$build_dir" -S .device/llama.cpp -DCMAKE_BUILD_TYPE=Release \
+    -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="${LLAMA_CUDA_ARCH:-90}" -DGGML_NATIVE=OFF -DGGML_CCACHE=OFF \
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF > "$build_dir.configure.log" 2>&1 \
+    || { tail -30 "$build_dir.configure.log"; exit 1; }
+  cmake --build "$build_dir" --target llama-bench -j"$(nproc)" > "$build_dir.build.log" 2>&1 \
+    || { grep -m20 -B2 -A5 -i "error" "$build_dir.build.log"; tail -20 "$build_dir.build.log"; exit 1; }
+  echo "built $bin in $(( $(date +%s) - t0 )) s"
+fi
+[ "$build_only" = 1 ] && exit 0
+[ -x "$bin" ] || { echo "no $bin: build first (bash bench/llama_bench.sh --build-only)" >&2; exit 1; }
+
+mkdir -p "${OUT:-/tmp}"
+for model in "$@"; do
+  json="${OUT:-/tmp}/llama_bench_$(basename "$model" .gguf).json"
+  echo "== llama-bench $model"
+  # json (pure) on stdout goes to the file; the markdown table (-oe md) and any logs on stderr to our stdout
+  "$bin" -m "$model" -ngl 99 -fa 1 -p 512,4096 -n 128 -d 0,1024,4096 -r 3 ${LLAMA_BENCH_ARGS:-} \
+    -o json -oe md 2>&1 >"$json" || echo "llama-bench FAILED on $model (rc $?)"
+  echo "json: $json"
+done
