@@ -71,6 +71,12 @@ def hash_file_range(path: str | os.PathLike[str], start: int, nbytes: int) -> st
     return f"{HASH_NAME}:{h.hexdigest()}"
 
 
+def default_profile_path(model_path: str | os.PathLike[str]) -> Path:
+    """``model.gguf`` -> ``model.profile.json`` beside it (where calibrate writes, spark-run looks)."""
+    model_path = Path(model_path)
+    return model_path.with_name(model_path.stem + ".profile.json")
+
+
 def model_identity(model: GGUFModel) -> ModelIdentity:
     """Identity of an open GGUF (reads only its header bytes)."""
     n = model.data_offset

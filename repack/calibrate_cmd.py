@@ -12,13 +12,9 @@ from typing import Any
 import click
 
 from formats.errors import SparkpackError
+from formats.profile import default_profile_path
 
 CHECKPOINT_EVERY = 16  # conversations between checkpoints; each costs one small JSON write
-
-
-def default_profile_path(model_path: Path) -> Path:
-    """``model.gguf`` -> ``model.profile.json`` beside it."""
-    return model_path.with_name(model_path.stem + ".profile.json")
 
 
 def checkpoint_path(profile_path: Path) -> Path:

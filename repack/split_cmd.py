@@ -14,7 +14,7 @@ from formats.experts import expert_nbytes, expert_tensor_names
 from formats.gguf_file import GGUFModel
 from formats.memory import RUNTIME_OVERHEAD_BYTES, kv_cache_bytes, recurrent_state_bytes
 
-from .placement import Plan, make_plan
+from formats.placement import Plan, make_plan
 from .units import SIZE, fmt_size
 
 DEFAULT_HOT_FRACTION = 0.5

@@ -6,6 +6,11 @@
   spark-run model.gguf                      interactive chat (keeps the history)
   spark-run model.gguf --prompt-ids 1,2,3 --logits-out l.npy
                                             logits [n_ids, vocab] of exactly those ids
+  spark-run model.sparkpack --vram 14GiB    fit a 16 GB card: hot experts, cache and KV
+                                            sized to the budget, misses streamed from RAM
+
+On a GPU the experts live in the tiered store (hot set, cache slots, pinned host memory);
+a .sparkpack brings its placement, a .gguf uses MODEL.profile.json when present.
 """
 from __future__ import annotations
 
@@ -22,17 +27,34 @@ from repack.units import SizeParam
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
 
 
-def open_model(path: Path, device: str, dtype_name: str, expert_cache: int | None = None):
-    """Build the runtime model from a .gguf file or a .sparkpack directory."""
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SparkpackError(None, "--device cuda: no CUDA device is available (use --device cpu)")
+    return device
+
+
+def open_model(path: Path, device: str, dtype_name: str, expert_cache: int | None = None, store=None):
+    """Build the runtime model from a .gguf file or a .sparkpack directory (``store``: a
+    ``runtime.residency.StoreOptions`` for the tiered expert store, None for the plain path)."""
     import torch
 
     from .models import load_model
 
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SparkpackError(None, "--device cuda: no CUDA device is available (use --device cpu)")
+    device = resolve_device(device)
     if dtype_name == "auto":
         dtype_name = "bfloat16" if device == "cuda" else "float32"
-    return load_model(path, device=device, dtype=getattr(torch, dtype_name), expert_cache_bytes=expert_cache)
+    if store is not None and store.vram is not None and device == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        if store.vram > total:
+            raise SparkpackError(None, f"--vram {store.vram / 1024**3:.2f} GiB is more than the GPU has "
+                                       f"({total / 1024**3:.2f} GiB)")
+        torch.cuda.set_per_process_memory_fraction(store.vram / total)  # the allocator enforces the budget
+    return load_model(path, device=device, dtype=getattr(torch, dtype_name), expert_cache_bytes=expert_cache,
+                      store=store)
 
 
 def load_tokenizer(model):
@@ -117,11 +139,27 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
 @click.option("--prompt-ids", help="Comma-separated token ids fed exactly (no BOS, no template).")
 @click.option("--logits-out", type=click.Path(dir_okay=False, path_type=Path),
               help="With --prompt-ids: write float32 logits [n_ids, vocab] to this .npy and exit.")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="auto: cuda when a GPU is present.")
 @click.option("--dtype", "dtype_name", type=click.Choice(DTYPES), default="auto", show_default=True,
               help="Compute dtype (auto: float32 on cpu, bfloat16 on cuda).")
 @click.option("--expert-cache", type=SizeParam(), default="8GiB", show_default=True,
-              help="Memory for dequantized experts (least recently used are re-expanded when needed).")
+              help="Without the store (CPU): memory for dequantized experts (LRU, re-expanded when needed).")
+@click.option("--vram", type=SizeParam(), help="GPU memory budget: hot experts, cache slots and KV cache sized to fit.")
+@click.option("--hot-fraction", type=click.FloatRange(0, 1), help="Share of expert bytes kept on the GPU.")
+@click.option("--cache-slots", type=click.IntRange(min=0), help="GPU slots caching cold experts [4 x top-k].")
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Routing profile choosing the hot experts [MODEL.profile.json when present].")
+@click.option("--stream", "stream_mode", type=click.Choice(["auto", "zerocopy", "async", "sync"]), default="auto",
+              show_default=True, help="How misses reach the GPU (see runtime/expert_store.py).")
+@click.option("--host-ram", type=SizeParam(), help="Pinned host memory for cold experts [80% of available]; "
+              "less than they need reads misses from disk.")
+@click.option("--ctx", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Context the --vram budget reserves KV cache for.")
+@click.option("--store/--no-store", "use_store", default=None,
+              help="Use the tiered expert store [on for cuda or when a store option is given].")
+@click.option("--stats-json", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write speed, hit and memory statistics of the run to this JSON file.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.7, show_default=True,
               help="0 means greedy.")
@@ -131,13 +169,45 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
 @click.option("--repeat-penalty", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None, help="Sampling seed (default: random).")
 def run_cmd(model_path: Path, prompt: str | None, system: str | None, raw: bool, prompt_ids: str | None,
-            logits_out: Path | None, device: str, dtype_name: str, expert_cache: int, max_tokens: int, temperature: float,
-            top_k: int, top_p: float, min_p: float, repeat_penalty: float, seed: int | None) -> None:
+            logits_out: Path | None, device: str, dtype_name: str, expert_cache: int, vram: int | None,
+            hot_fraction: float | None, cache_slots: int | None, profile_path: Path | None, stream_mode: str,
+            host_ram: int | None, ctx: int, use_store: bool | None, stats_json: Path | None, max_tokens: int,
+            temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
+            seed: int | None) -> None:
     if logits_out is not None and prompt_ids is None:
         raise SparkpackError(None, "--logits-out needs --prompt-ids")
     if prompt_ids is not None and prompt is not None:
         raise SparkpackError(None, "give either -p/--prompt or --prompt-ids, not both")
-    model = open_model(model_path, device, dtype_name, expert_cache)
+    device = resolve_device(device)
+    asked = (vram, hot_fraction, cache_slots, profile_path, host_ram) != (None,) * 5 or stream_mode != "auto"
+    if use_store is False and asked:
+        raise SparkpackError(None, "--no-store cannot be combined with the store's options")
+    store = None
+    if use_store or (use_store is None and (device == "cuda" or asked)):
+        from .residency import StoreOptions
+
+        store = StoreOptions(vram, hot_fraction, cache_slots, profile_path, stream_mode,
+                             host_ram if host_ram is not None else default_host_ram(), ctx)
+    import torch
+
+    try:
+        model = open_model(model_path, device, dtype_name, expert_cache, store)
+        if model.residency is not None:
+            report_residency(model)
+        session = run_session(model, prompt, system, raw, prompt_ids, logits_out, max_tokens,
+                              make_sampler(temperature, top_k, top_p, min_p, repeat_penalty, seed))
+    except torch.cuda.OutOfMemoryError:
+        raise SparkpackError(model_path, "the GPU ran out of memory: lower --vram's share for experts "
+                                         "(--hot-fraction, --cache-slots) or --ctx") from None
+    if session is not None:
+        report_stats(model, session, stats_json)
+
+
+def run_session(model, prompt, system, raw, prompt_ids, logits_out, max_tokens, sampler):
+    """The run itself; returns the generation session (for statistics) or None."""
+    from .generate import Session
+
+    session = Session(model)
     if prompt_ids is not None:
         ids = parse_ids(prompt_ids, model.spec.n_vocab)
         if logits_out is not None:
@@ -145,11 +215,9 @@ def run_cmd(model_path: Path, prompt: str | None, system: str | None, raw: bool,
 
             logits = model.forward(ids).float().cpu().numpy().astype(np.float32)
             save_npy_atomic(logits_out, logits)
-            return
-    sampler = make_sampler(temperature, top_k, top_p, min_p, repeat_penalty, seed)
-    if prompt_ids is not None:
-        stream(model, load_tokenizer(model), ids, sampler, max_tokens)
-        return
+            return None
+        stream(model, load_tokenizer(model), ids, sampler, max_tokens, session=session)
+        return session
 
     tok = load_tokenizer(model)
     if prompt is not None:
@@ -160,17 +228,93 @@ def run_cmd(model_path: Path, prompt: str | None, system: str | None, raw: bool,
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}]
             ids = chat_ids(tok, template, messages)
-        stream(model, tok, ids, sampler, max_tokens)
-        return
-    chat(model, tok, chat_template(model, False), system, sampler, max_tokens)
+        stream(model, tok, ids, sampler, max_tokens, session=session)
+        return session
+    chat(model, tok, chat_template(model, False), system, sampler, max_tokens, session)
+    return session
 
 
-def chat(model, tok, template: str, system: str | None, sampler, max_tokens: int) -> None:
+def default_host_ram() -> int | None:
+    """80% of the memory the OS reports available (None where it does not say)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(int(line.split()[1]) * 1024 * 0.8)
+    except OSError:
+        pass
+    return None
+
+
+def report_residency(model) -> None:
+    r, st = model.residency, model.experts
+    d = st.describe()
+    line = (f"experts: {d['hot_experts']}/{d['experts']} hot ({d['hot_fraction']:.0%}, {r.source}), "
+            f"{d['cache_slots']} cache slots, misses via {d['mode']}, cold experts in {d['host_tier']} memory")
+    if r.expected_cold_rate is not None:
+        line += f", expected cold-hit rate {r.expected_cold_rate:.1%}"
+    click.echo(line, err=True)
+
+
+def collect_stats(model, session) -> dict:
+    """The run's numbers: speed, where routings were served, bytes streamed, memory peak."""
+    import torch
+
+    t = session.timing
+    out = {"prefill_tokens": t.prefill_tokens, "prefill_seconds": t.prefill_seconds,
+           "prefill_tok_s": t.prefill_tokens / t.prefill_seconds if t.prefill_seconds else None,
+           "decode_tokens": t.decode_tokens, "decode_seconds": t.decode_seconds,
+           "decode_tok_s": t.decode_tokens / t.decode_seconds if t.decode_seconds else None}
+    store = model.experts if model.residency is not None else None
+    if store is not None:
+        s = store.stats.as_json()
+        out["store"] = {**store.describe(), **s}
+        busy = t.prefill_seconds + t.decode_seconds
+        out["store"]["stream_gb_s"] = s["bytes_streamed"] / busy / 1e9 if busy else None
+        out["residency"] = model.residency.as_json()
+    if model.device.type == "cuda":
+        out["vram_peak_allocated"] = torch.cuda.max_memory_allocated()
+        out["vram_peak_reserved"] = torch.cuda.max_memory_reserved()
+    return out
+
+
+def report_stats(model, session, stats_json: Path | None) -> None:
+    s = collect_stats(model, session)
+    parts = []
+    if s["prefill_tok_s"]:
+        parts.append(f"prefill {s['prefill_tokens']} tok at {s['prefill_tok_s']:.1f} tok/s")
+    if s["decode_tok_s"]:
+        parts.append(f"decode {s['decode_tokens']} tok at {s['decode_tok_s']:.1f} tok/s")
+    st = s.get("store")
+    if st:
+        parts.append(f"per token: {st['hot_hits_per_token']:.1f} hot, {st['cache_hits_per_token']:.1f} cached, "
+                     f"{st['misses_per_token']:.1f} missed; {st['bytes_streamed'] / 1e9:.2f} GB streamed")
+    if "vram_peak_reserved" in s:
+        parts.append(f"VRAM peak {s['vram_peak_allocated'] / 1024**3:.2f} GiB allocated, "
+                     f"{s['vram_peak_reserved'] / 1024**3:.2f} GiB reserved")
+    if parts:
+        click.echo("[" + "; ".join(parts) + "]", err=True)
+    if stats_json is not None:
+        import json
+
+        write_text_atomic(stats_json, json.dumps(s, indent=1) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    path = path.resolve()
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def chat(model, tok, template: str, system: str | None, sampler, max_tokens: int, session) -> None:
     """Interactive loop: the conversation is re-rendered each turn and the cache reused for the
     unchanged prefix. Empty line or EOF ends it; /reset clears the history."""
-    from .generate import Session
-
-    session = Session(model)
     messages: list[dict] = [{"role": "system", "content": system}] if system else []
     interactive = sys.stdin.isatty()
     while True:

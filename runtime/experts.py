@@ -11,6 +11,7 @@ again), which matters for real models: Qwen3-30B's experts are ~115 GiB in float
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -92,13 +93,26 @@ def _nbytes(tensors: tuple[torch.Tensor, ...]) -> int:
 
 def moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider: ExpertProvider,
         layer: int) -> torch.Tensor:
-    """Weighted sum of the chosen experts' outputs: ``x [T, n_embd]``, ``weights/ids [T, k]``."""
+    """Weighted sum of the chosen experts' outputs: ``x [T, n_embd]``, ``weights/ids [T, k]``.
+
+    A provider with its own ``moe`` (the tiered store: fused kernel, residency bookkeeping) serves
+    the whole layer; otherwise experts are computed one by one through ``forward``."""
     observe = getattr(provider, "observe_routing", None)  # calibration counts routings here
     if observe is not None:
         observe(layer, ids)
+    whole = getattr(provider, "moe", None)
+    if whole is not None:
+        return whole(layer, x, weights, ids)
+    return routed_sum(x, weights, ids, lambda e, rows: provider.forward(layer, e, rows))
+
+
+def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+               expert_forward: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``sum_j w[t,j] * expert_{ids[t,j]}(x_t)``, experts in increasing id order: the order (and so
+    the rounding) depends only on the routing, never on where an expert's weights live."""
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
         rows, slot = torch.nonzero(ids == e, as_tuple=True)
-        y = provider.forward(layer, e, x[rows]) * weights[rows, slot, None].to(x.dtype)
+        y = expert_forward(e, x[rows]) * weights[rows, slot, None].to(x.dtype)
         out.index_add_(0, rows, y)
     return out

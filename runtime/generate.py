@@ -6,7 +6,9 @@ state included, can only grow, so anything that is not an extension starts a fre
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -18,9 +20,24 @@ class TokenSampler(Protocol):
     def sample(self, logits: torch.Tensor, history: list[int]) -> int: ...
 
 
+@dataclass
+class Timing:
+    """Wall time of prompt processing (calls with several new tokens) and decode (one token)."""
+
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+
+
+PREFILL_CHUNK = 512  # bounds activation memory (attention scores, expert inputs) of long prompts
+
+
 class Session:
-    def __init__(self, model: MoEModel):
+    def __init__(self, model: MoEModel, prefill_chunk: int = PREFILL_CHUNK):
         self.model = model
+        self.prefill_chunk = prefill_chunk
+        self.timing = Timing()
         self.reset()
 
     def reset(self) -> None:
@@ -35,7 +52,18 @@ class Session:
         if len(ids) <= n or ids[:n] != self.fed:
             self.reset()
             n = 0
-        logits = self.model.forward(ids[n:], self.cache)[-1]
+        t0 = time.perf_counter()
+        for i in range(n, len(ids), self.prefill_chunk):
+            logits = self.model.forward(ids[i: i + self.prefill_chunk], self.cache, last_only=True)[-1]
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        dt, new = time.perf_counter() - t0, len(ids) - n
+        if new == 1:
+            self.timing.decode_tokens += 1
+            self.timing.decode_seconds += dt
+        else:
+            self.timing.prefill_tokens += new
+            self.timing.prefill_seconds += dt
         self.fed = list(ids)
         return logits
 

@@ -59,13 +59,20 @@ def test_session_reuses_the_cached_prefix(qwen35):
     session = Session(model)
     ids = [3, 14, 15, 92, 65, 35, 89]
     first = session.feed(ids[:4])
-    assert torch.equal(first, model.forward(ids[:4])[-1])
+    assert torch.equal(first, model.forward(ids[:4], last_only=True)[-1])
     second = session.feed(ids)  # extension: only the 3 new tokens are computed
     assert session.cache.pos == len(ids)
     assert torch.allclose(second, model.forward(ids)[-1], rtol=0, atol=1e-10)
     third = session.feed([3, 14, 7])  # not an extension: starts over (recurrent state cannot rewind)
     assert session.cache.pos == 3
     assert torch.allclose(third, model.forward([3, 14, 7])[-1], rtol=0, atol=1e-10)
+
+
+def test_session_prefills_long_prompts_in_chunks(qwen35):
+    model = load_model(qwen35, dtype=torch.float64)
+    ids = [(7 * i + 3) % 50 for i in range(11)]
+    chunked = Session(model, prefill_chunk=4).feed(ids)
+    assert torch.allclose(chunked, model.forward(ids)[-1], rtol=0, atol=1e-10)
 
 
 def test_prompt_ids_logits_out_writes_every_position(qwen, tmp_path, monkeypatch, capsys):

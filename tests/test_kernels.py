@@ -184,6 +184,23 @@ def test_moe_matches_reference_and_ignores_slot_placement(moe_case: dict) -> Non
     assert torch.equal(first, moved)
 
 
+def test_moe_host_pool_gives_identical_bits(moe_case: dict) -> None:
+    """Zero-copy residency: experts 1 and 3 live only in a host pool (table entry -(h+1)); the
+    result is bit-identical to all experts in the device pool."""
+    all_dev = run_moe(moe_case, [0, 1, 2, 3, 4], 5)
+    dev_slot = [0, -1, 1, -1, 2]  # device pool slots; -1: not in the device pool
+    host_slot = {1: 1, 3: 0}  # host pool slots
+    table = [s if s >= 0 else -(host_slot[e] + 1) for e, s in enumerate(dev_slot)]
+    host_of = [host_slot.get(e, -1) for e in range(N_EXPERT)]
+    c = moe_case
+    out = moe_experts(c["x"].to(DEVICE), c["ids"].to(DEVICE), c["wts"].to(DEVICE),
+                      torch.tensor(table, dtype=torch.int32, device=DEVICE),
+                      pools(c["gate"], dev_slot, 3), pools(c["up"], dev_slot, 3), pools(c["down"], dev_slot, 3),
+                      T.Q4_K, T.Q5_K, T.Q6_K, N_FF, validate=True, block_n=64,
+                      host=(pools(c["gate"], host_of, 2), pools(c["up"], host_of, 2), pools(c["down"], host_of, 2)))
+    assert torch.equal(out, all_dev)
+
+
 def test_moe_non_resident_expert_is_caught(moe_case: dict) -> None:
     chosen = int(moe_case["ids"][0, 0])
     slot_of = [e if e != chosen else -1 for e in range(N_EXPERT)]
@@ -239,9 +256,9 @@ def aot_compile_all(arch: int = 90) -> None:
     jobs += [(qm._qmm_kernel, x_types, {"QTYPE": int(q), "BLOCK_B": 16, "BLOCK_N": 32, "DOT_FP32": f})
              for q, f in ((T.Q4_K, False), (T.Q6_K, True))]
     jobs += [(moe._gate_up_kernel, {"x_ptr": "*fp32", "ids_ptr": "*i32", "slot_ptr": "*i32", "h_ptr": "*fp32"},
-              {"GATE_QTYPE": int(T.Q4_K), "UP_QTYPE": int(T.Q4_K), "BLOCK_N": 4}),
+              {"GATE_QTYPE": int(T.Q4_K), "UP_QTYPE": int(T.Q4_K), "HAS_HOST": True, "BLOCK_N": 4}),
              (moe._down_kernel, {"h_ptr": "*fp32", "ids_ptr": "*i32", "wts_ptr": "*fp32", "slot_ptr": "*i32",
-                                 "part_ptr": "*fp32"}, {"DOWN_QTYPE": int(T.Q6_K), "BLOCK_N": 4}),
+                                 "part_ptr": "*fp32"}, {"DOWN_QTYPE": int(T.Q6_K), "HAS_HOST": False, "BLOCK_N": 4}),
              (moe._sum_topk_kernel, {"part_ptr": "*fp32", "y_ptr": "*fp32"}, {"BLOCK": 1024})]
     for fn, ptrs, consts in jobs:
         kernel = triton.compile(ASTSource(fn, _signature(fn, ptrs), consts), target=target)

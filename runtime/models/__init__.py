@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -10,6 +11,7 @@ from formats.errors import UnsupportedError
 from formats.gguf_file import GGUFModel
 
 from ..experts import ExpertProvider, GGUFExperts, PackExperts
+from ..residency import StoreOptions
 from ..weights import PackSource
 from .base import MoEModel
 from .laguna import Laguna
@@ -20,21 +22,54 @@ MODELS: dict[str, type[MoEModel]] = {m.arch: m for m in (Qwen3MoE, Qwen35MoE, La
 
 
 def load_model(path: str | os.PathLike[str] | GGUFModel, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32, expert_cache_bytes: int | None = None) -> MoEModel:
+               dtype: torch.dtype = torch.float32, expert_cache_bytes: int | None = None,
+               store: StoreOptions | None = None) -> MoEModel:
     """Open a GGUF or a .sparkpack directory and build the runtime model of its architecture
-    (weights load lazily). ``expert_cache_bytes`` bounds the dequantized experts kept in memory
-    (None: keep all)."""
+    (weights load lazily).
+
+    Without ``store`` experts are expanded on first use (``expert_cache_bytes`` bounds what stays
+    expanded; None keeps all): the simple path, used on CPU. With ``store`` the tiered expert store
+    holds them quantized (hot set, cache slots, host tier) as ``store`` asks; the plan is kept on
+    the model as ``model.residency``."""
     from formats.sparkpack import Pack, is_pack
 
+    pack = None
     if not isinstance(path, GGUFModel) and is_pack(path):
-        source = PackSource(Pack.open(path))
-        spec = model_spec(source)  # type: ignore[arg-type]
-        experts: ExpertProvider = PackExperts(source, spec, device, dtype, max_bytes=expert_cache_bytes)
-        return _model_class(source, spec)(source, spec, device=device, dtype=dtype, experts=experts)  # type: ignore[arg-type]
-    gguf = path if isinstance(path, GGUFModel) else GGUFModel(path)
-    spec = model_spec(gguf)
-    experts = GGUFExperts(gguf, spec, device, dtype, max_bytes=expert_cache_bytes)
-    return _model_class(gguf, spec)(gguf, spec, device=device, dtype=dtype, experts=experts)
+        pack = Pack.open(path)
+        source = PackSource(pack)
+    else:
+        source = path if isinstance(path, GGUFModel) else GGUFModel(path)
+    spec = model_spec(source)  # type: ignore[arg-type]
+    cls = _model_class(source, spec)
+    experts: ExpertProvider
+    residency = None
+    if store is not None:
+        experts, residency = _open_store(source, pack, spec, device, dtype, store)
+    elif pack is not None:
+        experts = PackExperts(source, spec, device, dtype, max_bytes=expert_cache_bytes)  # type: ignore[arg-type]
+    else:
+        experts = GGUFExperts(source, spec, device, dtype, max_bytes=expert_cache_bytes)  # type: ignore[arg-type]
+    model = cls(source, spec, device=device, dtype=dtype, experts=experts)  # type: ignore[arg-type]
+    model.residency = residency
+    return model
+
+
+def _open_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOptions):
+    from formats.experts import expert_tensor_names
+
+    from ..expert_store import ExpertStore, GGUFSource, PackSourceExperts, routed_experts_bytes
+    from ..residency import identity_of, load_profile, plan_residency
+
+    experts_src = PackSourceExperts(pack, spec) if pack is not None else GGUFSource(source, spec)
+    profile, profile_name = load_profile(opts.profile, Path(source.path), identity_of(source), spec)
+    residency = plan_residency(spec, source.tensors, expert_tensor_names(spec), routed_experts_bytes(experts_src, spec),
+                               torch.empty((), dtype=dtype).element_size(),
+                               pack_hot=pack.hot if pack is not None else None, profile=profile,
+                               profile_name=profile_name, vram=opts.vram, hot_fraction=opts.hot_fraction,
+                               cache_slots=opts.cache_slots, ctx=opts.ctx, where=source.path)
+    store = ExpertStore(experts_src, spec, device, dtype, residency.hot, residency.cache_slots, opts.mode,
+                        opts.host_bytes)
+    return store, residency
 
 
 def _model_class(source, spec) -> type[MoEModel]:
@@ -45,4 +80,4 @@ def _model_class(source, spec) -> type[MoEModel]:
     return cls
 
 
-__all__ = ["MODELS", "MoEModel", "load_model"]
+__all__ = ["MODELS", "MoEModel", "StoreOptions", "load_model"]

@@ -20,6 +20,7 @@ from ..weights import Weights
 
 class MoEModel(ABC):
     arch = ""
+    residency = None  # the expert store's plan (runtime.residency.Residency) when one is used
 
     def __init__(self, gguf: GGUFModel, spec: ModelSpec, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, experts: ExpertProvider | None = None):
@@ -41,8 +42,11 @@ class MoEModel(ABC):
         """Layer ``il``'s residual block on ``x [T, n_embd]`` whose first token is at ``pos0``."""
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor | list[int], cache: Cache | None = None) -> torch.Tensor:
-        """Logits ``[T, n_vocab]`` for the new tokens ``ids``; advances ``cache`` when given.
+    def forward(self, ids: torch.Tensor | list[int], cache: Cache | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """Logits ``[T, n_vocab]`` for the new tokens ``ids`` (``[1, n_vocab]`` for the last one
+        only with ``last_only``: generation needs no more, and the head is the largest matmul);
+        advances ``cache`` when given.
 
         Without a cache the call is a fresh full-sequence forward (a throwaway cache is used).
         """
@@ -53,6 +57,11 @@ class MoEModel(ABC):
         for il in range(self.spec.n_layer):
             x = self.block(il, x, cache, pos0)
         cache.pos += ids.numel()
+        end_step = getattr(self.experts, "end_step", None)  # the store learns between tokens
+        if end_step is not None:
+            end_step(ids.numel())
+        if last_only:
+            x = x[-1:]
         x = self.norm(x, "output_norm.weight")
         head = self.w.opt("output.weight")
         return torch.nn.functional.linear(x, head if head is not None else self.w("token_embd.weight"))

@@ -1,0 +1,511 @@
+"""The expert store: where every routed expert's bytes live, and how a miss reaches the GPU.
+
+Tiers, fastest first:
+  hot      experts placed on the device at load (the pack's placement, or a profile's choice
+           under a VRAM budget); never evicted.
+  cache    a bounded ring of spare device slots holding recently used cold experts (LRU).
+  host     every cold expert in pinned host memory, when host RAM allows; the GPU can read it
+           directly (zero-copy) or copy it into a cache slot.
+  disk     otherwise a bounded pinned host cache over the mmapped GGUF / cold shards.
+
+Hot and cached experts sit in one device pool ``[n_slots, slot_bytes]`` (one expert = one
+contiguous row, so a miss is one copy) and every MoE layer has a row of one table ``expert ->
+slot`` that the fused kernel reads, so a cached expert costs exactly what a hot one does. The
+quantized bytes are never expanded in the pool; the kernels unpack them in registers.
+
+How a miss is served (``mode``):
+  sync      the router's choice is read on the host (one sync per layer) and missing experts are
+            copied from the mmapped file into cache slots with blocking copies: the naive
+            offload, kept as the baseline the benchmarks compare against.
+  async     the same host read, but copies come from pinned host memory on a side stream and the
+            compute stream waits only on their event.
+  zerocopy  no host read inside the token: a cold expert's table entry points into the pinned
+            host pool (``-(h + 1)``) and the kernel reads it over PCIe. After the token the store
+            looks at what was routed (one small copy per token) and promotes the missed experts
+            into cache slots with async copies, so repeats are served from VRAM.
+The arithmetic never depends on where bytes were read from, so every mode and every residency
+gives bit-identical outputs (tests check it at 100/60/10% residency).
+
+On a CPU device the same bookkeeping runs over CPU tensors (CI exercises the store that way) and
+experts are computed by the plain torch path: dequantize the expert's bytes, SwiGLU, exactly what
+``runtime.experts.GGUFExperts`` computes.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from formats.archs import ModelSpec
+from formats.errors import SparkpackError
+from formats.experts import ROLE_ORDER, expert_slices
+from formats.gguf_file import GGUFModel
+
+from .experts import routed_sum
+from .layers import swiglu
+from .weights import dequantize_bytes
+
+MODES = ("auto", "zerocopy", "async", "sync")
+NOT_RESIDENT = -(2**31)  # table entry of an expert in neither pool (disk tier, sync/async modes)
+FUSED_MAX_TOKENS = 8  # the fused kernel reads each chosen expert once per (token, choice) pair
+SLOT_ALIGN = 256
+
+
+@dataclass(frozen=True)
+class Part:
+    """One tensor's block inside an expert's contiguous byte range."""
+
+    role: str  # gate | up | gate_up | down
+    tensor: str
+    qtype: int
+    shape: tuple[int, int]  # GGUF order (n_in, n_out) of one expert's matrix
+    offset: int
+    nbytes: int
+
+
+class ExpertSource(Protocol):
+    """Where experts' bytes come from: a GGUF's expert tensors or a pack's shards."""
+
+    path: object
+
+    def layout(self, layer: int) -> list[Part]: ...
+
+    def read(self, layer: int, expert: int, out: np.ndarray) -> None:
+        """Fill ``out`` (uint8, the expert's byte count) with the expert's bytes; errors name the file."""
+        ...
+
+
+class GGUFSource:
+    """Experts of a plain GGUF: each expert's parts are gathered from the 3-D expert tensors."""
+
+    def __init__(self, gguf: GGUFModel, spec: ModelSpec):
+        self.gguf, self.spec, self.path = gguf, spec, gguf.path
+
+    def layout(self, layer: int) -> list[Part]:
+        parts, off = [], 0
+        for s in expert_slices(self.gguf, self.spec, layer, 0):
+            t = self.gguf.tensors[s.tensor]
+            parts.append(Part(s.role, s.tensor, t.qtype, (t.shape[0], t.shape[1]), off, s.nbytes))
+            off += s.nbytes
+        return parts
+
+    def read(self, layer: int, expert: int, out: np.ndarray) -> None:
+        off = 0
+        for s in expert_slices(self.gguf, self.spec, layer, expert):
+            out[off: off + s.nbytes] = self.gguf.bytes_at(s.offset, s.nbytes)
+            off += s.nbytes
+
+
+class PackSourceExperts:
+    """Experts of a ``.sparkpack``: one contiguous range of the hot shard or of a cold shard,
+    checked against its manifest checksum on load (a corrupt shard is named when first needed)."""
+
+    def __init__(self, pack, spec: ModelSpec):
+        self.pack, self.spec, self.path = pack, spec, pack.path
+
+    def layout(self, layer: int) -> list[Part]:
+        out = []
+        for p in sorted(self.pack.parts[layer], key=lambda p: p.offset):
+            t = self.pack.tensors[p.tensor]
+            out.append(Part(p.role, p.tensor, int(t["qtype"]), (int(t["shape"][0]), int(t["shape"][1])),
+                            p.offset, p.nbytes))
+        return out
+
+    def read(self, layer: int, expert: int, out: np.ndarray) -> None:
+        try:
+            data = self.pack.expert_bytes(layer, expert, verify=True)
+        except OSError as e:
+            rec = self.pack.expert_record(layer, expert)
+            raise SparkpackError(self.pack.path, f"shard {rec.shard} cannot be read ({e.strerror or e})") from None
+        out[: data.size] = data
+
+
+@dataclass
+class StoreStats:
+    """Counts over the run; ``tokens`` are decode + prefill tokens seen by the MoE layers."""
+
+    tokens: int = 0
+    hot_hits: int = 0  # routings served by a hot expert
+    cache_hits: int = 0  # routings served by a cache slot
+    misses: int = 0  # routings whose expert was not on the device when the layer ran
+    loads: int = 0  # experts streamed into a cache slot
+    zero_copy_reads: int = 0  # (layer, expert) reads served from host memory inside the kernel
+    bytes_streamed: int = 0  # host->device bytes, copies and zero-copy reads together
+    copy_seconds: float = 0.0  # wall time the host spent issuing/waiting for copies
+    disk_reads: int = 0
+
+    def as_json(self) -> dict:
+        routed = self.hot_hits + self.cache_hits + self.misses
+        per_tok = max(self.tokens, 1)
+        return {**self.__dict__,
+                "routings": routed,
+                "hot_hits_per_token": self.hot_hits / per_tok,
+                "cache_hits_per_token": self.cache_hits / per_tok,
+                "misses_per_token": self.misses / per_tok,
+                "miss_rate": self.misses / routed if routed else 0.0}
+
+
+@dataclass
+class _Layer:
+    parts: list[Part]
+    nbytes: int
+    fused: bool  # every part has a fused-kernel quant type
+    views: tuple = field(default=())  # device pool views for the kernel
+    host_views: tuple | None = None
+
+
+class ExpertStore:
+    """Tiered expert storage implementing the MoE-layer interface of ``runtime.experts``.
+
+    ``hot``: bool ``[n_layer, n_expert]`` of experts resident from the start. ``cache_slots``:
+    spare device slots shared by all layers. ``host_bytes``: pinned host memory allowed for cold
+    experts (None: all of them); when they do not fit, misses are read from the file through a
+    bounded host cache (the disk tier) and a warning says so.
+    """
+
+    def __init__(self, source: ExpertSource, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype,
+                 hot: np.ndarray, cache_slots: int = 0, mode: str = "auto", host_bytes: int | None = None,
+                 fused: bool | None = None, warn=None):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}")
+        self.source, self.spec = source, spec
+        self.device, self.dtype = torch.device(device), dtype
+        self.warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
+        self.moe_layers = list(spec.moe_layers)
+        self.n_expert = spec.n_expert
+        hot = np.asarray(hot, dtype=bool).copy()
+        mask = np.zeros_like(hot)
+        mask[self.moe_layers] = True
+        hot &= mask
+        self.hot = hot
+        on_cuda = self.device.type == "cuda"
+        self.layers: dict[int, _Layer] = {}
+        for il in self.moe_layers:
+            parts = source.layout(il)
+            ok = all(int(p.qtype) in _fused_qtypes() for p in parts)
+            self.layers[il] = _Layer(parts, sum(p.nbytes for p in parts) if parts else 0,
+                                     ok and (fused if fused is not None else on_cuda))
+        self.slot_bytes = _round_up(max((la.nbytes for la in self.layers.values()), default=0), SLOT_ALIGN)
+        n_cold = int((~hot[self.moe_layers]).sum())
+        self.n_hot = int(hot.sum())
+        self.n_cache = max(0, min(int(cache_slots), n_cold))
+        cold_bytes = n_cold * self.slot_bytes
+        self.host_all = host_bytes is None or cold_bytes <= host_bytes
+        if not self.host_all:
+            self.warn(f"host RAM budget {_gib(host_bytes)} is too small for {_gib(cold_bytes)} of cold experts: "
+                      f"misses are read from {_name(source.path)} through a {_gib(host_bytes)} host cache (disk tier, slower)")
+        if mode == "auto":
+            mode = "zerocopy" if (on_cuda and self.host_all and all(la.fused for la in self.layers.values())) else "async"
+        if mode == "zerocopy" and not self.host_all:
+            raise SparkpackError(source.path, "zero-copy streaming needs every cold expert in host memory; "
+                                              "raise the host RAM budget or use --stream async")
+        self.mode = mode
+        self.pin = on_cuda and mode != "sync"
+        self.stats = StoreStats()
+        self.copy_stream = torch.cuda.Stream(self.device) if on_cuda and mode != "sync" else None
+
+        # Device pool and tables.
+        self.pool = torch.empty((self.n_hot + self.n_cache, self.slot_bytes), dtype=torch.uint8, device=self.device)
+        self.table = np.full((spec.n_layer, self.n_expert), NOT_RESIDENT, dtype=np.int32)
+        self.owner: list[tuple[int, int] | None] = [None] * (self.n_hot + self.n_cache)  # cache slot -> expert
+        self.lru: OrderedDict[int, None] = OrderedDict((self.n_hot + i, None) for i in range(self.n_cache))
+        self.host_index = np.full((spec.n_layer, self.n_expert), -1, dtype=np.int64)
+        self.host_pool: torch.Tensor | None = None
+        self.host_cache: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+        self.host_cache_cap = 0 if self.host_all else max(1, int(host_bytes or 0) // max(self.slot_bytes, 1))
+        self._load(hot, n_cold)
+        self.table_pinned = torch.from_numpy(self.table).pin_memory() if self.pin else torch.from_numpy(self.table)
+        self.table = self.table_pinned.numpy()
+        self.table_dev = self.table_pinned.to(self.device, copy=True)
+        self.step_counts = torch.zeros((spec.n_layer, self.n_expert), dtype=torch.int32, device=self.device)
+        self._step_routed = False
+        self._bind_views()
+
+    # --- loading ------------------------------------------------------------------------------
+
+    def _load(self, hot: np.ndarray, n_cold: int) -> None:
+        """Read hot experts into the device pool and (host tier) cold experts into pinned memory,
+        checksums verified as they are read, several experts at a time."""
+        jobs_hot = [(il, e) for il in self.moe_layers for e in range(self.n_expert) if hot[il, e]]
+        jobs_cold = [(il, e) for il in self.moe_layers for e in range(self.n_expert) if not hot[il, e]]
+        for slot, (il, e) in enumerate(jobs_hot):
+            self.table[il, e] = slot
+        if self.host_all and self.mode != "sync" and jobs_cold:
+            self.host_pool = torch.empty((n_cold, self.slot_bytes), dtype=torch.uint8, pin_memory=self.pin)
+            for h, (il, e) in enumerate(jobs_cold):
+                self.host_index[il, e] = h
+                if self.mode == "zerocopy":
+                    self.table[il, e] = -(h + 1)
+        host_np = self.host_pool.numpy() if self.host_pool is not None else None
+        staging = torch.empty((max(1, min(len(jobs_hot), 64)), self.slot_bytes), dtype=torch.uint8, pin_memory=self.pin)
+        stage_np = staging.numpy()
+
+        def read(job: tuple[int, int], out: np.ndarray) -> None:
+            il, e = job
+            self.source.read(il, e, out[: self.layers[il].nbytes])
+
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as ex:
+            for i in range(0, len(jobs_hot), len(staging)):
+                chunk = jobs_hot[i: i + len(staging)]
+                list(ex.map(read, chunk, [stage_np[j] for j in range(len(chunk))]))
+                self.pool[i: i + len(chunk)].copy_(staging[: len(chunk)])
+            if host_np is not None:
+                list(ex.map(read, jobs_cold, [host_np[self.host_index[il, e]] for il, e in jobs_cold]))
+
+    def _bind_views(self) -> None:
+        """Per-layer views of the pools in the kernel's ``[n_slots, rows, row_bytes]`` form."""
+        for la in self.layers.values():
+            if not la.fused:
+                continue
+            la.views = tuple(_role_view(self.pool, p) for p in _roles(la.parts))
+            if self.mode == "zerocopy" and self.host_pool is not None:
+                la.host_views = tuple(_role_view(self.host_pool, p) for p in _roles(la.parts))
+
+    # --- the MoE-layer interface --------------------------------------------------------------
+
+    def moe(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Weighted sum of the chosen experts' outputs for ``x [T, n_embd]``, ``ids/weights [T, k]``."""
+        la = self.layers[layer]
+        self._step_routed = True
+        fused = la.fused and x.shape[0] <= FUSED_MAX_TOKENS
+        if self.mode == "zerocopy":
+            flat = ids.reshape(-1)
+            self.step_counts[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        elif not self._make_resident(layer, ids, copy=fused or not la.fused):
+            fused = False
+        if fused:
+            from .kernels.moe import moe_experts
+
+            gate, up, down = la.views if len(la.views) == 3 else (la.views[0], None, la.views[1])
+            host = None
+            if la.host_views is not None:
+                hv = la.host_views
+                host = hv if len(hv) == 3 else (hv[0], None, hv[1])
+            q = {p.role: int(p.qtype) for p in la.parts}
+            n_ff = (la.parts[0].shape[1] // 2) if "gate_up" in q else la.parts[0].shape[1]
+            y = moe_experts(x, ids.to(torch.int32), weights.float(), self.table_dev[layer], gate, up, down,
+                            q.get("gate", q.get("gate_up")), q.get("up"), q["down"], n_ff, host=host)
+            return y.to(x.dtype)
+        return routed_sum(x, weights, ids, lambda e, rows: self._expert_forward(layer, e, rows))
+
+    def _expert_forward(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """The plain path: expand the expert's bytes (wherever they are) and run SwiGLU."""
+        la = self.layers[layer]
+        raw = self._bytes_of(layer, expert)
+        w: dict[str, torch.Tensor] = {}
+        for p in la.parts:
+            w[p.role] = dequantize_bytes(raw[p.offset: p.offset + p.nbytes], p.qtype, p.shape, x.device, self.dtype)
+        if "gate_up" in w:
+            gate, up = w["gate_up"].chunk(2, dim=0)
+        else:
+            gate, up = w["gate"], w["up"]
+        return swiglu(x, gate, up, w["down"])
+
+    def _bytes_of(self, layer: int, expert: int) -> torch.Tensor:
+        s = int(self.table[layer, expert])
+        if s >= 0:
+            return self.pool[s]
+        h = int(self.host_index[layer, expert])
+        if h >= 0 and self.host_pool is not None:
+            return self.host_pool[h]
+        return self._host_copy(layer, expert)
+
+    # --- residency (sync / async modes) -------------------------------------------------------
+
+    def _make_resident(self, layer: int, ids: torch.Tensor, copy: bool) -> bool:
+        """Count the layer's routings and, with ``copy``, bring every expert ``ids`` names onto the
+        device before the layer computes. False when they were not all brought (``copy`` off, or
+        more misses than cache slots): the caller then reads the misses from host memory."""
+        chosen, counts = np.unique(ids.reshape(-1).cpu().numpy(), return_counts=True)  # the one sync
+        row = self.table[layer]
+        self.stats.tokens += ids.shape[0] if layer == self.moe_layers[0] else 0
+        slots_now = row[chosen]
+        is_hot = self.hot[layer, chosen]
+        self.stats.hot_hits += int(counts[is_hot].sum())
+        self.stats.cache_hits += int(counts[(slots_now >= 0) & ~is_hot].sum())
+        missing = chosen[slots_now < 0]
+        self.stats.misses += int(counts[slots_now < 0].sum())
+        for s in slots_now[slots_now >= self.n_hot]:
+            self.lru.move_to_end(int(s))
+        if not len(missing):
+            return True
+        cached_now = slots_now[slots_now >= self.n_hot]
+        if not copy or len(missing) + len(cached_now) > self.n_cache:
+            # Served from host bytes by the plain path (prefill touches most experts at once).
+            self.stats.bytes_streamed += len(missing) * self.layers[layer].nbytes
+            return False
+        t0 = time.perf_counter()
+        protect = set(int(s) for s in cached_now)
+        stream = self.copy_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        for e in missing.tolist():
+            slot = self._victim(protect)
+            protect.add(slot)
+            self._copy_in(layer, e, slot, stream)
+        self._upload_table(layer)
+        if stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.stats.copy_seconds += time.perf_counter() - t0
+        return True
+
+    def _upload_table(self, layer: int | None = None) -> None:
+        """Send the host table (or one layer's row) to the device without a host sync.
+
+        ``self.table`` is a view of pinned memory; the host writes it only after a sync that
+        follows every copy enqueued from it (the router read in async mode, the step-count read
+        in zero-copy mode), so a pending copy never sees a half-written table."""
+        src = self.table_pinned if layer is None else self.table_pinned[layer]
+        dst = self.table_dev if layer is None else self.table_dev[layer]
+        dst.copy_(src, non_blocking=self.pin)
+
+    def _victim(self, protect: set[int]) -> int:
+        """Least recently used cache slot not needed by the layer being served."""
+        for slot in self.lru:
+            if slot not in protect:
+                break
+        else:  # pragma: no cover - guarded by the slot count check
+            raise RuntimeError("no free cache slot")
+        old = self.owner[slot]
+        if old is not None:
+            il, e = old
+            h = int(self.host_index[il, e])
+            self.table[il, e] = -(h + 1) if (self.mode == "zerocopy" and h >= 0) else NOT_RESIDENT
+        self.lru.move_to_end(slot)
+        return slot
+
+    def _copy_in(self, layer: int, expert: int, slot: int, stream) -> None:
+        nb = self.layers[layer].nbytes
+        if self.mode == "sync":
+            self.pool[slot].copy_(self._host_copy(layer, expert))  # pageable, blocking: the naive baseline
+        else:
+            src = self._bytes_of(layer, expert)
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    self.pool[slot].copy_(src, non_blocking=True)
+            else:
+                self.pool[slot].copy_(src)
+        self.owner[slot] = (layer, expert)
+        self.table[layer, expert] = slot
+        self.stats.loads += 1
+        self.stats.bytes_streamed += nb
+
+    def _host_copy(self, layer: int, expert: int) -> torch.Tensor:
+        """The expert's bytes read from the file: kept in a bounded pinned host cache (disk tier),
+        or in a throwaway pageable buffer (sync mode, which reads the file on every miss)."""
+        key = (layer, expert)
+        buf = self.host_cache.get(key)
+        if buf is not None:
+            self.host_cache.move_to_end(key)
+            return buf
+        if not self.host_cache_cap:
+            buf = torch.empty(self.slot_bytes, dtype=torch.uint8)
+        elif len(self.host_cache) >= self.host_cache_cap:
+            _, buf = self.host_cache.popitem(last=False)
+            if self.copy_stream is not None:  # the buffer may still feed an in-flight copy
+                self.copy_stream.synchronize()
+        else:
+            buf = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=self.pin)
+        self.source.read(layer, expert, buf.numpy()[: self.layers[layer].nbytes])
+        self.stats.disk_reads += 1
+        if self.host_cache_cap:
+            self.host_cache[key] = buf
+        return buf
+
+    # --- between tokens -----------------------------------------------------------------------
+
+    def end_step(self, n_tokens: int) -> None:
+        """After a forward call: count what was routed and (zero-copy mode) promote missed experts
+        into cache slots so that repeats are served from VRAM. One small device->host copy."""
+        if not self._step_routed:
+            return
+        self._step_routed = False
+        if self.mode != "zerocopy":
+            return
+        counts = self.step_counts.to("cpu", copy=True).numpy()  # a copy also on CPU, where .cpu() aliases
+        self.step_counts.zero_()
+        self.stats.tokens += n_tokens
+        used = counts > 0
+        resident = self.table >= 0
+        self.stats.hot_hits += int(counts[self.hot].sum())
+        self.stats.cache_hits += int(counts[resident & ~self.hot].sum())
+        missed = used & ~resident
+        self.stats.misses += int(counts[missed].sum())
+        n_missed = int(missed.sum())
+        self.stats.zero_copy_reads += n_missed
+        self.stats.bytes_streamed += sum(int(missed[il].sum()) * la.nbytes for il, la in self.layers.items())
+        for s in self.table[resident & used & ~self.hot].tolist():
+            self.lru.move_to_end(int(s))
+        if not self.n_cache or not n_missed:
+            return
+        t0 = time.perf_counter()
+        # Most-routed misses first; at most as many as there are slots not used in this step.
+        fresh = set(int(s) for s in self.table[resident & used & ~self.hot].tolist())
+        free = [s for s in self.lru if s not in fresh]
+        cand = np.argwhere(missed)
+        order = np.argsort(-counts[missed], kind="stable")
+        stream = self.copy_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        for k in order[: len(free)]:
+            il, e = (int(v) for v in cand[k])
+            slot = self._victim(fresh)
+            fresh.add(slot)
+            self._copy_in(il, e, slot, stream)  # streamed a second time: counted a second time
+        if stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._upload_table()
+        self.stats.copy_seconds += time.perf_counter() - t0
+
+    # --- reporting ----------------------------------------------------------------------------
+
+    def describe(self) -> dict:
+        n_total = len(self.moe_layers) * self.n_expert
+        return {"mode": self.mode, "hot_experts": self.n_hot, "experts": n_total,
+                "hot_fraction": self.n_hot / max(n_total, 1), "cache_slots": self.n_cache,
+                "slot_bytes": self.slot_bytes, "device_pool_bytes": self.pool.numel(),
+                "host_tier": ("pinned" if self.host_pool is not None else "none" if not self.n_cache and self.n_hot == n_total
+                              else "file" if self.host_all else "disk")}
+
+
+def routed_experts_bytes(source: ExpertSource, spec: ModelSpec) -> dict[int, int]:
+    """Slot-aligned bytes of one expert per MoE layer, as the store will hold them."""
+    return {il: _round_up(sum(p.nbytes for p in source.layout(il)), SLOT_ALIGN) for il in spec.moe_layers}
+
+
+def _roles(parts: list[Part]) -> list[Part]:
+    by = {p.role: p for p in parts}
+    return [by[r] for r in ROLE_ORDER if r in by]
+
+
+def _role_view(pool: torch.Tensor, p: Part) -> torch.Tensor:
+    """``[n_slots, rows, row_bytes]`` view of one role's block in every slot of ``pool``."""
+    n_in, n_out = p.shape
+    row_bytes = p.nbytes // n_out
+    return pool.as_strided((pool.shape[0], n_out, row_bytes), (pool.stride(0), row_bytes, 1), p.offset)
+
+
+def _fused_qtypes() -> tuple[int, ...]:
+    from .kernels.qmatvec import SUPPORTED_QTYPES  # noqa: PLC0415 - triton import only when used
+
+    return SUPPORTED_QTYPES
+
+
+def _round_up(v: int, a: int) -> int:
+    return (v + a - 1) // a * a
+
+
+def _gib(n: int | None) -> str:
+    n = n or 0
+    return f"{n / 1024**3:.2f} GiB" if n >= 1024**3 else f"{n / 1024**2:.1f} MiB"
+
+
+def _name(path) -> str:
+    return os.path.basename(str(path))

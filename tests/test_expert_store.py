@@ -1,0 +1,203 @@
+"""The tiered expert store: residency changes speed, never results; bad shards and small budgets
+fail clearly. On CPU the store runs its full bookkeeping over CPU tensors (CI); the fused-kernel
+path runs under the Triton interpreter on a few decode steps."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from formats.sparkpack import Pack
+from runtime.expert_store import ExpertStore, GGUFSource
+from runtime.generate import Session, generate
+from runtime.models import StoreOptions, load_model
+
+REPO = Path(__file__).resolve().parents[1]
+IDS = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]
+
+
+@pytest.fixture(scope="module")
+def model_path(synth_model) -> Path:
+    # Q4_K_M: K-quant experts (the fused kernel's types) with Q5_0/Q8_0 fallbacks, skewed routing.
+    return synth_model("qwen35moe", "Q4_K_M", skew=1.0)
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    """The plain forward (experts expanded one by one, no store): full-sequence logits, logits of
+    each decode step, and a greedy continuation."""
+    model = load_model(model_path)
+    return model.forward(IDS), decode_steps(model), list(generate(model, None, IDS[:4], None, 12, stop_ids=()))
+
+
+def decode_steps(model) -> torch.Tensor:
+    session = Session(model)
+    return torch.stack([session.feed(IDS[: i + 1]) for i in range(len(IDS))])
+
+
+def run_cli(args: list[str], **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600, **kw)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "zerocopy"])
+@pytest.mark.parametrize("hot_fraction", [1.0, 0.6, 0.1])
+@pytest.mark.parametrize("cache_slots", [0, 6])
+def test_any_residency_gives_identical_outputs(model_path, reference, mode, hot_fraction, cache_slots):
+    full, steps, greedy = reference
+    model = load_model(model_path, store=StoreOptions(hot_fraction=hot_fraction, cache_slots=cache_slots, mode=mode))
+    store = model.experts
+    assert isinstance(store, ExpertStore) and store.mode == mode
+    assert torch.equal(model.forward(IDS), full)
+    assert torch.equal(decode_steps(model), steps)
+    assert list(generate(model, None, IDS[:4], None, 12, stop_ids=())) == greedy
+    s = store.stats
+    routings = s.hot_hits + s.cache_hits + s.misses
+    assert routings == s.tokens * model.spec.n_expert_used * len(model.spec.moe_layers)
+    if hot_fraction == 1.0:
+        assert s.misses == 0 and s.bytes_streamed == 0
+    else:
+        assert s.misses > 0 and s.bytes_streamed > 0
+    if cache_slots and hot_fraction < 1.0:
+        assert s.cache_hits > 0 and s.loads > 0  # repeats were served from cache slots
+    if not cache_slots:
+        assert s.cache_hits == 0
+
+
+def test_fused_kernel_path_is_residency_independent(model_path):
+    """Decode steps through the Triton MoE kernel (interpreted on CPU): all experts in the device
+    pool vs 10% there and the rest read from the host pool (zero-copy) or copied into the cache."""
+    from formats.archs import model_spec
+    from formats.gguf_file import GGUFModel
+
+    gguf = GGUFModel(model_path)
+    spec = model_spec(gguf)
+
+    def steps(hot_fraction: float, mode: str, cache: int) -> tuple[torch.Tensor, ExpertStore]:
+        hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
+        n = max(1, int(hot_fraction * spec.n_expert))
+        hot[list(spec.moe_layers), :n] = True
+        store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot, cache, mode, fused=True)
+        assert all(la.fused for la in store.layers.values())
+        model = load_model(gguf)
+        model.experts = store
+        session = Session(model)
+        session.feed(IDS[:2])  # prefill: plain path
+        return torch.stack([session.feed(IDS[: i + 1]) for i in range(2, 5)]), store
+
+    all_dev, _ = steps(1.0, "async", 0)
+    zero, zs = steps(0.1, "zerocopy", 0)
+    copied, cs = steps(0.1, "async", 8)
+    assert torch.equal(zero, all_dev) and torch.equal(copied, all_dev)
+    assert zs.stats.zero_copy_reads > 0 and cs.stats.loads > 0
+
+
+def test_pack_placement_and_stats_json(model_path, reference, tmp_path):
+    pack = tmp_path / "m.sparkpack"
+    r = run_cli(["-m", "repack.cli", "split", str(model_path), "--hot-fraction", "0.5", "-o", str(pack)])
+    assert r.returncode == 0, r.stderr
+    model = load_model(pack, store=StoreOptions(cache_slots=4))
+    assert np.array_equal(model.experts.hot, Pack.open(pack).hot)
+    assert torch.equal(model.forward(IDS), reference[0])
+
+    stats = tmp_path / "stats.json"
+    ids = ",".join(map(str, IDS[:4]))
+    r = run_cli(["-m", "runtime.cli", str(pack), "--prompt-ids", ids, "--max-tokens", "6", "--temperature", "0",
+                 "--cache-slots", "4", "--stats-json", str(stats)])
+    assert r.returncode == 0, r.stderr
+    s = json.loads(stats.read_text())
+    assert s["decode_tokens"] >= 1 and s["prefill_tokens"] == 4 and s["decode_tok_s"] > 0
+    st = s["store"]
+    assert st["hot_experts"] == int(Pack.open(pack).hot.sum()) and st["cache_slots"] == 4
+    assert st["routings"] == st["hot_hits"] + st["cache_hits"] + st["misses"] > 0
+    assert "the pack's placement" in r.stderr and "decode" in r.stderr
+
+
+def test_profile_places_the_experts_the_traffic_uses(model_path, tmp_path):
+    """A profile's hottest experts are the ones the store keeps on the device."""
+    from formats.archs import model_spec
+    from formats.gguf_file import GGUFModel
+    from formats.profile import Profile, model_identity
+
+    gguf = GGUFModel(model_path)
+    spec = model_spec(gguf)
+    prof = Profile.new(model_identity(gguf), spec)
+    counts = np.zeros((spec.n_layer, spec.n_expert))
+    favourite = {il: (3 * il + 5) % spec.n_expert for il in spec.moe_layers}
+    for il, e in favourite.items():
+        counts[il, e] = 100
+    prof.add(generated=counts, generated_tokens=100)
+    path = prof.save(tmp_path / "p.profile.json")
+    model = load_model(model_path, store=StoreOptions(hot_fraction=0.1, profile=path))
+    assert all(model.experts.hot[il, e] for il, e in favourite.items())
+    assert "profile p.profile.json" in model.residency.source
+
+
+def test_small_host_budget_falls_back_to_disk_tier(model_path, reference):
+    warnings: list[str] = []
+    from formats.archs import model_spec
+    from formats.gguf_file import GGUFModel
+
+    gguf = GGUFModel(model_path)
+    spec = model_spec(gguf)
+    hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
+    hot[list(spec.moe_layers), :2] = True
+    store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot, 4, "auto",
+                        host_bytes=3 * 200_000, warn=warnings.append)
+    assert store.host_pool is None and store.host_cache_cap >= 1
+    assert len(warnings) == 1 and "disk tier" in warnings[0] and model_path.name in warnings[0]
+    model = load_model(gguf)
+    model.experts = store
+    assert torch.equal(model.forward(IDS), reference[0])
+    assert store.stats.disk_reads > 0 and len(store.host_cache) <= store.host_cache_cap
+
+
+def corrupt_one_cold_shard(pack: Path) -> str:
+    p = Pack.open(pack)
+    rec = next(r for r in p.records.values() if not r.hot)
+    path = pack / rec.shard
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return rec.shard
+
+
+@pytest.mark.parametrize("host_ram", [None, "300KB"])
+def test_corrupt_cold_shard_is_named_and_stops_cleanly(model_path, tmp_path, host_ram):
+    pack = tmp_path / "m.sparkpack"
+    assert run_cli(["-m", "repack.cli", "split", str(model_path), "--hot-fraction", "0.3", "-o", str(pack)]).returncode == 0
+    shard = corrupt_one_cold_shard(pack)
+    args = ["-m", "runtime.cli", str(pack), "--prompt-ids", ",".join(map(str, IDS)), "--max-tokens", "24",
+            "--temperature", "0", "--cache-slots", "16", "--hot-fraction", "0.0"]
+    if host_ram:  # disk tier: the shard is read (and checked) when a token first needs it
+        args += ["--host-ram", host_ram]
+    r = run_cli(args)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    err = [line for line in r.stderr.splitlines() if "error" in line]
+    assert len(err) == 1 and shard in err[0] and "checksum" in err[0], r.stderr
+
+
+def test_vram_budget_too_small_is_one_line(model_path):
+    r = run_cli(["-m", "runtime.cli", str(model_path), "-p", "hi", "--device", "cpu", "--vram", "1MiB"])
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "VRAM budget" in r.stderr and "too small" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_vram_budget_sizes_the_hot_set(model_path):
+    """A budget that leaves room for half the experts' bytes gets a partial hot set that fits."""
+    model = load_model(model_path, store=StoreOptions(vram=10**12))
+    big = model.residency
+    fixed = big.dense_bytes + big.kv_bytes + big.state_bytes + big.overhead_bytes + big.cache_bytes
+    assert big.hot[list(model.spec.moe_layers)].all()
+    mid = load_model(model_path, store=StoreOptions(vram=fixed + big.hot_bytes // 2))
+    r = mid.residency
+    assert 0 < r.hot_bytes <= big.hot_bytes // 2
+    assert r.dense_bytes + r.kv_bytes + r.state_bytes + r.overhead_bytes + r.hot_bytes + r.cache_bytes <= r.vram
+    assert 0 < mid.experts.n_hot < int(big.hot.sum())
