@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .archs import ModelSpec
+
 GEN_WEIGHT = 0.8
 
 
@@ -89,3 +91,10 @@ def make_plan(n_layer: int, n_expert: int, expert_nbytes: dict[int, int], budget
         rates = cold_hit_rates(hot, profile_counts)
     hot_bytes = sum(int(hot[il].sum()) * nb for il, nb in expert_nbytes.items())
     return Plan(hot, budget, hot_bytes, profile_counts is None, rates)
+
+
+def default_cache_slots(spec: ModelSpec) -> int:
+    """Half of one token's routings over all MoE layers (shared by all layers): on held-out
+    traffic a calibrated hot set still misses a few experts per layer per token, and those
+    repeat across tokens, so the cache must hold several tokens' misses (BENCHMARKS.md)."""
+    return max(4 * spec.n_expert_used, len(spec.moe_layers) * spec.n_expert_used // 2)

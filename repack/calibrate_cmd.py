@@ -202,13 +202,19 @@ def load_for_replay(gguf, device: str):
     if device == "cuda" and not torch.cuda.is_available():
         raise SparkpackError(None, "--device cuda: no CUDA device is available")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    # Experts are dequantized on first use and kept up to half the free memory; beyond that the
-    # least recently used are dropped and re-read from the GGUF (a model larger than memory streams).
     if device == "cuda":
-        cache = torch.cuda.mem_get_info()[0] // 2
+        # The tiered store keeps experts quantized on the GPU (all of them when they fit in 90% of
+        # free memory, else a hot set plus the pinned host tier): the fused kernels run decode and
+        # prefill expands one expert at a time, so nothing thrashes a bf16 cache.
+        from runtime.residency import StoreOptions
+
+        free = torch.cuda.mem_get_info()[0]
+        model = load_model(gguf, device=device, dtype=dtype, store=StoreOptions(vram=int(free * 0.9)))
     else:
+        # Experts are dequantized on first use and kept up to half the available memory; beyond
+        # that the least recently used are dropped and re-read from the GGUF.
         cache = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
-    model = load_model(gguf, device=device, dtype=dtype, expert_cache_bytes=cache)
+        model = load_model(gguf, device=device, dtype=dtype, expert_cache_bytes=cache)
     tok = GGUFTokenizer.from_metadata(gguf)
     template = gguf.get("tokenizer.chat_template")
     renderer = ChatRenderer(tok, ChatTemplate.from_tokenizer(template, tok).render if template else None)

@@ -14,7 +14,7 @@ from formats.experts import expert_nbytes, expert_tensor_names
 from formats.gguf_file import GGUFModel
 from formats.memory import RUNTIME_OVERHEAD_BYTES, kv_cache_bytes, recurrent_state_bytes
 
-from formats.placement import Plan, make_plan
+from formats.placement import Plan, default_cache_slots, make_plan
 from .units import SIZE, fmt_size
 
 DEFAULT_HOT_FRACTION = 0.5
@@ -35,11 +35,6 @@ class Budget:
 
     def as_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
-
-
-def default_cache_slots(spec: ModelSpec) -> int:
-    """Two layers' worth of top-k experts: one being computed while the next streams in."""
-    return 2 * spec.n_expert_used
 
 
 def compute_budget(model: GGUFModel, spec: ModelSpec, vram: int | None, hot_fraction: float | None, ctx: int,

@@ -54,7 +54,6 @@ from .weights import dequantize_bytes
 
 MODES = ("auto", "zerocopy", "async", "sync")
 NOT_RESIDENT = -(2**31)  # table entry of an expert in neither pool (disk tier, sync/async modes)
-FUSED_MAX_TOKENS = 8  # the fused kernel reads each chosen expert once per (token, choice) pair
 SLOT_ALIGN = 256
 
 
@@ -265,35 +264,68 @@ class ExpertStore:
             if not la.fused:
                 continue
             la.views = tuple(_role_view(self.pool, p) for p in _roles(la.parts))
-            if self.mode == "zerocopy" and self.host_pool is not None:
+            if self.host_pool is not None:
                 la.host_views = tuple(_role_view(self.host_pool, p) for p in _roles(la.parts))
 
     # --- the MoE-layer interface --------------------------------------------------------------
 
     def moe(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Weighted sum of the chosen experts' outputs for ``x [T, n_embd]``, ``ids/weights [T, k]``."""
+        """Weighted sum of the chosen experts' outputs for ``x [T, n_embd]``, ``ids/weights [T, k]``.
+
+        A layer whose quant types have a fused kernel always runs it, whatever the token count and
+        wherever the experts are: experts that could not be brought into device slots (more misses
+        than slots, as in a long prefill) are read from host memory inside the kernel through a
+        one-off table row. So the arithmetic, and the result, never depend on residency."""
         la = self.layers[layer]
         self._step_routed = True
-        fused = la.fused and x.shape[0] <= FUSED_MAX_TOKENS
         if self.mode == "zerocopy":
             flat = ids.reshape(-1)
             self.step_counts[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        elif not self._make_resident(layer, ids, copy=fused or not la.fused):
-            fused = False
-        if fused:
-            from .kernels.moe import moe_experts
-
-            gate, up, down = la.views if len(la.views) == 3 else (la.views[0], None, la.views[1])
-            host = None
-            if la.host_views is not None:
-                hv = la.host_views
-                host = hv if len(hv) == 3 else (hv[0], None, hv[1])
-            q = {p.role: int(p.qtype) for p in la.parts}
-            n_ff = (la.parts[0].shape[1] // 2) if "gate_up" in q else la.parts[0].shape[1]
-            y = moe_experts(x, ids.to(torch.int32), weights.float(), self.table_dev[layer], gate, up, down,
-                            q.get("gate", q.get("gate_up")), q.get("up"), q["down"], n_ff, host=host)
-            return y.to(x.dtype)
+            if la.fused:
+                return self._fused(la, x, weights, ids, self.table_dev[layer], la.host_views)
+        else:
+            left = self._make_resident(layer, ids)
+            if la.fused and not len(left):
+                return self._fused(la, x, weights, ids, self.table_dev[layer], None)
+            if la.fused:
+                return self._fused_overflow(layer, la, x, weights, ids, left)
         return routed_sum(x, weights, ids, lambda e, rows: self._expert_forward(layer, e, rows))
+
+    def _fused(self, la: "_Layer", x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+               table_row: torch.Tensor, host_views: tuple | None) -> torch.Tensor:
+        from .kernels.moe import moe_experts
+
+        gate, up, down = la.views if len(la.views) == 3 else (la.views[0], None, la.views[1])
+        host = None
+        if host_views is not None:
+            host = host_views if len(host_views) == 3 else (host_views[0], None, host_views[1])
+        q = {p.role: int(p.qtype) for p in la.parts}
+        n_ff = (la.parts[0].shape[1] // 2) if "gate_up" in q else la.parts[0].shape[1]
+        y = moe_experts(x, ids.to(torch.int32), weights.float(), table_row, gate, up, down,
+                        q.get("gate", q.get("gate_up")), q.get("up"), q["down"], n_ff, host=host)
+        return y.to(x.dtype)
+
+    def _fused_overflow(self, layer: int, la: "_Layer", x: torch.Tensor, weights: torch.Tensor,
+                        ids: torch.Tensor, left: np.ndarray) -> torch.Tensor:
+        """The fused kernel with experts ``left`` read from host memory: the pinned host pool when
+        it holds every cold expert, else a pinned staging buffer filled from the file."""
+        row = self.table[layer].copy()
+        staging = None
+        if self.host_pool is not None:
+            row[left] = -(self.host_index[layer, left] + 1)
+            host_views = la.host_views
+        else:
+            on_cuda = self.device.type == "cuda"
+            staging = torch.empty((len(left), self.slot_bytes), dtype=torch.uint8, pin_memory=on_cuda)
+            for i, e in enumerate(left.tolist()):
+                staging[i].copy_(self._host_copy(layer, e))
+            row[left] = -(np.arange(len(left)) + 1)
+            host_views = tuple(_role_view(staging, p) for p in _roles(la.parts))
+        self.stats.zero_copy_reads += len(left)
+        y = self._fused(la, x, weights, ids, torch.from_numpy(row).to(self.device), host_views)
+        if staging is not None and staging.is_pinned():
+            torch.cuda.current_stream(self.device).synchronize()  # the kernel reads staging: keep it alive
+        return y
 
     def _expert_forward(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
         """The plain path: expand the expert's bytes (wherever they are) and run SwiGLU."""
@@ -319,10 +351,10 @@ class ExpertStore:
 
     # --- residency (sync / async modes) -------------------------------------------------------
 
-    def _make_resident(self, layer: int, ids: torch.Tensor, copy: bool) -> bool:
-        """Count the layer's routings and, with ``copy``, bring every expert ``ids`` names onto the
-        device before the layer computes. False when they were not all brought (``copy`` off, or
-        more misses than cache slots): the caller then reads the misses from host memory."""
+    def _make_resident(self, layer: int, ids: torch.Tensor) -> np.ndarray:
+        """Count the layer's routings and bring every expert ``ids`` names onto the device
+        before the layer computes. Returns the experts left in host memory (more misses
+        than cache slots): the caller reads those from there."""
         chosen, counts = np.unique(ids.reshape(-1).cpu().numpy(), return_counts=True)  # the one sync
         row = self.table[layer]
         self.stats.tokens += ids.shape[0] if layer == self.moe_layers[0] else 0
@@ -335,12 +367,12 @@ class ExpertStore:
         for s in slots_now[slots_now >= self.n_hot]:
             self.lru.move_to_end(int(s))
         if not len(missing):
-            return True
+            return missing
         cached_now = slots_now[slots_now >= self.n_hot]
-        if not copy or len(missing) + len(cached_now) > self.n_cache:
-            # Served from host bytes by the plain path (prefill touches most experts at once).
+        if len(missing) + len(cached_now) > self.n_cache:
+            # Read from host memory where they are (a prefill touches most experts at once).
             self.stats.bytes_streamed += len(missing) * self.layers[layer].nbytes
-            return False
+            return missing
         t0 = time.perf_counter()
         protect = set(int(s) for s in cached_now)
         stream = self.copy_stream
@@ -354,7 +386,7 @@ class ExpertStore:
         if stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(stream)
         self.stats.copy_seconds += time.perf_counter() - t0
-        return True
+        return missing[:0]
 
     def _upload_table(self, layer: int | None = None) -> None:
         """Send the host table (or one layer's row) to the device without a host sync.
@@ -421,10 +453,17 @@ class ExpertStore:
 
     # --- between tokens -----------------------------------------------------------------------
 
-    def end_step(self, n_tokens: int) -> None:
+    @property
+    def capturable(self) -> bool:
+        """A decode step through this store can be captured in a CUDA graph (``runtime.graph``):
+        zero-copy mode with every layer on the fused kernel needs no host round trip inside the step."""
+        return self.mode == "zerocopy" and all(la.fused for la in self.layers.values())
+
+    def end_step(self, n_tokens: int, routed: bool | None = None) -> None:
         """After a forward call: count what was routed and (zero-copy mode) promote missed experts
-        into cache slots so that repeats are served from VRAM. One small device->host copy."""
-        if not self._step_routed:
+        into cache slots so that repeats are served from VRAM. One small device->host copy.
+        ``routed`` says whether MoE layers ran (a replayed graph cannot tell the store)."""
+        if not (self._step_routed if routed is None else routed):
             return
         self._step_routed = False
         if self.mode != "zerocopy":

@@ -17,7 +17,7 @@ import numpy as np
 from formats.archs import ModelSpec
 from formats.errors import SparkpackError
 from formats.memory import RUNTIME_OVERHEAD_BYTES, kv_cache_bytes, recurrent_state_bytes
-from formats.placement import make_plan
+from formats.placement import default_cache_slots, make_plan
 from formats.profile import Profile, default_profile_path, model_identity
 
 
@@ -52,12 +52,6 @@ class Residency:
         d = {k: v for k, v in self.__dict__.items() if k != "hot"}
         d["hot_experts"] = int(self.hot.sum())
         return d
-
-
-def default_cache_slots(spec: ModelSpec) -> int:
-    """Four layers' worth of top-k experts (shared by all layers): enough that a token's misses in
-    one layer never evict what the next layers just loaded."""
-    return 4 * spec.n_expert_used
 
 
 def load_profile(path: Path | None, model_path: Path, identity, spec: ModelSpec) -> tuple[Profile | None, str | None]:

@@ -7,6 +7,8 @@ becomes the ``[n_out, n_in]`` weight ``F.linear`` expects).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -16,10 +18,29 @@ from formats.gguf_file import GGUFModel
 from .dequant import dequantize
 
 
+CHUNK_ELEMENTS = 1 << 24  # dequantize large matrices this many weights at a time
+
+
 def dequantize_bytes(raw: np.ndarray, qtype: int, shape: tuple[int, ...], device: torch.device | str,
                      dtype: torch.dtype) -> torch.Tensor:
-    """Expand the raw bytes of a tensor of GGUF shape ``shape`` to a torch tensor (torch order)."""
-    return dequantize(raw, qtype, shape, device, dtype).reshape(tuple(reversed(shape)))
+    """Expand the raw bytes of a tensor of GGUF shape ``shape`` to a torch tensor (torch order).
+
+    Large matrices (the output head, the embeddings: ~500M weights) are expanded a band of rows
+    at a time into the final tensor: whole, the float32 temporaries would need several times the
+    result's memory, more than a ``--vram`` budget leaves. Blocks never span rows, so the bits
+    are the same either way."""
+    out_shape = tuple(reversed(shape))
+    n_rows = math.prod(shape[1:]) if len(shape) > 1 else 1
+    if math.prod(shape) <= CHUNK_ELEMENTS or n_rows < 2:
+        return dequantize(raw, qtype, shape, device, dtype).reshape(out_shape)
+    flat = raw.reshape(-1) if isinstance(raw, (np.ndarray, torch.Tensor)) else np.frombuffer(raw, dtype=np.uint8)
+    row_bytes = flat.shape[0] // n_rows
+    out = torch.empty((n_rows, shape[0]), dtype=dtype, device=device)
+    step = max(1, CHUNK_ELEMENTS // shape[0])
+    for r0 in range(0, n_rows, step):
+        r1 = min(n_rows, r0 + step)
+        out[r0:r1] = dequantize(flat[r0 * row_bytes: r1 * row_bytes], qtype, (shape[0], r1 - r0), device, dtype)
+    return out.reshape(out_shape)
 
 
 class Weights:

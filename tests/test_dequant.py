@@ -108,3 +108,22 @@ def test_wrong_byte_count_and_bad_row_length_are_rejected():
         dequantize(raw.reshape(-1)[:-1], int(T.Q8_0), (64, 2))
     with pytest.raises(ValueError, match="multiple"):
         dequantize(raw, int(T.Q8_0), (48, 2))
+
+
+def test_large_matrices_are_expanded_in_bands_with_the_same_bits(monkeypatch):
+    """Big dense tensors are dequantized a band of rows at a time (bounded temporaries under a
+    --vram budget); the result must be the whole-tensor result exactly."""
+    import runtime.weights as weights
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+
+    rng = np.random.default_rng(3)
+    for qt in (QT.Q4_K, QT.Q6_K, QT.Q8_0):
+        block, size = GGML_QUANT_SIZES[qt]
+        raw = rng.integers(0, 256, size=300 * 512 // block * size, dtype=np.uint8)
+        raw[::size] = 0  # keep the f16 scales finite enough to compare
+        whole = weights.dequantize_bytes(raw, qt, (512, 300), "cpu", torch.float32)
+        monkeypatch.setattr(weights, "CHUNK_ELEMENTS", 512 * 7)
+        banded = weights.dequantize_bytes(raw, qt, (512, 300), "cpu", torch.float32)
+        monkeypatch.undo()
+        assert banded.shape == (300, 512)
+        assert torch.equal(torch.nan_to_num(banded), torch.nan_to_num(whole))

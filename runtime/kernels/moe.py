@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels.qmatvec import SUPPORTED_QTYPES, _output, _row_dot, row_bytes_of
+from runtime.kernels.qmatvec import SUPPORTED_QTYPES, _output, _row_dot, row_bytes_of, rows_per_program
 
 
 @triton.jit
@@ -173,7 +173,7 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if T_ == 0 or topk == 0:
         return y.zero_()
     h = torch.empty((T_ * topk, n_ff), dtype=torch.float32, device=x.device)
-    bn = block_n or _block_n(T_ * topk)
+    bn = block_n or rows_per_program(x.device, _block_n(T_ * topk))
     has_host = host is not None
     _gate_up_kernel[(T_ * topk, triton.cdiv(n_ff, bn))](
         x, topk_ids, slot_table, gate_raw, up_raw, gate_h, up_h, h,

@@ -281,6 +281,12 @@ def _next_pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
 
+def rows_per_program(device: torch.device, gpu_rows: int) -> int:
+    """Rows per program: the GPU choice, or 256 on the CPU, where only Triton's interpreter runs
+    kernels and its cost is per program (each one re-enters Python), not per row."""
+    return 256 if device.type == "cpu" else gpu_rows
+
+
 def _output(out: torch.Tensor | None, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
     """A caller-given fp32 output (reused buffers; tests poison it) or a fresh one."""
     if out is None:
@@ -311,7 +317,7 @@ def qmatvec(x: torch.Tensor, w_raw: torch.Tensor, qtype: int, K: int,
         return y
     qtype = int(qtype)
     if B <= SMALL_B_MAX:
-        block_n = block_n or (16 if N >= 8192 else 4)
+        block_n = block_n or rows_per_program(x.device, 16 if N >= 8192 else 4)
         _qmv_kernel[(triton.cdiv(N, block_n),)](
             x, w_raw, y, B, N, K, w_raw.shape[1], x.stride(0), y.stride(0),
             QTYPE=qtype, BLOCK_B=_next_pow2(B), BLOCK_N=block_n, num_warps=4)

@@ -44,7 +44,7 @@ def load_model(path: str | os.PathLike[str] | GGUFModel, device: torch.device | 
     experts: ExpertProvider
     residency = None
     if store is not None:
-        experts, residency = _open_store(source, pack, spec, device, dtype, store)
+        experts, residency = open_store(source, pack, spec, device, dtype, store)
     elif pack is not None:
         experts = PackExperts(source, spec, device, dtype, max_bytes=expert_cache_bytes)  # type: ignore[arg-type]
     else:
@@ -54,7 +54,9 @@ def load_model(path: str | os.PathLike[str] | GGUFModel, device: torch.device | 
     return model
 
 
-def _open_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOptions):
+def open_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOptions):
+    """The tiered expert store and its residency plan for an opened model file (``pack`` the
+    ``.sparkpack`` or None for a GGUF). Benchmarks use it to swap stores under one loaded model."""
     from formats.experts import expert_tensor_names
 
     from ..expert_store import ExpertStore, GGUFSource, PackSourceExperts, routed_experts_bytes
@@ -80,4 +82,4 @@ def _model_class(source, spec) -> type[MoEModel]:
     return cls
 
 
-__all__ = ["MODELS", "MoEModel", "StoreOptions", "load_model"]
+__all__ = ["MODELS", "MoEModel", "StoreOptions", "load_model", "open_store"]
