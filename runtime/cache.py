@@ -12,26 +12,56 @@ import torch
 
 
 class KVCache:
-    """Keys and values of one attention layer, ``[S, H_kv, head_dim]``, grown by concatenation.
+    """Keys and values of one attention layer in a preallocated buffer ``[capacity, H_kv, head_dim]``
+    whose row ``i`` holds position ``i``.
 
-    All keys are kept (also for sliding-window layers, where the window is a mask): simple and
-    exact; a bounded ring buffer is a later optimisation for long contexts.
+    Attention always runs over the whole buffer with a position mask (rows past the sequence are
+    masked out), so a decode step has the same shapes at every position: that is what lets the
+    CUDA graph of a step be replayed, and eager and replayed steps run the very same kernels. The
+    buffer doubles when a sequence outgrows it (eager calls only; a captured step is given a
+    buffer of its full context up front). Sliding-window layers keep every key too; the window
+    is part of the mask.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k = k if self.k is None else torch.cat((self.k, k), dim=0)
-        self.v = v if self.v is None else torch.cat((self.v, v), dim=0)
+    def reserve(self, n: int, like: torch.Tensor) -> None:
+        """Make room for ``n`` positions (buffers shaped and typed after ``like [T, H_kv, d]``)."""
+        if self.k is not None and self.k.shape[0] >= n:
+            return
+        cap = max(self.capacity, 1)
+        while cap < n:
+            cap *= 2
+        k = like.new_zeros((cap, *like.shape[1:]))
+        v = like.new_zeros((cap, *like.shape[1:]))
+        if self.k is not None:
+            k[: self.k.shape[0]] = self.k
+            v[: self.v.shape[0]] = self.v
+        self.k, self.v, self.capacity = k, v, cap
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, pos0: "int | torch.Tensor") -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new keys/values at positions ``pos0..pos0+T-1`` (``pos0`` an int, or a device
+        scalar inside a captured step) and return the whole buffers."""
+        T = k.shape[0]
+        if isinstance(pos0, torch.Tensor):
+            idx = pos0 + torch.arange(T, device=k.device)
+            self.k.index_copy_(0, idx, k)
+            self.v.index_copy_(0, idx, v)
+        else:
+            self.reserve(pos0 + T, k)
+            self.k[pos0: pos0 + T] = k
+            self.v[pos0: pos0 + T] = v
         return self.k, self.v
 
 
 @dataclass
 class RecurrentState:
     """Gated DeltaNet state of one layer: the last ``kernel-1`` conv inputs ``[K-1, C]`` and the
-    per-head key->value memory ``[H_v, d_k, d_v]`` (None until the first token)."""
+    per-head key->value memory ``[H_v, d_k, d_v]`` (None until the first token; afterwards
+    updated in place, so a captured decode step keeps reading the same memory)."""
 
     conv: torch.Tensor | None = None
     ssm: torch.Tensor | None = None
@@ -41,3 +71,19 @@ class RecurrentState:
 class Cache:
     layers: list[KVCache | RecurrentState] = field(default_factory=list)
     pos: int = 0
+
+    def reset(self) -> None:
+        """Start a new sequence in the same buffers (a captured decode step stays valid): KV rows
+        past ``pos`` are masked anyway; recurrent state is zeroed in place."""
+        self.pos = 0
+        for layer in self.layers:
+            if isinstance(layer, RecurrentState):
+                for t in (layer.conv, layer.ssm):
+                    if t is not None:
+                        t.zero_()
+
+    def reserve(self, n: int) -> None:
+        """Grow every KV buffer that exists to hold ``n`` positions."""
+        for layer in self.layers:
+            if isinstance(layer, KVCache) and layer.k is not None:
+                layer.reserve(n, layer.k[:1])

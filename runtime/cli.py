@@ -147,7 +147,7 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
               help="Without the store (CPU): memory for dequantized experts (LRU, re-expanded when needed).")
 @click.option("--vram", type=SizeParam(), help="GPU memory budget: hot experts, cache slots and KV cache sized to fit.")
 @click.option("--hot-fraction", type=click.FloatRange(0, 1), help="Share of expert bytes kept on the GPU.")
-@click.option("--cache-slots", type=click.IntRange(min=0), help="GPU slots caching cold experts [4 x top-k].")
+@click.option("--cache-slots", type=click.IntRange(min=0), help="GPU slots caching cold experts [half of one token's routings over all layers].")
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Routing profile choosing the hot experts [MODEL.profile.json when present].")
 @click.option("--stream", "stream_mode", type=click.Choice(["auto", "zerocopy", "async", "sync"]), default="auto",
@@ -155,7 +155,7 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
 @click.option("--host-ram", type=SizeParam(), help="Pinned host memory for cold experts [80% of available]; "
               "less than they need reads misses from disk.")
 @click.option("--ctx", type=click.IntRange(min=1), default=4096, show_default=True,
-              help="Context the --vram budget reserves KV cache for.")
+              help="Context the KV cache is allocated for (and --vram reserves); decode steps replay a CUDA graph up to it.")
 @click.option("--store/--no-store", "use_store", default=None,
               help="Use the tiered expert store [on for cuda or when a store option is given].")
 @click.option("--stats-json", type=click.Path(dir_okay=False, path_type=Path),
@@ -195,7 +195,7 @@ def run_cmd(model_path: Path, prompt: str | None, system: str | None, raw: bool,
         if model.residency is not None:
             report_residency(model)
         session = run_session(model, prompt, system, raw, prompt_ids, logits_out, max_tokens,
-                              make_sampler(temperature, top_k, top_p, min_p, repeat_penalty, seed))
+                              make_sampler(temperature, top_k, top_p, min_p, repeat_penalty, seed), ctx)
     except torch.cuda.OutOfMemoryError:
         raise SparkpackError(model_path, "the GPU ran out of memory: lower --vram's share for experts "
                                          "(--hot-fraction, --cache-slots) or --ctx") from None
@@ -203,11 +203,11 @@ def run_cmd(model_path: Path, prompt: str | None, system: str | None, raw: bool,
         report_stats(model, session, stats_json)
 
 
-def run_session(model, prompt, system, raw, prompt_ids, logits_out, max_tokens, sampler):
+def run_session(model, prompt, system, raw, prompt_ids, logits_out, max_tokens, sampler, ctx: int):
     """The run itself; returns the generation session (for statistics) or None."""
     from .generate import Session
 
-    session = Session(model)
+    session = Session(model, ctx=ctx)
     if prompt_ids is not None:
         ids = parse_ids(prompt_ids, model.spec.n_vocab)
         if logits_out is not None:

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from .graph import DecodeGraph, capturable
 from .models.base import MoEModel
 
 
@@ -31,18 +32,29 @@ class Timing:
 
 
 PREFILL_CHUNK = 512  # bounds activation memory (attention scores, expert inputs) of long prompts
+DEFAULT_CTX = 4096
 
 
 class Session:
-    def __init__(self, model: MoEModel, prefill_chunk: int = PREFILL_CHUNK):
+    """``ctx`` sizes the KV buffers up front (they grow past it, but only up to ``ctx`` is a
+    decode step replayed from a CUDA graph). ``graphs`` None: capture decode steps where the
+    model allows (CUDA, zero-copy expert store)."""
+
+    def __init__(self, model: MoEModel, prefill_chunk: int = PREFILL_CHUNK, ctx: int = DEFAULT_CTX,
+                 graphs: bool | None = None):
         self.model = model
         self.prefill_chunk = prefill_chunk
+        self.ctx = ctx
+        self.use_graphs = capturable(model) if graphs is None else graphs
+        self.graph: DecodeGraph | None = None
         self.timing = Timing()
-        self.reset()
+        self.cache = model.new_cache(ctx)
+        self.fed: list[int] = []
 
     def reset(self) -> None:
-        self.cache = self.model.new_cache()
-        self.fed: list[int] = []
+        """Forget the sequence; buffers (and a captured decode step) are kept for the next one."""
+        self.cache.reset()
+        self.fed = []
 
     def feed(self, ids: list[int]) -> torch.Tensor:
         """Make the cache hold exactly ``ids`` and return the logits of the last one ``[n_vocab]``."""
@@ -53,8 +65,14 @@ class Session:
             self.reset()
             n = 0
         t0 = time.perf_counter()
-        for i in range(n, len(ids), self.prefill_chunk):
-            logits = self.model.forward(ids[i: i + self.prefill_chunk], self.cache, last_only=True)[-1]
+        logits = None
+        if len(ids) - n == 1 and self.use_graphs:
+            if self.graph is None:
+                self.graph = DecodeGraph(self.model, self.cache)
+            logits = self.graph.step(ids[-1])
+        if logits is None:
+            for i in range(n, len(ids), self.prefill_chunk):
+                logits = self.model.forward(ids[i: i + self.prefill_chunk], self.cache, last_only=True)[-1]
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         dt, new = time.perf_counter() - t0, len(ids) - n

@@ -70,7 +70,7 @@ class Rope:
         Angles are formed in float32 like transformers does (positions times float32 inv_freq),
         then cast: matching the referee bit for bit matters more here than float64 angles.
         """
-        inv = self.inv_freq.to(device=pos.device, dtype=torch.float32)
+        inv = self._inv_on(pos.device)
         if pos.dim() == 1:
             freqs = pos[:, None].float() * inv
         else:
@@ -82,6 +82,15 @@ class Rope:
                     freqs[:, idx] = f3[axis][:, idx]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+    def _inv_on(self, device: torch.device) -> torch.Tensor:
+        """``inv_freq`` as float32 on ``device``, copied there once (a captured step may not
+        copy from host memory)."""
+        cache = self.__dict__.setdefault("_on_device", {})
+        t = cache.get(device)
+        if t is None:
+            t = cache[device] = self.inv_freq.to(device=device, dtype=torch.float32)
+        return t
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` of shape ``[T, H, head_dim]``; channels past ``dim`` pass through."""
@@ -119,26 +128,35 @@ def yarn_rope(base: float, dim: int, factor: float, orig_ctx: int, beta_fast: fl
 # --- attention ---------------------------------------------------------------------------------
 
 
+def positions(pos0: "int | torch.Tensor", T: int, device: torch.device) -> torch.Tensor:
+    """Positions ``pos0 .. pos0+T-1`` as a device tensor; ``pos0`` may itself be a device scalar
+    (a captured decode step reads its position from memory)."""
+    return torch.arange(T, device=device) + pos0
+
+
 def attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: KVCache | None,
-              pos0: int, window: int = 0) -> torch.Tensor:
+              pos0: "int | torch.Tensor", window: int = 0) -> torch.Tensor:
     """Causal GQA attention of ``q [T, H, d]`` over cached + new keys; returns ``[T, H, d]``.
 
-    The cache keeps every key, so the sliding window is only a mask (``i - j < window``), exactly
-    the transformers/llama.cpp rule; query head h reads kv head ``h // (H / H_kv)``.
+    With a cache, keys are its whole buffer (row i = position i) and positions not yet written
+    are masked with the causal rule, so shapes do not depend on the position. The sliding window
+    is part of the mask (``i - j < window``), exactly the transformers/llama.cpp rule; query head
+    h reads kv head ``h // (H / H_kv)``.
     """
+    T, H, d = q.shape
+    qpos = positions(pos0, T, q.device)[:, None]
     if cache is not None:
-        k, v = cache.append(k_new, v_new)
+        k, v = cache.append(k_new, v_new, pos0)
+        kpos = torch.arange(k.shape[0], device=q.device)[None, :]
     else:
         k, v = k_new, v_new
-    T, H, d = q.shape
+        kpos = qpos.reshape(1, T)
     S, Hkv, _ = k.shape
     rep = H // Hkv
     qh = q.reshape(T, Hkv, rep, d).permute(1, 2, 0, 3)  # [Hkv, rep, T, d]
     kh = k.permute(1, 0, 2)[:, None]  # [Hkv, 1, S, d]
     vh = v.permute(1, 0, 2)[:, None]
     scores = torch.matmul(qh, kh.transpose(-1, -2)) * (d ** -0.5)  # [Hkv, rep, T, S]
-    qpos = torch.arange(pos0, pos0 + T, device=q.device)[:, None]
-    kpos = torch.arange(S, device=q.device)[None, :] + (pos0 + T - S)
     allowed = kpos <= qpos
     if window > 0:
         allowed &= (qpos - kpos) < window

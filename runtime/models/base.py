@@ -34,32 +34,36 @@ class MoEModel(ABC):
         """An ``{arch}.suffix`` metadata value not carried by the spec."""
         return self.gguf.get(f"{self.spec.arch}.{suffix}", default)
 
-    def new_cache(self) -> Cache:
-        return Cache([RecurrentState() if k.attention == LINEAR else KVCache() for k in self.spec.layers])
+    def new_cache(self, capacity: int = 256) -> Cache:
+        """A fresh cache whose KV buffers start with room for ``capacity`` positions."""
+        return Cache([RecurrentState() if k.attention == LINEAR else KVCache(capacity) for k in self.spec.layers])
 
     @abstractmethod
-    def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: int) -> torch.Tensor:
+    def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: int | torch.Tensor) -> torch.Tensor:
         """Layer ``il``'s residual block on ``x [T, n_embd]`` whose first token is at ``pos0``."""
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor | list[int], cache: Cache | None = None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, pos: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[T, n_vocab]`` for the new tokens ``ids`` (``[1, n_vocab]`` for the last one
         only with ``last_only``: generation needs no more, and the head is the largest matmul);
         advances ``cache`` when given.
 
         Without a cache the call is a fresh full-sequence forward (a throwaway cache is used).
+        ``pos`` (a device scalar holding the first new position) is for a step captured in a CUDA
+        graph (``runtime.graph``): nothing here then touches the host, and the caller advances
+        ``cache.pos`` and the expert store's bookkeeping itself.
         """
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
         cache = cache if cache is not None else self.new_cache()
-        pos0 = cache.pos
         x = self.w("token_embd.weight")[ids]
         for il in range(self.spec.n_layer):
-            x = self.block(il, x, cache, pos0)
-        cache.pos += ids.numel()
-        end_step = getattr(self.experts, "end_step", None)  # the store learns between tokens
-        if end_step is not None:
-            end_step(ids.numel())
+            x = self.block(il, x, cache, cache.pos if pos is None else pos)
+        if pos is None:
+            cache.pos += ids.numel()
+            end_step = getattr(self.experts, "end_step", None)  # the store learns between tokens
+            if end_step is not None:
+                end_step(ids.numel())
         if last_only:
             x = x[-1:]
         x = self.norm(x, "output_norm.weight")

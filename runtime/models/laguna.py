@@ -13,7 +13,7 @@ from formats.archs import DENSE, SLIDING
 
 from ..cache import Cache
 from ..experts import moe
-from ..layers import Rope, attention, rms_norm, rope_inv_freq, route_sigmoid, swiglu, yarn_rope
+from ..layers import Rope, attention, positions, rms_norm, rope_inv_freq, route_sigmoid, swiglu, yarn_rope
 from .base import MoEModel
 
 
@@ -50,7 +50,7 @@ class Laguna(MoEModel):
         q = rms_norm(q, w(p + "attn_q_norm.weight"), self.eps)
         k = rms_norm(k, w(p + "attn_k_norm.weight"), self.eps)
         rope = self.rope_swa if swa else self.rope_full
-        cos, sin = rope.cos_sin(torch.arange(pos0, pos0 + T, device=h.device), h.dtype)
+        cos, sin = rope.cos_sin(positions(pos0, T, h.device), h.dtype)
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         o = attention(q, k, v, cache.layers[il], pos0, self.window if swa else 0)  # [T, H, d]
         gate = F.softplus(F.linear(h, w(p + "attn_gate.weight")))

@@ -18,7 +18,7 @@ from formats.archs import LINEAR
 
 from ..cache import Cache, RecurrentState
 from ..experts import moe
-from ..layers import Rope, attention, l2_norm, rms_norm, rope_inv_freq, route_softmax, swiglu, wide
+from ..layers import Rope, attention, l2_norm, positions, rms_norm, rope_inv_freq, route_softmax, swiglu, wide
 from .base import MoEModel
 
 
@@ -103,7 +103,7 @@ class Qwen35MoE(MoEModel):
         v = F.linear(h, w(p + "attn_v.weight")).view(T, -1, d)
         q = rms_norm(q, w(p + "attn_q_norm.weight"), self.eps)
         k = rms_norm(k, w(p + "attn_k_norm.weight"), self.eps)
-        cos, sin = self.rope.cos_sin(torch.arange(pos0, pos0 + T, device=h.device), h.dtype)
+        cos, sin = self.rope.cos_sin(positions(pos0, T, h.device), h.dtype)
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         o = attention(q, k, v, cache.layers[il], pos0) * torch.sigmoid(gate)
         return F.linear(o.reshape(T, -1), w(p + "attn_output.weight"))
@@ -117,9 +117,10 @@ class Qwen35MoE(MoEModel):
 
         # causal depthwise conv over [previous K-1 inputs ; new inputs], then SiLU
         conv_w = w(p + "ssm_conv1d.weight")  # [C, K]
-        prev = st.conv if st.conv is not None else qkv.new_zeros(self.kernel - 1, qkv.shape[1])
-        xin = torch.cat((prev, qkv), dim=0)
-        st.conv = xin[xin.shape[0] - (self.kernel - 1):].clone()
+        if st.conv is None:
+            st.conv = qkv.new_zeros(self.kernel - 1, qkv.shape[1])
+        xin = torch.cat((st.conv, qkv), dim=0)
+        st.conv.copy_(xin[xin.shape[0] - (self.kernel - 1):])  # in place: see RecurrentState
         qkv = F.silu((xin.unfold(0, self.kernel, 1) * conv_w).sum(-1))  # [T, C]
 
         kd = self.n_k * self.d_k
@@ -131,9 +132,11 @@ class Qwen35MoE(MoEModel):
         rep = self.n_v // self.n_k
         q, k = q.repeat(1, rep, 1), k.repeat(1, rep, 1)  # tiled: value head h uses key head h % n_k
         # the recurrent state accumulates over the whole sequence: keep it in >= float32
-        state = st.ssm if st.ssm is not None else wide(h.new_zeros(self.n_v, self.d_k, self.d_v))
+        if st.ssm is None:
+            st.ssm = wide(h.new_zeros(self.n_v, self.d_k, self.d_v))
         rule = gated_delta_rule_chunked if T > CHUNK else gated_delta_rule
-        o, st.ssm = rule(*(wide(t) for t in (q, k, v, g, beta)), state)
+        o, state = rule(*(wide(t) for t in (q, k, v, g, beta)), st.ssm)
+        st.ssm.copy_(state)
         o = rms_norm(o.to(h.dtype), w(p + "ssm_norm.weight"), self.eps) * F.silu(z)
         return F.linear(o.reshape(T, -1), w(p + "ssm_out.weight"))
 

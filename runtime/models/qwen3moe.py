@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from ..cache import Cache
 from ..experts import moe
-from ..layers import Rope, attention, rms_norm, rope_inv_freq, route_softmax
+from ..layers import Rope, attention, positions, rms_norm, rope_inv_freq, route_softmax
 from .base import MoEModel
 
 
@@ -31,7 +31,7 @@ class Qwen3MoE(MoEModel):
         v = F.linear(h, w(p + "attn_v.weight")).view(T, -1, d)
         q = rms_norm(q, w(p + "attn_q_norm.weight"), self.eps)
         k = rms_norm(k, w(p + "attn_k_norm.weight"), self.eps)
-        cos, sin = self.rope.cos_sin(torch.arange(pos0, pos0 + T, device=h.device), h.dtype)
+        cos, sin = self.rope.cos_sin(positions(pos0, T, h.device), h.dtype)
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         o = attention(q, k, v, cache.layers[il], pos0)
         return F.linear(o.reshape(T, -1), w(p + "attn_output.weight"))
