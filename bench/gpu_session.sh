@@ -3,8 +3,12 @@
 # Q4_K_M GGUF (~20 GB), split it into a pack, verify, join back (byte-compared), and measure zstd
 # on a layer-cut copy; then run the forward and dequant tests on CUDA.
 #   usage (repo root, on the GPU machine, wheels from .whl/ carried): bash bench/gpu_session.sh [steps]
-# steps: any of synth split compress tests kernels calib (default: synth split compress tests)
+# steps: any of synth split compress tests kernels calib store decode llama (default: synth split compress tests)
 # calib replays BENCH_CORPUS (default: corpora/) through the synthetic model on CUDA.
+# store: the expert store at partial residency (bench/store_bench.py) on a --skew reference model,
+#   calibrated on .device/corpus/bench_agent.jsonl, measured on .device/corpus/mt_bench_questions.jsonl.
+# decode: all-GPU decode (CUDA graph vs eager) and prefill speed (bench/decode_bench.py).
+# llama: llama.cpp's llama-bench on the same model (bench/llama_bench.sh; .device/llama.cpp carried).
 set -euo pipefail
 steps="${*:-synth split compress tests}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -39,6 +43,20 @@ for step in $steps; do
       /usr/bin/time -v python3 -m repack.cli calibrate "$model" --corpus "${BENCH_CORPUS:-corpora}" --device cuda \
         --max-tokens "${CALIB_TOKENS:-4096}" -o "$work/calib.profile.json" --quiet 2> "$work/calib.err" || { tail -5 "$work/calib.err"; exit 1; }
       grep -E "Elapsed|Maximum resident" "$work/calib.err" ;;
+    store)
+      echo "== expert store at partial residency (full-size model, skewed routing)"
+      [ -f "$model" ] || python3 -m repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 16 --skew reference -o "$model" >/dev/null
+      prof="$work/agent.profile.json"  # not MODEL.profile.json: uniform runs must not pick it up
+      [ -f "$prof" ] || /usr/bin/time -f "calibrate: %e s, peak RSS %M KiB" python3 -m repack.cli calibrate "$model" \
+        --corpus .device/corpus/bench_agent.jsonl --device cuda --max-tokens "${CALIB_TOKENS:-8192}" -o "$prof" --quiet
+      python3 bench/store_bench.py "$model" --profile "$prof" --prompts .device/corpus/mt_bench_questions.jsonl \
+        --tokens "${STORE_TOKENS:-48}" --json "${OUT:-$work}/store_bench.json" ${STORE_ARGS:-} ;;
+    decode)
+      [ -f "$model" ] || python3 -m repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 16 --skew reference -o "$model" >/dev/null
+      python3 bench/decode_bench.py "$model" --json "${OUT:-$work}/decode_bench.json" ;;
+    llama)
+      [ -f "$model" ] || python3 -m repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 16 --skew reference -o "$model" >/dev/null
+      bash bench/llama_bench.sh "$model" ;;
     kernels)
       echo "== kernels"
       python3 bench/kernels_bench.py ;;

@@ -1,0 +1,98 @@
+"""All-GPU decode and prefill speed of the runtime, in llama-bench's terms (CUDA).
+
+    python bench/decode_bench.py M.gguf [--depths 128 1024 4096] [--prefill 512 4096] [--tokens 64]
+
+Decode: prefill ``depth`` tokens, then time ``--tokens`` greedy steps (tok/s at that KV depth),
+replayed from a CUDA graph and, for comparison, eagerly. Prefill: tok/s of a fresh prompt of
+each length (chunks of 512). Also: the graph and eager steps must give the same tokens and logits.
+Writes JSON to $OUT/decode_bench.json (or --json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from runtime.generate import Session  # noqa: E402
+from runtime.models import StoreOptions, load_model  # noqa: E402
+
+
+def prompt(n: int, n_vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(n)
+    return torch.randint(100, n_vocab - 100, (n,), generator=g).tolist()
+
+
+def decode(model, depth: int, n: int, graphs: bool, ctx: int) -> tuple[float, list[int], torch.Tensor]:
+    session = Session(model, ctx=ctx, graphs=graphs)
+    ids = prompt(depth, model.spec.n_vocab)
+    logits = session.feed(ids)
+    for _ in range(2):  # warm-up (capture on the first)
+        ids.append(int(torch.argmax(logits)))
+        logits = session.feed(ids)
+    out, steps = [], []
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        tok = int(torch.argmax(logits))
+        out.append(tok)
+        ids.append(tok)
+        logits = session.feed(ids)
+        steps.append(logits)
+    torch.cuda.synchronize()
+    return n / (time.perf_counter() - t0), out, torch.stack(steps)
+
+
+def prefill(model, n: int, ctx: int) -> float:
+    session = Session(model, ctx=ctx, graphs=False)
+    session.feed(prompt(64, model.spec.n_vocab))  # warm-up
+    session.reset()
+    ids = prompt(n, model.spec.n_vocab)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    session.feed(ids)
+    torch.cuda.synchronize()
+    return n / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--depths", type=int, nargs="+", default=[128, 1024, 4096])
+    ap.add_argument("--prefill", type=int, nargs="+", default=[512, 4096])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--eager-tokens", type=int, default=16)
+    ap.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "decode_bench.json")
+    args = ap.parse_args()
+    ctx = max(args.depths) + args.tokens + 8
+    t0 = time.perf_counter()
+    model = load_model(args.model, device="cuda", dtype=torch.bfloat16,
+                       store=StoreOptions(hot_fraction=1.0, cache_slots=0, mode="zerocopy", ctx=ctx))
+    print(f"loaded {args.model.name} in {time.perf_counter() - t0:.1f} s", flush=True)
+    res: dict = {"model": args.model.name, "device": torch.cuda.get_device_name(), "decode": [], "prefill": []}
+    for depth in args.depths:
+        g_tps, g_tok, g_log = decode(model, depth, args.tokens, True, ctx)
+        e_tps, e_tok, e_log = decode(model, depth, args.eager_tokens, False, ctx)
+        k = args.eager_tokens
+        same = g_tok[:k] == e_tok and torch.equal(g_log[:k], e_log)
+        res["decode"].append({"depth": depth, "graph_tok_s": g_tps, "eager_tok_s": e_tps, "graph_equals_eager": same})
+        print(f"decode at depth {depth:5}: graph {g_tps:7.1f} tok/s, eager {e_tps:6.1f} tok/s, identical {same}", flush=True)
+    for n in args.prefill:
+        tps = prefill(model, n, ctx)
+        res["prefill"].append({"tokens": n, "tok_s": tps})
+        print(f"prefill {n:5} tokens: {tps:8.1f} tok/s", flush=True)
+    res["vram_peak_allocated"] = torch.cuda.max_memory_allocated()
+    res["vram_peak_reserved"] = torch.cuda.max_memory_reserved()
+    args.json.write_text(json.dumps(res, indent=1) + "\n")
+    if not all(d["graph_equals_eager"] for d in res["decode"]):
+        raise SystemExit("graph replay and eager decode differ")
+
+
+if __name__ == "__main__":
+    main()
