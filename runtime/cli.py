@@ -15,6 +15,7 @@ a .sparkpack brings its placement, a .gguf uses MODEL.profile.json when present.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -196,9 +197,14 @@ def run_cmd(model_path: Path, prompt: str | None, system: str | None, raw: bool,
             report_residency(model)
         session = run_session(model, prompt, system, raw, prompt_ids, logits_out, max_tokens,
                               make_sampler(temperature, top_k, top_p, min_p, repeat_penalty, seed), ctx)
-    except torch.cuda.OutOfMemoryError:
-        raise SparkpackError(model_path, "the GPU ran out of memory: lower --vram's share for experts "
-                                         "(--hot-fraction, --cache-slots) or --ctx") from None
+    except torch.cuda.OutOfMemoryError as e:
+        if os.environ.get("SPARKPACK_DEBUG"):
+            raise
+        asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(e))
+        more = f"needed {asked.group(1)} more " if asked else ""
+        raise SparkpackError(model_path, f"the GPU ran out of memory ({more}with "
+                                         f"{torch.cuda.memory_reserved() / 1024**3:.2f} GiB reserved): lower "
+                                         "--vram's share for experts (--hot-fraction, --cache-slots) or --ctx") from None
     if session is not None:
         report_stats(model, session, stats_json)
 

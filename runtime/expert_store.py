@@ -515,8 +515,11 @@ class ExpertStore:
 
 
 def routed_experts_bytes(source: ExpertSource, spec: ModelSpec) -> dict[int, int]:
-    """Slot-aligned bytes of one expert per MoE layer, as the store will hold them."""
-    return {il: _round_up(sum(p.nbytes for p in source.layout(il)), SLOT_ALIGN) for il in spec.moe_layers}
+    """Device bytes one expert of each MoE layer costs in the store: every slot of the one pool
+    has the largest layer's (aligned) size, so that is the cost whatever the layer. Planning
+    with per-layer sizes undercounted a Q4_K_M model's pool by 7% and broke --vram budgets."""
+    slot = _round_up(max((sum(p.nbytes for p in source.layout(il)) for il in spec.moe_layers), default=0), SLOT_ALIGN)
+    return {il: slot for il in spec.moe_layers}
 
 
 def _roles(parts: list[Part]) -> list[Part]:

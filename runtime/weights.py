@@ -63,6 +63,11 @@ class Weights:
             self._cache[name] = t
         return t
 
+    def preload(self, names) -> None:
+        """Expand these tensors now (the expert store's budget counts them from the start)."""
+        for name in names:
+            self(name)
+
     def opt(self, name: str) -> torch.Tensor | None:
         return self(name) if self.has(name) else None
 

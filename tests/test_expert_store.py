@@ -206,3 +206,7 @@ def test_vram_budget_sizes_the_hot_set(model_path):
     assert 0 < r.hot_bytes <= big.hot_bytes // 2
     assert r.dense_bytes + r.kv_bytes + r.state_bytes + r.overhead_bytes + r.hot_bytes + r.cache_bytes <= r.vram
     assert 0 < mid.experts.n_hot < int(big.hot.sum())
+    # The plan counts what is really allocated: the expert pool, and the dense weights (loaded
+    # with the model, so a budget fails at load rather than mid-reply).
+    assert r.hot_bytes + r.cache_bytes == mid.experts.pool.numel()
+    assert r.dense_bytes == sum(t.numel() * t.element_size() for t in mid.w._cache.values())

@@ -25,7 +25,7 @@ def load_model(path: str | os.PathLike[str] | GGUFModel, device: torch.device | 
                dtype: torch.dtype = torch.float32, expert_cache_bytes: int | None = None,
                store: StoreOptions | None = None) -> MoEModel:
     """Open a GGUF or a .sparkpack directory and build the runtime model of its architecture
-    (weights load lazily).
+    (dense weights load lazily, or at once with ``store``).
 
     Without ``store`` experts are expanded on first use (``expert_cache_bytes`` bounds what stays
     expanded; None keeps all): the simple path, used on CPU. With ``store`` the tiered expert store
@@ -51,6 +51,10 @@ def load_model(path: str | os.PathLike[str] | GGUFModel, device: torch.device | 
         experts = GGUFExperts(source, spec, device, dtype, max_bytes=expert_cache_bytes)  # type: ignore[arg-type]
     model = cls(source, spec, device=device, dtype=dtype, experts=experts)  # type: ignore[arg-type]
     model.residency = residency
+    if store is not None:  # a budget must fail (or hold) at load, not in the middle of a reply
+        from formats.experts import expert_tensor_names
+
+        model.w.preload(n for n in source.tensors if n not in expert_tensor_names(spec))
     return model
 
 
