@@ -133,7 +133,8 @@ def measure(model, cfg: Config, args: argparse.Namespace, prompt: list[int], cud
            "decode_tok_s": t.decode_tokens / t.decode_seconds, "prefill_tok_s": t.prefill_tokens / t.prefill_seconds,
            "hot_per_token": s["hot_hits_per_token"], "cached_per_token": s["cache_hits_per_token"],
            "missed_per_token": s["misses_per_token"], "bytes_streamed": s["bytes_streamed"],
-           "stream_gb_s": s["bytes_streamed"] / (t.decode_seconds + t.prefill_seconds) / 1e9,
+           "stream_gb_s": s["bytes_streamed"] / (t.decode_seconds + t.prefill_seconds + t.capture_seconds) / 1e9,
+           "capture_s": t.capture_seconds, "host_ms_per_token": 1e3 * s["step_seconds"] / max(s["tokens"], 1),
            "pool_gib": d["device_pool_bytes"] / 1024**3, "load_s": load_s,
            "expected_cold_rate": residency.expected_cold_rate, "tokens": tokens, "logits": logits}
     return row
@@ -185,7 +186,7 @@ def main() -> None:
         load_s, same = row["load_s"], row["identical"]
         print(f"{cfg.name:38} decode {row['decode_tok_s']:7.1f} tok/s ({row['vs_all_gpu']:6.1%})  prefill "
               f"{row['prefill_tok_s']:7.1f}  hot/cached/missed per token {row['hot_per_token']:.1f}/"
-              f"{row['cached_per_token']:.1f}/{row['missed_per_token']:.2f}  pool {row['pool_gib']:.2f} GiB  "
+              f"{row['cached_per_token']:.1f}/{row['missed_per_token']:.2f}  host {row['host_ms_per_token']:.2f} ms/token  pool {row['pool_gib']:.2f} GiB  "
               f"load {load_s:.1f} s  identical {same}", flush=True)
     model.experts = None
     del model

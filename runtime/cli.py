@@ -270,12 +270,13 @@ def collect_stats(model, session) -> dict:
     out = {"prefill_tokens": t.prefill_tokens, "prefill_seconds": t.prefill_seconds,
            "prefill_tok_s": t.prefill_tokens / t.prefill_seconds if t.prefill_seconds else None,
            "decode_tokens": t.decode_tokens, "decode_seconds": t.decode_seconds,
-           "decode_tok_s": t.decode_tokens / t.decode_seconds if t.decode_seconds else None}
+           "decode_tok_s": t.decode_tokens / t.decode_seconds if t.decode_seconds else None,
+           "graph_capture_seconds": t.capture_seconds}
     store = model.experts if model.residency is not None else None
     if store is not None:
         s = store.stats.as_json()
         out["store"] = {**store.describe(), **s}
-        busy = t.prefill_seconds + t.decode_seconds
+        busy = t.prefill_seconds + t.decode_seconds + t.capture_seconds
         out["store"]["stream_gb_s"] = s["bytes_streamed"] / busy / 1e9 if busy else None
         out["residency"] = model.residency.as_json()
     if model.device.type == "cuda":
@@ -291,10 +292,13 @@ def report_stats(model, session, stats_json: Path | None) -> None:
         parts.append(f"prefill {s['prefill_tokens']} tok at {s['prefill_tok_s']:.1f} tok/s")
     if s["decode_tok_s"]:
         parts.append(f"decode {s['decode_tokens']} tok at {s['decode_tok_s']:.1f} tok/s")
+    if s["graph_capture_seconds"]:
+        parts.append(f"CUDA graph captured in {s['graph_capture_seconds']:.2f} s")
     st = s.get("store")
     if st:
         parts.append(f"per token: {st['hot_hits_per_token']:.1f} hot, {st['cache_hits_per_token']:.1f} cached, "
-                     f"{st['misses_per_token']:.1f} missed; {st['bytes_streamed'] / 1e9:.2f} GB streamed")
+                     f"{st['misses_per_token']:.1f} missed; {st['bytes_streamed'] / 1e9:.2f} GB streamed"
+                     + (f" at {st['stream_gb_s']:.1f} GB/s" if st.get("stream_gb_s") else ""))
     if "vram_peak_reserved" in s:
         parts.append(f"VRAM peak {s['vram_peak_allocated'] / 1024**3:.2f} GiB allocated, "
                      f"{s['vram_peak_reserved'] / 1024**3:.2f} GiB reserved")

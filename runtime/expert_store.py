@@ -3,7 +3,9 @@
 Tiers, fastest first:
   hot      experts placed on the device at load (the pack's placement, or a profile's choice
            under a VRAM budget); never evicted.
-  cache    a bounded ring of spare device slots holding recently used cold experts (LRU).
+  cache    a bounded set of spare device slots holding cold experts: the most recently used
+           (LRU) when misses are copied in, the most often routed lately when they are read
+           zero-copy (there a copy is an extra PCIe transfer, worth it only for repeat traffic).
   host     every cold expert in pinned host memory, when host RAM allows; the GPU can read it
            directly (zero-copy) or copy it into a cache slot.
   disk     otherwise a bounded pinned host cache over the mmapped GGUF / cold shards.
@@ -21,8 +23,9 @@ How a miss is served (``mode``):
             compute stream waits only on their event.
   zerocopy  no host read inside the token: a cold expert's table entry points into the pinned
             host pool (``-(h + 1)``) and the kernel reads it over PCIe. After the token the store
-            looks at what was routed (one small copy per token) and promotes the missed experts
-            into cache slots with async copies, so repeats are served from VRAM.
+            looks at what was routed (one small copy per token) and promotes missed experts
+            that keep being routed into cache slots with async copies overlapping the next
+            token, so repeat traffic is served from VRAM.
 The arithmetic never depends on where bytes were read from, so every mode and every residency
 gives bit-identical outputs (tests check it at 100/60/10% residency).
 
@@ -32,6 +35,7 @@ experts are computed by the plain torch path: dequantize the expert's bytes, Swi
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -55,6 +59,13 @@ from .weights import dequantize_bytes
 MODES = ("auto", "zerocopy", "async", "sync")
 NOT_RESIDENT = -(2**31)  # table entry of an expert in neither pool (disk tier, sync/async modes)
 SLOT_ALIGN = 256
+# Zero-copy cache admission: routing counts decay by this factor per token (a memory of ~20
+# tokens), and a missed expert must reach ADMIT_MIN (routed three times lately) to be copied in:
+# a copy costs the PCIe bytes of a zero-copy read, so it must be read from the slot again to pay.
+# Measured on the full-size model (BENCHMARKS.md): admitting at 1.5 cost 3% of decode speed at
+# 60% residency against no cache slots at all.
+FREQ_DECAY = 0.95
+ADMIT_MIN = 3.0
 
 
 @dataclass(frozen=True)
@@ -137,7 +148,8 @@ class StoreStats:
     loads: int = 0  # experts streamed into a cache slot
     zero_copy_reads: int = 0  # (layer, expert) reads served from host memory inside the kernel
     bytes_streamed: int = 0  # host->device bytes, copies and zero-copy reads together
-    copy_seconds: float = 0.0  # wall time the host spent issuing/waiting for copies
+    copy_seconds: float = 0.0  # wall time the host spent issuing/waiting for copies (sync, async)
+    step_seconds: float = 0.0  # host time between tokens: zero-copy counting and promotions
     disk_reads: int = 0
 
     def as_json(self) -> dict:
@@ -191,6 +203,9 @@ class ExpertStore:
             ok = all(int(p.qtype) in _fused_qtypes() for p in parts)
             self.layers[il] = _Layer(parts, sum(p.nbytes for p in parts) if parts else 0,
                                      ok and (fused if fused is not None else on_cuda))
+        self.layer_nbytes = np.zeros(spec.n_layer, dtype=np.int64)  # one expert's bytes per layer
+        for il, la in self.layers.items():
+            self.layer_nbytes[il] = la.nbytes
         self.slot_bytes = _round_up(max((la.nbytes for la in self.layers.values()), default=0), SLOT_ALIGN)
         n_cold = int((~hot[self.moe_layers]).sum())
         self.n_hot = int(hot.sum())
@@ -225,6 +240,8 @@ class ExpertStore:
         self.table_dev = self.table_pinned.to(self.device, copy=True)
         self.step_counts = torch.zeros((spec.n_layer, self.n_expert), dtype=torch.int32, device=self.device)
         self._step_routed = False
+        self.freq = np.zeros((spec.n_layer, self.n_expert))  # decayed routing counts (zero-copy admission)
+        self._promoting: tuple[list[tuple[int, int, int]], torch.cuda.Event] | None = None
         self._bind_views()
 
     # --- loading ------------------------------------------------------------------------------
@@ -378,10 +395,11 @@ class ExpertStore:
         stream = self.copy_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
-        for e in missing.tolist():
-            slot = self._victim(protect)
-            protect.add(slot)
-            self._copy_in(layer, e, slot, stream)
+        with _on(stream):
+            for e in missing.tolist():
+                slot = self._victim(protect)
+                protect.add(slot)
+                self._copy_in(layer, e, slot)
         self._upload_table(layer)
         if stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -405,29 +423,33 @@ class ExpertStore:
                 break
         else:  # pragma: no cover - guarded by the slot count check
             raise RuntimeError("no free cache slot")
+        self._evict(slot)
+        self.lru.move_to_end(slot)
+        return slot
+
+    def _evict(self, slot: int) -> None:
+        """The slot's expert (if any) is read from host memory again (zero-copy) or not at all."""
         old = self.owner[slot]
         if old is not None:
             il, e = old
             h = int(self.host_index[il, e])
             self.table[il, e] = -(h + 1) if (self.mode == "zerocopy" and h >= 0) else NOT_RESIDENT
-        self.lru.move_to_end(slot)
-        return slot
+            self.owner[slot] = None
 
-    def _copy_in(self, layer: int, expert: int, slot: int, stream) -> None:
-        nb = self.layers[layer].nbytes
+    def _copy_in(self, layer: int, expert: int, slot: int, publish: bool = True) -> None:
+        """Copy an expert into a cache slot on the current stream (the caller picks the copy
+        stream once for a batch: entering a stream context per copy cost more than the copy's
+        launch). ``publish`` False leaves its table entry for the caller to set once the copy
+        is known to be complete."""
         if self.mode == "sync":
             self.pool[slot].copy_(self._host_copy(layer, expert))  # pageable, blocking: the naive baseline
         else:
-            src = self._bytes_of(layer, expert)
-            if stream is not None:
-                with torch.cuda.stream(stream):
-                    self.pool[slot].copy_(src, non_blocking=True)
-            else:
-                self.pool[slot].copy_(src)
+            self.pool[slot].copy_(self._bytes_of(layer, expert), non_blocking=self.pin)
         self.owner[slot] = (layer, expert)
-        self.table[layer, expert] = slot
+        if publish:
+            self.table[layer, expert] = slot
         self.stats.loads += 1
-        self.stats.bytes_streamed += nb
+        self.stats.bytes_streamed += self.layers[layer].nbytes
 
     def _host_copy(self, layer: int, expert: int) -> torch.Tensor:
         """The expert's bytes read from the file: kept in a bounded pinned host cache (disk tier),
@@ -462,13 +484,23 @@ class ExpertStore:
     def end_step(self, n_tokens: int, routed: bool | None = None) -> None:
         """After a forward call: count what was routed and (zero-copy mode) promote missed experts
         into cache slots so that repeats are served from VRAM. One small device->host copy.
-        ``routed`` says whether MoE layers ran (a replayed graph cannot tell the store)."""
+        ``routed`` says whether MoE layers ran (a replayed graph cannot tell the store).
+
+        Promotions overlap the next step instead of delaying it: a victim slot leaves the table
+        at once (its expert is read from host memory again), the copy runs on the side stream
+        while the next token computes, and the new entry is published at the following
+        ``end_step``, when the copy has had a whole step to land."""
         if not (self._step_routed if routed is None else routed):
             return
         self._step_routed = False
         if self.mode != "zerocopy":
             return
-        counts = self.step_counts.to("cpu", copy=True).numpy()  # a copy also on CPU, where .cpu() aliases
+        counts = self.step_counts.to("cpu", copy=True).numpy()  # waits for the step; a copy on CPU too
+        t0 = time.perf_counter()
+        self._learn_step(counts, n_tokens)
+        self.stats.step_seconds += time.perf_counter() - t0
+
+    def _learn_step(self, counts: np.ndarray, n_tokens: int) -> None:
         self.step_counts.zero_()
         self.stats.tokens += n_tokens
         used = counts > 0
@@ -479,29 +511,57 @@ class ExpertStore:
         self.stats.misses += int(counts[missed].sum())
         n_missed = int(missed.sum())
         self.stats.zero_copy_reads += n_missed
-        self.stats.bytes_streamed += sum(int(missed[il].sum()) * la.nbytes for il, la in self.layers.items())
-        for s in self.table[resident & used & ~self.hot].tolist():
-            self.lru.move_to_end(int(s))
-        if not self.n_cache or not n_missed:
+        self.stats.bytes_streamed += int(missed.sum(axis=1) @ self.layer_nbytes)
+        self.freq *= FREQ_DECAY
+        self.freq += counts
+        published = self._publish_promotions()
+        missed &= self.table < 0  # an expert published just now is resident already
+        cand = np.argwhere(missed & (self.freq >= ADMIT_MIN))
+        if not self.n_cache or not len(cand):
+            if published:
+                self._upload_table()
             return
-        t0 = time.perf_counter()
-        # Most-routed misses first; at most as many as there are slots not used in this step.
-        fresh = set(int(s) for s in self.table[resident & used & ~self.hot].tolist())
-        free = [s for s in self.lru if s not in fresh]
-        cand = np.argwhere(missed)
-        order = np.argsort(-counts[missed], kind="stable")
+        # Frequency-aware admission: a missed expert replaces the cached one with the lowest
+        # decayed routing count, and only if it is routed more often. One-off misses never
+        # evict anything, so cache slots stop costing PCIe bandwidth on traffic they cannot serve.
+        cached = range(self.n_hot, self.n_hot + self.n_cache)
+        scores = np.array([-1.0 if self.owner[s] is None else self.freq[self.owner[s]] for s in cached])
+        cand_score = self.freq[cand[:, 0], cand[:, 1]]
+        moves = []
+        for k in np.argsort(-cand_score, kind="stable"):
+            v = int(np.argmin(scores))
+            if cand_score[k] <= scores[v]:
+                break
+            slot = self.n_hot + v
+            self._evict(slot)
+            scores[v] = np.inf  # filled now: not evicted again in this step
+            moves.append((int(cand[k, 0]), int(cand[k, 1]), slot))
+        if not moves:
+            if published:
+                self._upload_table()
+            return
+        self._upload_table()  # victims point back to host memory before any copy overwrites them
         stream = self.copy_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
-        for k in order[: len(free)]:
-            il, e = (int(v) for v in cand[k])
-            slot = self._victim(fresh)
-            fresh.add(slot)
-            self._copy_in(il, e, slot, stream)  # streamed a second time: counted a second time
+        with _on(stream):
+            for il, e, slot in moves:
+                self._copy_in(il, e, slot, publish=stream is None)  # streamed a second time: counted again
         if stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-        self._upload_table()
-        self.stats.copy_seconds += time.perf_counter() - t0
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._promoting = (moves, event)
+
+    def _publish_promotions(self) -> bool:
+        """Point the table at the cache slots filled since the last step (host table only)."""
+        if self._promoting is None:
+            return False
+        moves, event = self._promoting
+        self._promoting = None
+        event.synchronize()  # long done: the copies had a whole decode step
+        for il, e, slot in moves:
+            self.table[il, e] = slot
+        return True
 
     # --- reporting ----------------------------------------------------------------------------
 
@@ -512,6 +572,11 @@ class ExpertStore:
                 "slot_bytes": self.slot_bytes, "device_pool_bytes": self.pool.numel(),
                 "host_tier": ("pinned" if self.host_pool is not None else "none" if not self.n_cache and self.n_hot == n_total
                               else "file" if self.host_all else "disk")}
+
+
+def _on(stream: "torch.cuda.Stream | None"):
+    """``torch.cuda.stream(stream)``, or nothing to do without one (CPU, sync mode)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def routed_experts_bytes(source: ExpertSource, spec: ModelSpec) -> dict[int, int]:

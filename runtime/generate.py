@@ -23,12 +23,14 @@ class TokenSampler(Protocol):
 
 @dataclass
 class Timing:
-    """Wall time of prompt processing (calls with several new tokens) and decode (one token)."""
+    """Wall time of prompt processing (calls with several new tokens) and decode (one token);
+    the one step that captures the decode graph is counted apart."""
 
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
+    capture_seconds: float = 0.0  # one-off: the decode step that captured the CUDA graph
 
 
 PREFILL_CHUNK = 512  # bounds activation memory (attention scores, expert inputs) of long prompts
@@ -66,9 +68,11 @@ class Session:
             n = 0
         t0 = time.perf_counter()
         logits = None
+        capturing = False
         if len(ids) - n == 1 and self.use_graphs:
             if self.graph is None:
                 self.graph = DecodeGraph(self.model, self.cache)
+            capturing = self.graph.graph is None
             logits = self.graph.step(ids[-1])
         if logits is None:
             for i in range(n, len(ids), self.prefill_chunk):
@@ -76,7 +80,9 @@ class Session:
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         dt, new = time.perf_counter() - t0, len(ids) - n
-        if new == 1:
+        if capturing:  # kept out of the decode rate, which describes the steady state
+            self.timing.capture_seconds += dt
+        elif new == 1:
             self.timing.decode_tokens += 1
             self.timing.decode_seconds += dt
         else:

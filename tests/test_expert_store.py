@@ -45,7 +45,7 @@ def decode_steps(model) -> torch.Tensor:
 
 
 def run_cli(args: list[str], **kw) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600, **kw)
 
 
@@ -142,6 +142,40 @@ def test_profile_places_the_experts_the_traffic_uses(model_path, tmp_path):
     model = load_model(model_path, store=StoreOptions(hot_fraction=0.1, profile=path))
     assert all(model.experts.hot[il, e] for il, e in favourite.items())
     assert "profile p.profile.json" in model.residency.source
+
+
+def test_zero_copy_cache_admits_repeat_traffic_only(model_path):
+    """Zero-copy cache slots cost an extra transfer, so a one-off miss must not take one; an
+    expert routed again is copied in, and a more often routed expert displaces a less often
+    routed one. The slot then holds the expert's exact bytes."""
+    from formats.archs import model_spec
+    from formats.gguf_file import GGUFModel
+
+    gguf = GGUFModel(model_path)
+    spec = model_spec(gguf)
+    il = spec.moe_layers[0]
+    hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
+    hot[list(spec.moe_layers), :4] = True
+    store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot, 2, "zerocopy")
+
+    def step(*experts: int) -> None:
+        for e in experts:
+            store.step_counts[il, e] += 1
+        store.end_step(1, routed=True)
+
+    step(10)
+    assert store.table[il, 10] < 0 and store.stats.loads == 0  # once: read from host, not copied
+    step(10, 10, 10)
+    assert store.table[il, 10] >= 0 and store.stats.loads == 1  # again and again: copied into a slot
+    step(11, 11, 11, 11)
+    step(13)
+    assert store.table[il, 11] >= 0 and store.table[il, 13] < 0 and store.stats.loads == 2
+    step(*[12] * 5)  # routed more often than expert 10 lately: takes its slot
+    assert store.table[il, 12] >= 0 and store.table[il, 10] < 0 and store.table[il, 11] >= 0
+    assert store.table[il, 10] == -(store.host_index[il, 10] + 1)  # back to zero-copy reads
+    assert store.stats.misses == 1 + 3 + 4 + 1 + 5 and store.stats.cache_hits == 0
+    slot = int(store.table[il, 12])
+    assert torch.equal(store.pool[slot], store.host_pool[store.host_index[il, 12]])
 
 
 def test_small_host_budget_falls_back_to_disk_tier(model_path, reference):
