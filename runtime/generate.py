@@ -72,9 +72,9 @@ class Session:
         if len(ids) - n == 1 and self.use_graphs:
             if self.graph is None:
                 self.graph = DecodeGraph(self.model, self.cache)
-            first = self.graph.graph is None
-            logits = self.graph.step(ids[-1])
-            capturing = first and logits is not None  # None: past the graph's KV room, eager below
+            captures = self.graph.captures
+            logits = self.graph.step(ids[-1])  # None past the graph's KV room: eager below
+            capturing = self.graph.captures > captures
         if logits is None:
             for i in range(n, len(ids), self.prefill_chunk):
                 logits = self.model.forward(ids[i: i + self.prefill_chunk], self.cache, last_only=True)[-1]

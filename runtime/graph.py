@@ -36,7 +36,8 @@ def capturable(model: MoEModel) -> bool:
 class DecodeGraph:
     """Decode steps of one ``Cache``: the first runs eagerly (warm-up: lazy weights, kernel
     compilation, allocator) and is captured; later ones replay. Positions up to the KV buffers'
-    capacity are covered; ``step`` returns None past it and the caller decodes eagerly."""
+    capacity are covered; ``step`` returns None past it and the caller decodes eagerly, which
+    grows the buffers; the next step then captures again on the new ones."""
 
     def __init__(self, model: MoEModel, cache: Cache):
         self.model, self.cache = model, cache
@@ -45,15 +46,22 @@ class DecodeGraph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.replays = 0
+        self.captures = 0
+        self.captured_on: tuple[int, ...] = ()
 
     def room(self) -> int:
         caps = [la.k.shape[0] for la in self.cache.layers if getattr(la, "k", None) is not None]
         return min(caps) if caps else 0
 
+    def _buffers(self) -> tuple[int, ...]:
+        return tuple(la.k.data_ptr() for la in self.cache.layers if getattr(la, "k", None) is not None)
+
     def step(self, token: int) -> torch.Tensor | None:
         """Logits ``[n_vocab]`` after feeding ``token`` at position ``cache.pos``."""
         if self.cache.pos + 1 > self.room():
             return None
+        if self.graph is not None and self._buffers() != self.captured_on:
+            self.graph = None  # eager steps past the room grew the KV buffers: capture again on them
         self.ids.fill_(token)
         self.pos.fill_(self.cache.pos)
         if self.graph is None:
@@ -74,8 +82,10 @@ class DecodeGraph:
         with torch.cuda.stream(stream):  # the real step, eagerly, on a side stream as capture wants
             logits = self.model.forward(self.ids, self.cache, last_only=True, pos=self.pos).clone()
         torch.cuda.current_stream(self.model.device).wait_stream(stream)
+        self.captures += 1
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # records the same step; nothing runs now
             self.logits = self.model.forward(self.ids, self.cache, last_only=True, pos=self.pos)
         self.graph = graph
+        self.captured_on = self._buffers()
         return logits

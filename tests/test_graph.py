@@ -18,8 +18,8 @@ def model_path(request, synth_model):
     return synth_model(request.param, "Q4_K_M", skew=1.0)
 
 
-def greedy(model, graphs: bool, n: int = 12) -> tuple[list[int], torch.Tensor, Session]:
-    session = Session(model, ctx=64, graphs=graphs)
+def greedy(model, graphs: bool, n: int = 12, ctx: int = 64) -> tuple[list[int], torch.Tensor, Session]:
+    session = Session(model, ctx=ctx, graphs=graphs)
     ids = list(PROMPT)
     logits = session.feed(ids)
     steps = []
@@ -61,3 +61,14 @@ def test_reset_keeps_the_graph_valid(model_path):
         logits = session.feed(ids)
         again.append(logits)
     assert session.graph is graph and ids[len(PROMPT):] == tok1 and torch.equal(torch.stack(again), log1)
+
+
+def test_decoding_past_ctx_captures_again_on_the_grown_buffers(model_path):
+    """Past --ctx a step runs eagerly and the KV buffers double; the graph captured on the old
+    buffers must not be replayed on stale memory."""
+    model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
+                       store=StoreOptions(hot_fraction=0.5, mode="zerocopy"))
+    tok_g, log_g, s = greedy(model, True, n=20, ctx=16)  # 10 prompt tokens + 20: one growth, to 32
+    assert s.graph is not None and s.graph.captures == 2 and s.graph.replays > 10
+    tok_e, log_e, _ = greedy(model, False, n=20, ctx=16)
+    assert tok_g == tok_e and torch.equal(log_g, log_e)
