@@ -81,9 +81,3 @@ class Cache:
                 for t in (layer.conv, layer.ssm):
                     if t is not None:
                         t.zero_()
-
-    def reserve(self, n: int) -> None:
-        """Grow every KV buffer that exists to hold ``n`` positions."""
-        for layer in self.layers:
-            if isinstance(layer, KVCache) and layer.k is not None:
-                layer.reserve(n, layer.k[:1])

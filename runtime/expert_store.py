@@ -168,8 +168,10 @@ class _Layer:
     parts: list[Part]
     nbytes: int
     fused: bool  # every part has a fused-kernel quant type
-    views: tuple = field(default=())  # device pool views for the kernel
-    host_views: tuple | None = None
+    views: tuple = field(default=())  # (gate or gate_up, up or None, down) device pool views for the kernel
+    host_views: tuple | None = None  # the same over the pinned host pool
+    qtypes: tuple = field(default=())  # (gate or gate_up, up or None, down) quant types
+    n_ff: int = 0
 
 
 class ExpertStore:
@@ -280,9 +282,12 @@ class ExpertStore:
         for la in self.layers.values():
             if not la.fused:
                 continue
-            la.views = tuple(_role_view(self.pool, p) for p in _roles(la.parts))
+            q = {p.role: int(p.qtype) for p in la.parts}
+            la.qtypes = (q.get("gate", q.get("gate_up")), q.get("up"), q["down"])
+            la.n_ff = (la.parts[0].shape[1] // 2) if "gate_up" in q else la.parts[0].shape[1]
+            la.views = _kernel_views(self.pool, la.parts)
             if self.host_pool is not None:
-                la.host_views = tuple(_role_view(self.host_pool, p) for p in _roles(la.parts))
+                la.host_views = _kernel_views(self.host_pool, la.parts)
 
     # --- the MoE-layer interface --------------------------------------------------------------
 
@@ -302,24 +307,18 @@ class ExpertStore:
                 return self._fused(la, x, weights, ids, self.table_dev[layer], la.host_views)
         else:
             left = self._make_resident(layer, ids)
-            if la.fused and not len(left):
-                return self._fused(la, x, weights, ids, self.table_dev[layer], None)
             if la.fused:
-                return self._fused_overflow(layer, la, x, weights, ids, left)
+                if len(left):
+                    return self._fused_overflow(layer, la, x, weights, ids, left)
+                return self._fused(la, x, weights, ids, self.table_dev[layer], None)
         return routed_sum(x, weights, ids, lambda e, rows: self._expert_forward(layer, e, rows))
 
     def _fused(self, la: "_Layer", x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                table_row: torch.Tensor, host_views: tuple | None) -> torch.Tensor:
         from .kernels.moe import moe_experts
 
-        gate, up, down = la.views if len(la.views) == 3 else (la.views[0], None, la.views[1])
-        host = None
-        if host_views is not None:
-            host = host_views if len(host_views) == 3 else (host_views[0], None, host_views[1])
-        q = {p.role: int(p.qtype) for p in la.parts}
-        n_ff = (la.parts[0].shape[1] // 2) if "gate_up" in q else la.parts[0].shape[1]
-        y = moe_experts(x, ids.to(torch.int32), weights.float(), table_row, gate, up, down,
-                        q.get("gate", q.get("gate_up")), q.get("up"), q["down"], n_ff, host=host)
+        y = moe_experts(x, ids.to(torch.int32), weights.float(), table_row, *la.views, *la.qtypes, la.n_ff,
+                        host=host_views)
         return y.to(x.dtype)
 
     def _fused_overflow(self, layer: int, la: "_Layer", x: torch.Tensor, weights: torch.Tensor,
@@ -337,7 +336,7 @@ class ExpertStore:
             for i, e in enumerate(left.tolist()):
                 staging[i].copy_(self._host_copy(layer, e))
             row[left] = -(np.arange(len(left)) + 1)
-            host_views = tuple(_role_view(staging, p) for p in _roles(la.parts))
+            host_views = _kernel_views(staging, la.parts)
         self.stats.zero_copy_reads += len(left)
         y = self._fused(la, x, weights, ids, torch.from_numpy(row).to(self.device), host_views)
         if staging is not None and staging.is_pinned():
@@ -585,6 +584,13 @@ def routed_experts_bytes(source: ExpertSource, spec: ModelSpec) -> dict[int, int
     with per-layer sizes undercounted a Q4_K_M model's pool by 7% and broke --vram budgets."""
     slot = _round_up(max((sum(p.nbytes for p in source.layout(il)) for il in spec.moe_layers), default=0), SLOT_ALIGN)
     return {il: slot for il in spec.moe_layers}
+
+
+def _kernel_views(pool: torch.Tensor, parts: list[Part]) -> tuple:
+    """``(gate, up, down)`` views of a pool as ``moe_experts`` takes them (``up`` None when the
+    layer has one merged gate_up tensor)."""
+    views = tuple(_role_view(pool, p) for p in _roles(parts))
+    return views if len(views) == 3 else (views[0], None, views[1])
 
 
 def _roles(parts: list[Part]) -> list[Part]:

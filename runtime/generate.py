@@ -46,7 +46,6 @@ class Session:
                  graphs: bool | None = None):
         self.model = model
         self.prefill_chunk = prefill_chunk
-        self.ctx = ctx
         self.use_graphs = capturable(model) if graphs is None else graphs
         self.graph: DecodeGraph | None = None
         self.timing = Timing()
