@@ -153,6 +153,8 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
               help="Routing profile choosing the hot experts [MODEL.profile.json when present].")
 @click.option("--stream", "stream_mode", type=click.Choice(["auto", "zerocopy", "async", "sync"]), default="auto",
               show_default=True, help="How misses reach the GPU (see runtime/expert_store.py).")
+@click.option("--prefetch/--no-prefetch", default=True, show_default=True,
+              help="Zero-copy decode: copy each layer's guessed cold experts to the GPU while its attention runs.")
 @click.option("--host-ram", type=SizeParam(), help="Pinned host memory for cold experts [80% of available]; "
               "less than they need reads misses from disk.")
 @click.option("--ctx", type=click.IntRange(min=1), default=4096, show_default=True,
@@ -172,7 +174,7 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
 def run_cmd(model_path: Path, prompt: str | None, system: str | None, raw: bool, prompt_ids: str | None,
             logits_out: Path | None, device: str, dtype_name: str, expert_cache: int, vram: int | None,
             hot_fraction: float | None, cache_slots: int | None, profile_path: Path | None, stream_mode: str,
-            host_ram: int | None, ctx: int, use_store: bool | None, stats_json: Path | None, max_tokens: int,
+            prefetch: bool, host_ram: int | None, ctx: int, use_store: bool | None, stats_json: Path | None, max_tokens: int,
             temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
             seed: int | None) -> None:
     if logits_out is not None and prompt_ids is None:
@@ -188,7 +190,7 @@ def run_cmd(model_path: Path, prompt: str | None, system: str | None, raw: bool,
         from .residency import StoreOptions
 
         store = StoreOptions(vram, hot_fraction, cache_slots, profile_path, stream_mode,
-                             host_ram if host_ram is not None else default_host_ram(), ctx)
+                             host_ram if host_ram is not None else default_host_ram(), ctx, prefetch)
     import torch
 
     try:
@@ -255,8 +257,9 @@ def default_host_ram() -> int | None:
 def report_residency(model) -> None:
     r, st = model.residency, model.experts
     d = st.describe()
+    prefetch = f" with {d['prefetch_slots']} prefetch slots" if d["prefetch_slots"] else ""
     line = (f"experts: {d['hot_experts']}/{d['experts']} hot ({d['hot_fraction']:.0%}, {r.source}), "
-            f"{d['cache_slots']} cache slots, misses via {d['mode']}, cold experts in {d['host_tier']} memory")
+            f"{d['cache_slots']} cache slots, misses via {d['mode']}{prefetch}, cold experts in {d['host_tier']} memory")
     if r.expected_cold_rate is not None:
         line += f", expected cold-hit rate {r.expected_cold_rate:.1%}"
     click.echo(line, err=True)
@@ -296,7 +299,8 @@ def report_stats(model, session, stats_json: Path | None) -> None:
         parts.append(f"CUDA graph captured in {s['graph_capture_seconds']:.2f} s")
     st = s.get("store")
     if st:
-        parts.append(f"per token: {st['hot_hits_per_token']:.1f} hot, {st['cache_hits_per_token']:.1f} cached, "
+        pre = f"{st['prefetch_hits_per_token']:.1f} prefetched, " if st["prefetched"] else ""
+        parts.append(f"per token: {st['hot_hits_per_token']:.1f} hot, {st['cache_hits_per_token']:.1f} cached, {pre}"
                      f"{st['misses_per_token']:.1f} missed; {st['bytes_streamed'] / 1e9:.2f} GB streamed"
                      + (f" at {st['stream_gb_s']:.1f} GB/s" if st.get("stream_gb_s") else ""))
     if "vram_peak_reserved" in s:

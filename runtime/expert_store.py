@@ -26,6 +26,11 @@ How a miss is served (``mode``):
             looks at what was routed (one small copy per token) and promotes missed experts
             that keep being routed into cache slots with async copies overlapping the next
             token, so repeat traffic is served from VRAM.
+Prefetch (zero-copy mode, decode): at the start of a block the model guesses the layer's experts
+(its router applied to the hidden state before attention) and, on a side stream while attention
+runs, a kernel copies the guessed cold experts into ``k`` reserved device slots and writes an
+effective table row that the layer's MoE kernel reads. Right guesses are served from VRAM; wrong
+ones cost their PCIe bytes and the routed expert is still read zero-copy.
 The arithmetic never depends on where bytes were read from, so every mode and every residency
 gives bit-identical outputs (tests check it at 100/60/10% residency).
 
@@ -42,6 +47,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -147,18 +153,23 @@ class StoreStats:
     misses: int = 0  # routings whose expert was not on the device when the layer ran
     loads: int = 0  # experts streamed into a cache slot
     zero_copy_reads: int = 0  # (layer, expert) reads served from host memory inside the kernel
+    prefetched: int = 0  # guessed cold experts copied into prefetch slots
+    prefetch_used: int = 0  # of those, experts the router then chose
+    prefetch_hits: int = 0  # routings served by a prefetch slot
     bytes_streamed: int = 0  # host->device bytes, copies and zero-copy reads together
     copy_seconds: float = 0.0  # wall time the host spent issuing/waiting for copies (sync, async)
     step_seconds: float = 0.0  # host time between tokens: zero-copy counting and promotions
     disk_reads: int = 0
 
     def as_json(self) -> dict:
-        routed = self.hot_hits + self.cache_hits + self.misses
+        routed = self.hot_hits + self.cache_hits + self.prefetch_hits + self.misses
         per_tok = max(self.tokens, 1)
         return {**self.__dict__,
                 "routings": routed,
                 "hot_hits_per_token": self.hot_hits / per_tok,
                 "cache_hits_per_token": self.cache_hits / per_tok,
+                "prefetch_hits_per_token": self.prefetch_hits / per_tok,
+                "prefetch_accuracy": self.prefetch_used / self.prefetched if self.prefetched else None,
                 "misses_per_token": self.misses / per_tok,
                 "miss_rate": self.misses / routed if routed else 0.0}
 
@@ -180,12 +191,14 @@ class ExpertStore:
     ``hot``: bool ``[n_layer, n_expert]`` of experts resident from the start. ``cache_slots``:
     spare device slots shared by all layers. ``host_bytes``: pinned host memory allowed for cold
     experts (None: all of them); when they do not fit, misses are read from the file through a
-    bounded host cache (the disk tier) and a warning says so.
+    bounded host cache (the disk tier) and a warning says so. ``prefetch``: guess the experts of
+    these layers (bool ``[n_layer]``, or True: every MoE layer) and copy cold guesses into ``k``
+    reserved device slots (zero-copy mode with fused kernels only; ignored otherwise).
     """
 
     def __init__(self, source: ExpertSource, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype,
                  hot: np.ndarray, cache_slots: int = 0, mode: str = "auto", host_bytes: int | None = None,
-                 fused: bool | None = None, warn=None):
+                 fused: bool | None = None, warn=None, prefetch: "bool | np.ndarray | None" = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         self.source, self.spec = source, spec
@@ -224,11 +237,19 @@ class ExpertStore:
                                               "raise the host RAM budget or use --stream async")
         self.mode = mode
         self.pin = on_cuda and mode != "sync"
+        fused_all = all(la.fused for la in self.layers.values())
+        guessed = np.zeros(spec.n_layer, dtype=bool)
+        if prefetch is not None and prefetch is not False and mode == "zerocopy" and fused_all and n_cold:
+            guessed[self.moe_layers] = True if prefetch is True else np.asarray(prefetch, dtype=bool)[self.moe_layers]
+        self.prefetch_layers = frozenset(np.flatnonzero(guessed).tolist())
+        self.n_prefetch = spec.n_expert_used if self.prefetch_layers else 0
+        self.first_prefetch = self.n_hot + self.n_cache
         self.stats = StoreStats()
         self.copy_stream = torch.cuda.Stream(self.device) if on_cuda and mode != "sync" else None
 
         # Device pool and tables.
-        self.pool = torch.empty((self.n_hot + self.n_cache, self.slot_bytes), dtype=torch.uint8, device=self.device)
+        self.pool = torch.empty((self.n_hot + self.n_cache + self.n_prefetch, self.slot_bytes), dtype=torch.uint8,
+                                device=self.device)
         self.table = np.full((spec.n_layer, self.n_expert), NOT_RESIDENT, dtype=np.int32)
         self.owner: list[tuple[int, int] | None] = [None] * (self.n_hot + self.n_cache)  # cache slot -> expert
         self.lru: OrderedDict[int, None] = OrderedDict((self.n_hot + i, None) for i in range(self.n_cache))
@@ -244,6 +265,13 @@ class ExpertStore:
         self._step_routed = False
         self.freq = np.zeros((spec.n_layer, self.n_expert))  # decayed routing counts (zero-copy admission)
         self._promoting: tuple[list[tuple[int, int, int]], torch.cuda.Event] | None = None
+        # Prefetch: the guess of each layer this step (-1: none; reset after every step), the
+        # effective table rows the guesses produce, and per layer the event its MoE waits on.
+        self.guess_ids = torch.full((spec.n_layer, max(self.n_prefetch, 1)), -1, dtype=torch.int64, device=self.device)
+        self.eff_table = torch.empty_like(self.table_dev) if self.n_prefetch else None
+        self.guess_in: torch.Tensor | None = None
+        self.prefetch_stream = torch.cuda.Stream(self.device) if on_cuda and self.n_prefetch else None
+        self._guessed: dict[int, torch.cuda.Event | None] = {}
         self._bind_views()
 
     # --- loading ------------------------------------------------------------------------------
@@ -291,6 +319,35 @@ class ExpertStore:
 
     # --- the MoE-layer interface --------------------------------------------------------------
 
+    def prefetch(self, layer: int, x: torch.Tensor, guess: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
+        """Start copying the experts ``guess(layer, x)`` names (top-k ids ``[1, k]`` of the layer's
+        router on the block's input ``x [1, n_embd]``) into the prefetch slots, on a side stream,
+        so they land while the block's attention runs; ``moe`` of this layer then reads them.
+        Decode steps only (one token), and only when the store reserved prefetch slots.
+
+        The guess reads a copy of ``x`` in a buffer the main stream rewrites only after this
+        layer's MoE has waited on the side stream, so neither stream's memory is reused under
+        the other, in eager steps or in a captured graph."""
+        if x.shape[0] != 1 or layer not in self.prefetch_layers:
+            return
+        if self.guess_in is None or self.guess_in.dtype != x.dtype or self.guess_in.shape != x.shape:
+            self.guess_in = torch.empty_like(x)
+        self.guess_in.copy_(x)
+        stream = self.prefetch_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with _on(stream):
+            self.guess_ids[layer].copy_(guess(layer, self.guess_in).reshape(-1))
+            from .kernels.prefetch import prefetch_experts
+
+            prefetch_experts(self.guess_ids[layer], self.table_dev[layer], self.eff_table[layer], self.host_pool,
+                             self.pool, self.first_prefetch)
+            done = None
+            if stream is not None:
+                done = torch.cuda.Event()
+                done.record(stream)
+        self._guessed[layer] = done
+
     def moe(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Weighted sum of the chosen experts' outputs for ``x [T, n_embd]``, ``ids/weights [T, k]``.
 
@@ -304,7 +361,13 @@ class ExpertStore:
             flat = ids.reshape(-1)
             self.step_counts[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
             if la.fused:
-                return self._fused(la, x, weights, ids, self.table_dev[layer], la.host_views)
+                row = self.table_dev[layer]
+                if layer in self._guessed:  # this layer's guess was prefetched: read its effective row
+                    done = self._guessed.pop(layer)
+                    if done is not None:
+                        torch.cuda.current_stream(self.device).wait_event(done)
+                    row = self.eff_table[layer]
+                return self._fused(la, x, weights, ids, row, la.host_views)
         else:
             left = self._make_resident(layer, ids)
             if la.fused:
@@ -495,26 +558,38 @@ class ExpertStore:
         if self.mode != "zerocopy":
             return
         counts = self.step_counts.to("cpu", copy=True).numpy()  # waits for the step; a copy on CPU too
+        guesses = self.guess_ids.to("cpu", copy=True).numpy() if self.n_prefetch else None
         t0 = time.perf_counter()
-        self._learn_step(counts, n_tokens)
+        self._learn_step(counts, n_tokens, guesses)
         self.stats.step_seconds += time.perf_counter() - t0
 
-    def _learn_step(self, counts: np.ndarray, n_tokens: int) -> None:
+    def _learn_step(self, counts: np.ndarray, n_tokens: int, guesses: np.ndarray | None = None) -> None:
         self.step_counts.zero_()
         self.stats.tokens += n_tokens
         used = counts > 0
         resident = self.table >= 0
+        fetched = np.zeros_like(used)  # cold experts a guess copied into a prefetch slot this step
+        if guesses is not None:
+            self.guess_ids.fill_(-1)
+            self._guessed.clear()
+            il, j = np.nonzero(guesses >= 0)
+            fetched[il, guesses[il, j]] = True
+            fetched &= ~resident
+            n_fetched = int(fetched.sum())
+            self.stats.prefetched += n_fetched
+            self.stats.prefetch_used += int((fetched & used).sum())
+            self.stats.prefetch_hits += int(counts[fetched].sum())
+            self.stats.bytes_streamed += int(fetched.sum(axis=1) @ self.layer_nbytes)
         self.stats.hot_hits += int(counts[self.hot].sum())
         self.stats.cache_hits += int(counts[resident & ~self.hot].sum())
-        missed = used & ~resident
+        missed = used & ~resident & ~fetched
         self.stats.misses += int(counts[missed].sum())
-        n_missed = int(missed.sum())
-        self.stats.zero_copy_reads += n_missed
+        self.stats.zero_copy_reads += int(missed.sum())
         self.stats.bytes_streamed += int(missed.sum(axis=1) @ self.layer_nbytes)
         self.freq *= FREQ_DECAY
         self.freq += counts
         published = self._publish_promotions()
-        missed &= self.table < 0  # an expert published just now is resident already
+        missed = used & (self.table < 0)  # prefetched ones count too; published just now are resident
         cand = np.argwhere(missed & (self.freq >= ADMIT_MIN))
         if not self.n_cache or not len(cand):
             if published:
@@ -568,6 +643,7 @@ class ExpertStore:
         n_total = len(self.moe_layers) * self.n_expert
         return {"mode": self.mode, "hot_experts": self.n_hot, "experts": n_total,
                 "hot_fraction": self.n_hot / max(n_total, 1), "cache_slots": self.n_cache,
+                "prefetch_slots": self.n_prefetch, "prefetch_layers": len(self.prefetch_layers),
                 "slot_bytes": self.slot_bytes, "device_pool_bytes": self.pool.numel(),
                 "host_tier": ("pinned" if self.host_pool is not None else "none" if not self.n_cache and self.n_hot == n_total
                               else "file" if self.host_all else "disk")}

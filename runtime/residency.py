@@ -17,8 +17,15 @@ import numpy as np
 from formats.archs import ModelSpec
 from formats.errors import SparkpackError
 from formats.memory import RUNTIME_OVERHEAD_BYTES, kv_cache_bytes, recurrent_state_bytes
-from formats.placement import default_cache_slots, make_plan
+from formats.placement import default_cache_slots, expert_scores, make_plan
 from formats.profile import Profile, default_profile_path, model_identity
+
+
+# Prefetch a layer's guessed experts only where the plan expects at least this many misses per
+# token: a guess costs a few kernels per layer and token whether it hits or not. Measured on the
+# full-size model (BENCHMARKS.md): guessing every layer cost 3-4% at 60-80% residency (0.1-0.6
+# misses per layer and token) and gained 5-16% at 10-40% (1.6-5 misses).
+PREFETCH_MIN_MISSES = 0.5
 
 
 @dataclass
@@ -32,6 +39,8 @@ class StoreOptions:
     mode: str = "auto"
     host_bytes: int | None = None
     ctx: int = 4096
+    prefetch: bool = True  # guess layers' experts and copy cold ones ahead (zero-copy mode)
+    prefetch_min_misses: float | None = None  # None: PREFETCH_MIN_MISSES
 
 
 @dataclass
@@ -47,10 +56,13 @@ class Residency:
     hot_bytes: int = 0
     cache_bytes: int = 0
     expected_cold_rate: float | None = None
+    prefetch_slots: int = 0
+    prefetch_layers: np.ndarray | None = None  # bool [n_layer]: layers whose experts are guessed ahead
 
     def as_json(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k != "hot"}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("hot", "prefetch_layers")}
         d["hot_experts"] = int(self.hot.sum())
+        d["prefetch_layers"] = [] if self.prefetch_layers is None else np.flatnonzero(self.prefetch_layers).tolist()
         return d
 
 
@@ -75,10 +87,13 @@ def load_profile(path: Path | None, model_path: Path, identity, spec: ModelSpec)
 def plan_residency(spec: ModelSpec, tensors: dict, expert_names: set[str], slot_bytes: dict[int, int],
                    dtype_bytes: int, *, pack_hot: np.ndarray | None = None, profile: Profile | None = None,
                    profile_name: str | None = None, vram: int | None = None, hot_fraction: float | None = None,
-                   cache_slots: int | None = None, ctx: int = 4096, where: object = None) -> Residency:
+                   cache_slots: int | None = None, ctx: int = 4096, prefetch_min_misses: float | None = None,
+                   where: object = None) -> Residency:
     """The hot set and slot count. Precedence: ``vram`` (size everything to fit), then
     ``hot_fraction`` (that share of expert bytes), then the pack's own placement, then all hot
-    (a GGUF with no budget runs all-GPU)."""
+    (a GGUF with no budget runs all-GPU). With ``prefetch_min_misses`` (None: no prefetch), the
+    layers expected to miss at least that many routings per token guess their experts ahead,
+    and ``k`` device slots for the guesses are counted with the cache slots."""
     shape = (spec.n_layer, spec.n_expert)
     slots = default_cache_slots(spec) if cache_slots is None else int(cache_slots)
     slot = max(slot_bytes.values(), default=0)
@@ -86,31 +101,61 @@ def plan_residency(spec: ModelSpec, tensors: dict, expert_names: set[str], slot_
     counts = profile.counts if profile is not None else None
     tokens = profile.tokens if profile is not None else None
     what = f"profile {os.path.basename(profile_name)}" if profile_name else "uniform placement (no profile)"
+    prefetch_slots = spec.n_expert_used if prefetch_min_misses is not None else 0
+
+    def prefetch(hot: np.ndarray) -> dict:
+        layers = _prefetch_layers(hot, spec, slot_bytes, profile, prefetch_min_misses)
+        pf = prefetch_slots if layers is not None else 0
+        return {"cache_bytes": (slots + pf) * slot, "prefetch_slots": pf, "prefetch_layers": layers}
     if vram is not None:
         dense = sum(math.prod(t.shape) * dtype_bytes for t in tensors.values() if t.name not in expert_names)
         kv, state = kv_cache_bytes(spec, ctx, dtype_bytes), recurrent_state_bytes(spec)
-        fixed = dense + kv + state + RUNTIME_OVERHEAD_BYTES
+        fixed = dense + kv + state + RUNTIME_OVERHEAD_BYTES + prefetch_slots * slot
         left = vram - fixed - slots * slot
         if left < 0:
             raise SparkpackError(where, f"VRAM budget {vram / 1024**3:.2f} GiB is too small: dense weights "
                                         f"{dense / 1024**3:.2f} GiB, KV cache {kv / 1024**3:.2f} GiB at ctx {ctx}, "
                                         f"state and runtime {(state + RUNTIME_OVERHEAD_BYTES) / 1024**3:.2f} GiB and "
-                                        f"{slots} cache slots {slots * slot / 1024**3:.2f} GiB need "
+                                        f"{slots + prefetch_slots} cache and prefetch slots "
+                                        f"{(slots + prefetch_slots) * slot / 1024**3:.2f} GiB need "
                                         f"{(fixed + slots * slot) / 1024**3:.2f} GiB")
         plan = make_plan(*shape, slot_bytes, left, counts, tokens)
         return Residency(plan.hot, slots, f"--vram budget, {what}", vram, dense, kv, state, RUNTIME_OVERHEAD_BYTES,
-                         plan.hot_bytes, slots * slot, _cold_rate(plan.hot, profile))
+                         plan.hot_bytes, expected_cold_rate=_cold_rate(plan.hot, profile), **prefetch(plan.hot))
     if hot_fraction is not None:
         plan = make_plan(*shape, slot_bytes, int(hot_fraction * all_bytes + 0.5), counts, tokens)
         return Residency(plan.hot, slots, f"--hot-fraction {hot_fraction:g}, {what}", hot_bytes=plan.hot_bytes,
-                         cache_bytes=slots * slot, expected_cold_rate=_cold_rate(plan.hot, profile))
+                         expected_cold_rate=_cold_rate(plan.hot, profile), **prefetch(plan.hot))
     if pack_hot is not None:
         hot = np.asarray(pack_hot, dtype=bool)
         return Residency(hot, slots, "the pack's placement", hot_bytes=_hot_bytes(hot, slot_bytes),
-                         cache_bytes=slots * slot, expected_cold_rate=_cold_rate(hot, profile))
+                         expected_cold_rate=_cold_rate(hot, profile), **prefetch(hot))
     hot = np.zeros(shape, dtype=bool)
     hot[list(slot_bytes)] = True
     return Residency(hot, 0, "all experts on the device", hot_bytes=all_bytes)
+
+
+def _prefetch_layers(hot: np.ndarray, spec: ModelSpec, slot_bytes: dict[int, int], profile: Profile | None,
+                     min_misses: float | None) -> np.ndarray | None:
+    """MoE layers expected to miss at least ``min_misses`` routings per token (the profile's
+    decode-weighted routing rates, or uniform routing without one), or None when no layer does.
+    A guess costs a fixed few kernels per layer and token whether it hits or not, so layers
+    that rarely miss are better left to zero-copy reads (BENCHMARKS.md)."""
+    if min_misses is None:
+        return None
+    moe = list(slot_bytes)
+    if profile is not None:
+        c, t = profile.counts, profile.tokens
+        scores = expert_scores(c["prompt"], c["generated"], t.get("prompt", 0.0), t.get("generated", 0.0))
+    else:
+        scores = np.ones(hot.shape)
+    rows = scores[moe]
+    total = rows.sum(1)
+    rows = np.where(total[:, None] > 0, rows, 1.0)  # a layer the profile never saw: assume uniform
+    cold = np.where(hot[moe], 0.0, rows).sum(1) / rows.sum(1)
+    layers = np.zeros(spec.n_layer, dtype=bool)
+    layers[moe] = (cold > 0) & (spec.n_expert_used * cold >= min_misses)
+    return layers if layers.any() else None
 
 
 def _hot_bytes(hot: np.ndarray, slot_bytes: dict[int, int]) -> int:

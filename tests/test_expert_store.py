@@ -61,7 +61,7 @@ def test_any_residency_gives_identical_outputs(model_path, reference, mode, hot_
     assert torch.equal(decode_steps(model), steps)
     assert list(generate(model, None, IDS[:4], None, 12, stop_ids=())) == greedy
     s = store.stats
-    routings = s.hot_hits + s.cache_hits + s.misses
+    routings = s.hot_hits + s.cache_hits + s.prefetch_hits + s.misses
     assert routings == s.tokens * model.spec.n_expert_used * len(model.spec.moe_layers)
     if hot_fraction == 1.0:
         assert s.misses == 0 and s.bytes_streamed == 0
@@ -82,11 +82,12 @@ def test_fused_kernel_path_is_residency_independent(model_path):
     gguf = GGUFModel(model_path)
     spec = model_spec(gguf)
 
-    def steps(hot_fraction: float, mode: str, cache: int) -> tuple[torch.Tensor, ExpertStore]:
+    def steps(hot_fraction: float, mode: str, cache: int, prefetch: bool = False) -> tuple[torch.Tensor, ExpertStore]:
         hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
         n = max(1, int(hot_fraction * spec.n_expert))
         hot[list(spec.moe_layers), :n] = True
-        store = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, torch.float32, hot, cache, mode, fused=True)
+        store = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, torch.float32, hot, cache, mode, fused=True,
+                            prefetch=prefetch)
         assert all(la.fused for la in store.layers.values())
         if store.host_pool is not None:
             assert store.host_pool.is_pinned() == (DEVICE == "cuda")
@@ -99,8 +100,43 @@ def test_fused_kernel_path_is_residency_independent(model_path):
     all_dev, _ = steps(1.0, "async", 0)
     zero, zs = steps(0.1, "zerocopy", 0)
     copied, cs = steps(0.1, "async", 8)
-    assert torch.equal(zero, all_dev) and torch.equal(copied, all_dev)
+    guessed, gs = steps(0.1, "zerocopy", 2, prefetch=True)
+    assert torch.equal(zero, all_dev) and torch.equal(copied, all_dev) and torch.equal(guessed, all_dev)
     assert zs.stats.zero_copy_reads > 0 and cs.stats.loads > 0
+    # Every decode step guessed every layer; some guesses were cold experts the router then chose.
+    g = gs.stats
+    assert gs.n_prefetch == spec.n_expert_used and zs.n_prefetch == 0
+    assert g.prefetched > 0 and 0 < g.prefetch_used <= g.prefetched and g.prefetch_hits >= g.prefetch_used
+    assert g.hot_hits + g.cache_hits + g.prefetch_hits + g.misses == g.tokens * spec.n_expert_used * len(spec.moe_layers)
+    assert bool((gs.guess_ids == -1).all())  # reset after each step: the next step's count starts clean
+
+
+def test_prefetch_accounting(model_path):
+    """A guessed cold expert is copied (bytes streamed once); if routed it is served from the
+    prefetch slot, not missed; a guessed hot expert costs nothing; an unguessed cold one is a
+    zero-copy miss."""
+    from formats.archs import model_spec
+    from formats.gguf_file import GGUFModel
+
+    gguf = GGUFModel(model_path)
+    spec = model_spec(gguf)
+    il = spec.moe_layers[0]
+    hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
+    hot[list(spec.moe_layers), :4] = True
+    store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot, 0, "zerocopy", fused=True,
+                        prefetch=True)
+    k = spec.n_expert_used
+    assert store.pool.shape[0] == store.n_hot + k
+    guess = [1, 10, 11] + [-1] * (k - 3)  # hot 1; cold 10 and 11
+    store.guess_ids[il] = torch.tensor(guess)
+    for e, n in ((1, 1), (10, 2), (12, 1)):  # 10 guessed and routed twice (two tokens); 12 not guessed
+        store.step_counts[il, e] += n
+    store.end_step(1, routed=True)
+    s, nb = store.stats, int(store.layer_nbytes[il])
+    assert (s.prefetched, s.prefetch_used, s.prefetch_hits) == (2, 1, 2)
+    assert (s.hot_hits, s.misses, s.zero_copy_reads) == (1, 1, 1)
+    assert s.bytes_streamed == 3 * nb  # two prefetched + one zero-copy read
+    assert s.as_json()["prefetch_accuracy"] == 0.5
 
 
 def test_pack_placement_and_stats_json(model_path, reference, tmp_path):
@@ -244,3 +280,50 @@ def test_vram_budget_sizes_the_hot_set(model_path):
     # with the model, so a budget fails at load rather than mid-reply).
     assert r.hot_bytes + r.cache_bytes == mid.experts.pool.numel()
     assert r.dense_bytes == sum(t.numel() * t.element_size() for t in mid.w._cache.values())
+
+
+def test_prefetch_only_where_misses_are_expected(model_path):
+    """The plan guesses ahead only in layers expected to miss often enough to pay for a guess."""
+    from formats.archs import model_spec
+    from formats.experts import expert_tensor_names
+    from formats.gguf_file import GGUFModel
+    from formats.profile import Profile, model_identity
+    from runtime.expert_store import routed_experts_bytes
+    from runtime.residency import plan_residency
+
+    gguf = GGUFModel(model_path)
+    spec = model_spec(gguf)
+    k, moe_layers = spec.n_expert_used, list(spec.moe_layers)
+
+    def plan(min_misses, profile=None, hot_fraction=0.5):
+        return plan_residency(spec, gguf.tensors, expert_tensor_names(spec),
+                              routed_experts_bytes(GGUFSource(gguf, spec), spec), 4, profile=profile,
+                              hot_fraction=hot_fraction, cache_slots=0, prefetch_min_misses=min_misses)
+
+    off, on = plan(None), plan(0.5)
+    assert off.prefetch_layers is None and off.prefetch_slots == 0 and off.cache_bytes == 0
+    assert on.prefetch_layers[moe_layers].all() and on.prefetch_slots == k  # uniform: half the routings miss
+    assert on.cache_bytes == k * max(routed_experts_bytes(GGUFSource(gguf, spec), spec).values())
+    assert plan(k + 1.0).prefetch_layers is None  # nobody misses more than k per token
+
+    prof = Profile.new(model_identity(gguf), spec)
+    counts = np.tile(np.arange(1.0, spec.n_expert + 1), (spec.n_layer, 1))  # the same skew in every layer
+    counts[moe_layers[0]] = 0
+    counts[moe_layers[0], 0] = 1000  # the first MoE layer always routes to one expert: it goes hot
+    prof.add(generated=counts, generated_tokens=100)
+    r = plan(0.5, prof, hot_fraction=0.2)
+    assert r.hot[moe_layers[0], 0] and not r.prefetch_layers[moe_layers[0]]
+    assert r.prefetch_layers[moe_layers[1:]].all()
+    assert r.as_json()["prefetch_layers"] == moe_layers[1:]
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen3moe", "laguna"])
+def test_guess_is_the_routers_choice_on_the_block_input(synth_model, arch):
+    """Without attention's contribution, the guess is exactly what the router picks (softmax
+    routers skip the norm's positive factor and the softmax; laguna's biased sigmoid does not)."""
+    model = load_model(synth_model(arch, "Q4_K_M", skew=1.0))
+    gen = torch.Generator().manual_seed(0)
+    for il in model.spec.moe_layers:
+        x = torch.randn(1, model.spec.n_embd, generator=gen)
+        want = model.route(il, model.norm(x, f"blk.{il}.{model.ffn_norm}.weight"))[1]
+        assert sorted(model.guess_experts(il, x)[0].tolist()) == sorted(want[0].tolist())

@@ -30,14 +30,20 @@ def greedy(model, graphs: bool, n: int = 12, ctx: int = 64) -> tuple[list[int], 
     return ids[len(PROMPT):], torch.stack(steps), session
 
 
-@pytest.mark.parametrize("hot_fraction,slots", [(1.0, 0), (0.3, 0), (0.3, 6)])
-def test_graph_replay_equals_eager(model_path, hot_fraction, slots):
+@pytest.mark.parametrize("hot_fraction,slots,prefetch", [(1.0, 0, False), (0.3, 0, False), (0.3, 0, True),
+                                                         (0.3, 6, True)])
+def test_graph_replay_equals_eager(model_path, hot_fraction, slots, prefetch):
     model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
-                       store=StoreOptions(hot_fraction=hot_fraction, cache_slots=slots, mode="zerocopy"))
+                       store=StoreOptions(hot_fraction=hot_fraction, cache_slots=slots, mode="zerocopy",
+                                          prefetch=prefetch))
     if not capturable(model):  # tiny shapes may give some layer a quant type without a fused kernel
         pytest.skip("not every expert layer has fused-kernel quant types")
     tok_g, log_g, s = greedy(model, True)
     assert s.graph is not None and s.graph.replays >= 10
+    st = model.experts.stats
+    assert (model.experts.n_prefetch > 0) == prefetch and (st.prefetched > 0) == prefetch
+    assert st.hot_hits + st.cache_hits + st.prefetch_hits + st.misses == st.tokens * model.spec.n_expert_used * len(
+        model.spec.moe_layers)
     tok_e, log_e, _ = greedy(model, False)
     assert tok_g == tok_e and torch.equal(log_g, log_e)
     ref = load_model(model_path, device="cuda", dtype=torch.bfloat16,

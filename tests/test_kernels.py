@@ -21,6 +21,7 @@ from gguf.constants import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
 from runtime.kernels.moe import moe_experts  # noqa: E402
+from runtime.kernels.prefetch import prefetch_experts  # noqa: E402
 from runtime.kernels.qmatvec import BLOCK_LAYOUT, qmatvec  # noqa: E402
 from runtime.kernels.reference import dequantize_rows, random_blocks  # noqa: E402
 
@@ -226,6 +227,32 @@ def test_moe_merged_gate_up_q8_0() -> None:
     assert rel_l2(y, ref) < 1e-5
 
 
+def test_prefetch_copies_guessed_cold_experts_only() -> None:
+    """Guessed experts in the host pool land in the prefetch slots (byte for byte) and the
+    effective row points at them; guessed device experts, other slots and the table stay as
+    they were."""
+    rng = torch.Generator().manual_seed(9)
+    n_expert, slot_bytes, first = 8, 4096 + 16 * 3, 4  # a slot size that is not a whole block of words
+    host = torch.randint(0, 256, (5, slot_bytes), dtype=torch.uint8, generator=rng)
+    if DEVICE == "cuda":
+        host = host.pin_memory()
+    pool = torch.randint(0, 256, (first + 3, slot_bytes), dtype=torch.uint8, generator=rng).to(DEVICE)
+    before = pool.clone()
+    table = torch.tensor([0, -3, 1, -1, 2, -5, 3, -2], dtype=torch.int32, device=DEVICE)  # -(h+1): host row h
+    eff = torch.full((n_expert,), 99, dtype=torch.int32, device=DEVICE)
+    ids = torch.tensor([5, 2, 1], dtype=torch.int64, device=DEVICE)  # host row 4, device slot 1, host row 2
+    prefetch_experts(ids, table, eff, host, pool, first)
+    want = table.clone()
+    want[5], want[1] = first + 0, first + 2
+    assert torch.equal(eff, want) and torch.equal(table.cpu(), torch.tensor([0, -3, 1, -1, 2, -5, 3, -2],
+                                                                             dtype=torch.int32))
+    assert torch.equal(pool[first].cpu(), host[4]) and torch.equal(pool[first + 2].cpu(), host[2])
+    assert torch.equal(pool[:first].cpu(), before[:first].cpu())  # device slots untouched
+    assert torch.equal(pool[first + 1].cpu(), before[first + 1].cpu())  # a guess already on the device: no copy
+    with pytest.raises(ValueError, match="prefetch needs"):
+        prefetch_experts(ids, table, eff, host, pool, first + 1)
+
+
 # ----------------------------------------------------------------------------- GPU codegen without a GPU
 
 def _signature(fn, ptr_types: dict[str, str]) -> dict[str, str]:
@@ -248,7 +275,7 @@ def aot_compile_all(arch: int = 90) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from runtime.kernels import moe, qmatvec as qm
+    from runtime.kernels import moe, prefetch, qmatvec as qm
 
     target = GPUTarget("cuda", arch, 32)
     x_types = {"x_ptr": "*bf16", "y_ptr": "*fp32"}
@@ -259,7 +286,9 @@ def aot_compile_all(arch: int = 90) -> None:
               {"GATE_QTYPE": int(T.Q4_K), "UP_QTYPE": int(T.Q4_K), "HAS_HOST": True, "BLOCK_N": 4}),
              (moe._down_kernel, {"h_ptr": "*fp32", "ids_ptr": "*i32", "wts_ptr": "*fp32", "slot_ptr": "*i32",
                                  "part_ptr": "*fp32"}, {"DOWN_QTYPE": int(T.Q6_K), "HAS_HOST": False, "BLOCK_N": 4}),
-             (moe._sum_topk_kernel, {"part_ptr": "*fp32", "y_ptr": "*fp32"}, {"BLOCK": 1024})]
+             (moe._sum_topk_kernel, {"part_ptr": "*fp32", "y_ptr": "*fp32"}, {"BLOCK": 1024}),
+             (prefetch._prefetch_kernel, {"ids_ptr": "*i64", "table_ptr": "*i32", "eff_ptr": "*i32",
+                                          "host_ptr": "*i32", "dev_ptr": "*i32"}, {"BLOCK": 1024})]
     for fn, ptrs, consts in jobs:
         kernel = triton.compile(ASTSource(fn, _signature(fn, ptrs), consts), target=target)
         assert kernel.asm["cubin"], (fn.__name__, consts)
@@ -280,4 +309,4 @@ def test_kernels_compile_for_h100() -> None:
            "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-c", "from tests.test_kernels import aot_compile_all; aot_compile_all()"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "compiled 11" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and "compiled 12" in proc.stdout, proc.stderr[-3000:]

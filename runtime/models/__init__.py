@@ -64,17 +64,24 @@ def open_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOption
     from formats.experts import expert_tensor_names
 
     from ..expert_store import ExpertStore, GGUFSource, PackSourceExperts, routed_experts_bytes
-    from ..residency import identity_of, load_profile, plan_residency
+    from ..residency import PREFETCH_MIN_MISSES, identity_of, load_profile, plan_residency
 
     experts_src = PackSourceExperts(pack, spec) if pack is not None else GGUFSource(source, spec)
+    min_misses = (PREFETCH_MIN_MISSES if opts.prefetch_min_misses is None else opts.prefetch_min_misses) \
+        if opts.prefetch else None
     profile, profile_name = load_profile(opts.profile, Path(source.path), identity_of(source), spec)
     residency = plan_residency(spec, source.tensors, expert_tensor_names(spec), routed_experts_bytes(experts_src, spec),
                                torch.empty((), dtype=dtype).element_size(),
                                pack_hot=pack.hot if pack is not None else None, profile=profile,
                                profile_name=profile_name, vram=opts.vram, hot_fraction=opts.hot_fraction,
-                               cache_slots=opts.cache_slots, ctx=opts.ctx, where=source.path)
+                               cache_slots=opts.cache_slots, ctx=opts.ctx,
+                               prefetch_min_misses=min_misses, where=source.path)
     store = ExpertStore(experts_src, spec, device, dtype, residency.hot, residency.cache_slots, opts.mode,
-                        opts.host_bytes)
+                        opts.host_bytes, prefetch=residency.prefetch_layers)
+    if store.n_prefetch != residency.prefetch_slots:  # the store streams otherwise (async, disk tier)
+        residency.cache_bytes -= (residency.prefetch_slots - store.n_prefetch) * store.slot_bytes
+        residency.prefetch_slots = store.n_prefetch
+        residency.prefetch_layers = None
     return store, residency
 
 

@@ -57,13 +57,16 @@ class Laguna(MoEModel):
         o = o * gate[..., None] if gate.shape[-1] == o.shape[1] else o * gate.view(T, -1, d)
         return F.linear(o.reshape(T, -1), w(p + "attn_output.weight"))
 
+    def route(self, il: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        p, w = f"blk.{il}.", self.w
+        logits = F.linear(h, w(p + "ffn_gate_inp.weight"))
+        return route_sigmoid(logits, w.opt(p + "exp_probs_b.bias"), self.spec.n_expert_used, self.norm_topk, self.scale)
+
     def ffn(self, il: int, h: torch.Tensor) -> torch.Tensor:
         p, w = f"blk.{il}.", self.w
         if self.spec.layers[il].ffn == DENSE:
             return swiglu(h, w(p + "ffn_gate.weight"), w(p + "ffn_up.weight"), w(p + "ffn_down.weight"))
-        logits = F.linear(h, w(p + "ffn_gate_inp.weight"))
-        weights, ids = route_sigmoid(logits, w.opt(p + "exp_probs_b.bias"), self.spec.n_expert_used,
-                                     self.norm_topk, self.scale)
+        weights, ids = self.route(il, h)
         shared = swiglu(h, w(p + "ffn_gate_shexp.weight"), w(p + "ffn_up_shexp.weight"),
                         w(p + "ffn_down_shexp.weight"))
         return moe(h, weights, ids, self.experts, il) + shared

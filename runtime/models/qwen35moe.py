@@ -74,6 +74,8 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 class Qwen35MoE(MoEModel):
     arch = "qwen35moe"
+    ffn_norm = "post_attention_norm"
+    topk_of_logits = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -140,10 +142,13 @@ class Qwen35MoE(MoEModel):
         o = rms_norm(o.to(h.dtype), w(p + "ssm_norm.weight"), self.eps) * F.silu(z)
         return F.linear(o.reshape(T, -1), w(p + "ssm_out.weight"))
 
+    def route(self, il: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(h, self.w(f"blk.{il}.ffn_gate_inp.weight"))
+        return route_softmax(logits, self.spec.n_expert_used, self.norm_topk)
+
     def ffn(self, il: int, h: torch.Tensor) -> torch.Tensor:
         p, w = f"blk.{il}.", self.w
-        logits = F.linear(h, w(p + "ffn_gate_inp.weight"))
-        weights, ids = route_softmax(logits, self.spec.n_expert_used, self.norm_topk)
+        weights, ids = self.route(il, h)
         out = moe(h, weights, ids, self.experts, il)
         if w.has(p + "ffn_up_shexp.weight"):
             shared = swiglu(h, w(p + "ffn_gate_shexp.weight"), w(p + "ffn_up_shexp.weight"),

@@ -13,6 +13,7 @@ from .base import MoEModel
 
 class Qwen3MoE(MoEModel):
     arch = "qwen3moe"
+    topk_of_logits = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -36,7 +37,10 @@ class Qwen3MoE(MoEModel):
         o = attention(q, k, v, cache.layers[il], pos0)
         return F.linear(o.reshape(T, -1), w(p + "attn_output.weight"))
 
-    def ffn(self, il: int, h: torch.Tensor) -> torch.Tensor:
+    def route(self, il: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(h, self.w(f"blk.{il}.ffn_gate_inp.weight"))
-        weights, ids = route_softmax(logits, self.spec.n_expert_used, self.norm_topk)
+        return route_softmax(logits, self.spec.n_expert_used, self.norm_topk)
+
+    def ffn(self, il: int, h: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(il, h)
         return moe(h, weights, ids, self.experts, il)
