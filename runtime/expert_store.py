@@ -358,16 +358,16 @@ class ExpertStore:
         la = self.layers[layer]
         self._step_routed = True
         if self.mode == "zerocopy":
-            flat = ids.reshape(-1)
-            self.step_counts[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-            if la.fused:
+            if la.fused:  # the kernel counts the routings itself
                 row = self.table_dev[layer]
                 if layer in self._guessed:  # this layer's guess was prefetched: read its effective row
                     done = self._guessed.pop(layer)
                     if done is not None:
                         torch.cuda.current_stream(self.device).wait_event(done)
                     row = self.eff_table[layer]
-                return self._fused(la, x, weights, ids, row, la.host_views)
+                return self._fused(la, x, weights, ids, row, la.host_views, self.step_counts[layer])
+            flat = ids.reshape(-1)
+            self.step_counts[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         else:
             left = self._make_resident(layer, ids)
             if la.fused:
@@ -377,11 +377,12 @@ class ExpertStore:
         return routed_sum(x, weights, ids, lambda e, rows: self._expert_forward(layer, e, rows))
 
     def _fused(self, la: "_Layer", x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-               table_row: torch.Tensor, host_views: tuple | None) -> torch.Tensor:
+               table_row: torch.Tensor, host_views: tuple | None, counts: torch.Tensor | None = None) -> torch.Tensor:
         from .kernels.moe import moe_experts
 
-        y = moe_experts(x, ids.to(torch.int32), weights.float(), table_row, *la.views, *la.qtypes, la.n_ff,
-                        host=host_views)
+        # router ids (int64) and weights (float32) go in as they are: the kernels read either
+        y = moe_experts(x, ids, weights.float(), table_row, *la.views, *la.qtypes, la.n_ff,
+                        host=host_views, counts=counts)
         return y.to(x.dtype)
 
     def _fused_overflow(self, layer: int, la: "_Layer", x: torch.Tensor, weights: torch.Tensor,

@@ -27,7 +27,13 @@ def wide(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm over the last axis; ``weight`` None means no scale."""
+    """RMSNorm over the last axis; ``weight`` None means no scale. On a GPU one Triton launch
+    (``kernels/norm.py``, same rounding points) instead of seven small kernels."""
+    if x.is_cuda and x.dim() in (2, 3) and x.stride(-1) == 1 and x.dtype != torch.float64 \
+            and (weight is None or (weight.dtype == x.dtype and weight.is_contiguous() and weight.numel() == x.shape[-1])):
+        from .kernels.norm import rms_norm_rows
+
+        return rms_norm_rows(x, weight, eps)
     xw = wide(x)
     y = (xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return y if weight is None else y * weight

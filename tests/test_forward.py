@@ -99,6 +99,24 @@ def test_prefill_then_decode_equals_full_forward(arch, outtype, tiny_hf_gguf):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_fused_decode_kernels_match_the_torch_path(arch, tiny_hf_gguf):
+    """Decode steps through the Triton kernels (the GPU default; interpreted in CI) against the
+    torch forms, float32: prefill, then every decode step's logits."""
+    path = tiny_hf_gguf(arch)[1]
+    ids = token_ids(load(path).spec.n_vocab)
+
+    def steps(kernels: bool) -> torch.Tensor:
+        model = load(path)
+        model.kernels = kernels
+        cache = model.new_cache()
+        out = [model.forward(ids[:8], cache)]
+        out += [model.forward(ids[i:i + 1], cache) for i in range(8, len(ids))]
+        return torch.cat(out)
+
+    assert row_rel_err(steps(True), steps(False)) < 1e-5
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_q8_0_float32_matches_float64_reference(arch, tiny_hf_gguf):
     path = tiny_hf_gguf(arch, "q8_0")[1]
     m32, m64 = load(path), load(path, dtype=torch.float64)

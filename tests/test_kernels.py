@@ -185,6 +185,21 @@ def test_moe_matches_reference_and_ignores_slot_placement(moe_case: dict) -> Non
     assert torch.equal(first, moved)
 
 
+def test_moe_counts_routings(moe_case: dict) -> None:
+    """The gate/up kernel adds one per (token, choice) to its expert's count (the store's routing
+    statistics, no separate launch); the output is unchanged."""
+    c = moe_case
+    counts = torch.full((N_EXPERT,), 5, dtype=torch.int32, device=DEVICE)
+    slot_of = list(range(N_EXPERT))
+    y = moe_experts(c["x"].to(DEVICE), c["ids"].to(DEVICE), c["wts"].to(DEVICE),
+                    torch.tensor(slot_of, dtype=torch.int32, device=DEVICE), pools(c["gate"], slot_of, N_EXPERT),
+                    pools(c["up"], slot_of, N_EXPERT), pools(c["down"], slot_of, N_EXPERT), T.Q4_K, T.Q5_K, T.Q6_K,
+                    N_FF, block_n=16, counts=counts)
+    want = 5 + torch.bincount(c["ids"].reshape(-1), minlength=N_EXPERT)
+    assert torch.equal(counts.cpu(), want.to(torch.int32))
+    assert torch.equal(y, run_moe(c, slot_of, N_EXPERT))
+
+
 def test_moe_host_pool_gives_identical_bits(moe_case: dict) -> None:
     """Zero-copy residency: experts 1 and 3 live only in a host pool (table entry -(h+1)); the
     result is bit-identical to all experts in the device pool."""
@@ -253,7 +268,70 @@ def test_prefetch_copies_guessed_cold_experts_only() -> None:
         prefetch_experts(ids, table, eff, host, pool, first + 1)
 
 
+@pytest.mark.parametrize("n_k,d_k,n_v,d_v,K", [(2, 16, 4, 8, 4), (2, 12, 2, 20, 3)])
+def test_deltanet_decode_matches_the_torch_form(n_k, d_k, n_v, d_v, K) -> None:
+    """Conv window, l2 norms, gates, the delta rule on the state and the gated output norm,
+    fused, against the model file's torch form (float64) over a few steps; non-power-of-two
+    head sizes exercise the masks."""
+    import torch.nn.functional as F
+
+    from runtime.kernels.deltanet import deltanet_decode
+    from runtime.layers import l2_norm, rms_norm
+    from runtime.models.qwen35moe import gated_delta_rule
+
+    g = torch.Generator().manual_seed(3)
+    C, eps = 2 * n_k * d_k + n_v * d_v, 1e-6
+    conv_w, dt, a = torch.randn(C, K, generator=g), torch.randn(n_v, generator=g), -torch.rand(n_v, generator=g)
+    norm_w = torch.randn(d_v, generator=g)
+    win, state = torch.randn(K - 1, C, generator=g), torch.randn(n_v, d_k, d_v, generator=g) * 0.1
+    win64, state64 = win.double(), state.double()
+    win, state = win.to(DEVICE), state.to(DEVICE)
+    for step in range(3):
+        qkv, z = torch.randn(C, generator=g), torch.randn(n_v * d_v, generator=g)
+        beta, alpha = torch.randn(n_v, generator=g), torch.randn(n_v, generator=g) * (10 if step == 1 else 1)
+        got = deltanet_decode(*(t.to(DEVICE) for t in (qkv, z, beta, alpha, dt, a, conv_w)), win, state,
+                              norm_w.to(DEVICE), n_k, d_k, eps)
+        # the reference, as runtime/models/qwen35moe.py computes it (float64)
+        xin = torch.cat((win64, qkv.double()[None]), 0)
+        win64 = xin[1:]
+        act = F.silu((xin.unfold(0, K, 1) * conv_w.double()).sum(-1))[0]
+        kd = n_k * d_k
+        q = l2_norm(act[:kd].view(1, n_k, d_k)) * d_k ** -0.5
+        k = l2_norm(act[kd:2 * kd].view(1, n_k, d_k))
+        v = act[2 * kd:].view(1, n_v, d_v)
+        rep = n_v // n_k
+        gg = F.softplus(alpha.double() + dt.double()) * a.double()
+        o, state64 = gated_delta_rule(q.repeat(1, rep, 1), k.repeat(1, rep, 1), v, gg[None],
+                                      torch.sigmoid(beta.double())[None], state64)
+        want = (rms_norm(o, norm_w.double(), eps) * F.silu(z.double().view(1, n_v, d_v))).reshape(-1)
+        assert rel_l2(got, want) < 1e-5
+        assert torch.allclose(win.cpu().double(), win64, atol=1e-6) and rel_l2(state, state64) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_kernel_matches_the_torch_form(dtype) -> None:
+    """Rows of a 2-D tensor and strided per-head rows of a 3-D view (the query half of a fused
+    query|gate projection), with and without a weight, N not a power of two."""
+    from runtime.kernels.norm import rms_norm_rows
+    from runtime.layers import rms_norm
+
+    g = torch.Generator().manual_seed(4)
+    x2 = (torch.randn(5, 48, generator=g) * 3).to(dtype)
+    qg = torch.randn(3, 4, 2 * 24, generator=g).to(dtype)  # [T, H, query | gate]
+    w = torch.randn(48, generator=g).to(dtype)
+    cases = [(x2, w), (x2, None), (qg[..., :24], w[:24].contiguous())]
+    for x, wt in cases:
+        got = rms_norm_rows(x.to(DEVICE), None if wt is None else wt.to(DEVICE), 1e-6).cpu()
+        want = rms_norm(x, wt, 1e-6)  # the torch form (x on the CPU)
+        assert got.shape == want.shape and got.dtype == dtype
+        tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: a one-ulp rounding flip at most
+        assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
+
+
 # ----------------------------------------------------------------------------- GPU codegen without a GPU
+
+FLOAT_ARGS = ("q_scale", "eps")
+
 
 def _signature(fn, ptr_types: dict[str, str]) -> dict[str, str]:
     """Triton signature of a kernel: pointers as given, constexprs marked, other ints i32/i64."""
@@ -264,7 +342,7 @@ def _signature(fn, ptr_types: dict[str, str]) -> dict[str, str]:
         elif p.name.endswith("_ptr"):
             sig[p.name] = ptr_types.get(p.name, "*u8")
         else:
-            sig[p.name] = "i64" if p.name.endswith("slot_bytes") else "i32"
+            sig[p.name] = "i64" if p.name.endswith("slot_bytes") else "fp32" if p.name in FLOAT_ARGS else "i32"
     return sig
 
 
@@ -275,18 +353,28 @@ def aot_compile_all(arch: int = 90) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from runtime.kernels import moe, prefetch, qmatvec as qm
+    from runtime.kernels import deltanet, moe, norm, prefetch, qmatvec as qm
 
     target = GPUTarget("cuda", arch, 32)
     x_types = {"x_ptr": "*bf16", "y_ptr": "*fp32"}
     jobs = [(qm._qmv_kernel, x_types, {"QTYPE": int(q), "BLOCK_B": 2, "BLOCK_N": 16}) for q in QTYPES]
     jobs += [(qm._qmm_kernel, x_types, {"QTYPE": int(q), "BLOCK_B": 16, "BLOCK_N": 32, "DOT_FP32": f})
              for q, f in ((T.Q4_K, False), (T.Q6_K, True))]
-    jobs += [(moe._gate_up_kernel, {"x_ptr": "*fp32", "ids_ptr": "*i32", "slot_ptr": "*i32", "h_ptr": "*fp32"},
-              {"GATE_QTYPE": int(T.Q4_K), "UP_QTYPE": int(T.Q4_K), "HAS_HOST": True, "BLOCK_N": 4}),
+    jobs += [(moe._gate_up_kernel, {"x_ptr": "*fp32", "ids_ptr": "*i64", "slot_ptr": "*i32", "h_ptr": "*fp32",
+                                    "count_ptr": "*i32"},
+              {"GATE_QTYPE": int(T.Q4_K), "UP_QTYPE": int(T.Q4_K), "HAS_HOST": True, "HAS_COUNT": True,
+               "BLOCK_N": 4}),
              (moe._down_kernel, {"h_ptr": "*fp32", "ids_ptr": "*i32", "wts_ptr": "*fp32", "slot_ptr": "*i32",
                                  "part_ptr": "*fp32"}, {"DOWN_QTYPE": int(T.Q6_K), "HAS_HOST": False, "BLOCK_N": 4}),
              (moe._sum_topk_kernel, {"part_ptr": "*fp32", "y_ptr": "*fp32"}, {"BLOCK": 1024}),
+             (deltanet._conv_kernel, {"x_ptr": "*bf16", "win_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32"},
+              {"KM1": 3, "BLOCK": 1024}),
+             (deltanet._recurrence_kernel, {"act_ptr": "*fp32", "z_ptr": "*bf16", "beta_ptr": "*bf16",
+                                            "alpha_ptr": "*bf16", "dt_ptr": "*bf16", "a_ptr": "*bf16",
+                                            "state_ptr": "*fp32", "norm_ptr": "*bf16", "out_ptr": "*bf16"},
+              {"BLOCK_K": 128, "BLOCK_V": 128}),
+             (norm._rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16"},
+              {"HAS_W": True, "BLOCK": 2048}),
              (prefetch._prefetch_kernel, {"ids_ptr": "*i64", "table_ptr": "*i32", "eff_ptr": "*i32",
                                           "host_ptr": "*i32", "dev_ptr": "*i32"}, {"BLOCK": 1024})]
     for fn, ptrs, consts in jobs:
@@ -309,4 +397,4 @@ def test_kernels_compile_for_h100() -> None:
            "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-c", "from tests.test_kernels import aot_compile_all; aot_compile_all()"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "compiled 12" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and "compiled 15" in proc.stdout, proc.stderr[-3000:]

@@ -47,15 +47,18 @@ def _slot_base(slot, dev_ptr, host_ptr, slot_bytes, HAS_HOST: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, ids_ptr, slot_ptr, gate_ptr, up_ptr, gate_h_ptr, up_h_ptr, h_ptr,
+def _gate_up_kernel(x_ptr, ids_ptr, slot_ptr, gate_ptr, up_ptr, gate_h_ptr, up_h_ptr, h_ptr, count_ptr,
                     TOPK, N_FF, K, gate_slot_bytes, up_slot_bytes, up_row0, gate_row_bytes, up_row_bytes,
                     stride_x, stride_ids,
                     GATE_QTYPE: tl.constexpr, UP_QTYPE: tl.constexpr, HAS_HOST: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+                    HAS_COUNT: tl.constexpr, BLOCK_N: tl.constexpr):
     pair = tl.program_id(0)
     t = pair // TOPK
     j = pair % TOPK
     expert = tl.load(ids_ptr + t * stride_ids + j)
+    if HAS_COUNT:
+        if tl.program_id(1) == 0:  # one count per (token, choice): the store's routing statistics
+            tl.atomic_add(count_ptr + expert, 1)
     slot = tl.load(slot_ptr + expert).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n3 = n[:, None, None]
@@ -125,7 +128,8 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                 down_raw: torch.Tensor, gate_qtype: int, up_qtype: int | None, down_qtype: int,
                 n_ff: int, validate: bool = False, out: torch.Tensor | None = None,
                 block_n: int | None = None,
-                host: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None) -> torch.Tensor:
+                host: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None,
+                counts: torch.Tensor | None = None) -> torch.Tensor:
     """Routed-expert output ``sum_j w[t,j] * down_e(silu(gate_e x_t) * up_e x_t)`` -> [T, n_embd] fp32.
 
     x: [T, n_embd] (f32/f16/bf16); topk_ids/topk_weights: [T, k]; slot_table: int32 [n_expert]
@@ -134,7 +138,8 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     ``n_ff`` rows of n_embd elements, down ``n_embd`` rows of n_ff. ``up_raw=None`` means a merged
     gate_up pool of ``2*n_ff`` rows (gate rows first, then up), as in ``ffn_gate_up_exps``.
     ``host``: the same three views over a host pool the GPU can address (pinned memory), with the
-    same slot spacing as the device pools. ``validate=True`` checks residency on the host (a
+    same slot spacing as the device pools. ``counts``: int32 ``[n_expert]`` incremented once per
+    (token, choice) routed to each expert (integer atomics: exact in any order). ``validate=True`` checks residency on the host (a
     device sync: for tests and debugging, not the decode loop). ``block_n`` (a power of two)
     overrides the rows per program, for tuning.
     """
@@ -161,6 +166,8 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         raise ValueError("topk_ids and topk_weights must both be [T, k]")
     if slot_table.dtype != torch.int32:
         raise ValueError("slot_table must be int32")
+    if counts is not None and (counts.dtype != torch.int32 or not counts.is_contiguous()):
+        raise ValueError("counts must be a contiguous int32 vector")
     if validate:
         slots = slot_table[topk_ids.long()]
         n_host = gate_h.shape[0] if host is not None else 0
@@ -176,10 +183,11 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     bn = block_n or rows_per_program(x.device, _block_n(T_ * topk))
     has_host = host is not None
     _gate_up_kernel[(T_ * topk, triton.cdiv(n_ff, bn))](
-        x, topk_ids, slot_table, gate_raw, up_raw, gate_h, up_h, h,
+        x, topk_ids, slot_table, gate_raw, up_raw, gate_h, up_h, h, counts if counts is not None else slot_table,
         topk, n_ff, n_embd, gate_raw.stride(0), up_raw.stride(0), up_row0,
         gate_raw.shape[2], up_raw.shape[2], x.stride(0), topk_ids.stride(0),
-        GATE_QTYPE=int(gate_qtype), UP_QTYPE=int(up_qtype), HAS_HOST=has_host, BLOCK_N=bn, num_warps=4)
+        GATE_QTYPE=int(gate_qtype), UP_QTYPE=int(up_qtype), HAS_HOST=has_host, HAS_COUNT=counts is not None,
+        BLOCK_N=bn, num_warps=4)
     part = torch.empty((T_ * topk, n_embd), dtype=torch.float32, device=x.device)
     _down_kernel[(T_ * topk, triton.cdiv(n_embd, bn))](
         h, topk_ids, topk_weights, slot_table, down_raw, down_h, part,

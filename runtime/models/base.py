@@ -32,6 +32,9 @@ class MoEModel(ABC):
         self.w = Weights(gguf, device, dtype)
         self.experts = experts if experts is not None else GGUFExperts(gguf, spec, device, dtype)
         self.eps = spec.rms_eps
+        # Fused Triton kernels for the decode-only steps (one token): on by default on a GPU; the
+        # torch forms stay the reference (CPU, prefill) and tests compare the two.
+        self.kernels = self.device.type == "cuda"
 
     def meta(self, suffix: str, default=None):
         """An ``{arch}.suffix`` metadata value not carried by the spec."""

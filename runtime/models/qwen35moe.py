@@ -114,6 +114,8 @@ class Qwen35MoE(MoEModel):
         p, w, T = f"blk.{il}.", self.w, h.shape[0]
         qkv = F.linear(h, w(p + "attn_qkv.weight"))  # [T, C]
         z = F.linear(h, w(p + "attn_gate.weight")).view(T, self.n_v, self.d_v)
+        if T == 1 and self.kernels and h.dtype != torch.float64:
+            return self.delta_net_step(il, h, qkv, z, st)
         beta = torch.sigmoid(F.linear(h, w(p + "ssm_beta.weight")))
         g = F.softplus(F.linear(h, w(p + "ssm_alpha.weight")) + w(p + "ssm_dt.bias")) * w(p + "ssm_a")
 
@@ -145,6 +147,23 @@ class Qwen35MoE(MoEModel):
     def route(self, il: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(h, self.w(f"blk.{il}.ffn_gate_inp.weight"))
         return route_softmax(logits, self.spec.n_expert_used, self.norm_topk)
+
+    def delta_net_step(self, il: int, h: torch.Tensor, qkv: torch.Tensor, z: torch.Tensor,
+                       st: RecurrentState) -> torch.Tensor:
+        """``delta_net`` for one token with the fused Triton decode step (``kernels/deltanet.py``):
+        the same math as the torch form below the projections, in two launches."""
+        from ..kernels.deltanet import deltanet_decode
+
+        p, w = f"blk.{il}.", self.w
+        if st.conv is None:
+            st.conv = qkv.new_zeros(self.kernel - 1, qkv.shape[1])
+        if st.ssm is None:
+            st.ssm = torch.zeros(self.n_v, self.d_k, self.d_v, dtype=torch.float32, device=h.device)
+        o = deltanet_decode(qkv[0], z.reshape(-1), F.linear(h, w(p + "ssm_beta.weight"))[0],
+                            F.linear(h, w(p + "ssm_alpha.weight"))[0], w(p + "ssm_dt.bias"), w(p + "ssm_a"),
+                            w(p + "ssm_conv1d.weight"), st.conv, st.ssm, w(p + "ssm_norm.weight"),
+                            self.n_k, self.d_k, self.eps)
+        return F.linear(o.view(1, -1), w(p + "ssm_out.weight"))
 
     def ffn(self, il: int, h: torch.Tensor) -> torch.Tensor:
         p, w = f"blk.{il}.", self.w
