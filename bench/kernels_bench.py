@@ -89,7 +89,7 @@ def bench_moe(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator) -
     up = random_blocks(gq, n_slots * n_ff, n_embd, gen).reshape(n_slots, n_ff, -1)
     down = random_blocks(dq, n_slots * n_embd, n_ff, gen).reshape(n_slots, n_embd, -1)
     ok = True
-    for T, bn in [(T, bn) for T in args.moe_tokens for bn in args.block_n]:
+    for T, bn, nw in [(T, bn, nw) for T in args.moe_tokens for bn in args.block_n for nw in args.warps]:
         x = torch.randn(T, n_embd, device="cuda", generator=gen)
         ids = torch.stack([torch.randperm(n_slots, device="cuda", generator=gen)[:topk] for _ in range(T)])
         ids = ids.to(torch.int32)
@@ -97,7 +97,7 @@ def bench_moe(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator) -
         slots = torch.arange(n_slots, dtype=torch.int32, device="cuda")
         y = torch.empty(T, n_embd, device="cuda")
         run = lambda: moe_experts(x, ids, wts, slots, gate, up, down, gq, gq, dq, n_ff, out=y,  # noqa: E731
-                                  block_n=bn or None)
+                                  block_n=bn or None, num_warps=nw or None)
         ms = median_ms(run)
         run()
         ref = torch.zeros(T, n_embd, device="cuda", dtype=torch.float64)
@@ -111,14 +111,14 @@ def bench_moe(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator) -
         # residency must not change results: move every expert to another slot, expect equal bits
         perm = torch.randperm(n_slots, device="cuda", generator=gen)
         moved = moe_experts(x, ids, wts, perm.to(torch.int32), gate[perm.argsort()], up[perm.argsort()],
-                            down[perm.argsort()], gq, gq, dq, n_ff, block_n=bn or None)
+                            down[perm.argsort()], gq, gq, dq, n_ff, block_n=bn or None, num_warps=nw or None)
         same = torch.equal(moved, y)
         used = torch.unique(ids).numel()
         nbytes = used * (gate[0].numel() + up[0].numel() + down[0].numel())
         gbs = nbytes / ms / 1e6
         good = err < 1e-4 and same
         ok &= good
-        print(f"moe T={T:2d} top{topk} n_ff={n_ff} bn={bn}: {ms * 1e3:8.1f} us  {gbs:6.0f} GB/s ({100 * gbs / copy_gbs:3.0f}% "
+        print(f"moe T={T:2d} top{topk} n_ff={n_ff} bn={bn} warps={nw}: {ms * 1e3:8.1f} us  {gbs:6.0f} GB/s ({100 * gbs / copy_gbs:3.0f}% "
               f"of copy)  rel-L2 {err:.2e}  slot-invariant {same}{'' if good else '  FAIL'}")
     return ok
 
@@ -131,6 +131,7 @@ def main() -> None:
     ap.add_argument("--moe-ff", type=int, default=768, help="expert ffn width (Qwen3-30B-A3B: 768, Laguna: 512)")
     ap.add_argument("--moe-tokens", nargs="+", type=int, default=[1, 4])
     ap.add_argument("--block-n", nargs="+", type=int, default=[0], help="rows per program to try; 0 = default")
+    ap.add_argument("--warps", nargs="+", type=int, default=[0], help="warps per MoE program to try; 0 = default")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernels_bench needs a CUDA device")

@@ -12,8 +12,10 @@ import torch
 
 
 class KVCache:
-    """Keys and values of one attention layer in a preallocated buffer ``[capacity, H_kv, head_dim]``
-    whose row ``i`` holds position ``i``.
+    """Keys and values of one attention layer in preallocated buffers ``[H_kv, capacity, head_dim]``
+    whose row ``i`` (of each head) holds position ``i``. Head-major, so each head's keys are one
+    contiguous matrix that attention multiplies in place (position-major buffers had to be
+    permuted into a copy of the whole buffer, twice per layer and token).
 
     Attention always runs over the whole buffer with a position mask (rows past the sequence are
     masked out), so a decode step has the same shapes at every position: that is what lets the
@@ -30,30 +32,30 @@ class KVCache:
 
     def reserve(self, n: int, like: torch.Tensor) -> None:
         """Make room for ``n`` positions (buffers shaped and typed after ``like [T, H_kv, d]``)."""
-        if self.k is not None and self.k.shape[0] >= n:
+        if self.k is not None and self.k.shape[1] >= n:
             return
         cap = max(self.capacity, 1)
         while cap < n:
             cap *= 2
-        k = like.new_zeros((cap, *like.shape[1:]))
-        v = like.new_zeros((cap, *like.shape[1:]))
+        k = like.new_zeros((like.shape[1], cap, like.shape[2]))
+        v = like.new_zeros((like.shape[1], cap, like.shape[2]))
         if self.k is not None:
-            k[: self.k.shape[0]] = self.k
-            v[: self.v.shape[0]] = self.v
+            k[:, : self.k.shape[1]] = self.k
+            v[:, : self.v.shape[1]] = self.v
         self.k, self.v, self.capacity = k, v, cap
 
     def append(self, k: torch.Tensor, v: torch.Tensor, pos0: "int | torch.Tensor") -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new keys/values at positions ``pos0..pos0+T-1`` (``pos0`` an int, or a device
-        scalar inside a captured step) and return the whole buffers."""
+        """Write the new keys/values ``[T, H_kv, d]`` at positions ``pos0..pos0+T-1`` (``pos0`` an
+        int, or a device scalar inside a captured step) and return the whole buffers ``[H_kv, S, d]``."""
         T = k.shape[0]
         if isinstance(pos0, torch.Tensor):
             idx = pos0 + torch.arange(T, device=k.device)
-            self.k.index_copy_(0, idx, k)
-            self.v.index_copy_(0, idx, v)
+            self.k.index_copy_(1, idx, k.transpose(0, 1))
+            self.v.index_copy_(1, idx, v.transpose(0, 1))
         else:
             self.reserve(pos0 + T, k)
-            self.k[pos0: pos0 + T] = k
-            self.v[pos0: pos0 + T] = v
+            self.k[:, pos0: pos0 + T] = k.transpose(0, 1)
+            self.v[:, pos0: pos0 + T] = v.transpose(0, 1)
         return self.k, self.v
 
 

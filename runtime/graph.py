@@ -50,7 +50,7 @@ class DecodeGraph:
         self.captured_on: tuple[int, ...] = ()
 
     def room(self) -> int:
-        caps = [la.k.shape[0] for la in self.cache.layers if getattr(la, "k", None) is not None]
+        caps = [la.k.shape[1] for la in self.cache.layers if getattr(la, "k", None) is not None]
         return min(caps) if caps else 0
 
     def _buffers(self) -> tuple[int, ...]:

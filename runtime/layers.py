@@ -152,22 +152,22 @@ def attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: 
     T, H, d = q.shape
     qpos = positions(pos0, T, q.device)[:, None]
     if cache is not None:
-        k, v = cache.append(k_new, v_new, pos0)
-        kpos = torch.arange(k.shape[0], device=q.device)[None, :]
+        k, v = cache.append(k_new, v_new, pos0)  # [Hkv, S, d], the whole buffers
     else:
-        k, v = k_new, v_new
-        kpos = qpos.reshape(1, T)
-    S, Hkv, _ = k.shape
+        k, v = k_new.transpose(0, 1), v_new.transpose(0, 1)
+    Hkv, S, _ = k.shape
+    kpos = torch.arange(S, device=q.device)[None, :] if cache is not None else qpos.reshape(1, T)
     rep = H // Hkv
-    qh = q.reshape(T, Hkv, rep, d).permute(1, 2, 0, 3)  # [Hkv, rep, T, d]
-    kh = k.permute(1, 0, 2)[:, None]  # [Hkv, 1, S, d]
-    vh = v.permute(1, 0, 2)[:, None]
-    scores = torch.matmul(qh, kh.transpose(-1, -2)) * (d ** -0.5)  # [Hkv, rep, T, S]
+    # The query heads sharing a kv head become rows of one matrix: two batched GEMMs over the kv
+    # heads, keys and values read in place (a broadcast batch axis would make matmul copy them).
+    qh = q.reshape(T, Hkv, rep, d).permute(1, 2, 0, 3).reshape(Hkv, rep * T, d)
+    scores = torch.bmm(qh, k.transpose(1, 2)).view(Hkv, rep, T, S) * (d ** -0.5)
     allowed = kpos <= qpos
     if window > 0:
         allowed &= (qpos - kpos) < window
     scores = wide(scores).masked_fill(~allowed, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), vh)  # [Hkv, rep, T, d]
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(Hkv, rep * T, S)
+    out = torch.bmm(probs, v).view(Hkv, rep, T, d)
     return out.permute(2, 0, 1, 3).reshape(T, H, d)
 
 
@@ -175,7 +175,12 @@ def attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: 
 
 
 def route_softmax(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen routers: softmax over all experts, top-k, optionally renormalised to sum 1."""
+    """Qwen routers: softmax over all experts, top-k, optionally renormalised to sum 1. On a GPU
+    one Triton launch (``kernels/router.py``) instead of five to seven."""
+    if logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1 and logits.dtype != torch.float64:
+        from .kernels.router import softmax_topk
+
+        return softmax_topk(logits, k, norm)
     probs = torch.softmax(wide(logits), dim=-1)
     w, ids = torch.topk(probs, k, dim=-1)
     if norm:

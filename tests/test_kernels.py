@@ -328,6 +328,29 @@ def test_rms_norm_kernel_matches_the_torch_form(dtype) -> None:
         assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
 
 
+@pytest.mark.parametrize("n,k,norm", [(64, 8, True), (48, 3, False)])
+def test_softmax_topk_matches_route_softmax(n, k, norm) -> None:
+    """Same experts in the same (descending) order as softmax + torch.topk, weights to float32
+    round-off; a tie goes to the lower expert id (torch.topk leaves that open); bf16 logits widen
+    as the torch form does."""
+    from runtime.kernels.router import softmax_topk
+    from runtime.layers import route_softmax
+
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(5, n, generator=g) * 3
+    logits[2, 7] = logits[2, 11] = logits[2].max() + 1  # a tie for first place
+    for x in (logits, logits.to(torch.bfloat16)):
+        w, ids = softmax_topk(x.to(DEVICE), k, norm)
+        want_w, want_ids = route_softmax(x, k, norm)  # the torch form (x on the CPU)
+        assert ids.dtype == torch.int64 and w.dtype == torch.float32
+        assert torch.allclose(w.cpu(), want_w, rtol=1e-5, atol=1e-7)
+        assert ids[2, :2].tolist() == [7, 11]
+        # torch.topk orders equal values either way (bf16 logits tie often): compare in the
+        # kernel's order, largest first and the lower id first among equals
+        canon = [sorted(zip((-want_w[t]).tolist(), want_ids[t].tolist())) for t in range(len(want_ids))]
+        assert ids.cpu().tolist() == [[e for _, e in row] for row in canon]
+
+
 # ----------------------------------------------------------------------------- GPU codegen without a GPU
 
 FLOAT_ARGS = ("q_scale", "eps")
@@ -353,7 +376,7 @@ def aot_compile_all(arch: int = 90) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from runtime.kernels import deltanet, moe, norm, prefetch, qmatvec as qm
+    from runtime.kernels import deltanet, moe, norm, prefetch, qmatvec as qm, router
 
     target = GPUTarget("cuda", arch, 32)
     x_types = {"x_ptr": "*bf16", "y_ptr": "*fp32"}
@@ -375,6 +398,8 @@ def aot_compile_all(arch: int = 90) -> None:
               {"BLOCK_K": 128, "BLOCK_V": 128}),
              (norm._rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16"},
               {"HAS_W": True, "BLOCK": 2048}),
+             (router._softmax_topk_kernel, {"logits_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i64"},
+              {"K": 8, "K_P2": 8, "NORM": True, "BLOCK": 256}),
              (prefetch._prefetch_kernel, {"ids_ptr": "*i64", "table_ptr": "*i32", "eff_ptr": "*i32",
                                           "host_ptr": "*i32", "dev_ptr": "*i32"}, {"BLOCK": 1024})]
     for fn, ptrs, consts in jobs:
@@ -397,4 +422,4 @@ def test_kernels_compile_for_h100() -> None:
            "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-c", "from tests.test_kernels import aot_compile_all; aot_compile_all()"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "compiled 15" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and "compiled 16" in proc.stdout, proc.stderr[-3000:]

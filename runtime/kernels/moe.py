@@ -104,9 +104,12 @@ def _sum_topk_kernel(part_ptr, y_ptr, TOPK, N_EMBD, stride_y, BLOCK: tl.constexp
     tl.store(y_ptr + t * stride_y + n, acc, mask=n < N_EMBD)
 
 
-def _block_n(pairs: int) -> int:
-    """Rows per program: small blocks when few (token, expert) pairs would leave SMs idle."""
-    return 4 if pairs < 64 else 8
+def _launch(pairs: int) -> tuple[int, int]:
+    """(rows, warps) per program. Few (token, expert) pairs (decode) want many small programs to
+    keep enough loads in flight: on the H100, one token top-8 at the qwen3.6 shape ran in 40 us
+    with 2 rows on 1 warp against 67 us with 4 rows on 4 warps (``bench/kernels_bench.py
+    --block-n 2 4 8 16 --warps 1 2 4 8``)."""
+    return (2, 1) if pairs < 64 else (8, 4)
 
 
 def check_pool(raw: torch.Tensor, qtype: int, K: int, rows: int, what: str) -> None:
@@ -129,7 +132,7 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                 n_ff: int, validate: bool = False, out: torch.Tensor | None = None,
                 block_n: int | None = None,
                 host: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None,
-                counts: torch.Tensor | None = None) -> torch.Tensor:
+                counts: torch.Tensor | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Routed-expert output ``sum_j w[t,j] * down_e(silu(gate_e x_t) * up_e x_t)`` -> [T, n_embd] fp32.
 
     x: [T, n_embd] (f32/f16/bf16); topk_ids/topk_weights: [T, k]; slot_table: int32 [n_expert]
@@ -141,7 +144,7 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     same slot spacing as the device pools. ``counts``: int32 ``[n_expert]`` incremented once per
     (token, choice) routed to each expert (integer atomics: exact in any order). ``validate=True`` checks residency on the host (a
     device sync: for tests and debugging, not the decode loop). ``block_n`` (a power of two)
-    overrides the rows per program, for tuning.
+    overrides the rows per program and ``num_warps`` the warps per program, for tuning.
     """
     T_, n_embd = x.shape
     topk = topk_ids.shape[1]
@@ -180,18 +183,20 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if T_ == 0 or topk == 0:
         return y.zero_()
     h = torch.empty((T_ * topk, n_ff), dtype=torch.float32, device=x.device)
-    bn = block_n or rows_per_program(x.device, _block_n(T_ * topk))
+    rows, warps = _launch(T_ * topk)
+    bn = block_n or rows_per_program(x.device, rows)
+    num_warps = num_warps or warps
     has_host = host is not None
     _gate_up_kernel[(T_ * topk, triton.cdiv(n_ff, bn))](
         x, topk_ids, slot_table, gate_raw, up_raw, gate_h, up_h, h, counts if counts is not None else slot_table,
         topk, n_ff, n_embd, gate_raw.stride(0), up_raw.stride(0), up_row0,
         gate_raw.shape[2], up_raw.shape[2], x.stride(0), topk_ids.stride(0),
         GATE_QTYPE=int(gate_qtype), UP_QTYPE=int(up_qtype), HAS_HOST=has_host, HAS_COUNT=counts is not None,
-        BLOCK_N=bn, num_warps=4)
+        BLOCK_N=bn, num_warps=num_warps)
     part = torch.empty((T_ * topk, n_embd), dtype=torch.float32, device=x.device)
     _down_kernel[(T_ * topk, triton.cdiv(n_embd, bn))](
         h, topk_ids, topk_weights, slot_table, down_raw, down_h, part,
         topk, n_embd, n_ff, down_raw.stride(0), down_raw.shape[2], topk_ids.stride(0),
-        topk_weights.stride(0), DOWN_QTYPE=int(down_qtype), HAS_HOST=has_host, BLOCK_N=bn, num_warps=4)
+        topk_weights.stride(0), DOWN_QTYPE=int(down_qtype), HAS_HOST=has_host, BLOCK_N=bn, num_warps=num_warps)
     _sum_topk_kernel[(T_, triton.cdiv(n_embd, 1024))](part, y, topk, n_embd, y.stride(0), BLOCK=1024, num_warps=4)
     return y

@@ -1,0 +1,52 @@
+"""Softmax router top-k in one launch: softmax over the experts, the k largest, renormalised.
+
+The torch form is five to seven launches per MoE layer (widen, softmax, a sort-based top-k of
+two kernels, sum, divide); at batch 1 each costs more than its arithmetic. One program per
+token holds the token's logits in registers and picks the k largest by repeated arg-max
+(largest first, the lowest expert id on ties), the order ``torch.topk`` returns them in.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _softmax_topk_kernel(logits_ptr, w_ptr, ids_ptr, N, stride_l, K: tl.constexpr, K_P2: tl.constexpr,
+                         NORM: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    n = tl.arange(0, BLOCK)
+    m = n < N
+    lg = tl.load(logits_ptr + t.to(tl.int64) * stride_l + n, mask=m, other=-float("inf")).to(tl.float32)
+    p = tl.exp(lg - tl.max(lg, axis=0))
+    p = tl.where(m, p, 0.0)
+    p = p / tl.sum(p, axis=0)
+    cur = tl.where(m, p, -1.0)
+    ks = tl.arange(0, K_P2)
+    wv = tl.zeros([K_P2], dtype=tl.float32)
+    iv = tl.zeros([K_P2], dtype=tl.int64)
+    for j in tl.static_range(K):
+        best = tl.max(cur, axis=0)
+        idx = tl.min(tl.where(cur == best, n, BLOCK), axis=0)  # the lowest id among equal maxima
+        wv = tl.where(ks == j, best, wv)
+        iv = tl.where(ks == j, idx.to(tl.int64), iv)
+        cur = tl.where(n == idx, -1.0, cur)
+    if NORM:
+        wv = wv / tl.sum(tl.where(ks < K, wv, 0.0), axis=0)
+    tl.store(w_ptr + t * K + ks, wv, mask=ks < K)
+    tl.store(ids_ptr + t * K + ks, iv, mask=ks < K)
+
+
+def softmax_topk(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route_softmax`` of ``logits [T, n_expert]`` (last axis contiguous): float32 weights and
+    int64 ids ``[T, k]``."""
+    T, N = logits.shape
+    if logits.stride(-1) != 1 or not 0 < k <= N:
+        raise ValueError(f"softmax_topk needs [T, N] logits with a contiguous last axis and 0 < k <= N, got k={k}")
+    w = torch.empty((T, k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((T, k), dtype=torch.int64, device=logits.device)
+    if T:
+        _softmax_topk_kernel[(T,)](logits, w, ids, N, logits.stride(0), K=k, K_P2=triton.next_power_of_2(k),
+                                   NORM=norm, BLOCK=triton.next_power_of_2(N), num_warps=4)
+    return w, ids
