@@ -55,7 +55,7 @@ def configs(fractions: list[float], slots: list[int]) -> list[Config]:
     for f in fractions:
         out.append(Config(f"calibrated {f:.0%} zero-copy", f, True, "zerocopy"))
         out.append(Config(f"calibrated {f:.0%} zero-copy + prefetch", f, True, "zerocopy", prefetch=PREFETCH_MIN_MISSES))
-        if f >= 0.6:  # where the plan leaves layers unguessed: what guessing every layer would give
+        if f >= 0.4:  # where the plan leaves layers unguessed: what guessing every layer would give
             out.append(Config(f"calibrated {f:.0%} zero-copy + prefetch every layer", f, True, "zerocopy", prefetch=0.0))
         out.append(Config(f"calibrated {f:.0%} async", f, True, "async"))
     out += [Config("naive 60% (uniform, sync)", 0.6, False, "sync"),

@@ -22,10 +22,11 @@ from formats.profile import Profile, default_profile_path, model_identity
 
 
 # Prefetch a layer's guessed experts only where the plan expects at least this many misses per
-# token: a guess costs a few kernels per layer and token whether it hits or not. Measured on the
-# full-size model (BENCHMARKS.md): guessing every layer cost 3-4% at 60-80% residency (0.1-0.6
-# misses per layer and token) and gained 5-16% at 10-40% (1.6-5 misses).
-PREFETCH_MIN_MISSES = 0.5
+# token: a guess costs a few kernels per layer and token and PCIe bytes for its wrong guesses,
+# whether it hits or not. Measured on the full-size model with the 7 ms decode step
+# (BENCHMARKS.md): guessing cost 3 points at calibrated 60% residency (0.6 misses per layer and
+# token), was even at 40% (1.6) and gained 4-7 points at 10-20% and uniform 60% (2.8-5.2).
+PREFETCH_MIN_MISSES = 2.0
 
 
 @dataclass
