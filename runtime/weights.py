@@ -63,6 +63,25 @@ class Weights:
             self._cache[name] = t
         return t
 
+    def stacked(self, names: tuple[str, ...]) -> torch.Tensor:
+        """The matrices ``names`` (one input width) as one ``[sum of rows, n_in]`` matrix, so the
+        projections of one input run as one GEMM: at batch 1 a launch costs more than its bytes.
+        Each name then reads its row band of the stacked matrix, so no second copy is kept."""
+        key = "+".join(names)
+        t = self._cache.get(key)
+        if t is None:
+            parts = [self(n) for n in names]
+            if any(p.dim() != 2 or p.shape[1] != parts[0].shape[1] for p in parts):
+                raise FormatError(self.gguf.path, f"cannot stack {', '.join(names)}: shapes "
+                                                  f"{[list(p.shape) for p in parts]}")
+            t = torch.cat(parts, 0)
+            row = 0
+            for n, p in zip(names, parts):
+                self._cache[n] = t[row: row + p.shape[0]]
+                row += p.shape[0]
+            self._cache[key] = t
+        return t
+
     def preload(self, names) -> None:
         """Expand these tensors now (the expert store's budget counts them from the start)."""
         for name in names:

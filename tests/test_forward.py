@@ -268,3 +268,20 @@ def test_qwen35moe_long_prefill_matches_transformers(tiny_hf_gguf, hf_ref):
     model = load(tiny_hf_gguf("qwen35moe")[1])
     ids = token_ids(hf.config.vocab_size, 2 * CHUNK + 11)
     assert row_rel_err(model.forward(ids), hf_logits(hf, ids)) < 1e-4
+
+
+def test_stacked_weights_are_row_bands_of_one_matrix(tiny_hf_gguf):
+    """Projections of one input run as one GEMM over a stacked matrix; each tensor name then
+    reads its rows of it (same values, no second copy), and mismatched widths are refused."""
+    from formats.errors import FormatError
+
+    model = load(tiny_hf_gguf("qwen35moe")[1])
+    names = ("blk.0.attn_qkv.weight", "blk.0.attn_gate.weight", "blk.0.ssm_beta.weight")
+    before = [model.w(n).clone() for n in names]
+    stacked = model.w.stacked(names)
+    assert torch.equal(stacked, torch.cat(before)) and model.w.stacked(names) is stacked
+    end = stacked.data_ptr() + stacked.numel() * stacked.element_size()
+    for n, b in zip(names, before):
+        assert torch.equal(model.w(n), b) and stacked.data_ptr() <= model.w(n).data_ptr() < end
+    with pytest.raises(FormatError, match="cannot stack"):
+        model.w.stacked(("blk.0.attn_qkv.weight", "output_norm.weight"))

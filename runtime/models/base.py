@@ -15,7 +15,7 @@ from formats.gguf_file import GGUFModel
 
 from ..cache import Cache, KVCache, RecurrentState
 from ..experts import ExpertProvider, GGUFExperts
-from ..layers import rms_norm
+from ..layers import rms_norm, split_proj
 from ..weights import Weights
 
 
@@ -97,6 +97,13 @@ class MoEModel(ABC):
         x = self.norm(x, "output_norm.weight")
         head = self.w.opt("output.weight")
         return torch.nn.functional.linear(x, head if head is not None else self.w("token_embd.weight"))
+
+    def project(self, h: torch.Tensor, prefix: str, *names: str) -> list[torch.Tensor]:
+        """The projections ``prefix + name + ".weight"`` of ``h``, as one GEMM over their stacked
+        matrices (``Weights.stacked``), split back into one output per name."""
+        full = tuple(f"{prefix}{n}.weight" for n in names)
+        stacked = self.w.stacked(full)
+        return split_proj(h, stacked, [self.w(n).shape[0] for n in full])
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return rms_norm(x, self.w(name), self.eps)

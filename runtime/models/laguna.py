@@ -13,7 +13,7 @@ from formats.archs import DENSE, SLIDING
 
 from ..cache import Cache
 from ..experts import moe
-from ..layers import Rope, attention, positions, rms_norm, rope_inv_freq, route_sigmoid, swiglu, yarn_rope
+from ..layers import Rope, attention, positions, rms_norm, rope_inv_freq, route_sigmoid, swiglu_stacked, yarn_rope
 from .base import MoEModel
 
 
@@ -44,16 +44,15 @@ class Laguna(MoEModel):
     def attn(self, il: int, h: torch.Tensor, cache: Cache, pos0: int) -> torch.Tensor:
         p, w, d, T = f"blk.{il}.", self.w, self.spec.head_dim, h.shape[0]
         swa = self.spec.layers[il].attention == SLIDING
-        q = F.linear(h, w(p + "attn_q.weight")).view(T, -1, d)
-        k = F.linear(h, w(p + "attn_k.weight")).view(T, -1, d)
-        v = F.linear(h, w(p + "attn_v.weight")).view(T, -1, d)
+        q, k, v, gate = self.project(h, p, "attn_q", "attn_k", "attn_v", "attn_gate")
+        q, k, v = q.view(T, -1, d), k.view(T, -1, d), v.view(T, -1, d)
         q = rms_norm(q, w(p + "attn_q_norm.weight"), self.eps)
         k = rms_norm(k, w(p + "attn_k_norm.weight"), self.eps)
         rope = self.rope_swa if swa else self.rope_full
         cos, sin = rope.cos_sin(positions(pos0, T, h.device), h.dtype)
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         o = attention(q, k, v, cache.layers[il], pos0, self.window if swa else 0)  # [T, H, d]
-        gate = F.softplus(F.linear(h, w(p + "attn_gate.weight")))
+        gate = F.softplus(gate)
         o = o * gate[..., None] if gate.shape[-1] == o.shape[1] else o * gate.view(T, -1, d)
         return F.linear(o.reshape(T, -1), w(p + "attn_output.weight"))
 
@@ -65,8 +64,8 @@ class Laguna(MoEModel):
     def ffn(self, il: int, h: torch.Tensor) -> torch.Tensor:
         p, w = f"blk.{il}.", self.w
         if self.spec.layers[il].ffn == DENSE:
-            return swiglu(h, w(p + "ffn_gate.weight"), w(p + "ffn_up.weight"), w(p + "ffn_down.weight"))
+            return swiglu_stacked(h, w.stacked((p + "ffn_gate.weight", p + "ffn_up.weight")), w(p + "ffn_down.weight"))
         weights, ids = self.route(il, h)
-        shared = swiglu(h, w(p + "ffn_gate_shexp.weight"), w(p + "ffn_up_shexp.weight"),
-                        w(p + "ffn_down_shexp.weight"))
+        shared = swiglu_stacked(h, w.stacked((p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight")),
+                                w(p + "ffn_down_shexp.weight"))
         return moe(h, weights, ids, self.experts, il) + shared

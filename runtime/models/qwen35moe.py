@@ -18,7 +18,8 @@ from formats.archs import LINEAR
 
 from ..cache import Cache, RecurrentState
 from ..experts import moe
-from ..layers import Rope, attention, l2_norm, positions, rms_norm, rope_inv_freq, route_softmax, swiglu, wide
+from ..layers import (Rope, attention, l2_norm, positions, rms_norm, rope_inv_freq, route_softmax, split_proj,
+                      swiglu_stacked, wide)
 from .base import MoEModel
 
 
@@ -99,10 +100,10 @@ class Qwen35MoE(MoEModel):
 
     def attn(self, il: int, h: torch.Tensor, cache: Cache, pos0: int) -> torch.Tensor:
         p, w, d, T = f"blk.{il}.", self.w, self.spec.head_dim, h.shape[0]
-        qg = F.linear(h, w(p + "attn_q.weight")).view(T, -1, 2 * d)  # per head: [query | gate]
+        qg, k, v = self.project(h, p, "attn_q", "attn_k", "attn_v")
+        qg = qg.view(T, -1, 2 * d)  # per head: [query | gate]
         q, gate = qg[..., :d], qg[..., d:]
-        k = F.linear(h, w(p + "attn_k.weight")).view(T, -1, d)
-        v = F.linear(h, w(p + "attn_v.weight")).view(T, -1, d)
+        k, v = k.view(T, -1, d), v.view(T, -1, d)
         q = rms_norm(q, w(p + "attn_q_norm.weight"), self.eps)
         k = rms_norm(k, w(p + "attn_k_norm.weight"), self.eps)
         cos, sin = self.rope.cos_sin(positions(pos0, T, h.device), h.dtype)
@@ -112,12 +113,12 @@ class Qwen35MoE(MoEModel):
 
     def delta_net(self, il: int, h: torch.Tensor, st: RecurrentState) -> torch.Tensor:
         p, w, T = f"blk.{il}.", self.w, h.shape[0]
-        qkv = F.linear(h, w(p + "attn_qkv.weight"))  # [T, C]
-        z = F.linear(h, w(p + "attn_gate.weight")).view(T, self.n_v, self.d_v)
+        qkv, z, beta, alpha = self.project(h, p, "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")  # qkv [T, C]
+        z = z.view(T, self.n_v, self.d_v)
         if T == 1 and self.kernels and h.dtype != torch.float64:
-            return self.delta_net_step(il, h, qkv, z, st)
-        beta = torch.sigmoid(F.linear(h, w(p + "ssm_beta.weight")))
-        g = F.softplus(F.linear(h, w(p + "ssm_alpha.weight")) + w(p + "ssm_dt.bias")) * w(p + "ssm_a")
+            return self.delta_net_step(il, qkv, z, beta, alpha, st)
+        beta = torch.sigmoid(beta)
+        g = F.softplus(alpha + w(p + "ssm_dt.bias")) * w(p + "ssm_a")
 
         # causal depthwise conv over [previous K-1 inputs ; new inputs], then SiLU
         conv_w = w(p + "ssm_conv1d.weight")  # [C, K]
@@ -148,7 +149,7 @@ class Qwen35MoE(MoEModel):
         logits = F.linear(h, self.w(f"blk.{il}.ffn_gate_inp.weight"))
         return route_softmax(logits, self.spec.n_expert_used, self.norm_topk)
 
-    def delta_net_step(self, il: int, h: torch.Tensor, qkv: torch.Tensor, z: torch.Tensor,
+    def delta_net_step(self, il: int, qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alpha: torch.Tensor,
                        st: RecurrentState) -> torch.Tensor:
         """``delta_net`` for one token with the fused Triton decode step (``kernels/deltanet.py``):
         the same math as the torch form below the projections, in two launches."""
@@ -158,9 +159,8 @@ class Qwen35MoE(MoEModel):
         if st.conv is None:
             st.conv = qkv.new_zeros(self.kernel - 1, qkv.shape[1])
         if st.ssm is None:
-            st.ssm = torch.zeros(self.n_v, self.d_k, self.d_v, dtype=torch.float32, device=h.device)
-        o = deltanet_decode(qkv[0], z.reshape(-1), F.linear(h, w(p + "ssm_beta.weight"))[0],
-                            F.linear(h, w(p + "ssm_alpha.weight"))[0], w(p + "ssm_dt.bias"), w(p + "ssm_a"),
+            st.ssm = torch.zeros(self.n_v, self.d_k, self.d_v, dtype=torch.float32, device=qkv.device)
+        o = deltanet_decode(qkv[0], z.reshape(-1), beta[0], alpha[0], w(p + "ssm_dt.bias"), w(p + "ssm_a"),
                             w(p + "ssm_conv1d.weight"), st.conv, st.ssm, w(p + "ssm_norm.weight"),
                             self.n_k, self.d_k, self.eps)
         return F.linear(o.view(1, -1), w(p + "ssm_out.weight"))
@@ -170,8 +170,8 @@ class Qwen35MoE(MoEModel):
         weights, ids = self.route(il, h)
         out = moe(h, weights, ids, self.experts, il)
         if w.has(p + "ffn_up_shexp.weight"):
-            shared = swiglu(h, w(p + "ffn_gate_shexp.weight"), w(p + "ffn_up_shexp.weight"),
-                            w(p + "ffn_down_shexp.weight"))
+            shared = swiglu_stacked(h, w.stacked((p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight")),
+                                    w(p + "ffn_down_shexp.weight"))
             gate = w.opt(p + "ffn_gate_inp_shexp.weight")
             if gate is not None:
                 shared = shared * torch.sigmoid(F.linear(h, gate.reshape(1, -1)))

@@ -27,9 +27,7 @@ class Qwen3MoE(MoEModel):
 
     def attn(self, il: int, h: torch.Tensor, cache: Cache, pos0: int) -> torch.Tensor:
         p, w, d, T = f"blk.{il}.", self.w, self.spec.head_dim, h.shape[0]
-        q = F.linear(h, w(p + "attn_q.weight")).view(T, -1, d)
-        k = F.linear(h, w(p + "attn_k.weight")).view(T, -1, d)
-        v = F.linear(h, w(p + "attn_v.weight")).view(T, -1, d)
+        q, k, v = (t.view(T, -1, d) for t in self.project(h, p, "attn_q", "attn_k", "attn_v"))
         q = rms_norm(q, w(p + "attn_q_norm.weight"), self.eps)
         k = rms_norm(k, w(p + "attn_k_norm.weight"), self.eps)
         cos, sin = self.rope.cos_sin(positions(pos0, T, h.device), h.dtype)
