@@ -195,7 +195,7 @@ def main() -> None:
         rows.append(row)
         load_s, same = row["load_s"], row["identical"]
         print(f"{cfg.name:38} decode {row['decode_tok_s']:7.1f} tok/s ({row['vs_all_gpu']:6.1%})  prefill "
-              f"{row['prefill_tok_s']:7.1f}  hot/cached/missed per token {row['hot_per_token']:.1f}/"
+              f"{row['prefill_tok_s']:7.1f}  hot/cached/prefetched/missed per token {row['hot_per_token']:.1f}/"
               f"{row['cached_per_token']:.1f}/{row['prefetched_per_token']:.1f}/{row['missed_per_token']:.2f}  "
               f"guessed layers {row['prefetch_layers']}, right {_pct(row['prefetch_accuracy'])}  host {row['host_ms_per_token']:.2f} ms/token  pool {row['pool_gib']:.2f} GiB  "
               f"load {load_s:.1f} s  identical {same}", flush=True)

@@ -13,7 +13,8 @@ Tiers, fastest first:
 Hot and cached experts sit in one device pool ``[n_slots, slot_bytes]`` (one expert = one
 contiguous row, so a miss is one copy) and every MoE layer has a row of one table ``expert ->
 slot`` that the fused kernel reads, so a cached expert costs exactly what a hot one does. The
-quantized bytes are never expanded in the pool; the kernels unpack them in registers.
+pool ends with ``k`` prefetch slots when some layer guesses its experts (below). The quantized
+bytes are never expanded in the pool; the kernels unpack them in registers.
 
 How a miss is served (``mode``):
   sync      the router's choice is read on the host (one sync per layer) and missing experts are
@@ -26,7 +27,8 @@ How a miss is served (``mode``):
             looks at what was routed (one small copy per token) and promotes missed experts
             that keep being routed into cache slots with async copies overlapping the next
             token, so repeat traffic is served from VRAM.
-Prefetch (zero-copy mode, decode): at the start of a block the model guesses the layer's experts
+Prefetch (zero-copy mode, decode, layers the plan expects to miss often): at the start of a
+block the model guesses the layer's experts
 (its router applied to the hidden state before attention) and, on a side stream while attention
 runs, a kernel copies the guessed cold experts into ``k`` reserved device slots and writes an
 effective table row that the layer's MoE kernel reads. Right guesses are served from VRAM; wrong
@@ -45,9 +47,9 @@ import os
 import sys
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -576,11 +578,10 @@ class ExpertStore:
             il, j = np.nonzero(guesses >= 0)
             fetched[il, guesses[il, j]] = True
             fetched &= ~resident
-            n_fetched = int(fetched.sum())
-            self.stats.prefetched += n_fetched
+            self.stats.prefetched += int(fetched.sum())
             self.stats.prefetch_used += int((fetched & used).sum())
             self.stats.prefetch_hits += int(counts[fetched].sum())
-            self.stats.bytes_streamed += int(fetched.sum(axis=1) @ self.layer_nbytes)
+            self.stats.bytes_streamed += int(fetched.sum()) * self.slot_bytes  # the kernel copies whole slots
         self.stats.hot_hits += int(counts[self.hot].sum())
         self.stats.cache_hits += int(counts[resident & ~self.hot].sum())
         missed = used & ~resident & ~fetched

@@ -25,7 +25,8 @@ from formats.profile import Profile, default_profile_path, model_identity
 # token: a guess costs a few kernels per layer and token and PCIe bytes for its wrong guesses,
 # whether it hits or not. Measured on the full-size model with the 7 ms decode step
 # (BENCHMARKS.md): guessing cost 3 points at calibrated 60% residency (0.6 misses per layer and
-# token), was even at 40% (1.6) and gained 4-7 points at 10-20% and uniform 60% (2.8-5.2).
+# token), gained 2-4 at 40% (1.6; within the run-to-run spread, so left out) and 2-7 at 10-20%
+# and uniform 60% (2.8-5.2).
 PREFETCH_MIN_MISSES = 2.0
 
 
@@ -111,18 +112,24 @@ def plan_residency(spec: ModelSpec, tensors: dict, expert_names: set[str], slot_
     if vram is not None:
         dense = sum(math.prod(t.shape) * dtype_bytes for t in tensors.values() if t.name not in expert_names)
         kv, state = kv_cache_bytes(spec, ctx, dtype_bytes), recurrent_state_bytes(spec)
-        fixed = dense + kv + state + RUNTIME_OVERHEAD_BYTES + prefetch_slots * slot
+        fixed = dense + kv + state + RUNTIME_OVERHEAD_BYTES
         left = vram - fixed - slots * slot
         if left < 0:
             raise SparkpackError(where, f"VRAM budget {vram / 1024**3:.2f} GiB is too small: dense weights "
                                         f"{dense / 1024**3:.2f} GiB, KV cache {kv / 1024**3:.2f} GiB at ctx {ctx}, "
                                         f"state and runtime {(state + RUNTIME_OVERHEAD_BYTES) / 1024**3:.2f} GiB and "
-                                        f"{slots + prefetch_slots} cache and prefetch slots "
-                                        f"{(slots + prefetch_slots) * slot / 1024**3:.2f} GiB need "
+                                        f"{slots} cache slots {slots * slot / 1024**3:.2f} GiB need "
                                         f"{(fixed + slots * slot) / 1024**3:.2f} GiB")
         plan = make_plan(*shape, slot_bytes, left, counts, tokens)
+        extra = prefetch(plan.hot)
+        if extra["prefetch_slots"]:  # guessing pays under this plan: make room for its slots, plan again
+            if left >= prefetch_slots * slot:
+                plan = make_plan(*shape, slot_bytes, left - prefetch_slots * slot, counts, tokens)
+                extra = prefetch(plan.hot)
+            else:
+                extra = {"cache_bytes": slots * slot, "prefetch_slots": 0, "prefetch_layers": None}
         return Residency(plan.hot, slots, f"--vram budget, {what}", vram, dense, kv, state, RUNTIME_OVERHEAD_BYTES,
-                         plan.hot_bytes, expected_cold_rate=_cold_rate(plan.hot, profile), **prefetch(plan.hot))
+                         plan.hot_bytes, expected_cold_rate=_cold_rate(plan.hot, profile), **extra)
     if hot_fraction is not None:
         plan = make_plan(*shape, slot_bytes, int(hot_fraction * all_bytes + 0.5), counts, tokens)
         return Residency(plan.hot, slots, f"--hot-fraction {hot_fraction:g}, {what}", hot_bytes=plan.hot_bytes,

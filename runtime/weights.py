@@ -66,20 +66,25 @@ class Weights:
     def stacked(self, names: tuple[str, ...]) -> torch.Tensor:
         """The matrices ``names`` (one input width) as one ``[sum of rows, n_in]`` matrix, so the
         projections of one input run as one GEMM: at batch 1 a launch costs more than its bytes.
-        Each name then reads its row band of the stacked matrix, so no second copy is kept."""
+        Each name then reads its row band of the stacked matrix, so no second copy is kept. Parts
+        not loaded yet are expanded straight into their band: stacking loaded tensors would leave
+        their freed blocks reserved by the allocator, which a ``--vram`` budget cannot afford
+        (the model stacks its groups at load, ``MoEModel.stack_groups``)."""
         key = "+".join(names)
         t = self._cache.get(key)
-        if t is None:
-            parts = [self(n) for n in names]
-            if any(p.dim() != 2 or p.shape[1] != parts[0].shape[1] for p in parts):
-                raise FormatError(self.gguf.path, f"cannot stack {', '.join(names)}: shapes "
-                                                  f"{[list(p.shape) for p in parts]}")
-            t = torch.cat(parts, 0)
-            row = 0
-            for n, p in zip(names, parts):
-                self._cache[n] = t[row: row + p.shape[0]]
-                row += p.shape[0]
-            self._cache[key] = t
+        if t is not None:
+            return t
+        shapes = [tuple(reversed(self.gguf.tensor(n).shape)) for n in names]  # torch order
+        if any(len(s) != 2 or s[1] != shapes[0][1] for s in shapes):
+            raise FormatError(self.gguf.path, f"cannot stack {', '.join(names)}: shapes {[list(s) for s in shapes]}")
+        t = torch.empty((sum(s[0] for s in shapes), shapes[0][1]), dtype=self.dtype, device=self.device)
+        row = 0
+        for n, (rows, _) in zip(names, shapes):
+            band = t[row: row + rows]
+            band.copy_(self(n))  # an already expanded part is dropped just after (its view replaces it)
+            self._cache[n] = band
+            row += rows
+        self._cache[key] = t
         return t
 
     def preload(self, names) -> None:

@@ -135,7 +135,7 @@ def test_prefetch_accounting(model_path):
     s, nb = store.stats, int(store.layer_nbytes[il])
     assert (s.prefetched, s.prefetch_used, s.prefetch_hits) == (2, 1, 2)
     assert (s.hot_hits, s.misses, s.zero_copy_reads) == (1, 1, 1)
-    assert s.bytes_streamed == 3 * nb  # two prefetched + one zero-copy read
+    assert s.bytes_streamed == 2 * store.slot_bytes + nb  # two prefetched (whole slots) + one zero-copy read
     assert s.as_json()["prefetch_accuracy"] == 0.5
 
 
@@ -279,7 +279,8 @@ def test_vram_budget_sizes_the_hot_set(model_path):
     # The plan counts what is really allocated: the expert pool, and the dense weights (loaded
     # with the model, so a budget fails at load rather than mid-reply).
     assert r.hot_bytes + r.cache_bytes == mid.experts.pool.numel()
-    assert r.dense_bytes == sum(t.numel() * t.element_size() for t in mid.w._cache.values())
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in mid.w._cache.values()}
+    assert r.dense_bytes == sum(held.values())  # stacked projections: parts are views, counted once
 
 
 def test_prefetch_only_where_misses_are_expected(model_path):
@@ -327,3 +328,60 @@ def test_guess_is_the_routers_choice_on_the_block_input(synth_model, arch):
         x = torch.randn(1, model.spec.n_embd, generator=gen)
         want = model.route(il, model.norm(x, f"blk.{il}.{model.ffn_norm}.weight"))[1]
         assert sorted(model.guess_experts(il, x)[0].tolist()) == sorted(want[0].tolist())
+
+
+def test_vram_plan_reserves_prefetch_slots_only_when_used(model_path):
+    """Under --vram the guess slots come out of the hot set only when some layer will guess;
+    otherwise the plan is the one without prefetch, and the parts always fit the budget."""
+    from formats.archs import model_spec
+    from formats.experts import expert_tensor_names
+    from formats.gguf_file import GGUFModel
+    from runtime.expert_store import routed_experts_bytes
+    from runtime.residency import plan_residency
+
+    gguf = GGUFModel(model_path)
+    spec = model_spec(gguf)
+    sizes = routed_experts_bytes(GGUFSource(gguf, spec), spec)
+    slot = max(sizes.values())
+
+    def plan(min_misses, vram):
+        return plan_residency(spec, gguf.tensors, expert_tensor_names(spec), sizes, 4, vram=vram, cache_slots=2,
+                              prefetch_min_misses=min_misses)
+
+    base = plan(None, 10**12)
+    fixed = base.dense_bytes + base.kv_bytes + base.state_bytes + base.overhead_bytes + base.cache_bytes
+    vram = fixed + base.hot_bytes // 2  # about half the experts fit
+    off, never, always = plan(None, vram), plan(spec.n_expert_used + 1.0, vram), plan(0.0, vram)
+    assert never.prefetch_slots == 0 and np.array_equal(never.hot, off.hot) and never.cache_bytes == off.cache_bytes
+    assert always.prefetch_slots == spec.n_expert_used and always.cache_bytes == (2 + spec.n_expert_used) * slot
+    assert always.hot_bytes < off.hot_bytes
+    for r in (off, always):
+        assert r.dense_bytes + r.kv_bytes + r.state_bytes + r.overhead_bytes + r.hot_bytes + r.cache_bytes <= vram
+
+
+def test_moe_reads_guessed_experts_from_the_prefetch_slots(model_path):
+    """After a guess, the layer's MoE reads the guessed cold experts from the device slots the
+    guess filled: with their host copies poisoned the result still equals the all-device one,
+    and without a guess the poisoned bytes are read."""
+    from formats.archs import model_spec
+    from formats.gguf_file import GGUFModel
+
+    gguf = GGUFModel(model_path)
+    spec = model_spec(gguf)
+    il, k = spec.moe_layers[0], spec.n_expert_used
+    hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
+    hot[list(spec.moe_layers), :2] = True
+    src = GGUFSource(gguf, spec)
+    store = ExpertStore(src, spec, "cpu", torch.float32, hot, 0, "zerocopy", fused=True, prefetch=True)
+    ref = ExpertStore(src, spec, "cpu", torch.float32, np.ones_like(hot), 0, "zerocopy", fused=True)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, spec.n_embd, generator=g)
+    ids = torch.tensor([[2, 3, 0, 5, 6, 7, 8, 9][:k]])
+    weights = torch.softmax(torch.randn(1, k, generator=g), -1)
+    want = ref.moe(il, x, weights, ids)
+    store.prefetch(il, x, lambda layer, h: ids)
+    for e in ids[0].tolist():
+        if not hot[il, e]:
+            store.host_pool[store.host_index[il, e]] = 0  # a read from host memory now gives zeros
+    assert torch.equal(store.moe(il, x, weights, ids), want)
+    assert not torch.equal(store.moe(il, x, weights, ids), want)  # no guess pending: host bytes read

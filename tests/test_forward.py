@@ -98,11 +98,11 @@ def test_prefill_then_decode_equals_full_forward(arch, outtype, tiny_hf_gguf):
     assert row_rel_err(torch.cat(parts), full) < 1e-10
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_fused_decode_kernels_match_the_torch_path(arch, tiny_hf_gguf):
-    """Decode steps through the Triton kernels (the GPU default; interpreted in CI) against the
-    torch forms, float32: prefill, then every decode step's logits."""
-    path = tiny_hf_gguf(arch)[1]
+def test_fused_deltanet_decode_matches_the_torch_path(tiny_hf_gguf):
+    """Decode steps through the fused DeltaNet kernels (``model.kernels``, the GPU default;
+    interpreted in CI) against the torch form, float32: prefill, then every decode step's logits.
+    (RMSNorm and the router use their kernels on any GPU tensor; tests/test_kernels.py covers them.)"""
+    path = tiny_hf_gguf("qwen35moe")[1]
     ids = token_ids(load(path).spec.n_vocab)
 
     def steps(kernels: bool) -> torch.Tensor:
@@ -285,3 +285,17 @@ def test_stacked_weights_are_row_bands_of_one_matrix(tiny_hf_gguf):
         assert torch.equal(model.w(n), b) and stacked.data_ptr() <= model.w(n).data_ptr() < end
     with pytest.raises(FormatError, match="cannot stack"):
         model.w.stacked(("blk.0.attn_qkv.weight", "output_norm.weight"))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_projections_use_the_stacks_built_at_load(arch, tiny_hf_gguf):
+    """With the expert store the dense weights load at once, stacked groups first; a forward
+    then stacks nothing new (every ``project`` call is a declared group), so no tensor is ever
+    held twice."""
+    from runtime.models import StoreOptions
+
+    model = load(tiny_hf_gguf(arch)[1], store=StoreOptions(hot_fraction=1.0))
+    stacks = {k for k in model.w._cache if "+" in k}
+    assert stacks == {"+".join(g) for g in model.stack_groups()} and stacks
+    model.forward(token_ids(model.spec.n_vocab)[:6])
+    assert {k for k in model.w._cache if "+" in k} == stacks

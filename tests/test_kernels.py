@@ -387,7 +387,7 @@ def aot_compile_all(arch: int = 90) -> None:
                                     "count_ptr": "*i32"},
               {"GATE_QTYPE": int(T.Q4_K), "UP_QTYPE": int(T.Q4_K), "HAS_HOST": True, "HAS_COUNT": True,
                "BLOCK_N": 4}),
-             (moe._down_kernel, {"h_ptr": "*fp32", "ids_ptr": "*i32", "wts_ptr": "*fp32", "slot_ptr": "*i32",
+             (moe._down_kernel, {"h_ptr": "*fp32", "ids_ptr": "*i64", "wts_ptr": "*fp32", "slot_ptr": "*i32",
                                  "part_ptr": "*fp32"}, {"DOWN_QTYPE": int(T.Q6_K), "HAS_HOST": False, "BLOCK_N": 4}),
              (moe._sum_topk_kernel, {"part_ptr": "*fp32", "y_ptr": "*fp32"}, {"BLOCK": 1024}),
              (deltanet._conv_kernel, {"x_ptr": "*bf16", "win_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32"},

@@ -92,7 +92,8 @@ def deltanet_decode(qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alph
     C = qkv.numel()
     n_v, dk, d_v = state.shape
     K = conv_w.shape[1]
-    if dk != d_k or C != 2 * n_k * d_k + n_v * d_v or conv_win.shape != (K - 1, C) or state.dtype != torch.float32:
+    if K < 2 or dk != d_k or C != 2 * n_k * d_k + n_v * d_v or conv_win.shape != (K - 1, C) \
+            or state.dtype != torch.float32:
         raise ValueError("DeltaNet decode: inconsistent shapes")
     for t, what in ((qkv, "qkv"), (z, "z"), (conv_w, "conv_w"), (conv_win, "conv window"), (state, "state")):
         if not t.is_contiguous():

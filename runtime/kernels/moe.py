@@ -13,7 +13,8 @@ atomics.
 Three launches:
 1. ``_gate_up_kernel``: one program per (token, choice) pair and block of ``n_ff`` rows computes
    gate and up dots from the same activation row and writes ``silu(gate) * up`` (fp32) to a small
-   ``[T*k, n_ff]`` scratch.
+   ``[T*k, n_ff]`` scratch; optionally the first block's program also counts the routing (an
+   integer atomic add per pair: the expert store's statistics without a launch of their own).
 2. ``_down_kernel``: one program per pair and block of ``n_embd`` rows writes the down product
    times the routing weight to a ``[T*k, n_embd]`` fp32 scratch. Splitting over the k experts
    (instead of one program looping over them) gives k times more programs, which batch-1 decode

@@ -29,6 +29,7 @@ def _softmax_topk_kernel(logits_ptr, w_ptr, ids_ptr, N, stride_l, K: tl.constexp
     for j in tl.static_range(K):
         best = tl.max(cur, axis=0)
         idx = tl.min(tl.where(cur == best, n, BLOCK), axis=0)  # the lowest id among equal maxima
+        idx = tl.minimum(idx, N - 1)  # NaN logits match nothing: keep the id in range regardless
         wv = tl.where(ks == j, best, wv)
         iv = tl.where(ks == j, idx.to(tl.int64), iv)
         cur = tl.where(n == idx, -1.0, cur)

@@ -54,6 +54,8 @@ def load_model(path: str | os.PathLike[str] | GGUFModel, device: torch.device | 
     if store is not None:  # a budget must fail (or hold) at load, not in the middle of a reply
         from formats.experts import expert_tensor_names
 
+        for group in model.stack_groups():  # stacked first: no part is ever held twice
+            model.w.stacked(group)
         model.w.preload(n for n in source.tensors if n not in expert_tensor_names(spec))
     return model
 

@@ -23,6 +23,8 @@ class MoEModel(ABC):
     arch = ""
     residency = None  # the expert store's plan (runtime.residency.Residency) when one is used
     ffn_norm = "ffn_norm"  # the norm in front of a block's MoE (``blk.N.<ffn_norm>.weight``)
+    # Projections of one input that run as one GEMM (``project``), per layer where all exist.
+    STACKS: tuple[tuple[str, ...], ...] = ()
     topk_of_logits = False  # the router picks the top-k of its logits (softmax routers)
 
     def __init__(self, gguf: GGUFModel, spec: ModelSpec, device: torch.device | str = "cpu",
@@ -32,8 +34,9 @@ class MoEModel(ABC):
         self.w = Weights(gguf, device, dtype)
         self.experts = experts if experts is not None else GGUFExperts(gguf, spec, device, dtype)
         self.eps = spec.rms_eps
-        # Fused Triton kernels for the decode-only steps (one token): on by default on a GPU; the
-        # torch forms stay the reference (CPU, prefill) and tests compare the two.
+        # The fused one-token DeltaNet step (kernels/deltanet.py): on by default on a GPU; the
+        # torch form stays the reference (CPU, prefill) and tests compare the two. (RMSNorm and
+        # the softmax router take their Triton kernels for any GPU tensor: runtime.layers.)
         self.kernels = self.device.type == "cuda"
 
     def meta(self, suffix: str, default=None):
@@ -54,8 +57,8 @@ class MoEModel(ABC):
         changes where the store reads experts from, never the result.
 
         With a softmax router (``topk_of_logits``) the top-k of the logits is the top-k of the
-        routing, and RMSNorm's per-token factor is positive, so the guess skips both: two kernels
-        (the router product on ``x * norm weight``, then top-k) instead of about fifteen, each a
+        routing, and RMSNorm's per-token factor is positive, so the guess skips both: three
+        kernels (``x * norm weight``, the router product, top-k) instead of about fifteen, each a
         node of the captured step."""
         norm = self.w(f"blk.{il}.{self.ffn_norm}.weight")
         if self.topk_of_logits:
@@ -100,10 +103,21 @@ class MoEModel(ABC):
 
     def project(self, h: torch.Tensor, prefix: str, *names: str) -> list[torch.Tensor]:
         """The projections ``prefix + name + ".weight"`` of ``h``, as one GEMM over their stacked
-        matrices (``Weights.stacked``), split back into one output per name."""
+        matrices (``Weights.stacked``; ``names`` one of ``STACKS``), split back into one output
+        per name."""
         full = tuple(f"{prefix}{n}.weight" for n in names)
         stacked = self.w.stacked(full)
         return split_proj(h, stacked, [self.w(n).shape[0] for n in full])
+
+    def stack_groups(self) -> list[tuple[str, ...]]:
+        """Every layer's ``STACKS`` groups whose tensors the file has (full tensor names)."""
+        out = []
+        for il in range(self.spec.n_layer):
+            for group in self.STACKS:
+                full = tuple(f"blk.{il}.{n}.weight" for n in group)
+                if all(self.w.has(n) for n in full):
+                    out.append(full)
+        return out
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return rms_norm(x, self.w(name), self.eps)

@@ -19,6 +19,7 @@ from .base import MoEModel
 
 class Laguna(MoEModel):
     arch = "laguna"
+    STACKS = (("attn_q", "attn_k", "attn_v", "attn_gate"), ("ffn_gate", "ffn_up"), ("ffn_gate_shexp", "ffn_up_shexp"))
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

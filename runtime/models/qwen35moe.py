@@ -18,8 +18,7 @@ from formats.archs import LINEAR
 
 from ..cache import Cache, RecurrentState
 from ..experts import moe
-from ..layers import (Rope, attention, l2_norm, positions, rms_norm, rope_inv_freq, route_softmax, split_proj,
-                      swiglu_stacked, wide)
+from ..layers import Rope, attention, l2_norm, positions, rms_norm, rope_inv_freq, route_softmax, swiglu_stacked, wide
 from .base import MoEModel
 
 
@@ -76,6 +75,8 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 class Qwen35MoE(MoEModel):
     arch = "qwen35moe"
     ffn_norm = "post_attention_norm"
+    STACKS = (("attn_q", "attn_k", "attn_v"), ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"),
+              ("ffn_gate_shexp", "ffn_up_shexp"))
     topk_of_logits = True
 
     def __init__(self, *args, **kwargs):

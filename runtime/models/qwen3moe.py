@@ -13,6 +13,7 @@ from .base import MoEModel
 
 class Qwen3MoE(MoEModel):
     arch = "qwen3moe"
+    STACKS = (("attn_q", "attn_k", "attn_v"),)
     topk_of_logits = True
 
     def __init__(self, *args, **kwargs):
