@@ -220,6 +220,7 @@ class ExpertStore:
             ok = all(int(p.qtype) in _fused_qtypes() for p in parts)
             self.layers[il] = _Layer(parts, sum(p.nbytes for p in parts) if parts else 0,
                                      ok and (fused if fused is not None else on_cuda))
+        self.fused_all = all(la.fused for la in self.layers.values())  # every layer on the fused kernel
         self.layer_nbytes = np.zeros(spec.n_layer, dtype=np.int64)  # one expert's bytes per layer
         for il, la in self.layers.items():
             self.layer_nbytes[il] = la.nbytes
@@ -233,15 +234,14 @@ class ExpertStore:
             self.warn(f"host RAM budget {_gib(host_bytes)} is too small for {_gib(cold_bytes)} of cold experts: "
                       f"misses are read from {_name(source.path)} through a {_gib(host_bytes)} host cache (disk tier, slower)")
         if mode == "auto":
-            mode = "zerocopy" if (on_cuda and self.host_all and all(la.fused for la in self.layers.values())) else "async"
+            mode = "zerocopy" if (on_cuda and self.host_all and self.fused_all) else "async"
         if mode == "zerocopy" and not self.host_all:
             raise SparkpackError(source.path, "zero-copy streaming needs every cold expert in host memory; "
                                               "raise the host RAM budget or use --stream async")
         self.mode = mode
         self.pin = on_cuda and mode != "sync"
-        fused_all = all(la.fused for la in self.layers.values())
         guessed = np.zeros(spec.n_layer, dtype=bool)
-        if prefetch is not None and prefetch is not False and mode == "zerocopy" and fused_all and n_cold:
+        if prefetch is not None and prefetch is not False and mode == "zerocopy" and self.fused_all and n_cold:
             guessed[self.moe_layers] = True if prefetch is True else np.asarray(prefetch, dtype=bool)[self.moe_layers]
         self.prefetch_layers = frozenset(np.flatnonzero(guessed).tolist())
         self.n_prefetch = spec.n_expert_used if self.prefetch_layers else 0
@@ -544,7 +544,7 @@ class ExpertStore:
     def capturable(self) -> bool:
         """A decode step through this store can be captured in a CUDA graph (``runtime.graph``):
         zero-copy mode with every layer on the fused kernel needs no host round trip inside the step."""
-        return self.mode == "zerocopy" and all(la.fused for la in self.layers.values())
+        return self.mode == "zerocopy" and self.fused_all
 
     def end_step(self, n_tokens: int, routed: bool | None = None) -> None:
         """After a forward call: count what was routed and (zero-copy mode) promote missed experts

@@ -50,12 +50,14 @@ class DecodeGraph:
         self.captures = 0
         self.captured_on: tuple[int, ...] = ()
 
+    def _kv(self) -> list[torch.Tensor]:
+        return [la.k for la in self.cache.layers if getattr(la, "k", None) is not None]
+
     def room(self) -> int:
-        caps = [la.k.shape[1] for la in self.cache.layers if getattr(la, "k", None) is not None]
-        return min(caps) if caps else 0
+        return min((k.shape[1] for k in self._kv()), default=0)
 
     def _buffers(self) -> tuple[int, ...]:
-        return tuple(la.k.data_ptr() for la in self.cache.layers if getattr(la, "k", None) is not None)
+        return tuple(k.data_ptr() for k in self._kv())
 
     def step(self, token: int) -> torch.Tensor | None:
         """Logits ``[n_vocab]`` after feeding ``token`` at position ``cache.pos``."""

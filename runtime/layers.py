@@ -50,12 +50,6 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
-def swiglu_stacked(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """``swiglu`` with gate and up stacked in one ``[2 n_ff, n_in]`` matrix (one GEMM for both)."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
-
-
 def split_proj(x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     """``F.linear(x, w)`` of a stacked matrix, split back into its parts' outputs (column bands)."""
     return list(F.linear(x, w).split(sizes, dim=-1))

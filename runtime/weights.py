@@ -22,8 +22,9 @@ CHUNK_ELEMENTS = 1 << 24  # dequantize large matrices this many weights at a tim
 
 
 def dequantize_bytes(raw: np.ndarray, qtype: int, shape: tuple[int, ...], device: torch.device | str,
-                     dtype: torch.dtype) -> torch.Tensor:
-    """Expand the raw bytes of a tensor of GGUF shape ``shape`` to a torch tensor (torch order).
+                     dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Expand the raw bytes of a tensor of GGUF shape ``shape`` to a torch tensor (torch order),
+    or into ``out`` (a contiguous tensor of that shape, e.g. a band of a stacked matrix).
 
     Large matrices (the output head, the embeddings: ~500M weights) are expanded a band of rows
     at a time into the final tensor: whole, the float32 temporaries would need several times the
@@ -32,15 +33,17 @@ def dequantize_bytes(raw: np.ndarray, qtype: int, shape: tuple[int, ...], device
     out_shape = tuple(reversed(shape))
     n_rows = math.prod(shape[1:]) if len(shape) > 1 else 1
     if math.prod(shape) <= CHUNK_ELEMENTS or n_rows < 2:
-        return dequantize(raw, qtype, shape, device, dtype).reshape(out_shape)
+        t = dequantize(raw, qtype, shape, device, dtype).reshape(out_shape)
+        return t if out is None else out.copy_(t)
     flat = raw.reshape(-1) if isinstance(raw, (np.ndarray, torch.Tensor)) else np.frombuffer(raw, dtype=np.uint8)
     row_bytes = flat.shape[0] // n_rows
-    out = torch.empty((n_rows, shape[0]), dtype=dtype, device=device)
+    whole = out
+    out = torch.empty((n_rows, shape[0]), dtype=dtype, device=device) if whole is None else whole.view(n_rows, shape[0])
     step = max(1, CHUNK_ELEMENTS // shape[0])
     for r0 in range(0, n_rows, step):
         r1 = min(n_rows, r0 + step)
         out[r0:r1] = dequantize(flat[r0 * row_bytes: r1 * row_bytes], qtype, (shape[0], r1 - r0), device, dtype)
-    return out.reshape(out_shape)
+    return out.reshape(out_shape) if whole is None else whole
 
 
 class Weights:
@@ -55,12 +58,15 @@ class Weights:
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors
 
-    def __call__(self, name: str) -> torch.Tensor:
+    def __call__(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor, expanded on first use (into ``out`` when given)."""
         t = self._cache.get(name)
         if t is None:
             info = self.gguf.tensor(name)
-            t = dequantize_bytes(self.gguf.raw(name), info.qtype, info.shape, self.device, self.dtype)
+            t = dequantize_bytes(self.gguf.raw(name), info.qtype, info.shape, self.device, self.dtype, out=out)
             self._cache[name] = t
+        elif out is not None:
+            t = self._cache[name] = out.copy_(t)  # the old tensor is dropped: ``out`` replaces it
         return t
 
     def stacked(self, names: tuple[str, ...]) -> torch.Tensor:
@@ -80,9 +86,7 @@ class Weights:
         t = torch.empty((sum(s[0] for s in shapes), shapes[0][1]), dtype=self.dtype, device=self.device)
         row = 0
         for n, (rows, _) in zip(names, shapes):
-            band = t[row: row + rows]
-            band.copy_(self(n))  # an already expanded part is dropped just after (its view replaces it)
-            self._cache[n] = band
+            self(n, out=t[row: row + rows])
             row += rows
         self._cache[key] = t
         return t

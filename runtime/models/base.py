@@ -9,6 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
+import torch.nn.functional as F
 
 from formats.archs import LINEAR, ModelSpec
 from formats.gguf_file import GGUFModel
@@ -62,7 +63,7 @@ class MoEModel(ABC):
         node of the captured step."""
         norm = self.w(f"blk.{il}.{self.ffn_norm}.weight")
         if self.topk_of_logits:
-            logits = torch.nn.functional.linear(x * norm, self.w(f"blk.{il}.ffn_gate_inp.weight"))
+            logits = F.linear(x * norm, self.w(f"blk.{il}.ffn_gate_inp.weight"))
             return torch.topk(logits, self.spec.n_expert_used, dim=-1).indices
         return self.route(il, rms_norm(x, norm, self.eps))[1]
 
@@ -99,7 +100,7 @@ class MoEModel(ABC):
             x = x[-1:]
         x = self.norm(x, "output_norm.weight")
         head = self.w.opt("output.weight")
-        return torch.nn.functional.linear(x, head if head is not None else self.w("token_embd.weight"))
+        return F.linear(x, head if head is not None else self.w("token_embd.weight"))
 
     def project(self, h: torch.Tensor, prefix: str, *names: str) -> list[torch.Tensor]:
         """The projections ``prefix + name + ".weight"`` of ``h``, as one GEMM over their stacked
@@ -108,6 +109,12 @@ class MoEModel(ABC):
         full = tuple(f"{prefix}{n}.weight" for n in names)
         stacked = self.w.stacked(full)
         return split_proj(h, stacked, [self.w(n).shape[0] for n in full])
+
+    def mlp(self, h: torch.Tensor, prefix: str, suffix: str = "") -> torch.Tensor:
+        """The SwiGLU MLP ``ffn_{gate,up,down}<suffix>`` of a layer, gate and up as one GEMM
+        (``(ffn_gate<suffix>, ffn_up<suffix>)`` must be one of ``STACKS``)."""
+        gate, up = self.project(h, prefix, f"ffn_gate{suffix}", f"ffn_up{suffix}")
+        return F.linear(F.silu(gate) * up, self.w(f"{prefix}ffn_down{suffix}.weight"))
 
     def stack_groups(self) -> list[tuple[str, ...]]:
         """Every layer's ``STACKS`` groups whose tensors the file has (full tensor names)."""

@@ -13,7 +13,7 @@ from formats.archs import DENSE, SLIDING
 
 from ..cache import Cache
 from ..experts import moe
-from ..layers import Rope, attention, positions, rms_norm, rope_inv_freq, route_sigmoid, swiglu_stacked, yarn_rope
+from ..layers import Rope, attention, positions, rms_norm, rope_inv_freq, route_sigmoid, yarn_rope
 from .base import MoEModel
 
 
@@ -63,10 +63,9 @@ class Laguna(MoEModel):
         return route_sigmoid(logits, w.opt(p + "exp_probs_b.bias"), self.spec.n_expert_used, self.norm_topk, self.scale)
 
     def ffn(self, il: int, h: torch.Tensor) -> torch.Tensor:
-        p, w = f"blk.{il}.", self.w
+        p = f"blk.{il}."
         if self.spec.layers[il].ffn == DENSE:
-            return swiglu_stacked(h, w.stacked((p + "ffn_gate.weight", p + "ffn_up.weight")), w(p + "ffn_down.weight"))
+            return self.mlp(h, p)
         weights, ids = self.route(il, h)
-        shared = swiglu_stacked(h, w.stacked((p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight")),
-                                w(p + "ffn_down_shexp.weight"))
+        shared = self.mlp(h, p, "_shexp")
         return moe(h, weights, ids, self.experts, il) + shared

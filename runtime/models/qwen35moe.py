@@ -18,7 +18,7 @@ from formats.archs import LINEAR
 
 from ..cache import Cache, RecurrentState
 from ..experts import moe
-from ..layers import Rope, attention, l2_norm, positions, rms_norm, rope_inv_freq, route_softmax, swiglu_stacked, wide
+from ..layers import Rope, attention, l2_norm, positions, rms_norm, rope_inv_freq, route_softmax, wide
 from .base import MoEModel
 
 
@@ -116,6 +116,10 @@ class Qwen35MoE(MoEModel):
         p, w, T = f"blk.{il}.", self.w, h.shape[0]
         qkv, z, beta, alpha = self.project(h, p, "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")  # qkv [T, C]
         z = z.view(T, self.n_v, self.d_v)
+        if st.conv is None:  # allocated once, then updated in place: see RecurrentState
+            st.conv = qkv.new_zeros(self.kernel - 1, qkv.shape[1])
+            # the recurrent state accumulates over the whole sequence: keep it in >= float32
+            st.ssm = wide(h.new_zeros(self.n_v, self.d_k, self.d_v))
         if T == 1 and self.kernels and h.dtype != torch.float64:
             return self.delta_net_step(il, qkv, z, beta, alpha, st)
         beta = torch.sigmoid(beta)
@@ -123,8 +127,6 @@ class Qwen35MoE(MoEModel):
 
         # causal depthwise conv over [previous K-1 inputs ; new inputs], then SiLU
         conv_w = w(p + "ssm_conv1d.weight")  # [C, K]
-        if st.conv is None:
-            st.conv = qkv.new_zeros(self.kernel - 1, qkv.shape[1])
         xin = torch.cat((st.conv, qkv), dim=0)
         st.conv.copy_(xin[xin.shape[0] - (self.kernel - 1):])  # in place: see RecurrentState
         qkv = F.silu((xin.unfold(0, self.kernel, 1) * conv_w).sum(-1))  # [T, C]
@@ -137,9 +139,6 @@ class Qwen35MoE(MoEModel):
         k = l2_norm(k)
         rep = self.n_v // self.n_k
         q, k = q.repeat(1, rep, 1), k.repeat(1, rep, 1)  # tiled: value head h uses key head h % n_k
-        # the recurrent state accumulates over the whole sequence: keep it in >= float32
-        if st.ssm is None:
-            st.ssm = wide(h.new_zeros(self.n_v, self.d_k, self.d_v))
         rule = gated_delta_rule_chunked if T > CHUNK else gated_delta_rule
         o, state = rule(*(wide(t) for t in (q, k, v, g, beta)), st.ssm)
         st.ssm.copy_(state)
@@ -157,10 +156,6 @@ class Qwen35MoE(MoEModel):
         from ..kernels.deltanet import deltanet_decode
 
         p, w = f"blk.{il}.", self.w
-        if st.conv is None:
-            st.conv = qkv.new_zeros(self.kernel - 1, qkv.shape[1])
-        if st.ssm is None:
-            st.ssm = torch.zeros(self.n_v, self.d_k, self.d_v, dtype=torch.float32, device=qkv.device)
         o = deltanet_decode(qkv[0], z.reshape(-1), beta[0], alpha[0], w(p + "ssm_dt.bias"), w(p + "ssm_a"),
                             w(p + "ssm_conv1d.weight"), st.conv, st.ssm, w(p + "ssm_norm.weight"),
                             self.n_k, self.d_k, self.eps)
@@ -171,8 +166,7 @@ class Qwen35MoE(MoEModel):
         weights, ids = self.route(il, h)
         out = moe(h, weights, ids, self.experts, il)
         if w.has(p + "ffn_up_shexp.weight"):
-            shared = swiglu_stacked(h, w.stacked((p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight")),
-                                    w(p + "ffn_down_shexp.weight"))
+            shared = self.mlp(h, p, "_shexp")
             gate = w.opt(p + "ffn_gate_inp_shexp.weight")
             if gate is not None:
                 shared = shared * torch.sigmoid(F.linear(h, gate.reshape(1, -1)))
