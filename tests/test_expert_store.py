@@ -156,7 +156,7 @@ def test_pack_placement_and_stats_json(model_path, reference, tmp_path):
     assert s["decode_tokens"] >= 1 and s["prefill_tokens"] == 4 and s["decode_tok_s"] > 0
     st = s["store"]
     assert st["hot_experts"] == int(Pack.open(pack).hot.sum()) and st["cache_slots"] == 4
-    assert st["routings"] == st["hot_hits"] + st["cache_hits"] + st["misses"] > 0
+    assert st["routings"] == st["hot_hits"] + st["cache_hits"] + st["prefetch_hits"] + st["misses"] > 0
     assert "the pack's placement" in r.stderr and "decode" in r.stderr
 
 
@@ -372,14 +372,16 @@ def test_moe_reads_guessed_experts_from_the_prefetch_slots(model_path):
     hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
     hot[list(spec.moe_layers), :2] = True
     src = GGUFSource(gguf, spec)
-    store = ExpertStore(src, spec, "cpu", torch.float32, hot, 0, "zerocopy", fused=True, prefetch=True)
-    ref = ExpertStore(src, spec, "cpu", torch.float32, np.ones_like(hot), 0, "zerocopy", fused=True)
+    store = ExpertStore(src, spec, DEVICE, torch.float32, hot, 0, "zerocopy", fused=True, prefetch=True)
+    ref = ExpertStore(src, spec, DEVICE, torch.float32, np.ones_like(hot), 0, "zerocopy", fused=True)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(1, spec.n_embd, generator=g)
-    ids = torch.tensor([[2, 3, 0, 5, 6, 7, 8, 9][:k]])
-    weights = torch.softmax(torch.randn(1, k, generator=g), -1)
+    x = torch.randn(1, spec.n_embd, generator=g).to(DEVICE)
+    ids = torch.tensor([[2, 3, 0, 5, 6, 7, 8, 9][:k]], device=DEVICE)
+    weights = torch.softmax(torch.randn(1, k, generator=g), -1).to(DEVICE)
     want = ref.moe(il, x, weights, ids)
     store.prefetch(il, x, lambda layer, h: ids)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()  # the guess's copies run on a side stream: finish them before poisoning
     for e in ids[0].tolist():
         if not hot[il, e]:
             store.host_pool[store.host_index[il, e]] = 0  # a read from host memory now gives zeros
