@@ -8,6 +8,7 @@ shape, so a fast wrong kernel cannot pass.
     python bench/kernels_bench.py                    # all kernel types, B = 1, 4, 16, 64
     python bench/kernels_bench.py --qtypes Q4_K Q6_K --batches 1 --dtype float32
     python bench/kernels_bench.py --block-n 0 4 8 16 32   # sweep rows per program (0 = default)
+    python bench/kernels_bench.py --only prefill --moe-tiles 16,32,4 64,64,8   # grouped MoE tiles
 
 Needs only torch and triton (no gguf): blocks are generated and dequantized by
 ``runtime.kernels.reference``. Run from anywhere; the repository root is put on sys.path.
@@ -123,6 +124,45 @@ def bench_moe(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator) -
     return ok
 
 
+def bench_moe_prefill(args: argparse.Namespace, gen: torch.Generator) -> bool:
+    """Prefill-sized MoE (T tokens, top-8 of 256 experts, qwen3.6 shape: Q4_K gate/up, Q6_K down,
+    n_ff 512): the per-pair decode kernels against the grouped kernels (and tile shapes), with
+    the time of a bf16 dense grouped product as a yardstick (per expert, dequantized weights)."""
+    n_embd, n_ff, n_exp, topk = 2048, 512, 256, 8
+    gq, dq = qmv.Q4_K, qmv.Q6_K
+    gate = random_blocks(gq, n_exp * n_ff, n_embd, gen).reshape(n_exp, n_ff, -1)
+    up = random_blocks(gq, n_exp * n_ff, n_embd, gen).reshape(n_exp, n_ff, -1)
+    down = random_blocks(dq, n_exp * n_embd, n_ff, gen).reshape(n_exp, n_embd, -1)
+    slots = torch.arange(n_exp, dtype=torch.int32, device="cuda")
+    tiles = [None] + [tuple(int(v) for v in t.split(",")) for t in args.moe_tiles]
+    ok = True
+    for T in args.prefill_tokens:
+        x = torch.randn(T, n_embd, device="cuda", generator=gen).to(torch.bfloat16)
+        ids = torch.topk(torch.rand(T, n_exp, device="cuda", generator=gen), topk, dim=-1).indices
+        wts = torch.softmax(torch.randn(T, topk, device="cuda", generator=gen), dim=-1)
+        ref = torch.zeros(T, n_embd, device="cuda")
+        for e in torch.unique(ids).tolist():  # fp32 reference on the dequantized weights
+            rows, j = torch.nonzero(ids == e, as_tuple=True)
+            xe = x[rows].float()
+            g = xe @ dequantize_rows(gate[e], gq, n_embd).T
+            u = xe @ dequantize_rows(up[e], gq, n_embd).T
+            ref.index_add_(0, rows, wts[rows, j, None] * ((torch.nn.functional.silu(g) * u) @ dequantize_rows(down[e], dq, n_ff).T))
+        cases = [("per-pair", False, None)] + [("grouped", True, t) for t in tiles]
+        for name, grouped, t in cases:
+            run = lambda: moe_experts(x, ids, wts, slots, gate, up, down, gq, gq, dq, n_ff,  # noqa: E731
+                                      grouped=grouped, tiles=t)
+            if not grouped and T > 512:
+                continue  # minutes per call
+            ms = median_ms(run)
+            err = rel_l2(run(), ref)
+            good = err < 2e-2
+            ok &= good
+            tile = "auto" if t is None else "x".join(map(str, t))
+            print(f"moe prefill T={T:5d} {name:8} tiles={tile:9}: {ms * 1e3:9.1f} us  {T / ms * 1e3:9.0f} tok/s/layer"
+                  f"  rel-L2 {err:.2e}{'' if good else '  FAIL'}")
+    return ok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--qtypes", nargs="+", default=list(QTYPES), choices=list(QTYPES))
@@ -132,6 +172,9 @@ def main() -> None:
     ap.add_argument("--moe-tokens", nargs="+", type=int, default=[1, 4])
     ap.add_argument("--block-n", nargs="+", type=int, default=[0], help="rows per program to try; 0 = default")
     ap.add_argument("--warps", nargs="+", type=int, default=[0], help="warps per MoE program to try; 0 = default")
+    ap.add_argument("--prefill-tokens", nargs="+", type=int, default=[16, 128, 512, 2048])
+    ap.add_argument("--moe-tiles", nargs="*", default=[], help="grouped tiles to try, as BLOCK_M,BLOCK_N,WARPS")
+    ap.add_argument("--only", choices=["qmatvec", "moe", "prefill"], nargs="+", default=["qmatvec", "moe", "prefill"])
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernels_bench needs a CUDA device")
@@ -139,8 +182,13 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_gbs = copy_bandwidth_gbs()
     print(f"{torch.cuda.get_device_name()}: device copy {copy_gbs:.0f} GB/s (read + write)")
-    ok = bench_qmatvec(args, copy_gbs, gen)
-    ok &= bench_moe(args, copy_gbs, gen)
+    ok = True
+    if "qmatvec" in args.only:
+        ok &= bench_qmatvec(args, copy_gbs, gen)
+    if "moe" in args.only:
+        ok &= bench_moe(args, copy_gbs, gen)
+    if "prefill" in args.only:
+        ok &= bench_moe_prefill(args, gen)
     sys.exit(0 if ok else 1)
 
 

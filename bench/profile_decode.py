@@ -1,9 +1,10 @@
 """Where a decode step's time goes: torch.profiler over a few greedy steps (CUDA).
 
-    python bench/profile_decode.py M.gguf [--hot-fraction 1.0] [--steps 8] [--prompt 64]
+    python bench/profile_decode.py M.gguf [--hot-fraction 1.0] [--steps 8] [--prompt 64] [--prefill 512]
 
 Prints wall time per token, kernel launches per token, and the top operators by host time and
-by device time, so launch overhead and slow kernels can be told apart.
+by device time, so launch overhead and slow kernels can be told apart; then the same device-time
+table for one prefill of ``--prefill`` tokens.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--prefill", type=int, default=512, help="prompt length of the profiled prefill")
     args = ap.parse_args()
     t0 = time.perf_counter()
     model = load_model(args.model, device="cuda", dtype=torch.bfloat16,
@@ -60,10 +62,21 @@ def main() -> None:
     print(f"kernel launches per token: {launches / args.steps:.0f}")
     print(ka.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
     print(ka.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60))
-    t0 = time.perf_counter()
+    n = args.prefill
     session.reset()
-    session.feed(list(range(200, 456)))
-    print(f"prefill 256 tokens (warm): {time.perf_counter() - t0:.2f} s", flush=True)
+    session.feed(list(range(200, 200 + n)))  # warm (compiles the prefill kernels)
+    session.reset()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    session.feed(list(range(300, 300 + n)))
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    print(f"prefill {n} tokens (warm): {dt:.3f} s ({n / dt:.0f} tok/s)", flush=True)
+    session.reset()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        session.feed(list(range(300, 300 + n)))
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,13 @@ Three launches:
    unlike atomics; the scratch is only T*k*n_embd*4 bytes).
 
 The first two reuse the per-family unpacking of ``qmatvec`` (one compiled variant per quant type).
+
+Prefill (many tokens) takes a grouped variant of launches 1 and 2: the (token, choice) pairs are
+sorted by expert into blocks of ``BLOCK_M`` rows of one expert (padded; built on the device with
+no host sync), and each program multiplies one block's activations by a tile of that expert's
+weights with ``tl.dot``, unpacking the quant blocks once per tile instead of once per pair. The
+per-pair kernels above unpack an expert's weights for every token routed to it: at 512 tokens
+that is ~16 unpacks of every expert per layer, and the unpacking, not the bytes, is the cost.
 """
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels.qmatvec import SUPPORTED_QTYPES, _output, _row_dot, row_bytes_of, rows_per_program
+from runtime.kernels.qmatvec import SUPPORTED_QTYPES, _output, _row_dot, _unpack, row_bytes_of, rows_per_program
 
 
 @triton.jit
@@ -105,6 +112,119 @@ def _sum_topk_kernel(part_ptr, y_ptr, TOPK, N_EMBD, stride_y, BLOCK: tl.constexp
     tl.store(y_ptr + t * stride_y + n, acc, mask=n < N_EMBD)
 
 
+@triton.jit
+def _tile_dot(QTYPE: tl.constexpr, w_rows, rmask, a_rows, amask, c, K, acc,
+              DOT_FP32: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``acc [BM, BN] += A[:, chunk c] @ W[:, chunk c]^T`` for one 256-element chunk of K: the
+    weight tile is unpacked once in registers and fed to ``tl.dot`` (bf16 operands, fp32
+    accumulation; fp32 ``ieee`` when the activations are fp32, as on the CPU interpreter)."""
+    q, scale, offset = _unpack(QTYPE, w_rows, c, K, rmask)
+    w = tl.reshape(q * scale - offset, [BLOCK_N, 256])
+    k = c * 256 + tl.arange(0, 256)
+    a = tl.load(a_rows + k[None, :], mask=amask & (k[None, :] < K), other=0.0)
+    if DOT_FP32:
+        acc += tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
+    else:
+        acc += tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+    return acc
+
+
+@triton.jit
+def _grouped_gate_up_kernel(x_ptr, pairs_ptr, block_expert_ptr, slot_ptr, gate_ptr, up_ptr, gate_h_ptr, up_h_ptr,
+                            h_ptr, TOPK, N_EXPERT, N_FF, K, gate_slot_bytes, up_slot_bytes, up_row0,
+                            gate_row_bytes, up_row_bytes, stride_x,
+                            GATE_QTYPE: tl.constexpr, UP_QTYPE: tl.constexpr, HAS_HOST: tl.constexpr,
+                            DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One block of ``BLOCK_M`` pairs routed to one expert x ``BLOCK_N`` rows of its gate and up."""
+    blk = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + blk)
+    if expert < N_EXPERT:  # blocks past the last expert's are padding of the worst-case grid
+        slot = tl.load(slot_ptr + expert).to(tl.int64)
+        m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pairs_ptr + m)  # -1: padding row
+        amask = pair[:, None] >= 0
+        a_rows = x_ptr + (tl.maximum(pair, 0) // TOPK).to(tl.int64)[:, None] * stride_x
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n3 = n[:, None, None]
+        rmask = n3 < tl.where((slot >= 0) | HAS_HOST, N_FF, 0)
+        g_rows = _slot_base(slot, gate_ptr, gate_h_ptr, gate_slot_bytes, HAS_HOST) + n3.to(tl.int64) * gate_row_bytes
+        u_rows = _slot_base(slot, up_ptr, up_h_ptr, up_slot_bytes, HAS_HOST) + (n3 + up_row0).to(tl.int64) * up_row_bytes
+        g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for c in range(0, tl.cdiv(K, 256)):
+            g = _tile_dot(GATE_QTYPE, g_rows, rmask, a_rows, amask, c, K, g, DOT_FP32, BLOCK_N)
+            u = _tile_dot(UP_QTYPE, u_rows, rmask, a_rows, amask, c, K, u, DOT_FP32, BLOCK_N)
+        h = g / (1.0 + tl.exp(-g)) * u
+        tl.store(h_ptr + pair.to(tl.int64)[:, None] * N_FF + n[None, :], h, mask=amask & (n[None, :] < N_FF))
+
+
+@triton.jit
+def _grouped_down_kernel(h_ptr, pairs_ptr, block_expert_ptr, wts_ptr, slot_ptr, down_ptr, down_h_ptr, part_ptr,
+                         N_EXPERT, N_EMBD, N_FF, down_slot_bytes, down_row_bytes,
+                         DOWN_QTYPE: tl.constexpr, HAS_HOST: tl.constexpr, DOT_FP32: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One block of pairs x ``BLOCK_N`` rows of the expert's down, times each pair's weight."""
+    blk = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + blk)
+    if expert < N_EXPERT:
+        slot = tl.load(slot_ptr + expert).to(tl.int64)
+        m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pairs_ptr + m)
+        amask = pair[:, None] >= 0
+        pair64 = tl.maximum(pair, 0).to(tl.int64)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n3 = n[:, None, None]
+        rmask = n3 < tl.where((slot >= 0) | HAS_HOST, N_EMBD, 0)
+        rows = _slot_base(slot, down_ptr, down_h_ptr, down_slot_bytes, HAS_HOST) + n3.to(tl.int64) * down_row_bytes
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for c in range(0, tl.cdiv(N_FF, 256)):
+            acc = _tile_dot(DOWN_QTYPE, rows, rmask, h_ptr + pair64[:, None] * N_FF, amask, c, N_FF, acc,
+                            DOT_FP32, BLOCK_N)
+        weight = tl.load(wts_ptr + pair64, mask=pair >= 0, other=0.0).to(tl.float32)
+        tl.store(part_ptr + pair64[:, None] * N_EMBD + n[None, :], acc * weight[:, None],
+                 mask=amask & (n[None, :] < N_EMBD))
+
+
+def group_pairs(ids: torch.Tensor, n_expert: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the (token, choice) pairs of ``ids [T, k]`` by expert into blocks of ``block_m`` rows.
+
+    Returns ``pairs`` (int32, ``n_blocks * block_m``: flat pair index ``t * k + j`` or -1 for
+    padding), ``block_expert`` (int64 ``[n_blocks]``: the block's expert, ``n_expert`` for unused
+    blocks) and the routing counts per expert (int64 ``[n_expert]``). ``n_blocks`` is the worst
+    case ``ceil(P / block_m) + min(n_expert, P)`` so that nothing here waits for the device (no
+    ``bincount``/``nonzero``, whose output sizes need a host sync)."""
+    flat = ids.reshape(-1).long()
+    P = flat.numel()
+    counts = torch.zeros(n_expert, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)  # by expert, then by pair: a fixed order
+    e_sorted = flat[order]
+    dest = (pad_end - padded)[e_sorted] + torch.arange(P, device=ids.device) - start[e_sorted]
+    n_blocks = triton.cdiv(P, block_m) + min(n_expert, P)
+    pairs = torch.full((n_blocks * block_m,), -1, dtype=torch.int32, device=ids.device)
+    pairs[dest] = order.to(torch.int32)
+    first_row = torch.arange(n_blocks, device=ids.device) * block_m
+    block_expert = torch.searchsorted(pad_end, first_row, right=True)
+    return pairs, block_expert, counts
+
+
+def _grouped_tiles(pairs_per_expert: float) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps) of the grouped kernels, by the average pairs per expert (padding
+    rows cost a weight-tile unpack too). Measured on the H100 at the qwen3.6 shape, 256 experts
+    top-8 (``bench/kernels_bench.py --only prefill --moe-tiles ...``, us per layer):
+    T=16: 16x64x4 517, 16x32x4 671, 32x32x4 621; T=512: 32x32x4 1512, 32x64x4 1647, 16x64x4 1776,
+    64x64x8 2120; T=2048: 64x64x8 3125, 64x64x4 3648, 32x32x4 3584; T=4096: 64x64x8 5273,
+    64x64x4 6148, 32x32x4 6571."""
+    if pairs_per_expert < 4:
+        return 16, 64, 4
+    return (32, 32, 4) if pairs_per_expert < 32 else (64, 64, 8)
+
+
+GROUPED_MIN_PAIRS = 64  # (token, choice) pairs from which the grouped (prefill) kernels run
+
+
 def _launch(pairs: int) -> tuple[int, int]:
     """(rows, warps) per program. Few (token, expert) pairs (decode) want many small programs to
     keep enough loads in flight: on the H100, one token top-8 at the qwen3.6 shape ran in 40 us
@@ -133,7 +253,8 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                 n_ff: int, validate: bool = False, out: torch.Tensor | None = None,
                 block_n: int | None = None,
                 host: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None,
-                counts: torch.Tensor | None = None, num_warps: int | None = None) -> torch.Tensor:
+                counts: torch.Tensor | None = None, num_warps: int | None = None,
+                grouped: bool | None = None, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Routed-expert output ``sum_j w[t,j] * down_e(silu(gate_e x_t) * up_e x_t)`` -> [T, n_embd] fp32.
 
     x: [T, n_embd] (f32/f16/bf16); topk_ids/topk_weights: [T, k]; slot_table: int32 [n_expert]
@@ -146,6 +267,10 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     (token, choice) routed to each expert (integer atomics: exact in any order). ``validate=True`` checks residency on the host (a
     device sync: for tests and debugging, not the decode loop). ``block_n`` (a power of two)
     overrides the rows per program and ``num_warps`` the warps per program, for tuning.
+    ``grouped``: the prefill kernels (pairs sorted by expert, ``tl.dot`` tiles); by default used
+    from ``GROUPED_MIN_PAIRS`` pairs up. ``tiles`` = (BLOCK_M, BLOCK_N, warps) overrides their
+    tile shape, for tuning. Both paths are exact up to fp32 round-off except that the grouped
+    one multiplies in bf16 when ``x`` is half precision (as cuBLAS does for the dense layers).
     """
     T_, n_embd = x.shape
     topk = topk_ids.shape[1]
@@ -184,17 +309,37 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if T_ == 0 or topk == 0:
         return y.zero_()
     h = torch.empty((T_ * topk, n_ff), dtype=torch.float32, device=x.device)
+    part = torch.empty((T_ * topk, n_embd), dtype=torch.float32, device=x.device)
+    has_host = host is not None
+    if grouped if grouped is not None else T_ * topk >= GROUPED_MIN_PAIRS:
+        n_expert = slot_table.numel()
+        bm, bn, warps = tiles or _grouped_tiles(T_ * topk / n_expert)
+        bn = max(16, bn)  # tl.dot needs 16 or more
+        pairs, block_expert, routed = group_pairs(topk_ids, n_expert, bm)
+        if counts is not None:
+            counts += routed.to(torch.int32)
+        fp32 = x.dtype == torch.float32
+        _grouped_gate_up_kernel[(block_expert.numel(), triton.cdiv(n_ff, bn))](
+            x, pairs, block_expert, slot_table, gate_raw, up_raw, gate_h, up_h, h,
+            topk, n_expert, n_ff, n_embd, gate_raw.stride(0), up_raw.stride(0), up_row0,
+            gate_raw.shape[2], up_raw.shape[2], x.stride(0),
+            GATE_QTYPE=int(gate_qtype), UP_QTYPE=int(up_qtype), HAS_HOST=has_host, DOT_FP32=fp32,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+        _grouped_down_kernel[(block_expert.numel(), triton.cdiv(n_embd, bn))](
+            h, pairs, block_expert, topk_weights, slot_table, down_raw, down_h, part,
+            n_expert, n_embd, n_ff, down_raw.stride(0), down_raw.shape[2],
+            DOWN_QTYPE=int(down_qtype), HAS_HOST=has_host, DOT_FP32=fp32, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+        _sum_topk_kernel[(T_, triton.cdiv(n_embd, 1024))](part, y, topk, n_embd, y.stride(0), BLOCK=1024, num_warps=4)
+        return y
     rows, warps = _launch(T_ * topk)
     bn = block_n or rows_per_program(x.device, rows)
     num_warps = num_warps or warps
-    has_host = host is not None
     _gate_up_kernel[(T_ * topk, triton.cdiv(n_ff, bn))](
         x, topk_ids, slot_table, gate_raw, up_raw, gate_h, up_h, h, counts if counts is not None else slot_table,
         topk, n_ff, n_embd, gate_raw.stride(0), up_raw.stride(0), up_row0,
         gate_raw.shape[2], up_raw.shape[2], x.stride(0), topk_ids.stride(0),
         GATE_QTYPE=int(gate_qtype), UP_QTYPE=int(up_qtype), HAS_HOST=has_host, HAS_COUNT=counts is not None,
         BLOCK_N=bn, num_warps=num_warps)
-    part = torch.empty((T_ * topk, n_embd), dtype=torch.float32, device=x.device)
     _down_kernel[(T_ * topk, triton.cdiv(n_embd, bn))](
         h, topk_ids, topk_weights, slot_table, down_raw, down_h, part,
         topk, n_embd, n_ff, down_raw.stride(0), down_raw.shape[2], topk_ids.stride(0),
