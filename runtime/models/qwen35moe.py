@@ -48,28 +48,43 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     Within a chunk with start state S0 and cumulative log-decay G, the recurrent updates
     u_t = beta_t (v_t - S'_t k_t) form a unit lower-triangular system
     (I + A) U = beta (V - e^G (K S0)),  A[t,s] = beta_t e^(G_t - G_s) k_t.k_s  (s < t),
-    after which O = e^G (Q S0) + tril(Q K^T e^(G_t - G_s)) U and the end state is
-    e^(G_last) S0 + K^T (e^(G_last - G) U). Shapes as in ``gated_delta_rule``.
+    so U = U0 - W S0 with U0 = (I + A)^-1 beta V and W = (I + A)^-1 beta e^G K, neither of which
+    depends on the state: they (and the masked Q K^T) are computed for all chunks at once, and
+    only the state is carried chunk to chunk: O = e^G (Q S0) + tril(Q K^T e^(G_t - G_s)) U, end
+    state e^(G_last) S0 + K^T (e^(G_last - G) U). Shapes as in ``gated_delta_rule``; the input
+    is padded to whole chunks with tokens that change nothing (k = v = beta = g = 0).
     """
-    T, H, _ = q.shape
-    out = torch.empty_like(v)
-    for c0 in range(0, T, chunk):
-        sl = slice(c0, min(c0 + chunk, T))
-        qc, kc, vc = (t[sl].transpose(0, 1) for t in (q, k, v))  # [H, C, d]
-        bc = beta[sl].transpose(0, 1)[..., None]  # [H, C, 1]
-        G = g[sl].transpose(0, 1).cumsum(-1)  # [H, C]
-        C = G.shape[-1]
-        diff = G[:, :, None] - G[:, None, :]  # G_t - G_s
-        causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-        decay = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()  # 0 above diagonal
-        A = (bc * decay * (kc @ kc.transpose(-1, -2))).tril(-1)
-        eye = torch.eye(C, dtype=q.dtype, device=q.device).expand(H, C, C)
-        rhs = bc * (vc - G.exp()[..., None] * (kc @ state))
-        U = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
-        out[sl] = (G.exp()[..., None] * (qc @ state) + ((qc @ kc.transpose(-1, -2)) * decay) @ U).transpose(0, 1)
-        last = G[:, -1:]
-        state = last.exp()[..., None] * state + kc.transpose(-1, -2) @ ((last - G).exp()[..., None] * U)
-    return out, state
+    T, H, dk = q.shape
+    n = -(-T // chunk)
+    pad = n * chunk - T
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [H, n, chunk, ...]
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, 0, 0, pad))
+        return t.reshape(n, chunk, H, *t.shape[2:]).transpose(0, 2).transpose(1, 2)
+
+    qc, kc, vc = chunks(q), chunks(k), chunks(v)
+    bc = chunks(beta)[..., None]  # [H, n, C, 1]
+    G = chunks(g).cumsum(-1)  # [H, n, C]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = torch.where(causal, G[..., :, None] - G[..., None, :], float("-inf")).exp()  # 0 above diagonal
+    A = (bc * decay * (kc @ kc.transpose(-1, -2))).tril(-1)
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    eG = G.exp()[..., None]
+    UW = torch.linalg.solve_triangular(eye + A, torch.cat((bc * vc, bc * eG * kc), -1), upper=False,
+                                       unitriangular=True)
+    U0, W = UW[..., :vc.shape[-1]], UW[..., vc.shape[-1]:]
+    WQ = torch.cat((W, qc), -2)  # one product with the state gives W S0 and Q S0
+    QK = (qc @ kc.transpose(-1, -2)) * decay
+    last = G[..., -1:]  # [H, n, 1]
+    kdec_t = (kc * (last - G).exp()[..., None]).transpose(-1, -2)  # [H, n, dk, C]
+    keep = last.exp()[..., None]  # [H, n, 1, 1]
+    out = torch.empty_like(vc)
+    for i in range(n):
+        P = WQ[:, i] @ state  # [H, 2C, dv]
+        U = U0[:, i] - P[:, :chunk]
+        out[:, i] = torch.baddbmm(eG[:, i] * P[:, chunk:], QK[:, i], U)
+        state = torch.baddbmm(keep[:, i] * state, kdec_t[:, i], U)
+    return out.transpose(1, 2).transpose(0, 2).reshape(n * chunk, H, -1)[:T], state
 
 
 class Qwen35MoE(MoEModel):
