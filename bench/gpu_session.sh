@@ -3,12 +3,17 @@
 # Q4_K_M GGUF (~20 GB), split it into a pack, verify, join back (byte-compared), and measure zstd
 # on a layer-cut copy; then run the forward and dequant tests on CUDA.
 #   usage (repo root, on the GPU machine, wheels from .whl/ carried): bash bench/gpu_session.sh [steps]
-# steps: any of synth split compress tests kernels calib store decode llama (default: synth split compress tests)
+# steps: any of synth split compress tests kernels calib store decode llama side presets (default: synth split compress tests)
 # calib replays BENCH_CORPUS (default: corpora/) through the synthetic model on CUDA.
 # store: the expert store at partial residency (bench/store_bench.py) on a --skew reference model,
 #   calibrated on .device/corpus/bench_agent.jsonl, measured on .device/corpus/mt_bench_questions.jsonl.
 # decode: all-GPU decode (CUDA graph vs eager) and prefill speed (bench/decode_bench.py).
 # llama: llama.cpp's llama-bench on the same model (bench/llama_bench.sh; .device/llama.cpp carried).
+# side: issue 7's side-by-side in one call: llama.cpp builds (niced, in the background) while the
+#   model is written and decode_bench runs; then llama-bench on the same file and
+#   bench/compare_llama.py's table (ours / llama.cpp). ~9 of the 10 minutes a call may run.
+# presets: side-by-side on the laguna-xs2 and qwen3-30b-a3b shapes (llama-bench built already,
+#   e.g. LLAMA_BUILD inside the repo on a machine still warm from a `side` call; skipped otherwise).
 set -euo pipefail
 steps="${*:-synth split compress tests}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -57,6 +62,29 @@ for step in $steps; do
     llama)
       [ -f "$model" ] || python3 -m repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 16 --skew reference -o "$model" >/dev/null
       bash bench/llama_bench.sh "$model" ;;
+    side)
+      echo "== side by side with llama.cpp (build in the background)"
+      nice -n 19 bash bench/llama_bench.sh --build-only > "$work/llama_build.log" 2>&1 &
+      build=$!
+      [ -f "$model" ] || python3 -m repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 8 --skew reference -o "$model" >/dev/null
+      python3 bench/decode_bench.py "$model" --json "${OUT:-$work}/decode_bench.json"
+      wait "$build" || { tail -20 "$work/llama_build.log"; exit 1; }
+      tail -1 "$work/llama_build.log"
+      bash bench/llama_bench.sh --no-build "$model"
+      python3 bench/compare_llama.py "${OUT:-$work}/decode_bench.json" "${OUT:-/tmp}/llama_bench_$(basename "$model" .gguf).json" \
+        --md "${OUT:-$work}/side_by_side.md" || true ;;
+    presets)
+      for preset in qwen3moe:qwen3-30b-a3b laguna:laguna-xs2; do
+        arch="${preset%%:*}" name="${preset#*:}" m="$work/$name-q4km.gguf"
+        echo "== $name"
+        [ -f "$m" ] || python3 -m repack.cli synth --arch "$arch" --preset "$name" --quant Q4_K_M -j 16 --skew reference -o "$m" >/dev/null
+        python3 bench/decode_bench.py "$m" --depths 128 4096 --prefill 512 --json "${OUT:-$work}/decode_bench_$name.json"
+        if [ -x "${LLAMA_BUILD:-/tmp/llama-build}/bin/llama-bench" ]; then
+          LLAMA_DEPTHS=0,128,4096 bash bench/llama_bench.sh --no-build "$m"
+          python3 bench/compare_llama.py "${OUT:-$work}/decode_bench_$name.json" "${OUT:-/tmp}/llama_bench_$name-q4km.json" || true
+        fi
+        rm -f "$m"
+      done ;;
     kernels)
       echo "== kernels"
       python3 bench/kernels_bench.py ;;

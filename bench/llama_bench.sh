@@ -7,8 +7,9 @@
 #   bash bench/llama_bench.sh [--no-build] M.gguf ...  # build unless the binary exists, then bench
 # Builds only the llama-bench target, sm_90, into $LLAMA_BUILD (default /tmp/llama-build); needs
 # cmake >= 3.18, gcc and a CUDA toolkit with nvcc + cuBLAS (CUDA_HOME or /usr/local/cuda).
-# Per model: pp512/pp4096 and tg128 at KV depths 0/1024/4096 (this llama-bench has -d/--n-depth),
-# flash attention on, 3 repetitions; markdown on stdout, json in $OUT/llama_bench_<model>.json.
+# Per model: pp512/pp4096 and tg128 at KV depths 0/128/1024/4096 (this llama-bench has -d/--n-depth;
+# LLAMA_DEPTHS overrides; 128/1024/4096 are decode_bench.py's depths, bench/compare_llama.py pairs
+# them), flash attention on, 3 repetitions; markdown on stdout, json in $OUT/llama_bench_<model>.json.
 # Extra llama-bench flags: LLAMA_BENCH_ARGS (e.g. "-ub 2048" or "-ncmoe 20"); values of a flag given
 # above (-p -n -d ...) are added to the list, not replaced.
 set -euo pipefail
@@ -42,7 +43,7 @@ for model in "$@"; do
   json="${OUT:-/tmp}/llama_bench_$(basename "$model" .gguf).json"
   echo "== llama-bench $model"
   # json (pure) on stdout goes to the file; the markdown table (-oe md) and any logs on stderr to our stdout
-  "$bin" -m "$model" -ngl 99 -fa 1 -p 512,4096 -n 128 -d 0,1024,4096 -r 3 ${LLAMA_BENCH_ARGS:-} \
+  "$bin" -m "$model" -ngl 99 -fa 1 -p 512,4096 -n 128 -d "${LLAMA_DEPTHS:-0,128,1024,4096}" -r 3 ${LLAMA_BENCH_ARGS:-} \
     -o json -oe md 2>&1 >"$json" || echo "llama-bench FAILED on $model (rc $?)"
   echo "json: $json"
 done
