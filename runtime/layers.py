@@ -160,8 +160,26 @@ def attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: 
         k, v = cache.append(k_new, v_new, pos0)  # [Hkv, S, d], the whole buffers
     else:
         k, v = k_new.transpose(0, 1), v_new.transpose(0, 1)
-    Hkv, S, _ = k.shape
+    S = k.shape[1]
     kpos = torch.arange(S, device=q.device)[None, :] if cache is not None else qpos.reshape(1, T)
+    # The scores of a long prefill chunk over a long cache would be a large transient (512 queries
+    # x 32k keys x 16 heads is 1 GiB in fp32, twice over with the softmax): queries go in pieces
+    # holding at most ATTN_SCORES_MAX scores. Each query row's result does not depend on the others.
+    rows = max(1, ATTN_SCORES_MAX // (H * S))
+    if T <= rows:
+        return _attend(q, k, v, qpos, kpos, window)
+    return torch.cat([_attend(q[i:i + rows], k, v, qpos[i:i + rows], kpos, window) for i in range(0, T, rows)])
+
+
+ATTN_SCORES_MAX = 1 << 25  # attention scores held at once (128 MiB in fp32)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,
+            window: int) -> torch.Tensor:
+    """``attention`` for queries ``q [T, H, d]`` at positions ``qpos [T, 1]`` over keys/values
+    ``[Hkv, S, d]`` at ``kpos [1, S]``."""
+    T, H, d = q.shape
+    Hkv, S, _ = k.shape
     rep = H // Hkv
     # The query heads sharing a kv head become rows of one matrix: two batched GEMMs over the kv
     # heads, keys and values read in place (a broadcast batch axis would make matmul copy them).

@@ -301,3 +301,28 @@ def test_projections_use_the_stacks_built_at_load(arch, tiny_hf_gguf):
     assert stacks == {"+".join(g) for g in model.stack_groups()} and stacks
     model.forward(token_ids(model.spec.n_vocab)[:6])
     assert {k for k in model.w._cache if "+" in k} == stacks
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_attention_in_query_pieces_equals_one_pass(monkeypatch, window):
+    """A long chunk over a long cache attends in query pieces (bounded score memory); every
+    query row gets what one pass gives, with a cache already holding earlier positions."""
+    from runtime import layers
+    from runtime.cache import KVCache
+
+    g = torch.Generator().manual_seed(3)
+    T, H, Hkv, d, past = 13, 4, 2, 8, 6
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    q, k, v = randn(T, H, d), randn(T, Hkv, d), randn(T, Hkv, d)
+    k0, v0 = randn(past, Hkv, d), randn(past, Hkv, d)
+    outs = []
+    for limit in (layers.ATTN_SCORES_MAX, H * 32 * 3):  # one pass; pieces of 3 queries (capacity 32)
+        monkeypatch.setattr(layers, "ATTN_SCORES_MAX", limit)
+        cache = KVCache(32)
+        layers.attention(randn(past, H, d), k0, v0, cache, 0, window)  # earlier turn
+        outs.append(layers.attention(q, k, v, cache, past, window))
+    assert torch.allclose(outs[0], outs[1], rtol=0, atol=1e-12)
+    assert cache.k.shape[1] == 32  # the pieces saw the whole buffer (rows = limit // (H * 32) = 3)
