@@ -59,6 +59,7 @@ from formats.archs import ModelSpec
 from formats.errors import SparkpackError
 from formats.experts import ROLE_ORDER, expert_slices
 from formats.gguf_file import GGUFModel
+from formats.quants import quant_name
 
 from .experts import routed_sum
 from .layers import swiglu
@@ -221,6 +222,12 @@ class ExpertStore:
             self.layers[il] = _Layer(parts, sum(p.nbytes for p in parts) if parts else 0,
                                      ok and (fused if fused is not None else on_cuda))
         self.fused_all = all(la.fused for la in self.layers.values())  # every layer on the fused kernel
+        if fused if fused is not None else on_cuda:
+            slow = sorted({quant_name(int(p.qtype)) for la in self.layers.values() if not la.fused for p in la.parts
+                           if int(p.qtype) not in _fused_qtypes()})
+            if slow:
+                self.warn(f"{_name(source.path)}: experts in {', '.join(slow)} have no Triton kernel; their layers "
+                          f"dequantize each expert on use (slower, and decode steps are not captured in CUDA graphs)")
         self.layer_nbytes = np.zeros(spec.n_layer, dtype=np.int64)  # one expert's bytes per layer
         for il, la in self.layers.items():
             self.layer_nbytes[il] = la.nbytes

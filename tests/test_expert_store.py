@@ -387,3 +387,26 @@ def test_moe_reads_guessed_experts_from_the_prefetch_slots(model_path):
             store.host_pool[store.host_index[il, e]] = 0  # a read from host memory now gives zeros
     assert torch.equal(store.moe(il, x, weights, ids), want)
     assert not torch.equal(store.moe(il, x, weights, ids), want)  # no guess pending: host bytes read
+
+
+def test_experts_without_a_kernel_are_named_once(synth_model, model_path):
+    """Expert quant types the Triton kernels do not read (here F16) fall back to dequantizing on
+    use, and the store says so in one line naming the file and the types; a Q4_K_M file, or a
+    store not asked for the kernels, says nothing."""
+    from formats.archs import model_spec
+    from formats.gguf_file import GGUFModel
+
+    def warnings_of(path: Path, fused: bool) -> list[str]:
+        gguf = GGUFModel(path)
+        spec = model_spec(gguf)
+        hot = np.ones((spec.n_layer, spec.n_expert), dtype=bool)
+        said: list[str] = []
+        store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot, 0, "auto", fused=fused,
+                            warn=said.append)
+        assert store.fused_all == (fused and path == model_path)
+        return said
+
+    f16 = synth_model("qwen35moe", "F16")
+    said = warnings_of(f16, True)
+    assert len(said) == 1 and f16.name in said[0] and "F16" in said[0] and "dequantize" in said[0]
+    assert warnings_of(f16, False) == [] and warnings_of(model_path, True) == []
