@@ -3,9 +3,8 @@
     python bench/compare_llama.py decode_bench.json llama_bench_M.json [--md table.md]
 
 Inputs: the JSON ``bench/decode_bench.py`` writes and the JSON ``llama-bench -o json`` writes
-(``bench/llama_bench.sh``). Rows pair our decode at KV depth d with llama.cpp's tg at depth d
-(or the nearest depth it ran, named in the row), and our prefill of n tokens with its pp n at
-depth 0. Prints a markdown table with the ratio ours / llama.cpp; exits 1 when a row of ours has
+(``bench/llama_bench.sh``). Rows pair our decode at KV depth d with llama.cpp's tg at the same
+depth d, and our prefill of n tokens with its pp n at depth 0. Prints a markdown table with the ratio ours / llama.cpp; exits 1 when a row of ours has
 no llama.cpp counterpart, so a mismatched pair of runs is not silently half-compared.
 """
 from __future__ import annotations
@@ -34,9 +33,9 @@ def compare(ours: dict, llama: list[dict]) -> list[dict]:
     rows = []
     for d in ours.get("decode", []):
         depth = int(d["depth"])
-        tg = {k: v for k, v in rates.items() if k[0] == "tg"}
-        key = min(tg, key=lambda k: (abs(k[2] - depth), -k[1]), default=None)
-        rows.append(_row(f"decode at depth {depth}", d["graph_tok_s"], key, tg.get(key)))
+        tg = [k for k in rates if k[0] == "tg" and k[2] == depth]
+        key = max(tg, key=lambda k: k[1], default=None)  # the longest tg run at this depth
+        rows.append(_row(f"decode at depth {depth}", d["graph_tok_s"], key, rates.get(key)))
     for p in ours.get("prefill", []):
         n = int(p["tokens"])
         key = ("pp", n, 0)

@@ -51,7 +51,9 @@ def decode(model, depth: int, n: int, graphs: bool, ctx: int) -> tuple[float, li
 
 def prefill(model, n: int, ctx: int) -> float:
     session = Session(model, ctx=ctx, graphs=False)
-    session.feed(prompt(64, model.spec.n_vocab))  # warm-up
+    # warm-up with a full chunk: the MoE kernels' tile shape (and so what Triton compiles) depends
+    # on the tokens per chunk
+    session.feed(prompt(min(n, session.prefill_chunk), model.spec.n_vocab))
     session.reset()
     ids = prompt(n, model.spec.n_vocab)
     torch.cuda.synchronize()

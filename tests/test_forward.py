@@ -326,3 +326,9 @@ def test_attention_in_query_pieces_equals_one_pass(monkeypatch, window):
         outs.append(layers.attention(q, k, v, cache, past, window))
     assert torch.allclose(outs[0], outs[1], rtol=0, atol=1e-12)
     assert cache.k.shape[1] == 32  # the pieces saw the whole buffer (rows = limit // (H * 32) = 3)
+    # without a cache (a fresh full forward) the keys are the new tokens themselves
+    fresh = []
+    for limit in (layers.ATTN_SCORES_MAX, H * T * 2):
+        monkeypatch.setattr(layers, "ATTN_SCORES_MAX", limit)
+        fresh.append(layers.attention(q, k, v, None, 0, window))
+    assert torch.allclose(fresh[0], fresh[1], rtol=0, atol=1e-12)

@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 from gguf.constants import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
-from runtime.kernels.moe import group_pairs, moe_experts  # noqa: E402
+from runtime.kernels.moe import GROUPED_MIN_PAIRS, group_pairs, moe_experts  # noqa: E402
 from runtime.kernels.prefetch import prefetch_experts  # noqa: E402
 from runtime.kernels.qmatvec import BLOCK_LAYOUT, qmatvec  # noqa: E402
 from runtime.kernels.reference import dequantize_rows, random_blocks  # noqa: E402
@@ -187,6 +187,45 @@ def test_moe_matches_reference_and_ignores_slot_placement(moe_case: dict, groupe
     # Same experts in other slots of a larger pool: bit-identical, residency never changes results.
     moved = run_moe(moe_case, [6, 2, 0, 5, 3], 7, grouped=grouped)
     assert torch.equal(first, moved)
+
+
+def test_moe_switches_to_the_grouped_kernels_from_grouped_min_pairs() -> None:
+    """The default picks the grouped kernels (and their tiles) from GROUPED_MIN_PAIRS pairs up;
+    both give the reference result."""
+    rng = torch.Generator().manual_seed(8)
+    n_exp, topk = 5, 2
+    gate, up = random_weight(T.Q4_K, N_FF, N_EMBD, 31, n_exp), random_weight(T.Q4_K, N_FF, N_EMBD, 32, n_exp)
+    down = random_weight(T.Q8_0, N_EMBD, N_FF, 33, n_exp)
+    slots = list(range(n_exp))
+    for n_tok in (GROUPED_MIN_PAIRS // topk - 1, GROUPED_MIN_PAIRS // topk):
+        x = torch.randn(n_tok, N_EMBD, generator=rng)
+        ids = torch.stack([torch.randperm(n_exp, generator=rng)[:topk] for _ in range(n_tok)])
+        wts = torch.rand(n_tok, topk, generator=rng)
+        args = (x.to(DEVICE), ids.to(DEVICE), wts.to(DEVICE), torch.tensor(slots, dtype=torch.int32, device=DEVICE),
+                pools(gate, slots, n_exp), pools(up, slots, n_exp), pools(down, slots, n_exp), T.Q4_K, T.Q4_K,
+                T.Q8_0, N_FF)
+        y = moe_experts(*args)
+        grouped = n_tok * topk >= GROUPED_MIN_PAIRS
+        assert torch.equal(y, moe_experts(*args, grouped=grouped, block_n=None if grouped else 256))
+        ref = moe_reference(x.double(), ids, wts, dequant64(gate, T.Q4_K, N_EMBD), dequant64(up, T.Q4_K, N_EMBD),
+                            dequant64(down, T.Q8_0, N_FF))
+        assert rel_l2(y, ref) < 1e-5
+    with pytest.raises(ValueError, match="powers of two"):
+        moe_experts(*args, grouped=True, tiles=(8, 32, 4))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="bf16 tl.dot is wrong in Triton's interpreter")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_grouped_moe_half_activations(moe_case: dict, dtype: torch.dtype) -> None:
+    """What prefill runs on the GPU: half-precision activations, bf16 tensor-core products."""
+    c, slots = moe_case, list(range(N_EXPERT))
+    y = moe_experts(c["x"].to(DEVICE, dtype), c["ids"].to(DEVICE), c["wts"].to(DEVICE),
+                    torch.tensor(slots, dtype=torch.int32, device=DEVICE), pools(c["gate"], slots, N_EXPERT),
+                    pools(c["up"], slots, N_EXPERT), pools(c["down"], slots, N_EXPERT), T.Q4_K, T.Q5_K, T.Q6_K,
+                    N_FF, grouped=True)
+    ref = moe_reference(c["x"].to(dtype).double(), c["ids"], c["wts"], dequant64(c["gate"], T.Q4_K, N_EMBD),
+                        dequant64(c["up"], T.Q5_K, N_EMBD), dequant64(c["down"], T.Q6_K, N_FF))
+    assert rel_l2(y, ref) < 1e-2
 
 
 def test_group_pairs_sorts_by_expert_into_padded_blocks() -> None:

@@ -314,11 +314,14 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if grouped if grouped is not None else T_ * topk >= GROUPED_MIN_PAIRS:
         n_expert = slot_table.numel()
         bm, bn, warps = tiles or _grouped_tiles(T_ * topk / n_expert)
-        bn = max(16, bn)  # tl.dot needs 16 or more
+        if min(bm, bn) < 16 or (bm & (bm - 1)) or (bn & (bn - 1)):
+            raise ValueError(f"grouped tiles must be powers of two >= 16 (tl.dot), got {bm}x{bn}")
         pairs, block_expert, routed = group_pairs(topk_ids, n_expert, bm)
         if counts is not None:
             counts += routed.to(torch.int32)
-        fp32 = x.dtype == torch.float32
+        # Triton's interpreter gets bf16 tl.dot wrong (see tests/test_kernels.py): off the GPU the
+        # products run in fp32 whatever the activations' dtype.
+        fp32 = x.dtype == torch.float32 or not x.is_cuda
         _grouped_gate_up_kernel[(block_expert.numel(), triton.cdiv(n_ff, bn))](
             x, pairs, block_expert, slot_table, gate_raw, up_raw, gate_h, up_h, h,
             topk, n_expert, n_ff, n_embd, gate_raw.stride(0), up_raw.stride(0), up_row0,
