@@ -30,7 +30,7 @@ from runtime.kernels.moe import moe_experts  # noqa: E402
 from runtime.kernels.reference import dequantize_rows, random_blocks  # noqa: E402
 
 QTYPES = {"Q4_K": qmv.Q4_K, "Q6_K": qmv.Q6_K, "Q8_0": qmv.Q8_0, "Q5_K": qmv.Q5_K, "Q5_0": qmv.Q5_0,
-          "Q4_0": qmv.Q4_0}
+          "Q4_0": qmv.Q4_0, "IQ4_XS": qmv.IQ4_XS, "MXFP4": qmv.MXFP4}
 # (name, K, N): expert gate/up, expert down, output head (Qwen3.5/3.6 vocabulary)
 SHAPES = [("expert_gate_up", 2048, 512), ("expert_down", 512, 2048), ("output_head", 2048, 248320)]
 

@@ -54,7 +54,7 @@ def run_qmatvec(x: torch.Tensor, raw: np.ndarray, qtype: T, K: int) -> torch.Ten
     return y
 
 
-QTYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_K, T.Q5_0, T.Q4_0]
+QTYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_K, T.Q5_0, T.Q4_0, T.IQ4_XS, T.MXFP4]
 
 
 def test_block_table_matches_gguf() -> None:
@@ -226,6 +226,27 @@ def test_grouped_moe_half_activations(moe_case: dict, dtype: torch.dtype) -> Non
     ref = moe_reference(c["x"].to(dtype).double(), c["ids"], c["wts"], dequant64(c["gate"], T.Q4_K, N_EMBD),
                         dequant64(c["up"], T.Q5_K, N_EMBD), dequant64(c["down"], T.Q6_K, N_FF))
     assert rel_l2(y, ref) < 1e-2
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["per-pair", "grouped"])
+def test_moe_iq4_xs_and_mxfp4_experts(grouped: bool) -> None:
+    """The lookup-table types (IQ4_XS gate/up, MXFP4 down, as in gpt-oss-style files) through both
+    MoE paths."""
+    rng = torch.Generator().manual_seed(9)
+    n_embd, n_ff, n_exp, topk, n_tok = 256, 64, 3, 2, 4
+    x = torch.randn(n_tok, n_embd, generator=rng)
+    ids = torch.stack([torch.randperm(n_exp, generator=rng)[:topk] for _ in range(n_tok)])
+    wts = torch.rand(n_tok, topk, generator=rng)
+    gate, up = random_weight(T.IQ4_XS, n_ff, n_embd, 41, n_exp), random_weight(T.IQ4_XS, n_ff, n_embd, 42, n_exp)
+    down = random_weight(T.MXFP4, n_embd, n_ff, 43, n_exp)
+    ref = moe_reference(x.double(), ids, wts, dequant64(gate, T.IQ4_XS, n_embd), dequant64(up, T.IQ4_XS, n_embd),
+                        dequant64(down, T.MXFP4, n_ff))
+    slots = [2, 0, 1]
+    y = moe_experts(x.to(DEVICE), ids.to(DEVICE), wts.to(DEVICE), torch.tensor(slots, dtype=torch.int32, device=DEVICE),
+                    pools(gate, slots, n_exp), pools(up, slots, n_exp), pools(down, slots, n_exp),
+                    T.IQ4_XS, T.IQ4_XS, T.MXFP4, n_ff, grouped=grouped, block_n=64,
+                    tiles=(16, 64, 4) if grouped and DEVICE == "cpu" else None)
+    assert rel_l2(y, ref) < 1e-5
 
 
 def test_group_pairs_sorts_by_expert_into_padded_blocks() -> None:
@@ -511,4 +532,4 @@ def test_kernels_compile_for_h100() -> None:
            "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-c", "from tests.test_kernels import aot_compile_all; aot_compile_all()"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "compiled 18" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and "compiled 20" in proc.stdout, proc.stderr[-3000:]

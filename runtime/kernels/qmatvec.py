@@ -28,12 +28,13 @@ import triton
 import triton.language as tl
 
 # GGML type ids (gguf.constants.GGMLQuantizationType), repeated here so the GPU machine needs no gguf.
-Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 6, 8, 12, 13, 14
+Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, MXFP4 = 2, 6, 8, 12, 13, 14, 23, 39
 
 # qtype -> (elements per block, bytes per block)
 BLOCK_LAYOUT: dict[int, tuple[int, int]] = {
     Q4_0: (32, 18), Q5_0: (32, 22), Q8_0: (32, 34),
     Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
+    IQ4_XS: (256, 136), MXFP4: (32, 17),
 }
 SUPPORTED_QTYPES = tuple(BLOCK_LAYOUT)
 
@@ -163,6 +164,48 @@ def _unpack_q5_0(row, c, K, rmask):
 
 
 @triton.jit
+def _iq4_nl_value(i):
+    """ggml's ``kvalues_iq4nl[i]`` for codes i in 0..15, from constants instead of a table in
+    memory: the 16 values plus 128 are bytes, 7 to an int64 (so each constant stays positive)."""
+    word = tl.where(i < 7, 29938942475048961, tl.where(i < 14, 55650297557385590, 61913))
+    first = tl.where(i < 7, 0, tl.where(i < 14, 7, 14))
+    return ((word >> ((i - first) * 8)) & 255).to(tl.int32) - 128
+
+
+@triton.jit
+def _unpack_iq4_xs(row, c, K, rmask):
+    # block_iq4_xs (136 B): d f16 @0, scales_h u16 @2, scales_l[4] @4, qs[128] @8; sub-block s of 32:
+    # 6-bit scale = (nibble s%2 of scales_l[s//2]) | (bits 2s..2s+1 of scales_h) << 4, minus 32;
+    # element l = kvalues_iq4nl[nibble l//16 of qs[16*s + l%16]].
+    s = tl.arange(0, 8)[None, :, None]
+    l = tl.arange(0, 32)[None, None, :]
+    base = row + c * 136
+    code = (_u8(base + 8 + s * 16 + l % 16, rmask) >> ((l // 16) * 4)) & 15
+    sh = _u8(base + 2, rmask) | (_u8(base + 3, rmask) << 8)
+    ls = ((_u8(base + 4 + s // 2, rmask) >> ((s % 2) * 4)) & 15) | (((sh >> (2 * s)) & 3) << 4)
+    scale = _f16(base, rmask) * (ls - 32).to(tl.float32)
+    return _iq4_nl_value(code).to(tl.float32), scale, tl.zeros_like(scale)
+
+
+@triton.jit
+def _unpack_mxfp4(row, c, K, rmask):
+    # block_mxfp4 (17 B): e8m0 exponent e @0, qs[16] @1 (nibbles as Q4_0); value = kvalues_mxfp4[code]
+    # (e2m1 doubled: 0 1 2 3 4 6 8 12, bit 3 the sign) * 2^(e - 128), built from its float bits as
+    # ggml_e8m0_to_fp32_half does (e < 2 gives the subnormals 2^-128, 2^-127).
+    s = tl.arange(0, 8)[None, :, None]
+    l = tl.arange(0, 32)[None, None, :]
+    mask = rmask & ((c * 8 + s) * 32 < K)
+    base = row + (c * 8 + s) * 17
+    code = (_u8(base + 1 + l % 16, mask) >> ((l // 16) * 4)) & 15
+    m = code & 7
+    mag = tl.where(m < 5, m, tl.where(m == 5, 6, tl.where(m == 6, 8, 12)))
+    e = _u8(base, mask)
+    bits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    d = bits.to(tl.float32, bitcast=True)
+    return tl.where(code >= 8, -mag, mag).to(tl.float32), d, tl.zeros_like(d)
+
+
+@triton.jit
 def _unpack(QTYPE: tl.constexpr, row, c, K, rmask):
     """Dispatch on the (compile-time) quant type: each type compiles to its own kernel."""
     if QTYPE == 12:
@@ -175,6 +218,10 @@ def _unpack(QTYPE: tl.constexpr, row, c, K, rmask):
         return _unpack_q8_0(row, c, K, rmask)
     elif QTYPE == 2:
         return _unpack_q4_0(row, c, K, rmask)
+    elif QTYPE == 23:
+        return _unpack_iq4_xs(row, c, K, rmask)
+    elif QTYPE == 39:
+        return _unpack_mxfp4(row, c, K, rmask)
     else:
         return _unpack_q5_0(row, c, K, rmask)
 

@@ -7,13 +7,17 @@ This one covers only the types that have kernels, is written from the block layo
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-from runtime.kernels.qmatvec import BLOCK_LAYOUT, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, row_bytes_of
+from runtime.kernels.qmatvec import BLOCK_LAYOUT, IQ4_XS, MXFP4, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, row_bytes_of
 
 # Byte offsets of each block's f16 fields (d, dmin): random bytes there could be inf/NaN.
 F16_FIELDS: dict[int, tuple[int, ...]] = {Q4_0: (0,), Q5_0: (0,), Q8_0: (0,), Q4_K: (0, 2), Q5_K: (0, 2),
-                                          Q6_K: (208,)}
+                                          Q6_K: (208,), IQ4_XS: (0,), MXFP4: ()}
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # kvalues_iq4nl
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1, doubled (ggml)
 
 
 def random_blocks(qtype: int, rows: int, K: int, gen: torch.Generator, weight_rms: float = 0.02) -> torch.Tensor:
@@ -25,10 +29,14 @@ def random_blocks(qtype: int, rows: int, K: int, gen: torch.Generator, weight_rm
     dev = gen.device
     blocks = torch.randint(0, 256, (n_blocks, ts), generator=gen, dtype=torch.uint8, device=dev)
     # rough code RMS x sub-scale RMS, so that d * sc * q has RMS ~ weight_rms
-    spread = {Q4_0: 4.6, Q5_0: 9.2, Q8_0: 74.0, Q4_K: 4.6 * 36.0, Q5_K: 9.2 * 36.0, Q6_K: 18.5 * 73.0}[int(qtype)]
+    spread = {Q4_0: 4.6, Q5_0: 9.2, Q8_0: 74.0, Q4_K: 4.6 * 36.0, Q5_K: 9.2 * 36.0, Q6_K: 18.5 * 73.0,
+              IQ4_XS: 67.0 * 18.5, MXFP4: 5.7}[int(qtype)]
     for off in F16_FIELDS[int(qtype)]:
         d = (torch.rand(n_blocks, generator=gen, device=dev) + 0.5) * (weight_rms / spread)
         blocks[:, off:off + 2] = d.to(torch.float16).view(torch.uint8).reshape(n_blocks, 2)
+    if int(qtype) == MXFP4:  # the e8m0 exponent byte: d = 2^(e - 128) around weight_rms / spread
+        e = round(math.log2(weight_rms / spread)) + 128
+        blocks[:, 0] = torch.randint(e - 2, e + 3, (n_blocks,), generator=gen, device=dev).to(torch.uint8)
     return blocks.reshape(rows, row_bytes_of(qtype, K))
 
 
@@ -56,8 +64,19 @@ def dequantize_rows(raw: torch.Tensor, qtype: int, K: int) -> torch.Tensor:
     lead = raw.shape[:-1]
     blk = raw.reshape(-1, ts)
     nb = blk.shape[0]
+    if qtype == MXFP4:  # 2^(e - 128) from its float bits, as ggml_e8m0_to_fp32_half
+        e = blk[:, 0:1].int()
+        d = torch.where(e < 2, 0x00200000 << e.clamp(max=1), (e - 1) << 23).view(torch.float32)
+        q = _nibbles(blk[:, 1:17], 1)
+        return (d * torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=raw.device)[q]).reshape(*lead, K)
     d = _f16(blk, 208 if qtype == Q6_K else 0)
-    if qtype == Q8_0:
+    if qtype == IQ4_XS:
+        sh = blk[:, 2].int() | (blk[:, 3].int() << 8)
+        s = torch.arange(8, device=raw.device)
+        ls = ((blk[:, 4 + s // 2].int() >> ((s % 2) * 4)) & 15) | (((sh[:, None] >> (2 * s)) & 3) << 4)
+        q = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32, device=raw.device)[_nibbles(blk[:, 8:136], 8)]
+        w = (d * (ls - 32).float())[:, :, None] * q.reshape(nb, 8, 32)
+    elif qtype == Q8_0:
         w = d * blk[:, 2:].contiguous().view(torch.int8).float()
     elif qtype == Q4_0:
         w = d * (_nibbles(blk[:, 2:18], 1) - 8).float()
