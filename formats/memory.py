@@ -12,16 +12,19 @@ from .archs import FULL, LINEAR, SLIDING, ModelSpec
 RUNTIME_OVERHEAD_BYTES = 768 * 1024**2
 
 
+# Bytes per cached key/value element by KV cache type ("auto": the activations' 2-byte dtype;
+# q8_0: an int8 code plus an f16 scale per 32 values).
+KV_BYTES_PER_VALUE = {"auto": 2.0, "q8_0": 34 / 32}
+
+
 def kv_cache_bytes(spec: ModelSpec, ctx: int, bytes_per_value: float = 2.0) -> int:
-    """K and V for every attention layer; sliding-window layers hold at most the window."""
+    """K and V for every attention layer at ``ctx`` positions. Sliding-window layers count the
+    whole context too: the runtime keeps every key (the window is part of its attention mask, so
+    a captured decode step has the same shapes at every position)."""
     total = 0.0
-    window = int(spec.hparams.get("sliding_window", 0) or 0)
     for il, kind in enumerate(spec.layers):
-        if kind.attention == LINEAR:
-            continue
-        n_tok = min(ctx, window) if kind.attention == SLIDING and window > 0 else ctx
         if kind.attention in (FULL, SLIDING):
-            total += 2 * spec.n_head_kv[il] * spec.head_dim * n_tok * bytes_per_value
+            total += 2 * spec.n_head_kv[il] * spec.head_dim * ctx * bytes_per_value
     return int(total)
 
 
