@@ -23,12 +23,23 @@ class KVCache:
     buffer doubles when a sequence outgrows it (eager calls only; a captured step is given a
     buffer of its full context up front). Sliding-window layers keep every key too; the window
     is part of the mask.
+
+    ``kv_type="q8_0"`` stores int8 codes with one f16 scale per 32 values (ggml's Q8_0: 34 bytes
+    per 32 values instead of 64 in bf16) and expands the layer's buffers for each attention call.
+    It halves the cache for long contexts at a small cost in accuracy; ``auto`` keeps keys and
+    values in the activations' dtype.
     """
 
-    def __init__(self, capacity: int = 256) -> None:
+    def __init__(self, capacity: int = 256, kv_type: str = "auto") -> None:
+        if kv_type not in KV_TYPES:
+            raise ValueError(f"KV cache type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
         self.capacity = capacity
-        self.k: torch.Tensor | None = None
+        self.q8 = kv_type == "q8_0"
+        self.k: torch.Tensor | None = None  # int8 codes with q8_0
         self.v: torch.Tensor | None = None
+        self.k_scale: torch.Tensor | None = None  # q8_0: f16 [H_kv, capacity, d / 32]
+        self.v_scale: torch.Tensor | None = None
+        self.dtype: torch.dtype | None = None  # what attention reads (the activations' dtype)
 
     def reserve(self, n: int, like: torch.Tensor) -> None:
         """Make room for ``n`` positions (buffers shaped and typed after ``like [T, H_kv, d]``)."""
@@ -37,26 +48,60 @@ class KVCache:
         cap = max(self.capacity, 1)
         while cap < n:
             cap *= 2
-        k = like.new_zeros((like.shape[1], cap, like.shape[2]))
-        v = like.new_zeros((like.shape[1], cap, like.shape[2]))
-        if self.k is not None:
-            k[:, : self.k.shape[1]] = self.k
-            v[:, : self.v.shape[1]] = self.v
-        self.k, self.v, self.capacity = k, v, cap
+        H, d = like.shape[1], like.shape[2]
+        if self.q8 and d % Q8_BLOCK:
+            raise ValueError(f"a q8_0 KV cache needs a head size that is a multiple of {Q8_BLOCK}, not {d}")
+        grown = [like.new_zeros((H, cap, d), dtype=torch.int8 if self.q8 else like.dtype) for _ in range(2)]
+        if self.q8:
+            grown += [like.new_zeros((H, cap, d // Q8_BLOCK), dtype=torch.float16) for _ in range(2)]
+        old = [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+        for new, prev in zip(grown, old):
+            new[:, : prev.shape[1]] = prev
+        self.k, self.v = grown[0], grown[1]
+        if self.q8:
+            self.k_scale, self.v_scale = grown[2], grown[3]
+        self.capacity, self.dtype = cap, like.dtype
 
     def append(self, k: torch.Tensor, v: torch.Tensor, pos0: "int | torch.Tensor") -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new keys/values ``[T, H_kv, d]`` at positions ``pos0..pos0+T-1`` (``pos0`` an
-        int, or a device scalar inside a captured step) and return the whole buffers ``[H_kv, S, d]``."""
+        int, or a device scalar inside a captured step) and return the whole buffers ``[H_kv, S, d]``
+        (with q8_0: expanded to the activations' dtype, a transient of one layer's size)."""
         T = k.shape[0]
-        if isinstance(pos0, torch.Tensor):
-            idx = pos0 + torch.arange(T, device=k.device)
-            self.k.index_copy_(1, idx, k.transpose(0, 1))
-            self.v.index_copy_(1, idx, v.transpose(0, 1))
-        else:
+        if not isinstance(pos0, torch.Tensor):
             self.reserve(pos0 + T, k)
-            self.k[:, pos0: pos0 + T] = k.transpose(0, 1)
-            self.v[:, pos0: pos0 + T] = v.transpose(0, 1)
+        new = [k.transpose(0, 1), v.transpose(0, 1)]
+        dest = [self.k, self.v]
+        if self.q8:
+            (kq, ks), (vq, vs) = quantize_q8_0(new[0]), quantize_q8_0(new[1])
+            new, dest = [kq, vq, ks, vs], dest + [self.k_scale, self.v_scale]
+        for buf, rows in zip(dest, new):
+            if isinstance(pos0, torch.Tensor):
+                buf.index_copy_(1, pos0 + torch.arange(T, device=k.device), rows)
+            else:
+                buf[:, pos0: pos0 + T] = rows
+        if self.q8:
+            return dequantize_q8_0(self.k, self.k_scale, self.dtype), dequantize_q8_0(self.v, self.v_scale, self.dtype)
         return self.k, self.v
+
+
+KV_TYPES = ("auto", "q8_0")  # auto: the activations' dtype (bf16 on a GPU)
+Q8_BLOCK = 32
+
+
+def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., d]`` -> int8 codes ``[..., d]`` and f16 scales ``[..., d / 32]``: ggml's Q8_0 rule
+    (scale = max |x| / 127 per block of 32, code = round(x / scale)), kept as two tensors so that
+    a captured step writes them with plain indexed copies."""
+    blocks = x.float().unflatten(-1, (-1, Q8_BLOCK))
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    codes = torch.round(blocks * inv).clamp_(-127, 127).to(torch.int8)
+    return codes.flatten(-2), scale.squeeze(-1).to(torch.float16)
+
+
+def dequantize_q8_0(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    blocks = codes.unflatten(-1, (-1, Q8_BLOCK)).to(torch.float32) * scale.float()[..., None]
+    return blocks.flatten(-2).to(dtype)
 
 
 @dataclass

@@ -160,6 +160,8 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
               "less than they need reads misses from disk.")
 @click.option("--ctx", type=click.IntRange(min=1), default=4096, show_default=True,
               help="Context the KV cache is allocated for (and --vram reserves); decode steps replay a CUDA graph up to it.")
+@click.option("--kv-type", type=click.Choice(["auto", "q8_0"]), default="auto", show_default=True,
+              help="KV cache storage: auto (the activations' dtype, bf16 on a GPU) or q8_0 (about half the memory).")
 @click.option("--store/--no-store", "use_store", default=None,
               help="Use the tiered expert store [on for cuda or when a store option is given].")
 @click.option("--stats-json", type=click.Path(dir_okay=False, path_type=Path),
@@ -175,7 +177,7 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
 def run_cmd(model_path: Path, prompt: str | None, system: str | None, raw: bool, prompt_ids: str | None,
             logits_out: Path | None, device: str, dtype_name: str, expert_cache: int, vram: int | None,
             hot_fraction: float | None, cache_slots: int | None, profile_path: Path | None, stream_mode: str,
-            prefetch: bool, host_ram: int | None, ctx: int, use_store: bool | None, stats_json: Path | None, max_tokens: int,
+            prefetch: bool, host_ram: int | None, ctx: int, kv_type: str, use_store: bool | None, stats_json: Path | None, max_tokens: int,
             temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
             seed: int | None) -> None:
     if logits_out is not None and prompt_ids is None:
@@ -191,7 +193,7 @@ def run_cmd(model_path: Path, prompt: str | None, system: str | None, raw: bool,
         from .residency import StoreOptions
 
         store = StoreOptions(vram, hot_fraction, cache_slots, profile_path, stream_mode,
-                             host_ram if host_ram is not None else default_host_ram(), ctx, prefetch)
+                             host_ram if host_ram is not None else default_host_ram(), ctx, prefetch, kv_type=kv_type)
     import torch
 
     try:
@@ -199,7 +201,7 @@ def run_cmd(model_path: Path, prompt: str | None, system: str | None, raw: bool,
         if model.residency is not None:
             report_residency(model)
         session = run_session(model, prompt, system, raw, prompt_ids, logits_out, max_tokens,
-                              make_sampler(temperature, top_k, top_p, min_p, repeat_penalty, seed), ctx)
+                              make_sampler(temperature, top_k, top_p, min_p, repeat_penalty, seed), ctx, kv_type)
     except torch.cuda.OutOfMemoryError as e:
         if os.environ.get("SPARKPACK_DEBUG"):
             raise
@@ -212,17 +214,18 @@ def run_cmd(model_path: Path, prompt: str | None, system: str | None, raw: bool,
         report_stats(model, session, stats_json)
 
 
-def run_session(model, prompt, system, raw, prompt_ids, logits_out, max_tokens, sampler, ctx: int):
+def run_session(model, prompt, system, raw, prompt_ids, logits_out, max_tokens, sampler, ctx: int,
+                kv_type: str = "auto"):
     """The run itself; returns the generation session (for statistics) or None."""
     from .generate import Session
 
-    session = Session(model, ctx=ctx)
+    session = Session(model, ctx=ctx, kv_type=kv_type)
     if prompt_ids is not None:
         ids = parse_ids(prompt_ids, model.spec.n_vocab)
         if logits_out is not None:
             import numpy as np
 
-            logits = model.forward(ids).float().cpu().numpy().astype(np.float32)
+            logits = model.forward(ids, model.new_cache(kv_type=kv_type)).float().cpu().numpy().astype(np.float32)
             save_npy_atomic(logits_out, logits)
             return None
         stream(model, load_tokenizer(model), ids, sampler, max_tokens, session=session)

@@ -40,16 +40,16 @@ DEFAULT_CTX = 4096
 class Session:
     """``ctx`` sizes the KV buffers up front (they grow past it, but only up to ``ctx`` is a
     decode step replayed from a CUDA graph). ``graphs`` None: capture decode steps where the
-    model allows (CUDA, zero-copy expert store)."""
+    model allows (CUDA, zero-copy expert store). ``kv_type``: see ``runtime.cache.KVCache``."""
 
     def __init__(self, model: MoEModel, prefill_chunk: int = PREFILL_CHUNK, ctx: int = DEFAULT_CTX,
-                 graphs: bool | None = None):
+                 graphs: bool | None = None, kv_type: str = "auto"):
         self.model = model
         self.prefill_chunk = prefill_chunk
         self.use_graphs = capturable(model) if graphs is None else graphs
         self.graph: DecodeGraph | None = None
         self.timing = Timing()
-        self.cache = model.new_cache(ctx)
+        self.cache = model.new_cache(ctx, kv_type)
         self.fed: list[int] = []
 
     def reset(self) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 
 from formats.archs import ModelSpec
 from formats.errors import SparkpackError
-from formats.memory import RUNTIME_OVERHEAD_BYTES, kv_cache_bytes, recurrent_state_bytes
+from formats.memory import KV_BYTES_PER_VALUE, RUNTIME_OVERHEAD_BYTES, kv_cache_bytes, recurrent_state_bytes
 from formats.placement import default_cache_slots, expert_scores, make_plan
 from formats.profile import Profile, default_profile_path, model_identity
 
@@ -43,6 +43,7 @@ class StoreOptions:
     ctx: int = 4096
     prefetch: bool = True  # guess layers' experts and copy cold ones ahead (zero-copy mode)
     prefetch_min_misses: float | None = None  # None: PREFETCH_MIN_MISSES
+    kv_type: str = "auto"  # KV cache element type (runtime.cache.KV_TYPES)
 
 
 @dataclass
@@ -90,7 +91,7 @@ def plan_residency(spec: ModelSpec, tensors: dict, expert_names: set[str], slot_
                    dtype_bytes: int, *, pack_hot: np.ndarray | None = None, profile: Profile | None = None,
                    profile_name: str | None = None, vram: int | None = None, hot_fraction: float | None = None,
                    cache_slots: int | None = None, ctx: int = 4096, prefetch_min_misses: float | None = None,
-                   where: object = None) -> Residency:
+                   kv_type: str = "auto", where: object = None) -> Residency:
     """The hot set and slot count. Precedence: ``vram`` (size everything to fit), then
     ``hot_fraction`` (that share of expert bytes), then the pack's own placement, then all hot
     (a GGUF with no budget runs all-GPU). With ``prefetch_min_misses`` (None: no prefetch), the
@@ -111,7 +112,8 @@ def plan_residency(spec: ModelSpec, tensors: dict, expert_names: set[str], slot_
         return {"cache_bytes": (slots + pf) * slot, "prefetch_slots": pf, "prefetch_layers": layers}
     if vram is not None:
         dense = sum(math.prod(t.shape) * dtype_bytes for t in tensors.values() if t.name not in expert_names)
-        kv, state = kv_cache_bytes(spec, ctx, dtype_bytes), recurrent_state_bytes(spec)
+        kv_value = dtype_bytes if kv_type == "auto" else KV_BYTES_PER_VALUE[kv_type]
+        kv, state = kv_cache_bytes(spec, ctx, kv_value), recurrent_state_bytes(spec)
         fixed = dense + kv + state + RUNTIME_OVERHEAD_BYTES
         left = vram - fixed - slots * slot
         if left < 0:

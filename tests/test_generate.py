@@ -10,7 +10,7 @@ import torch
 
 from runtime import cli
 from runtime.generate import Session, generate
-from runtime.models import load_model
+from runtime.models import StoreOptions, load_model
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +191,90 @@ def test_sampling_is_reproducible_with_a_seed(qwen, monkeypatch, capsys):
     assert all(code == 0 for code, _, _ in runs)
     assert runs[0][1] == runs[1][1] and runs[0][1].strip()
     assert runs[0][1] != runs[2][1]
+
+
+def test_q8_0_kv_cache_round_trip_and_growth():
+    """Codes and scales land at their positions (int and device-scalar positions), growth keeps
+    what was written, and every value comes back within half a quantization step (and the
+    scale's f16 rounding)."""
+    from runtime.cache import KVCache
+
+    g = torch.Generator().manual_seed(0)
+    kv = KVCache(4, "q8_0")
+    k, v = torch.randn(3, 2, 64, generator=g), torch.randn(3, 2, 64, generator=g) * 5
+    kv.append(k, v, 0)
+    k2, v2 = torch.randn(6, 2, 64, generator=g), torch.randn(6, 2, 64, generator=g)
+    K, V = kv.append(k2, v2, 3)  # grows 4 -> 16
+    assert kv.capacity == 16 and kv.k.dtype == torch.int8 and kv.k_scale.dtype == torch.float16
+    K3, _ = kv.append(k2[:1] * 2, v2[:1], torch.tensor(9))  # a captured step's write
+    want_k, want_v = torch.cat((k, k2)).transpose(0, 1), torch.cat((v, v2)).transpose(0, 1)
+    for got, want in ((K[:, :9], want_k), (V[:, :9], want_v), (K3[:, 9:10], 2 * k2[:1].transpose(0, 1))):
+        step = want.unflatten(-1, (-1, 32)).abs().amax(-1, keepdim=True) / 127
+        # half a step, plus the f16 rounding of the scale (up to 127 codes x 2^-11 of a step)
+        assert ((got - want).unflatten(-1, (-1, 32)).abs() <= step * (0.5 + 127 / 2048) + 1e-6).all()
+    assert K.dtype == torch.float32 and torch.equal(K[:, 10:], torch.zeros_like(K[:, 10:]))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        KVCache(4, "q8_0").append(torch.zeros(1, 1, 48), torch.zeros(1, 1, 48), 0)
+    with pytest.raises(ValueError, match="KV cache type"):
+        KVCache(4, "q4")
+
+
+def test_q8_0_kv_cache_in_generation(synth_model):
+    """A q8_0 KV cache changes attention inputs by quantization error only: the prompt's logits
+    stay close to the bf16/f32 cache's, and a session generates with it."""
+    from runtime.generate import Session
+
+    model = load_model(synth_model("qwen3moe", "Q8_0"))
+    ids = list(range(5, 45))
+    ref = model.forward(ids)
+    q8 = model.forward(ids, model.new_cache(64, "q8_0"))
+    assert not torch.equal(q8, ref)
+    assert float((q8 - ref).norm() / ref.norm()) < 2e-2
+    session = Session(model, ctx=64, kv_type="q8_0")
+    last = session.feed(ids)
+    assert torch.allclose(last, q8[-1], atol=1e-5, rtol=0)
+    assert session.cache.layers[0].k.dtype == torch.int8
+
+
+def test_kv_type_flag_reaches_the_cache_and_the_vram_plan(synth_model, qwen, tmp_path, monkeypatch, capsys):
+    """spark-run --kv-type q8_0: the logits are those of a q8_0 cache, generation runs, and the
+    store's --vram plan counts 34 bytes per 32 cached values; a head size q8_0 cannot block is a
+    one-line error."""
+    from formats.archs import model_spec
+    from formats.gguf_file import GGUFModel
+    from formats.memory import kv_cache_bytes
+
+    code, _, err = run_cli([str(qwen), "--prompt-ids", "4,5", "--kv-type", "q8_0"], monkeypatch, capsys)
+    assert code == 1 and "multiple of 32" in err and qwen.name in err and "Traceback" not in err
+    qwen = synth_model("qwen3moe", "Q8_0")  # head size 64
+
+    out = tmp_path / "l.npy"
+    ids = list(range(3, 40))
+    code, _, err = run_cli([str(qwen), "--prompt-ids", ",".join(map(str, ids)), "--logits-out", str(out),
+                            "--kv-type", "q8_0"], monkeypatch, capsys)
+    assert code == 0, err
+    model = load_model(qwen)
+    want = model.forward(ids, model.new_cache(kv_type="q8_0")).numpy()
+    assert np.allclose(np.load(out), want, rtol=0, atol=1e-5) and not np.allclose(np.load(out), model.forward(ids).numpy())
+    code, _, err = run_cli([str(qwen), "--prompt-ids", "4,5", "--max-tokens", "3", "--temperature", "0",
+                            "--kv-type", "q8_0", "--vram", "1GiB", "--ctx", "512"], monkeypatch, capsys)
+    assert code == 0, err
+    spec = model_spec(GGUFModel(qwen))
+    q8 = load_model(qwen, store=StoreOptions(vram=2**30, ctx=512, kv_type="q8_0")).residency.kv_bytes
+    assert q8 == kv_cache_bytes(spec, 512, 34 / 32) < kv_cache_bytes(spec, 512, 4)
+
+
+@pytest.mark.parametrize("kv_type", ["auto", "q8_0"])
+def test_kv_accounting_matches_the_buffers_the_session_allocates(synth_model, kv_type):
+    """What --vram plans for the KV cache is what a session allocates, sliding-window layers
+    included (they keep every key: the window is in the mask), in either cache type."""
+    from formats.memory import KV_BYTES_PER_VALUE, kv_cache_bytes
+    from runtime.cache import KVCache
+
+    model = load_model(synth_model("laguna", "Q8_0"))  # sliding window 64 < ctx
+    session = Session(model, ctx=256, kv_type=kv_type)
+    session.feed(list(range(3, 20)))
+    allocated = sum(t.numel() * t.element_size() for la in session.cache.layers if isinstance(la, KVCache)
+                    for t in (la.k, la.v, la.k_scale, la.v_scale) if t is not None)
+    per_value = 4 if kv_type == "auto" else KV_BYTES_PER_VALUE[kv_type]  # float32 activations on the CPU
+    assert allocated == kv_cache_bytes(model.spec, 256, per_value)

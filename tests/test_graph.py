@@ -18,8 +18,9 @@ def model_path(request, synth_model):
     return synth_model(request.param, "Q4_K_M", skew=1.0)
 
 
-def greedy(model, graphs: bool, n: int = 12, ctx: int = 64) -> tuple[list[int], torch.Tensor, Session]:
-    session = Session(model, ctx=ctx, graphs=graphs)
+def greedy(model, graphs: bool, n: int = 12, ctx: int = 64, kv_type: str = "auto"
+           ) -> tuple[list[int], torch.Tensor, Session]:
+    session = Session(model, ctx=ctx, graphs=graphs, kv_type=kv_type)
     ids = list(PROMPT)
     logits = session.feed(ids)
     steps = []
@@ -50,6 +51,16 @@ def test_graph_replay_equals_eager(model_path, hot_fraction, slots, prefetch):
                      store=StoreOptions(hot_fraction=1.0, cache_slots=0, mode="zerocopy"))
     tok_r, log_r, _ = greedy(ref, True)
     assert tok_r == tok_g and torch.equal(log_r, log_g)
+
+
+def test_graph_replay_with_a_q8_0_kv_cache_equals_eager(model_path):
+    """The q8_0 cache's quantize-on-write and expand-on-read inside the captured step."""
+    model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
+                       store=StoreOptions(hot_fraction=1.0, cache_slots=0, mode="zerocopy"))
+    tok_g, log_g, s = greedy(model, True, kv_type="q8_0")
+    assert s.graph is not None and s.graph.replays >= 10
+    tok_e, log_e, _ = greedy(model, False, kv_type="q8_0")
+    assert tok_g == tok_e and torch.equal(log_g, log_e)
 
 
 def test_reset_keeps_the_graph_valid(model_path):

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from formats.archs import LINEAR, ModelSpec
+from formats.errors import SparkpackError
 from formats.gguf_file import GGUFModel
 
-from ..cache import Cache, KVCache, RecurrentState
+from ..cache import Q8_BLOCK, Cache, KVCache, RecurrentState
 from ..experts import ExpertProvider, GGUFExperts
 from ..layers import rms_norm, split_proj
 from ..weights import Weights
@@ -44,9 +45,14 @@ class MoEModel(ABC):
         """An ``{arch}.suffix`` metadata value not carried by the spec."""
         return self.gguf.get(f"{self.spec.arch}.{suffix}", default)
 
-    def new_cache(self, capacity: int = 256) -> Cache:
-        """A fresh cache whose KV buffers start with room for ``capacity`` positions."""
-        return Cache([RecurrentState() if k.attention == LINEAR else KVCache(capacity) for k in self.spec.layers])
+    def new_cache(self, capacity: int = 256, kv_type: str = "auto") -> Cache:
+        """A fresh cache whose KV buffers start with room for ``capacity`` positions, holding
+        keys and values as ``kv_type`` (``runtime.cache.KV_TYPES``)."""
+        if kv_type == "q8_0" and self.spec.head_dim % Q8_BLOCK:
+            raise SparkpackError(self.gguf.path, f"--kv-type q8_0 needs a head size that is a multiple of "
+                                                 f"{Q8_BLOCK}; this model's is {self.spec.head_dim}")
+        return Cache([RecurrentState() if k.attention == LINEAR else KVCache(capacity, kv_type)
+                      for k in self.spec.layers])
 
     @abstractmethod
     def route(self, il: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
