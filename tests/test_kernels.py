@@ -104,6 +104,35 @@ def test_qmatvec_half_inputs(qtype: T, dtype: torch.dtype) -> None:
         assert err < (1e-5 if B <= 8 else 1e-2), (B, err)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="real shapes: GPU only (minutes in the interpreter)")
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_kernels_at_real_shapes_against_gguf(qtype: T) -> None:
+    """The qwen3.6 expert shapes (gate/up 2048 -> 512, down 512 -> 2048) and a dense 2048 -> 4096
+    matrix through the matvec (B=1), dot (B=16) and both MoE paths, bf16 activations as at run
+    time, against gguf.quants' dequantization in float64. Bounds: 1e-4 where products accumulate
+    the exact weights in fp32, 1e-2 where tl.dot takes bf16 operands."""
+    g = torch.Generator().manual_seed(int(qtype))
+    for K, N in ((2048, 512), (512, 2048), (2048, 4096)):
+        raw = random_weight(qtype, N, K, seed=int(qtype) + K)
+        w = dequant64(raw, qtype, K)
+        for B, bound in ((1, 1e-4), (16, 1e-2)):
+            x = torch.randn(B, K, generator=g).to(torch.bfloat16)
+            assert rel_l2(run_qmatvec(x, raw, qtype, K), x.double() @ w.T) < bound, (K, N, B)
+    n_embd, n_ff, n_exp, topk = 2048, 512, 16, 8
+    gate, up = random_weight(qtype, n_ff, n_embd, 51, n_exp), random_weight(qtype, n_ff, n_embd, 52, n_exp)
+    down = random_weight(qtype, n_embd, n_ff, 53, n_exp)
+    dq = [dequant64(t, qtype, k) for t, k in ((gate, n_embd), (up, n_embd), (down, n_ff))]
+    slots = list(range(n_exp))
+    for n_tok, grouped, bound in ((1, False, 1e-4), (32, True, 1e-2)):
+        x = torch.randn(n_tok, n_embd, generator=g).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(n_exp, generator=g)[:topk] for _ in range(n_tok)])
+        wts = torch.softmax(torch.randn(n_tok, topk, generator=g), -1)
+        y = moe_experts(x.to(DEVICE), ids.to(DEVICE), wts.to(DEVICE), torch.tensor(slots, dtype=torch.int32,
+                        device=DEVICE), pools(gate, slots, n_exp), pools(up, slots, n_exp), pools(down, slots, n_exp),
+                        qtype, qtype, qtype, n_ff, grouped=grouped)
+        assert rel_l2(y, moe_reference(x.double(), ids, wts, *dq)) < bound, (n_tok, grouped)
+
+
 def test_qmatvec_batches_beyond_one_dot_tile() -> None:
     """B > 64 is cut into slices of 64 rows; every slice must land in its own rows of y."""
     K, N, B = 64, 5, 70
