@@ -80,7 +80,9 @@ class Weights:
         t = self._cache.get(key)
         if t is not None:
             return t
-        shapes = [tuple(reversed(self.gguf.tensor(n).shape)) for n in names]  # torch order
+        # torch order; a vector of the input width (a gate of one output) is one row
+        shapes = [tuple(reversed(self.gguf.tensor(n).shape)) for n in names]
+        shapes = [(1, *s) if len(s) == 1 else s for s in shapes]
         if any(len(s) != 2 or s[1] != shapes[0][1] for s in shapes):
             raise FormatError(self.gguf.path, f"cannot stack {', '.join(names)}: shapes {[list(s) for s in shapes]}")
         t = torch.empty((sum(s[0] for s in shapes), shapes[0][1]), dtype=self.dtype, device=self.device)

@@ -25,7 +25,8 @@ class MoEModel(ABC):
     arch = ""
     residency = None  # the expert store's plan (runtime.residency.Residency) when one is used
     ffn_norm = "ffn_norm"  # the norm in front of a block's MoE (``blk.N.<ffn_norm>.weight``)
-    # Projections of one input that run as one GEMM (``project``), per layer where all exist.
+    # Projections of one input that run as one GEMM (``project``): per layer, the members of a
+    # group that the file has, when at least two do.
     STACKS: tuple[tuple[str, ...], ...] = ()
     topk_of_logits = False  # the router picks the top-k of its logits (softmax routers)
 
@@ -116,19 +117,27 @@ class MoEModel(ABC):
         stacked = self.w.stacked(full)
         return split_proj(h, stacked, [self.w(n).shape[0] for n in full])
 
-    def mlp(self, h: torch.Tensor, prefix: str, suffix: str = "") -> torch.Tensor:
-        """The SwiGLU MLP ``ffn_{gate,up,down}<suffix>`` of a layer, gate and up as one GEMM
-        (``(ffn_gate<suffix>, ffn_up<suffix>)`` must be one of ``STACKS``)."""
-        gate, up = self.project(h, prefix, f"ffn_gate{suffix}", f"ffn_up{suffix}")
-        return F.linear(F.silu(gate) * up, self.w(f"{prefix}ffn_down{suffix}.weight"))
+    def project_present(self, h: torch.Tensor, prefix: str, group: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """``project`` over the members of ``group`` (one of ``STACKS``) this layer has, by name."""
+        names = [n for n in group if self.w.has(f"{prefix}{n}.weight")]
+        if len(names) == 1:
+            return {names[0]: F.linear(h, self.w(f"{prefix}{names[0]}.weight"))}
+        return dict(zip(names, self.project(h, prefix, *names)))
+
+    def mlp(self, h: torch.Tensor, prefix: str) -> torch.Tensor:
+        """A dense layer's SwiGLU MLP ``ffn_{gate,up,down}``, gate and up as one GEMM
+        (``(ffn_gate, ffn_up)`` must be one of ``STACKS``)."""
+        gate, up = self.project(h, prefix, "ffn_gate", "ffn_up")
+        return F.linear(F.silu(gate) * up, self.w(f"{prefix}ffn_down.weight"))
 
     def stack_groups(self) -> list[tuple[str, ...]]:
-        """Every layer's ``STACKS`` groups whose tensors the file has (full tensor names)."""
+        """Every layer's ``STACKS`` groups as stacked: the members the file has, two or more
+        (full tensor names)."""
         out = []
         for il in range(self.spec.n_layer):
             for group in self.STACKS:
-                full = tuple(f"blk.{il}.{n}.weight" for n in group)
-                if all(self.w.has(n) for n in full):
+                full = tuple(n for n in (f"blk.{il}.{m}.weight" for m in group) if self.w.has(n))
+                if len(full) >= 2:
                     out.append(full)
         return out
 

@@ -19,7 +19,9 @@ from .base import MoEModel
 
 class Laguna(MoEModel):
     arch = "laguna"
-    STACKS = (("attn_q", "attn_k", "attn_v", "attn_gate"), ("ffn_gate", "ffn_up"), ("ffn_gate_shexp", "ffn_up_shexp"))
+    # the MoE input feeds the router and the shared expert's gate/up: one GEMM
+    FFN_IN = ("ffn_gate_inp", "ffn_gate_shexp", "ffn_up_shexp")
+    STACKS = (("attn_q", "attn_k", "attn_v", "attn_gate"), ("ffn_gate", "ffn_up"), FFN_IN)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -58,14 +60,18 @@ class Laguna(MoEModel):
         return F.linear(o.reshape(T, -1), w(p + "attn_output.weight"))
 
     def route(self, il: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        p, w = f"blk.{il}.", self.w
-        logits = F.linear(h, w(p + "ffn_gate_inp.weight"))
-        return route_sigmoid(logits, w.opt(p + "exp_probs_b.bias"), self.spec.n_expert_used, self.norm_topk, self.scale)
+        return self.route_logits(il, F.linear(h, self.w(f"blk.{il}.ffn_gate_inp.weight")))
+
+    def route_logits(self, il: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        bias = self.w.opt(f"blk.{il}.exp_probs_b.bias")
+        return route_sigmoid(logits, bias, self.spec.n_expert_used, self.norm_topk, self.scale)
 
     def ffn(self, il: int, h: torch.Tensor) -> torch.Tensor:
         p = f"blk.{il}."
         if self.spec.layers[il].ffn == DENSE:
             return self.mlp(h, p)
-        weights, ids = self.route(il, h)
-        shared = self.mlp(h, p, "_shexp")
-        return moe(h, weights, ids, self.experts, il) + shared
+        y = self.project_present(h, p, self.FFN_IN)
+        out = moe(h, *self.route_logits(il, y["ffn_gate_inp"]), self.experts, il)
+        if "ffn_up_shexp" in y:
+            out = out + F.linear(F.silu(y["ffn_gate_shexp"]) * y["ffn_up_shexp"], self.w(p + "ffn_down_shexp.weight"))
+        return out

@@ -90,8 +90,9 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 class Qwen35MoE(MoEModel):
     arch = "qwen35moe"
     ffn_norm = "post_attention_norm"
-    STACKS = (("attn_q", "attn_k", "attn_v"), ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"),
-              ("ffn_gate_shexp", "ffn_up_shexp"))
+    # the MoE input feeds the router, the shared expert's gate and its gate/up: one GEMM
+    FFN_IN = ("ffn_gate_inp", "ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp")
+    STACKS = (("attn_q", "attn_k", "attn_v"), ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"), FFN_IN)
     topk_of_logits = True
 
     def __init__(self, *args, **kwargs):
@@ -177,13 +178,13 @@ class Qwen35MoE(MoEModel):
         return F.linear(o.view(1, -1), w(p + "ssm_out.weight"))
 
     def ffn(self, il: int, h: torch.Tensor) -> torch.Tensor:
-        p, w = f"blk.{il}.", self.w
-        weights, ids = self.route(il, h)
+        p = f"blk.{il}."
+        y = self.project_present(h, p, self.FFN_IN)
+        weights, ids = route_softmax(y["ffn_gate_inp"], self.spec.n_expert_used, self.norm_topk)
         out = moe(h, weights, ids, self.experts, il)
-        if w.has(p + "ffn_up_shexp.weight"):
-            shared = self.mlp(h, p, "_shexp")
-            gate = w.opt(p + "ffn_gate_inp_shexp.weight")
-            if gate is not None:
-                shared = shared * torch.sigmoid(F.linear(h, gate.reshape(1, -1)))
+        if "ffn_up_shexp" in y:
+            shared = F.linear(F.silu(y["ffn_gate_shexp"]) * y["ffn_up_shexp"], self.w(p + "ffn_down_shexp.weight"))
+            if "ffn_gate_inp_shexp" in y:
+                shared = shared * torch.sigmoid(y["ffn_gate_inp_shexp"])
             out = out + shared
         return out
