@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from formats.memory import KV_BYTES_PER_VALUE
+
 
 class KVCache:
     """Keys and values of one attention layer in preallocated buffers ``[H_kv, capacity, head_dim]``
@@ -84,7 +86,7 @@ class KVCache:
         return self.k, self.v
 
 
-KV_TYPES = ("auto", "q8_0")  # auto: the activations' dtype (bf16 on a GPU)
+KV_TYPES = tuple(KV_BYTES_PER_VALUE)  # auto: the activations' dtype (bf16 on a GPU); q8_0
 Q8_BLOCK = 32
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import click
 
 from formats.errors import SparkpackError, cli_entry
+from formats.memory import KV_BYTES_PER_VALUE
 from repack.units import SizeParam
 
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
@@ -160,7 +161,7 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
               "less than they need reads misses from disk.")
 @click.option("--ctx", type=click.IntRange(min=1), default=4096, show_default=True,
               help="Context the KV cache is allocated for (and --vram reserves); decode steps replay a CUDA graph up to it.")
-@click.option("--kv-type", type=click.Choice(["auto", "q8_0"]), default="auto", show_default=True,
+@click.option("--kv-type", type=click.Choice(list(KV_BYTES_PER_VALUE)), default="auto", show_default=True,
               help="KV cache storage: auto (the activations' dtype, bf16 on a GPU) or q8_0 (about half the memory).")
 @click.option("--store/--no-store", "use_store", default=None,
               help="Use the tiered expert store [on for cuda or when a store option is given].")
