@@ -59,6 +59,13 @@ def _f16(ptr, mask):
 
 
 @triton.jit
+def _nibble(qs, l, mask):
+    """Code ``l`` (0..31) of a 32-element block packed in 16 bytes at ``qs``, ggml's common
+    order: the low nibbles of the 16 bytes, then their high nibbles."""
+    return (_u8(qs + l % 16, mask) >> ((l // 16) * 4)) & 15
+
+
+@triton.jit
 def _k_scale_min(base, s, mask):
     """6-bit scale and min of sub-block ``s`` (0..7) from the 12 packed bytes at ``base``.
 
@@ -143,7 +150,7 @@ def _unpack_q4_0(row, c, K, rmask):
     l = tl.arange(0, 32)[None, None, :]
     mask = rmask & ((c * 8 + s) * 32 < K)
     base = row + (c * 8 + s) * 18
-    q = ((_u8(base + 2 + l % 16, mask) >> ((l // 16) * 4)) & 15) - 8
+    q = _nibble(base + 2, l, mask) - 8
     d = _f16(base, mask)
     return q.to(tl.float32), d, tl.zeros_like(d)
 
@@ -156,7 +163,7 @@ def _unpack_q5_0(row, c, K, rmask):
     l = tl.arange(0, 32)[None, None, :]
     mask = rmask & ((c * 8 + s) * 32 < K)
     base = row + (c * 8 + s) * 22
-    ql = (_u8(base + 6 + l % 16, mask) >> ((l // 16) * 4)) & 15
+    ql = _nibble(base + 6, l, mask)
     qh = (_u8(base + 2 + l // 8, mask) >> (l % 8)) & 1
     q = (ql | (qh << 4)) - 16
     d = _f16(base, mask)
@@ -180,7 +187,7 @@ def _unpack_iq4_xs(row, c, K, rmask):
     s = tl.arange(0, 8)[None, :, None]
     l = tl.arange(0, 32)[None, None, :]
     base = row + c * 136
-    code = (_u8(base + 8 + s * 16 + l % 16, rmask) >> ((l // 16) * 4)) & 15
+    code = _nibble(base + 8 + s * 16, l, rmask)
     sh = _u8(base + 2, rmask) | (_u8(base + 3, rmask) << 8)
     ls = ((_u8(base + 4 + s // 2, rmask) >> ((s % 2) * 4)) & 15) | (((sh >> (2 * s)) & 3) << 4)
     scale = _f16(base, rmask) * (ls - 32).to(tl.float32)
@@ -196,11 +203,11 @@ def _unpack_mxfp4(row, c, K, rmask):
     l = tl.arange(0, 32)[None, None, :]
     mask = rmask & ((c * 8 + s) * 32 < K)
     base = row + (c * 8 + s) * 17
-    code = (_u8(base + 1 + l % 16, mask) >> ((l // 16) * 4)) & 15
+    code = _nibble(base + 1, l, mask)
     m = code & 7
     mag = tl.where(m < 5, m, tl.where(m == 5, 6, tl.where(m == 6, 8, 12)))
     e = _u8(base, mask)
-    bits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    bits = tl.where(e < 2, 0x00200000 << tl.minimum(e, 1), (e - 1) << 23)
     d = bits.to(tl.float32, bitcast=True)
     return tl.where(code >= 8, -mag, mag).to(tl.float32), d, tl.zeros_like(d)
 
