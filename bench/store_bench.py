@@ -142,7 +142,7 @@ def measure(model, cfg: Config, args: argparse.Namespace, prompt: list[int], cud
            "hot_per_token": s["hot_hits_per_token"], "cached_per_token": s["cache_hits_per_token"],
            "missed_per_token": s["misses_per_token"], "bytes_streamed": s["bytes_streamed"],
            "prefetch_slots": d["prefetch_slots"], "prefetch_layers": d["prefetch_layers"], "prefetched_per_token": s["prefetch_hits_per_token"],
-           "prefetch_accuracy": s["prefetch_accuracy"],
+           "prefetch_accuracy": s["prefetch_accuracy"], "prefetch_recall": s["prefetch_recall"],
            "stream_gb_s": s["bytes_streamed"] / (t.decode_seconds + t.prefill_seconds + t.capture_seconds) / 1e9,
            "capture_s": t.capture_seconds, "host_ms_per_token": 1e3 * s["step_seconds"] / max(s["tokens"], 1),
            "pool_gib": d["device_pool_bytes"] / 1024**3, "load_s": load_s,
@@ -197,7 +197,8 @@ def main() -> None:
         print(f"{cfg.name:38} decode {row['decode_tok_s']:7.1f} tok/s ({row['vs_all_gpu']:6.1%})  prefill "
               f"{row['prefill_tok_s']:7.1f}  hot/cached/prefetched/missed per token {row['hot_per_token']:.1f}/"
               f"{row['cached_per_token']:.1f}/{row['prefetched_per_token']:.1f}/{row['missed_per_token']:.2f}  "
-              f"guessed layers {row['prefetch_layers']}, right {_pct(row['prefetch_accuracy'])}  host {row['host_ms_per_token']:.2f} ms/token  pool {row['pool_gib']:.2f} GiB  "
+              f"guessed layers {row['prefetch_layers']}, right {_pct(row['prefetch_accuracy'])}, "
+              f"recall {_pct(row['prefetch_recall'])}  host {row['host_ms_per_token']:.2f} ms/token  pool {row['pool_gib']:.2f} GiB  "
               f"load {load_s:.1f} s  identical {same}", flush=True)
     model.experts = None
     del model
@@ -215,13 +216,15 @@ def main() -> None:
 
 def table(res: dict) -> str:
     lines = ["| configuration | hot | cache slots | miss path | decode tok/s | vs all-GPU | prefill tok/s | "
-             "hot / cached / prefetched / missed per token | guessed layers | guesses right | GB/s streamed | identical |",
-             "|" + " --- |" * 12]
+             "hot / cached / prefetched / missed per token | guessed layers | guesses right | misses found | "
+             "GB/s streamed | identical |",
+             "|" + " --- |" * 13]
     for r in res["rows"]:
         lines.append(f"| {r['name']} | {r['hot_fraction']:.0%} | {r['cache_slots']} | {r['mode']} | "
                      f"{r['decode_tok_s']:.1f} | {r['vs_all_gpu']:.1%} | {r['prefill_tok_s']:.1f} | "
                      f"{r['hot_per_token']:.1f} / {r['cached_per_token']:.1f} / {r['prefetched_per_token']:.1f} / "
                      f"{r['missed_per_token']:.2f} | {r['prefetch_layers']} | {_pct(r['prefetch_accuracy'])} | "
+                     f"{_pct(r.get('prefetch_recall'))} | "
                      f"{r['stream_gb_s']:.2f} | {'yes' if r['identical'] else 'NO'} |")
     v = res["vram_run"]
     if not v:

@@ -304,7 +304,8 @@ def report_stats(model, session, stats_json: Path | None) -> None:
         parts.append(f"CUDA graph captured in {s['graph_capture_seconds']:.2f} s")
     st = s.get("store")
     if st:
-        pre = f"{st['prefetch_hits_per_token']:.1f} prefetched, " if st["prefetched"] else ""
+        pre = (f"{st['prefetch_hits_per_token']:.1f} prefetched ({st['prefetch_recall']:.0%} of the guessing layers' "
+               f"misses), " if st["prefetched"] and st["prefetch_recall"] is not None else "")
         parts.append(f"per token: {st['hot_hits_per_token']:.1f} hot, {st['cache_hits_per_token']:.1f} cached, {pre}"
                      f"{st['misses_per_token']:.1f} missed; {st['bytes_streamed'] / 1e9:.2f} GB streamed"
                      + (f" at {st['stream_gb_s']:.1f} GB/s" if st.get("stream_gb_s") else ""))

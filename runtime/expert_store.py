@@ -159,6 +159,7 @@ class StoreStats:
     prefetched: int = 0  # guessed cold experts copied into prefetch slots
     prefetch_used: int = 0  # of those, experts the router then chose
     prefetch_hits: int = 0  # routings served by a prefetch slot
+    guessed_misses: int = 0  # misses in layers that guessed: what the guesses failed to find
     bytes_streamed: int = 0  # host->device bytes, copies and zero-copy reads together
     copy_seconds: float = 0.0  # wall time the host spent issuing/waiting for copies (sync, async)
     step_seconds: float = 0.0  # host time between tokens: zero-copy counting and promotions
@@ -173,6 +174,10 @@ class StoreStats:
                 "cache_hits_per_token": self.cache_hits / per_tok,
                 "prefetch_hits_per_token": self.prefetch_hits / per_tok,
                 "prefetch_accuracy": self.prefetch_used / self.prefetched if self.prefetched else None,
+                # of the cold routings in guessing layers, the share a guess had copied in: what
+                # decides whether prefetching pays (accuracy only says what the wrong ones cost)
+                "prefetch_recall": (self.prefetch_hits / (self.prefetch_hits + self.guessed_misses)
+                                    if self.prefetch_hits + self.guessed_misses else None),
                 "misses_per_token": self.misses / per_tok,
                 "miss_rate": self.misses / routed if routed else 0.0}
 
@@ -579,7 +584,9 @@ class ExpertStore:
         used = counts > 0
         resident = self.table >= 0
         fetched = np.zeros_like(used)  # cold experts a guess copied into a prefetch slot this step
+        guessing = np.zeros((used.shape[0], 1), dtype=bool)  # layers that guessed this step
         if guesses is not None:
+            guessing[:, 0] = (guesses >= 0).any(axis=1)
             self.guess_ids.fill_(-1)
             self._guessed.clear()
             il, j = np.nonzero(guesses >= 0)
@@ -593,6 +600,7 @@ class ExpertStore:
         self.stats.cache_hits += int(counts[resident & ~self.hot].sum())
         missed = used & ~resident & ~fetched
         self.stats.misses += int(counts[missed].sum())
+        self.stats.guessed_misses += int(counts[missed & guessing].sum())
         self.stats.zero_copy_reads += int(missed.sum())
         self.stats.bytes_streamed += int(missed.sum(axis=1) @ self.layer_nbytes)
         self.freq *= FREQ_DECAY

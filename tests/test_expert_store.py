@@ -137,6 +137,11 @@ def test_prefetch_accounting(model_path):
     assert (s.hot_hits, s.misses, s.zero_copy_reads) == (1, 1, 1)
     assert s.bytes_streamed == 2 * store.slot_bytes + nb  # two prefetched (whole slots) + one zero-copy read
     assert s.as_json()["prefetch_accuracy"] == 0.5
+    assert s.guessed_misses == 1 and s.as_json()["prefetch_recall"] == 2 / 3  # 12's one routing was missed
+    store.guess_ids[il] = torch.tensor(guess)  # the next step: layer il guesses again, another layer misses
+    store.step_counts[spec.moe_layers[1], 12] += 3
+    store.end_step(1, routed=True)
+    assert s.misses == 1 + 3 and s.guessed_misses == 1  # a layer that did not guess is not the guess's miss
 
 
 def test_pack_placement_and_stats_json(model_path, reference, tmp_path):
