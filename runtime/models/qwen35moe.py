@@ -54,7 +54,7 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     state e^(G_last) S0 + K^T (e^(G_last - G) U). Shapes as in ``gated_delta_rule``; the input
     is padded to whole chunks with tokens that change nothing (k = v = beta = g = 0).
     """
-    T, H, dk = q.shape
+    T, H = q.shape[:2]
     n = -(-T // chunk)
     pad = n * chunk - T
 
