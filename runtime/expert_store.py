@@ -221,18 +221,17 @@ class ExpertStore:
         self.hot = hot
         on_cuda = self.device.type == "cuda"
         self.layers: dict[int, _Layer] = {}
+        want_fused = fused if fused is not None else on_cuda
+        slow: set[str] = set()  # expert quant types without a kernel
         for il in self.moe_layers:
             parts = source.layout(il)
+            slow |= {quant_name(int(p.qtype)) for p in parts if int(p.qtype) not in _fused_qtypes()}
             ok = all(int(p.qtype) in _fused_qtypes() for p in parts)
-            self.layers[il] = _Layer(parts, sum(p.nbytes for p in parts) if parts else 0,
-                                     ok and (fused if fused is not None else on_cuda))
+            self.layers[il] = _Layer(parts, sum(p.nbytes for p in parts) if parts else 0, ok and want_fused)
         self.fused_all = all(la.fused for la in self.layers.values())  # every layer on the fused kernel
-        if fused if fused is not None else on_cuda:
-            slow = sorted({quant_name(int(p.qtype)) for la in self.layers.values() if not la.fused for p in la.parts
-                           if int(p.qtype) not in _fused_qtypes()})
-            if slow:
-                self.warn(f"{_name(source.path)}: experts in {', '.join(slow)} have no Triton kernel; their layers "
-                          f"dequantize each expert on use (slower, and decode steps are not captured in CUDA graphs)")
+        if want_fused and slow:
+            self.warn(f"{_name(source.path)}: experts in {', '.join(sorted(slow))} have no Triton kernel; their "
+                      f"layers dequantize each expert on use (slower, and decode steps are not captured in CUDA graphs)")
         self.layer_nbytes = np.zeros(spec.n_layer, dtype=np.int64)  # one expert's bytes per layer
         for il, la in self.layers.items():
             self.layer_nbytes[il] = la.nbytes

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels.qmatvec import SUPPORTED_QTYPES, _output, _row_dot, _unpack, row_bytes_of, rows_per_program
+from runtime.kernels.qmatvec import SUPPORTED_QTYPES, _output, _row_dot, _tile_dot, row_bytes_of, rows_per_program
 
 
 @triton.jit
@@ -110,23 +110,6 @@ def _sum_topk_kernel(part_ptr, y_ptr, TOPK, N_EMBD, stride_y, BLOCK: tl.constexp
     for j in range(0, TOPK):
         acc += tl.load(part_ptr + (t * TOPK + j).to(tl.int64) * N_EMBD + n, mask=n < N_EMBD, other=0.0)
     tl.store(y_ptr + t * stride_y + n, acc, mask=n < N_EMBD)
-
-
-@triton.jit
-def _tile_dot(QTYPE: tl.constexpr, w_rows, rmask, a_rows, amask, c, K, acc,
-              DOT_FP32: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``acc [BM, BN] += A[:, chunk c] @ W[:, chunk c]^T`` for one 256-element chunk of K: the
-    weight tile is unpacked once in registers and fed to ``tl.dot`` (bf16 operands, fp32
-    accumulation; fp32 ``ieee`` when the activations are fp32, as on the CPU interpreter)."""
-    q, scale, offset = _unpack(QTYPE, w_rows, c, K, rmask)
-    w = tl.reshape(q * scale - offset, [BLOCK_N, 256])
-    k = c * 256 + tl.arange(0, 256)
-    a = tl.load(a_rows + k[None, :], mask=amask & (k[None, :] < K), other=0.0)
-    if DOT_FP32:
-        acc += tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
-    else:
-        acc += tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
-    return acc
 
 
 @triton.jit
@@ -270,7 +253,8 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     ``grouped``: the prefill kernels (pairs sorted by expert, ``tl.dot`` tiles); by default used
     from ``GROUPED_MIN_PAIRS`` pairs up. ``tiles`` = (BLOCK_M, BLOCK_N, warps) overrides their
     tile shape, for tuning. Both paths are exact up to fp32 round-off except that the grouped
-    one multiplies in bf16 when ``x`` is half precision (as cuBLAS does for the dense layers).
+    one multiplies in half precision when ``x`` is (``qmatvec._tile_dot``), as cuBLAS does for
+    the dense layers.
     """
     T_, n_embd = x.shape
     topk = topk_ids.shape[1]
@@ -332,20 +316,19 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
             h, pairs, block_expert, topk_weights, slot_table, down_raw, down_h, part,
             n_expert, n_embd, n_ff, down_raw.stride(0), down_raw.shape[2],
             DOWN_QTYPE=int(down_qtype), HAS_HOST=has_host, DOT_FP32=fp32, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
-        _sum_topk_kernel[(T_, triton.cdiv(n_embd, 1024))](part, y, topk, n_embd, y.stride(0), BLOCK=1024, num_warps=4)
-        return y
-    rows, warps = _launch(T_ * topk)
-    bn = block_n or rows_per_program(x.device, rows)
-    num_warps = num_warps or warps
-    _gate_up_kernel[(T_ * topk, triton.cdiv(n_ff, bn))](
-        x, topk_ids, slot_table, gate_raw, up_raw, gate_h, up_h, h, counts if counts is not None else slot_table,
-        topk, n_ff, n_embd, gate_raw.stride(0), up_raw.stride(0), up_row0,
-        gate_raw.shape[2], up_raw.shape[2], x.stride(0), topk_ids.stride(0),
-        GATE_QTYPE=int(gate_qtype), UP_QTYPE=int(up_qtype), HAS_HOST=has_host, HAS_COUNT=counts is not None,
-        BLOCK_N=bn, num_warps=num_warps)
-    _down_kernel[(T_ * topk, triton.cdiv(n_embd, bn))](
-        h, topk_ids, topk_weights, slot_table, down_raw, down_h, part,
-        topk, n_embd, n_ff, down_raw.stride(0), down_raw.shape[2], topk_ids.stride(0),
-        topk_weights.stride(0), DOWN_QTYPE=int(down_qtype), HAS_HOST=has_host, BLOCK_N=bn, num_warps=num_warps)
+    else:
+        rows, warps = _launch(T_ * topk)
+        bn = block_n or rows_per_program(x.device, rows)
+        num_warps = num_warps or warps
+        _gate_up_kernel[(T_ * topk, triton.cdiv(n_ff, bn))](
+            x, topk_ids, slot_table, gate_raw, up_raw, gate_h, up_h, h, counts if counts is not None else slot_table,
+            topk, n_ff, n_embd, gate_raw.stride(0), up_raw.stride(0), up_row0,
+            gate_raw.shape[2], up_raw.shape[2], x.stride(0), topk_ids.stride(0),
+            GATE_QTYPE=int(gate_qtype), UP_QTYPE=int(up_qtype), HAS_HOST=has_host, HAS_COUNT=counts is not None,
+            BLOCK_N=bn, num_warps=num_warps)
+        _down_kernel[(T_ * topk, triton.cdiv(n_embd, bn))](
+            h, topk_ids, topk_weights, slot_table, down_raw, down_h, part,
+            topk, n_embd, n_ff, down_raw.stride(0), down_raw.shape[2], topk_ids.stride(0),
+            topk_weights.stride(0), DOWN_QTYPE=int(down_qtype), HAS_HOST=has_host, BLOCK_N=bn, num_warps=num_warps)
     _sum_topk_kernel[(T_, triton.cdiv(n_embd, 1024))](part, y, topk, n_embd, y.stride(0), BLOCK=1024, num_warps=4)
     return y

@@ -15,8 +15,9 @@ mask and multiply-add. Two kernels consume those helpers:
   The unpacked codes are shared by all batch rows.
 * ``_qmm_kernel`` (8 < B <= 64): expands ``w`` to ``[BLOCK_N, 256]`` and uses ``tl.dot``.
 
-A prefill-grade grouped matmul (large B, tensor cores, weight tiles in shared memory reused
-across many token tiles, split-K for skinny N) is a separate later kernel.
+The MoE kernels (``moe.py``) reuse both: ``_row_dot`` per (token, expert) pair for decode and
+``_tile_dot`` (the ``tl.dot`` step of ``_qmm_kernel``) for the grouped prefill kernels. Dense
+layers keep cuBLAS on dequantized weights for now.
 
 Block layouts follow ggml-common.h and are checked against ``gguf.quants.dequantize`` by the
 tests; the byte offsets are written next to each helper.
@@ -263,6 +264,26 @@ def _row_dot(QTYPE: tl.constexpr, w_rows, rmask, x_row_ptr, K, BLOCK_N: tl.const
     return acc
 
 
+@triton.jit
+def _tile_dot(QTYPE: tl.constexpr, w_rows, rmask, a_rows, amask, c, K, acc,
+              DOT_FP32: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``acc [BM, BN] += A[:, chunk c] @ W[:, chunk c]^T`` for one 256-element chunk of K: the
+    weight tile is unpacked once in registers and fed to ``tl.dot``, fp32 ``ieee`` with
+    ``DOT_FP32``, else on half-precision operands (the activations' own, bf16 for fp32 ones)
+    with fp32 accumulation. ``a_rows [BM, 1]`` are row pointers, ``amask [BM, 1]`` their mask."""
+    q, scale, offset = _unpack(QTYPE, w_rows, c, K, rmask)
+    w = tl.reshape(q * scale - offset, [BLOCK_N, 256])
+    k = c * 256 + tl.arange(0, 256)
+    a = tl.load(a_rows + k[None, :], mask=amask & (k[None, :] < K), other=0.0)
+    if DOT_FP32:
+        acc += tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
+    else:
+        if a.dtype == tl.float32:
+            a = a.to(tl.bfloat16)
+        acc += tl.dot(a, tl.trans(w.to(a.dtype)))
+    return acc
+
+
 # ----------------------------------------------------------------------------- kernels
 
 @triton.jit
@@ -295,18 +316,10 @@ def _qmm_kernel(x_ptr, w_ptr, y_ptr, B, N, K, row_bytes, stride_xb, stride_yb,
     rmask = n3 < N
     w_rows = w_ptr + n3.to(tl.int64) * row_bytes
     b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-    kk = tl.arange(0, 256)
     acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
     for c in range(0, tl.cdiv(K, 256)):
-        q, scale, offset = _unpack(QTYPE, w_rows, c, K, rmask)
-        w = tl.reshape(q * scale - offset, [BLOCK_N, 256])
-        k = c * 256 + kk
-        x = tl.load(x_ptr + b[:, None] * stride_xb + k[None, :],
-                    mask=(b[:, None] < B) & (k[None, :] < K), other=0.0)
-        if DOT_FP32:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        acc = _tile_dot(QTYPE, w_rows, rmask, x_ptr + b[:, None] * stride_xb, b[:, None] < B, c, K, acc,
+                        DOT_FP32, BLOCK_N)
     tl.store(y_ptr + b[:, None] * stride_yb + n[None, :], acc, mask=(b[:, None] < B) & (n[None, :] < N))
 
 

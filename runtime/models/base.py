@@ -55,9 +55,14 @@ class MoEModel(ABC):
         return Cache([RecurrentState() if k.attention == LINEAR else KVCache(capacity, kv_type)
                       for k in self.spec.layers])
 
-    @abstractmethod
     def route(self, il: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``il``'s router on normed hidden states ``h [T, n_embd]``: (weights, ids) ``[T, k]``."""
+        return self.route_logits(il, F.linear(h, self.w(f"blk.{il}.ffn_gate_inp.weight")))
+
+    @abstractmethod
+    def route_logits(self, il: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, ids) ``[T, k]`` from layer ``il``'s router logits ``[T, n_expert]`` (which a
+        layer may compute in one GEMM with other projections of its MoE input)."""
 
     def guess_experts(self, il: int, x: torch.Tensor) -> torch.Tensor:
         """The experts layer ``il`` would route ``x`` (the block's input) to if attention added

@@ -59,9 +59,6 @@ class Laguna(MoEModel):
         o = o * gate[..., None] if gate.shape[-1] == o.shape[1] else o * gate.view(T, -1, d)
         return F.linear(o.reshape(T, -1), w(p + "attn_output.weight"))
 
-    def route(self, il: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.route_logits(il, F.linear(h, self.w(f"blk.{il}.ffn_gate_inp.weight")))
-
     def route_logits(self, il: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         bias = self.w.opt(f"blk.{il}.exp_probs_b.bias")
         return route_sigmoid(logits, bias, self.spec.n_expert_used, self.norm_topk, self.scale)

@@ -161,8 +161,7 @@ class Qwen35MoE(MoEModel):
         o = rms_norm(o.to(h.dtype), w(p + "ssm_norm.weight"), self.eps) * F.silu(z)
         return F.linear(o.reshape(T, -1), w(p + "ssm_out.weight"))
 
-    def route(self, il: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(h, self.w(f"blk.{il}.ffn_gate_inp.weight"))
+    def route_logits(self, il: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route_softmax(logits, self.spec.n_expert_used, self.norm_topk)
 
     def delta_net_step(self, il: int, qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alpha: torch.Tensor,
@@ -180,8 +179,7 @@ class Qwen35MoE(MoEModel):
     def ffn(self, il: int, h: torch.Tensor) -> torch.Tensor:
         p = f"blk.{il}."
         y = self.project_present(h, p, self.FFN_IN)
-        weights, ids = route_softmax(y["ffn_gate_inp"], self.spec.n_expert_used, self.norm_topk)
-        out = moe(h, weights, ids, self.experts, il)
+        out = moe(h, *self.route_logits(il, y["ffn_gate_inp"]), self.experts, il)
         if "ffn_up_shexp" in y:
             shared = F.linear(F.silu(y["ffn_gate_shexp"]) * y["ffn_up_shexp"], self.w(p + "ffn_down_shexp.weight"))
             if "ffn_gate_inp_shexp" in y:

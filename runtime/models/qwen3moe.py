@@ -36,8 +36,7 @@ class Qwen3MoE(MoEModel):
         o = attention(q, k, v, cache.layers[il], pos0)
         return F.linear(o.reshape(T, -1), w(p + "attn_output.weight"))
 
-    def route(self, il: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(h, self.w(f"blk.{il}.ffn_gate_inp.weight"))
+    def route_logits(self, il: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route_softmax(logits, self.spec.n_expert_used, self.norm_topk)
 
     def ffn(self, il: int, h: torch.Tensor) -> torch.Tensor:
