@@ -132,12 +132,18 @@ def _unpack_q6_k(row, c, K, rmask):
 
 
 @triton.jit
-def _unpack_q8_0(row, c, K, rmask):
-    # block_q8_0 (34 B): d f16 @0, qs int8[32] @2. A chunk is 8 blocks; blocks past K are masked.
+def _block32(row, c, K, rmask, BLOCK_BYTES: tl.constexpr):
+    """For the 32-element block types, a chunk is 8 blocks (axis 1): element index ``l``
+    ``[1,1,32]``, each block's start ``base`` ``[BN,8,1]`` and the mask of blocks inside K."""
     s = tl.arange(0, 8)[None, :, None]
     l = tl.arange(0, 32)[None, None, :]
-    mask = rmask & ((c * 8 + s) * 32 < K)
-    base = row + (c * 8 + s) * 34
+    return l, row + (c * 8 + s) * BLOCK_BYTES, rmask & ((c * 8 + s) * 32 < K)
+
+
+@triton.jit
+def _unpack_q8_0(row, c, K, rmask):
+    # block_q8_0 (34 B): d f16 @0, qs int8[32] @2. A chunk is 8 blocks; blocks past K are masked.
+    l, base, mask = _block32(row, c, K, rmask, 34)
     q = tl.load(base + 2 + l, mask=mask, other=0).to(tl.int8, bitcast=True)
     d = _f16(base, mask)
     return q.to(tl.float32), d, tl.zeros_like(d)
@@ -147,10 +153,7 @@ def _unpack_q8_0(row, c, K, rmask):
 def _unpack_q4_0(row, c, K, rmask):
     # block_q4_0 (18 B): d @0, qs[16] @2; element l<16 = low nibble of qs[l], l>=16 = high nibble
     # of qs[l-16]; code - 8.
-    s = tl.arange(0, 8)[None, :, None]
-    l = tl.arange(0, 32)[None, None, :]
-    mask = rmask & ((c * 8 + s) * 32 < K)
-    base = row + (c * 8 + s) * 18
+    l, base, mask = _block32(row, c, K, rmask, 18)
     q = _nibble(base + 2, l, mask) - 8
     d = _f16(base, mask)
     return q.to(tl.float32), d, tl.zeros_like(d)
@@ -160,10 +163,7 @@ def _unpack_q4_0(row, c, K, rmask):
 def _unpack_q5_0(row, c, K, rmask):
     # block_q5_0 (22 B): d @0, qh u32 little-endian @2 (bit l = 5th bit of element l), qs[16] @6
     # (nibbles as Q4_0); code - 16.
-    s = tl.arange(0, 8)[None, :, None]
-    l = tl.arange(0, 32)[None, None, :]
-    mask = rmask & ((c * 8 + s) * 32 < K)
-    base = row + (c * 8 + s) * 22
+    l, base, mask = _block32(row, c, K, rmask, 22)
     ql = _nibble(base + 6, l, mask)
     qh = (_u8(base + 2 + l // 8, mask) >> (l % 8)) & 1
     q = (ql | (qh << 4)) - 16
@@ -200,10 +200,7 @@ def _unpack_mxfp4(row, c, K, rmask):
     # block_mxfp4 (17 B): e8m0 exponent e @0, qs[16] @1 (nibbles as Q4_0); value = kvalues_mxfp4[code]
     # (e2m1 doubled: 0 1 2 3 4 6 8 12, bit 3 the sign) * 2^(e - 128), built from its float bits as
     # ggml_e8m0_to_fp32_half does (e < 2 gives the subnormals 2^-128, 2^-127).
-    s = tl.arange(0, 8)[None, :, None]
-    l = tl.arange(0, 32)[None, None, :]
-    mask = rmask & ((c * 8 + s) * 32 < K)
-    base = row + (c * 8 + s) * 17
+    l, base, mask = _block32(row, c, K, rmask, 17)
     code = _nibble(base + 1, l, mask)
     m = code & 7
     mag = tl.where(m < 5, m, tl.where(m == 5, 6, tl.where(m == 6, 8, 12)))
