@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -87,7 +88,7 @@ class Pack:
                 self.records[(il, e)] = rec
                 self.hot[il, e] = rec.hot
         self._hot_map: np.ndarray | None = None
-        self._dctx = None
+        self._local = threading.local()  # zstd decompressors are not thread-safe: one per thread
 
     # --- opening and validation ---------------------------------------------------------------
 
@@ -233,10 +234,11 @@ class Pack:
     def _decompress(self, rec: ExpertRecord, data: bytes) -> bytes:
         import zstandard
 
-        if self._dctx is None:
-            self._dctx = zstandard.ZstdDecompressor()
+        dctx = getattr(self._local, "dctx", None)
+        if dctx is None:
+            dctx = self._local.dctx = zstandard.ZstdDecompressor()
         try:
-            out = self._dctx.decompress(data, max_output_size=rec.nbytes)
+            out = dctx.decompress(data, max_output_size=rec.nbytes)
         except zstandard.ZstdError as e:
             raise FormatError(self.path, f"shard {rec.shard} does not decompress ({e})") from None
         if len(out) != rec.nbytes:

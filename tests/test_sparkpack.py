@@ -83,6 +83,19 @@ def test_compressed_round_trip_and_default_output(synth_model, tmp_path, cli):
     assert (tmp_path / "back.gguf").read_bytes() == src.read_bytes()
 
 
+def test_compressed_experts_read_concurrently(synth_model, tmp_path, cli):
+    """The runtime loads cold experts from a thread pool; zstd decompression must not share state."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    src = tmp_path / "model.gguf"
+    src.write_bytes(synth_model("qwen3moe", quant="Q8_0").read_bytes())
+    assert cli("split", src, "--compress", "--hot-fraction", "0.1")[0] == 0
+    pack = Pack.open(tmp_path / "model.sparkpack")
+    cold = [k for k, r in pack.records.items() if not r.hot] * 8
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(lambda k: pack.expert_bytes(*k, verify=True), cold))  # raises on a bad checksum
+
+
 def test_reader_api_matches_the_gguf(synth_model, tmp_path, cli):
     src = synth_model("qwen35moe", quant="Q4_K_M")
     pack_path = tmp_path / "m.sparkpack"
