@@ -24,7 +24,12 @@ def qwen35(tiny_hf_gguf) -> Path:
 
 
 def run_cli(args: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
-    """Run spark-run in-process through its real entry point (cli_entry, one-line errors)."""
+    """Run spark-run in-process through its real entry point (cli_entry, one-line errors).
+
+    On the CPU unless the test names a device: the references here are the CPU float32 model,
+    also when the suite runs on the GPU machine (the GPU run has its own test below)."""
+    if "--device" not in args:
+        args = [*args, "--device", "cpu"]
     monkeypatch.setattr(sys, "argv", ["spark-run", *args])
     code = 0
     try:
@@ -113,6 +118,29 @@ def test_cuda_request_without_a_gpu_is_a_clear_error(qwen, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     code, _, err = run_cli([str(qwen), "--device", "cuda", "--prompt-ids", "1"], monkeypatch, capsys)
     assert code == 1 and "no CUDA device is available" in err and err.count("\n") == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_spark_run_on_the_gpu_gives_all_gpu_logits_at_partial_residency(synth_model, tmp_path, monkeypatch, capsys):
+    """Through the command line on the GPU (bf16, fused kernels, CUDA graphs for decode): 30% of
+    the experts hot, the rest streamed, writes the bits of the all-hot run."""
+    gguf = synth_model("qwen35moe", "Q4_K_M")
+    ids = ",".join(str(i) for i in range(3, 60))
+    got = []
+    for frac in ("1.0", "0.3"):
+        out = tmp_path / f"{frac}.npy"
+        code, _, err = run_cli([str(gguf), "--device", "cuda", "--hot-fraction", frac, "--cache-slots", "4",
+                                "--prompt-ids", ids, "--logits-out", str(out)], monkeypatch, capsys)
+        assert code == 0, err
+        got.append(np.load(out))
+    assert got[0].shape == (57, model_spec_vocab(gguf)) and np.array_equal(got[0], got[1])
+
+
+def model_spec_vocab(gguf: Path) -> int:
+    from formats.archs import model_spec
+    from formats.gguf_file import GGUFModel
+
+    return model_spec(GGUFModel(gguf)).n_vocab
 
 
 @pytest.mark.parametrize("compress", [False, True])
