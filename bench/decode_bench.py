@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from runtime.generate import Session  # noqa: E402
+from runtime.generate import PREFILL_CHUNK, Session  # noqa: E402
 from runtime.models import StoreOptions, load_model  # noqa: E402
 
 
@@ -49,18 +50,23 @@ def decode(model, depth: int, n: int, graphs: bool, ctx: int) -> tuple[float, li
     return n / (time.perf_counter() - t0), out, torch.stack(steps)
 
 
-def prefill(model, n: int, ctx: int) -> float:
-    session = Session(model, ctx=ctx, graphs=False)
+def prefill(model, n: int, ctx: int, chunk: int = PREFILL_CHUNK, reps: int = 3) -> float:
+    """Median tok/s of ``reps`` prefills of ``n`` tokens (a prefill is host-bound in part, so
+    single runs scatter; llama-bench averages its repetitions too)."""
+    session = Session(model, ctx=ctx, graphs=False, prefill_chunk=chunk)
     # warm-up with a full chunk: the MoE kernels' tile shape (and so what Triton compiles) depends
     # on the tokens per chunk
     session.feed(prompt(min(n, session.prefill_chunk), model.spec.n_vocab))
-    session.reset()
     ids = prompt(n, model.spec.n_vocab)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    session.feed(ids)
-    torch.cuda.synchronize()
-    return n / (time.perf_counter() - t0)
+    rates = []
+    for _ in range(reps):
+        session.reset()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        session.feed(ids)
+        torch.cuda.synchronize()
+        rates.append(n / (time.perf_counter() - t0))
+    return statistics.median(rates)
 
 
 def main() -> None:
@@ -68,6 +74,8 @@ def main() -> None:
     ap.add_argument("model", type=Path)
     ap.add_argument("--depths", type=int, nargs="+", default=[128, 1024, 4096])
     ap.add_argument("--prefill", type=int, nargs="+", default=[512, 4096])
+    ap.add_argument("--prefill-chunks", type=int, nargs="+", default=[PREFILL_CHUNK],
+                    help="prompt tokens per forward call; the first is the one compared with llama.cpp")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--eager-tokens", type=int, default=16)
     ap.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "decode_bench.json")
@@ -85,10 +93,12 @@ def main() -> None:
         same = g_tok[:k] == e_tok and torch.equal(g_log[:k], e_log)
         res["decode"].append({"depth": depth, "graph_tok_s": g_tps, "eager_tok_s": e_tps, "graph_equals_eager": same})
         print(f"decode at depth {depth:5}: graph {g_tps:7.1f} tok/s, eager {e_tps:6.1f} tok/s, identical {same}", flush=True)
-    for n in args.prefill:
-        tps = prefill(model, n, ctx)
-        res["prefill"].append({"tokens": n, "tok_s": tps})
-        print(f"prefill {n:5} tokens: {tps:8.1f} tok/s", flush=True)
+    for chunk in args.prefill_chunks:
+        key = "prefill" if chunk == args.prefill_chunks[0] else f"prefill_chunk_{chunk}"
+        for n in args.prefill:
+            tps = prefill(model, n, ctx, chunk)
+            res.setdefault(key, []).append({"tokens": n, "tok_s": tps, "chunk": chunk})
+            print(f"prefill {n:5} tokens in chunks of {chunk:4}: {tps:8.1f} tok/s", flush=True)
     res["vram_peak_allocated"] = torch.cuda.max_memory_allocated()
     res["vram_peak_reserved"] = torch.cuda.max_memory_reserved()
     args.json.write_text(json.dumps(res, indent=1) + "\n")

@@ -3,8 +3,9 @@
     python bench/profile_decode.py M.gguf [--hot-fraction 1.0] [--steps 8] [--prompt 64] [--prefill 512]
 
 Prints wall time per token, kernel launches per token, and the top operators by host time and
-by device time, so launch overhead and slow kernels can be told apart; then the same device-time
-table for one prefill of ``--prefill`` tokens.
+by device time, so launch overhead and slow kernels can be told apart (``--steps 0`` skips
+decode); then the same for one prefill of ``--prefill`` tokens, with host time also by the
+source lines that issued it (``--stacks``).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--prefill", type=int, default=512, help="prompt length of the profiled prefill")
+    ap.add_argument("--stacks", action="store_true", help="prefill host time by issuing source line")
     args = ap.parse_args()
     t0 = time.perf_counter()
     model = load_model(args.model, device="cuda", dtype=torch.bfloat16,
@@ -41,27 +43,24 @@ def main() -> None:
     t0 = time.perf_counter()
     logits = session.feed(ids)
     print(f"prefill {len(ids)} tokens: {time.perf_counter() - t0:.2f} s (first call, compiles included)", flush=True)
-    for _ in range(4):
-        ids.append(int(torch.argmax(logits)))
-        logits = session.feed(ids)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        ids.append(int(torch.argmax(logits)))
-        logits = session.feed(ids)
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / args.steps
-    print(f"decode: {dt * 1e3:.1f} ms/token ({1 / dt:.1f} tok/s) unprofiled", flush=True)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    if args.steps:
+        for _ in range(4):
+            ids.append(int(torch.argmax(logits)))
+            logits = session.feed(ids)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         for _ in range(args.steps):
             ids.append(int(torch.argmax(logits)))
             logits = session.feed(ids)
         torch.cuda.synchronize()
-    ka = prof.key_averages()
-    launches = sum(e.count for e in ka if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
-    print(f"kernel launches per token: {launches / args.steps:.0f}")
-    print(ka.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
-    print(ka.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60))
+        dt = (time.perf_counter() - t0) / args.steps
+        print(f"decode: {dt * 1e3:.1f} ms/token ({1 / dt:.1f} tok/s) unprofiled", flush=True)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                ids.append(int(torch.argmax(logits)))
+                logits = session.feed(ids)
+            torch.cuda.synchronize()
+        report(prof, args.steps, "token", args.rows)
     n = args.prefill
     session.reset()
     session.feed(list(range(200, 200 + n)))  # warm (compiles the prefill kernels)
@@ -73,11 +72,22 @@ def main() -> None:
     dt = time.perf_counter() - t0
     print(f"prefill {n} tokens (warm): {dt:.3f} s ({n / dt:.0f} tok/s)", flush=True)
     session.reset()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.stacks) as prof:
         session.feed(list(range(300, 300 + n)))
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60))
+    report(prof, 1, "prefill", args.rows)
+    if args.stacks:
+        print(prof.key_averages(group_by_stack_n=4).table(sort_by="self_cpu_time_total", row_limit=args.rows,
+                                                          max_name_column_width=40, max_src_column_width=90))
 
+
+def report(prof, per: int, unit: str, rows: int) -> None:
+    """Launch count, then the top operators by host time and by device time."""
+    ka = prof.key_averages()
+    launches = sum(e.count for e in ka if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+    print(f"kernel launches per {unit}: {launches / per:.0f}")
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
+    print(ka.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60))
 
 if __name__ == "__main__":
     main()
