@@ -99,21 +99,27 @@ def test_prefill_then_decode_equals_full_forward(arch, outtype, tiny_hf_gguf):
 
 
 def test_fused_deltanet_decode_matches_the_torch_path(tiny_hf_gguf):
-    """Decode steps through the fused DeltaNet kernels (``model.kernels``, the GPU default;
+    """Prefills and decode steps through the fused DeltaNet kernels (``model.kernels``, the GPU default;
     interpreted in CI) against the torch form, float32: prefill, then every decode step's logits.
     (RMSNorm and the router use their kernels on any GPU tensor; tests/test_kernels.py covers them.)"""
     path = tiny_hf_gguf("qwen35moe")[1]
-    ids = token_ids(load(path).spec.n_vocab)
+    ids = token_ids(load(path).spec.n_vocab, 90)
 
-    def steps(kernels: bool) -> torch.Tensor:
-        model = load(path)
+    def steps(kernels: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        model = load(path, dtype=dtype)
         model.kernels = kernels
         cache = model.new_cache()
-        out = [model.forward(ids[:8], cache)]
-        out += [model.forward(ids[i:i + 1], cache) for i in range(8, len(ids))]
+        # prefills of 8 tokens (one padded chunk) and 70 (two chunks) carry the state in one
+        # launch each (kernels.deltanet.deltanet_chunk_states), then decode steps
+        out = [model.forward(ids[:8], cache), model.forward(ids[8:78], cache)]
+        out += [model.forward(ids[i:i + 1], cache) for i in range(78, len(ids))]
         return torch.cat(out)
 
-    assert row_rel_err(steps(True), steps(False)) < 1e-5
+    # the fused prefill chunks even 8 tokens, so the two float32 forms differ by round-off in
+    # their own ways: both are held to the float64 torch form
+    ref = steps(False, torch.float64)
+    fused, plain = row_rel_err(steps(True), ref), row_rel_err(steps(False), ref)
+    assert fused < 3e-5 and plain < 3e-5, (fused, plain)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

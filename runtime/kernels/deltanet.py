@@ -1,4 +1,5 @@
-"""The Gated DeltaNet decode step (one token) in two launches instead of ~45 small torch kernels.
+"""Gated DeltaNet kernels: the decode step (one token) in two launches instead of ~45 small torch
+kernels, and the chunk-to-chunk state pass of the chunked prefill in one.
 
 Why: at batch 1 a DeltaNet layer's arithmetic is tiny (a 128x128 state per value head), so the
 torch form's cost is its kernel count: concatenations, norms, exp/softplus/sigmoid, six
@@ -17,6 +18,14 @@ Everything runs in float32 between the two bf16/f32 boundaries (projections in, 
 input out); the torch path (``runtime.models.qwen35moe``) rounds to the activation dtype in a
 few places, so the two agree to that dtype's precision, not bit for bit. The torch path stays the
 reference (CPU, prefill).
+
+3. ``_chunk_state_kernel`` (prefill): the chunked form (``gated_delta_rule_chunked``) computes
+   everything that does not depend on the state for all chunks at once, then carries the state
+   from chunk to chunk: three small products per chunk, about seven torch launches each, so a
+   512-token prompt cost ~1700 launches over 30 layers and the host, not the GPU, set the pace.
+   One program per (value head, block of state columns) keeps its state block in registers and
+   walks the chunks in order. Its products run in full float32 (``ieee``), as torch's float32
+   matmuls do by default, so the fused and torch forms agree to float32 round-off.
 """
 from __future__ import annotations
 
@@ -105,4 +114,62 @@ def deltanet_decode(qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alph
     _recurrence_kernel[(n_v,)](act, z, beta, alpha, dt_bias, a, state, norm_w, out, n_k, d_k, d_v,
                                d_k ** -0.5, eps, BLOCK_K=triton.next_power_of_2(d_k),
                                BLOCK_V=triton.next_power_of_2(d_v), num_warps=8)
+    return out
+
+
+@triton.jit
+def _chunk_state_kernel(w_ptr, q_ptr, u0_ptr, qk_ptr, eg_ptr, kd_ptr, keep_ptr, state_ptr, out_ptr,
+                        n_chunks, D_K, D_V,
+                        sw_h, sw_n, sw_r, sw_c, sq_h, sq_n, sq_r, sq_c, su_h, su_n, su_r, su_c,
+                        sqk_h, sqk_n, sqk_r, sqk_c, skd_h, skd_n, skd_r, skd_c, seg_h, seg_n, seg_r,
+                        skp_h, skp_n, so_h, so_n, so_r,
+                        C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    h = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    r = tl.arange(0, C)
+    i = tl.arange(0, BLOCK_K)
+    mi, mj = i < D_K, j < D_V
+    s_offs = h * D_K * D_V + i[:, None] * D_V + j[None, :]
+    ms = mi[:, None] & mj[None, :]
+    S = tl.load(state_ptr + s_offs, mask=ms, other=0.0)
+    for n in range(n_chunks):
+        W = tl.load(w_ptr + h * sw_h + n * sw_n + r[:, None] * sw_r + i[None, :] * sw_c, mask=mi[None, :], other=0.0)
+        U = tl.load(u0_ptr + h * su_h + n * su_n + r[:, None] * su_r + j[None, :] * su_c, mask=mj[None, :], other=0.0)
+        U = U - tl.dot(W, S, input_precision="ieee")  # U = U0 - W S0
+        Q = tl.load(q_ptr + h * sq_h + n * sq_n + r[:, None] * sq_r + i[None, :] * sq_c, mask=mi[None, :], other=0.0)
+        QK = tl.load(qk_ptr + h * sqk_h + n * sqk_n + r[:, None] * sqk_r + r[None, :] * sqk_c)
+        eg = tl.load(eg_ptr + h * seg_h + n * seg_n + r * seg_r)
+        O = eg[:, None] * tl.dot(Q, S, input_precision="ieee") + tl.dot(QK, U, input_precision="ieee")
+        tl.store(out_ptr + h * so_h + n * so_n + r[:, None] * so_r + j[None, :], O, mask=mj[None, :])
+        KdT = tl.load(kd_ptr + h * skd_h + n * skd_n + r[None, :] * skd_r + i[:, None] * skd_c, mask=mi[:, None],
+                      other=0.0)
+        S = tl.load(keep_ptr + h * skp_h + n * skp_n) * S + tl.dot(KdT, U, input_precision="ieee")
+    tl.store(state_ptr + s_offs, S, mask=ms)
+
+
+def deltanet_chunk_states(W: torch.Tensor, Q: torch.Tensor, U0: torch.Tensor, QK: torch.Tensor, eG: torch.Tensor,
+                          Kd: torch.Tensor, keep: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """The sequential part of the chunked delta rule, for all chunks in one launch.
+
+    Per value head ``h`` and chunk ``n`` (``C`` tokens; shapes ``[H, n, C, .]``, float32, any
+    strides): ``U = U0 - W S``, output ``eG * (Q S) + QK U``, then ``S = keep * S + Kd^T U``;
+    ``W, Q, Kd [H, n, C, d_k]``, ``U0 [H, n, C, d_v]``, ``QK [H, n, C, C]`` (decay-masked),
+    ``eG [H, n, C]``, ``keep [H, n]`` (any trailing size-1 dims). ``state [H, d_k, d_v]`` float32
+    is updated in place. Returns the outputs ``[H, n, C, d_v]``.
+    """
+    H, n, C, d_k = W.shape
+    d_v = U0.shape[-1]
+    if state.shape != (H, d_k, d_v) or state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError("DeltaNet chunk states: the state must be a contiguous float32 [H, d_k, d_v]")
+    mats = (W, Q, U0, QK, Kd)
+    if any(t.dtype != torch.float32 or t.shape[:3] != (H, n, C) for t in mats) or C < 16 or C & (C - 1):
+        raise ValueError("DeltaNet chunk states: inconsistent shapes (float32 [H, n, C, .], C a power of two >= 16)")
+    eG, keep = eG.reshape(H, n, C), keep.reshape(H, n)
+    out = torch.empty((H, n, C, d_v), dtype=torch.float32, device=W.device)
+    block_v = max(16, min(32, triton.next_power_of_2(d_v)))
+    strides = [st for t in mats for st in t.stride()] + list(eG.stride()) + list(keep.stride()) \
+        + list(out.stride()[:3])
+    _chunk_state_kernel[(H, triton.cdiv(d_v, block_v))](W, Q, U0, QK, eG, Kd, keep, state, out, n, d_k, d_v,
+                                                        *strides, C=C, BLOCK_K=max(16, triton.next_power_of_2(d_k)),
+                                                        BLOCK_V=block_v, num_warps=4)
     return out

@@ -41,7 +41,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 
 def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                             beta: torch.Tensor, state: torch.Tensor, chunk: int = CHUNK
+                             beta: torch.Tensor, state: torch.Tensor, chunk: int = CHUNK, fused: bool = False
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same recurrence, ``chunk`` tokens per step (for prefill): equal outputs up to round-off.
 
@@ -73,17 +73,24 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     UW = torch.linalg.solve_triangular(eye + A, torch.cat((bc * vc, bc * eG * kc), -1), upper=False,
                                        unitriangular=True)
     U0, W = UW[..., :vc.shape[-1]], UW[..., vc.shape[-1]:]
-    WQ = torch.cat((W, qc), -2)  # one product with the state gives W S0 and Q S0
     QK = (qc @ kc.transpose(-1, -2)) * decay
     last = G[..., -1:]  # [H, n, 1]
-    kdec_t = (kc * (last - G).exp()[..., None]).transpose(-1, -2)  # [H, n, dk, C]
+    kdec = kc * (last - G).exp()[..., None]  # [H, n, C, dk]
     keep = last.exp()[..., None]  # [H, n, 1, 1]
-    out = torch.empty_like(vc)
-    for i in range(n):
-        P = WQ[:, i] @ state  # [H, 2C, dv]
-        U = U0[:, i] - P[:, :chunk]
-        out[:, i] = torch.baddbmm(eG[:, i] * P[:, chunk:], QK[:, i], U)
-        state = torch.baddbmm(keep[:, i] * state, kdec_t[:, i], U)
+    if fused:
+        from ..kernels.deltanet import deltanet_chunk_states
+
+        state = state.clone(memory_format=torch.contiguous_format)
+        out = deltanet_chunk_states(W, qc, U0, QK, eG[..., 0], kdec, keep, state)
+    else:
+        WQ = torch.cat((W, qc), -2)  # one product with the state gives W S0 and Q S0
+        kdec_t = kdec.transpose(-1, -2)
+        out = torch.empty_like(vc)
+        for i in range(n):
+            P = WQ[:, i] @ state  # [H, 2C, dv]
+            U = U0[:, i] - P[:, :chunk]
+            out[:, i] = torch.baddbmm(eG[:, i] * P[:, chunk:], QK[:, i], U)
+            state = torch.baddbmm(keep[:, i] * state, kdec_t[:, i], U)
     return out.transpose(1, 2).transpose(0, 2).reshape(n * chunk, H, -1)[:T], state
 
 
@@ -155,8 +162,13 @@ class Qwen35MoE(MoEModel):
         k = l2_norm(k)
         rep = self.n_v // self.n_k
         q, k = q.repeat(1, rep, 1), k.repeat(1, rep, 1)  # tiled: value head h uses key head h % n_k
-        rule = gated_delta_rule_chunked if T > CHUNK else gated_delta_rule
-        o, state = rule(*(wide(t) for t in (q, k, v, g, beta)), st.ssm)
+        q, k, v, g, beta = (wide(t) for t in (q, k, v, g, beta))
+        if self.kernels and q.dtype == torch.float32:  # one launch carries the state: chunk any T > 1
+            o, state = gated_delta_rule_chunked(q, k, v, g, beta, st.ssm, fused=True)
+        elif T > CHUNK:
+            o, state = gated_delta_rule_chunked(q, k, v, g, beta, st.ssm)
+        else:
+            o, state = gated_delta_rule(q, k, v, g, beta, st.ssm)
         st.ssm.copy_(state)
         o = rms_norm(o.to(h.dtype), w(p + "ssm_norm.weight"), self.eps) * F.silu(z)
         return F.linear(o.reshape(T, -1), w(p + "ssm_out.weight"))
