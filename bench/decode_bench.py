@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from runtime.generate import PREFILL_CHUNK, Session  # noqa: E402
+from formats.memory import PREFILL_CHUNK, prefill_activation_bytes  # noqa: E402
+from runtime.generate import Session  # noqa: E402
 from runtime.models import StoreOptions, load_model  # noqa: E402
 
 
@@ -50,23 +51,27 @@ def decode(model, depth: int, n: int, graphs: bool, ctx: int) -> tuple[float, li
     return n / (time.perf_counter() - t0), out, torch.stack(steps)
 
 
-def prefill(model, n: int, ctx: int, chunk: int = PREFILL_CHUNK, reps: int = 3) -> float:
+def prefill(model, n: int, ctx: int, chunk: int = PREFILL_CHUNK, reps: int = 3) -> tuple[float, int]:
     """Median tok/s of ``reps`` prefills of ``n`` tokens (a prefill is host-bound in part, so
-    single runs scatter; llama-bench averages its repetitions too)."""
+    single runs scatter; llama-bench averages its repetitions too), and the device memory the
+    prefill added at its peak over what the session held before it (its temporaries)."""
     session = Session(model, ctx=ctx, graphs=False, prefill_chunk=chunk)
     # warm-up with a full chunk: the MoE kernels' tile shape (and so what Triton compiles) depends
     # on the tokens per chunk
     session.feed(prompt(min(n, session.prefill_chunk), model.spec.n_vocab))
     ids = prompt(n, model.spec.n_vocab)
-    rates = []
+    rates, peak = [], 0
     for _ in range(reps):
         session.reset()
         torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         session.feed(ids)
         torch.cuda.synchronize()
         rates.append(n / (time.perf_counter() - t0))
-    return statistics.median(rates)
+        peak = max(peak, torch.cuda.max_memory_allocated() - base)
+    return statistics.median(rates), peak
 
 
 def main() -> None:
@@ -93,14 +98,17 @@ def main() -> None:
         same = g_tok[:k] == e_tok and torch.equal(g_log[:k], e_log)
         res["decode"].append({"depth": depth, "graph_tok_s": g_tps, "eager_tok_s": e_tps, "graph_equals_eager": same})
         print(f"decode at depth {depth:5}: graph {g_tps:7.1f} tok/s, eager {e_tps:6.1f} tok/s, identical {same}", flush=True)
+    res["decode_vram_peak_allocated"] = torch.cuda.max_memory_allocated()  # (prefill rows reset the peak)
+    res["decode_vram_peak_reserved"] = torch.cuda.max_memory_reserved()
     for chunk in args.prefill_chunks:
         key = "prefill" if chunk == args.prefill_chunks[0] else f"prefill_chunk_{chunk}"
         for n in args.prefill:
-            tps = prefill(model, n, ctx, chunk)
-            res.setdefault(key, []).append({"tokens": n, "tok_s": tps, "chunk": chunk})
-            print(f"prefill {n:5} tokens in chunks of {chunk:4}: {tps:8.1f} tok/s", flush=True)
-    res["vram_peak_allocated"] = torch.cuda.max_memory_allocated()
-    res["vram_peak_reserved"] = torch.cuda.max_memory_reserved()
+            tps, peak = prefill(model, n, ctx, chunk)
+            planned = prefill_activation_bytes(model.spec, chunk, ctx)
+            res.setdefault(key, []).append({"tokens": n, "tok_s": tps, "chunk": chunk, "temporaries_peak": peak,
+                                            "temporaries_planned": planned})
+            print(f"prefill {n:5} tokens in chunks of {chunk:4}: {tps:8.1f} tok/s, temporaries "
+                  f"{peak / 2**20:.0f} MiB (planned {planned / 2**20:.0f})", flush=True)
     args.json.write_text(json.dumps(res, indent=1) + "\n")
     if not all(d["graph_equals_eager"] for d in res["decode"]):
         raise SystemExit("graph replay and eager decode differ")

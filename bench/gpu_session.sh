@@ -68,7 +68,7 @@ for step in $steps; do
       build=$!
       [ -f "$model" ] || python3 -m repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 8 --skew reference -o "$model" >/dev/null
       # (ours runs while llama.cpp compiles at nice 19: any contention is counted against us)
-      python3 bench/decode_bench.py "$model" --json "${OUT:-$work}/decode_bench.json" || echo "decode_bench failed (rc $?)"
+      python3 bench/decode_bench.py "$model" --json "${OUT:-$work}/decode_bench.json" ${DECODE_ARGS:-} || echo "decode_bench failed (rc $?)"
       wait "$build" || { tail -20 "$work/llama_build.log"; exit 1; }
       tail -1 "$work/llama_build.log"
       bash bench/llama_bench.sh --no-build "$model"

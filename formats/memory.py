@@ -5,11 +5,21 @@ budget) count these the same way, so they live here, next to the spec they read.
 """
 from __future__ import annotations
 
-from .archs import FULL, LINEAR, SLIDING, ModelSpec
+from .archs import FULL, LINEAR, MOE, SLIDING, ModelSpec
 
 # CUDA context, cuBLAS/Triton workspaces and the allocator's slack. Measured on the GPU machine
 # as the reserved-minus-tensors gap of a decode run; see BENCHMARKS.md.
 RUNTIME_OVERHEAD_BYTES = 768 * 1024**2
+
+# Tokens per forward call of a long prompt. A call costs a few thousand launches whatever its
+# length, so larger chunks prefill faster (on the H100, a 4096-token prompt went 2.4x faster in
+# 2048-token chunks than in 512-token ones: BENCHMARKS.md) for activation memory, counted by
+# ``prefill_activation_bytes``.
+PREFILL_CHUNK = 2048
+# Tokens per block of the chunked DeltaNet prefill (runtime.models.qwen35moe).
+DELTANET_CHUNK = 64
+# Attention scores held at once: a long chunk's queries go in pieces (runtime.layers.attention).
+ATTN_SCORES_MAX = 1 << 25
 
 
 # Bytes per cached key/value element by KV cache type ("auto": the activations' 2-byte dtype;
@@ -41,3 +51,39 @@ def recurrent_state_bytes(spec: ModelSpec, bytes_per_value: int = 4) -> int:
     conv_channels = d_inner + 2 * h["ssm_group_count"] * d_state
     per_layer = n_v_heads * d_state * head_v + conv_channels * (h["ssm_conv_kernel"] - 1)
     return n_linear * per_layer * bytes_per_value
+
+
+def prefill_activation_bytes(spec: ModelSpec, chunk: int = PREFILL_CHUNK, ctx: int = 4096) -> int:
+    """Temporaries of one prefill call of ``chunk`` tokens at their peak: the hungriest layer's
+    (a layer's temporaries are freed before the next one runs) plus the hidden states passed
+    between layers. Counted from the runtime's float32 working tensors, per token:
+
+    - chunked DeltaNet, per value head: q, k, v (and their copies padded to whole blocks), the
+      block-local decay, A and QK^T (``DELTANET_CHUNK`` values each), the triangular solve's
+      right-hand side and result (d_k + d_v), the decayed keys and the output;
+    - attention: one query piece's scores (at most ``ATTN_SCORES_MAX``), masked and softmaxed;
+    - MoE: per routed (token, expert) pair, its SwiGLU activations and its down projection.
+    """
+    hidden = chunk * 8 * spec.n_embd * 4  # residual, normed input, projections' outputs (float32 bound)
+    worst = 0
+    for il, kind in enumerate(spec.layers):
+        if kind.attention == LINEAR:
+            h = spec.hparams
+            n_v, d_k = int(h["ssm_time_step_rank"]), int(h["ssm_state_size"])
+            d_v = int(h["ssm_inner_size"]) // max(n_v, 1)
+            padded = -(-chunk // DELTANET_CHUNK) * DELTANET_CHUNK
+            per_head = 2 * (2 * d_k + d_v) + 4 * DELTANET_CHUNK + 2 * (d_k + d_v) + d_k + d_v
+            layer = padded * n_v * per_head * 4
+        else:
+            scores = min(ATTN_SCORES_MAX, spec.n_head[il] * chunk * max(ctx, chunk))
+            layer = 3 * scores * 4 + 4 * chunk * spec.n_head[il] * spec.head_dim * 4
+        if kind.ffn == MOE:
+            layer = max(layer, chunk * spec.n_expert_used * (spec.n_ff_exp + spec.n_embd) * 4)
+        worst = max(worst, layer)
+    return hidden + worst
+
+
+def runtime_bytes(spec: ModelSpec, ctx: int, chunk: int = PREFILL_CHUNK) -> int:
+    """What the runtime needs besides weights, KV cache and recurrent state: its fixed overhead
+    and a prefill call's temporaries."""
+    return RUNTIME_OVERHEAD_BYTES + prefill_activation_bytes(spec, chunk, ctx)

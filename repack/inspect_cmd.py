@@ -11,7 +11,7 @@ import click
 from formats.archs import model_spec
 from formats.experts import expert_nbytes, expert_tensor_names
 from formats.gguf_file import GGUFModel
-from formats.memory import RUNTIME_OVERHEAD_BYTES, kv_cache_bytes, recurrent_state_bytes
+from formats.memory import kv_cache_bytes, recurrent_state_bytes, runtime_bytes
 
 from .units import fmt_size
 
@@ -52,6 +52,7 @@ def gguf_report(path: Path, ctx: int) -> dict[str, Any]:
     expert_bytes = by_group["routed experts"]["bytes"]
     kv = kv_cache_bytes(spec, ctx)
     state = recurrent_state_bytes(spec)
+    runtime = runtime_bytes(spec, ctx)
     per_expert = {il: expert_nbytes(model, spec, il) for il in spec.moe_layers}
     report = {
         "file": str(path),
@@ -77,8 +78,8 @@ def gguf_report(path: Path, ctx: int) -> dict[str, Any]:
         "ctx": ctx,
         "kv_cache_bytes": kv,
         "recurrent_state_bytes": state,
-        "runtime_overhead_bytes": RUNTIME_OVERHEAD_BYTES,
-        "vram_all_gpu_bytes": tensor_bytes + kv + state + RUNTIME_OVERHEAD_BYTES,
+        "runtime_overhead_bytes": runtime,
+        "vram_all_gpu_bytes": tensor_bytes + kv + state + runtime,
     }
     model.close()
     return report

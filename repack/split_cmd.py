@@ -12,7 +12,7 @@ from formats.archs import ModelSpec, model_spec
 from formats.errors import SparkpackError
 from formats.experts import expert_nbytes, expert_tensor_names
 from formats.gguf_file import GGUFModel
-from formats.memory import RUNTIME_OVERHEAD_BYTES, kv_cache_bytes, recurrent_state_bytes
+from formats.memory import kv_cache_bytes, recurrent_state_bytes, runtime_bytes
 
 from formats.placement import Plan, default_cache_slots, make_plan
 from .units import SIZE, fmt_size
@@ -42,20 +42,20 @@ def compute_budget(model: GGUFModel, spec: ModelSpec, vram: int | None, hot_frac
     experts = expert_tensor_names(spec)
     per_expert = {il: expert_nbytes(model, spec, il) for il in spec.moe_layers}
     non_expert = sum(t.nbytes for t in model.tensors.values() if t.name not in experts)
-    kv, state = kv_cache_bytes(spec, ctx), recurrent_state_bytes(spec)
+    kv, state, runtime = kv_cache_bytes(spec, ctx), recurrent_state_bytes(spec), runtime_bytes(spec, ctx)
     slot = max(per_expert.values(), default=0)
-    fixed = non_expert + kv + state + cache_slots * slot + RUNTIME_OVERHEAD_BYTES
+    fixed = non_expert + kv + state + cache_slots * slot + runtime
     if vram is not None:
         if vram < fixed:
             raise SparkpackError(model.path, f"VRAM budget {fmt_size(vram)} is too small: non-expert weights "
                                              f"{fmt_size(non_expert)}, KV cache {fmt_size(kv)}, recurrent state "
                                              f"{fmt_size(state)}, {cache_slots} cache slots {fmt_size(cache_slots * slot)} "
-                                             f"and runtime {fmt_size(RUNTIME_OVERHEAD_BYTES)} need {fmt_size(fixed)}")
+                                             f"and runtime (prefill included) {fmt_size(runtime)} need {fmt_size(fixed)}")
         left = vram - fixed
     else:
         frac = DEFAULT_HOT_FRACTION if hot_fraction is None else hot_fraction
         left = int(frac * sum(per_expert.values()) * spec.n_expert + 0.5)
-    return Budget(vram, non_expert, kv, state, cache_slots, slot, RUNTIME_OVERHEAD_BYTES, left)
+    return Budget(vram, non_expert, kv, state, cache_slots, slot, runtime, left)
 
 
 def print_plan(plan: Plan, budget: Budget, n_experts: int, profile_name: str | None) -> None:

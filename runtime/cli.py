@@ -23,7 +23,7 @@ from pathlib import Path
 import click
 
 from formats.errors import SparkpackError, cli_entry
-from formats.memory import KV_BYTES_PER_VALUE
+from formats.memory import KV_BYTES_PER_VALUE, PREFILL_CHUNK
 from repack.units import SizeParam
 
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
@@ -163,6 +163,8 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
               help="Context the KV cache is allocated for (and --vram reserves); decode steps replay a CUDA graph up to it.")
 @click.option("--kv-type", type=click.Choice(list(KV_BYTES_PER_VALUE)), default="auto", show_default=True,
               help="KV cache storage: auto (the activations' dtype, bf16 on a GPU) or q8_0 (about half the memory).")
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=PREFILL_CHUNK, show_default=True,
+              help="Prompt tokens per forward call: larger prefills faster, for more activation memory (--vram plans for it).")
 @click.option("--store/--no-store", "use_store", default=None,
               help="Use the tiered expert store [on for cuda or when a store option is given].")
 @click.option("--stats-json", type=click.Path(dir_okay=False, path_type=Path),
@@ -178,7 +180,7 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
 def run_cmd(model_path: Path, prompt: str | None, system: str | None, raw: bool, prompt_ids: str | None,
             logits_out: Path | None, device: str, dtype_name: str, expert_cache: int, vram: int | None,
             hot_fraction: float | None, cache_slots: int | None, profile_path: Path | None, stream_mode: str,
-            prefetch: bool, host_ram: int | None, ctx: int, kv_type: str, use_store: bool | None, stats_json: Path | None, max_tokens: int,
+            prefetch: bool, host_ram: int | None, ctx: int, kv_type: str, prefill_chunk: int, use_store: bool | None, stats_json: Path | None, max_tokens: int,
             temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
             seed: int | None) -> None:
     if logits_out is not None and prompt_ids is None:
@@ -194,7 +196,8 @@ def run_cmd(model_path: Path, prompt: str | None, system: str | None, raw: bool,
         from .residency import StoreOptions
 
         store = StoreOptions(vram, hot_fraction, cache_slots, profile_path, stream_mode,
-                             host_ram if host_ram is not None else default_host_ram(), ctx, prefetch, kv_type=kv_type)
+                             host_ram if host_ram is not None else default_host_ram(), ctx, prefetch, kv_type=kv_type,
+                             prefill_chunk=prefill_chunk)
     import torch
 
     try:
@@ -202,7 +205,8 @@ def run_cmd(model_path: Path, prompt: str | None, system: str | None, raw: bool,
         if model.residency is not None:
             report_residency(model)
         session = run_session(model, prompt, system, raw, prompt_ids, logits_out, max_tokens,
-                              make_sampler(temperature, top_k, top_p, min_p, repeat_penalty, seed), ctx, kv_type)
+                              make_sampler(temperature, top_k, top_p, min_p, repeat_penalty, seed), ctx, kv_type,
+                              prefill_chunk)
     except torch.cuda.OutOfMemoryError as e:
         if os.environ.get("SPARKPACK_DEBUG"):
             raise
@@ -216,11 +220,11 @@ def run_cmd(model_path: Path, prompt: str | None, system: str | None, raw: bool,
 
 
 def run_session(model, prompt, system, raw, prompt_ids, logits_out, max_tokens, sampler, ctx: int,
-                kv_type: str = "auto"):
+                kv_type: str = "auto", prefill_chunk: int = PREFILL_CHUNK):
     """The run itself; returns the generation session (for statistics) or None."""
     from .generate import Session
 
-    session = Session(model, ctx=ctx, kv_type=kv_type)
+    session = Session(model, ctx=ctx, kv_type=kv_type, prefill_chunk=prefill_chunk)
     if prompt_ids is not None:
         ids = parse_ids(prompt_ids, model.spec.n_vocab)
         if logits_out is not None:

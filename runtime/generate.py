@@ -13,6 +13,8 @@ from typing import Protocol
 
 import torch
 
+from formats.memory import PREFILL_CHUNK
+
 from .graph import DecodeGraph, capturable
 from .models.base import MoEModel
 
@@ -33,7 +35,6 @@ class Timing:
     capture_seconds: float = 0.0  # one-off: the decode step that captured the CUDA graph
 
 
-PREFILL_CHUNK = 512  # bounds activation memory (attention scores, expert inputs) of long prompts
 DEFAULT_CTX = 4096
 
 

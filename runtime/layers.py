@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from formats.memory import ATTN_SCORES_MAX
+
 from .cache import KVCache
 
 
@@ -170,8 +172,6 @@ def attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: 
         return _attend(q, k, v, qpos, kpos, window)
     return torch.cat([_attend(q[i:i + rows], k, v, qpos[i:i + rows], kpos, window) for i in range(0, T, rows)])
 
-
-ATTN_SCORES_MAX = 1 << 25  # attention scores held at once (128 MiB in fp32)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,

@@ -16,7 +16,7 @@ import numpy as np
 
 from formats.archs import ModelSpec
 from formats.errors import SparkpackError
-from formats.memory import KV_BYTES_PER_VALUE, RUNTIME_OVERHEAD_BYTES, kv_cache_bytes, recurrent_state_bytes
+from formats.memory import KV_BYTES_PER_VALUE, PREFILL_CHUNK, kv_cache_bytes, recurrent_state_bytes, runtime_bytes
 from formats.placement import default_cache_slots, expert_scores, make_plan
 from formats.profile import Profile, default_profile_path, model_identity
 
@@ -44,6 +44,7 @@ class StoreOptions:
     prefetch: bool = True  # guess layers' experts and copy cold ones ahead (zero-copy mode)
     prefetch_min_misses: float | None = None  # None: PREFETCH_MIN_MISSES
     kv_type: str = "auto"  # KV cache element type (runtime.cache.KV_TYPES)
+    prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per forward call (their temporaries are planned for)
 
 
 @dataclass
@@ -91,7 +92,7 @@ def plan_residency(spec: ModelSpec, tensors: dict, expert_names: set[str], slot_
                    dtype_bytes: int, *, pack_hot: np.ndarray | None = None, profile: Profile | None = None,
                    profile_name: str | None = None, vram: int | None = None, hot_fraction: float | None = None,
                    cache_slots: int | None = None, ctx: int = 4096, prefetch_min_misses: float | None = None,
-                   kv_type: str = "auto", where: object = None) -> Residency:
+                   kv_type: str = "auto", prefill_chunk: int = PREFILL_CHUNK, where: object = None) -> Residency:
     """The hot set and slot count. Precedence: ``vram`` (size everything to fit), then
     ``hot_fraction`` (that share of expert bytes), then the pack's own placement, then all hot
     (a GGUF with no budget runs all-GPU). With ``prefetch_min_misses`` (None: no prefetch), the
@@ -114,12 +115,14 @@ def plan_residency(spec: ModelSpec, tensors: dict, expert_names: set[str], slot_
         dense = sum(math.prod(t.shape) * dtype_bytes for t in tensors.values() if t.name not in expert_names)
         kv_value = dtype_bytes if kv_type == "auto" else KV_BYTES_PER_VALUE[kv_type]
         kv, state = kv_cache_bytes(spec, ctx, kv_value), recurrent_state_bytes(spec)
-        fixed = dense + kv + state + RUNTIME_OVERHEAD_BYTES
+        runtime = runtime_bytes(spec, ctx, prefill_chunk)
+        fixed = dense + kv + state + runtime
         left = vram - fixed - slots * slot
         if left < 0:
             raise SparkpackError(where, f"VRAM budget {vram / 1024**3:.2f} GiB is too small: dense weights "
                                         f"{dense / 1024**3:.2f} GiB, KV cache {kv / 1024**3:.2f} GiB at ctx {ctx}, "
-                                        f"state and runtime {(state + RUNTIME_OVERHEAD_BYTES) / 1024**3:.2f} GiB and "
+                                        f"state and runtime (prefill chunks of {prefill_chunk}) "
+                                        f"{(state + runtime) / 1024**3:.2f} GiB and "
                                         f"{slots} cache slots {slots * slot / 1024**3:.2f} GiB need "
                                         f"{(fixed + slots * slot) / 1024**3:.2f} GiB")
         plan = make_plan(*shape, slot_bytes, left, counts, tokens)
@@ -130,7 +133,7 @@ def plan_residency(spec: ModelSpec, tensors: dict, expert_names: set[str], slot_
                 extra = prefetch(plan.hot)
             else:
                 extra = {"cache_bytes": slots * slot, "prefetch_slots": 0, "prefetch_layers": None}
-        return Residency(plan.hot, slots, f"--vram budget, {what}", vram, dense, kv, state, RUNTIME_OVERHEAD_BYTES,
+        return Residency(plan.hot, slots, f"--vram budget, {what}", vram, dense, kv, state, runtime,
                          plan.hot_bytes, expected_cold_rate=_cold_rate(plan.hot, profile), **extra)
     if hot_fraction is not None:
         plan = make_plan(*shape, slot_bytes, int(hot_fraction * all_bytes + 0.5), counts, tokens)

@@ -306,3 +306,43 @@ def test_kv_accounting_matches_the_buffers_the_session_allocates(synth_model, kv
                     for t in (la.k, la.v, la.k_scale, la.v_scale) if t is not None)
     per_value = 4 if kv_type == "auto" else KV_BYTES_PER_VALUE[kv_type]  # float32 activations on the CPU
     assert allocated == kv_cache_bytes(model.spec, 256, per_value)
+
+
+def test_prefill_chunk_temporaries_are_planned_for(synth_model):
+    """--vram plans a prefill call's temporaries for the chunk the session will use: a larger
+    chunk leaves less for experts, and a budget that cannot hold them says so."""
+    from formats.archs import model_spec
+    from formats.errors import SparkpackError
+    from formats.gguf_file import GGUFModel
+    from formats.memory import prefill_activation_bytes, runtime_bytes
+
+    gguf = synth_model("qwen35moe", "Q8_0")
+    spec = model_spec(GGUFModel(gguf))
+    small, large = prefill_activation_bytes(spec, 64, 512), prefill_activation_bytes(spec, 4096, 512)
+    assert 0 < small < large
+    plans = [load_model(gguf, store=StoreOptions(vram=2**31, ctx=512, prefill_chunk=c)).residency for c in (64, 4096)]
+    assert [p.overhead_bytes for p in plans] == [runtime_bytes(spec, 512, c) for c in (64, 4096)]
+    assert plans[1].hot_bytes <= plans[0].hot_bytes
+    need = plans[0].vram - (plans[0].overhead_bytes - small)  # what 64-token chunks leave, minus their temporaries
+    with pytest.raises(SparkpackError, match="prefill chunks of 1000000"):
+        load_model(gguf, store=StoreOptions(vram=need, ctx=512, prefill_chunk=1_000_000))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["qwen35moe", "laguna"])
+def test_prefill_temporaries_stay_within_the_plan(synth_model, arch):
+    """The device memory a prefill call adds at its peak is at most what the plan counts."""
+    from formats.memory import prefill_activation_bytes
+
+    model = load_model(synth_model(arch, "Q8_0"), device="cuda", dtype=torch.bfloat16,
+                       store=StoreOptions(hot_fraction=1.0, ctx=1024))
+    for chunk in (128, 700):
+        session = Session(model, ctx=1024, prefill_chunk=chunk)
+        session.feed(list(range(3, 3 + chunk)))  # warm: compiles, allocates the cache
+        session.reset()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        session.feed(list(range(5, 5 + chunk)))
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() - base <= prefill_activation_bytes(model.spec, chunk, 1024)

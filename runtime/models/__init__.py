@@ -77,7 +77,8 @@ def open_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOption
                                pack_hot=pack.hot if pack is not None else None, profile=profile,
                                profile_name=profile_name, vram=opts.vram, hot_fraction=opts.hot_fraction,
                                cache_slots=opts.cache_slots, ctx=opts.ctx,
-                               prefetch_min_misses=min_misses, kv_type=opts.kv_type, where=source.path)
+                               prefetch_min_misses=min_misses, kv_type=opts.kv_type,
+                               prefill_chunk=opts.prefill_chunk, where=source.path)
     store = ExpertStore(experts_src, spec, device, dtype, residency.hot, residency.cache_slots, opts.mode,
                         opts.host_bytes, prefetch=residency.prefetch_layers)
     if store.n_prefetch != residency.prefetch_slots:  # the store streams otherwise (async, disk tier)

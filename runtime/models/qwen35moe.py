@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from formats.archs import LINEAR
+from formats.memory import DELTANET_CHUNK
 
 from ..cache import Cache, RecurrentState
 from ..experts import moe
@@ -22,7 +23,7 @@ from ..layers import Rope, attention, l2_norm, positions, rms_norm, rope_inv_fre
 from .base import MoEModel
 
 
-CHUNK = 64  # tokens per step of the chunked prefill; shorter inputs run the recurrent form
+CHUNK = DELTANET_CHUNK  # tokens per block of the chunked prefill (formats.memory plans its temporaries)
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
