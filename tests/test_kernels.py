@@ -581,5 +581,5 @@ def test_deltanet_chunk_states_match_the_torch_loop(T, d_k, d_v, chunk) -> None:
     o_ref, s_ref = gated_delta_rule_chunked(*args, chunk=chunk)
     o, s = gated_delta_rule_chunked(*args, chunk=chunk, fused=True)
     assert o.shape == o_ref.shape == (T, H, d_v) and s.shape == s_ref.shape
-    assert rel_l2(o, o_ref) < 1e-5 and rel_l2(s, s_ref) < 1e-5
+    assert rel_l2(o.cpu(), o_ref.cpu()) < 1e-5 and rel_l2(s.cpu(), s_ref.cpu()) < 1e-5
     assert torch.equal(args[-1].cpu(), state)

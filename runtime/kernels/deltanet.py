@@ -24,8 +24,11 @@ reference (CPU, prefill).
    from chunk to chunk: three small products per chunk, about seven torch launches each, so a
    512-token prompt cost ~1700 launches over 30 layers and the host, not the GPU, set the pace.
    One program per (value head, block of state columns) keeps its state block in registers and
-   walks the chunks in order. Its products run in full float32 (``ieee``), as torch's float32
-   matmuls do by default, so the fused and torch forms agree to float32 round-off.
+   walks the chunks in order. Its products run as three-pass TF32 (``tf32x3``: float32-level
+   accuracy on the tensor cores; plain float32 FMA products ran out of registers and made a
+   2048-token chunk slower than the torch loop), so the fused and torch forms agree to float32
+   round-off. Row-major inputs keep its loads coalesced (the solve's column-major outputs are
+   copied first).
 """
 from __future__ import annotations
 
@@ -135,15 +138,15 @@ def _chunk_state_kernel(w_ptr, q_ptr, u0_ptr, qk_ptr, eg_ptr, kd_ptr, keep_ptr, 
     for n in range(n_chunks):
         W = tl.load(w_ptr + h * sw_h + n * sw_n + r[:, None] * sw_r + i[None, :] * sw_c, mask=mi[None, :], other=0.0)
         U = tl.load(u0_ptr + h * su_h + n * su_n + r[:, None] * su_r + j[None, :] * su_c, mask=mj[None, :], other=0.0)
-        U = U - tl.dot(W, S, input_precision="ieee")  # U = U0 - W S0
+        U = U - tl.dot(W, S, input_precision="tf32x3")  # U = U0 - W S0
         Q = tl.load(q_ptr + h * sq_h + n * sq_n + r[:, None] * sq_r + i[None, :] * sq_c, mask=mi[None, :], other=0.0)
         QK = tl.load(qk_ptr + h * sqk_h + n * sqk_n + r[:, None] * sqk_r + r[None, :] * sqk_c)
         eg = tl.load(eg_ptr + h * seg_h + n * seg_n + r * seg_r)
-        O = eg[:, None] * tl.dot(Q, S, input_precision="ieee") + tl.dot(QK, U, input_precision="ieee")
+        O = eg[:, None] * tl.dot(Q, S, input_precision="tf32x3") + tl.dot(QK, U, input_precision="tf32x3")
         tl.store(out_ptr + h * so_h + n * so_n + r[:, None] * so_r + j[None, :], O, mask=mj[None, :])
         KdT = tl.load(kd_ptr + h * skd_h + n * skd_n + r[None, :] * skd_r + i[:, None] * skd_c, mask=mi[:, None],
                       other=0.0)
-        S = tl.load(keep_ptr + h * skp_h + n * skp_n) * S + tl.dot(KdT, U, input_precision="ieee")
+        S = tl.load(keep_ptr + h * skp_h + n * skp_n) * S + tl.dot(KdT, U, input_precision="tf32x3")
     tl.store(state_ptr + s_offs, S, mask=ms)
 
 
@@ -171,5 +174,5 @@ def deltanet_chunk_states(W: torch.Tensor, Q: torch.Tensor, U0: torch.Tensor, QK
         + list(out.stride()[:3])
     _chunk_state_kernel[(H, triton.cdiv(d_v, block_v))](W, Q, U0, QK, eG, Kd, keep, state, out, n, d_k, d_v,
                                                         *strides, C=C, BLOCK_K=max(16, triton.next_power_of_2(d_k)),
-                                                        BLOCK_V=block_v, num_warps=4)
+                                                        BLOCK_V=block_v, num_warps=8, num_stages=1)
     return out

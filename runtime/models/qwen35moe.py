@@ -82,7 +82,7 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         from ..kernels.deltanet import deltanet_chunk_states
 
         state = state.clone(memory_format=torch.contiguous_format)
-        out = deltanet_chunk_states(W, qc, U0, QK, eG[..., 0], kdec, keep, state)
+        out = deltanet_chunk_states(W.contiguous(), qc, U0.contiguous(), QK, eG[..., 0], kdec, keep, state)
     else:
         WQ = torch.cat((W, qc), -2)  # one product with the state gives W S0 and Q S0
         kdec_t = kdec.transpose(-1, -2)
