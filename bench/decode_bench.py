@@ -1,10 +1,12 @@
 """All-GPU decode and prefill speed of the runtime, in llama-bench's terms (CUDA).
 
     python bench/decode_bench.py M.gguf [--depths 128 1024 4096] [--prefill 512 4096] [--tokens 64]
+                                        [--prefill-chunks 2048 512 4096]
 
 Decode: prefill ``depth`` tokens, then time ``--tokens`` greedy steps (tok/s at that KV depth),
 replayed from a CUDA graph and, for comparison, eagerly. Prefill: tok/s of a fresh prompt of
-each length (chunks of 512). Also: the graph and eager steps must give the same tokens and logits.
+each length, in calls of each ``--prefill-chunks`` size (default: the runtime's), with the
+device memory each call's temporaries took next to what the VRAM plan counts for them. Also: the graph and eager steps must give the same tokens and logits.
 Writes JSON to $OUT/decode_bench.json (or --json).
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ budget) count these the same way, so they live here, next to the spec they read.
 """
 from __future__ import annotations
 
-from .archs import FULL, LINEAR, MOE, SLIDING, ModelSpec
+from .archs import DENSE, FULL, LINEAR, MOE, SLIDING, ModelSpec
 
 # CUDA context, cuBLAS/Triton workspaces and the allocator's slack. Measured on the GPU machine
 # as the reserved-minus-tensors gap of a decode run; see BENCHMARKS.md.
@@ -62,7 +62,8 @@ def prefill_activation_bytes(spec: ModelSpec, chunk: int = PREFILL_CHUNK, ctx: i
       block-local decay, A and QK^T (``DELTANET_CHUNK`` values each), the triangular solve's
       right-hand side and result (d_k + d_v), the decayed keys and the output;
     - attention: one query piece's scores (at most ``ATTN_SCORES_MAX``), masked and softmaxed;
-    - MoE: per routed (token, expert) pair, its SwiGLU activations and its down projection.
+    - MoE: per routed (token, expert) pair, its SwiGLU activations and its down projection;
+      a dense MLP: its gate, up and their product.
     """
     hidden = chunk * 8 * spec.n_embd * 4  # residual, normed input, projections' outputs (float32 bound)
     worst = 0
@@ -79,6 +80,8 @@ def prefill_activation_bytes(spec: ModelSpec, chunk: int = PREFILL_CHUNK, ctx: i
             layer = 3 * scores * 4 + 4 * chunk * spec.n_head[il] * spec.head_dim * 4
         if kind.ffn == MOE:
             layer = max(layer, chunk * spec.n_expert_used * (spec.n_ff_exp + spec.n_embd) * 4)
+        elif kind.ffn == DENSE:  # gate, up and their product
+            layer = max(layer, chunk * 3 * spec.n_ff_dense * 4)
         worst = max(worst, layer)
     return hidden + worst
 

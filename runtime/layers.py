@@ -173,7 +173,6 @@ def attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: 
     return torch.cat([_attend(q[i:i + rows], k, v, qpos[i:i + rows], kpos, window) for i in range(0, T, rows)])
 
 
-
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,
             window: int) -> torch.Tensor:
     """``attention`` for queries ``q [T, H, d]`` at positions ``qpos [T, 1]`` over keys/values
