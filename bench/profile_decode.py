@@ -4,8 +4,7 @@
 
 Prints wall time per token, kernel launches per token, and the top operators by host time and
 by device time, so launch overhead and slow kernels can be told apart (``--steps 0`` skips
-decode); then the same for one prefill of ``--prefill`` tokens, with host time also by the
-source lines that issued it (``--stacks``).
+decode); then the same for one prefill of ``--prefill`` tokens.
 """
 from __future__ import annotations
 
@@ -32,7 +31,6 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--prefill", type=int, default=512, help="prompt length of the profiled prefill")
-    ap.add_argument("--stacks", action="store_true", help="prefill host time by issuing source line")
     args = ap.parse_args()
     t0 = time.perf_counter()
     model = load_model(args.model, device="cuda", dtype=torch.bfloat16,
@@ -72,13 +70,10 @@ def main() -> None:
     dt = time.perf_counter() - t0
     print(f"prefill {n} tokens (warm): {dt:.3f} s ({n / dt:.0f} tok/s)", flush=True)
     session.reset()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.stacks) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         session.feed(list(range(300, 300 + n)))
         torch.cuda.synchronize()
     report(prof, 1, "prefill", args.rows)
-    if args.stacks:
-        print(prof.key_averages(group_by_stack_n=4).table(sort_by="self_cpu_time_total", row_limit=args.rows,
-                                                          max_name_column_width=40, max_src_column_width=90))
 
 
 def report(prof, per: int, unit: str, rows: int) -> None:

@@ -122,8 +122,11 @@ def test_cuda_request_without_a_gpu_is_a_clear_error(qwen, monkeypatch, capsys):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_spark_run_on_the_gpu_gives_all_gpu_logits_at_partial_residency(synth_model, tmp_path, monkeypatch, capsys):
-    """Through the command line on the GPU (bf16, fused kernels, CUDA graphs for decode): 30% of
+    """Through the command line on the GPU (bf16, fused kernels): 30% of
     the experts hot, the rest streamed, writes the bits of the all-hot run."""
+    from formats.archs import model_spec
+    from formats.gguf_file import GGUFModel
+
     gguf = synth_model("qwen35moe", "Q4_K_M")
     ids = ",".join(str(i) for i in range(3, 60))
     got = []
@@ -133,14 +136,7 @@ def test_spark_run_on_the_gpu_gives_all_gpu_logits_at_partial_residency(synth_mo
                                 "--prompt-ids", ids, "--logits-out", str(out)], monkeypatch, capsys)
         assert code == 0, err
         got.append(np.load(out))
-    assert got[0].shape == (57, model_spec_vocab(gguf)) and np.array_equal(got[0], got[1])
-
-
-def model_spec_vocab(gguf: Path) -> int:
-    from formats.archs import model_spec
-    from formats.gguf_file import GGUFModel
-
-    return model_spec(GGUFModel(gguf)).n_vocab
+    assert got[0].shape == (57, model_spec(GGUFModel(gguf)).n_vocab) and np.array_equal(got[0], got[1])
 
 
 @pytest.mark.parametrize("compress", [False, True])
