@@ -9,6 +9,7 @@ shape, so a fast wrong kernel cannot pass.
     python bench/kernels_bench.py --qtypes Q4_K Q6_K --batches 1 --dtype float32
     python bench/kernels_bench.py --block-n 0 4 8 16 32   # sweep rows per program (0 = default)
     python bench/kernels_bench.py --only prefill --moe-tiles 16,32,4 64,64,8   # grouped MoE tiles
+    python bench/kernels_bench.py --only dense --gemv-tiles 4,4 8,4 2,2   # one-token dense GEMV
 
 Needs only torch and triton (no gguf): blocks are generated and dequantized by
 ``runtime.kernels.reference``. Run from anywhere; the repository root is put on sys.path.
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from runtime.kernels import dense  # noqa: E402
 from runtime.kernels import qmatvec as qmv  # noqa: E402
 from runtime.kernels.moe import moe_experts  # noqa: E402
 from runtime.kernels.reference import dequantize_rows, random_blocks  # noqa: E402
@@ -163,6 +165,62 @@ def bench_moe_prefill(args: argparse.Namespace, gen: torch.Generator) -> bool:
     return ok
 
 
+# (name, K, [(rows, qtype), ...]): a decode step's dense projections in the Qwen3.6-35B-A3B Q4_K_M
+# file (its layers' stacked groups as one launch each; Q6_K where llama.cpp's *_M mix bumps them)
+DENSE_SHAPES = [
+    ("deltanet_in", 2048, [(8192, qmv.Q4_K), (4096 + 64, qmv.Q4_K)]),
+    ("deltanet_in_q6", 2048, [(8192, qmv.Q6_K), (4096 + 64, qmv.Q4_K)]),
+    ("ssm_out", 4096, [(2048, qmv.Q4_K)]),
+    ("ffn_in", 2048, [(257, dense.F32), (1024, qmv.Q4_K)]),
+    ("shexp_down_q6", 512, [(2048, qmv.Q6_K)]),
+    ("attn_qkv", 2048, [(8192 + 512, qmv.Q4_K), (512, qmv.Q6_K)]),
+    ("output_head", 2048, [(248320, qmv.Q6_K)]),
+]
+
+
+def _dense_weight(rows: int, qtype: int, K: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw bytes, fp32 reference) of one segment."""
+    if qtype in dense.FLOAT_TYPES:
+        w = torch.randn(rows, K, generator=gen, device="cuda").mul_(0.02).to(dense.FLOAT_TYPES[qtype])
+        return w.view(torch.uint8).reshape(rows, -1), w.float()
+    raw = random_blocks(qtype, rows, K, gen)
+    return raw, dequantize_rows(raw, qtype, K)
+
+
+def bench_dense(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator) -> bool:
+    """The one-token GEMV over a layer's stacked projections against cuBLAS on the same weights
+    held in bf16 (what the runtime kept before) and qmatvec's byte-wise kernel, one launch per
+    segment."""
+    ok = True
+    tiles = [tuple(int(v) for v in t.split(",")) for t in args.gemv_tiles] or [None]
+    print(f"{'shape':16} {'tile':7} {'us':>8} {'GB/s':>7} {'%copy':>6} {'bf16 us':>8} {'qmatvec us':>10} {'rel-L2':>9}")
+    for name, K, parts in DENSE_SHAPES:
+        segs = [_dense_weight(rows, qt, K, gen) for rows, qt in parts]
+        x = torch.randn(1, K, generator=gen, device="cuda").to(torch.bfloat16)
+        ref = x.float() @ torch.cat([w for _, w in segs]).T
+        out = torch.empty(1, ref.shape[1], dtype=torch.bfloat16, device="cuda")
+        w16 = torch.cat([w for _, w in segs]).to(torch.bfloat16)
+        bf16_ms = median_ms(lambda: torch.nn.functional.linear(x, w16))
+        del w16
+        qs = [(raw, qt) for (raw, _), (_, qt) in zip(segs, parts)]
+        old = [qmv.qmatvec(x, raw, qt, K) for raw, qt in qs if qt not in dense.FLOAT_TYPES]
+        old_ms = median_ms(lambda: [qmv.qmatvec(x, raw, qt, K) for raw, qt in qs if qt not in dense.FLOAT_TYPES])
+        del old
+        nbytes = sum(raw.numel() for raw, _ in qs) + x.numel() * 2 + out.numel() * 2
+        for tile in tiles:
+            dense.gemv(x, qs, out, tile=tile)
+            err = rel_l2(out.float(), ref)
+            good = err < 1e-2
+            ok &= good
+            ms = median_ms(lambda: dense.gemv(x, qs, out, tile=tile))
+            gbs = nbytes / ms / 1e6
+            label = "auto" if tile is None else "x".join(map(str, tile))
+            print(f"{name:16} {label:7} {ms * 1e3:8.1f} {gbs:7.0f} {100 * gbs / copy_gbs:5.0f}% {bf16_ms * 1e3:8.1f} "
+                  f"{old_ms * 1e3:10.1f} {err:9.2e}{'' if good else '  FAIL'}")
+        del segs, qs
+    return ok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--qtypes", nargs="+", default=list(QTYPES), choices=list(QTYPES))
@@ -174,7 +232,9 @@ def main() -> None:
     ap.add_argument("--warps", nargs="+", type=int, default=[0], help="warps per MoE program to try; 0 = default")
     ap.add_argument("--prefill-tokens", nargs="+", type=int, default=[16, 128, 512, 2048])
     ap.add_argument("--moe-tiles", nargs="*", default=[], help="grouped tiles to try, as BLOCK_M,BLOCK_N,WARPS")
-    ap.add_argument("--only", choices=["qmatvec", "moe", "prefill"], nargs="+", default=["qmatvec", "moe", "prefill"])
+    ap.add_argument("--gemv-tiles", nargs="*", default=[], help="dense GEMV tiles to try, as ROWS,WARPS")
+    ap.add_argument("--only", choices=["qmatvec", "moe", "prefill", "dense"], nargs="+",
+                    default=["qmatvec", "moe", "prefill", "dense"])
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernels_bench needs a CUDA device")
@@ -189,6 +249,8 @@ def main() -> None:
         ok &= bench_moe(args, copy_gbs, gen)
     if "prefill" in args.only:
         ok &= bench_moe_prefill(args, gen)
+    if "dense" in args.only:
+        ok &= bench_dense(args, copy_gbs, gen)
     sys.exit(0 if ok else 1)
 
 

@@ -20,6 +20,9 @@ PREFILL_CHUNK = 2048
 DELTANET_CHUNK = 64
 # Attention scores held at once: a long chunk's queries go in pieces (runtime.layers.attention).
 ATTN_SCORES_MAX = 1 << 25
+# Weights a multi-token projection expands at once from quantized bytes (runtime.quant_linear):
+# a band of rows for cuBLAS, in the activations' 2-byte dtype.
+DEQUANT_SCRATCH_ELEMENTS = 1 << 25
 
 
 # Bytes per cached key/value element by KV cache type ("auto": the activations' 2-byte dtype;
@@ -63,9 +66,12 @@ def prefill_activation_bytes(spec: ModelSpec, chunk: int = PREFILL_CHUNK, ctx: i
       right-hand side and result (d_k + d_v), the decayed keys and the output;
     - attention: one query piece's scores (at most ``ATTN_SCORES_MAX``), masked and softmaxed;
     - MoE: per routed (token, expert) pair, its SwiGLU activations and its down projection;
-      a dense MLP: its gate, up and their product.
+      a dense MLP: its gate, up and their product;
+    - the band of a quantized dense matrix expanded for cuBLAS (``DEQUANT_SCRATCH_ELEMENTS``, or
+      the largest matrix, the output head, when that is smaller).
     """
-    hidden = chunk * 8 * spec.n_embd * 4  # residual, normed input, projections' outputs (float32 bound)
+    # residual, normed input, projections' outputs (float32 bound), the expanded weight band
+    hidden = chunk * 8 * spec.n_embd * 4 + 2 * min(DEQUANT_SCRATCH_ELEMENTS, spec.n_vocab * spec.n_embd)
     worst = 0
     for il, kind in enumerate(spec.layers):
         if kind.attention == LINEAR:

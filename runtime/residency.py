@@ -1,9 +1,9 @@
 """Which experts start on the GPU and how many cache slots there are, under a VRAM budget.
 
-The runtime's budget differs from ``repack split``'s in one way that matters: dense (non-expert)
-weights are held expanded in the compute dtype here, so they count at that size, not at their
-GGUF size. Everything else is counted the same way (``formats.memory``), and the hot set is the
-same greedy, hits-per-byte choice across layers (``formats.placement``).
+On a GPU the runtime holds dense matrices as their GGUF bytes, as ``repack split`` counts them;
+tensors it expands (norms, vectors, types without a kernel, and everything on the CPU) count at
+the compute dtype's size. Everything else is counted the same way (``formats.memory``), and the
+hot set is the same greedy, hits-per-byte choice across layers (``formats.placement``).
 """
 from __future__ import annotations
 
@@ -92,12 +92,14 @@ def plan_residency(spec: ModelSpec, tensors: dict, expert_names: set[str], slot_
                    dtype_bytes: int, *, pack_hot: np.ndarray | None = None, profile: Profile | None = None,
                    profile_name: str | None = None, vram: int | None = None, hot_fraction: float | None = None,
                    cache_slots: int | None = None, ctx: int = 4096, prefetch_min_misses: float | None = None,
-                   kv_type: str = "auto", prefill_chunk: int = PREFILL_CHUNK, where: object = None) -> Residency:
+                   kv_type: str = "auto", prefill_chunk: int = PREFILL_CHUNK, where: object = None,
+                   quantized_dense: bool = False) -> Residency:
     """The hot set and slot count. Precedence: ``vram`` (size everything to fit), then
     ``hot_fraction`` (that share of expert bytes), then the pack's own placement, then all hot
     (a GGUF with no budget runs all-GPU). With ``prefetch_min_misses`` (None: no prefetch), the
     layers expected to miss at least that many routings per token guess their experts ahead,
-    and ``k`` device slots for the guesses are counted with the cache slots."""
+    and ``k`` device slots for the guesses are counted with the cache slots. ``quantized_dense``:
+    the runtime holds dense matrices as their GGUF bytes (``runtime.weights.held_quantized``)."""
     shape = (spec.n_layer, spec.n_expert)
     slots = default_cache_slots(spec) if cache_slots is None else int(cache_slots)
     slot = max(slot_bytes.values(), default=0)
@@ -112,7 +114,10 @@ def plan_residency(spec: ModelSpec, tensors: dict, expert_names: set[str], slot_
         pf = prefetch_slots if layers is not None else 0
         return {"cache_bytes": (slots + pf) * slot, "prefetch_slots": pf, "prefetch_layers": layers}
     if vram is not None:
-        dense = sum(math.prod(t.shape) * dtype_bytes for t in tensors.values() if t.name not in expert_names)
+        from .weights import held_quantized
+
+        dense = sum(t.nbytes if quantized_dense and held_quantized(t.name, t.shape, t.qtype)
+                    else math.prod(t.shape) * dtype_bytes for t in tensors.values() if t.name not in expert_names)
         kv_value = dtype_bytes if kv_type == "auto" else KV_BYTES_PER_VALUE[kv_type]
         kv, state = kv_cache_bytes(spec, ctx, kv_value), recurrent_state_bytes(spec)
         runtime = runtime_bytes(spec, ctx, prefill_chunk)

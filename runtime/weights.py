@@ -16,6 +16,7 @@ from formats.errors import FormatError
 from formats.gguf_file import GGUFModel
 
 from .dequant import dequantize
+from .quant_linear import QuantLinear, has_kernel, linear, stack
 
 
 CHUNK_ELEMENTS = 1 << 24  # dequantize large matrices this many weights at a time
@@ -46,17 +47,62 @@ def dequantize_bytes(raw: np.ndarray, qtype: int, shape: tuple[int, ...], device
     return out.reshape(out_shape) if whole is None else whole
 
 
-class Weights:
-    """Dense (non-expert) tensors of a model, dequantized once on first use and kept."""
+# 2-D weights the model does not multiply by (the DeltaNet conv kernel is applied elementwise)
+NOT_LINEAR = ("ssm_conv1d",)
 
-    def __init__(self, gguf: "GGUFModel | PackSource", device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+
+def held_quantized(name: str, shape: tuple[int, ...], qtype: int) -> bool:
+    """Whether ``Weights(quantized=True)`` keeps this tensor as its GGUF bytes: the matrices the
+    model multiplies by (or gathers rows of), when the dense kernels read their type."""
+    return name.endswith(".weight") and len(shape) == 2 and has_kernel(qtype) and not any(k in name for k in NOT_LINEAR)
+
+
+def quantizes_dense(device: torch.device, dtype: torch.dtype) -> bool:
+    """Where the runtime keeps dense matrices as bytes: on a GPU (the kernels' home); the CPU
+    path and float64 references expand them."""
+    return device.type == "cuda" and dtype != torch.float64
+
+
+class Weights:
+    """Dense (non-expert) tensors of a model, loaded once on first use and kept: expanded to the
+    compute dtype, or with ``quantized`` (the GPU default) the matrices as their GGUF bytes
+    (``runtime.quant_linear``), which ``linear``, ``stacked`` and ``embed`` serve."""
+
+    def __init__(self, gguf: "GGUFModel | PackSource", device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 quantized: bool = False):
         self.gguf = gguf
         self.device = torch.device(device)
         self.dtype = dtype
+        self.quantized = quantized
         self._cache: dict[str, torch.Tensor] = {}
+        self._lin: dict[str, QuantLinear] = {}
 
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors
+
+    def is_quantized(self, name: str) -> bool:
+        info = self.gguf.tensor(name)
+        return self.quantized and held_quantized(name, info.shape, info.qtype)
+
+    def matrix(self, name: str) -> "torch.Tensor | QuantLinear":
+        """A weight to multiply by: its bytes (``QuantLinear``) or the expanded tensor."""
+        q = self._lin.get(name)
+        if q is not None:
+            return q
+        if not self.is_quantized(name):
+            return self(name)
+        info = self.gguf.tensor(name)
+        q = self._lin[name] = stack([(info.shape[1], info.qtype, self.gguf.raw(name))], info.shape[0], self.device)
+        return q
+
+    def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """``x @ W^T`` for the weight ``name``."""
+        return linear(x, self.matrix(name))
+
+    def embed(self, ids: torch.Tensor, name: str = "token_embd.weight") -> torch.Tensor:
+        """Rows ``ids`` of an embedding matrix, in the compute dtype."""
+        m = self.matrix(name)
+        return m.rows_of(ids, self.dtype) if isinstance(m, QuantLinear) else m[ids]
 
     def __call__(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor, expanded on first use (into ``out`` when given)."""
@@ -69,7 +115,7 @@ class Weights:
             t = self._cache[name] = out.copy_(t)  # the old tensor is dropped: ``out`` replaces it
         return t
 
-    def stacked(self, names: tuple[str, ...]) -> torch.Tensor:
+    def stacked(self, names: tuple[str, ...]) -> "torch.Tensor | QuantLinear":
         """The matrices ``names`` (one input width) as one ``[sum of rows, n_in]`` matrix, so the
         projections of one input run as one GEMM: at batch 1 a launch costs more than its bytes.
         Each name then reads its row band of the stacked matrix, so no second copy is kept. Parts
@@ -77,7 +123,7 @@ class Weights:
         their freed blocks reserved by the allocator, which a ``--vram`` budget cannot afford
         (the model stacks its groups at load, ``MoEModel.stack_groups``)."""
         key = "+".join(names)
-        t = self._cache.get(key)
+        t = self._cache.get(key, self._lin.get(key))
         if t is not None:
             return t
         # torch order; a vector of the input width (a gate of one output) is one row
@@ -85,6 +131,15 @@ class Weights:
         shapes = [(1, *s) if len(s) == 1 else s for s in shapes]
         if any(len(s) != 2 or s[1] != shapes[0][1] for s in shapes):
             raise FormatError(self.gguf.path, f"cannot stack {', '.join(names)}: shapes {[list(s) for s in shapes]}")
+        infos = [self.gguf.tensor(n) for n in names]
+        if self.quantized and all(has_kernel(i.qtype) and n not in self._cache for n, i in zip(names, infos)):
+            q = self._lin[key] = stack([(s[0], i.qtype, self.gguf.raw(n)) for n, s, i in zip(names, shapes, infos)],
+                                       shapes[0][1], self.device)
+            row = 0
+            for n, (rows, _) in zip(names, shapes):  # each member reads its band of the stacked bytes
+                self._lin[n] = q.band(row, row + rows)
+                row += rows
+            return q
         t = torch.empty((sum(s[0] for s in shapes), shapes[0][1]), dtype=self.dtype, device=self.device)
         row = 0
         for n, (rows, _) in zip(names, shapes):
@@ -94,9 +149,12 @@ class Weights:
         return t
 
     def preload(self, names) -> None:
-        """Expand these tensors now (the expert store's budget counts them from the start)."""
+        """Load these tensors now (the expert store's budget counts them from the start)."""
         for name in names:
-            self(name)
+            if self.is_quantized(name):
+                self.matrix(name)
+            else:
+                self(name)
 
     def opt(self, name: str) -> torch.Tensor | None:
         return self(name) if self.has(name) else None

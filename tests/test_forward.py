@@ -303,10 +303,13 @@ def test_projections_use_the_stacks_built_at_load(arch, tiny_hf_gguf):
     from runtime.models import StoreOptions
 
     model = load(tiny_hf_gguf(arch)[1], store=StoreOptions(hot_fraction=1.0))
-    stacks = {k for k in model.w._cache if "+" in k}
+    def held_stacks():  # expanded (CPU) or as GGUF bytes (GPU)
+        return {k for k in (*model.w._cache, *model.w._lin) if "+" in k}
+
+    stacks = held_stacks()
     assert stacks == {"+".join(g) for g in model.stack_groups()} and stacks
     model.forward(token_ids(model.spec.n_vocab)[:6])
-    assert {k for k in model.w._cache if "+" in k} == stacks
+    assert held_stacks() == stacks
 
 
 @pytest.mark.parametrize("window", [0, 5])
@@ -338,3 +341,26 @@ def test_attention_in_query_pieces_equals_one_pass(monkeypatch, window):
         monkeypatch.setattr(layers, "ATTN_SCORES_MAX", limit)
         fresh.append(layers.attention(q, k, v, None, 0, window))
     assert torch.allclose(fresh[0], fresh[1], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_dense_matrices_held_as_gguf_bytes_give_the_expanded_forward(arch, synth_model):
+    """The GPU keeps dense matrices as their GGUF bytes (``Weights(quantized=True)``): one token
+    goes through the dense GEMV kernel, several through expanded bands and cuBLAS. Here (CPU, the
+    kernels in Triton's interpreter) both must give the logits of the expanded weights, and no
+    matrix may be held expanded as well."""
+    from runtime.quant_linear import QuantLinear
+    from runtime.weights import Weights
+
+    path = synth_model(arch, "Q4_K_M")
+    ref, quant = load_model(path), load_model(path)
+    quant.w = Weights(quant.gguf, "cpu", torch.float32, quantized=True)
+    ids = token_ids(ref.spec.n_vocab, 7)
+    caches = ref.new_cache(), quant.new_cache()
+    for chunk in (ids[:5], ids[5:6], ids[6:7]):  # a prefill, then two one-token steps
+        want, got = (m.forward(chunk, c) for m, c in zip((ref, quant), caches))
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    held = quant.w._lin
+    assert held and all(isinstance(m, QuantLinear) for m in held.values())
+    assert not any(n in quant.w._cache for n in held), "a matrix held expanded as well as quantized"
+    assert "token_embd.weight" in held and any(k.count("+") for k in held)

@@ -494,7 +494,7 @@ def _signature(fn, ptr_types: dict[str, str]) -> dict[str, str]:
     for p in fn.params:
         if p.is_constexpr:
             sig[p.name] = "constexpr"
-        elif p.name.endswith("_ptr"):
+        elif p.name.endswith("_ptr") or p.name in ptr_types:
             sig[p.name] = ptr_types.get(p.name, "*u8")
         else:
             sig[p.name] = "i64" if p.name.endswith("slot_bytes") else "fp32" if p.name in FLOAT_ARGS else "i32"
@@ -508,7 +508,7 @@ def aot_compile_all(arch: int = 90) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from runtime.kernels import deltanet, moe, norm, prefetch, qmatvec as qm, router
+    from runtime.kernels import deltanet, dense, moe, norm, prefetch, qmatvec as qm, router
 
     target = GPUTarget("cuda", arch, 32)
     x_types = {"x_ptr": "*bf16", "y_ptr": "*fp32"}
@@ -540,7 +540,11 @@ def aot_compile_all(arch: int = 90) -> None:
              (router._softmax_topk_kernel, {"logits_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i64"},
               {"K": 8, "K_P2": 8, "NORM": True, "BLOCK": 256}),
              (prefetch._prefetch_kernel, {"ids_ptr": "*i64", "table_ptr": "*i32", "eff_ptr": "*i32",
-                                          "host_ptr": "*i32", "dev_ptr": "*i32"}, {"BLOCK": 1024})]
+                                          "host_ptr": "*i32", "dev_ptr": "*i32"}, {"BLOCK": 1024}),
+             (dense._gemv_kernel, {"x": "*bf16", "y": "*bf16", "w0": "*i16", "w1": "*i32", "w2": "*fp32", "w3": "*u8"},
+              {"QT0": int(T.Q6_K), "QT1": int(T.Q4_K), "QT2": int(T.F32), "QT3": int(T.Q8_0), "NSEG": 4, "BN": 8}),
+             (dense._dequant_kernel, {"w": "*u8", "ids": "*i64", "out": "*bf16"},
+              {"QT": int(T.Q4_K), "HAS_IDS": True, "BR": 4})]
     for fn, ptrs, consts in jobs:
         kernel = triton.compile(ASTSource(fn, _signature(fn, ptrs), consts), target=target)
         assert kernel.asm["cubin"], (fn.__name__, consts)
@@ -561,7 +565,7 @@ def test_kernels_compile_for_h100() -> None:
            "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-c", "from tests.test_kernels import aot_compile_all; aot_compile_all()"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "compiled 20" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and "compiled 22" in proc.stdout, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("T,d_k,d_v,chunk", [(150, 16, 24, 64), (40, 20, 16, 16)])

@@ -16,8 +16,8 @@ mask and multiply-add. Two kernels consume those helpers:
 * ``_qmm_kernel`` (8 < B <= 64): expands ``w`` to ``[BLOCK_N, 256]`` and uses ``tl.dot``.
 
 The MoE kernels (``moe.py``) reuse both: ``_row_dot`` per (token, expert) pair for decode and
-``_tile_dot`` (the ``tl.dot`` step of ``_qmm_kernel``) for the grouped prefill kernels. Dense
-layers keep cuBLAS on dequantized weights for now.
+``_tile_dot`` (the ``tl.dot`` step of ``_qmm_kernel``) for the grouped prefill kernels; the
+dense projections (``dense.py``) use ``_row_dot`` for the types they have no word kernel for.
 
 Block layouts follow ggml-common.h and are checked against ``gguf.quants.dequantize`` by the
 tests; the byte offsets are written next to each helper.

@@ -12,7 +12,7 @@ from formats.gguf_file import GGUFModel
 
 from ..experts import ExpertProvider, GGUFExperts, PackExperts
 from ..residency import StoreOptions
-from ..weights import PackSource
+from ..weights import PackSource, quantizes_dense
 from .base import MoEModel
 from .laguna import Laguna
 from .qwen3moe import Qwen3MoE
@@ -78,7 +78,8 @@ def open_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOption
                                profile_name=profile_name, vram=opts.vram, hot_fraction=opts.hot_fraction,
                                cache_slots=opts.cache_slots, ctx=opts.ctx,
                                prefetch_min_misses=min_misses, kv_type=opts.kv_type,
-                               prefill_chunk=opts.prefill_chunk, where=source.path)
+                               prefill_chunk=opts.prefill_chunk, where=source.path,
+                               quantized_dense=quantizes_dense(torch.device(device), dtype))
     store = ExpertStore(experts_src, spec, device, dtype, residency.hot, residency.cache_slots, opts.mode,
                         opts.host_bytes, prefetch=residency.prefetch_layers)
     if store.n_prefetch != residency.prefetch_slots:  # the store streams otherwise (async, disk tier)

@@ -18,7 +18,8 @@ from formats.gguf_file import GGUFModel
 from ..cache import Q8_BLOCK, Cache, KVCache, RecurrentState
 from ..experts import ExpertProvider, GGUFExperts
 from ..layers import rms_norm, split_proj
-from ..weights import Weights
+from ..quant_linear import QuantLinear
+from ..weights import Weights, quantizes_dense
 
 
 class MoEModel(ABC):
@@ -34,7 +35,9 @@ class MoEModel(ABC):
                  dtype: torch.dtype = torch.float32, experts: ExpertProvider | None = None):
         self.gguf, self.spec = gguf, spec
         self.device, self.dtype = torch.device(device), dtype
-        self.w = Weights(gguf, device, dtype)
+        # On a GPU the dense matrices stay GGUF bytes, read by the dense kernels (kernels/dense.py);
+        # the CPU path expands them (the reference the tests compare with).
+        self.w = Weights(gguf, device, dtype, quantized=quantizes_dense(self.device, dtype))
         self.experts = experts if experts is not None else GGUFExperts(gguf, spec, device, dtype)
         self.eps = spec.rms_eps
         # The fused one-token DeltaNet step (kernels/deltanet.py): on by default on a GPU; the
@@ -57,7 +60,7 @@ class MoEModel(ABC):
 
     def route(self, il: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``il``'s router on normed hidden states ``h [T, n_embd]``: (weights, ids) ``[T, k]``."""
-        return self.route_logits(il, F.linear(h, self.w(f"blk.{il}.ffn_gate_inp.weight")))
+        return self.route_logits(il, self.w.linear(h, f"blk.{il}.ffn_gate_inp.weight"))
 
     @abstractmethod
     def route_logits(self, il: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +78,7 @@ class MoEModel(ABC):
         node of the captured step."""
         norm = self.w(f"blk.{il}.{self.ffn_norm}.weight")
         if self.topk_of_logits:
-            logits = F.linear(x * norm, self.w(f"blk.{il}.ffn_gate_inp.weight"))
+            logits = self.w.linear(x * norm, f"blk.{il}.ffn_gate_inp.weight")
             return torch.topk(logits, self.spec.n_expert_used, dim=-1).indices
         return self.route(il, rms_norm(x, norm, self.eps))[1]
 
@@ -97,7 +100,7 @@ class MoEModel(ABC):
         """
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
         cache = cache if cache is not None else self.new_cache()
-        x = self.w("token_embd.weight")[ids]
+        x = self.w.embed(ids)
         prefetch = getattr(self.experts, "prefetch", None) if ids.numel() == 1 else None
         for il in range(self.spec.n_layer):
             if prefetch is not None:
@@ -111,8 +114,7 @@ class MoEModel(ABC):
         if last_only:
             x = x[-1:]
         x = self.norm(x, "output_norm.weight")
-        head = self.w.opt("output.weight")
-        return F.linear(x, head if head is not None else self.w("token_embd.weight"))
+        return self.w.linear(x, "output.weight" if self.w.has("output.weight") else "token_embd.weight")
 
     def project(self, h: torch.Tensor, prefix: str, *names: str) -> list[torch.Tensor]:
         """The projections ``prefix + name + ".weight"`` of ``h``, as one GEMM over their stacked
@@ -120,20 +122,22 @@ class MoEModel(ABC):
         per name."""
         full = tuple(f"{prefix}{n}.weight" for n in names)
         stacked = self.w.stacked(full)
+        if isinstance(stacked, QuantLinear):
+            return list(stacked(h).split(stacked.sizes, dim=-1))
         return split_proj(h, stacked, [self.w(n).shape[0] for n in full])
 
     def project_present(self, h: torch.Tensor, prefix: str, group: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """``project`` over the members of ``group`` (one of ``STACKS``) this layer has, by name."""
         names = [n for n in group if self.w.has(f"{prefix}{n}.weight")]
         if len(names) == 1:
-            return {names[0]: F.linear(h, self.w(f"{prefix}{names[0]}.weight"))}
+            return {names[0]: self.w.linear(h, f"{prefix}{names[0]}.weight")}
         return dict(zip(names, self.project(h, prefix, *names)))
 
     def mlp(self, h: torch.Tensor, prefix: str) -> torch.Tensor:
         """A dense layer's SwiGLU MLP ``ffn_{gate,up,down}``, gate and up as one GEMM
         (``(ffn_gate, ffn_up)`` must be one of ``STACKS``)."""
         gate, up = self.project(h, prefix, "ffn_gate", "ffn_up")
-        return F.linear(F.silu(gate) * up, self.w(f"{prefix}ffn_down.weight"))
+        return self.w.linear(F.silu(gate) * up, f"{prefix}ffn_down.weight")
 
     def stack_groups(self) -> list[tuple[str, ...]]:
         """Every layer's ``STACKS`` groups as stacked: the members the file has, two or more

@@ -57,7 +57,7 @@ class Laguna(MoEModel):
         o = attention(q, k, v, cache.layers[il], pos0, self.window if swa else 0)  # [T, H, d]
         gate = F.softplus(gate)
         o = o * gate[..., None] if gate.shape[-1] == o.shape[1] else o * gate.view(T, -1, d)
-        return F.linear(o.reshape(T, -1), w(p + "attn_output.weight"))
+        return self.w.linear(o.reshape(T, -1), p + "attn_output.weight")
 
     def route_logits(self, il: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         bias = self.w.opt(f"blk.{il}.exp_probs_b.bias")
@@ -70,5 +70,5 @@ class Laguna(MoEModel):
         y = self.project_present(h, p, self.FFN_IN)
         out = moe(h, *self.route_logits(il, y["ffn_gate_inp"]), self.experts, il)
         if "ffn_up_shexp" in y:
-            out = out + F.linear(F.silu(y["ffn_gate_shexp"]) * y["ffn_up_shexp"], self.w(p + "ffn_down_shexp.weight"))
+            out = out + self.w.linear(F.silu(y["ffn_gate_shexp"]) * y["ffn_up_shexp"], p + "ffn_down_shexp.weight")
         return out

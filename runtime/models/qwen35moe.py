@@ -134,7 +134,7 @@ class Qwen35MoE(MoEModel):
         cos, sin = self.rope.cos_sin(positions(pos0, T, h.device), h.dtype)
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         o = attention(q, k, v, cache.layers[il], pos0) * torch.sigmoid(gate)
-        return F.linear(o.reshape(T, -1), w(p + "attn_output.weight"))
+        return self.w.linear(o.reshape(T, -1), p + "attn_output.weight")
 
     def delta_net(self, il: int, h: torch.Tensor, st: RecurrentState) -> torch.Tensor:
         p, w, T = f"blk.{il}.", self.w, h.shape[0]
@@ -172,7 +172,7 @@ class Qwen35MoE(MoEModel):
             o, state = gated_delta_rule(q, k, v, g, beta, st.ssm)
         st.ssm.copy_(state)
         o = rms_norm(o.to(h.dtype), w(p + "ssm_norm.weight"), self.eps) * F.silu(z)
-        return F.linear(o.reshape(T, -1), w(p + "ssm_out.weight"))
+        return self.w.linear(o.reshape(T, -1), p + "ssm_out.weight")
 
     def route_logits(self, il: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route_softmax(logits, self.spec.n_expert_used, self.norm_topk)
@@ -187,14 +187,14 @@ class Qwen35MoE(MoEModel):
         o = deltanet_decode(qkv[0], z.reshape(-1), beta[0], alpha[0], w(p + "ssm_dt.bias"), w(p + "ssm_a"),
                             w(p + "ssm_conv1d.weight"), st.conv, st.ssm, w(p + "ssm_norm.weight"),
                             self.n_k, self.d_k, self.eps)
-        return F.linear(o.view(1, -1), w(p + "ssm_out.weight"))
+        return self.w.linear(o.view(1, -1), p + "ssm_out.weight")
 
     def ffn(self, il: int, h: torch.Tensor) -> torch.Tensor:
         p = f"blk.{il}."
         y = self.project_present(h, p, self.FFN_IN)
         out = moe(h, *self.route_logits(il, y["ffn_gate_inp"]), self.experts, il)
         if "ffn_up_shexp" in y:
-            shared = F.linear(F.silu(y["ffn_gate_shexp"]) * y["ffn_up_shexp"], self.w(p + "ffn_down_shexp.weight"))
+            shared = self.w.linear(F.silu(y["ffn_gate_shexp"]) * y["ffn_up_shexp"], p + "ffn_down_shexp.weight")
             if "ffn_gate_inp_shexp" in y:
                 shared = shared * torch.sigmoid(y["ffn_gate_inp_shexp"])
             out = out + shared

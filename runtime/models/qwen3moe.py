@@ -34,7 +34,7 @@ class Qwen3MoE(MoEModel):
         cos, sin = self.rope.cos_sin(positions(pos0, T, h.device), h.dtype)
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         o = attention(q, k, v, cache.layers[il], pos0)
-        return F.linear(o.reshape(T, -1), w(p + "attn_output.weight"))
+        return self.w.linear(o.reshape(T, -1), p + "attn_output.weight")
 
     def route_logits(self, il: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route_softmax(logits, self.spec.n_expert_used, self.norm_topk)

@@ -1,0 +1,282 @@
+"""Dense (non-expert) projections straight from GGUF bytes: the one-token GEMV and a dequantizer.
+
+Why: a decode step reads every dense weight once. Held expanded in bf16, the dense weights of
+the Qwen3.6-35B-A3B shape are ~4.6 GiB (the output head alone 1 GB); as their Q4_K/Q6_K bytes
+~1.5 GiB, which leaves ~3 GiB more of a ``--vram`` budget to experts. The kernel reads the
+codes as 32-bit words (Q4_K) or 16-bit halves (Q6_K, whose 210-byte blocks are only 2-aligned)
+and expands each word with constant shifts in registers. On the H100 it matches cuBLAS on the
+bf16 copy at a third of the bytes (BENCHMARKS.md): the unpacking instructions, not the bytes,
+bound it, so it is a memory win first; byte-per-weight loads (``qmatvec``) were ~2x slower.
+
+One launch computes the projections of one input that a layer stacks (q/k/v, DeltaNet qkv/z/beta/
+alpha, router + shared expert): up to ``MAX_SEGMENTS`` row bands, each with its own type, write
+adjacent column bands of one output. Types without a word kernel here take ``qmatvec``'s
+per-byte unpacking in the same launch, so every GGUF type the runtime reads works.
+
+For more than one token (prefill), ``dequantize_into`` expands a band of rows into a scratch
+matrix for cuBLAS: a prefill call multiplies each weight by hundreds of tokens, so the expansion
+is a small share of it, and the scratch is transient (``formats.memory.DEQUANT_SCRATCH_ELEMENTS``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .qmatvec import BLOCK_LAYOUT, Q4_K, Q6_K, _row_dot, _unpack
+
+# Plain float matrices (the routers stay F32 in GGUF files) use the GGML type ids of their dtype.
+F32, F16, BF16 = 0, 1, 30
+FLOAT_TYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
+MAX_SEGMENTS = 4
+# Rows per program (8 from ``WIDE_ROWS`` output rows, 4 below) and warps of the one-token kernel,
+# and Q4_K chunks per loop iteration (Q6_K takes one: two spill); chosen on the H100 with
+# ``bench/kernels_bench.py --only dense`` (BENCHMARKS.md).
+GEMV_WARPS = 4
+WIDE_ROWS = 8192
+Q4_K_CHUNKS = tl.constexpr(2)
+
+
+# ----------------------------------------------------------------------------- per-type row dots
+# Each returns [BN] fp32 dots of BN rows (``rows`` [BN,1,...] element offsets into ``w``, the
+# weight viewed in the type's load unit) with the activation row ``x`` over all of K.
+
+@triton.jit
+def _k_scale(s0, s1, s2, s, IS_MIN: tl.constexpr):
+    """6-bit scale (or min) of sub-block ``s`` from the three 32-bit words of a Q4_K block's 12
+    scale bytes: bytes 0-3 scales 0-3 (low 6 bits) and the top 2 bits of 4-7, bytes 4-7 the same
+    for mins, bytes 8-11 low nibble = low 4 bits of scales 4-7, high nibble = mins 4-7."""
+    a = s1 if IS_MIN else s0
+    lo = (a >> (8 * tl.minimum(s, 3))) & 63
+    j = 8 * tl.maximum(s - 4, 0)
+    hi = ((s2 >> (j + (4 if IS_MIN else 0))) & 15) | (((a >> (j + 6)) & 3) << 4)
+    return tl.where(s < 4, lo, hi).to(tl.float32)
+
+
+@triton.jit
+def _q4_k_rows(w, rows, rmask, x, K, BN: tl.constexpr, CPI: tl.constexpr):
+    # block_q4_K as 36 words: word 0 = d | dmin << 16 (f16 bits), words 1-3 the scales, words
+    # 4 + 8i + m = qs[32i + 4m .. 32i + 4m + 3]. Nibble j of that word is element
+    # 64i + 32(j % 2) + 4m + j // 2, sub-block 2i + j % 2 (low nibbles, then high, as in ggml).
+    # CPI chunks per iteration: more bytes in flight per program.
+    cc = tl.arange(0, CPI)[None, :, None, None]
+    i = tl.arange(0, 4)[None, None, :, None]
+    m = tl.arange(0, 8)[None, None, None, :]
+    r3 = tl.reshape(rows, [BN, 1, 1])
+    m3 = tl.reshape(rmask, [BN, 1, 1])
+    i3 = tl.arange(0, 4)[None, None, :]
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for c0 in range(0, K // 256, CPI):
+        c = c0 + cc  # [1, CPI, 1, 1]
+        xm = c * 256 < K
+        qs = tl.load(w + rows + c * 36 + 4 + 8 * i + m, mask=rmask & xm, other=0)  # [BN, CPI, 4, 8]
+        xb = x + c * 256 + 64 * i + 4 * m
+        p_lo = tl.zeros([BN, CPI, 4, 8], dtype=tl.float32)
+        p_hi = tl.zeros([BN, CPI, 4, 8], dtype=tl.float32)
+        x_lo = tl.zeros([1, CPI, 4, 8], dtype=tl.float32)
+        x_hi = tl.zeros([1, CPI, 4, 8], dtype=tl.float32)
+        for j in tl.static_range(8):
+            q = ((qs >> (4 * j)) & 15).to(tl.float32)
+            xv = tl.load(xb + 32 * (j % 2) + j // 2, mask=xm, other=0.0).to(tl.float32)
+            if j % 2 == 0:
+                p_lo += q * xv
+                x_lo += xv
+            else:
+                p_hi += q * xv
+                x_hi += xv
+        c3 = c0 + tl.arange(0, CPI)[None, :, None]
+        ok3 = m3 & (c3 * 256 < K)
+        b3 = w + r3 + c3 * 36
+        hdr = tl.load(b3, mask=ok3, other=0)
+        s0 = tl.load(b3 + 1, mask=ok3, other=0)
+        s1 = tl.load(b3 + 2, mask=ok3, other=0)
+        s2 = tl.load(b3 + 3, mask=ok3, other=0)
+        d = (hdr & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = ((hdr >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        part = d * (_k_scale(s0, s1, s2, 2 * i3, False) * tl.sum(p_lo, axis=3)
+                    + _k_scale(s0, s1, s2, 2 * i3 + 1, False) * tl.sum(p_hi, axis=3)) \
+            - dmin * (_k_scale(s0, s1, s2, 2 * i3, True) * tl.sum(x_lo, axis=3)
+                      + _k_scale(s0, s1, s2, 2 * i3 + 1, True) * tl.sum(x_hi, axis=3))
+        acc += tl.sum(tl.sum(part, axis=2), axis=1)
+    return acc
+
+
+@triton.jit
+def _q6_k_half(ql, qh, u, xb, n: tl.constexpr):
+    """Sums of code x activation per 16-element sub-block for nibble ``n`` of the ql bytes."""
+    p = tl.zeros(ql.shape, dtype=tl.float32)
+    for e in tl.static_range(2):
+        lo = (ql >> (8 * e + 4 * n)) & 15
+        hi = (qh >> (8 * e + 4 * n + 2 * (u // 16))) & 3
+        q = ((lo | (hi << 4)) - 32).to(tl.float32)
+        p += q * tl.load(xb + 64 * n + e).to(tl.float32)
+    return tl.sum(p, axis=3)
+
+
+@triton.jit
+def _q6_k_rows(w, rows, rmask, x, K, BN: tl.constexpr):
+    # block_q6_K as 105 int16 halves (210-byte blocks are only 2-aligned): ql = halves 0-63,
+    # qh = 64-95, int8 scales = 96-103, d = 104. Half 32h + u of ql holds bytes p = 64h + 2u + e
+    # (e = 0, 1); nibble n of byte p is element 128h + 64n + 2u + e, whose top two bits are bits
+    # 2(2n + u // 16) of qh byte 32h + (2u + e) % 32, i.e. byte e of qh half 64 + 16h + u % 16;
+    # its 16-element sub-block is 8h + 4n + u // 8. u = 8g + v: g picks the sub-block.
+    h = tl.arange(0, 2)[None, :, None, None]
+    g = tl.arange(0, 4)[None, None, :, None]
+    v = tl.arange(0, 8)[None, None, None, :]
+    u = 8 * g + v
+    r3 = tl.reshape(rows, [BN, 1, 1])
+    m3 = tl.reshape(rmask, [BN, 1, 1])
+    h3 = tl.arange(0, 2)[None, :, None]
+    g3 = tl.arange(0, 4)[None, None, :]
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for c in range(0, K // 256):
+        blk = w + rows + c * 105
+        ql = tl.load(blk + 32 * h + u, mask=rmask, other=0).to(tl.int32) & 0xFFFF  # [BN, 2, 4, 8]
+        qh = tl.load(blk + 64 + 16 * h + u % 16, mask=rmask, other=0).to(tl.int32) & 0xFFFF
+        xb = x + c * 256 + 128 * h + 2 * u
+        sub0 = _q6_k_half(ql, qh, u, xb, 0)  # [BN, 2, 4]
+        sub1 = _q6_k_half(ql, qh, u, xb, 1)
+        b3 = w + r3 + c * 105
+        # the int8 scale of sub-block 8h + 4n + g is byte g % 2 of half 96 + 4h + 2n + g // 2
+        d = tl.load(b3 + 104, mask=m3, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        sh0 = tl.load(b3 + 96 + 4 * h3 + g3 // 2, mask=m3, other=0).to(tl.int32)
+        sh1 = tl.load(b3 + 98 + 4 * h3 + g3 // 2, mask=m3, other=0).to(tl.int32)
+        sc0 = ((sh0 >> (8 * (g3 % 2))) & 255).to(tl.int8).to(tl.float32)
+        sc1 = ((sh1 >> (8 * (g3 % 2))) & 255).to(tl.int8).to(tl.float32)
+        acc += tl.sum(tl.sum(d * (sc0 * sub0 + sc1 * sub1), axis=2), axis=1)
+    return acc
+
+
+@triton.jit
+def _float_rows(w, rows, rmask, x, K, BN: tl.constexpr):
+    k = tl.arange(0, 256)[None, :]
+    acc = tl.zeros([BN, 256], dtype=tl.float32)
+    for k0 in range(0, K, 256):
+        kk = k0 + k
+        wv = tl.load(w + rows + kk, mask=rmask & (kk < K), other=0.0).to(tl.float32)
+        acc += wv * tl.load(x + kk, mask=kk < K, other=0.0).to(tl.float32)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _segment(QT: tl.constexpr, w, row_stride, N, blk, x, y, col, K, BN: tl.constexpr):
+    """Rows ``blk * BN ..`` of one segment, written to output columns ``col + row``."""
+    n = blk * BN + tl.arange(0, BN)
+    if QT == 12:
+        n4 = n[:, None, None, None]
+        acc = _q4_k_rows(w, n4.to(tl.int64) * row_stride, n4 < N, x, K, BN, Q4_K_CHUNKS)
+    elif QT == 14:
+        n4 = n[:, None, None, None]
+        acc = _q6_k_rows(w, n4.to(tl.int64) * row_stride, n4 < N, x, K, BN)
+    elif QT == 0 or QT == 1 or QT == 30:
+        n2 = n[:, None]
+        acc = _float_rows(w, n2.to(tl.int64) * row_stride, n2 < N, x, K, BN)
+    else:  # any other quant type: qmatvec's byte-wise unpacking
+        n3 = n[:, None, None]
+        acc = _row_dot(QT, w + n3.to(tl.int64) * row_stride, n3 < N, x, K, BN)
+    tl.store(y + col + n, acc, mask=n < N)
+
+
+@triton.jit
+def _gemv_kernel(x, y, K, w0, n0, s0, w1, n1, s1, w2, n2, s2, w3, n3, s3,
+                 QT0: tl.constexpr, QT1: tl.constexpr, QT2: tl.constexpr, QT3: tl.constexpr,
+                 NSEG: tl.constexpr, BN: tl.constexpr):
+    pid = tl.program_id(0)
+    e0 = tl.cdiv(n0, BN)
+    if pid < e0:
+        _segment(QT0, w0, s0, n0, pid, x, y, 0, K, BN)
+    if NSEG > 1:
+        e1 = e0 + tl.cdiv(n1, BN)
+        if (pid >= e0) & (pid < e1):
+            _segment(QT1, w1, s1, n1, pid - e0, x, y, n0, K, BN)
+        if NSEG > 2:
+            e2 = e1 + tl.cdiv(n2, BN)
+            if (pid >= e1) & (pid < e2):
+                _segment(QT2, w2, s2, n2, pid - e1, x, y, n0 + n1, K, BN)
+            if NSEG > 3:
+                if pid >= e2:
+                    _segment(QT3, w3, s3, n3, pid - e2, x, y, n0 + n1 + n2, K, BN)
+
+
+@triton.jit
+def _dequant_kernel(w, ids, out, N, K, row_bytes, stride_out, QT: tl.constexpr, HAS_IDS: tl.constexpr,
+                    BR: tl.constexpr):
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.program_id(1)
+    rmask = r < N
+    src = tl.load(ids + r, mask=rmask, other=0).to(tl.int64) if HAS_IDS else r.to(tl.int64)
+    r3, src3, m3 = r[:, None, None], src[:, None, None], rmask[:, None, None]
+    q, scale, offset = _unpack(QT, w + src3 * row_bytes, c, K, m3)
+    NSUB: tl.constexpr = 16 if QT == 14 else 8
+    SUB: tl.constexpr = 256 // NSUB
+    k = c * 256 + tl.arange(0, NSUB)[None, :, None] * SUB + tl.arange(0, SUB)[None, None, :]
+    tl.store(out + r3.to(tl.int64) * stride_out + k, q * scale - offset, mask=m3 & (k < K))
+
+
+# ----------------------------------------------------------------------------- Python side
+
+def load_view(raw: torch.Tensor, qtype: int) -> torch.Tensor:
+    """The view the GEMV kernel reads a segment through: words for Q4_K, halves for Q6_K, the
+    float dtype for float matrices, bytes otherwise. ``raw`` is ``[N, row_bytes]`` uint8."""
+    if qtype == Q4_K:
+        return raw.view(torch.int32)
+    if qtype == Q6_K:
+        return raw.view(torch.int16)
+    if qtype in FLOAT_TYPES:
+        return raw.view(FLOAT_TYPES[qtype])
+    return raw
+
+
+def row_bytes(qtype: int, K: int) -> int:
+    if qtype in FLOAT_TYPES:
+        return K * FLOAT_TYPES[qtype].itemsize
+    qk, ts = BLOCK_LAYOUT[qtype]
+    if K % qk:
+        raise ValueError(f"K={K} is not a whole number of {qk}-element blocks")
+    return K // qk * ts
+
+
+def gemv(x: torch.Tensor, segments: list[tuple[torch.Tensor, int]], out: torch.Tensor,
+         tile: tuple[int, int] | None = None) -> torch.Tensor:
+    """``out[0] = x[0] @ [W_0; W_1; ...]^T`` for one token ``x [1, K]``: the segments
+    ``(raw [N_i, row_bytes] uint8, qtype)`` are stacked row bands, written to ``out``'s column
+    bands in order (``out [1, sum N_i]``, any float dtype: the fp32 sums are cast on store)."""
+    if not 1 <= len(segments) <= MAX_SEGMENTS:
+        raise ValueError(f"1 to {MAX_SEGMENTS} segments per launch, got {len(segments)}")
+    K = x.shape[-1]
+    rows = sum(r.shape[0] for r, _ in segments)
+    bn, warps = tile or ((8 if rows >= WIDE_ROWS else 4, GEMV_WARPS) if x.is_cuda else (64, 4))
+    args, qts, blocks = [], [], 0
+    for raw, qt in segments:
+        if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != row_bytes(qt, K) or not raw.is_contiguous():
+            raise ValueError(f"segment of type {qt} must be contiguous uint8 [N, {row_bytes(qt, K)}], "
+                             f"got {raw.dtype} {tuple(raw.shape)}")
+        view = load_view(raw, qt)
+        args += [view, raw.shape[0], view.shape[1]]
+        qts.append(qt)
+        blocks += triton.cdiv(raw.shape[0], bn)
+    if out.shape != (1, sum(r.shape[0] for r, _ in segments)) or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous [1, {sum(r.shape[0] for r, _ in segments)}], got {tuple(out.shape)}")
+    while len(qts) < MAX_SEGMENTS:  # unused segments: never reached (NSEG), any pointer will do
+        args += [x, 0, 0]
+        qts.append(-1)
+    _gemv_kernel[(blocks,)](x, out, K, *args, QT0=qts[0], QT1=qts[1], QT2=qts[2], QT3=qts[3],
+                            NSEG=len(segments), BN=bn, num_warps=warps)
+    return out
+
+
+def dequantize_into(raw: torch.Tensor, qtype: int, K: int, out: torch.Tensor,
+                    ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Expand rows of ``raw [N, row_bytes]`` into ``out [n, K]`` (its dtype): all rows, or rows
+    ``ids`` (an embedding lookup). Float matrices are cast copies."""
+    if qtype in FLOAT_TYPES:
+        src = load_view(raw, qtype)
+        return out.copy_(src if ids is None else src[ids])
+    n = raw.shape[0] if ids is None else ids.numel()
+    if n == 0:
+        return out
+    br = 4 if out.is_cuda else 64
+    grid = (triton.cdiv(n, br), triton.cdiv(K, 256))
+    _dequant_kernel[grid](raw, raw if ids is None else ids, out, n, K, raw.shape[1], out.stride(0),
+                          QT=qtype, HAS_IDS=ids is not None, BR=br)
+    return out
