@@ -151,6 +151,8 @@ class Weights:
     def preload(self, names) -> None:
         """Load these tensors now (the expert store's budget counts them from the start)."""
         for name in names:
+            if name in self._lin:  # held as bytes already (a band of a stack)
+                continue
             if self.is_quantized(name):
                 self.matrix(name)
             else:

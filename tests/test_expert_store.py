@@ -288,6 +288,30 @@ def test_vram_budget_sizes_the_hot_set(model_path):
     assert r.dense_bytes == sum(held.values())  # stacked projections: parts are views, counted once
 
 
+def test_vram_plan_counts_dense_matrices_held_as_gguf_bytes(model_path):
+    """On a GPU dense matrices stay GGUF bytes (``Weights(quantized=True)``); the plan must count
+    exactly what such weights hold once loaded as at load (stacks first, then the rest), and
+    less than the expanded weights need."""
+    from formats.experts import expert_tensor_names
+    from runtime.residency import plan_residency
+    from runtime.weights import Weights
+
+    model = load_model(model_path)
+    w = Weights(model.gguf, "cpu", torch.float32, quantized=True)
+    for group in model.stack_groups():
+        w.stacked(group)
+    names = expert_tensor_names(model.spec)
+    w.preload(n for n in model.gguf.tensors if n not in names)
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in w._cache.values()}
+    held.update({raw.untyped_storage().data_ptr(): raw.untyped_storage().nbytes()
+                 for q in w._lin.values() for raw, _ in q.segments})
+
+    def dense(quantized: bool) -> int:
+        return plan_residency(model.spec, model.gguf.tensors, names, {il: 1 for il in model.spec.moe_layers}, 4,
+                              vram=10**12, quantized_dense=quantized).dense_bytes
+    assert dense(True) == sum(held.values()) < dense(False)
+
+
 def test_prefetch_only_where_misses_are_expected(model_path):
     """The plan guesses ahead only in layers expected to miss often enough to pay for a guess."""
     from formats.archs import model_spec
