@@ -243,6 +243,8 @@ def gemv(x: torch.Tensor, segments: list[tuple[torch.Tensor, int]], out: torch.T
     bands in order (``out [1, sum N_i]``, any float dtype: the fp32 sums are cast on store)."""
     if not 1 <= len(segments) <= MAX_SEGMENTS:
         raise ValueError(f"1 to {MAX_SEGMENTS} segments per launch, got {len(segments)}")
+    if x.dim() != 2 or x.shape[0] != 1 or not x.is_contiguous():
+        raise ValueError(f"x must be one contiguous row [1, K], got {tuple(x.shape)}")
     K = x.shape[-1]
     rows = sum(r.shape[0] for r, _ in segments)
     bn, warps = tile or ((8 if rows >= WIDE_ROWS else 4, GEMV_WARPS) if x.is_cuda else (64, 4))
@@ -255,8 +257,8 @@ def gemv(x: torch.Tensor, segments: list[tuple[torch.Tensor, int]], out: torch.T
         args += [view, raw.shape[0], view.shape[1]]
         qts.append(qt)
         blocks += triton.cdiv(raw.shape[0], bn)
-    if out.shape != (1, sum(r.shape[0] for r, _ in segments)) or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous [1, {sum(r.shape[0] for r, _ in segments)}], got {tuple(out.shape)}")
+    if out.shape != (1, rows) or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous [1, {rows}], got {tuple(out.shape)}")
     while len(qts) < MAX_SEGMENTS:  # unused segments: never reached (NSEG), any pointer will do
         args += [x, 0, 0]
         qts.append(-1)
