@@ -52,11 +52,6 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
-def split_proj(x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    """``F.linear(x, w)`` of a stacked matrix, split back into its parts' outputs (column bands)."""
-    return list(F.linear(x, w).split(sizes, dim=-1))
-
-
 # --- rotary embeddings -------------------------------------------------------------------------
 
 

@@ -34,10 +34,6 @@ class QuantLinear:
         self.segments, self.sizes, self.K = segments, sizes, K
         self.rows = sum(sizes)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(raw.numel() for raw, _ in self.segments)
-
     def band(self, r0: int, r1: int) -> "QuantLinear":
         """Rows ``r0:r1`` (inside one segment) as a matrix of their own, sharing the bytes."""
         at = 0

@@ -126,12 +126,12 @@ class Weights:
         t = self._cache.get(key, self._lin.get(key))
         if t is not None:
             return t
+        infos = [self.gguf.tensor(n) for n in names]
         # torch order; a vector of the input width (a gate of one output) is one row
-        shapes = [tuple(reversed(self.gguf.tensor(n).shape)) for n in names]
+        shapes = [tuple(reversed(i.shape)) for i in infos]
         shapes = [(1, *s) if len(s) == 1 else s for s in shapes]
         if any(len(s) != 2 or s[1] != shapes[0][1] for s in shapes):
             raise FormatError(self.gguf.path, f"cannot stack {', '.join(names)}: shapes {[list(s) for s in shapes]}")
-        infos = [self.gguf.tensor(n) for n in names]
         if self.quantized and all(has_kernel(i.qtype) and n not in self._cache for n, i in zip(names, infos)):
             q = self._lin[key] = stack([(s[0], i.qtype, self.gguf.raw(n)) for n, s, i in zip(names, shapes, infos)],
                                        shapes[0][1], self.device)
@@ -151,12 +151,7 @@ class Weights:
     def preload(self, names) -> None:
         """Load these tensors now (the expert store's budget counts them from the start)."""
         for name in names:
-            if name in self._lin:  # held as bytes already (a band of a stack)
-                continue
-            if self.is_quantized(name):
-                self.matrix(name)
-            else:
-                self(name)
+            self.matrix(name)  # as the model reads it: bytes (or a band of a byte stack) or expanded
 
     def opt(self, name: str) -> torch.Tensor | None:
         return self(name) if self.has(name) else None

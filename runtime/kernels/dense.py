@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .qmatvec import BLOCK_LAYOUT, Q4_K, Q6_K, _row_dot, _unpack
+from .qmatvec import Q4_K, Q6_K, _row_dot, _unpack, row_bytes_of
 
 # Plain float matrices (the routers stay F32 in GGUF files) use the GGML type ids of their dtype.
 F32, F16, BF16 = 0, 1, 30
@@ -228,12 +228,8 @@ def load_view(raw: torch.Tensor, qtype: int) -> torch.Tensor:
 
 
 def row_bytes(qtype: int, K: int) -> int:
-    if qtype in FLOAT_TYPES:
-        return K * FLOAT_TYPES[qtype].itemsize
-    qk, ts = BLOCK_LAYOUT[qtype]
-    if K % qk:
-        raise ValueError(f"K={K} is not a whole number of {qk}-element blocks")
-    return K // qk * ts
+    """``qmatvec.row_bytes_of``, plus the float types."""
+    return K * FLOAT_TYPES[qtype].itemsize if qtype in FLOAT_TYPES else row_bytes_of(qtype, K)
 
 
 def gemv(x: torch.Tensor, segments: list[tuple[torch.Tensor, int]], out: torch.Tensor,

@@ -17,8 +17,8 @@ from formats.gguf_file import GGUFModel
 
 from ..cache import Q8_BLOCK, Cache, KVCache, RecurrentState
 from ..experts import ExpertProvider, GGUFExperts
-from ..layers import rms_norm, split_proj
-from ..quant_linear import QuantLinear
+from ..layers import rms_norm
+from ..quant_linear import QuantLinear, linear
 from ..weights import Weights, quantizes_dense
 
 
@@ -122,9 +122,8 @@ class MoEModel(ABC):
         per name."""
         full = tuple(f"{prefix}{n}.weight" for n in names)
         stacked = self.w.stacked(full)
-        if isinstance(stacked, QuantLinear):
-            return list(stacked(h).split(stacked.sizes, dim=-1))
-        return split_proj(h, stacked, [self.w(n).shape[0] for n in full])
+        sizes = stacked.sizes if isinstance(stacked, QuantLinear) else [self.w(n).shape[0] for n in full]
+        return list(linear(h, stacked).split(sizes, dim=-1))
 
     def project_present(self, h: torch.Tensor, prefix: str, group: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """``project`` over the members of ``group`` (one of ``STACKS``) this layer has, by name."""
