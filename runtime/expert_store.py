@@ -391,11 +391,12 @@ class ExpertStore:
 
     def _fused(self, la: "_Layer", x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                table_row: torch.Tensor, host_views: tuple | None, counts: torch.Tensor | None = None) -> torch.Tensor:
+        from .kernels import q8dot
         from .kernels.moe import moe_experts
 
         # router ids (int64) and weights (float32) go in as they are: the kernels read either
         y = moe_experts(x, ids, weights.float(), table_row, *la.views, *la.qtypes, la.n_ff,
-                        host=host_views, counts=counts)
+                        host=host_views, counts=counts, act_q8=q8dot.enabled())
         return y.to(x.dtype)
 
     def _fused_overflow(self, layer: int, la: "_Layer", x: torch.Tensor, weights: torch.Tensor,

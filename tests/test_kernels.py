@@ -508,19 +508,23 @@ def aot_compile_all(arch: int = 90) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from runtime.kernels import deltanet, dense, moe, norm, prefetch, qmatvec as qm, router
+    from runtime.kernels import deltanet, dense, moe, norm, prefetch, q8dot, qmatvec as qm, router
 
     target = GPUTarget("cuda", arch, 32)
     x_types = {"x_ptr": "*bf16", "y_ptr": "*fp32"}
     jobs = [(qm._qmv_kernel, x_types, {"QTYPE": int(q), "BLOCK_B": 2, "BLOCK_N": 16}) for q in QTYPES]
     jobs += [(qm._qmm_kernel, x_types, {"QTYPE": int(q), "BLOCK_B": 16, "BLOCK_N": 32, "DOT_FP32": f})
              for q, f in ((T.Q4_K, False), (T.Q6_K, True))]
+    q8_args = {n: "*i32" if n.endswith("q") else "*fp32" for n in ("xq", "xd", "xs", "hq", "hd", "hs")}
     jobs += [(moe._gate_up_kernel, {"x_ptr": "*fp32", "ids_ptr": "*i64", "slot_ptr": "*i32", "h_ptr": "*fp32",
-                                    "count_ptr": "*i32"},
+                                    "count_ptr": "*i32", **q8_args},
               {"GATE_QTYPE": int(T.Q4_K), "UP_QTYPE": int(T.Q4_K), "HAS_HOST": True, "HAS_COUNT": True,
-               "BLOCK_N": 4}),
-             (moe._down_kernel, {"h_ptr": "*fp32", "ids_ptr": "*i64", "wts_ptr": "*fp32", "slot_ptr": "*i32",
-                                 "part_ptr": "*fp32"}, {"DOWN_QTYPE": int(T.Q6_K), "HAS_HOST": False, "BLOCK_N": 4}),
+               "BLOCK_N": 4, "ACT_Q8": q8, "ASM": True, "CPI": 8}) for q8 in (False, True)]
+    jobs += [(moe._down_kernel, {"h_ptr": "*fp32", "ids_ptr": "*i64", "wts_ptr": "*fp32", "slot_ptr": "*i32",
+                                 "part_ptr": "*fp32", **q8_args},
+              {"DOWN_QTYPE": int(T.Q6_K), "HAS_HOST": q8, "BLOCK_N": 4, "ACT_Q8": q8, "ASM": True, "CPI": 2})
+             for q8 in (False, True)]
+    jobs += [(q8dot._quantize_kernel, {"x": "*bf16", "xq": "*i8", "xd": "*fp32", "xs": "*fp32"}, {"BLOCKS": 8}),
              (moe._sum_topk_kernel, {"part_ptr": "*fp32", "y_ptr": "*fp32"}, {"BLOCK": 1024}),
              (moe._grouped_gate_up_kernel, {"x_ptr": "*bf16", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
                                             "slot_ptr": "*i32", "h_ptr": "*fp32"},
@@ -541,8 +545,10 @@ def aot_compile_all(arch: int = 90) -> None:
               {"K": 8, "K_P2": 8, "NORM": True, "BLOCK": 256}),
              (prefetch._prefetch_kernel, {"ids_ptr": "*i64", "table_ptr": "*i32", "eff_ptr": "*i32",
                                           "host_ptr": "*i32", "dev_ptr": "*i32"}, {"BLOCK": 1024}),
-             (dense._gemv_kernel, {"x": "*bf16", "y": "*bf16", "w0": "*i16", "w1": "*i32", "w2": "*fp32", "w3": "*u8"},
-              {"QT0": int(T.Q6_K), "QT1": int(T.Q4_K), "QT2": int(T.F32), "QT3": int(T.Q8_0), "NSEG": 4, "BN": 8}),
+             *[(dense._gemv_kernel, {"x": "*bf16", "y": "*bf16", "w0": "*i16", "w1": "*i32", "w2": "*fp32",
+                                     "w3": "*u8", **q8_args},
+                {"QT0": int(T.Q6_K), "QT1": int(T.Q4_K), "QT2": int(T.F32), "QT3": int(T.Q8_0), "NSEG": 4, "BN": 8,
+                 "CPI": 8 if q8 else 2, "ACT_Q8": q8, "ASM": True}) for q8 in (False, True)],
              (dense._dequant_kernel, {"w": "*u8", "ids": "*i64", "out": "*bf16"},
               {"QT": int(T.Q4_K), "HAS_IDS": True, "BR": 4})]
     for fn, ptrs, consts in jobs:
@@ -565,7 +571,7 @@ def test_kernels_compile_for_h100() -> None:
            "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-c", "from tests.test_kernels import aot_compile_all; aot_compile_all()"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "compiled 22" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and "compiled 26" in proc.stdout, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("T,d_k,d_v,chunk", [(150, 16, 24, 64), (40, 20, 16, 16)])

@@ -4,9 +4,11 @@ Why: a decode step reads every dense weight once. Held expanded in bf16, the den
 the Qwen3.6-35B-A3B shape are ~4.6 GiB (the output head alone 1 GB); as their Q4_K/Q6_K bytes
 ~1.5 GiB, which leaves ~3 GiB more of a ``--vram`` budget to experts. The kernel reads the
 codes as 32-bit words (Q4_K) or 16-bit halves (Q6_K, whose 210-byte blocks are only 2-aligned)
-and expands each word with constant shifts in registers. On the H100 it matches cuBLAS on the
-bf16 copy at a third of the bytes (BENCHMARKS.md): the unpacking instructions, not the bytes,
-bound it, so it is a memory win first; byte-per-weight loads (``qmatvec``) were ~2x slower.
+and expands each word with constant shifts in registers. With a float activation it matches
+cuBLAS on the bf16 copy at a third of the bytes; with the activation quantized to int8
+(``q8dot``, the runtime's default) the Q4_K/Q6_K bands use int8 dot products on the packed
+words and run 1.2-1.8x faster on the larger groups (BENCHMARKS.md, session 9). Byte-per-weight
+loads (``qmatvec``) were ~2x slower than either.
 
 One launch computes the projections of one input that a layer stacks (q/k/v, DeltaNet qkv/z/beta/
 alpha, router + shared expert): up to ``MAX_SEGMENTS`` row bands, each with its own type, write
@@ -23,35 +25,27 @@ import torch
 import triton
 import triton.language as tl
 
+from .q8dot import chunks_per_iteration, q4_k_rows_q8, q4_k_scales, q6_k_rows_q8, q6_k_scales, use_asm
 from .qmatvec import Q4_K, Q6_K, _row_dot, _unpack, row_bytes_of
 
 # Plain float matrices (the routers stay F32 in GGUF files) use the GGML type ids of their dtype.
 F32, F16, BF16 = 0, 1, 30
 FLOAT_TYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
 MAX_SEGMENTS = 4
-# Rows per program (8 from ``WIDE_ROWS`` output rows, 4 below) and warps of the one-token kernel,
-# and Q4_K chunks per loop iteration (Q6_K takes one: two spill); chosen on the H100 with
-# ``bench/kernels_bench.py --only dense`` (BENCHMARKS.md).
+# Float activations: rows per program (8 from ``WIDE_ROWS`` output rows, 4 below) and warps of the
+# one-token kernel, and Q4_K chunks per loop iteration (Q6_K takes one: two spill). Int8
+# activations: rows, warps and chunks per iteration for every band (few rows per program with a
+# row's whole K in flight: these kernels wait on memory latency). Chosen on the H100 with
+# ``bench/kernels_bench.py --only dense --gemv-tiles ...`` (BENCHMARKS.md).
 GEMV_WARPS = 4
 WIDE_ROWS = 8192
-Q4_K_CHUNKS = tl.constexpr(2)
+Q4_K_CHUNKS = 2
+Q8_TILE = (2, 1, 4)
 
 
 # ----------------------------------------------------------------------------- per-type row dots
 # Each returns [BN] fp32 dots of BN rows (``rows`` [BN,1,...] element offsets into ``w``, the
 # weight viewed in the type's load unit) with the activation row ``x`` over all of K.
-
-@triton.jit
-def _k_scale(s0, s1, s2, s, IS_MIN: tl.constexpr):
-    """6-bit scale (or min) of sub-block ``s`` from the three 32-bit words of a Q4_K block's 12
-    scale bytes: bytes 0-3 scales 0-3 (low 6 bits) and the top 2 bits of 4-7, bytes 4-7 the same
-    for mins, bytes 8-11 low nibble = low 4 bits of scales 4-7, high nibble = mins 4-7."""
-    a = s1 if IS_MIN else s0
-    lo = (a >> (8 * tl.minimum(s, 3))) & 63
-    j = 8 * tl.maximum(s - 4, 0)
-    hi = ((s2 >> (j + (4 if IS_MIN else 0))) & 15) | (((a >> (j + 6)) & 3) << 4)
-    return tl.where(s < 4, lo, hi).to(tl.float32)
-
 
 @triton.jit
 def _q4_k_rows(w, rows, rmask, x, K, BN: tl.constexpr, CPI: tl.constexpr):
@@ -85,18 +79,9 @@ def _q4_k_rows(w, rows, rmask, x, K, BN: tl.constexpr, CPI: tl.constexpr):
                 p_hi += q * xv
                 x_hi += xv
         c3 = c0 + tl.arange(0, CPI)[None, :, None]
-        ok3 = m3 & (c3 * 256 < K)
-        b3 = w + r3 + c3 * 36
-        hdr = tl.load(b3, mask=ok3, other=0)
-        s0 = tl.load(b3 + 1, mask=ok3, other=0)
-        s1 = tl.load(b3 + 2, mask=ok3, other=0)
-        s2 = tl.load(b3 + 3, mask=ok3, other=0)
-        d = (hdr & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        dmin = ((hdr >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        part = d * (_k_scale(s0, s1, s2, 2 * i3, False) * tl.sum(p_lo, axis=3)
-                    + _k_scale(s0, s1, s2, 2 * i3 + 1, False) * tl.sum(p_hi, axis=3)) \
-            - dmin * (_k_scale(s0, s1, s2, 2 * i3, True) * tl.sum(x_lo, axis=3)
-                      + _k_scale(s0, s1, s2, 2 * i3 + 1, True) * tl.sum(x_hi, axis=3))
+        sc_lo, sc_hi, mn_lo, mn_hi = q4_k_scales(w + r3 + c3 * 36, m3 & (c3 * 256 < K), i3)
+        part = sc_lo * tl.sum(p_lo, axis=3) + sc_hi * tl.sum(p_hi, axis=3) \
+            - (mn_lo * tl.sum(x_lo, axis=3) + mn_hi * tl.sum(x_hi, axis=3))
         acc += tl.sum(tl.sum(part, axis=2), axis=1)
     return acc
 
@@ -136,14 +121,8 @@ def _q6_k_rows(w, rows, rmask, x, K, BN: tl.constexpr):
         xb = x + c * 256 + 128 * h + 2 * u
         sub0 = _q6_k_half(ql, qh, u, xb, 0)  # [BN, 2, 4]
         sub1 = _q6_k_half(ql, qh, u, xb, 1)
-        b3 = w + r3 + c * 105
-        # the int8 scale of sub-block 8h + 4n + g is byte g % 2 of half 96 + 4h + 2n + g // 2
-        d = tl.load(b3 + 104, mask=m3, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-        sh0 = tl.load(b3 + 96 + 4 * h3 + g3 // 2, mask=m3, other=0).to(tl.int32)
-        sh1 = tl.load(b3 + 98 + 4 * h3 + g3 // 2, mask=m3, other=0).to(tl.int32)
-        sc0 = ((sh0 >> (8 * (g3 % 2))) & 255).to(tl.int8).to(tl.float32)
-        sc1 = ((sh1 >> (8 * (g3 % 2))) & 255).to(tl.int8).to(tl.float32)
-        acc += tl.sum(tl.sum(d * (sc0 * sub0 + sc1 * sub1), axis=2), axis=1)
+        sc0, sc1 = q6_k_scales(w + r3 + c * 105, m3, h3, g3)  # sub-blocks 8h + g and 8h + 4 + g
+        acc += tl.sum(tl.sum(sc0 * sub0 + sc1 * sub1, axis=2), axis=1)
     return acc
 
 
@@ -159,15 +138,22 @@ def _float_rows(w, rows, rmask, x, K, BN: tl.constexpr):
 
 
 @triton.jit
-def _segment(QT: tl.constexpr, w, row_stride, N, blk, x, y, col, K, BN: tl.constexpr):
+def _segment(QT: tl.constexpr, w, row_stride, N, blk, x, xq, xd, xs, y, col, K, BN: tl.constexpr,
+             CPI: tl.constexpr, ACT_Q8: tl.constexpr, ASM: tl.constexpr):
     """Rows ``blk * BN ..`` of one segment, written to output columns ``col + row``."""
     n = blk * BN + tl.arange(0, BN)
     if QT == 12:
         n4 = n[:, None, None, None]
-        acc = _q4_k_rows(w, n4.to(tl.int64) * row_stride, n4 < N, x, K, BN, Q4_K_CHUNKS)
+        if ACT_Q8:
+            acc = q4_k_rows_q8(w, n4.to(tl.int64) * row_stride, n4 < N, xq, xd, xs, K, BN, CPI, ASM)
+        else:
+            acc = _q4_k_rows(w, n4.to(tl.int64) * row_stride, n4 < N, x, K, BN, CPI)
     elif QT == 14:
         n4 = n[:, None, None, None]
-        acc = _q6_k_rows(w, n4.to(tl.int64) * row_stride, n4 < N, x, K, BN)
+        if ACT_Q8:
+            acc = q6_k_rows_q8(w, n4.to(tl.int64) * row_stride, n4 < N, xq, xd, xs, K, BN, CPI, ASM)
+        else:
+            acc = _q6_k_rows(w, n4.to(tl.int64) * row_stride, n4 < N, x, K, BN)
     elif QT == 0 or QT == 1 or QT == 30:
         n2 = n[:, None]
         acc = _float_rows(w, n2.to(tl.int64) * row_stride, n2 < N, x, K, BN)
@@ -178,24 +164,25 @@ def _segment(QT: tl.constexpr, w, row_stride, N, blk, x, y, col, K, BN: tl.const
 
 
 @triton.jit
-def _gemv_kernel(x, y, K, w0, n0, s0, w1, n1, s1, w2, n2, s2, w3, n3, s3,
+def _gemv_kernel(x, xq, xd, xs, y, K, w0, n0, s0, w1, n1, s1, w2, n2, s2, w3, n3, s3,
                  QT0: tl.constexpr, QT1: tl.constexpr, QT2: tl.constexpr, QT3: tl.constexpr,
-                 NSEG: tl.constexpr, BN: tl.constexpr):
+                 NSEG: tl.constexpr, BN: tl.constexpr, CPI: tl.constexpr, ACT_Q8: tl.constexpr,
+                 ASM: tl.constexpr):
     pid = tl.program_id(0)
     e0 = tl.cdiv(n0, BN)
     if pid < e0:
-        _segment(QT0, w0, s0, n0, pid, x, y, 0, K, BN)
+        _segment(QT0, w0, s0, n0, pid, x, xq, xd, xs, y, 0, K, BN, CPI, ACT_Q8, ASM)
     if NSEG > 1:
         e1 = e0 + tl.cdiv(n1, BN)
         if (pid >= e0) & (pid < e1):
-            _segment(QT1, w1, s1, n1, pid - e0, x, y, n0, K, BN)
+            _segment(QT1, w1, s1, n1, pid - e0, x, xq, xd, xs, y, n0, K, BN, CPI, ACT_Q8, ASM)
         if NSEG > 2:
             e2 = e1 + tl.cdiv(n2, BN)
             if (pid >= e1) & (pid < e2):
-                _segment(QT2, w2, s2, n2, pid - e1, x, y, n0 + n1, K, BN)
+                _segment(QT2, w2, s2, n2, pid - e1, x, xq, xd, xs, y, n0 + n1, K, BN, CPI, ACT_Q8, ASM)
             if NSEG > 3:
                 if pid >= e2:
-                    _segment(QT3, w3, s3, n3, pid - e2, x, y, n0 + n1 + n2, K, BN)
+                    _segment(QT3, w3, s3, n3, pid - e2, x, xq, xd, xs, y, n0 + n1 + n2, K, BN, CPI, ACT_Q8, ASM)
 
 
 @triton.jit
@@ -233,17 +220,23 @@ def row_bytes(qtype: int, K: int) -> int:
 
 
 def gemv(x: torch.Tensor, segments: list[tuple[torch.Tensor, int]], out: torch.Tensor,
-         tile: tuple[int, int] | None = None) -> torch.Tensor:
+         tile: tuple[int, ...] | None = None,  # (rows, warps[, chunks per iteration]) for tuning
+         q8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``out[0] = x[0] @ [W_0; W_1; ...]^T`` for one token ``x [1, K]``: the segments
     ``(raw [N_i, row_bytes] uint8, qtype)`` are stacked row bands, written to ``out``'s column
-    bands in order (``out [1, sum N_i]``, any float dtype: the fp32 sums are cast on store)."""
+    bands in order (``out [1, sum N_i]``, any float dtype: the fp32 sums are cast on store).
+    ``q8``: x as ``q8dot.quantize`` gives it; the Q4_K/Q6_K bands then multiply the int8
+    activation (``q8dot``), the others still x."""
     if not 1 <= len(segments) <= MAX_SEGMENTS:
         raise ValueError(f"1 to {MAX_SEGMENTS} segments per launch, got {len(segments)}")
     if x.dim() != 2 or x.shape[0] != 1 or not x.is_contiguous():
         raise ValueError(f"x must be one contiguous row [1, K], got {tuple(x.shape)}")
     K = x.shape[-1]
     rows = sum(r.shape[0] for r, _ in segments)
-    bn, warps = tile or ((8 if rows >= WIDE_ROWS else 4, GEMV_WARPS) if x.is_cuda else (64, 4))
+    if tile is None:  # (the interpreter's cost is per program: few, wide ones there)
+        tile = (64, 4) if not x.is_cuda else Q8_TILE if q8 is not None else (8 if rows >= WIDE_ROWS else 4, GEMV_WARPS)
+    bn, warps, cpi = (*tile, 0)[:3]
+    cpi = cpi or (chunks_per_iteration(K, 4) if q8 is not None else Q4_K_CHUNKS)
     args, qts, blocks = [], [], 0
     for raw, qt in segments:
         if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != row_bytes(qt, K) or not raw.is_contiguous():
@@ -258,8 +251,11 @@ def gemv(x: torch.Tensor, segments: list[tuple[torch.Tensor, int]], out: torch.T
     while len(qts) < MAX_SEGMENTS:  # unused segments: never reached (NSEG), any pointer will do
         args += [x, 0, 0]
         qts.append(-1)
-    _gemv_kernel[(blocks,)](x, out, K, *args, QT0=qts[0], QT1=qts[1], QT2=qts[2], QT3=qts[3],
-                            NSEG=len(segments), BN=bn, num_warps=warps)
+    if q8 is not None and (q8[0].shape != (1, K // 4) or q8[0].dtype != torch.int32):
+        raise ValueError(f"q8 must be x quantized by q8dot.quantize ([1, {K // 4}] int32 words)")
+    xq, xd, xs = q8 if q8 is not None else (x, x, x)
+    _gemv_kernel[(blocks,)](x, xq, xd, xs, out, K, *args, QT0=qts[0], QT1=qts[1], QT2=qts[2], QT3=qts[3],
+                            NSEG=len(segments), BN=bn, CPI=cpi, ACT_Q8=q8 is not None, ASM=use_asm(x), num_warps=warps)
     return out
 
 

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.q8dot import chunks_per_iteration, quantize, readable, row_dot_q8, use_asm
 from runtime.kernels.qmatvec import SUPPORTED_QTYPES, _output, _row_dot, _tile_dot, row_bytes_of, rows_per_program
 
 
@@ -55,11 +56,12 @@ def _slot_base(slot, dev_ptr, host_ptr, slot_bytes, HAS_HOST: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, ids_ptr, slot_ptr, gate_ptr, up_ptr, gate_h_ptr, up_h_ptr, h_ptr, count_ptr,
+def _gate_up_kernel(x_ptr, xq, xd, xs, ids_ptr, slot_ptr, gate_ptr, up_ptr, gate_h_ptr, up_h_ptr, h_ptr, count_ptr,
                     TOPK, N_FF, K, gate_slot_bytes, up_slot_bytes, up_row0, gate_row_bytes, up_row_bytes,
                     stride_x, stride_ids,
                     GATE_QTYPE: tl.constexpr, UP_QTYPE: tl.constexpr, HAS_HOST: tl.constexpr,
-                    HAS_COUNT: tl.constexpr, BLOCK_N: tl.constexpr):
+                    HAS_COUNT: tl.constexpr, BLOCK_N: tl.constexpr, ACT_Q8: tl.constexpr, ASM: tl.constexpr,
+                    CPI: tl.constexpr):
     pair = tl.program_id(0)
     t = pair // TOPK
     j = pair % TOPK
@@ -73,19 +75,27 @@ def _gate_up_kernel(x_ptr, ids_ptr, slot_ptr, gate_ptr, up_ptr, gate_h_ptr, up_h
     # Without a host pool a non-resident expert (slot < 0) reads nothing (zero valid rows) and
     # yields zeros; the caller guarantees residency before launch (validate=True checks it).
     rmask = n3 < tl.where((slot >= 0) | HAS_HOST, N_FF, 0)
-    g_rows = _slot_base(slot, gate_ptr, gate_h_ptr, gate_slot_bytes, HAS_HOST) + n3.to(tl.int64) * gate_row_bytes
-    u_rows = _slot_base(slot, up_ptr, up_h_ptr, up_slot_bytes, HAS_HOST) + (n3 + up_row0).to(tl.int64) * up_row_bytes
-    x_row = x_ptr + t * stride_x
-    g = _row_dot(GATE_QTYPE, g_rows, rmask, x_row, K, BLOCK_N)
-    u = _row_dot(UP_QTYPE, u_rows, rmask, x_row, K, BLOCK_N)
+    g_base = _slot_base(slot, gate_ptr, gate_h_ptr, gate_slot_bytes, HAS_HOST)
+    u_base = _slot_base(slot, up_ptr, up_h_ptr, up_slot_bytes, HAS_HOST)
+    if ACT_Q8:  # x quantized per token (q8dot): int8 dot products
+        n4 = n[:, None, None, None]
+        m4 = n4 < tl.where((slot >= 0) | HAS_HOST, N_FF, 0)
+        q, d, s = xq + t * (K // 4), xd + t * (K // 32), xs + t * (K // 16)
+        g = row_dot_q8(GATE_QTYPE, g_base, n4, m4, gate_row_bytes, q, d, s, K, BLOCK_N, CPI, ASM)
+        u = row_dot_q8(UP_QTYPE, u_base, n4 + up_row0, m4, up_row_bytes, q, d, s, K, BLOCK_N, CPI, ASM)
+    else:
+        x_row = x_ptr + t * stride_x
+        g = _row_dot(GATE_QTYPE, g_base + n3.to(tl.int64) * gate_row_bytes, rmask, x_row, K, BLOCK_N)
+        u = _row_dot(UP_QTYPE, u_base + (n3 + up_row0).to(tl.int64) * up_row_bytes, rmask, x_row, K, BLOCK_N)
     h = g / (1.0 + tl.exp(-g)) * u
     tl.store(h_ptr + pair.to(tl.int64) * N_FF + n, h, mask=n < N_FF)
 
 
 @triton.jit
-def _down_kernel(h_ptr, ids_ptr, wts_ptr, slot_ptr, down_ptr, down_h_ptr, part_ptr,
+def _down_kernel(h_ptr, hq, hd, hs, ids_ptr, wts_ptr, slot_ptr, down_ptr, down_h_ptr, part_ptr,
                  TOPK, N_EMBD, N_FF, down_slot_bytes, down_row_bytes, stride_ids, stride_wts,
-                 DOWN_QTYPE: tl.constexpr, HAS_HOST: tl.constexpr, BLOCK_N: tl.constexpr):
+                 DOWN_QTYPE: tl.constexpr, HAS_HOST: tl.constexpr, BLOCK_N: tl.constexpr,
+                 ACT_Q8: tl.constexpr, ASM: tl.constexpr, CPI: tl.constexpr):
     pair = tl.program_id(0)
     t = pair // TOPK
     j = pair % TOPK
@@ -95,9 +105,17 @@ def _down_kernel(h_ptr, ids_ptr, wts_ptr, slot_ptr, down_ptr, down_h_ptr, part_p
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n3 = n[:, None, None]
     rmask = n3 < tl.where((slot >= 0) | HAS_HOST, N_EMBD, 0)
-    rows = _slot_base(slot, down_ptr, down_h_ptr, down_slot_bytes, HAS_HOST) + n3.to(tl.int64) * down_row_bytes
-    h_row = h_ptr + pair.to(tl.int64) * N_FF
-    part = weight * _row_dot(DOWN_QTYPE, rows, rmask, h_row, N_FF, BLOCK_N)
+    base = _slot_base(slot, down_ptr, down_h_ptr, down_slot_bytes, HAS_HOST)
+    if ACT_Q8:  # h quantized per pair (q8dot)
+        n4 = n[:, None, None, None]
+        m4 = n4 < tl.where((slot >= 0) | HAS_HOST, N_EMBD, 0)
+        p64 = pair.to(tl.int64)
+        dot = row_dot_q8(DOWN_QTYPE, base, n4, m4, down_row_bytes, hq + p64 * (N_FF // 4), hd + p64 * (N_FF // 32),
+                         hs + p64 * (N_FF // 16), N_FF, BLOCK_N, CPI, ASM)
+    else:
+        dot = _row_dot(DOWN_QTYPE, base + n3.to(tl.int64) * down_row_bytes, rmask, h_ptr + pair.to(tl.int64) * N_FF,
+                       N_FF, BLOCK_N)
+    part = weight * dot
     tl.store(part_ptr + pair.to(tl.int64) * N_EMBD + n, part, mask=n < N_EMBD)
 
 
@@ -237,7 +255,8 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                 block_n: int | None = None,
                 host: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None,
                 counts: torch.Tensor | None = None, num_warps: int | None = None,
-                grouped: bool | None = None, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+                grouped: bool | None = None, tiles: tuple[int, int, int] | None = None,
+                act_q8: bool = False, cpi: int = 8) -> torch.Tensor:
     """Routed-expert output ``sum_j w[t,j] * down_e(silu(gate_e x_t) * up_e x_t)`` -> [T, n_embd] fp32.
 
     x: [T, n_embd] (f32/f16/bf16); topk_ids/topk_weights: [T, k]; slot_table: int32 [n_expert]
@@ -254,7 +273,9 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     from ``GROUPED_MIN_PAIRS`` pairs up. ``tiles`` = (BLOCK_M, BLOCK_N, warps) overrides their
     tile shape, for tuning. Both paths are exact up to fp32 round-off except that the grouped
     one multiplies in half precision when ``x`` is (``qmatvec._tile_dot``), as cuBLAS does for
-    the dense layers.
+    the dense layers. ``act_q8``: the per-pair (decode) kernels quantize their inputs to int8 and
+    multiply Q4_K/Q6_K experts with int8 dot products (``q8dot``; a kernel whose types are
+    others keeps the float input), loading up to ``cpi`` chunks of 256 per row at once.
     """
     T_, n_embd = x.shape
     topk = topk_ids.shape[1]
@@ -320,15 +341,20 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         rows, warps = _launch(T_ * topk)
         bn = block_n or rows_per_program(x.device, rows)
         num_warps = num_warps or warps
+        q8_gu = act_q8 and readable(gate_qtype, gate_raw, gate_h) and readable(up_qtype, up_raw, up_h)
+        q8_down = act_q8 and readable(down_qtype, down_raw, down_h)
+        xq, xd, xs = quantize(x) if q8_gu else (x, x, x)
         _gate_up_kernel[(T_ * topk, triton.cdiv(n_ff, bn))](
-            x, topk_ids, slot_table, gate_raw, up_raw, gate_h, up_h, h, counts if counts is not None else slot_table,
+            x, xq, xd, xs, topk_ids, slot_table, gate_raw, up_raw, gate_h, up_h, h, counts if counts is not None else slot_table,
             topk, n_ff, n_embd, gate_raw.stride(0), up_raw.stride(0), up_row0,
             gate_raw.shape[2], up_raw.shape[2], x.stride(0), topk_ids.stride(0),
             GATE_QTYPE=int(gate_qtype), UP_QTYPE=int(up_qtype), HAS_HOST=has_host, HAS_COUNT=counts is not None,
-            BLOCK_N=bn, num_warps=num_warps)
+            BLOCK_N=bn, ACT_Q8=q8_gu, ASM=use_asm(x), CPI=chunks_per_iteration(n_embd, cpi), num_warps=num_warps)
+        hq, hd, hs = quantize(h) if q8_down else (h, h, h)
         _down_kernel[(T_ * topk, triton.cdiv(n_embd, bn))](
-            h, topk_ids, topk_weights, slot_table, down_raw, down_h, part,
+            h, hq, hd, hs, topk_ids, topk_weights, slot_table, down_raw, down_h, part,
             topk, n_embd, n_ff, down_raw.stride(0), down_raw.shape[2], topk_ids.stride(0),
-            topk_weights.stride(0), DOWN_QTYPE=int(down_qtype), HAS_HOST=has_host, BLOCK_N=bn, num_warps=num_warps)
+            topk_weights.stride(0), DOWN_QTYPE=int(down_qtype), HAS_HOST=has_host, BLOCK_N=bn, ACT_Q8=q8_down,
+            ASM=use_asm(x), CPI=chunks_per_iteration(n_ff, cpi), num_warps=num_warps)
     _sum_topk_kernel[(T_, triton.cdiv(n_embd, 1024))](part, y, topk, n_embd, y.stride(0), BLOCK=1024, num_warps=4)
     return y

@@ -1,0 +1,260 @@
+"""One-token products on int8 activations: the activation quantized once per input, then four
+weight codes times four activations per ``dp4a`` instruction.
+
+Why: the one-token kernels (dense GEMV, MoE decode) unpacked each weight code on its own (shift,
+mask, convert to float, multiply-add: ~5 instructions a weight) and reached 20-37% of the H100's
+copy bandwidth. With the activation as int8 in blocks of 32 (one fp32 scale each, as llama.cpp's
+``q8_1``), a 32-bit word of Q4_K codes is two masks and two ``dp4a``: eight weights in ~5
+instructions. The block scales and the activation's per-block sums turn the integer dots back
+into ``sum w x`` once per sub-block. With fewer instructions a program can also hold a row's
+whole K in flight (``chunks_per_iteration``), which these latency-bound kernels need as much:
+together 1.2-1.8x faster GEMVs and a one-token MoE layer in 19 us instead of 30 (BENCHMARKS.md).
+
+The price is the activation's rounding (relative error ~0.5% per element, the same as llama.cpp's
+quantized matmuls); the weights are used exactly as stored. The result depends only on the
+activation and the weight bytes, so residency (which pool an expert's bytes sit in) still never
+changes it. Triton's interpreter has no inline assembly: there ``dot4`` is the same integer sum
+written with shifts, bit for bit the instruction's result, so CI runs these kernels too.
+
+Quantized activation of a row of K elements (``quantize``): ``xq`` int8 ``[K]`` (read as int32
+words of four), ``xd`` fp32 ``[K/32]`` block scales (x ~ xd * xq), ``xs`` fp32 ``[K/16]`` =
+xd * (sum of xq over each 16 elements): the sub-block sums the K-quant offsets need.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .qmatvec import Q4_K, Q6_K
+
+QBLOCK = 32  # activation elements per int8 scale
+Q8_TYPES = (Q4_K, Q6_K)  # weight types with an int8-activation kernel
+# The runtime's one-token products use int8 activations unless SPARKPACK_FLOAT_ACTIVATIONS=1
+# (float activations: slower, no activation rounding; for comparisons and debugging).
+ENABLED = os.environ.get("SPARKPACK_FLOAT_ACTIVATIONS", "") != "1"
+
+
+def enabled() -> bool:
+    """Whether the runtime quantizes one-token activations (read at each call: tests flip it)."""
+    return ENABLED
+
+
+def use_asm(t: torch.Tensor) -> bool:
+    """``dot4``'s form for kernels on ``t``'s device: the instruction when compiled for a GPU,
+    shifts under Triton's interpreter (which has no inline assembly)."""
+    return t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+def readable(qtype: int, *pools: torch.Tensor) -> bool:
+    """Whether the int8 kernels can read these uint8 weight views of ``qtype``: a type they have,
+    with rows (and slots) aligned to the unit they load (4 bytes for Q4_K, 2 for Q6_K)."""
+    if int(qtype) not in Q8_TYPES:
+        return False
+    unit = 4 if int(qtype) == Q4_K else 2
+    return all(p.data_ptr() % unit == 0 and all(s % unit == 0 for s in p.stride()[:-1]) for p in pools)
+
+
+@triton.jit
+def dot4(a, b, ASM: tl.constexpr):
+    """Per element, the dot of the four signed bytes of int32 ``a`` with those of ``b``."""
+    if ASM:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        s = ((a << 24) >> 24) * ((b << 24) >> 24)
+        for j in tl.static_range(1, 4):
+            s += ((a << (24 - 8 * j)) >> 24) * ((b << (24 - 8 * j)) >> 24)
+        return s
+
+
+@triton.jit
+def _quantize_kernel(x, xq, xd, xs, K, stride_x, BLOCKS: tl.constexpr):
+    t = tl.program_id(0)
+    b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    k = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+    m = k < K
+    v = tl.load(x + t * stride_x + k, mask=m, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(v), axis=1)
+    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+    q = tl.floor(v * inv[:, None] + 0.5).to(tl.int32)  # |q| <= 127: the block's largest maps to 127
+    tl.store(xq + t * K + k, q.to(tl.int8), mask=m)
+    d = amax / 127.0
+    bm = b * 32 < K
+    tl.store(xd + t * (K // 32) + b, d, mask=bm)
+    half = tl.sum(tl.reshape(q, [BLOCKS, 2, 16]), axis=2).to(tl.float32) * d[:, None]  # [BLOCKS, 2]
+    j = 2 * b[:, None] + tl.arange(0, 2)[None, :]
+    tl.store(xs + t * (K // 16) + j, half, mask=bm[:, None])
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of ``x [T, K]`` (K a multiple of 32, any float dtype, unit inner stride) as
+    ``(xq int32 [T, K/4], xd fp32 [T, K/32], xs fp32 [T, K/16])``: see the module docstring."""
+    T, K = x.shape
+    if K % QBLOCK or x.stride(-1) != 1:
+        raise ValueError(f"int8 activations need rows of a multiple of {QBLOCK} contiguous elements, got {tuple(x.shape)}")
+    xq = torch.empty(T, K, dtype=torch.int8, device=x.device)
+    xd = torch.empty(T, K // 32, dtype=torch.float32, device=x.device)
+    xs = torch.empty(T, K // 16, dtype=torch.float32, device=x.device)
+    blocks = 8 if x.is_cuda else 64
+    if T:
+        _quantize_kernel[(T, triton.cdiv(K // 32, blocks))](x, xq, xd, xs, K, x.stride(0), BLOCKS=blocks,
+                                                             num_warps=2)
+    return xq.view(torch.int32), xd, xs
+
+
+def dequantized(xq: torch.Tensor, xd: torch.Tensor) -> torch.Tensor:
+    """The fp32 activation the int8 kernels multiply by (what a reference should use)."""
+    q = xq.view(torch.int8).float()
+    return (q.view(q.shape[0], -1, 32) * xd[..., None]).reshape(q.shape)
+
+
+# ----------------------------------------------------------------------------- per-type row dots
+# Each returns [BN] fp32 dots of BN rows (``rows`` [BN,1,1,1] element offsets into ``w``, the
+# weight viewed in its load unit: int32 for Q4_K, int16 for Q6_K) with one quantized activation
+# row (``xq`` int32 words, ``xd``, ``xs`` as ``quantize`` writes them) over all of K.
+
+@triton.jit
+def _k_scale(s0, s1, s2, s, IS_MIN: tl.constexpr):
+    """6-bit scale (or min) of sub-block ``s`` from the three 32-bit words of a Q4_K block's 12
+    scale bytes: bytes 0-3 scales 0-3 (low 6 bits) and the top 2 bits of 4-7, bytes 4-7 the same
+    for mins, bytes 8-11 low nibble = low 4 bits of scales 4-7, high nibble = mins 4-7."""
+    a = s1 if IS_MIN else s0
+    lo = (a >> (8 * tl.minimum(s, 3))) & 63
+    j = 8 * tl.maximum(s - 4, 0)
+    hi = ((s2 >> (j + (4 if IS_MIN else 0))) & 15) | (((a >> (j + 6)) & 3) << 4)
+    return tl.where(s < 4, lo, hi).to(tl.float32)
+
+
+@triton.jit
+def q4_k_scales(b3, ok3, i3):
+    """``(d * scale, dmin * min)`` of sub-blocks ``2i`` and ``2i + 1`` (four tensors: scale 2i,
+    scale 2i + 1, min 2i, min 2i + 1) of the Q4_K blocks at word pointers ``b3``."""
+    hdr = tl.load(b3, mask=ok3, other=0)
+    s0 = tl.load(b3 + 1, mask=ok3, other=0)
+    s1 = tl.load(b3 + 2, mask=ok3, other=0)
+    s2 = tl.load(b3 + 3, mask=ok3, other=0)
+    d = (hdr & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = ((hdr >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return (d * _k_scale(s0, s1, s2, 2 * i3, False), d * _k_scale(s0, s1, s2, 2 * i3 + 1, False),
+            dmin * _k_scale(s0, s1, s2, 2 * i3, True), dmin * _k_scale(s0, s1, s2, 2 * i3 + 1, True))
+
+
+@triton.jit
+def q4_k_rows_q8(w, rows, rmask, xq, xd, xs, K, BN: tl.constexpr, CPI: tl.constexpr, ASM: tl.constexpr):
+    # block_q4_K as 36 words: word 0 = d | dmin << 16 (f16 bits), words 1-3 the scales, word
+    # 4 + 8i + m = qs[32i + 4m .. +3]: its low nibbles are elements 64i + 4m .. +3 (sub-block 2i),
+    # its high nibbles elements 64i + 32 + 4m .. +3 (sub-block 2i + 1), i.e. activation words
+    # 16i + m and 16i + 8 + m of the chunk. CPI chunks per iteration: more bytes in flight.
+    cc = tl.arange(0, CPI)[None, :, None, None]
+    i = tl.arange(0, 4)[None, None, :, None]
+    m = tl.arange(0, 8)[None, None, None, :]
+    r3 = tl.reshape(rows, [BN, 1, 1])
+    m3 = tl.reshape(rmask, [BN, 1, 1])
+    c3 = tl.arange(0, CPI)[None, :, None]
+    i3 = tl.arange(0, 4)[None, None, :]
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for c0 in range(0, K // 256, CPI):
+        c = c0 + cc  # [1, CPI, 1, 1]
+        xm = c * 256 < K
+        qs = tl.load(w + rows + c * 36 + 4 + 8 * i + m, mask=rmask & xm, other=0)  # [BN, CPI, 4, 8]
+        a_lo = tl.load(xq + c * 64 + 16 * i + m, mask=xm, other=0)
+        a_hi = tl.load(xq + c * 64 + 16 * i + 8 + m, mask=xm, other=0)
+        d_lo = tl.sum(dot4(qs & 0x0F0F0F0F, a_lo, ASM), axis=3).to(tl.float32)  # [BN, CPI, 4]
+        d_hi = tl.sum(dot4((qs >> 4) & 0x0F0F0F0F, a_hi, ASM), axis=3).to(tl.float32)
+        cb = c0 + c3
+        ok = cb * 256 < K
+        sc_lo, sc_hi, mn_lo, mn_hi = q4_k_scales(w + r3 + cb * 36, m3 & ok, i3)
+        sub = cb * 8 + 2 * i3  # 32-element sub-blocks 2i and 2i + 1 of the chunk
+        x_lo = tl.load(xd + sub, mask=ok, other=0.0)
+        x_hi = tl.load(xd + sub + 1, mask=ok, other=0.0)
+        sum_lo = tl.load(xs + 2 * sub, mask=ok, other=0.0) + tl.load(xs + 2 * sub + 1, mask=ok, other=0.0)
+        sum_hi = tl.load(xs + 2 * sub + 2, mask=ok, other=0.0) + tl.load(xs + 2 * sub + 3, mask=ok, other=0.0)
+        part = sc_lo * x_lo * d_lo + sc_hi * x_hi * d_hi - (mn_lo * sum_lo + mn_hi * sum_hi)
+        acc += tl.sum(tl.sum(part, axis=2), axis=1)
+    return acc
+
+
+@triton.jit
+def _word(w, at, mask):
+    """The 32-bit little-endian word at int16 offset ``at`` (Q6_K blocks are only 2-aligned)."""
+    lo = tl.load(w + at, mask=mask, other=0).to(tl.int32) & 0xFFFF
+    hi = tl.load(w + at + 1, mask=mask, other=0).to(tl.int32)
+    return lo | (hi << 16)
+
+
+@triton.jit
+def q6_k_scales(b, ok, h, g):
+    """``d * scale`` of sub-blocks ``8h + g`` and ``8h + 4 + g`` of the Q6_K blocks at int16
+    pointers ``b``: the int8 scale of sub-block j is byte j % 2 of half 96 + j // 2."""
+    d = tl.load(b + 104, mask=ok, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+    sh_lo = tl.load(b + 96 + 4 * h + g // 2, mask=ok, other=0).to(tl.int32)
+    sh_hi = tl.load(b + 98 + 4 * h + g // 2, mask=ok, other=0).to(tl.int32)
+    sc_lo = ((sh_lo >> (8 * (g % 2))) & 255).to(tl.int8).to(tl.float32)
+    sc_hi = ((sh_hi >> (8 * (g % 2))) & 255).to(tl.int8).to(tl.float32)
+    return d * sc_lo, d * sc_hi
+
+
+@triton.jit
+def q6_k_rows_q8(w, rows, rmask, xq, xd, xs, K, BN: tl.constexpr, CPI: tl.constexpr, ASM: tl.constexpr):
+    # block_q6_K as 105 int16 halves: ql = bytes 0-127, qh = 128-191, int8 scales = 192-207,
+    # d = half 104. ql word v = 16h + 4g + t (bytes 4v .. +3): low nibbles are elements
+    # 128h + 16g + 4t .. +3 (sub-block 8h + g), high nibbles the same + 64 (sub-block 8h + 4 + g).
+    # Their top two bits sit in qh word 8h + 4(g % 2) + t at bit 2(g // 2) (low) and 4 + 2(g // 2)
+    # (high). Codes are 0..63 (the stored code; the value is code - 32).
+    cc = tl.arange(0, CPI)[None, :, None, None, None]
+    h = tl.arange(0, 2)[None, None, :, None, None]
+    g = tl.arange(0, 4)[None, None, None, :, None]
+    t = tl.arange(0, 4)[None, None, None, None, :]
+    r4 = tl.reshape(rows, [BN, 1, 1, 1])
+    m4 = tl.reshape(rmask, [BN, 1, 1, 1])
+    r5 = tl.reshape(rows, [BN, 1, 1, 1, 1])
+    m5 = tl.reshape(rmask, [BN, 1, 1, 1, 1])
+    c4 = tl.arange(0, CPI)[None, :, None, None]
+    h4 = tl.arange(0, 2)[None, None, :, None]
+    g4 = tl.arange(0, 4)[None, None, None, :]
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for c0 in range(0, K // 256, CPI):
+        c = c0 + cc
+        ok = m5 & (c * 256 < K)
+        blk = w + r5 + c * 105
+        ql = _word(blk, 2 * (16 * h + 4 * g + t), ok)  # [BN, CPI, 2, 4, 4]
+        qh = _word(blk, 64 + 2 * (8 * h + 4 * (g % 2) + t), ok)
+        shift = 2 * (g // 2)
+        lo = (ql & 0x0F0F0F0F) | (((qh >> shift) & 0x03030303) << 4)
+        hi = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (shift + 4)) & 0x03030303) << 4)
+        a = xq + c * 64 + 32 * h + 4 * g + t
+        xm = c * 256 < K
+        d_lo = tl.sum(dot4(lo, tl.load(a, mask=xm, other=0), ASM), axis=4).to(tl.float32)  # [BN, CPI, 2, 4]
+        d_hi = tl.sum(dot4(hi, tl.load(a + 16, mask=xm, other=0), ASM), axis=4).to(tl.float32)
+        cb = c0 + c4
+        okc = cb * 256 < K
+        sub = cb * 16 + 8 * h4 + g4  # 16-element sub-blocks of the low nibbles; + 4 for the high
+        dot_lo = tl.load(xd + sub // 2, mask=okc, other=0.0) * d_lo - 32.0 * tl.load(xs + sub, mask=okc, other=0.0)
+        dot_hi = tl.load(xd + (sub + 4) // 2, mask=okc, other=0.0) * d_hi \
+            - 32.0 * tl.load(xs + sub + 4, mask=okc, other=0.0)
+        sc_lo, sc_hi = q6_k_scales(w + r4 + cb * 105, m4 & okc, h4, g4)
+        acc += tl.sum(tl.sum(tl.sum(sc_lo * dot_lo + sc_hi * dot_hi, axis=3), axis=2), axis=1)
+    return acc
+
+
+@triton.jit
+def row_dot_q8(QTYPE: tl.constexpr, w_bytes, rows, rmask, row_bytes, xq, xd, xs, K, BN: tl.constexpr,
+               CPI: tl.constexpr, ASM: tl.constexpr):
+    """[BN] dots of rows ``rows [BN,1,1,1]`` (row indices) of a byte pointer ``w_bytes`` whose
+    rows are ``row_bytes`` long, for the MoE pools (uint8): the pointer is retyped here."""
+    if QTYPE == 12:
+        return q4_k_rows_q8(w_bytes.to(tl.pointer_type(tl.int32)), rows.to(tl.int64) * (row_bytes // 4), rmask,
+                            xq, xd, xs, K, BN, CPI, ASM)
+    else:
+        return q6_k_rows_q8(w_bytes.to(tl.pointer_type(tl.int16)), rows.to(tl.int64) * (row_bytes // 2), rmask,
+                            xq, xd, xs, K, BN, CPI, ASM)
+
+
+def chunks_per_iteration(K: int, cap: int = 16) -> int:
+    """Chunks of 256 a one-token program loads per loop iteration: all of K up to ``cap``
+    (a power of two). Loading a row's whole K at once keeps the most bytes in flight: the
+    one-token kernels wait on memory latency, with few loads outstanding per program."""
+    return min(cap, 1 << max(0, (K // 256 - 1).bit_length()))
