@@ -22,7 +22,9 @@ Three launches:
 3. ``_sum_topk_kernel``: the per-token sum over the k choices, in a fixed order (deterministic,
    unlike atomics; the scratch is only T*k*n_embd*4 bytes).
 
-The first two reuse the per-family unpacking of ``qmatvec`` (one compiled variant per quant type).
+The first two reuse the per-family unpacking of ``qmatvec`` (one compiled variant per quant type),
+or, with ``act_q8`` (the runtime's default), ``q8dot``'s int8 dot products for Q4_K/Q6_K experts:
+x is quantized once per token and h once per pair, one small launch each.
 
 Prefill (many tokens) takes a grouped variant of launches 1 and 2: the (token, choice) pairs are
 sorted by expert into blocks of ``BLOCK_M`` rows of one expert (padded; built on the device with
