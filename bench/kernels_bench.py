@@ -99,7 +99,8 @@ def bench_moe(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator) -
     down = random_blocks(dq, n_slots * n_embd, n_ff, gen).reshape(n_slots, n_embd, -1)
     ok = True
     for T, bn, nw, act, cpi in [(T, bn, nw, a, c) for T in args.moe_tokens for bn in args.block_n
-                                for nw in args.warps for a in args.act for c in args.moe_cpi]:
+                                for nw in args.warps for a in args.act
+                                for c in (args.moe_cpi if a == "q8" else args.moe_cpi[:1])]:  # float: no cpi
         q8 = act == "q8"
         x = torch.randn(T, n_embd, device="cuda", generator=gen)
         ids = torch.stack([torch.randperm(n_slots, device="cuda", generator=gen)[:topk] for _ in range(T)])
@@ -166,7 +167,7 @@ def bench_moe_prefill(args: argparse.Namespace, gen: torch.Generator) -> bool:
                 continue  # minutes per call
             ms = median_ms(run)
             err = rel_l2(run(), ref)
-            good = err < 2e-2
+            good = err < (2e-2 if act == "q8" else 1e-2)  # bf16 output; int8 adds the activations' rounding
             ok &= good
             tile = "auto" if t is None else "x".join(map(str, t))
             print(f"moe prefill T={T:5d} {name:8} tiles={tile:9}: {ms * 1e3:9.1f} us  {T / ms * 1e3:9.0f} tok/s/layer"
@@ -224,7 +225,7 @@ def bench_dense(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator)
                 (lambda: dense.gemv(x, qs, out, tile=tile))
             run()
             err = rel_l2(out.float(), ref)
-            good = err < 2e-2
+            good = err < (2e-2 if act == "q8" else 1e-2)  # bf16 output; int8 adds the activations' rounding
             ok &= good
             ms = median_ms(run)
             gbs = nbytes / ms / 1e6

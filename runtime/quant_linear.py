@@ -36,6 +36,7 @@ class QuantLinear:
     def __init__(self, segments: list[tuple[torch.Tensor, int]], sizes: list[int], K: int):
         self.segments, self.sizes, self.K = segments, sizes, K
         self.rows = sum(sizes)
+        self.int8_bands = any(qt in q8dot.Q8_TYPES for _, qt in segments)  # bands with an int8 kernel
 
     def band(self, r0: int, r1: int) -> "QuantLinear":
         """Rows ``r0:r1`` (inside one segment) as a matrix of their own, sharing the bytes."""
@@ -51,8 +52,7 @@ class QuantLinear:
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.rows, dtype=x.dtype, device=x.device)
         if x.shape[0] == 1:
-            q8 = q8dot.quantize(x) if q8dot.enabled() and any(qt in q8dot.Q8_TYPES for _, qt in self.segments) \
-                else None
+            q8 = q8dot.quantize(x) if self.int8_bands and q8dot.enabled() else None
             for i in range(0, len(self.segments), MAX_SEGMENTS):
                 part = self.segments[i:i + MAX_SEGMENTS]
                 c0 = sum(r.shape[0] for r, _ in self.segments[:i])

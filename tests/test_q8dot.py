@@ -20,9 +20,15 @@ from gguf.constants import GGMLQuantizationType as T  # noqa: E402
 
 from runtime.kernels.dense import gemv  # noqa: E402
 from runtime.kernels.moe import moe_experts  # noqa: E402
-from runtime.kernels.q8dot import dequantized, quantize  # noqa: E402
+from runtime.kernels.q8dot import quantize  # noqa: E402
 from tests.test_dense_kernels import segment  # noqa: E402
 from tests.test_kernels import DEVICE, dequant64, pools, random_weight, rel_l2  # noqa: E402
+
+
+def dequantized(xq: torch.Tensor, xd: torch.Tensor) -> torch.Tensor:
+    """The fp32 activation the int8 kernels multiply by (what a reference should use)."""
+    q = xq.view(torch.int8).float()
+    return (q.view(q.shape[0], -1, 32) * xd[..., None]).reshape(q.shape)
 
 
 def test_quantize_blocks_of_32() -> None:

@@ -105,12 +105,6 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return xq.view(torch.int32), xd, xs
 
 
-def dequantized(xq: torch.Tensor, xd: torch.Tensor) -> torch.Tensor:
-    """The fp32 activation the int8 kernels multiply by (what a reference should use)."""
-    q = xq.view(torch.int8).float()
-    return (q.view(q.shape[0], -1, 32) * xd[..., None]).reshape(q.shape)
-
-
 # ----------------------------------------------------------------------------- per-type row dots
 # Each returns [BN] fp32 dots of BN rows (``rows`` [BN,1,1,1] element offsets into ``w``, the
 # weight viewed in its load unit: int32 for Q4_K, int16 for Q6_K) with one quantized activation
