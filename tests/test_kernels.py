@@ -400,13 +400,15 @@ def test_prefetch_copies_guessed_cold_experts_only() -> None:
         prefetch_experts(ids, table, eff, host, pool, first + 1)
 
 
-@pytest.mark.parametrize("n_k,d_k,n_v,d_v,K", [(2, 16, 4, 8, 4), (2, 12, 2, 20, 3)])
+@pytest.mark.parametrize("n_k,d_k,n_v,d_v,K", [(2, 16, 4, 8, 4), (2, 12, 2, 20, 3), (1, 16, 2, 32, 4)])
 def test_deltanet_decode_matches_the_torch_form(n_k, d_k, n_v, d_v, K) -> None:
     """Conv window, l2 norms, gates, the delta rule on the state and the gated output norm,
     fused, against the model file's torch form (float64) over a few steps; non-power-of-two
-    head sizes exercise the masks."""
+    head sizes exercise the masks. With power-of-two value heads of 32 or more the int8 form of
+    the output comes from the same launch: bit for bit ``q8dot.quantize`` of the output."""
     import torch.nn.functional as F
 
+    from runtime.kernels import q8dot
     from runtime.kernels.deltanet import deltanet_decode
     from runtime.layers import l2_norm, rms_norm
     from runtime.models.qwen35moe import gated_delta_rule
@@ -422,7 +424,11 @@ def test_deltanet_decode_matches_the_torch_form(n_k, d_k, n_v, d_v, K) -> None:
         qkv, z = torch.randn(C, generator=g), torch.randn(n_v * d_v, generator=g)
         beta, alpha = torch.randn(n_v, generator=g), torch.randn(n_v, generator=g) * (10 if step == 1 else 1)
         got = deltanet_decode(*(t.to(DEVICE) for t in (qkv, z, beta, alpha, dt, a, conv_w)), win, state,
-                              norm_w.to(DEVICE), n_k, d_k, eps)
+                              norm_w.to(DEVICE), n_k, d_k, eps, q8=d_v == 32)
+        assert got.shape == (1, n_v * d_v)
+        if d_v == 32:
+            for fused, own in zip(q8dot.attached(got), q8dot.quantize(got)):
+                assert torch.equal(fused.cpu(), own.cpu())
         # the reference, as runtime/models/qwen35moe.py computes it (float64)
         xin = torch.cat((win64, qkv.double()[None]), 0)
         win64 = xin[1:]
@@ -508,7 +514,7 @@ def aot_compile_all(arch: int = 90) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from runtime.kernels import deltanet, dense, moe, norm, prefetch, q8dot, qmatvec as qm, router
+    from runtime.kernels import deltanet, dense, ffn, moe, norm, prefetch, q8dot, qmatvec as qm, router
 
     target = GPUTarget("cuda", arch, 32)
     x_types = {"x_ptr": "*bf16", "y_ptr": "*fp32"}
@@ -516,6 +522,7 @@ def aot_compile_all(arch: int = 90) -> None:
     jobs += [(qm._qmm_kernel, x_types, {"QTYPE": int(q), "BLOCK_B": 16, "BLOCK_N": 32, "DOT_FP32": f})
              for q, f in ((T.Q4_K, False), (T.Q6_K, True))]
     q8_args = {n: "*i32" if n.endswith("q") else "*fp32" for n in ("xq", "xd", "xs", "hq", "hd", "hs")}
+    codes = {"xq": "*i8", "xd": "*fp32", "xs": "*fp32"}  # what q8dot.store_q8 writes
     jobs += [(moe._gate_up_kernel, {"x_ptr": "*fp32", "ids_ptr": "*i64", "slot_ptr": "*i32", "h_ptr": "*fp32",
                                     "count_ptr": "*i32", **q8_args},
               {"GATE_QTYPE": int(T.Q4_K), "UP_QTYPE": int(T.Q4_K), "HAS_HOST": True, "HAS_COUNT": True,
@@ -535,12 +542,17 @@ def aot_compile_all(arch: int = 90) -> None:
               {"DOWN_QTYPE": int(T.Q6_K), "HAS_HOST": False, "DOT_FP32": False, "BLOCK_M": 64, "BLOCK_N": 32}),
              (deltanet._conv_kernel, {"x_ptr": "*bf16", "win_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32"},
               {"KM1": 3, "BLOCK": 1024}),
-             (deltanet._recurrence_kernel, {"act_ptr": "*fp32", "z_ptr": "*bf16", "beta_ptr": "*bf16",
-                                            "alpha_ptr": "*bf16", "dt_ptr": "*bf16", "a_ptr": "*bf16",
-                                            "state_ptr": "*fp32", "norm_ptr": "*bf16", "out_ptr": "*bf16"},
-              {"BLOCK_K": 128, "BLOCK_V": 128}),
-             (norm._rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16"},
-              {"HAS_W": True, "BLOCK": 2048}),
+             *[(deltanet._recurrence_kernel, {"act_ptr": "*fp32", "z_ptr": "*bf16", "beta_ptr": "*bf16",
+                                              "alpha_ptr": "*bf16", "dt_ptr": "*bf16", "a_ptr": "*bf16",
+                                              "state_ptr": "*fp32", "norm_ptr": "*bf16", "out_ptr": "*bf16", **codes},
+                {"BLOCK_K": 128, "BLOCK_V": 128, "Q8": q8}) for q8 in (False, True)],
+             *[(norm._rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
+                                        "s_ptr": "*bf16", **codes},
+                {"HAS_W": True, "HAS_RES": fused, "Q8": fused, "BLOCK": 2048}) for fused in (False, True)],
+             (ffn._silu_mul_kernel, {"g_ptr": "*bf16", "u_ptr": "*bf16", "y_ptr": "*bf16", **codes},
+              {"Q8": True, "BLOCK": 512}),
+             (ffn._ffn_residual_kernel, {"x_ptr": "*bf16", "r_ptr": "*fp32", "s_ptr": "*bf16", "g_ptr": "*bf16",
+                                         "y_ptr": "*bf16"}, {"HAS_SHARED": True, "HAS_GATE": True, "BLOCK": 1024}),
              (router._softmax_topk_kernel, {"logits_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i64"},
               {"K": 8, "K_P2": 8, "NORM": True, "BLOCK": 256}),
              (prefetch._prefetch_kernel, {"ids_ptr": "*i64", "table_ptr": "*i32", "eff_ptr": "*i32",
@@ -557,7 +569,9 @@ def aot_compile_all(arch: int = 90) -> None:
     print("compiled", len(jobs))
 
 
-def test_kernels_compile_for_h100() -> None:
+def compile_in_subprocess(call: str, count: int) -> None:
+    """Run ``call`` (a ``from tests... import f; f()`` line that prints "compiled N") with Triton's
+    compiler rather than its interpreter, in a fresh process (Triton fixes the mode at import)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -569,9 +583,12 @@ def test_kernels_compile_for_h100() -> None:
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRITON_INTERPRET": "0",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-c", "from tests.test_kernels import aot_compile_all; aot_compile_all()"],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "compiled 26" in proc.stdout, proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "-c", call], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and f"compiled {count}" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_kernels_compile_for_h100() -> None:
+    compile_in_subprocess("from tests.test_kernels import aot_compile_all; aot_compile_all()", 30)
 
 
 @pytest.mark.parametrize("T,d_k,d_v,chunk", [(150, 16, 24, 64), (40, 20, 16, 16)])

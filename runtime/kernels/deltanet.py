@@ -12,7 +12,8 @@ and memory pass. Two kernels cover everything between the input projections and 
 2. ``_recurrence_kernel``: one program per value head: l2-normalise its q and k (key head
    ``h % n_k``, the converter's tiled order), beta = sigmoid, g = softplus(alpha + dt_bias) * a,
    then the delta rule on the head's ``[d_k, d_v]`` float32 state (decay, read, correct, write
-   back, read out) and the gated RMSNorm of the output times SiLU(z).
+   back, read out) and the gated RMSNorm of the output times SiLU(z); with ``q8``, also the int8
+   form of its output blocks for ``ssm_out``'s int8 product (``q8dot.store_q8``).
 
 Everything runs in float32 between the two bf16/f32 boundaries (projections in, ``ssm_out``
 input out); the torch path (``runtime.models.qwen35moe``) rounds to the activation dtype in a
@@ -36,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .q8dot import QBLOCK, attach, new_q8, store_q8
+
 
 @triton.jit
 def _conv_kernel(x_ptr, win_ptr, w_ptr, out_ptr, C, KM1: tl.constexpr, BLOCK: tl.constexpr):
@@ -56,8 +59,8 @@ def _conv_kernel(x_ptr, win_ptr, w_ptr, out_ptr, C, KM1: tl.constexpr, BLOCK: tl
 
 @triton.jit
 def _recurrence_kernel(act_ptr, z_ptr, beta_ptr, alpha_ptr, dt_ptr, a_ptr, state_ptr, norm_ptr, out_ptr,
-                       N_K, D_K, D_V, q_scale, eps,
-                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                       xq, xd, xs, N_K, D_K, D_V, q_scale, eps,
+                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, Q8: tl.constexpr):
     h = tl.program_id(0)
     kh = h % N_K
     i = tl.arange(0, BLOCK_K)
@@ -86,20 +89,25 @@ def _recurrence_kernel(act_ptr, z_ptr, beta_ptr, alpha_ptr, dt_ptr, a_ptr, state
 
     o = o * tl.rsqrt(tl.sum(o * o, axis=0) / D_V + eps) * tl.load(norm_ptr + j, mask=mj, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + h * D_V + j, mask=mj, other=0.0).to(tl.float32)
-    o = o * (z / (1.0 + tl.exp(-z)))
-    tl.store(out_ptr + h * D_V + j, o.to(out_ptr.dtype.element_ty), mask=mj)
+    o = (o * (z / (1.0 + tl.exp(-z)))).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + h * D_V + j, o, mask=mj)
+    if Q8:  # the head's blocks of the int8 form ssm_out's product reads (D_V == BLOCK_V here)
+        store_q8(tl.reshape(o.to(tl.float32), [BLOCK_V // 32, 32]), h * (BLOCK_V // 32) + tl.arange(0, BLOCK_V // 32),
+                 tl.num_programs(0) * D_V, xq, xd, xs)
 
 
 def deltanet_decode(qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alpha: torch.Tensor,
                     dt_bias: torch.Tensor, a: torch.Tensor, conv_w: torch.Tensor, conv_win: torch.Tensor,
-                    state: torch.Tensor, norm_w: torch.Tensor, n_k: int, d_k: int, eps: float) -> torch.Tensor:
+                    state: torch.Tensor, norm_w: torch.Tensor, n_k: int, d_k: int, eps: float,
+                    q8: bool = False) -> torch.Tensor:
     """One token through a Gated DeltaNet layer, from its projections to ``ssm_out``'s input.
 
     qkv: ``[C]`` conv input (q | k | v channels, ``C = 2 n_k d_k + n_v d_v``); z: ``[n_v * d_v]``;
     beta, alpha: ``[n_v]`` (pre-sigmoid / pre-softplus projections); dt_bias, a: ``[n_v]``
     (``a`` = -exp(A_log), as the GGUF stores it); conv_w ``[C, K]``; conv_win ``[K-1, C]`` the
     last K-1 conv inputs (shifted in place); state ``[n_v, d_k, d_v]`` float32 (updated in place);
-    norm_w ``[d_v]``. Returns ``[n_v * d_v]`` in ``z``'s dtype.
+    norm_w ``[d_v]``. Returns one row ``[1, n_v * d_v]`` in ``z``'s dtype (``ssm_out``'s input);
+    ``q8`` (d_v a power of two >= 32) attaches its int8 form, computed per head in the same launch.
     """
     C = qkv.numel()
     n_v, dk, d_v = state.shape
@@ -113,11 +121,14 @@ def deltanet_decode(qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alph
     act = torch.empty(C, dtype=torch.float32, device=qkv.device)
     block = 1024
     _conv_kernel[(triton.cdiv(C, block),)](qkv, conv_win, conv_w, act, C, KM1=K - 1, BLOCK=block, num_warps=4)
-    out = torch.empty(n_v * d_v, dtype=z.dtype, device=z.device)
-    _recurrence_kernel[(n_v,)](act, z, beta, alpha, dt_bias, a, state, norm_w, out, n_k, d_k, d_v,
+    out = torch.empty(1, n_v * d_v, dtype=z.dtype, device=z.device)
+    if q8 and (d_v < QBLOCK or d_v & (d_v - 1)):
+        raise ValueError(f"DeltaNet decode: an int8 output needs a power-of-two value head size >= {QBLOCK}, got {d_v}")
+    codes = new_q8(1, n_v * d_v, z.device) if q8 else (out, out, out)
+    _recurrence_kernel[(n_v,)](act, z, beta, alpha, dt_bias, a, state, norm_w, out, *codes, n_k, d_k, d_v,
                                d_k ** -0.5, eps, BLOCK_K=triton.next_power_of_2(d_k),
-                               BLOCK_V=triton.next_power_of_2(d_v), num_warps=8)
-    return out
+                               BLOCK_V=triton.next_power_of_2(d_v), Q8=q8, num_warps=8)
+    return attach(out, codes) if q8 else out
 
 
 @triton.jit

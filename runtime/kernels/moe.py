@@ -24,7 +24,8 @@ Three launches:
 
 The first two reuse the per-family unpacking of ``qmatvec`` (one compiled variant per quant type),
 or, with ``act_q8`` (the runtime's default), ``q8dot``'s int8 dot products for Q4_K/Q6_K experts:
-x is quantized once per token and h once per pair, one small launch each.
+x's int8 form comes from the norm that wrote it (``q8dot.attach``; else one small launch) and h
+is quantized once per pair (one small launch).
 
 Prefill (many tokens) takes a grouped variant of launches 1 and 2: the (token, choice) pairs are
 sorted by expert into blocks of ``BLOCK_M`` rows of one expert (padded; built on the device with
@@ -39,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels.q8dot import chunks_per_iteration, quantize, readable, row_dot_q8, use_asm
+from runtime.kernels.q8dot import chunks_per_iteration, quantize, quantized, readable, row_dot_q8, use_asm
 from runtime.kernels.qmatvec import SUPPORTED_QTYPES, _output, _row_dot, _tile_dot, row_bytes_of, rows_per_program
 
 
@@ -345,7 +346,7 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         num_warps = num_warps or warps
         q8_gu = act_q8 and readable(gate_qtype, gate_raw, gate_h) and readable(up_qtype, up_raw, up_h)
         q8_down = act_q8 and readable(down_qtype, down_raw, down_h)
-        xq, xd, xs = quantize(x) if q8_gu else (x, x, x)
+        xq, xd, xs = quantized(x) if q8_gu else (x, x, x)  # the norm that wrote x may have attached it
         _gate_up_kernel[(T_ * topk, triton.cdiv(n_ff, bn))](
             x, xq, xd, xs, topk_ids, slot_table, gate_raw, up_raw, gate_h, up_h, h, counts if counts is not None else slot_table,
             topk, n_ff, n_embd, gate_raw.stride(0), up_raw.stride(0), up_row0,

@@ -71,22 +71,37 @@ def dot4(a, b, ASM: tl.constexpr):
 
 
 @triton.jit
+def store_q8(v, b, K, xq, xd, xs):
+    """Quantize ``v [BLOCKS, 32]`` fp32, blocks ``b [BLOCKS]`` of one row of K elements, and store
+    its codes, scales and 16-element sums at that row's ``xq`` / ``xd`` / ``xs`` (blocks past K
+    masked). Shared by ``_quantize_kernel`` and kernels that produce an activation and its int8
+    form in one pass (``norm.py``, ``elementwise.py``)."""
+    k = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+    amax = tl.max(tl.abs(v), axis=1)
+    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+    q = tl.floor(v * inv[:, None] + 0.5).to(tl.int32)  # |q| <= 127: the block's largest maps to 127
+    tl.store(xq + k, q.to(tl.int8), mask=k < K)
+    d = amax / 127.0
+    bm = b * 32 < K
+    tl.store(xd + b, d, mask=bm)
+    half = tl.sum(tl.reshape(q, [v.shape[0], 2, 16]), axis=2).to(tl.float32) * d[:, None]  # [BLOCKS, 2]
+    tl.store(xs + 2 * b[:, None] + tl.arange(0, 2)[None, :], half, mask=bm[:, None])
+
+
+@triton.jit
 def _quantize_kernel(x, xq, xd, xs, K, stride_x, BLOCKS: tl.constexpr):
     t = tl.program_id(0)
     b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     k = b[:, None] * 32 + tl.arange(0, 32)[None, :]
-    m = k < K
-    v = tl.load(x + t * stride_x + k, mask=m, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(v), axis=1)
-    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
-    q = tl.floor(v * inv[:, None] + 0.5).to(tl.int32)  # |q| <= 127: the block's largest maps to 127
-    tl.store(xq + t * K + k, q.to(tl.int8), mask=m)
-    d = amax / 127.0
-    bm = b * 32 < K
-    tl.store(xd + t * (K // 32) + b, d, mask=bm)
-    half = tl.sum(tl.reshape(q, [BLOCKS, 2, 16]), axis=2).to(tl.float32) * d[:, None]  # [BLOCKS, 2]
-    j = 2 * b[:, None] + tl.arange(0, 2)[None, :]
-    tl.store(xs + t * (K // 16) + j, half, mask=bm[:, None])
+    v = tl.load(x + t * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
+    store_q8(v, b, K, xq + t * K, xd + t * (K // 32), xs + t * (K // 16))
+
+
+def new_q8(T: int, K: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty ``(codes int8 [T, K], xd [T, K/32], xs [T, K/16])`` for a kernel's ``store_q8``."""
+    return (torch.empty(T, K, dtype=torch.int8, device=device),
+            torch.empty(T, K // 32, dtype=torch.float32, device=device),
+            torch.empty(T, K // 16, dtype=torch.float32, device=device))
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -95,14 +110,32 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     T, K = x.shape
     if K % QBLOCK or x.stride(-1) != 1:
         raise ValueError(f"int8 activations need rows of a multiple of {QBLOCK} contiguous elements, got {tuple(x.shape)}")
-    xq = torch.empty(T, K, dtype=torch.int8, device=x.device)
-    xd = torch.empty(T, K // 32, dtype=torch.float32, device=x.device)
-    xs = torch.empty(T, K // 16, dtype=torch.float32, device=x.device)
+    xq, xd, xs = new_q8(T, K, x.device)
     blocks = 8 if x.is_cuda else 64
     if T:
         _quantize_kernel[(T, triton.cdiv(K // 32, blocks))](x, xq, xd, xs, K, x.stride(0), BLOCKS=blocks,
                                                              num_warps=2)
     return xq.view(torch.int32), xd, xs
+
+
+def attach(y: torch.Tensor, q8: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Give ``y`` its int8 form (codes int8 or int32 words, xd, xs), computed by the kernel that
+    wrote ``y``: the products that read ``y`` (``QuantLinear``, the MoE kernels) then skip their
+    own ``quantize`` launch. The form lives and dies with the tensor object; ``y`` must not be
+    changed in place afterwards (no caller does: norms and activations are fresh tensors)."""
+    y._sparkpack_q8 = (q8[0].view(torch.int32), q8[1], q8[2])
+    return y
+
+
+def attached(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The int8 form ``attach`` gave ``x``, if any."""
+    return getattr(x, "_sparkpack_q8", None)
+
+
+def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x``'s int8 form: the attached one, or ``quantize(x)``."""
+    q8 = attached(x)
+    return q8 if q8 is not None else quantize(x)
 
 
 # ----------------------------------------------------------------------------- per-type row dots

@@ -1,0 +1,357 @@
+"""Decode attention (one new token) in three launches instead of ~50 small torch kernels.
+
+Why: at batch 1 an attention layer's arithmetic between its projections and ``attn_output`` is
+tiny (one query row per head against the cached keys), so the torch form's cost is its kernel
+count: the q/k RMSNorms (seven launches each), RoPE's cos/sin rebuilt every layer, the rotation
+(slices, negation, concatenation), the KV append (``index_copy_`` of keys and values), the GQA
+scores over the whole KV buffer, the position mask, the softmax, probabilities times values, the
+permute back and the output gate. Three kernels cover all of it:
+
+1. ``_qk_norm_rope_append_kernel``: one program per head row (H query rows, then H_kv key rows):
+   per-head RMSNorm (statistic in float32), NEOX rope over the first ``rope_dim`` channels with
+   the angle ``pos * inv_freq`` formed in float32 as ``Rope.cos_sin`` does, then the query row is
+   stored to a contiguous ``[H, d]`` and the key row, with the value row as it is, to row ``pos``
+   of the head-major caches (``KVCache``'s ``[H_kv, capacity, d]``).
+2. ``_attend_split_kernel`` (flash-decoding): one program per (kv head, ``split`` positions). The
+   ``rep = H / H_kv`` query heads of the kv head are the rows of one tile (padded to 16 for
+   ``tl.dot``), so each key and value is read once per kv head, not once per query head. Tiles
+   of ``BLOCK_S`` positions feed an online softmax (running max, sum and a float32 accumulator);
+   the partial (max, sum, accumulator) goes to float32 scratch. The grid covers the whole buffer
+   capacity, so it never depends on the position and a captured CUDA graph replays it at any
+   position: programs whose range lies wholly past ``pos`` (or before the sliding window) write
+   an empty partial and read no keys or values.
+3. ``_attend_combine_kernel``: one program per (query head, 32 channels) merges the partials of
+   the splits that hold allowed positions (the range follows from ``pos`` and the window, also
+   read from memory in a graph), divides by the softmax sum, applies the output gate (sigmoid per
+   channel for Qwen3.5/3.6, softplus per head or per channel for Laguna) and stores ``[H * d]``.
+   Splitting the channels too keeps the merge from setting the pace on long buffers (one program
+   per head read its head's partials alone, serially).
+
+``split`` trades the first kernel's parallelism against the partials to merge. Measured on an
+H100 (bf16, CUDA-graph replays of both attention launches, 32 query / 4 kv heads of 128, 3/4 of
+the buffer in use): split 64 is best at 4k positions (9 us); at 32k, 256 (28 us against 35 at
+64); at 128k, 512 (82 us against 129). The caller picks it from the capacity.
+
+The mask is ``runtime.layers._attend``'s (``j <= pos`` and, with a window, ``pos - j < window``),
+applied to the loads, so rows past the position may hold anything. ``pos`` is a Python int or a
+0-dim integer device tensor: a captured step reads its position from memory, never on the host.
+Everything runs in float32 inside, with one rounding to the activation dtype at each output
+(and, for bf16/f16 on a GPU, the probabilities rounded to that dtype before they meet the values,
+as the torch path does too); the torch path rounds at more places (normed and roped q/k, the
+gate), so the two agree to the activation dtype's precision, not bit for bit. The products are
+``tl.dot`` tiles: half precision operands with float32 accumulation for bf16/f16 on a GPU,
+float32 operands (exact ``ieee`` products, no TF32) for float32 activations and in Triton's
+interpreter, which gets bf16 ``tl.dot`` wrong. The torch path stays the reference (CPU, prefill).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .q8dot import QBLOCK, attach, new_q8, store_q8
+
+ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+GATE_KINDS = {"none": 0, "sigmoid": 1, "softplus_head": 2, "softplus": 3}
+LOG2E = 1.4426950408889634
+COMBINE_CHANNELS = 32  # channels per combine program: H programs alone were half as fast at 32k positions
+COMBINE_SPLITS = 64  # partials merged per combine step
+
+
+@triton.jit
+def _position(pos, POS_PTR: tl.constexpr):
+    """The token's position as int64: read from memory (a captured step) or given by value."""
+    if POS_PTR:
+        p = tl.load(pos).to(tl.int64)
+    else:
+        p = pos.to(tl.int64)
+    return p
+
+
+@triton.jit
+def _norm_rope(x_ptr, w_ptr, inv_ptr, p, D, HALF, eps, rope_scale, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One head row in float32: RMSNorm (when HAS_W), then NEOX rope of its first 2*HALF channels.
+    Channel i < HALF pairs with i + HALF; the partner is read again from memory rather than moved
+    across registers (the row is in L1 already)."""
+    n = tl.arange(0, BLOCK_D)
+    m = n < D
+    rot = n < 2 * HALF
+    first = n < HALF
+    mate = tl.where(first, n + HALF, n - HALF)
+    x = tl.load(x_ptr + n, mask=m, other=0.0).to(tl.float32)
+    xm = tl.load(x_ptr + mate, mask=rot, other=0.0).to(tl.float32)
+    if HAS_W:
+        r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        x = x * r * tl.load(w_ptr + n, mask=m, other=0.0).to(tl.float32)
+        xm = xm * r * tl.load(w_ptr + mate, mask=rot, other=0.0).to(tl.float32)
+    angle = p.to(tl.float32) * tl.load(inv_ptr + tl.where(first, n, n - HALF), mask=rot, other=0.0)
+    c = tl.cos(angle) * rope_scale
+    s = tl.sin(angle) * rope_scale
+    return tl.where(rot, x * c + tl.where(first, -xm, xm) * s, x)
+
+
+@triton.jit(do_not_specialize=["pos"])
+def _qk_norm_rope_append_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, inv_ptr, pos, qo_ptr, kc_ptr, vc_ptr,
+                                H, S, D, HALF, stride_q, stride_k, stride_v, eps, rope_scale,
+                                HAS_QN: tl.constexpr, HAS_KN: tl.constexpr, POS_PTR: tl.constexpr,
+                                BLOCK_D: tl.constexpr):
+    r = tl.program_id(0)
+    p = _position(pos, POS_PTR)
+    n = tl.arange(0, BLOCK_D)
+    m = n < D
+    if r < H:
+        y = _norm_rope(q_ptr + r.to(tl.int64) * stride_q, qn_ptr, inv_ptr, p, D, HALF, eps, rope_scale,
+                       HAS_QN, BLOCK_D)
+        tl.store(qo_ptr + r * D + n, y.to(qo_ptr.dtype.element_ty), mask=m)
+    else:
+        j = (r - H).to(tl.int64)
+        y = _norm_rope(k_ptr + j * stride_k, kn_ptr, inv_ptr, p, D, HALF, eps, rope_scale, HAS_KN, BLOCK_D)
+        row = (j * S + p) * D
+        ok = n < tl.where((p >= 0) & (p < S), D, 0)  # a position past the buffer writes nothing
+        tl.store(kc_ptr + row + n, y.to(kc_ptr.dtype.element_ty), mask=ok)
+        v = tl.load(v_ptr + j * stride_v + n, mask=m, other=0.0)
+        tl.store(vc_ptr + row + n, v.to(vc_ptr.dtype.element_ty), mask=ok)
+
+
+def _check_pos(pos: "int | torch.Tensor", S: int, device: torch.device, what: str) -> bool:
+    """Validate ``pos`` without reading device memory; True when it is a device scalar."""
+    if isinstance(pos, torch.Tensor):
+        if pos.numel() != 1 or pos.dtype.is_floating_point or pos.dtype.is_complex or pos.dtype == torch.bool \
+                or pos.device != device:
+            raise ValueError(f"{what}: pos must be an int or a one-element integer tensor on {device}")
+        return True
+    if not 0 <= int(pos) < S:
+        raise ValueError(f"{what}: position {pos} is outside the cache (capacity {S})")
+    return False
+
+
+def qk_norm_rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                        inv_freq: torch.Tensor, rope_scale: float, pos: "int | torch.Tensor",
+                        k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """One token's q/k RMSNorm, rope and KV append in one launch.
+
+    q ``[H, d]``, k and v ``[H_kv, d]``: contiguous last axis, any row stride (q may be the query
+    half of a per-head [query | gate] projection); bf16, f16 or f32, all alike. ``q_norm`` and
+    ``k_norm``: per-head RMSNorm weights ``[d]``, or None for no norm at all. ``inv_freq``: the
+    float32 rope frequencies (``rope_dim / 2`` of them; channels past ``rope_dim`` pass through),
+    ``rope_scale`` multiplies cos and sin. ``pos``: an int or a 0-dim integer device tensor.
+    Writes k (normed, roped) and v to row ``pos`` of ``k_cache``/``v_cache`` ``[H_kv, S, d]``
+    (contiguous, the activation dtype) and returns the normed, roped q as a contiguous ``[H, d]``.
+    """
+    what = "qk_norm_rope_append"
+    if q.dim() != 2 or k.dim() != 2 or v.shape != k.shape or k.shape[1] != q.shape[1]:
+        raise ValueError(f"{what}: expected q [H, d], k and v [H_kv, d], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    (H, d), H_kv = q.shape, k.shape[0]
+    if q.dtype not in ACT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"{what}: q, k, v must share one of bf16/f16/f32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        raise ValueError(f"{what}: q, k and v need a contiguous last axis")
+    if k_cache.dim() != 3 or k_cache.shape[0] != H_kv or k_cache.shape[2] != d or v_cache.shape != k_cache.shape:
+        raise ValueError(f"{what}: caches must be [H_kv={H_kv}, S, d={d}], got {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"{what}: caches must be contiguous and in the activations' dtype ({q.dtype})")
+    for w, name in ((q_norm, "q_norm"), (k_norm, "k_norm")):
+        if w is not None and (w.numel() != d or not w.is_contiguous() or w.device != q.device):
+            raise ValueError(f"{what}: {name} must be a contiguous [d={d}] vector on {q.device}")
+    half = inv_freq.numel()
+    if inv_freq.dim() != 1 or inv_freq.dtype != torch.float32 or not inv_freq.is_contiguous() \
+            or 2 * half > d or inv_freq.device != q.device:
+        raise ValueError(f"{what}: inv_freq must be a contiguous float32 vector of at most d/2={d // 2} "
+                         f"frequencies on {q.device}, got {inv_freq.numel()} {inv_freq.dtype}")
+    if any(t.device != q.device for t in (k, v, k_cache, v_cache)):
+        raise ValueError(f"{what}: all tensors must be on {q.device}")
+    S = k_cache.shape[1]
+    pos_ptr = _check_pos(pos, S, q.device, what)
+    out = torch.empty((H, d), dtype=q.dtype, device=q.device)
+    if H + H_kv and d:
+        block = triton.next_power_of_2(d)
+        _qk_norm_rope_append_kernel[(H + H_kv,)](
+            q, k, v, q_norm if q_norm is not None else q, k_norm if k_norm is not None else k, inv_freq,
+            pos if pos_ptr else int(pos), out, k_cache, v_cache, H, S, d, half,
+            q.stride(0), k.stride(0), v.stride(0), float(eps), float(rope_scale),
+            HAS_QN=q_norm is not None, HAS_KN=k_norm is not None, POS_PTR=pos_ptr, BLOCK_D=block,
+            num_warps=1 if block <= 256 else 4)
+    return out
+
+
+@triton.jit(do_not_specialize=["pos"])
+def _attend_split_kernel(q_ptr, k_ptr, v_ptr, pos, m_ptr, l_ptr, acc_ptr, S, D, REP, NS, window, qk_scale,
+                         POS_PTR: tl.constexpr, DOT_FP32: tl.constexpr, REP_P2: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr):
+    """Partial softmax of kv head ``kh``'s query heads over positions ``[sp*SPLIT, (sp+1)*SPLIT)``.
+    Scores are kept in log2 units (``qk_scale`` includes log2(e)), so the partial max is too."""
+    kh = tl.program_id(0)
+    sp = tl.program_id(1)
+    p = _position(pos, POS_PTR)
+    lo = sp.to(tl.int64) * SPLIT
+    start = tl.maximum(lo, tl.where(window > 0, p - window + 1, 0))  # first allowed position
+    hi = tl.minimum(lo + SPLIT, p + 1)  # one past the last
+    rows = tl.arange(0, REP_P2)
+    rm = rows < REP
+    heads = kh * REP + rows
+    slot = heads.to(tl.int64) * NS + sp
+    if start < hi:
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+        k_base = k_ptr + kh.to(tl.int64) * S * D
+        v_base = v_ptr + kh.to(tl.int64) * S * D
+        m_i = tl.full([REP_P2], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([REP_P2], dtype=tl.float32)
+        acc = tl.zeros([REP_P2, BLOCK_D], dtype=tl.float32)
+        for t in range(lo + (start - lo) // BLOCK_S * BLOCK_S, hi, BLOCK_S):  # every tile holds an allowed row
+            j = t + tl.arange(0, BLOCK_S)
+            jm = (j >= start) & (j < hi)
+            kt = tl.load(k_base + j[None, :] * D + d[:, None], mask=dm[:, None] & jm[None, :], other=0.0)
+            if DOT_FP32:
+                s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+            else:
+                s = tl.dot(q, kt)
+            s = tl.where(jm[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            pr = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pr, axis=1)
+            vt = tl.load(v_base + j[:, None] * D + d[None, :], mask=jm[:, None] & dm[None, :], other=0.0)
+            if DOT_FP32:
+                acc = acc * alpha[:, None] + tl.dot(pr, vt.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(pr.to(vt.dtype), vt)
+            m_i = m_new
+        tl.store(m_ptr + slot, m_i, mask=rm)
+        tl.store(l_ptr + slot, l_i, mask=rm)
+        tl.store(acc_ptr + slot[:, None] * D + d[None, :], acc, mask=rm[:, None] & dm[None, :])
+    else:  # nothing allowed here: an empty partial, no key or value read
+        tl.store(m_ptr + slot, tl.full([REP_P2], float("-inf"), dtype=tl.float32), mask=rm)
+        tl.store(l_ptr + slot, tl.zeros([REP_P2], dtype=tl.float32), mask=rm)
+
+
+@triton.jit
+def _softplus(x):
+    """torch's softplus (threshold 20) with an accurate log1p: log(w) * u / (w - 1), w = 1 + u."""
+    u = tl.exp(tl.minimum(x, 20.0))
+    w = 1.0 + u
+    log1p = tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
+    return tl.where(x > 20.0, x, log1p)
+
+
+@triton.jit(do_not_specialize=["pos"])
+def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, xq, xd, xs, pos, D, NS, window, stride_g,
+                           POS_PTR: tl.constexpr, SPLIT: tl.constexpr, GATE: tl.constexpr,
+                           BLOCK_SP: tl.constexpr, BLOCK_C: tl.constexpr, Q8: tl.constexpr):
+    """Query head ``h``, channels ``[c * BLOCK_C, (c+1) * BLOCK_C)``: merge the partials of the
+    splits holding allowed positions (max first, then the rescaled sums), divide, gate, store."""
+    h = tl.program_id(0)
+    p = _position(pos, POS_PTR)
+    sp_first = tl.maximum(tl.where(window > 0, p - window + 1, 0), 0) // SPLIT
+    sp_last = p // SPLIT
+    base = h.to(tl.int64) * NS
+    b = tl.arange(0, BLOCK_SP)
+    d = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    dm = d < D
+    mx = tl.full([BLOCK_SP], float("-inf"), dtype=tl.float32)
+    for c in range(sp_first, sp_last + 1, BLOCK_SP):
+        mx = tl.maximum(mx, tl.load(m_ptr + base + c + b, mask=c + b <= sp_last, other=float("-inf")))
+    m_all = tl.max(mx, axis=0)
+    l_sum = tl.zeros([BLOCK_SP], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for c in range(sp_first, sp_last + 1, BLOCK_SP):
+        sm = c + b <= sp_last
+        w = tl.exp2(tl.load(m_ptr + base + c + b, mask=sm, other=float("-inf")) - m_all)
+        l_sum += w * tl.load(l_ptr + base + c + b, mask=sm, other=0.0)
+        part = tl.load(acc_ptr + (base + c + b)[:, None] * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
+        acc += tl.sum(part * w[:, None], axis=0)
+    o = acc / tl.sum(l_sum, axis=0)
+    if GATE == 1:  # sigmoid per channel
+        g = tl.load(gate_ptr + h.to(tl.int64) * stride_g + d, mask=dm, other=0.0).to(tl.float32)
+        o = o / (1.0 + tl.exp(-g))
+    elif GATE == 2:  # softplus, one scalar per head
+        o = o * _softplus(tl.load(gate_ptr + h.to(tl.int64) * stride_g).to(tl.float32))
+    elif GATE == 3:  # softplus per channel
+        g = tl.load(gate_ptr + h.to(tl.int64) * stride_g + d, mask=dm, other=0.0).to(tl.float32)
+        o = o * _softplus(g)
+    o = o.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + h * D + d, o, mask=dm)
+    if Q8:  # BLOCK_C == 32 and D % 32 == 0: this program's channels are one block of the int8 form
+        blk = (h * D + tl.program_id(1) * BLOCK_C) // 32 + tl.arange(0, 1)
+        store_q8(tl.reshape(o.to(tl.float32), [1, BLOCK_C]), blk, tl.num_programs(0) * D, xq, xd, xs)
+
+
+def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: "int | torch.Tensor",
+                  window: int = 0, gate: torch.Tensor | None = None, gate_kind: str = "none",
+                  split: int = 64, q8: bool = False) -> torch.Tensor:
+    """One query token's GQA attention over the cache rows ``j <= pos`` (and ``pos - j < window``
+    when ``window > 0``), times the optional output gate, in two launches.
+
+    q ``[H, d]`` contiguous (``qk_norm_rope_append``'s output); caches ``[H_kv, S, d]`` contiguous
+    in q's dtype, S the whole capacity (rows past ``pos`` are masked, whatever they hold); query
+    head h reads kv head ``h // (H / H_kv)``. ``pos``: an int or a 0-dim integer device tensor.
+    ``gate_kind``: ``"none"``; ``"sigmoid"`` (``gate [H, d]``, out *= sigmoid per channel);
+    ``"softplus_head"`` (``gate [H]``, out *= softplus per head); ``"softplus"`` (``gate [H, d]``
+    per channel). A ``[H, d]`` gate needs a contiguous last axis, any row stride. ``split``:
+    positions per program of the first kernel, a multiple of 16. Returns one row ``[1, H * d]`` in
+    q's dtype (``attn_output``'s input); ``q8`` (d a multiple of 32) attaches its int8 form
+    (``q8dot.attach``), computed by the combine kernel: one block of 32 channels per program.
+    """
+    what = "attend_decode"
+    if q.dim() != 2 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape or k_cache.shape[2] != q.shape[1]:
+        raise ValueError(f"{what}: expected q [H, d] and caches [H_kv, S, d], got {tuple(q.shape)}, "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    (H, d), (H_kv, S, _) = q.shape, k_cache.shape
+    if H_kv == 0 or H % H_kv or d == 0 or S == 0:
+        raise ValueError(f"{what}: {H} query heads cannot share {H_kv} kv heads (or an empty shape)")
+    if q.dtype not in ACT_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"{what}: q and caches must share one of bf16/f16/f32, got {q.dtype}, "
+                         f"{k_cache.dtype}, {v_cache.dtype}")
+    if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"{what}: q and the caches must be contiguous")
+    if k_cache.device != q.device or v_cache.device != q.device:
+        raise ValueError(f"{what}: all tensors must be on {q.device}")
+    if split < 16 or split % 16:
+        raise ValueError(f"{what}: split must be a positive multiple of 16, got {split}")
+    if window < 0:
+        raise ValueError(f"{what}: window must be >= 0, got {window}")
+    if gate_kind not in GATE_KINDS:
+        raise ValueError(f"{what}: gate_kind must be one of {', '.join(GATE_KINDS)}, got {gate_kind!r}")
+    if (gate is None) != (gate_kind == "none"):
+        raise ValueError(f"{what}: gate_kind {gate_kind!r} and gate {'None' if gate is None else 'given'} disagree")
+    if gate is not None:
+        want = (H,) if gate_kind == "softplus_head" else (H, d)
+        if tuple(gate.shape) != want or (len(want) == 2 and gate.stride(-1) != 1) \
+                or not gate.dtype.is_floating_point or gate.device != q.device:
+            raise ValueError(f"{what}: a {gate_kind!r} gate must be a float {list(want)} on {q.device} "
+                             f"with a contiguous last axis, got {tuple(gate.shape)} {gate.dtype}")
+    if q8 and d % QBLOCK:
+        raise ValueError(f"{what}: an int8 output needs a head size that is a multiple of {QBLOCK}, got {d}")
+    pos_ptr = _check_pos(pos, S, q.device, what)
+    p = pos if pos_ptr else int(pos)
+    rep = H // H_kv
+    n_split = triton.cdiv(S, split)
+    block_d = max(16, triton.next_power_of_2(d))
+    block_s = 64 if split % 64 == 0 else 32 if split % 32 == 0 else 16
+    m = torch.empty(H * n_split, dtype=torch.float32, device=q.device)
+    l_ = torch.empty(H * n_split, dtype=torch.float32, device=q.device)
+    acc = torch.empty(H * n_split * d, dtype=torch.float32, device=q.device)
+    # Triton's interpreter gets bf16 tl.dot wrong (see tests/test_kernels.py): off the GPU the
+    # products run in fp32 whatever the activations' dtype.
+    fp32 = q.dtype == torch.float32 or not q.is_cuda
+    # num_stages=1: at split 64 a program has one tile, and deeper software pipelines only
+    # multiply shared memory (float32 at d=256 would not fit in an H100's 227 KiB at three).
+    _attend_split_kernel[(H_kv, n_split)](
+        q, k_cache, v_cache, p, m, l_, acc, S, d, rep, n_split, int(window), d ** -0.5 * LOG2E,
+        POS_PTR=pos_ptr, DOT_FP32=fp32, REP_P2=max(16, triton.next_power_of_2(rep)), BLOCK_D=block_d,
+        BLOCK_S=block_s, SPLIT=split, num_warps=4, num_stages=1)
+    out = torch.empty(1, H * d, dtype=q.dtype, device=q.device)
+    block_c = min(block_d, COMBINE_CHANNELS)
+    codes = new_q8(1, H * d, q.device) if q8 else (out, out, out)
+    _attend_combine_kernel[(H, triton.cdiv(d, block_c))](
+        m, l_, acc, gate if gate is not None else q, out, *codes, p, d, n_split, int(window),
+        gate.stride(0) if gate is not None else 0,
+        POS_PTR=pos_ptr, SPLIT=split, GATE=GATE_KINDS[gate_kind], BLOCK_SP=COMBINE_SPLITS,
+        BLOCK_C=block_c, Q8=q8, num_warps=4)
+    return attach(out, codes) if q8 else out

@@ -1,0 +1,98 @@
+"""The small elementwise steps around a one-token MoE block, one launch each instead of several.
+
+Why: at batch 1 these steps move a few kilobytes, so each torch kernel costs its launch (~2 us of
+a ~5 ms token, 40 layers over) and nothing else. Two kernels:
+
+1. ``_silu_mul_kernel``: the shared expert's activation ``silu(gate) * up`` (torch: two kernels),
+   plus, for the int8 products that read it, its int8 form (``q8dot.store_q8``; a third kernel).
+2. ``_ffn_residual_kernel``: the block's output ``x + routed + sigmoid(g) * shared`` (torch: the
+   routed sum's cast, sigmoid, two multiplies-adds and the residual add, five kernels).
+
+Both round where the torch forms (``runtime.layers.silu_mul`` / ``ffn_residual``) round: every
+intermediate to the activation dtype, so the two agree to the last bit up to the float32
+``exp`` inside sigmoid and SiLU.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .q8dot import QBLOCK, attach, new_q8, store_q8
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, xq, xd, xs, N, stride_g, stride_u, Q8: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = n < N
+    g = tl.load(g_ptr + t * stride_g + n, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + t * stride_u + n, mask=m, other=0.0).to(tl.float32)
+    dt = y_ptr.dtype.element_ty
+    y = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt)
+    tl.store(y_ptr + t * N + n, y, mask=m)
+    if Q8:
+        blocks = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
+        store_q8(tl.reshape(y.to(tl.float32), [BLOCK // 32, 32]), blocks, N, xq + t * N, xd + t * (N // 32),
+                 xs + t * (N // 16))
+
+
+@triton.jit
+def _ffn_residual_kernel(x_ptr, r_ptr, s_ptr, g_ptr, y_ptr, N, stride_s, stride_g,
+                         HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = n < N
+    dt = y_ptr.dtype.element_ty
+    out = tl.load(r_ptr + t * N + n, mask=m, other=0.0).to(dt).to(tl.float32)
+    if HAS_SHARED:
+        s = tl.load(s_ptr + t * stride_s + n, mask=m, other=0.0).to(tl.float32)
+        if HAS_GATE:
+            g = tl.load(g_ptr + t * stride_g).to(tl.float32)
+            s = (s * (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        out = (out + s).to(dt).to(tl.float32)
+    x = tl.load(x_ptr + t * N + n, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * N + n, (x + out).to(dt), mask=m)
+
+
+def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, q8: bool = False) -> torch.Tensor:
+    """``silu(gate) * up`` for ``[T, N]`` rows with unit inner stride (e.g. column bands of one
+    stacked projection's output); ``q8`` (N a multiple of 32) attaches the result's int8 form."""
+    if gate.shape != up.shape or gate.dim() != 2 or gate.stride(-1) != 1 or up.stride(-1) != 1 \
+            or gate.dtype != up.dtype:
+        raise ValueError(f"silu_mul takes two [T, N] row sets of one dtype, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    T, N = gate.shape
+    if q8 and N % QBLOCK:
+        raise ValueError(f"an int8 output needs rows of a multiple of {QBLOCK}, got {N}")
+    y = torch.empty(T, N, dtype=gate.dtype, device=gate.device)
+    codes = new_q8(T, N, gate.device) if q8 else (y, y, y)
+    block = min(max(triton.next_power_of_2(N), QBLOCK), 1024)
+    if T:
+        _silu_mul_kernel[(T, triton.cdiv(N, block))](gate, up, y, *codes, N, gate.stride(0), up.stride(0), Q8=q8,
+                                                    BLOCK=block, num_warps=4)
+    return attach(y, codes) if q8 else y
+
+
+def ffn_residual_rows(x: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor | None = None,
+                      shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """``x + routed + sigmoid(shared_gate) * shared`` for ``x [T, N]`` (contiguous, the residual
+    stream's dtype); ``routed [T, N]`` contiguous, any float dtype (the MoE kernels' float32 sum
+    is rounded to x's dtype first); ``shared [T, N]`` unit inner stride or None; ``shared_gate
+    [T, 1]`` (one logit per token) or None."""
+    T, N = x.shape
+    if not x.is_contiguous() or routed.shape != x.shape or not routed.is_contiguous():
+        raise ValueError(f"ffn_residual takes contiguous x and routed of one shape, got {tuple(x.shape)} "
+                         f"and {tuple(routed.shape)}")
+    if shared is not None and (shared.shape != x.shape or shared.stride(-1) != 1):
+        raise ValueError(f"shared must be [T, N] rows with unit inner stride, got {tuple(shared.shape)}")
+    if shared_gate is not None and (shared is None or shared_gate.shape != (T, 1)):
+        raise ValueError(f"shared_gate must be one logit per token [T, 1] beside a shared output")
+    y = torch.empty_like(x)
+    block = min(triton.next_power_of_2(N), 1024)
+    if T:
+        s = shared if shared is not None else x
+        g = shared_gate if shared_gate is not None else x
+        _ffn_residual_kernel[(T, triton.cdiv(N, block))](x, routed, s, g, y, N, s.stride(0), g.stride(0),
+                                                        HAS_SHARED=shared is not None,
+                                                        HAS_GATE=shared_gate is not None, BLOCK=block, num_warps=4)
+    return y

@@ -1,0 +1,301 @@
+"""The decode attention kernels (``runtime.kernels.attention``) against the torch path they replace:
+``runtime.layers.rms_norm`` and ``Rope`` for the q/k norm, rope and KV append, and
+``runtime.layers.attention`` over a ``runtime.cache.KVCache`` filled by earlier appends for the
+attention itself, both computed in float64 on the values the kernels are given.
+
+Without a GPU the kernels run in Triton's interpreter on tiny shapes (float32 products, see the
+module's docstring); the cases still cover both head sizes' code paths (d 32 and 64), rep 1, 2
+and 4, partial rope, YaRN's cos/sin scale, a sliding window, positions at 0, inside a split and
+at the last row of the buffer, every gate, and garbage in the rows the mask excludes. One test
+compiles the kernels for sm_90, which the interpreter does not check.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from runtime.cache import KVCache  # noqa: E402
+from runtime.kernels.attention import attend_decode, qk_norm_rope_append  # noqa: E402
+from runtime.layers import Rope, attention, rms_norm, rope_inv_freq, yarn_rope  # noqa: E402
+from tests.test_kernels import DEVICE, compile_in_subprocess, rel_l2  # noqa: E402
+
+EPS = 1e-6
+
+
+def rand(g: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Random values already representable in ``dtype``, as float64 (the reference's copy)."""
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype).double()
+
+
+def assert_rounded_once(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """``got`` is ``ref`` rounded once to its dtype, give or take float32 round-off of the
+    intermediate terms: half a unit in the last place on a GPU (round to nearest), a whole one in
+    Triton's interpreter (it truncates to bf16)."""
+    ulp = torch.finfo(got.dtype).eps * (1.0 if os.environ.get("TRITON_INTERPRET") == "1" else 0.5)
+    err = (got.double().cpu() - ref).abs()
+    tol = ulp * ref.abs() + 1e-5 * ref.abs().max()
+    assert bool((err <= tol).all()), f"max excess {float((err - tol).max()):.3g}"
+
+
+def norm_rope_ref(x: torch.Tensor, w: torch.Tensor | None, rope: Rope, pos: int) -> torch.Tensor:
+    """The torch path in float64: ``rms_norm`` (when there is a weight), then ``Rope`` at ``pos``."""
+    y = rms_norm(x, w, EPS) if w is not None else x
+    cos, sin = rope.cos_sin(torch.tensor([pos]), torch.float64)
+    return rope.apply(y[None], cos, sin)[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,H_kv,d,rope_dim,norm,yarn,S,pos", [
+    (4, 2, 32, 32, True, False, 64, 0),  # full rope, first position
+    (4, 1, 64, 16, True, True, 64, 37),  # partial rope with a cos/sin scale
+    (2, 2, 32, 16, False, False, 64, 63),  # no q/k norm, last row
+    (8, 2, 64, 64, True, True, 4096, 4000),  # large angles (the kernel's cos/sin range reduction)
+])
+def test_qk_norm_rope_append_matches_torch(dtype, H, H_kv, d, rope_dim, norm, yarn, S, pos) -> None:
+    """q and k normed and roped as the torch path does them; k and v land in row ``pos`` of the
+    caches and nothing else there changes; q read in place from the [query | gate] layout gives
+    what a contiguous q gives; ``pos`` as a device scalar gives what the int gives."""
+    g = torch.Generator().manual_seed(d + pos)
+    rope = yarn_rope(10000.0, rope_dim, 4.0, 32) if yarn else Rope(rope_dim, rope_inv_freq(10000.0, rope_dim))
+    qg = rand(g, H, 2 * d, dtype=dtype, scale=3.0)  # per head [query | gate]
+    k, v = rand(g, H_kv, d, dtype=dtype, scale=3.0), rand(g, H_kv, d, dtype=dtype)
+    qn = (0.5 + torch.rand(d, generator=g, dtype=torch.float64)).to(dtype).double() if norm else None
+    kn = (0.5 + torch.rand(d, generator=g, dtype=torch.float64)).to(dtype).double() if norm else None
+    q_ref = norm_rope_ref(qg[:, :d], qn, rope, pos)
+    k_ref = norm_rope_ref(k, kn, rope, pos)
+    assert rope.scale != 1.0 or not yarn
+
+    def dev(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(DEVICE, dtype)
+
+    caches0 = [torch.randn(H_kv, S, d, generator=g).to(dtype) for _ in range(2)]
+    results = []
+    for q_in, p in ((dev(qg)[:, :d], pos), (dev(qg[:, :d]).contiguous(), pos),
+                    (dev(qg)[:, :d], torch.tensor(pos, device=DEVICE))):
+        kc, vc = (c.to(DEVICE) for c in caches0)
+        out = qk_norm_rope_append(q_in, dev(k), dev(v), dev(qn), dev(kn), EPS, rope.inv_freq.to(DEVICE),
+                                  rope.scale, p, kc, vc)
+        assert out.shape == (H, d) and out.dtype == dtype and out.is_contiguous()
+        results.append((out.cpu(), kc.cpu(), vc.cpu()))
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+    out, kc, vc = results[0]
+    if dtype == torch.float32:
+        assert rel_l2(out, q_ref) < 1e-5 and rel_l2(kc[:, pos], k_ref) < 1e-5
+    else:
+        assert_rounded_once(out, q_ref)
+        assert_rounded_once(kc[:, pos], k_ref)
+    assert torch.equal(vc[:, pos].double(), v)
+    rest = torch.arange(S) != pos
+    assert torch.equal(kc[:, rest], caches0[0][:, rest]) and torch.equal(vc[:, rest], caches0[1][:, rest])
+
+
+def filled_cache(H_kv: int, d: int, S: int, pos: int, dtype: torch.dtype, g: torch.Generator) -> KVCache:
+    """A float64 cache of capacity S holding positions 0..pos-1, written by a few appends."""
+    cache = KVCache(capacity=S)
+    k, v = rand(g, pos, H_kv, d, dtype=dtype), rand(g, pos, H_kv, d, dtype=dtype)
+    cuts = sorted({0, pos // 3, pos // 2, pos})
+    for a, b in zip(cuts, cuts[1:]):
+        cache.append(k[a:b], v[a:b], a)
+    return cache
+
+
+def run_attention(H_kv: int, rep: int, d: int, S: int, split: int, pos: int, window: int, dtype: torch.dtype,
+                  gate_kind: str = "none", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' output ``[H, d]`` (with garbage in every cache row the mask excludes, ``pos``
+    given as an int and as a device scalar: both must agree) and the torch reference, gated."""
+    g = torch.Generator().manual_seed(seed)
+    H = H_kv * rep
+    cache = filled_cache(H_kv, d, S, pos, dtype, g)
+    qg = rand(g, H, 2 * d, dtype=dtype, scale=2.0)  # [query | gate], as Qwen3.5's projection
+    q = qg[:, :d]
+    k_new, v_new = rand(g, 1, H_kv, d, dtype=dtype, scale=2.0), rand(g, 1, H_kv, d, dtype=dtype)
+    ref = attention(q[None], k_new, v_new, cache, pos, window)[0]
+    assert cache.k.shape == (H_kv, S, d)
+    gate = None
+    if gate_kind == "sigmoid":
+        gate = qg[:, d:]
+        ref = ref * torch.sigmoid(gate)
+    elif gate_kind == "softplus_head":
+        gate = rand(g, H, dtype=dtype, scale=2.0)
+        ref = ref * F.softplus(gate)[:, None]
+    elif gate_kind == "softplus":
+        gate = rand(g, H, d, dtype=dtype, scale=2.0)
+        ref = ref * F.softplus(gate)
+
+    j = torch.arange(S)
+    excluded = (j > pos) | ((pos - j >= window) if window > 0 else torch.zeros(S, dtype=torch.bool))
+    kc, vc = cache.k.to(dtype), cache.v.to(dtype)
+    kc[:, excluded] = (torch.randn(H_kv, int(excluded.sum()), d, generator=g) * 1e6).to(dtype)
+    vc[:, excluded] = (torch.randn(H_kv, int(excluded.sum()), d, generator=g) * 1e6).to(dtype)
+    q_dev = q.to(DEVICE, dtype).contiguous()
+    gate_dev = None
+    if gate is not None:
+        gate_dev = qg.to(DEVICE, dtype)[:, d:] if gate_kind == "sigmoid" else gate.to(DEVICE, dtype)
+    outs = [attend_decode(q_dev, kc.to(DEVICE), vc.to(DEVICE), p, window, gate_dev, gate_kind, split)
+            for p in (pos, torch.tensor(pos, device=DEVICE))]
+    assert outs[0].shape == (1, H * d) and outs[0].dtype == dtype
+    assert torch.equal(outs[0], outs[1])
+    return outs[0].cpu().view(H, d), ref
+
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 6e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H_kv,rep,d,S,split,pos,window", [
+    (2, 1, 32, 64, 32, 0, 0),  # first position: one key
+    (2, 2, 64, 96, 32, 45, 0),  # inside the second split
+    (1, 4, 32, 96, 32, 95, 0),  # last row of the buffer
+    (2, 2, 32, 128, 96, 100, 0),  # three tiles of 32 in a split (online rescaling), then a partial split
+    (2, 2, 32, 96, 32, 45, 20),  # window opening inside the previous split
+    (1, 4, 64, 128, 96, 120, 80),  # window opening in a split's second tile: the first tile is skipped
+    (2, 1, 32, 64, 16, 63, 1),  # window 1: the token alone
+])
+def test_attend_decode_matches_torch(dtype, H_kv, rep, d, S, split, pos, window) -> None:
+    out, ref = run_attention(H_kv, rep, d, S, split, pos, window, dtype, seed=pos + window)
+    assert rel_l2(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate_kind", ["sigmoid", "softplus_head", "softplus"])
+def test_attend_decode_gates(dtype, gate_kind) -> None:
+    """Qwen3.5's sigmoid gate read in place from the [query | gate] layout, Laguna's softplus gate
+    per head and per channel."""
+    out, ref = run_attention(2, 2, 64, 64, 32, 40, 0, dtype, gate_kind, seed=7)  # two channel blocks
+    assert rel_l2(out, ref) < TOL[dtype]
+
+
+def test_attend_decode_ignores_excluded_rows() -> None:
+    """The excluded rows must matter to an attention that read them: the same inputs with those
+    rows zeroed instead of huge give the same output (so the check above can fail), and the
+    result differs from attending over the whole buffer."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(4, 32, generator=g).to(DEVICE)
+    kc, vc = torch.randn(2, 64, 32, generator=g), torch.randn(2, 64, 32, generator=g)
+    base = attend_decode(q, kc.to(DEVICE), vc.to(DEVICE), 20, split=16)
+    kc[:, 21:], vc[:, 21:] = 0, 0
+    assert torch.equal(attend_decode(q, kc.to(DEVICE), vc.to(DEVICE), 20, split=16), base)
+    assert not torch.allclose(attend_decode(q, kc.to(DEVICE), vc.to(DEVICE), 63, split=16), base)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_decode_int8_form(dtype) -> None:
+    """With ``q8`` the combine kernel also writes the output's int8 form (``attn_output``'s input):
+    bit for bit ``q8dot.quantize`` of the output, which is itself unchanged; d = 64 gives two
+    blocks per head, two programs each writing its own."""
+    from runtime.kernels import q8dot
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(4, 64, generator=g).to(DEVICE, dtype)
+    kc, vc = (torch.randn(2, 48, 64, generator=g).to(DEVICE, dtype) for _ in range(2))
+    gate = torch.randn(4, 64, generator=g).to(DEVICE, dtype)
+    plain = attend_decode(q, kc, vc, 30, gate=gate, gate_kind="sigmoid", split=16)
+    out = attend_decode(q, kc, vc, 30, gate=gate, gate_kind="sigmoid", split=16, q8=True)
+    assert torch.equal(out, plain) and q8dot.attached(plain) is None
+    for fused, own in zip(q8dot.attached(out), q8dot.quantize(out)):
+        assert torch.equal(fused.cpu(), own.cpu())
+    with pytest.raises(ValueError, match="multiple of 32"):
+        attend_decode(q[:, :48].contiguous(), kc[..., :48].contiguous(), vc[..., :48].contiguous(), 30, q8=True)
+
+
+def test_bad_shapes_raise() -> None:
+    f32 = dict(device=DEVICE, dtype=torch.float32)
+    q, k, v = torch.zeros(4, 32, **f32), torch.zeros(2, 32, **f32), torch.zeros(2, 32, **f32)
+    kc, vc = torch.zeros(2, 16, 32, **f32), torch.zeros(2, 16, 32, **f32)
+    inv = torch.ones(8, **f32)
+    w = torch.ones(32, **f32)
+
+    def append(**kw):
+        args = dict(q=q, k=k, v=v, q_norm=w, k_norm=w, eps=EPS, inv_freq=inv, rope_scale=1.0, pos=3,
+                    k_cache=kc, v_cache=vc)
+        return qk_norm_rope_append(**{**args, **kw})
+
+    def attend(**kw):
+        args = dict(q=q, k_cache=kc, v_cache=vc, pos=3)
+        return attend_decode(**{**args, **kw})
+
+    bad = [
+        lambda: append(q=q[None]),  # q not [H, d]
+        lambda: append(v=torch.zeros(3, 32, **f32)),  # v's heads differ from k's
+        lambda: append(k=torch.zeros(2, 16, **f32)),  # head size differs
+        lambda: append(q=q.to(torch.bfloat16)),  # mixed dtypes
+        lambda: append(q=torch.zeros(4, 64, **f32)[:, ::2]),  # strided last axis
+        lambda: append(k_cache=torch.zeros(3, 16, 32, **f32)),  # cache heads
+        lambda: append(v_cache=torch.zeros(2, 16, 64, **f32)[..., :32]),  # non-contiguous cache
+        lambda: append(q_norm=torch.ones(16, **f32)),  # norm weight size
+        lambda: append(inv_freq=torch.ones(17, **f32)),  # rope wider than the head
+        lambda: append(inv_freq=inv.double()),  # frequencies not float32
+        lambda: append(pos=16),  # past the buffer
+        lambda: append(pos=torch.tensor(3.0, device=DEVICE)),  # float position
+        lambda: attend(q=q[:, :16]),  # head size differs from the cache's
+        lambda: attend(q=torch.zeros(3, 32, **f32)),  # 3 query heads over 2 kv heads
+        lambda: attend(q=torch.zeros(32, 4, **f32).t()),  # non-contiguous q
+        lambda: attend(k_cache=kc.to(torch.bfloat16)),  # mixed dtypes
+        lambda: attend(v_cache=torch.zeros(2, 8, 32, **f32)),  # caches differ
+        lambda: attend(split=24),  # not a multiple of 16
+        lambda: attend(pos=-1),
+        lambda: attend(window=-2),
+        lambda: attend(gate_kind="tanh", gate=q),
+        lambda: attend(gate_kind="sigmoid"),  # gate missing
+        lambda: attend(gate_kind="none", gate=q),  # gate given without a kind
+        lambda: attend(gate_kind="sigmoid", gate=torch.zeros(4, 16, **f32)),
+        lambda: attend(gate_kind="softplus_head", gate=q),  # per-head gate must be [H]
+        lambda: attend(gate_kind="softplus", gate=torch.zeros(4, 64, **f32)[:, ::2]),  # strided channels
+    ]
+    for i, call in enumerate(bad):
+        with pytest.raises(ValueError):
+            call()
+            pytest.fail(f"case {i} did not raise")
+
+
+def aot_compile_attention(arch: int = 90) -> None:
+    """Compile the three kernels for sm_``arch`` at the real models' largest shapes (d=256,
+    rep 16) with the launch options ``attend_decode`` uses, and check that each fits the shared
+    memory of a Hopper SM (227 KiB). Needs TRITON_INTERPRET unset."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from runtime.kernels import attention as at
+
+    floats = {"eps", "rope_scale", "qk_scale"}
+    jobs = []
+    for act, pos_ptr in (("bf16", True), ("fp32", False)):
+        pos = "*i64" if pos_ptr else "i32"
+        jobs += [
+            (at._qk_norm_rope_append_kernel,
+             {**{n: "*" + act for n in ("q_ptr", "k_ptr", "v_ptr", "qn_ptr", "kn_ptr", "qo_ptr", "kc_ptr", "vc_ptr")},
+              "inv_ptr": "*fp32", "pos": pos},
+             {"HAS_QN": True, "HAS_KN": not pos_ptr, "POS_PTR": pos_ptr, "BLOCK_D": 256}, 1, 3),
+            (at._attend_split_kernel,
+             {"q_ptr": "*" + act, "k_ptr": "*" + act, "v_ptr": "*" + act, "pos": pos, "m_ptr": "*fp32",
+              "l_ptr": "*fp32", "acc_ptr": "*fp32"},
+             {"POS_PTR": pos_ptr, "DOT_FP32": act == "fp32", "REP_P2": 16, "BLOCK_D": 256, "BLOCK_S": 64,
+              "SPLIT": 64}, 4, 1),
+            (at._attend_combine_kernel,
+             {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "gate_ptr": "*" + act, "out_ptr": "*" + act,
+              "pos": pos, "xq": "*i8", "xd": "*fp32", "xs": "*fp32"},
+             {"POS_PTR": pos_ptr, "SPLIT": 64, "GATE": 1 if pos_ptr else 2, "BLOCK_SP": 64, "BLOCK_C": 32,
+              "Q8": pos_ptr}, 4, 3),
+        ]
+    target = GPUTarget("cuda", arch, 32)
+    for fn, ptrs, consts, warps, stages in jobs:
+        sig = {p.name: "constexpr" if p.is_constexpr else ptrs.get(p.name, "fp32" if p.name in floats else "i32")
+               for p in fn.params}
+        kernel = triton.compile(ASTSource(fn, sig, consts), target=target,
+                                options={"num_warps": warps, "num_stages": stages})
+        assert kernel.asm["cubin"], (fn.__name__, consts)
+        assert kernel.metadata.shared <= 227 * 1024, (fn.__name__, consts, kernel.metadata.shared)
+    print("compiled", len(jobs))
+
+
+def test_attention_kernels_compile_for_h100() -> None:
+    compile_in_subprocess("from tests.test_attention_kernel import aot_compile_attention; aot_compile_attention()", 6)
