@@ -12,6 +12,7 @@
 # side: issue 7's side-by-side in one call: llama.cpp builds (niced, in the background) while the
 #   model is written and decode_bench runs; then llama-bench on the same file and
 #   bench/compare_llama.py's table (ours / llama.cpp). ~9 of the 10 minutes a call may run.
+#   SIDE_TESTS="tests/..." also runs those tests on CUDA while the model is written (before any timing).
 # presets: side-by-side on the laguna-xs2 and qwen3-30b-a3b shapes (llama-bench built already,
 #   e.g. LLAMA_BUILD inside the repo on a machine still warm from a `side` call; skipped otherwise).
 set -euo pipefail
@@ -66,7 +67,14 @@ for step in $steps; do
       echo "== side by side with llama.cpp (build in the background)"
       nice -n 19 bash bench/llama_bench.sh --build-only > "$work/llama_build.log" 2>&1 &
       build=$!
+      tests=""
+      if [ -n "${SIDE_TESTS:-}" ]; then  # CUDA tests while the model is written; done before any timing
+        SPARKPACK_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --tb=short $SIDE_TESTS \
+          > "${OUT:-$work}/tests.log" 2>&1 &
+        tests=$!
+      fi
       [ -f "$model" ] || python3 -m repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 8 --skew reference -o "$model" >/dev/null
+      if [ -n "$tests" ]; then wait "$tests" || true; echo "== CUDA tests"; tail -15 "${OUT:-$work}/tests.log"; fi
       # (ours runs while llama.cpp compiles at nice 19: any contention is counted against us)
       python3 bench/decode_bench.py "$model" --json "${OUT:-$work}/decode_bench.json" ${DECODE_ARGS:-} || echo "decode_bench failed (rc $?)"
       wait "$build" || { tail -20 "$work/llama_build.log"; exit 1; }

@@ -395,9 +395,9 @@ class ExpertStore:
         from .kernels.moe import moe_experts
 
         # router ids (int64) and weights (float32) go in as they are: the kernels read either
-        y = moe_experts(x, ids, weights.float(), table_row, *la.views, *la.qtypes, la.n_ff,
-                        host=host_views, counts=counts, act_q8=q8dot.enabled())
-        return y.to(x.dtype)
+        # float32 out: the block's residual epilogue (layers.ffn_residual) rounds it, no launch of its own
+        return moe_experts(x, ids, weights.float(), table_row, *la.views, *la.qtypes, la.n_ff,
+                           host=host_views, counts=counts, act_q8=q8dot.enabled())
 
     def _fused_overflow(self, layer: int, la: "_Layer", x: torch.Tensor, weights: torch.Tensor,
                         ids: torch.Tensor, left: np.ndarray) -> torch.Tensor:

@@ -96,7 +96,8 @@ def moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider: Exp
     """Weighted sum of the chosen experts' outputs: ``x [T, n_embd]``, ``weights/ids [T, k]``.
 
     A provider with its own ``moe`` (the tiered store: fused kernel, residency bookkeeping) serves
-    the whole layer; otherwise experts are computed one by one through ``forward``."""
+    the whole layer, in float32 (``layers.ffn_residual`` rounds it into the residual stream);
+    otherwise experts are computed one by one through ``forward``, in x's dtype."""
     observe = getattr(provider, "observe_routing", None)  # calibration counts routings here
     if observe is not None:
         observe(layer, ids)

@@ -28,14 +28,26 @@ def wide(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in HALF else x
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None,
+             q8: bool = False) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
     """RMSNorm over the last axis; ``weight`` None means no scale. On a GPU one Triton launch
-    (``kernels/norm.py``, same rounding points) instead of seven small kernels."""
+    (``kernels/norm.py``, same rounding points) instead of seven small kernels.
+
+    ``residual``: normalise ``x + residual`` and return ``(x + residual, norm)`` (the new residual
+    stream and the block input, one launch on a GPU). ``q8``: the output feeds int8-activation
+    products; for one GPU row (decode) its int8 form comes from the same launch
+    (``q8dot.attach``), elsewhere this flag changes nothing."""
     if x.is_cuda and x.dim() in (2, 3) and x.stride(-1) == 1 and x.dtype != torch.float64 \
-            and (weight is None or (weight.dtype == x.dtype and weight.is_contiguous() and weight.numel() == x.shape[-1])):
+            and (weight is None or (weight.dtype == x.dtype and weight.is_contiguous() and weight.numel() == x.shape[-1])) \
+            and (residual is None or (x.dim() == 2 and residual.is_contiguous() and residual.dtype == x.dtype)):
+        from .kernels import q8dot
         from .kernels.norm import rms_norm_rows
 
-        return rms_norm_rows(x, weight, eps)
+        q8 = q8 and x.dim() == 2 and x.shape[0] == 1 and x.shape[1] % q8dot.QBLOCK == 0 and q8dot.enabled()
+        return rms_norm_rows(x, weight, eps, residual, q8)
+    if residual is not None:
+        x = x + residual
+        return x, rms_norm(x, weight, eps)
     xw = wide(x)
     y = (xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return y if weight is None else y * weight
@@ -45,6 +57,37 @@ def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """The FLA/transformers l2 norm: eps inside the rsqrt of the squared sum (not a max with eps)."""
     xw = wide(x)
     return (xw * torch.rsqrt((xw * xw).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, q8: bool = False) -> torch.Tensor:
+    """``silu(gate) * up``, the SwiGLU activation; one launch on a GPU (``kernels/ffn.py``), which
+    with ``q8`` (the result feeds int8-activation products) also attaches its int8 form to one
+    decode row."""
+    if gate.is_cuda and gate.dim() == 2 and gate.dtype != torch.float64:
+        from .kernels import q8dot
+        from .kernels.ffn import silu_mul_rows
+
+        q8 = q8 and gate.shape[0] == 1 and gate.shape[1] % q8dot.QBLOCK == 0 and q8dot.enabled()
+        return silu_mul_rows(gate, up, q8)
+    return F.silu(gate) * up
+
+
+def ffn_residual(x: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor | None = None,
+                 shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """The residual stream after a MoE block: ``x + routed + sigmoid(shared_gate) * shared`` (no
+    gate: the shared expert always counts; no shared expert: ``x + routed``). ``routed`` may be
+    float32 (the fused MoE kernels' sum) and is rounded to x's dtype first; one launch on a GPU
+    (``kernels/ffn.py``) instead of up to five."""
+    if x.is_cuda and x.dim() == 2 and x.dtype != torch.float64:
+        from .kernels.ffn import ffn_residual_rows
+
+        return ffn_residual_rows(x.contiguous(), routed.contiguous(), shared, shared_gate)
+    out = routed.to(x.dtype)
+    if shared is not None:
+        if shared_gate is not None:
+            shared = shared * torch.sigmoid(shared_gate)
+        out = out + shared
+    return x + out
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -78,7 +121,7 @@ class Rope:
         Angles are formed in float32 like transformers does (positions times float32 inv_freq),
         then cast: matching the referee bit for bit matters more here than float64 angles.
         """
-        inv = self._inv_on(pos.device)
+        inv = self.inv_on(pos.device)
         if pos.dim() == 1:
             freqs = pos[:, None].float() * inv
         else:
@@ -91,7 +134,7 @@ class Rope:
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
 
-    def _inv_on(self, device: torch.device) -> torch.Tensor:
+    def inv_on(self, device: torch.device) -> torch.Tensor:
         """``inv_freq`` as float32 on ``device``, copied there once (a captured step may not
         copy from host memory)."""
         cache = self.__dict__.setdefault("_on_device", {})

@@ -52,7 +52,7 @@ class QuantLinear:
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.rows, dtype=x.dtype, device=x.device)
         if x.shape[0] == 1:
-            q8 = q8dot.quantize(x) if self.int8_bands and q8dot.enabled() else None
+            q8 = q8dot.quantized(x) if self.int8_bands and q8dot.enabled() else None
             for i in range(0, len(self.segments), MAX_SEGMENTS):
                 part = self.segments[i:i + MAX_SEGMENTS]
                 c0 = sum(r.shape[0] for r, _ in self.segments[:i])

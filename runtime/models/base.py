@@ -9,7 +9,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-import torch.nn.functional as F
 
 from formats.archs import LINEAR, ModelSpec
 from formats.errors import SparkpackError
@@ -17,7 +16,7 @@ from formats.gguf_file import GGUFModel
 
 from ..cache import Q8_BLOCK, Cache, KVCache, RecurrentState
 from ..experts import ExpertProvider, GGUFExperts
-from ..layers import rms_norm
+from ..layers import Rope, rms_norm, silu_mul
 from ..quant_linear import QuantLinear, linear
 from ..weights import Weights, quantizes_dense
 
@@ -136,7 +135,7 @@ class MoEModel(ABC):
         """A dense layer's SwiGLU MLP ``ffn_{gate,up,down}``, gate and up as one GEMM
         (``(ffn_gate, ffn_up)`` must be one of ``STACKS``)."""
         gate, up = self.project(h, prefix, "ffn_gate", "ffn_up")
-        return self.w.linear(F.silu(gate) * up, f"{prefix}ffn_down.weight")
+        return self.w.linear(silu_mul(gate, up, q8=True), f"{prefix}ffn_down.weight")
 
     def stack_groups(self) -> list[tuple[str, ...]]:
         """Every layer's ``STACKS`` groups as stacked: the members the file has, two or more
@@ -149,5 +148,37 @@ class MoEModel(ABC):
                     out.append(full)
         return out
 
+    def attend_step(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Cache,
+                    pos0: "int | torch.Tensor", rope: Rope, window: int = 0, gate: torch.Tensor | None = None,
+                    gate_kind: str = "none") -> torch.Tensor | None:
+        """One token's attention from its raw projections (``q [1, H, d]``, k and v ``[1, H_kv, d]``;
+        q/k RMSNorm, rope, KV append, masked GQA attention and output gate) as the three Triton
+        launches of ``kernels/attention.py``, returning ``attn_output``'s input ``[1, H * d]``; or
+        None where the model file's torch form runs instead (CPU, prefill, float64, a q8_0 KV
+        cache). Gate kinds as ``attention.attend_decode`` takes them."""
+        kv = cache.layers[il] if cache is not None else None
+        if not (self.kernels and q.shape[0] == 1 and isinstance(kv, KVCache) and not kv.q8
+                and q.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+            return None
+        from ..kernels import q8dot
+        from ..kernels.attention import attend_decode, qk_norm_rope_append
+
+        p, d = f"blk.{il}.", q.shape[-1]
+        if not isinstance(pos0, torch.Tensor):
+            kv.reserve(pos0 + 1, k)
+        qr = qk_norm_rope_append(q[0], k[0], v[0], self.w.opt(p + "attn_q_norm.weight"),
+                                 self.w.opt(p + "attn_k_norm.weight"), self.eps, rope.inv_on(q.device), rope.scale,
+                                 pos0, kv.k, kv.v)
+        S = kv.k.shape[1]
+        split = 64 if S <= 8192 else 256 if S <= 65536 else 512  # kernels/attention.py: best per buffer size
+        return attend_decode(qr, kv.k, kv.v, pos0, window, None if gate is None else gate[0], gate_kind, split,
+                             q8=q8dot.enabled() and d % q8dot.QBLOCK == 0)
+
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return rms_norm(x, self.w(name), self.eps)
+        """A block input or the output norm: it feeds projections, which read one decode row in
+        its int8 form, so on a GPU that form comes from the norm's launch."""
+        return rms_norm(x, self.w(name), self.eps, q8=True)
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + delta, norm(x + delta))``: the residual add and the next norm, one launch on a GPU."""
+        return rms_norm(delta, self.w(name), self.eps, residual=x, q8=True)

@@ -13,7 +13,8 @@ from formats.archs import DENSE, SLIDING
 
 from ..cache import Cache
 from ..experts import moe
-from ..layers import Rope, attention, positions, rms_norm, rope_inv_freq, route_sigmoid, yarn_rope
+from ..layers import (Rope, attention, ffn_residual, positions, rms_norm, rope_inv_freq, route_sigmoid, silu_mul,
+                      yarn_rope)
 from .base import MoEModel
 
 
@@ -41,34 +42,42 @@ class Laguna(MoEModel):
         self.norm_topk = bool(hp["norm_topk"])
 
     def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: int) -> torch.Tensor:
-        x = x + self.attn(il, self.norm(x, f"blk.{il}.attn_norm.weight"), cache, pos0)
-        return x + self.ffn(il, self.norm(x, f"blk.{il}.ffn_norm.weight"))
+        a = self.attn(il, self.norm(x, f"blk.{il}.attn_norm.weight"), cache, pos0)
+        x, h = self.add_norm(x, a, f"blk.{il}.ffn_norm.weight")
+        return self.ffn(il, h, x)
 
     def attn(self, il: int, h: torch.Tensor, cache: Cache, pos0: int) -> torch.Tensor:
         p, w, d, T = f"blk.{il}.", self.w, self.spec.head_dim, h.shape[0]
         swa = self.spec.layers[il].attention == SLIDING
         q, k, v, gate = self.project(h, p, "attn_q", "attn_k", "attn_v", "attn_gate")
         q, k, v = q.view(T, -1, d), k.view(T, -1, d), v.view(T, -1, d)
+        rope = self.rope_swa if swa else self.rope_full
+        per_head = gate.shape[-1] == q.shape[1]  # one gate per head, or one per channel
+        o = self.attend_step(il, q, k, v, cache, pos0, rope, self.window if swa else 0,
+                             gate if per_head else gate.view(T, -1, d), "softplus_head" if per_head else "softplus")
+        if o is not None:
+            return self.w.linear(o, p + "attn_output.weight")
         q = rms_norm(q, w(p + "attn_q_norm.weight"), self.eps)
         k = rms_norm(k, w(p + "attn_k_norm.weight"), self.eps)
-        rope = self.rope_swa if swa else self.rope_full
         cos, sin = rope.cos_sin(positions(pos0, T, h.device), h.dtype)
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         o = attention(q, k, v, cache.layers[il], pos0, self.window if swa else 0)  # [T, H, d]
         gate = F.softplus(gate)
-        o = o * gate[..., None] if gate.shape[-1] == o.shape[1] else o * gate.view(T, -1, d)
+        o = o * gate[..., None] if per_head else o * gate.view(T, -1, d)
         return self.w.linear(o.reshape(T, -1), p + "attn_output.weight")
 
     def route_logits(self, il: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         bias = self.w.opt(f"blk.{il}.exp_probs_b.bias")
         return route_sigmoid(logits, bias, self.spec.n_expert_used, self.norm_topk, self.scale)
 
-    def ffn(self, il: int, h: torch.Tensor) -> torch.Tensor:
+    def ffn(self, il: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream ``x`` after the FFN block on its normed input ``h``."""
         p = f"blk.{il}."
         if self.spec.layers[il].ffn == DENSE:
-            return self.mlp(h, p)
+            return x + self.mlp(h, p)
         y = self.project_present(h, p, self.FFN_IN)
-        out = moe(h, *self.route_logits(il, y["ffn_gate_inp"]), self.experts, il)
+        routed = moe(h, *self.route_logits(il, y["ffn_gate_inp"]), self.experts, il)
+        shared = None
         if "ffn_up_shexp" in y:
-            out = out + self.w.linear(F.silu(y["ffn_gate_shexp"]) * y["ffn_up_shexp"], p + "ffn_down_shexp.weight")
-        return out
+            shared = self.w.linear(silu_mul(y["ffn_gate_shexp"], y["ffn_up_shexp"], q8=True), p + "ffn_down_shexp.weight")
+        return ffn_residual(x, routed, shared)

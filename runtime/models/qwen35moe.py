@@ -19,7 +19,8 @@ from formats.memory import DELTANET_CHUNK
 
 from ..cache import Cache, RecurrentState
 from ..experts import moe
-from ..layers import Rope, attention, l2_norm, positions, rms_norm, rope_inv_freq, route_softmax, wide
+from ..layers import (Rope, attention, ffn_residual, l2_norm, positions, rms_norm, rope_inv_freq, route_softmax,
+                      silu_mul, wide)
 from .base import MoEModel
 
 
@@ -118,10 +119,11 @@ class Qwen35MoE(MoEModel):
     def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: int) -> torch.Tensor:
         h = self.norm(x, f"blk.{il}.attn_norm.weight")
         if self.spec.layers[il].attention == LINEAR:
-            x = x + self.delta_net(il, h, cache.layers[il])
+            a = self.delta_net(il, h, cache.layers[il])
         else:
-            x = x + self.attn(il, h, cache, pos0)
-        return x + self.ffn(il, self.norm(x, f"blk.{il}.post_attention_norm.weight"))
+            a = self.attn(il, h, cache, pos0)
+        x, h = self.add_norm(x, a, f"blk.{il}.post_attention_norm.weight")
+        return self.ffn(il, h, x)
 
     def attn(self, il: int, h: torch.Tensor, cache: Cache, pos0: int) -> torch.Tensor:
         p, w, d, T = f"blk.{il}.", self.w, self.spec.head_dim, h.shape[0]
@@ -129,6 +131,9 @@ class Qwen35MoE(MoEModel):
         qg = qg.view(T, -1, 2 * d)  # per head: [query | gate]
         q, gate = qg[..., :d], qg[..., d:]
         k, v = k.view(T, -1, d), v.view(T, -1, d)
+        o = self.attend_step(il, q, k, v, cache, pos0, self.rope, gate=gate, gate_kind="sigmoid")
+        if o is not None:
+            return self.w.linear(o, p + "attn_output.weight")
         q = rms_norm(q, w(p + "attn_q_norm.weight"), self.eps)
         k = rms_norm(k, w(p + "attn_k_norm.weight"), self.eps)
         cos, sin = self.rope.cos_sin(positions(pos0, T, h.device), h.dtype)
@@ -181,21 +186,22 @@ class Qwen35MoE(MoEModel):
                        st: RecurrentState) -> torch.Tensor:
         """``delta_net`` for one token with the fused Triton decode step (``kernels/deltanet.py``):
         the same math as the torch form below the projections, in two launches."""
+        from ..kernels import q8dot
         from ..kernels.deltanet import deltanet_decode
 
         p, w = f"blk.{il}.", self.w
+        q8 = q8dot.enabled() and self.d_v >= q8dot.QBLOCK and self.d_v & (self.d_v - 1) == 0
         o = deltanet_decode(qkv[0], z.reshape(-1), beta[0], alpha[0], w(p + "ssm_dt.bias"), w(p + "ssm_a"),
                             w(p + "ssm_conv1d.weight"), st.conv, st.ssm, w(p + "ssm_norm.weight"),
-                            self.n_k, self.d_k, self.eps)
-        return self.w.linear(o.view(1, -1), p + "ssm_out.weight")
+                            self.n_k, self.d_k, self.eps, q8=q8)
+        return self.w.linear(o, p + "ssm_out.weight")
 
-    def ffn(self, il: int, h: torch.Tensor) -> torch.Tensor:
+    def ffn(self, il: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream ``x`` after the MoE block on its normed input ``h``."""
         p = f"blk.{il}."
         y = self.project_present(h, p, self.FFN_IN)
-        out = moe(h, *self.route_logits(il, y["ffn_gate_inp"]), self.experts, il)
+        routed = moe(h, *self.route_logits(il, y["ffn_gate_inp"]), self.experts, il)
+        shared = None
         if "ffn_up_shexp" in y:
-            shared = self.w.linear(F.silu(y["ffn_gate_shexp"]) * y["ffn_up_shexp"], p + "ffn_down_shexp.weight")
-            if "ffn_gate_inp_shexp" in y:
-                shared = shared * torch.sigmoid(y["ffn_gate_inp_shexp"])
-            out = out + shared
-        return out
+            shared = self.w.linear(silu_mul(y["ffn_gate_shexp"], y["ffn_up_shexp"], q8=True), p + "ffn_down_shexp.weight")
+        return ffn_residual(x, routed, shared, y.get("ffn_gate_inp_shexp") if shared is not None else None)

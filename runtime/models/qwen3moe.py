@@ -3,11 +3,10 @@ and NEOX rope over the whole head, then a softmax top-k MoE (renormalised), no s
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..cache import Cache
 from ..experts import moe
-from ..layers import Rope, attention, positions, rms_norm, rope_inv_freq, route_softmax
+from ..layers import Rope, attention, ffn_residual, positions, rms_norm, rope_inv_freq, route_softmax
 from .base import MoEModel
 
 
@@ -23,12 +22,16 @@ class Qwen3MoE(MoEModel):
         self.norm_topk = bool(self.meta("expert_weights_norm", hp.get("norm_topk", True)))
 
     def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: int) -> torch.Tensor:
-        x = x + self.attn(il, self.norm(x, f"blk.{il}.attn_norm.weight"), cache, pos0)
-        return x + self.ffn(il, self.norm(x, f"blk.{il}.ffn_norm.weight"))
+        a = self.attn(il, self.norm(x, f"blk.{il}.attn_norm.weight"), cache, pos0)
+        x, h = self.add_norm(x, a, f"blk.{il}.ffn_norm.weight")
+        return self.ffn(il, h, x)
 
     def attn(self, il: int, h: torch.Tensor, cache: Cache, pos0: int) -> torch.Tensor:
         p, w, d, T = f"blk.{il}.", self.w, self.spec.head_dim, h.shape[0]
         q, k, v = (t.view(T, -1, d) for t in self.project(h, p, "attn_q", "attn_k", "attn_v"))
+        o = self.attend_step(il, q, k, v, cache, pos0, self.rope)
+        if o is not None:
+            return self.w.linear(o, p + "attn_output.weight")
         q = rms_norm(q, w(p + "attn_q_norm.weight"), self.eps)
         k = rms_norm(k, w(p + "attn_k_norm.weight"), self.eps)
         cos, sin = self.rope.cos_sin(positions(pos0, T, h.device), h.dtype)
@@ -39,6 +42,7 @@ class Qwen3MoE(MoEModel):
     def route_logits(self, il: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route_softmax(logits, self.spec.n_expert_used, self.norm_topk)
 
-    def ffn(self, il: int, h: torch.Tensor) -> torch.Tensor:
+    def ffn(self, il: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream ``x`` after the MoE block on its normed input ``h``."""
         weights, ids = self.route(il, h)
-        return moe(h, weights, ids, self.experts, il)
+        return ffn_residual(x, moe(h, weights, ids, self.experts, il))
