@@ -74,8 +74,8 @@ def dot4(a, b, ASM: tl.constexpr):
 def store_q8(v, b, K, xq, xd, xs):
     """Quantize ``v [BLOCKS, 32]`` fp32, blocks ``b [BLOCKS]`` of one row of K elements, and store
     its codes, scales and 16-element sums at that row's ``xq`` / ``xd`` / ``xs`` (blocks past K
-    masked). Shared by ``_quantize_kernel`` and kernels that produce an activation and its int8
-    form in one pass (``norm.py``, ``elementwise.py``)."""
+    masked). Shared by ``_quantize_kernel`` and the kernels that produce an activation and its
+    int8 form in one pass (``norm.py``, ``ffn.py``, ``deltanet.py``, ``attention.py``)."""
     k = b[:, None] * 32 + tl.arange(0, 32)[None, :]
     amax = tl.max(tl.abs(v), axis=1)
     inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
