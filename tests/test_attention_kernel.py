@@ -206,6 +206,52 @@ def test_attend_decode_int8_form(dtype) -> None:
         attend_decode(q[:, :48].contiguous(), kc[..., :48].contiguous(), vc[..., :48].contiguous(), 30, q8=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q8_0_cache_read_and_written_as_codes(dtype) -> None:
+    """A Q8_0 KV cache (int8 codes, f16 scales per 32): the append writes at row ``pos`` exactly
+    the codes and scales ``runtime.cache.quantize_q8_0`` gives for the row the float cache gets
+    (ties to even included), nothing else changes, and attention over the codes equals attention
+    over the cache expanded by ``dequantize_q8_0`` (bit for bit where casts round to nearest);
+    d = 64 is two blocks a row."""
+    from runtime.cache import dequantize_q8_0, quantize_q8_0
+
+    g = torch.Generator().manual_seed(11)
+    H, H_kv, d, S, pos = 4, 2, 64, 48, 29
+    rope = Rope(32, rope_inv_freq(10000.0, 32))
+    q, k, v = (torch.randn(n, d, generator=g).to(DEVICE, dtype) for n in (H, H_kv, H_kv))
+    v[0, :32] = torch.arange(32, dtype=torch.float32).to(dtype) - 15.5  # a block of n + 0.5 values ...
+    v[0, 3] = 127.0  # ... whose scale is then 1: every code is a tie (round half to even)
+    kn = torch.rand(d, generator=g).to(DEVICE, dtype) + 0.5
+    codes = [torch.randint(-127, 128, (H_kv, S, d), generator=g, dtype=torch.int8).to(DEVICE) for _ in range(2)]
+    scales = [torch.rand(H_kv, S, d // 32, generator=g).to(DEVICE, torch.float16) for _ in range(2)]
+    before = [t.clone() for t in codes + scales]
+    flat = [torch.zeros(H_kv, S, d, dtype=dtype, device=DEVICE) for _ in range(2)]
+    inv = rope.inv_freq.to(DEVICE)
+    want_q = qk_norm_rope_append(q, k, v, None, kn, EPS, inv, 1.0, pos, *flat)
+    got_q = qk_norm_rope_append(q, k, v, None, kn, EPS, inv, 1.0, pos, *codes, *scales)
+    assert torch.equal(got_q, want_q)
+    for c, s, f in zip(codes, scales, flat):
+        wc, ws = quantize_q8_0(f[:, pos])
+        assert torch.equal(c[:, pos].cpu(), wc.cpu()) and torch.equal(s[:, pos].cpu(), ws.cpu())
+    rest = torch.arange(S) != pos
+    for t, b in zip(codes + scales, before):
+        assert torch.equal(t[:, rest].cpu(), b[:, rest].cpu())
+    gate = torch.randn(H, d, generator=g).to(DEVICE, dtype)
+    expanded = [dequantize_q8_0(c, s, dtype) for c, s in zip(codes, scales)]
+    for window in (0, 10):
+        want = attend_decode(got_q, *expanded, pos, window, gate, "sigmoid", split=16)
+        got = attend_decode(got_q, *codes, pos, window, gate, "sigmoid", split=16, k_scale=scales[0],
+                            v_scale=scales[1])
+        if dtype == torch.float32 or DEVICE == "cuda":
+            assert torch.equal(got, want)
+        else:  # the interpreter truncates the expanded tiles to bf16 where torch rounds them
+            assert rel_l2(got.float(), want.double().cpu()) < 2e-2
+    with pytest.raises(ValueError, match="Q8_0 scales"):
+        attend_decode(got_q, *codes, pos, k_scale=scales[0][:, :, :1].contiguous(), v_scale=scales[1])
+    with pytest.raises(ValueError, match="both"):
+        attend_decode(got_q, *codes, pos, k_scale=scales[0])
+
+
 def test_bad_shapes_raise() -> None:
     f32 = dict(device=DEVICE, dtype=torch.float32)
     q, k, v = torch.zeros(4, 32, **f32), torch.zeros(2, 32, **f32), torch.zeros(2, 32, **f32)
@@ -270,16 +316,18 @@ def aot_compile_attention(arch: int = 90) -> None:
     jobs = []
     for act, pos_ptr in (("bf16", True), ("fp32", False)):
         pos = "*i64" if pos_ptr else "i32"
+        q8kv = pos_ptr  # the bf16 variants read and write a Q8_0 cache
+        cache = {n: "*i8" if q8kv else "*" + act for n in ("kc_ptr", "vc_ptr")} | {"ks_ptr": "*fp16", "vs_ptr": "*fp16"}
         jobs += [
             (at._qk_norm_rope_append_kernel,
-             {**{n: "*" + act for n in ("q_ptr", "k_ptr", "v_ptr", "qn_ptr", "kn_ptr", "qo_ptr", "kc_ptr", "vc_ptr")},
+             {**{n: "*" + act for n in ("q_ptr", "k_ptr", "v_ptr", "qn_ptr", "kn_ptr", "qo_ptr")}, **cache,
               "inv_ptr": "*fp32", "pos": pos},
-             {"HAS_QN": True, "HAS_KN": not pos_ptr, "POS_PTR": pos_ptr, "BLOCK_D": 256}, 1, 3),
+             {"HAS_QN": True, "HAS_KN": not pos_ptr, "POS_PTR": pos_ptr, "Q8KV": q8kv, "BLOCK_D": 256}, 1, 3),
             (at._attend_split_kernel,
-             {"q_ptr": "*" + act, "k_ptr": "*" + act, "v_ptr": "*" + act, "pos": pos, "m_ptr": "*fp32",
-              "l_ptr": "*fp32", "acc_ptr": "*fp32"},
-             {"POS_PTR": pos_ptr, "DOT_FP32": act == "fp32", "REP_P2": 16, "BLOCK_D": 256, "BLOCK_S": 64,
-              "SPLIT": 64}, 4, 1),
+             {"q_ptr": "*" + act, "k_ptr": cache["kc_ptr"], "v_ptr": cache["vc_ptr"], "ks_ptr": "*fp16",
+              "vs_ptr": "*fp16", "pos": pos, "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"},
+             {"POS_PTR": pos_ptr, "DOT_FP32": act == "fp32", "Q8KV": q8kv, "REP_P2": 16, "BLOCK_D": 256,
+              "BLOCK_S": 64, "SPLIT": 64}, 4, 1),
             (at._attend_combine_kernel,
              {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "gate_ptr": "*" + act, "out_ptr": "*" + act,
               "pos": pos, "xq": "*i8", "xd": "*fp32", "xs": "*fp32"},

@@ -126,6 +126,24 @@ def test_fused_decode_kernels_match_the_torch_path(arch, tiny_hf_gguf):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_fused_attention_reads_and_writes_a_q8_0_cache(arch, synth_model):
+    """``--kv-type q8_0`` through the attention kernels (codes written and read in place) against
+    the torch form (which quantizes the same rows and expands the whole buffer): the same logits
+    up to float32 round-off, and not those of a float cache (the codes are really used)."""
+    path = synth_model(arch)
+    ids = token_ids(load_model(path).spec.n_vocab, 20)
+
+    def steps(kernels: bool, kv_type: str) -> torch.Tensor:
+        model = load_model(path)
+        model.kernels = kernels
+        cache = model.new_cache(kv_type=kv_type)
+        return torch.cat([model.forward(ids[:6], cache)] + [model.forward(ids[i:i + 1], cache) for i in range(6, 20)])
+
+    fused, plain = steps(True, "q8_0"), steps(False, "q8_0")
+    assert row_rel_err(fused, plain) < 1e-4 and row_rel_err(plain, steps(False, "auto")) > 1e-4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_q8_0_float32_matches_float64_reference(arch, tiny_hf_gguf):
     path = tiny_hf_gguf(arch, "q8_0")[1]
     m32, m64 = load(path), load(path, dtype=torch.float64)

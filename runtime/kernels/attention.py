@@ -32,6 +32,12 @@ H100 (bf16, CUDA-graph replays of both attention launches, 32 query / 4 kv heads
 the buffer in use): split 64 is best at 4k positions (9 us); at 32k, 256 (28 us against 35 at
 64); at 128k, 512 (82 us against 129). The caller picks it from the capacity.
 
+A Q8_0 KV cache (``--kv-type q8_0``: int8 codes, one f16 scale per 32 values) is read and
+written in place: the first kernel quantizes the new key and value rows by ``runtime.cache``'s
+rule, the split kernel expands each tile in registers (code times scale, rounded to the
+activation dtype as ``dequantize_q8_0`` rounds), so no expanded copy of the cache is made (the
+torch form expands the layer's whole buffer every token).
+
 The mask is ``runtime.layers._attend``'s (``j <= pos`` and, with a window, ``pos - j < window``),
 applied to the loads, so rows past the position may hold anything. ``pos`` is a Python int or a
 0-dim integer device tensor: a captured step reads its position from memory, never on the host.
@@ -90,11 +96,34 @@ def _norm_rope(x_ptr, w_ptr, inv_ptr, p, D, HALF, eps, rope_scale, HAS_W: tl.con
     return tl.where(rot, x * c + tl.where(first, -xm, xm) * s, x)
 
 
+@triton.jit
+def _store_row(c_ptr, s_ptr, row, y, inside, D, Q8KV: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store one head row ``y`` (float32, already rounded to the activation dtype) at element
+    ``row`` of a cache: as it is, or as Q8_0 codes with one f16 scale per 32 (``s_ptr``; the rule
+    of ``runtime.cache.quantize_q8_0``: scale = max|x| / 127, code = round half to even)."""
+    n = tl.arange(0, BLOCK_D)
+    width = tl.where(inside, D, 0)  # a position past the buffer writes nothing
+    ok = n < width
+    if Q8KV:
+        blocks = tl.reshape(y, [BLOCK_D // 32, 32])
+        scale = tl.max(tl.abs(blocks), axis=1) / 127.0
+        inv = tl.where(scale > 0, 1.0 / tl.where(scale > 0, scale, 1.0), 0.0)
+        v = blocks * inv[:, None]
+        r = tl.floor(v + 0.5)
+        r = tl.where(((r - v) == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) != 0.0), r - 1.0, r)  # ties to even
+        code = tl.reshape(tl.minimum(tl.maximum(r, -127.0), 127.0), [BLOCK_D])
+        tl.store(c_ptr + row + n, code.to(tl.int8), mask=ok)
+        b = tl.arange(0, BLOCK_D // 32)
+        tl.store(s_ptr + row // 32 + b, scale.to(s_ptr.dtype.element_ty), mask=b * 32 < width)
+    else:
+        tl.store(c_ptr + row + n, y.to(c_ptr.dtype.element_ty), mask=ok)
+
+
 @triton.jit(do_not_specialize=["pos"])
 def _qk_norm_rope_append_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, inv_ptr, pos, qo_ptr, kc_ptr, vc_ptr,
-                                H, S, D, HALF, stride_q, stride_k, stride_v, eps, rope_scale,
+                                ks_ptr, vs_ptr, H, S, D, HALF, stride_q, stride_k, stride_v, eps, rope_scale,
                                 HAS_QN: tl.constexpr, HAS_KN: tl.constexpr, POS_PTR: tl.constexpr,
-                                BLOCK_D: tl.constexpr):
+                                Q8KV: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0)
     p = _position(pos, POS_PTR)
     n = tl.arange(0, BLOCK_D)
@@ -107,10 +136,37 @@ def _qk_norm_rope_append_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, inv_ptr, po
         j = (r - H).to(tl.int64)
         y = _norm_rope(k_ptr + j * stride_k, kn_ptr, inv_ptr, p, D, HALF, eps, rope_scale, HAS_KN, BLOCK_D)
         row = (j * S + p) * D
-        ok = n < tl.where((p >= 0) & (p < S), D, 0)  # a position past the buffer writes nothing
-        tl.store(kc_ptr + row + n, y.to(kc_ptr.dtype.element_ty), mask=ok)
-        v = tl.load(v_ptr + j * stride_v + n, mask=m, other=0.0)
-        tl.store(vc_ptr + row + n, v.to(vc_ptr.dtype.element_ty), mask=ok)
+        inside = (p >= 0) & (p < S)
+        act = qo_ptr.dtype.element_ty  # Q8_0 quantizes k as the activations hold it
+        _store_row(kc_ptr, ks_ptr, row, y.to(act).to(tl.float32), inside, D, Q8KV, BLOCK_D)
+        v = tl.load(v_ptr + j * stride_v + n, mask=m, other=0.0).to(tl.float32)
+        _store_row(vc_ptr, vs_ptr, row, v, inside, D, Q8KV, BLOCK_D)
+
+
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                  v_scale: torch.Tensor | None, act: torch.dtype, what: str) -> None:
+    """Caches in the activations' dtype, or a Q8_0 cache's int8 codes with f16 scales per 32."""
+    tensors = [k_cache, v_cache]
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError(f"{what}: give both Q8_0 scale tensors or neither")
+    if k_scale is None:
+        if k_cache.dtype != act or v_cache.dtype != act:
+            raise ValueError(f"{what}: caches must be in the activations' dtype ({act}), or Q8_0 codes with scales")
+    else:
+        H_kv, S, d = k_cache.shape
+        if k_cache.dtype != torch.int8 or v_cache.dtype != torch.int8 or d % 32:
+            raise ValueError(f"{what}: a Q8_0 cache holds int8 codes of a head size that is a multiple of 32")
+        for s in (k_scale, v_scale):
+            if s.shape != (H_kv, S, d // 32) or s.dtype != torch.float16 or s.device != k_cache.device:
+                raise ValueError(f"{what}: Q8_0 scales must be f16 [{H_kv}, {S}, {d // 32}] beside the codes")
+        tensors += [k_scale, v_scale]
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError(f"{what}: caches (and scales) must be contiguous")
+
+
+def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, fill: torch.Tensor) -> tuple:
+    """The two scale pointers a kernel takes (any tensor where there are none: never read)."""
+    return (k_scale, v_scale) if k_scale is not None else (fill, fill)
 
 
 def _check_pos(pos: "int | torch.Tensor", S: int, device: torch.device, what: str) -> bool:
@@ -128,7 +184,8 @@ def _check_pos(pos: "int | torch.Tensor", S: int, device: torch.device, what: st
 def qk_norm_rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                         inv_freq: torch.Tensor, rope_scale: float, pos: "int | torch.Tensor",
-                        k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One token's q/k RMSNorm, rope and KV append in one launch.
 
     q ``[H, d]``, k and v ``[H_kv, d]``: contiguous last axis, any row stride (q may be the query
@@ -138,6 +195,8 @@ def qk_norm_rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``rope_scale`` multiplies cos and sin. ``pos``: an int or a 0-dim integer device tensor.
     Writes k (normed, roped) and v to row ``pos`` of ``k_cache``/``v_cache`` ``[H_kv, S, d]``
     (contiguous, the activation dtype) and returns the normed, roped q as a contiguous ``[H, d]``.
+    With ``k_scale``/``v_scale`` (f16 ``[H_kv, S, d / 32]``) the caches are a Q8_0 cache's int8
+    codes (``runtime.cache.KVCache(kv_type="q8_0")``): the rows are quantized as it quantizes them.
     """
     what = "qk_norm_rope_append"
     if q.dim() != 2 or k.dim() != 2 or v.shape != k.shape or k.shape[1] != q.shape[1]:
@@ -151,8 +210,7 @@ def qk_norm_rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if k_cache.dim() != 3 or k_cache.shape[0] != H_kv or k_cache.shape[2] != d or v_cache.shape != k_cache.shape:
         raise ValueError(f"{what}: caches must be [H_kv={H_kv}, S, d={d}], got {tuple(k_cache.shape)}, "
                          f"{tuple(v_cache.shape)}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError(f"{what}: caches must be contiguous and in the activations' dtype ({q.dtype})")
+    _check_caches(k_cache, v_cache, k_scale, v_scale, q.dtype, what)
     for w, name in ((q_norm, "q_norm"), (k_norm, "k_norm")):
         if w is not None and (w.numel() != d or not w.is_contiguous() or w.device != q.device):
             raise ValueError(f"{what}: {name} must be a contiguous [d={d}] vector on {q.device}")
@@ -170,17 +228,30 @@ def qk_norm_rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         block = triton.next_power_of_2(d)
         _qk_norm_rope_append_kernel[(H + H_kv,)](
             q, k, v, q_norm if q_norm is not None else q, k_norm if k_norm is not None else k, inv_freq,
-            pos if pos_ptr else int(pos), out, k_cache, v_cache, H, S, d, half,
-            q.stride(0), k.stride(0), v.stride(0), float(eps), float(rope_scale),
-            HAS_QN=q_norm is not None, HAS_KN=k_norm is not None, POS_PTR=pos_ptr, BLOCK_D=block,
-            num_warps=1 if block <= 256 else 4)
+            pos if pos_ptr else int(pos), out, k_cache, v_cache, *_scales(k_scale, v_scale, k_cache), H, S, d,
+            half, q.stride(0), k.stride(0), v.stride(0), float(eps), float(rope_scale),
+            HAS_QN=q_norm is not None, HAS_KN=k_norm is not None, POS_PTR=pos_ptr, Q8KV=k_scale is not None,
+            BLOCK_D=block, num_warps=1 if block <= 256 else 4)
     return out
 
 
+@triton.jit
+def _kv_tile(c_ptr, s_ptr, off, soff, mask, act_ptr, Q8KV: tl.constexpr):
+    """A tile of cached keys or values in the activations' dtype (``act_ptr``'s): loaded as is, or
+    Q8_0 codes times their f16 scales (``off`` / ``soff``: element and scale offsets), rounded
+    as ``runtime.cache.dequantize_q8_0`` rounds."""
+    if Q8KV:
+        codes = tl.load(c_ptr + off, mask=mask, other=0).to(tl.float32)
+        t = (codes * tl.load(s_ptr + soff, mask=mask, other=0.0).to(tl.float32)).to(act_ptr.dtype.element_ty)
+    else:
+        t = tl.load(c_ptr + off, mask=mask, other=0.0)
+    return t
+
+
 @triton.jit(do_not_specialize=["pos"])
-def _attend_split_kernel(q_ptr, k_ptr, v_ptr, pos, m_ptr, l_ptr, acc_ptr, S, D, REP, NS, window, qk_scale,
-                         POS_PTR: tl.constexpr, DOT_FP32: tl.constexpr, REP_P2: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr):
+def _attend_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos, m_ptr, l_ptr, acc_ptr, S, D, REP, NS, window,
+                         qk_scale, POS_PTR: tl.constexpr, DOT_FP32: tl.constexpr, Q8KV: tl.constexpr,
+                         REP_P2: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr):
     """Partial softmax of kv head ``kh``'s query heads over positions ``[sp*SPLIT, (sp+1)*SPLIT)``.
     Scores are kept in log2 units (``qk_scale`` includes log2(e)), so the partial max is too."""
     kh = tl.program_id(0)
@@ -201,13 +272,16 @@ def _attend_split_kernel(q_ptr, k_ptr, v_ptr, pos, m_ptr, l_ptr, acc_ptr, S, D, 
             q = q.to(tl.float32)
         k_base = k_ptr + kh.to(tl.int64) * S * D
         v_base = v_ptr + kh.to(tl.int64) * S * D
+        ks_base = ks_ptr + kh.to(tl.int64) * S * (D // 32)  # Q8_0 scales (never read otherwise)
+        vs_base = vs_ptr + kh.to(tl.int64) * S * (D // 32)
         m_i = tl.full([REP_P2], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([REP_P2], dtype=tl.float32)
         acc = tl.zeros([REP_P2, BLOCK_D], dtype=tl.float32)
         for t in range(lo + (start - lo) // BLOCK_S * BLOCK_S, hi, BLOCK_S):  # every tile holds an allowed row
             j = t + tl.arange(0, BLOCK_S)
             jm = (j >= start) & (j < hi)
-            kt = tl.load(k_base + j[None, :] * D + d[:, None], mask=dm[:, None] & jm[None, :], other=0.0)
+            kt = _kv_tile(k_base, ks_base, j[None, :] * D + d[:, None], j[None, :] * (D // 32) + d[:, None] // 32,
+                          dm[:, None] & jm[None, :], q_ptr, Q8KV)
             if DOT_FP32:
                 s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
             else:
@@ -217,7 +291,8 @@ def _attend_split_kernel(q_ptr, k_ptr, v_ptr, pos, m_ptr, l_ptr, acc_ptr, S, D, 
             alpha = tl.exp2(m_i - m_new)
             pr = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(pr, axis=1)
-            vt = tl.load(v_base + j[:, None] * D + d[None, :], mask=jm[:, None] & dm[None, :], other=0.0)
+            vt = _kv_tile(v_base, vs_base, j[:, None] * D + d[None, :], j[:, None] * (D // 32) + d[None, :] // 32,
+                          jm[:, None] & dm[None, :], q_ptr, Q8KV)
             if DOT_FP32:
                 acc = acc * alpha[:, None] + tl.dot(pr, vt.to(tl.float32), input_precision="ieee")
             else:
@@ -284,7 +359,8 @@ def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, xq, xd, xs,
 
 def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: "int | torch.Tensor",
                   window: int = 0, gate: torch.Tensor | None = None, gate_kind: str = "none",
-                  split: int = 64, q8: bool = False) -> torch.Tensor:
+                  split: int = 64, q8: bool = False, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query token's GQA attention over the cache rows ``j <= pos`` (and ``pos - j < window``
     when ``window > 0``), times the optional output gate, in two launches.
 
@@ -297,6 +373,8 @@ def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     positions per program of the first kernel, a multiple of 16. Returns one row ``[1, H * d]`` in
     q's dtype (``attn_output``'s input); ``q8`` (d a multiple of 32) attaches its int8 form
     (``q8dot.attach``), computed by the combine kernel: one block of 32 channels per program.
+    With ``k_scale``/``v_scale`` the caches are a Q8_0 cache's int8 codes and f16 scales, read as
+    such (each tile expanded in registers, no expanded copy of the cache).
     """
     what = "attend_decode"
     if q.dim() != 2 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape or k_cache.shape[2] != q.shape[1]:
@@ -305,11 +383,11 @@ def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     (H, d), (H_kv, S, _) = q.shape, k_cache.shape
     if H_kv == 0 or H % H_kv or d == 0 or S == 0:
         raise ValueError(f"{what}: {H} query heads cannot share {H_kv} kv heads (or an empty shape)")
-    if q.dtype not in ACT_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"{what}: q and caches must share one of bf16/f16/f32, got {q.dtype}, "
-                         f"{k_cache.dtype}, {v_cache.dtype}")
-    if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError(f"{what}: q and the caches must be contiguous")
+    if q.dtype not in ACT_DTYPES:
+        raise ValueError(f"{what}: q must be bf16, f16 or f32, got {q.dtype}")
+    _check_caches(k_cache, v_cache, k_scale, v_scale, q.dtype, what)
+    if not q.is_contiguous():
+        raise ValueError(f"{what}: q must be contiguous")
     if k_cache.device != q.device or v_cache.device != q.device:
         raise ValueError(f"{what}: all tensors must be on {q.device}")
     if split < 16 or split % 16:
@@ -343,8 +421,9 @@ def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # num_stages=1: at split 64 a program has one tile, and deeper software pipelines only
     # multiply shared memory (float32 at d=256 would not fit in an H100's 227 KiB at three).
     _attend_split_kernel[(H_kv, n_split)](
-        q, k_cache, v_cache, p, m, l_, acc, S, d, rep, n_split, int(window), d ** -0.5 * LOG2E,
-        POS_PTR=pos_ptr, DOT_FP32=fp32, REP_P2=max(16, triton.next_power_of_2(rep)), BLOCK_D=block_d,
+        q, k_cache, v_cache, *_scales(k_scale, v_scale, k_cache), p, m, l_, acc, S, d, rep, n_split, int(window),
+        d ** -0.5 * LOG2E, POS_PTR=pos_ptr, DOT_FP32=fp32, Q8KV=k_scale is not None,
+        REP_P2=max(16, triton.next_power_of_2(rep)), BLOCK_D=block_d,
         BLOCK_S=block_s, SPLIT=split, num_warps=4, num_stages=1)
     out = torch.empty(1, H * d, dtype=q.dtype, device=q.device)
     block_c = min(block_d, COMBINE_CHANNELS)

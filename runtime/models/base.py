@@ -154,10 +154,10 @@ class MoEModel(ABC):
         """One token's attention from its raw projections (``q [1, H, d]``, k and v ``[1, H_kv, d]``;
         q/k RMSNorm, rope, KV append, masked GQA attention and output gate) as the three Triton
         launches of ``kernels/attention.py``, returning ``attn_output``'s input ``[1, H * d]``; or
-        None where the model file's torch form runs instead (CPU, prefill, float64, a q8_0 KV
-        cache). Gate kinds as ``attention.attend_decode`` takes them."""
+        None where the model file's torch form runs instead (CPU, prefill, float64). A Q8_0 KV
+        cache is read and written as codes. Gate kinds as ``attention.attend_decode`` takes them."""
         kv = cache.layers[il] if cache is not None else None
-        if not (self.kernels and q.shape[0] == 1 and isinstance(kv, KVCache) and not kv.q8
+        if not (self.kernels and q.shape[0] == 1 and isinstance(kv, KVCache)
                 and q.dtype in (torch.bfloat16, torch.float16, torch.float32)):
             return None
         from ..kernels import q8dot
@@ -166,13 +166,14 @@ class MoEModel(ABC):
         p, d = f"blk.{il}.", q.shape[-1]
         if not isinstance(pos0, torch.Tensor):
             kv.reserve(pos0 + 1, k)
+        scales = (kv.k_scale, kv.v_scale) if kv.q8 else (None, None)  # a Q8_0 cache is read as codes
         qr = qk_norm_rope_append(q[0], k[0], v[0], self.w.opt(p + "attn_q_norm.weight"),
                                  self.w.opt(p + "attn_k_norm.weight"), self.eps, rope.inv_on(q.device), rope.scale,
-                                 pos0, kv.k, kv.v)
+                                 pos0, kv.k, kv.v, *scales)
         S = kv.k.shape[1]
         split = 64 if S <= 8192 else 256 if S <= 65536 else 512  # kernels/attention.py: best per buffer size
         return attend_decode(qr, kv.k, kv.v, pos0, window, None if gate is None else gate[0], gate_kind, split,
-                             q8=q8dot.enabled() and d % q8dot.QBLOCK == 0)
+                             q8=q8dot.enabled() and d % q8dot.QBLOCK == 0, k_scale=scales[0], v_scale=scales[1])
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """A block input or the output norm: it feeds projections, which read one decode row in
