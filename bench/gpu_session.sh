@@ -12,7 +12,8 @@
 # side: issue 7's side-by-side in one call: llama.cpp builds (niced, in the background) while the
 #   model is written and decode_bench runs; then llama-bench on the same file and
 #   bench/compare_llama.py's table (ours / llama.cpp). ~9 of the 10 minutes a call may run.
-#   SIDE_TESTS="tests/..." also runs those tests on CUDA while the model is written (before any timing).
+#   SIDE_TESTS="tests/..." also runs those tests on CUDA while the model is written (before any timing),
+#   cut off after SIDE_TESTS_TIMEOUT seconds (180); their log goes to $OUT/tests.log.
 # presets: side-by-side on the laguna-xs2 and qwen3-30b-a3b shapes (llama-bench built already,
 #   e.g. LLAMA_BUILD inside the repo on a machine still warm from a `side` call; skipped otherwise).
 set -euo pipefail
@@ -69,7 +70,8 @@ for step in $steps; do
       build=$!
       tests=""
       if [ -n "${SIDE_TESTS:-}" ]; then  # CUDA tests while the model is written; done before any timing
-        SPARKPACK_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --tb=short $SIDE_TESTS \
+        # capped: the tests share the CPU with the synth and the build, and must not eat the call
+        SPARKPACK_TEST_DEVICE=cuda timeout "${SIDE_TESTS_TIMEOUT:-180}" python3 -m pytest -q -p no:cacheprovider --tb=short $SIDE_TESTS \
           > "${OUT:-$work}/tests.log" 2>&1 &
         tests=$!
       fi

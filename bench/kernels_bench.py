@@ -11,6 +11,7 @@ shape, so a fast wrong kernel cannot pass.
     python bench/kernels_bench.py --only prefill --moe-tiles 16,32,4 64,64,8   # grouped MoE tiles
     python bench/kernels_bench.py --only dense --gemv-tiles 4,4 8,4 2,2   # one-token dense GEMV
     python bench/kernels_bench.py --only moe dense --act float q8   # float vs int8 activations
+    python bench/kernels_bench.py --only attention --attn-buffers 4096 32768   # decode attention
 
 Needs only torch and triton (no gguf): blocks are generated and dequantized by
 ``runtime.kernels.reference``. Run from anywhere; the repository root is put on sys.path.
@@ -236,6 +237,68 @@ def bench_dense(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator)
     return ok
 
 
+# (name, query heads, kv heads, head size, rope dims): Qwen3.6-35B-A3B, Qwen3-30B-A3B
+ATTN_SHAPES = [("qwen3.6", 16, 2, 256, 64), ("qwen3-30b", 32, 4, 128, 128)]
+
+
+def bench_attention(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator) -> bool:
+    """One token's attention (``kernels/attention.py``: append, split, combine) against the torch
+    form it replaces (q/k norm, rope, KV append, masked GQA over the buffer, sigmoid gate), for a
+    bf16 and a Q8_0 cache at several buffer sizes with the token 3/4 into the buffer. GB/s counts
+    the cache rows up to the token (keys and values, codes and scales) once."""
+    from runtime.cache import KVCache
+    from runtime.kernels.attention import attend_decode, qk_norm_rope_append
+    from runtime.layers import Rope, attention, rms_norm, rope_inv_freq
+
+    ok = True
+    print(f"{'shape':10} {'kv':5} {'buffer':>7} {'pos':>6} {'split':>5} {'attend us':>9} {'GB/s':>6} {'%copy':>6} "
+          f"{'3 kernels us':>12} {'torch us':>9} {'rel-L2':>9}")
+    dt = torch.bfloat16
+    for name, H, H_kv, d, rope_dim in ATTN_SHAPES:
+        rope = Rope(rope_dim, rope_inv_freq(1e7, rope_dim))
+        inv = rope.inv_freq.cuda()
+        qn, kn = (torch.rand(d, generator=gen, device="cuda").to(dt) + 0.5 for _ in range(2))
+        for S in args.attn_buffers:
+            pos = S * 3 // 4
+            for kv_type in ("auto", "q8_0"):
+                cache = KVCache(S, kv_type)
+                fill = torch.randn(S, H_kv, d, generator=gen, device="cuda").to(dt)
+                cache.append(fill, fill.flip(0), 0)  # every row written; rows past pos are masked anyway
+                q, gate = (torch.randn(1, H, d, generator=gen, device="cuda").to(dt) for _ in range(2))
+                k, v = (torch.randn(1, H_kv, d, generator=gen, device="cuda").to(dt) for _ in range(2))
+                split = 64 if S <= 8192 else 256 if S <= 65536 else 512  # as MoEModel.attend_step picks
+                scales = (cache.k_scale, cache.v_scale) if cache.q8 else (None, None)
+
+                def fused():
+                    qr = qk_norm_rope_append(q[0], k[0], v[0], qn, kn, 1e-6, inv, 1.0, pos, cache.k, cache.v, *scales)
+                    return attend_decode(qr, cache.k, cache.v, pos, 0, gate[0], "sigmoid", split,
+                                         k_scale=scales[0], v_scale=scales[1])
+
+                def torch_form():
+                    qq, kk = rms_norm(q, qn, 1e-6), rms_norm(k, kn, 1e-6)
+                    cos, sin = rope.cos_sin(torch.tensor([pos], device="cuda"), dt)
+                    qq, kk = rope.apply(qq, cos, sin), rope.apply(kk, cos, sin)
+                    return (attention(qq, kk, v, cache, pos) * torch.sigmoid(gate)).reshape(1, -1)
+
+                want = torch_form().float()
+                got = fused().float()
+                err = rel_l2(got, want)
+                good = err < 2e-2  # bf16 roundings at different points
+                ok &= good
+                qr = qk_norm_rope_append(q[0], k[0], v[0], qn, kn, 1e-6, inv, 1.0, pos, cache.k, cache.v, *scales)
+                attend_ms = median_ms(lambda: attend_decode(qr, cache.k, cache.v, pos, 0, gate[0], "sigmoid", split,
+                                                            k_scale=scales[0], v_scale=scales[1]))
+                rows = pos + 1
+                nbytes = 2 * H_kv * rows * (d * cache.k.element_size() + (2 * d // 32 if cache.q8 else 0))
+                gbs = nbytes / attend_ms / 1e6
+                fused_ms, torch_ms = median_ms(fused), median_ms(torch_form)
+                print(f"{name:10} {kv_type:5} {S:7} {pos:6} {split:5} {attend_ms * 1e3:9.1f} {gbs:6.0f} "
+                      f"{100 * gbs / copy_gbs:5.0f}% {fused_ms * 1e3:12.1f} {torch_ms * 1e3:9.1f} "
+                      f"{err:9.2e}{'' if good else '  FAIL'}")
+                del cache, fill
+    return ok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--qtypes", nargs="+", default=list(QTYPES), choices=list(QTYPES))
@@ -251,8 +314,10 @@ def main() -> None:
     ap.add_argument("--moe-cpi", nargs="+", type=int, default=[8], help="MoE q8: chunks of 256 per iteration")
     ap.add_argument("--act", nargs="+", default=["float", "q8"], choices=["float", "q8"],
                     help="one-token activations: float, or int8 (q8dot) for the MoE and dense kernels")
-    ap.add_argument("--only", choices=["qmatvec", "moe", "prefill", "dense"], nargs="+",
-                    default=["qmatvec", "moe", "prefill", "dense"])
+    ap.add_argument("--attn-buffers", nargs="+", type=int, default=[4096, 32768],
+                    help="KV buffer sizes (positions) for the attention kernels")
+    ap.add_argument("--only", choices=["qmatvec", "moe", "prefill", "dense", "attention"], nargs="+",
+                    default=["qmatvec", "moe", "prefill", "dense", "attention"])
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernels_bench needs a CUDA device")
@@ -269,6 +334,8 @@ def main() -> None:
         ok &= bench_moe_prefill(args, gen)
     if "dense" in args.only:
         ok &= bench_dense(args, copy_gbs, gen)
+    if "attention" in args.only:
+        ok &= bench_attention(args, copy_gbs, gen)
     sys.exit(0 if ok else 1)
 
 
