@@ -112,9 +112,10 @@ def test_fused_decode_kernels_match_the_torch_path(arch, tiny_hf_gguf):
         model = load(path, dtype=dtype)
         model.kernels = kernels
         cache = model.new_cache()
-        # prefills of 8 tokens (one padded chunk) and 70 (two chunks) carry the state in one
-        # launch each (kernels.deltanet.deltanet_chunk_states), then decode steps
-        out = [model.forward(ids[:8], cache), model.forward(ids[8:78], cache)]
+        # prefills of 8 tokens (one padded chunk), 2 (fewer than the conv window: the window is
+        # partly the old one) and 68 (two chunks), each through the prefill kernels (conv, norms
+        # and gates in one launch, the state carried in one), then decode steps
+        out = [model.forward(ids[:8], cache), model.forward(ids[8:10], cache), model.forward(ids[10:78], cache)]
         out += [model.forward(ids[i:i + 1], cache) for i in range(78, len(ids))]
         return torch.cat(out)
 
@@ -122,7 +123,7 @@ def test_fused_decode_kernels_match_the_torch_path(arch, tiny_hf_gguf):
     # their own ways: both are held to the float64 torch form
     ref = steps(False, torch.float64)
     fused, plain = row_rel_err(steps(True), ref), row_rel_err(steps(False), ref)
-    assert fused < 3e-5 and plain < 3e-5, (fused, plain)
+    assert fused < 5e-5 and plain < 5e-5, (fused, plain)  # float32 round-off over 90 positions
 
 
 @pytest.mark.parametrize("arch", ARCHS)

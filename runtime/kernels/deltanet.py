@@ -1,5 +1,5 @@
 """Gated DeltaNet kernels: the decode step (one token) in two launches instead of ~45 small torch
-kernels, and the chunk-to-chunk state pass of the chunked prefill in one.
+kernels, and a prefill call's layer in three launches plus the chunked form's own products.
 
 Why: at batch 1 a DeltaNet layer's arithmetic is tiny (a 128x128 state per value head), so the
 torch form's cost is its kernel count: concatenations, norms, exp/softplus/sigmoid, six
@@ -30,6 +30,11 @@ reference (CPU, prefill).
    2048-token chunk slower than the torch loop), so the fused and torch forms agree to float32
    round-off. Row-major inputs keep its loads coalesced (the solve's column-major outputs are
    copied first).
+4. ``_prefill_prep_kernel`` (prefill): the conv over the window and the call's inputs, SiLU, the
+   l2 norms, the tiled key heads and the gates, for blocks of tokens of one value head, straight
+   into the float32 tensors the chunked form takes (the torch form is ~35 launches a layer).
+5. ``_gated_norm_kernel`` (prefill): the output's per-head RMSNorm times SiLU(z), with the torch
+   form's rounding points (six launches there).
 """
 from __future__ import annotations
 
@@ -58,6 +63,15 @@ def _conv_kernel(x_ptr, win_ptr, w_ptr, out_ptr, C, KM1: tl.constexpr, BLOCK: tl
 
 
 @triton.jit
+def _gates(b_raw, alpha, dt, a):
+    """The delta rule's gates from their projections: beta = sigmoid(b_raw), g = softplus(alpha +
+    dt) * a (torch's softplus, threshold 20)."""
+    beta = 1.0 / (1.0 + tl.exp(-b_raw))
+    pre = alpha + dt
+    return beta, tl.where(pre > 20.0, pre, tl.log(1.0 + tl.exp(tl.minimum(pre, 20.0)))) * a
+
+
+@triton.jit
 def _recurrence_kernel(act_ptr, z_ptr, beta_ptr, alpha_ptr, dt_ptr, a_ptr, state_ptr, norm_ptr, out_ptr,
                        xq, xd, xs, N_K, D_K, D_V, q_scale, eps,
                        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, Q8: tl.constexpr):
@@ -72,11 +86,8 @@ def _recurrence_kernel(act_ptr, z_ptr, beta_ptr, alpha_ptr, dt_ptr, a_ptr, state
     v = tl.load(act_ptr + 2 * kd + h * D_V + j, mask=mj, other=0.0)
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale  # l2 norm: eps inside the rsqrt
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    b = tl.load(beta_ptr + h).to(tl.float32)
-    beta = 1.0 / (1.0 + tl.exp(-b))
-    pre = tl.load(alpha_ptr + h).to(tl.float32) + tl.load(dt_ptr + h).to(tl.float32)
-    soft = tl.where(pre > 20.0, pre, tl.log(1.0 + tl.exp(tl.minimum(pre, 20.0))))  # torch softplus
-    g = soft * tl.load(a_ptr + h).to(tl.float32)
+    beta, g = _gates(tl.load(beta_ptr + h).to(tl.float32), tl.load(alpha_ptr + h).to(tl.float32),
+                     tl.load(dt_ptr + h).to(tl.float32), tl.load(a_ptr + h).to(tl.float32))
 
     offs = h.to(tl.int64) * D_K * D_V + i[:, None] * D_V + j[None, :]
     mm = mi[:, None] & mj[None, :]
@@ -187,3 +198,115 @@ def deltanet_chunk_states(W: torch.Tensor, Q: torch.Tensor, U0: torch.Tensor, QK
                                                         *strides, C=C, BLOCK_K=max(16, triton.next_power_of_2(d_k)),
                                                         BLOCK_V=block_v, num_warps=8, num_stages=1)
     return out
+
+
+# ----------------------------------------------------------------------------- prefill glue
+# A program takes BLOCK_T tokens of one value head (one token per program would be T * n_v
+# programs, which Triton's interpreter runs one by one).
+
+@triton.jit
+def _conv_rows(x_ptr, win_ptr, w_ptr, t, tm, c, m, C, stride_x, KM1: tl.constexpr):
+    """SiLU of the causal depthwise conv at tokens ``t [BT]`` for channels ``c [BC]``: taps over
+    the inputs ``t-KM1 .. t``, those before the call read from the window (row ``KM1 + s`` for
+    input ``s < 0``). Returns ``[BT, BC]`` float32."""
+    acc = tl.zeros([t.shape[0], c.shape[0]], dtype=tl.float32)
+    ok = tm[:, None] & m[None, :]
+    for tap in tl.static_range(KM1 + 1):
+        s = (t - KM1 + tap)[:, None]
+        cur = tl.load(x_ptr + tl.maximum(s, 0).to(tl.int64) * stride_x + c[None, :], mask=ok & (s >= 0), other=0.0)
+        row = tl.minimum(tl.maximum(KM1 + s, 0), KM1 - 1)
+        old = tl.load(win_ptr + row * C + c[None, :], mask=ok & (s < 0), other=0.0)
+        w = tl.load(w_ptr + c * (KM1 + 1) + tap, mask=m, other=0.0).to(tl.float32)
+        acc += w[None, :] * (cur.to(tl.float32) + old.to(tl.float32))
+    return acc / (1.0 + tl.exp(-acc))
+
+
+@triton.jit
+def _prefill_prep_kernel(x_ptr, win_ptr, w_ptr, beta_ptr, alpha_ptr, dt_ptr, a_ptr, q_ptr, k_ptr, v_ptr, g_ptr,
+                         b_ptr, T, C, N_K, N_V, D_K, D_V, stride_x, stride_b, stride_a, q_scale,
+                         KM1: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tm = t < T
+    h = tl.program_id(1)
+    kh = h % N_K  # the converter's tiled order
+    i = tl.arange(0, BLOCK_K)
+    j = tl.arange(0, BLOCK_V)
+    mi, mj = i < D_K, j < D_V
+    kd = N_K * D_K
+    q = _conv_rows(x_ptr, win_ptr, w_ptr, t, tm, kh * D_K + i, mi, C, stride_x, KM1)
+    k = _conv_rows(x_ptr, win_ptr, w_ptr, t, tm, kd + kh * D_K + i, mi, C, stride_x, KM1)
+    v = _conv_rows(x_ptr, win_ptr, w_ptr, t, tm, 2 * kd + h * D_V + j, mj, C, stride_x, KM1)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None] * q_scale  # l2 norms, as the decode step
+    k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+    beta, g = _gates(tl.load(beta_ptr + t * stride_b + h, mask=tm, other=0.0).to(tl.float32),
+                     tl.load(alpha_ptr + t * stride_a + h, mask=tm, other=0.0).to(tl.float32),
+                     tl.load(dt_ptr + h).to(tl.float32), tl.load(a_ptr + h).to(tl.float32))
+    row = t.to(tl.int64) * N_V + h
+    tl.store(q_ptr + row[:, None] * D_K + i[None, :], q, mask=tm[:, None] & mi[None, :])
+    tl.store(k_ptr + row[:, None] * D_K + i[None, :], k, mask=tm[:, None] & mi[None, :])
+    tl.store(v_ptr + row[:, None] * D_V + j[None, :], v, mask=tm[:, None] & mj[None, :])
+    tl.store(g_ptr + row, g, mask=tm)
+    tl.store(b_ptr + row, beta, mask=tm)
+
+
+def deltanet_prefill_inputs(qkv: torch.Tensor, beta: torch.Tensor, alpha: torch.Tensor, dt_bias: torch.Tensor,
+                            a: torch.Tensor, conv_w: torch.Tensor, conv_win: torch.Tensor, n_k: int, d_k: int,
+                            n_v: int) -> tuple[torch.Tensor, ...]:
+    """What the chunked delta rule takes, for ``T`` tokens, in one launch instead of ~35 torch
+    kernels (a prefill call is host-bound: BENCHMARKS.md): the causal conv over the window and the
+    new inputs with SiLU, q and k l2-normalised (q scaled by ``d_k ** -0.5``) and tiled to the
+    value heads (value head ``h`` reads key head ``h % n_k``), beta = sigmoid, g = softplus(alpha +
+    dt_bias) * a. ``qkv [T, C]``, ``beta``/``alpha [T, n_v]``: unit inner stride, any row stride
+    (column bands of the stacked projection). Returns float32 ``q, k [T, n_v, d_k]``, ``v [T, n_v,
+    d_v]``, ``g, beta [T, n_v]``. The window is only read; the caller shifts it afterwards.
+    """
+    T, C = qkv.shape
+    K = conv_w.shape[1]
+    d_v = (C - 2 * n_k * d_k) // n_v
+    if K < 2 or C != 2 * n_k * d_k + n_v * d_v or conv_win.shape != (K - 1, C) or beta.shape != (T, n_v) \
+            or alpha.shape != (T, n_v) or not (conv_w.is_contiguous() and conv_win.is_contiguous()) \
+            or any(t.stride(-1) != 1 for t in (qkv, beta, alpha)):
+        raise ValueError("DeltaNet prefill: inconsistent shapes or strides")
+    f32 = dict(dtype=torch.float32, device=qkv.device)
+    q, k = torch.empty(T, n_v, d_k, **f32), torch.empty(T, n_v, d_k, **f32)
+    v, g, b = torch.empty(T, n_v, d_v, **f32), torch.empty(T, n_v, **f32), torch.empty(T, n_v, **f32)
+    bt = 4 if qkv.is_cuda else 64
+    if T:
+        _prefill_prep_kernel[(triton.cdiv(T, bt), n_v)](
+            qkv, conv_win, conv_w, beta, alpha, dt_bias, a, q, k, v, g, b, T, C, n_k, n_v, d_k, d_v, qkv.stride(0),
+            beta.stride(0), alpha.stride(0), d_k ** -0.5, KM1=K - 1, BLOCK_T=bt,
+            BLOCK_K=triton.next_power_of_2(d_k), BLOCK_V=triton.next_power_of_2(d_v), num_warps=4)
+    return q, k, v, g, b
+
+
+@triton.jit
+def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, R, N_V, D_V, stride_z, eps,
+                       BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows (token, value head)
+    j = tl.arange(0, BLOCK_V)
+    m = (r < R)[:, None] & (j < D_V)[None, :]
+    t, h = r // N_V, r % N_V
+    dt = y_ptr.dtype.element_ty
+    o = tl.load(o_ptr + r.to(tl.int64)[:, None] * D_V + j[None, :], mask=m, other=0.0).to(dt).to(tl.float32)
+    y = (o * tl.rsqrt(tl.sum(o * o, axis=1) / D_V + eps)[:, None]).to(dt).to(tl.float32)
+    y = (y * tl.load(w_ptr + j, mask=j < D_V, other=0.0).to(tl.float32)[None, :]).to(dt).to(tl.float32)
+    z = tl.load(z_ptr + t.to(tl.int64)[:, None] * stride_z + (h * D_V)[:, None] + j[None, :], mask=m,
+                other=0.0).to(tl.float32)
+    gate = (z / (1.0 + tl.exp(-z))).to(dt).to(tl.float32)
+    tl.store(y_ptr + r.to(tl.int64)[:, None] * D_V + j[None, :], (y * gate).to(dt), mask=m)
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The DeltaNet output ``rms_norm(o, weight) * silu(z)`` per value head, in one launch (the
+    torch form is six): ``o [T, n_v, d_v]`` float32 contiguous, ``z [T, n_v * d_v]`` with unit inner
+    stride (a column band), ``weight [d_v]``. Rounds where the torch form rounds (o, the norm, the
+    weighted norm and silu(z) to z's dtype). Returns ``[T, n_v * d_v]`` in z's dtype."""
+    T, n_v, d_v = o.shape
+    if not o.is_contiguous() or z.shape != (T, n_v * d_v) or z.stride(-1) != 1 or weight.numel() != d_v:
+        raise ValueError("DeltaNet gated norm: inconsistent shapes or strides")
+    y = torch.empty(T, n_v * d_v, dtype=z.dtype, device=z.device)
+    br = 4 if z.is_cuda else 64
+    if T:
+        _gated_norm_kernel[(triton.cdiv(T * n_v, br),)](o, z, weight, y, T * n_v, n_v, d_v, z.stride(0), eps,
+                                                        BLOCK_R=br, BLOCK_V=triton.next_power_of_2(d_v), num_warps=4)
+    return y

@@ -149,8 +149,10 @@ class Qwen35MoE(MoEModel):
             st.conv = qkv.new_zeros(self.kernel - 1, qkv.shape[1])
             # the recurrent state accumulates over the whole sequence: keep it in >= float32
             st.ssm = wide(h.new_zeros(self.n_v, self.d_k, self.d_v))
-        if T == 1 and self.kernels and h.dtype != torch.float64:
-            return self.delta_net_step(il, qkv, z, beta, alpha, st)
+        if self.kernels and h.dtype != torch.float64:
+            if T == 1:
+                return self.delta_net_step(il, qkv, z, beta, alpha, st)
+            return self.delta_net_prefill(il, qkv, z, beta, alpha, st)
         beta = torch.sigmoid(beta)
         g = F.softplus(alpha + w(p + "ssm_dt.bias")) * w(p + "ssm_a")
 
@@ -169,9 +171,7 @@ class Qwen35MoE(MoEModel):
         rep = self.n_v // self.n_k
         q, k = q.repeat(1, rep, 1), k.repeat(1, rep, 1)  # tiled: value head h uses key head h % n_k
         q, k, v, g, beta = (wide(t) for t in (q, k, v, g, beta))
-        if self.kernels and q.dtype == torch.float32:  # one launch carries the state: chunk any T > 1
-            o, state = gated_delta_rule_chunked(q, k, v, g, beta, st.ssm, fused=True)
-        elif T > CHUNK:
+        if T > CHUNK:
             o, state = gated_delta_rule_chunked(q, k, v, g, beta, st.ssm)
         else:
             o, state = gated_delta_rule(q, k, v, g, beta, st.ssm)
@@ -194,6 +194,23 @@ class Qwen35MoE(MoEModel):
         o = deltanet_decode(qkv[0], z.reshape(-1), beta[0], alpha[0], w(p + "ssm_dt.bias"), w(p + "ssm_a"),
                             w(p + "ssm_conv1d.weight"), st.conv, st.ssm, w(p + "ssm_norm.weight"),
                             self.n_k, self.d_k, self.eps, q8=q8)
+        return self.w.linear(o, p + "ssm_out.weight")
+
+    def delta_net_prefill(self, il: int, qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor,
+                          alpha: torch.Tensor, st: RecurrentState) -> torch.Tensor:
+        """``delta_net`` for several tokens with the Triton kernels (``kernels/deltanet.py``): the
+        conv, norms and gates in one launch, the chunked delta rule with its state carried in one
+        launch per layer, the gated output norm in one; a prefill call issues its launches from
+        Python, so each torch kernel saved is host time saved."""
+        from ..kernels.deltanet import deltanet_prefill_inputs, gated_rms_norm
+
+        p, w, T, keep = f"blk.{il}.", self.w, qkv.shape[0], self.kernel - 1
+        q, k, v, g, b = deltanet_prefill_inputs(qkv, beta, alpha, w(p + "ssm_dt.bias"), w(p + "ssm_a"),
+                                                w(p + "ssm_conv1d.weight"), st.conv, self.n_k, self.d_k, self.n_v)
+        st.conv.copy_(qkv[T - keep:] if T >= keep else torch.cat((st.conv, qkv))[-keep:])  # after the read above
+        o, state = gated_delta_rule_chunked(q, k, v, g, b, st.ssm, fused=True)
+        st.ssm.copy_(state)
+        o = gated_rms_norm(o.contiguous(), z.reshape(T, -1), w(p + "ssm_norm.weight"), self.eps)
         return self.w.linear(o, p + "ssm_out.weight")
 
     def ffn(self, il: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
