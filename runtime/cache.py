@@ -81,6 +81,11 @@ class KVCache:
                 buf.index_copy_(1, pos0 + torch.arange(T, device=k.device), rows)
             else:
                 buf[:, pos0: pos0 + T] = rows
+        return self.buffers()
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value buffers ``[H_kv, S, d]`` in the activations' dtype (q8_0:
+        expanded, a transient of one layer's size)."""
         if self.q8:
             return dequantize_q8_0(self.k, self.k_scale, self.dtype), dequantize_q8_0(self.v, self.v_scale, self.dtype)
         return self.k, self.v

@@ -194,18 +194,28 @@ def attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: 
     is part of the mask (``i - j < window``), exactly the transformers/llama.cpp rule; query head
     h reads kv head ``h // (H / H_kv)``.
     """
-    T, H, d = q.shape
-    qpos = positions(pos0, T, q.device)[:, None]
     if cache is not None:
-        k, v = cache.append(k_new, v_new, pos0)  # [Hkv, S, d], the whole buffers
-    else:
-        k, v = k_new.transpose(0, 1), v_new.transpose(0, 1)
-    S = k.shape[1]
-    kpos = torch.arange(S, device=q.device)[None, :] if cache is not None else qpos.reshape(1, T)
-    # The scores of a long prefill chunk over a long cache would be a large transient (512 queries
-    # x 32k keys x 16 heads is 1 GiB in fp32, twice over with the softmax): queries go in pieces
-    # holding at most ATTN_SCORES_MAX scores. Each query row's result does not depend on the others.
-    rows = max(1, ATTN_SCORES_MAX // (H * S))
+        return attend_buffers(q, *cache.append(k_new, v_new, pos0), pos0, window)
+    qpos = positions(pos0, q.shape[0], q.device)[:, None]
+    return _in_pieces(q, k_new.transpose(0, 1), v_new.transpose(0, 1), qpos, qpos.reshape(1, -1), window)
+
+
+def attend_buffers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: "int | torch.Tensor",
+                   window: int = 0) -> torch.Tensor:
+    """``attention`` of ``q [T, H, d]`` at positions ``pos0 ..`` over whole KV buffers
+    ``[H_kv, S, d]`` whose row i holds position i (the new keys already written)."""
+    qpos = positions(pos0, q.shape[0], q.device)[:, None]
+    return _in_pieces(q, k, v, qpos, torch.arange(k.shape[1], device=q.device)[None, :], window)
+
+
+def _in_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,
+               window: int) -> torch.Tensor:
+    """``_attend`` over query pieces: the scores of a long prefill chunk over a long cache would be
+    a large transient (512 queries x 32k keys x 16 heads is 1 GiB in fp32, twice over with the
+    softmax), so queries go in pieces holding at most ATTN_SCORES_MAX scores. Each query row's
+    result does not depend on the others."""
+    T, H, _ = q.shape
+    rows = max(1, ATTN_SCORES_MAX // (H * k.shape[1]))
     if T <= rows:
         return _attend(q, k, v, qpos, kpos, window)
     return torch.cat([_attend(q[i:i + rows], k, v, qpos[i:i + rows], kpos, window) for i in range(0, T, rows)])

@@ -7,11 +7,13 @@ count: the q/k RMSNorms (seven launches each), RoPE's cos/sin rebuilt every laye
 scores over the whole KV buffer, the position mask, the softmax, probabilities times values, the
 permute back and the output gate. Three kernels cover all of it:
 
-1. ``_qk_norm_rope_append_kernel``: one program per head row (H query rows, then H_kv key rows):
-   per-head RMSNorm (statistic in float32), NEOX rope over the first ``rope_dim`` channels with
-   the angle ``pos * inv_freq`` formed in float32 as ``Rope.cos_sin`` does, then the query row is
-   stored to a contiguous ``[H, d]`` and the key row, with the value row as it is, to row ``pos``
-   of the head-major caches (``KVCache``'s ``[H_kv, capacity, d]``).
+1. ``_qk_norm_rope_append_kernel``: one program per head row (per token, H query rows, then H_kv
+   key rows): per-head RMSNorm (statistic in float32), NEOX rope over the first ``rope_dim``
+   channels with the angle ``pos * inv_freq`` formed in float32 as ``Rope.cos_sin`` does, then the
+   query row is stored to a contiguous ``[H, d]`` and the key row, with the value row as it is, to
+   row ``pos`` of the head-major caches (``KVCache``'s ``[H_kv, capacity, d]``). A prefill call
+   takes it too, for all its tokens at once (~30 torch launches a layer there), and attends with
+   ``runtime.layers.attend_buffers`` (batched GEMMs, as before).
 2. ``_attend_split_kernel`` (flash-decoding): one program per (kv head, ``split`` positions). The
    ``rep = H / H_kv`` query heads of the kv head are the rows of one tile (padded to 16 for
    ``tl.dot``), so each key and value is read once per kv head, not once per query head. Tiles
@@ -121,25 +123,28 @@ def _store_row(c_ptr, s_ptr, row, y, inside, D, Q8KV: tl.constexpr, BLOCK_D: tl.
 
 @triton.jit(do_not_specialize=["pos"])
 def _qk_norm_rope_append_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, inv_ptr, pos, qo_ptr, kc_ptr, vc_ptr,
-                                ks_ptr, vs_ptr, H, S, D, HALF, stride_q, stride_k, stride_v, eps, rope_scale,
+                                ks_ptr, vs_ptr, H, H_KV, S, D, HALF, stride_qt, stride_q, stride_kt, stride_k,
+                                stride_vt, stride_v, eps, rope_scale,
                                 HAS_QN: tl.constexpr, HAS_KN: tl.constexpr, POS_PTR: tl.constexpr,
                                 Q8KV: tl.constexpr, BLOCK_D: tl.constexpr):
-    r = tl.program_id(0)
-    p = _position(pos, POS_PTR)
+    t = tl.program_id(0) // (H + H_KV)  # token t of the call, at position pos + t
+    r = tl.program_id(0) % (H + H_KV)
+    p = _position(pos, POS_PTR) + t
     n = tl.arange(0, BLOCK_D)
     m = n < D
     if r < H:
-        y = _norm_rope(q_ptr + r.to(tl.int64) * stride_q, qn_ptr, inv_ptr, p, D, HALF, eps, rope_scale,
-                       HAS_QN, BLOCK_D)
-        tl.store(qo_ptr + r * D + n, y.to(qo_ptr.dtype.element_ty), mask=m)
+        y = _norm_rope(q_ptr + t.to(tl.int64) * stride_qt + r.to(tl.int64) * stride_q, qn_ptr, inv_ptr, p, D, HALF,
+                       eps, rope_scale, HAS_QN, BLOCK_D)
+        tl.store(qo_ptr + (t.to(tl.int64) * H + r) * D + n, y.to(qo_ptr.dtype.element_ty), mask=m)
     else:
         j = (r - H).to(tl.int64)
-        y = _norm_rope(k_ptr + j * stride_k, kn_ptr, inv_ptr, p, D, HALF, eps, rope_scale, HAS_KN, BLOCK_D)
+        y = _norm_rope(k_ptr + t.to(tl.int64) * stride_kt + j * stride_k, kn_ptr, inv_ptr, p, D, HALF, eps,
+                       rope_scale, HAS_KN, BLOCK_D)
         row = (j * S + p) * D
         inside = (p >= 0) & (p < S)
         act = qo_ptr.dtype.element_ty  # Q8_0 quantizes k as the activations hold it
         _store_row(kc_ptr, ks_ptr, row, y.to(act).to(tl.float32), inside, D, Q8KV, BLOCK_D)
-        v = tl.load(v_ptr + j * stride_v + n, mask=m, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + j * stride_v + n, mask=m, other=0.0).to(tl.float32)
         _store_row(vc_ptr, vs_ptr, row, v, inside, D, Q8KV, BLOCK_D)
 
 
@@ -169,15 +174,16 @@ def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, fill: to
     return (k_scale, v_scale) if k_scale is not None else (fill, fill)
 
 
-def _check_pos(pos: "int | torch.Tensor", S: int, device: torch.device, what: str) -> bool:
-    """Validate ``pos`` without reading device memory; True when it is a device scalar."""
+def _check_pos(pos: "int | torch.Tensor", S: int, device: torch.device, what: str, T: int = 1) -> bool:
+    """Validate ``pos`` (the first of T positions) without reading device memory; True when it is a
+    device scalar."""
     if isinstance(pos, torch.Tensor):
         if pos.numel() != 1 or pos.dtype.is_floating_point or pos.dtype.is_complex or pos.dtype == torch.bool \
                 or pos.device != device:
             raise ValueError(f"{what}: pos must be an int or a one-element integer tensor on {device}")
         return True
-    if not 0 <= int(pos) < S:
-        raise ValueError(f"{what}: position {pos} is outside the cache (capacity {S})")
+    if not (0 <= int(pos) and int(pos) + T <= S):
+        raise ValueError(f"{what}: position {int(pos) + T - 1} is outside the cache (capacity {S})")
     return False
 
 
@@ -186,23 +192,27 @@ def qk_norm_rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         inv_freq: torch.Tensor, rope_scale: float, pos: "int | torch.Tensor",
                         k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None = None,
                         v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """One token's q/k RMSNorm, rope and KV append in one launch.
+    """The new tokens' q/k RMSNorm, rope and KV append in one launch.
 
-    q ``[H, d]``, k and v ``[H_kv, d]``: contiguous last axis, any row stride (q may be the query
-    half of a per-head [query | gate] projection); bf16, f16 or f32, all alike. ``q_norm`` and
+    q ``[H, d]``, k and v ``[H_kv, d]`` for one token, or ``[T, H, d]`` / ``[T, H_kv, d]`` for T
+    tokens at positions ``pos .. pos+T-1``: contiguous last axis, any other strides (q may be the
+    query half of a per-head [query | gate] projection); bf16, f16 or f32, all alike. ``q_norm`` and
     ``k_norm``: per-head RMSNorm weights ``[d]``, or None for no norm at all. ``inv_freq``: the
     float32 rope frequencies (``rope_dim / 2`` of them; channels past ``rope_dim`` pass through),
     ``rope_scale`` multiplies cos and sin. ``pos``: an int or a 0-dim integer device tensor.
     Writes k (normed, roped) and v to row ``pos`` of ``k_cache``/``v_cache`` ``[H_kv, S, d]``
-    (contiguous, the activation dtype) and returns the normed, roped q as a contiguous ``[H, d]``.
+    (contiguous, the activation dtype) and returns the normed, roped q, contiguous, shaped as q.
     With ``k_scale``/``v_scale`` (f16 ``[H_kv, S, d / 32]``) the caches are a Q8_0 cache's int8
     codes (``runtime.cache.KVCache(kv_type="q8_0")``): the rows are quantized as it quantizes them.
     """
     what = "qk_norm_rope_append"
-    if q.dim() != 2 or k.dim() != 2 or v.shape != k.shape or k.shape[1] != q.shape[1]:
-        raise ValueError(f"{what}: expected q [H, d], k and v [H_kv, d], got {tuple(q.shape)}, "
+    one = q.dim() == 2
+    if one:
+        q, k, v = q[None], k[None], v[None]
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or k.shape[2] != q.shape[2] or k.shape[0] != q.shape[0]:
+        raise ValueError(f"{what}: expected q [(T,) H, d], k and v [(T,) H_kv, d], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
-    (H, d), H_kv = q.shape, k.shape[0]
+    (T, H, d), H_kv = q.shape, k.shape[1]
     if q.dtype not in ACT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"{what}: q, k, v must share one of bf16/f16/f32, got {q.dtype}, {k.dtype}, {v.dtype}")
     if any(t.stride(-1) != 1 for t in (q, k, v)):
@@ -222,17 +232,17 @@ def qk_norm_rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if any(t.device != q.device for t in (k, v, k_cache, v_cache)):
         raise ValueError(f"{what}: all tensors must be on {q.device}")
     S = k_cache.shape[1]
-    pos_ptr = _check_pos(pos, S, q.device, what)
-    out = torch.empty((H, d), dtype=q.dtype, device=q.device)
-    if H + H_kv and d:
+    pos_ptr = _check_pos(pos, S, q.device, what, T)
+    out = torch.empty((T, H, d), dtype=q.dtype, device=q.device)
+    if T * (H + H_kv) and d:
         block = triton.next_power_of_2(d)
-        _qk_norm_rope_append_kernel[(H + H_kv,)](
+        _qk_norm_rope_append_kernel[(T * (H + H_kv),)](
             q, k, v, q_norm if q_norm is not None else q, k_norm if k_norm is not None else k, inv_freq,
-            pos if pos_ptr else int(pos), out, k_cache, v_cache, *_scales(k_scale, v_scale, k_cache), H, S, d,
-            half, q.stride(0), k.stride(0), v.stride(0), float(eps), float(rope_scale),
+            pos if pos_ptr else int(pos), out, k_cache, v_cache, *_scales(k_scale, v_scale, k_cache), H, H_kv, S,
+            d, half, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], float(eps), float(rope_scale),
             HAS_QN=q_norm is not None, HAS_KN=k_norm is not None, POS_PTR=pos_ptr, Q8KV=k_scale is not None,
             BLOCK_D=block, num_warps=1 if block <= 256 else 4)
-    return out
+    return out[0] if one else out
 
 
 @triton.jit

@@ -9,6 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
+import torch.nn.functional as F
 
 from formats.archs import LINEAR, ModelSpec
 from formats.errors import SparkpackError
@@ -16,7 +17,7 @@ from formats.gguf_file import GGUFModel
 
 from ..cache import Q8_BLOCK, Cache, KVCache, RecurrentState
 from ..experts import ExpertProvider, GGUFExperts
-from ..layers import Rope, rms_norm, silu_mul
+from ..layers import Rope, attend_buffers, rms_norm, silu_mul
 from ..quant_linear import QuantLinear, linear
 from ..weights import Weights, quantizes_dense
 
@@ -151,28 +152,38 @@ class MoEModel(ABC):
     def attend_step(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Cache,
                     pos0: "int | torch.Tensor", rope: Rope, window: int = 0, gate: torch.Tensor | None = None,
                     gate_kind: str = "none") -> torch.Tensor | None:
-        """One token's attention from its raw projections (``q [1, H, d]``, k and v ``[1, H_kv, d]``;
-        q/k RMSNorm, rope, KV append, masked GQA attention and output gate) as the three Triton
-        launches of ``kernels/attention.py``, returning ``attn_output``'s input ``[1, H * d]``; or
-        None where the model file's torch form runs instead (CPU, prefill, float64). A Q8_0 KV
-        cache is read and written as codes. Gate kinds as ``attention.attend_decode`` takes them."""
+        """Attention from the raw projections (``q [T, H, d]``, k and v ``[T, H_kv, d]``) with the
+        Triton kernels of ``kernels/attention.py``, returning ``attn_output``'s input ``[T, H * d]``,
+        or None where the model file's torch form runs instead (CPU without ``kernels``, float64).
+        The q/k RMSNorms, rope and the KV append are one launch for any T; one token then attends
+        in two more (split and combine, the output gate included); several tokens (prefill)
+        attend over the buffers with ``layers.attend_buffers`` and take the gate in torch. A Q8_0
+        KV cache is written as codes (and, decoding, read as codes). Gate kinds as
+        ``attention.attend_decode`` takes them."""
         kv = cache.layers[il] if cache is not None else None
-        if not (self.kernels and q.shape[0] == 1 and isinstance(kv, KVCache)
-                and q.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+        if not (self.kernels and isinstance(kv, KVCache) and q.dtype in (torch.bfloat16, torch.float16, torch.float32)):
             return None
         from ..kernels import q8dot
         from ..kernels.attention import attend_decode, qk_norm_rope_append
 
-        p, d = f"blk.{il}.", q.shape[-1]
+        p, (T, H, d) = f"blk.{il}.", q.shape
         if not isinstance(pos0, torch.Tensor):
-            kv.reserve(pos0 + 1, k)
-        scales = (kv.k_scale, kv.v_scale) if kv.q8 else (None, None)  # a Q8_0 cache is read as codes
-        qr = qk_norm_rope_append(q[0], k[0], v[0], self.w.opt(p + "attn_q_norm.weight"),
-                                 self.w.opt(p + "attn_k_norm.weight"), self.eps, rope.inv_on(q.device), rope.scale,
-                                 pos0, kv.k, kv.v, *scales)
+            kv.reserve(pos0 + T, k)
+        scales = (kv.k_scale, kv.v_scale) if kv.q8 else (None, None)  # a Q8_0 cache is written as codes
+        qr = qk_norm_rope_append(q, k, v, self.w.opt(p + "attn_q_norm.weight"), self.w.opt(p + "attn_k_norm.weight"),
+                                 self.eps, rope.inv_on(q.device), rope.scale, pos0, kv.k, kv.v, *scales)
+        if T > 1:
+            o = attend_buffers(qr, *kv.buffers(), pos0, window)
+            if gate_kind == "sigmoid":
+                o = o * torch.sigmoid(gate)
+            elif gate_kind == "softplus_head":
+                o = o * F.softplus(gate)[..., None]
+            elif gate_kind == "softplus":
+                o = o * F.softplus(gate)
+            return o.reshape(T, H * d)
         S = kv.k.shape[1]
         split = 64 if S <= 8192 else 256 if S <= 65536 else 512  # kernels/attention.py: best per buffer size
-        return attend_decode(qr, kv.k, kv.v, pos0, window, None if gate is None else gate[0], gate_kind, split,
+        return attend_decode(qr[0], kv.k, kv.v, pos0, window, None if gate is None else gate[0], gate_kind, split,
                              q8=q8dot.enabled() and d % q8dot.QBLOCK == 0, k_scale=scales[0], v_scale=scales[1])
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
