@@ -43,7 +43,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual:
         from .kernels import q8dot
         from .kernels.norm import rms_norm_rows
 
-        q8 = q8 and x.dim() == 2 and x.shape[0] == 1 and x.shape[1] % q8dot.QBLOCK == 0 and q8dot.enabled()
+        q8 = q8 and x.dim() == 2 and q8dot.wanted(x.shape[0], x.shape[1])
         return rms_norm_rows(x, weight, eps, residual, q8)
     if residual is not None:
         x = x + residual
@@ -67,7 +67,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, q8: bool = False) -> torch.Te
         from .kernels import q8dot
         from .kernels.ffn import silu_mul_rows
 
-        q8 = q8 and gate.shape[0] == 1 and gate.shape[1] % q8dot.QBLOCK == 0 and q8dot.enabled()
+        q8 = q8 and q8dot.wanted(gate.shape[0], gate.shape[1])
         return silu_mul_rows(gate, up, q8)
     return F.silu(gate) * up
 
@@ -206,6 +206,19 @@ def attend_buffers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: "int
     ``[H_kv, S, d]`` whose row i holds position i (the new keys already written)."""
     qpos = positions(pos0, q.shape[0], q.device)[:, None]
     return _in_pieces(q, k, v, qpos, torch.arange(k.shape[1], device=q.device)[None, :], window)
+
+
+def output_gate(o: torch.Tensor, gate: torch.Tensor | None, kind: str) -> torch.Tensor:
+    """Attention output ``o [T, H, d]`` times its gate: ``"sigmoid"`` per channel (Qwen3.5/3.6,
+    ``gate [T, H, d]``), ``"softplus_head"`` (Laguna, ``gate [T, H]``), ``"softplus"`` per channel
+    (``[T, H, d]``), ``"none"``. The kinds ``kernels/attention.attend_decode`` applies itself."""
+    if kind == "sigmoid":
+        return o * torch.sigmoid(gate)
+    if kind == "softplus_head":
+        return o * F.softplus(gate)[..., None]
+    if kind == "softplus":
+        return o * F.softplus(gate)
+    return o
 
 
 def _in_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,

@@ -42,6 +42,13 @@ def enabled() -> bool:
     return ENABLED
 
 
+def wanted(rows: int, unit: int) -> bool:
+    """Whether a kernel writing ``rows`` activation rows should also write their int8 form: one
+    row (only one-token products read it), in whole blocks of 32 (``unit``: the width, or the
+    piece of it one program writes), int8 activations on."""
+    return rows == 1 and unit % QBLOCK == 0 and enabled()
+
+
 def use_asm(t: torch.Tensor) -> bool:
     """``dot4``'s form for kernels on ``t``'s device: the instruction when compiled for a GPU,
     shifts under Triton's interpreter (which has no inline assembly)."""

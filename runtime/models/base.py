@@ -9,7 +9,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-import torch.nn.functional as F
 
 from formats.archs import LINEAR, ModelSpec
 from formats.errors import SparkpackError
@@ -17,7 +16,7 @@ from formats.gguf_file import GGUFModel
 
 from ..cache import Q8_BLOCK, Cache, KVCache, RecurrentState
 from ..experts import ExpertProvider, GGUFExperts
-from ..layers import Rope, attend_buffers, rms_norm, silu_mul
+from ..layers import Rope, attend_buffers, output_gate, rms_norm, silu_mul
 from ..quant_linear import QuantLinear, linear
 from ..weights import Weights, quantizes_dense
 
@@ -173,18 +172,12 @@ class MoEModel(ABC):
         qr = qk_norm_rope_append(q, k, v, self.w.opt(p + "attn_q_norm.weight"), self.w.opt(p + "attn_k_norm.weight"),
                                  self.eps, rope.inv_on(q.device), rope.scale, pos0, kv.k, kv.v, *scales)
         if T > 1:
-            o = attend_buffers(qr, *kv.buffers(), pos0, window)
-            if gate_kind == "sigmoid":
-                o = o * torch.sigmoid(gate)
-            elif gate_kind == "softplus_head":
-                o = o * F.softplus(gate)[..., None]
-            elif gate_kind == "softplus":
-                o = o * F.softplus(gate)
+            o = output_gate(attend_buffers(qr, *kv.buffers(), pos0, window), gate, gate_kind)
             return o.reshape(T, H * d)
         S = kv.k.shape[1]
         split = 64 if S <= 8192 else 256 if S <= 65536 else 512  # kernels/attention.py: best per buffer size
         return attend_decode(qr[0], kv.k, kv.v, pos0, window, None if gate is None else gate[0], gate_kind, split,
-                             q8=q8dot.enabled() and d % q8dot.QBLOCK == 0, k_scale=scales[0], v_scale=scales[1])
+                             q8=q8dot.wanted(1, d), k_scale=scales[0], v_scale=scales[1])
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """A block input or the output norm: it feeds projections, which read one decode row in

@@ -7,14 +7,13 @@ always-on shared expert."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from formats.archs import DENSE, SLIDING
 
 from ..cache import Cache
 from ..experts import moe
-from ..layers import (Rope, attention, ffn_residual, positions, rms_norm, rope_inv_freq, route_sigmoid, silu_mul,
-                      yarn_rope)
+from ..layers import (Rope, attention, ffn_residual, output_gate, positions, rms_norm, rope_inv_freq, route_sigmoid,
+                      silu_mul, yarn_rope)
 from .base import MoEModel
 
 
@@ -53,8 +52,8 @@ class Laguna(MoEModel):
         q, k, v = q.view(T, -1, d), k.view(T, -1, d), v.view(T, -1, d)
         rope = self.rope_swa if swa else self.rope_full
         per_head = gate.shape[-1] == q.shape[1]  # one gate per head, or one per channel
-        o = self.attend_step(il, q, k, v, cache, pos0, rope, self.window if swa else 0,
-                             gate if per_head else gate.view(T, -1, d), "softplus_head" if per_head else "softplus")
+        gate, kind = (gate, "softplus_head") if per_head else (gate.view(T, -1, d), "softplus")
+        o = self.attend_step(il, q, k, v, cache, pos0, rope, self.window if swa else 0, gate, kind)
         if o is not None:
             return self.w.linear(o, p + "attn_output.weight")
         q = rms_norm(q, w(p + "attn_q_norm.weight"), self.eps)
@@ -62,8 +61,7 @@ class Laguna(MoEModel):
         cos, sin = rope.cos_sin(positions(pos0, T, h.device), h.dtype)
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         o = attention(q, k, v, cache.layers[il], pos0, self.window if swa else 0)  # [T, H, d]
-        gate = F.softplus(gate)
-        o = o * gate[..., None] if per_head else o * gate.view(T, -1, d)
+        o = output_gate(o, gate, kind)
         return self.w.linear(o.reshape(T, -1), p + "attn_output.weight")
 
     def route_logits(self, il: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,8 +19,8 @@ from formats.memory import DELTANET_CHUNK
 
 from ..cache import Cache, RecurrentState
 from ..experts import moe
-from ..layers import (Rope, attention, ffn_residual, l2_norm, positions, rms_norm, rope_inv_freq, route_softmax,
-                      silu_mul, wide)
+from ..layers import (Rope, attention, ffn_residual, l2_norm, output_gate, positions, rms_norm, rope_inv_freq,
+                      route_softmax, silu_mul, wide)
 from .base import MoEModel
 
 
@@ -138,7 +138,7 @@ class Qwen35MoE(MoEModel):
         k = rms_norm(k, w(p + "attn_k_norm.weight"), self.eps)
         cos, sin = self.rope.cos_sin(positions(pos0, T, h.device), h.dtype)
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
-        o = attention(q, k, v, cache.layers[il], pos0) * torch.sigmoid(gate)
+        o = output_gate(attention(q, k, v, cache.layers[il], pos0), gate, "sigmoid")
         return self.w.linear(o.reshape(T, -1), p + "attn_output.weight")
 
     def delta_net(self, il: int, h: torch.Tensor, st: RecurrentState) -> torch.Tensor:
@@ -190,7 +190,7 @@ class Qwen35MoE(MoEModel):
         from ..kernels.deltanet import deltanet_decode
 
         p, w = f"blk.{il}.", self.w
-        q8 = q8dot.enabled() and self.d_v >= q8dot.QBLOCK and self.d_v & (self.d_v - 1) == 0
+        q8 = q8dot.wanted(1, self.d_v) and self.d_v & (self.d_v - 1) == 0  # a head's blocks, whole
         o = deltanet_decode(qkv[0], z.reshape(-1), beta[0], alpha[0], w(p + "ssm_dt.bias"), w(p + "ssm_a"),
                             w(p + "ssm_conv1d.weight"), st.conv, st.ssm, w(p + "ssm_norm.weight"),
                             self.n_k, self.d_k, self.eps, q8=q8)
