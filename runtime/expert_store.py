@@ -361,8 +361,11 @@ class ExpertStore:
                 done.record(stream)
         self._guessed[layer] = done
 
-    def moe(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Weighted sum of the chosen experts' outputs for ``x [T, n_embd]``, ``ids/weights [T, k]``.
+    def moe(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+            parts: bool = False) -> torch.Tensor:
+        """Weighted sum of the chosen experts' outputs for ``x [T, n_embd]``, ``ids/weights [T, k]``;
+        with ``parts``, where the fused kernel runs, the k weighted outputs ``[T, k, n_embd]``
+        float32 unsummed (``runtime.experts.moe`` says who sums them).
 
         A layer whose quant types have a fused kernel always runs it, whatever the token count and
         wherever the experts are: experts that could not be brought into device slots (more misses
@@ -378,29 +381,30 @@ class ExpertStore:
                     if done is not None:
                         torch.cuda.current_stream(self.device).wait_event(done)
                     row = self.eff_table[layer]
-                return self._fused(la, x, weights, ids, row, la.host_views, self.step_counts[layer])
+                return self._fused(la, x, weights, ids, row, la.host_views, self.step_counts[layer], parts)
             flat = ids.reshape(-1)
             self.step_counts[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         else:
             left = self._make_resident(layer, ids)
             if la.fused:
                 if len(left):
-                    return self._fused_overflow(layer, la, x, weights, ids, left)
-                return self._fused(la, x, weights, ids, self.table_dev[layer], None)
+                    return self._fused_overflow(layer, la, x, weights, ids, left, parts)
+                return self._fused(la, x, weights, ids, self.table_dev[layer], None, parts=parts)
         return routed_sum(x, weights, ids, lambda e, rows: self._expert_forward(layer, e, rows))
 
     def _fused(self, la: "_Layer", x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-               table_row: torch.Tensor, host_views: tuple | None, counts: torch.Tensor | None = None) -> torch.Tensor:
+               table_row: torch.Tensor, host_views: tuple | None, counts: torch.Tensor | None = None,
+               parts: bool = False) -> torch.Tensor:
         from .kernels import q8dot
         from .kernels.moe import moe_experts
 
         # router ids (int64) and weights (float32) go in as they are: the kernels read either
         # float32 out: the block's residual epilogue (layers.ffn_residual) rounds it, no launch of its own
         return moe_experts(x, ids, weights.float(), table_row, *la.views, *la.qtypes, la.n_ff,
-                           host=host_views, counts=counts, act_q8=q8dot.enabled())
+                           host=host_views, counts=counts, act_q8=q8dot.enabled(), reduce=not parts)
 
     def _fused_overflow(self, layer: int, la: "_Layer", x: torch.Tensor, weights: torch.Tensor,
-                        ids: torch.Tensor, left: np.ndarray) -> torch.Tensor:
+                        ids: torch.Tensor, left: np.ndarray, parts: bool = False) -> torch.Tensor:
         """The fused kernel with experts ``left`` read from host memory: the pinned host pool when
         it holds every cold expert, else a pinned staging buffer filled from the file."""
         row = self.table[layer].copy()
@@ -416,7 +420,7 @@ class ExpertStore:
             row[left] = -(np.arange(len(left)) + 1)
             host_views = _kernel_views(staging, la.parts)
         self.stats.zero_copy_reads += len(left)
-        y = self._fused(la, x, weights, ids, torch.from_numpy(row).to(self.device), host_views)
+        y = self._fused(la, x, weights, ids, torch.from_numpy(row).to(self.device), host_views, parts=parts)
         if staging is not None and staging.is_pinned():
             torch.cuda.current_stream(self.device).synchronize()  # the kernel reads staging: keep it alive
         return y

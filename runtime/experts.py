@@ -93,17 +93,19 @@ def _nbytes(tensors: tuple[torch.Tensor, ...]) -> int:
 
 def moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider: ExpertProvider,
         layer: int) -> torch.Tensor:
-    """Weighted sum of the chosen experts' outputs: ``x [T, n_embd]``, ``weights/ids [T, k]``.
+    """The chosen experts' weighted outputs: ``x [T, n_embd]``, ``weights/ids [T, k]``, for
+    ``layers.ffn_residual`` to add into the residual stream.
 
     A provider with its own ``moe`` (the tiered store: fused kernel, residency bookkeeping) serves
-    the whole layer, in float32 (``layers.ffn_residual`` rounds it into the residual stream);
-    otherwise experts are computed one by one through ``forward``, in x's dtype."""
+    the whole layer, in float32, and where its fused kernel runs leaves the k outputs of each
+    token unsummed (``[T, k, n_embd]``): ffn_residual sums them in its own launch. Otherwise
+    experts are computed one by one through ``forward`` and summed here, in x's dtype."""
     observe = getattr(provider, "observe_routing", None)  # calibration counts routings here
     if observe is not None:
         observe(layer, ids)
     whole = getattr(provider, "moe", None)
     if whole is not None:
-        return whole(layer, x, weights, ids)
+        return whole(layer, x, weights, ids, parts=True)
     return routed_sum(x, weights, ids, lambda e, rows: provider.forward(layer, e, rows))
 
 

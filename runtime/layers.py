@@ -76,12 +76,18 @@ def ffn_residual(x: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor | N
                  shared_gate: torch.Tensor | None = None) -> torch.Tensor:
     """The residual stream after a MoE block: ``x + routed + sigmoid(shared_gate) * shared`` (no
     gate: the shared expert always counts; no shared expert: ``x + routed``). ``routed`` may be
-    float32 (the fused MoE kernels' sum) and is rounded to x's dtype first; one launch on a GPU
-    (``kernels/ffn.py``) instead of up to five."""
+    float32 (the fused MoE kernels' output) and is rounded to x's dtype first; it may also be
+    ``[T, k, n]``, the k weighted expert outputs of each token, summed here in choice order in
+    float32 (as the MoE kernels sum them). One launch on a GPU (``kernels/ffn.py``) instead of up
+    to six."""
     if x.is_cuda and x.dim() == 2 and x.dtype != torch.float64:
         from .kernels.ffn import ffn_residual_rows
 
         return ffn_residual_rows(x.contiguous(), routed.contiguous(), shared, shared_gate)
+    if routed.dim() == x.dim() + 1:
+        parts, routed = routed.unbind(-2), torch.zeros_like(routed[..., 0, :])
+        for part in parts:  # one addition at a time, in order: the kernels' rounding
+            routed = routed + part
     out = routed.to(x.dtype)
     if shared is not None:
         if shared_gate is not None:

@@ -101,3 +101,26 @@ def test_ffn_residual_matches_the_torch_form(dtype, kind) -> None:
         assert not close(got, ffn_residual(x, routed), dtype)
     with pytest.raises(ValueError):
         ffn_residual_rows(x.to(DEVICE), routed[:1].to(DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ffn_residual_sums_unsummed_expert_outputs_as_the_moe_kernels_do(dtype) -> None:
+    """The k weighted expert outputs ``[T, k, N]`` (``moe_experts(reduce=False)``) summed in the
+    epilogue: bit for bit the epilogue of the MoE kernels' own per-token sum (``_sum_topk_kernel``,
+    the same float32 additions in the same order), on the GPU path and the torch form alike."""
+    from runtime.kernels.moe import _sum_topk_kernel
+
+    gen = torch.Generator().manual_seed(4)
+    T, k, N = 3, 8, 80
+    x = torch.randn(T, N, generator=gen).to(dtype).to(DEVICE)
+    parts = (torch.randn(T, k, N, generator=gen) * torch.logspace(-3, 3, k)[None, :, None]).to(DEVICE)
+    shared = torch.randn(T, N, generator=gen).to(dtype).to(DEVICE)
+    summed = torch.empty(T, N, device=DEVICE)
+    _sum_topk_kernel[(T, 1)](parts, summed, k, N, N, BLOCK=128)
+    got = ffn_residual_rows(x, parts, shared)
+    assert torch.equal(got, ffn_residual_rows(x, summed, shared))
+    torch_form = ffn_residual(x.cpu(), parts.cpu(), shared.cpu())
+    assert close(got, torch_form, dtype) and torch.equal(torch_form, ffn_residual(x.cpu(), summed.cpu(), shared.cpu()))
+    assert not torch.equal(got, ffn_residual_rows(x, parts[:, :-1].contiguous(), shared))  # every part counts
+    with pytest.raises(ValueError):
+        ffn_residual_rows(x, parts[:2])

@@ -6,7 +6,10 @@ a ~5 ms token, 40 layers over) and nothing else. Two kernels:
 1. ``_silu_mul_kernel``: the shared expert's activation ``silu(gate) * up`` (torch: two kernels),
    plus, for the int8 products that read it, its int8 form (``q8dot.store_q8``; a third kernel).
 2. ``_ffn_residual_kernel``: the block's output ``x + routed + sigmoid(g) * shared`` (torch: the
-   routed sum's cast, sigmoid, two multiplies-adds and the residual add, five kernels).
+   routed sum's cast, sigmoid, two multiplies-adds and the residual add, five kernels). ``routed``
+   may also be the MoE kernels' k weighted expert outputs per token, unsummed: the kernel sums
+   them in choice order (as ``moe._sum_topk_kernel`` would, the same float32 additions), which
+   saves that kernel's launch and its memory pass.
 
 Both round where the torch forms (``runtime.layers.silu_mul`` / ``ffn_residual``) round: every
 intermediate to the activation dtype, so the two agree to the last bit up to the float32
@@ -38,13 +41,16 @@ def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, xq, xd, xs, N, stride_g, stride_u, Q8:
 
 
 @triton.jit
-def _ffn_residual_kernel(x_ptr, r_ptr, s_ptr, g_ptr, y_ptr, N, stride_s, stride_g,
+def _ffn_residual_kernel(x_ptr, r_ptr, s_ptr, g_ptr, y_ptr, N, TOPK, stride_s, stride_g,
                          HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = n < N
     dt = y_ptr.dtype.element_ty
-    out = tl.load(r_ptr + t * N + n, mask=m, other=0.0).to(dt).to(tl.float32)
+    routed = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in range(0, TOPK):  # in choice order: the same additions as the MoE's own per-token sum
+        routed += tl.load(r_ptr + (t * TOPK + j).to(tl.int64) * N + n, mask=m, other=0.0).to(tl.float32)
+    out = routed.to(dt).to(tl.float32)
     if HAS_SHARED:
         s = tl.load(s_ptr + t * stride_s + n, mask=m, other=0.0).to(tl.float32)
         if HAS_GATE:
@@ -76,13 +82,14 @@ def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, q8: bool = False) -> tor
 def ffn_residual_rows(x: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor | None = None,
                       shared_gate: torch.Tensor | None = None) -> torch.Tensor:
     """``x + routed + sigmoid(shared_gate) * shared`` for ``x [T, N]`` (contiguous, the residual
-    stream's dtype); ``routed [T, N]`` contiguous, any float dtype (the MoE kernels' float32 sum
-    is rounded to x's dtype first); ``shared [T, N]`` unit inner stride or None; ``shared_gate
-    [T, 1]`` (one logit per token) or None."""
+    stream's dtype); ``routed`` contiguous, any float dtype: ``[T, N]``, or ``[T, k, N]`` (the
+    weighted expert outputs, summed here in choice order), rounded to x's dtype once summed;
+    ``shared [T, N]`` unit inner stride or None; ``shared_gate [T, 1]`` (one logit per token) or None."""
     T, N = x.shape
-    if not x.is_contiguous() or routed.shape != x.shape or not routed.is_contiguous():
-        raise ValueError(f"ffn_residual takes contiguous x and routed of one shape, got {tuple(x.shape)} "
-                         f"and {tuple(routed.shape)}")
+    topk = routed.shape[1] if routed.dim() == 3 else 1
+    if not x.is_contiguous() or routed.shape not in ((T, N), (T, topk, N)) or not routed.is_contiguous():
+        raise ValueError(f"ffn_residual takes contiguous x [T, N] and routed [T, N] or [T, k, N], got "
+                         f"{tuple(x.shape)} and {tuple(routed.shape)}")
     if shared is not None and (shared.shape != x.shape or shared.stride(-1) != 1):
         raise ValueError(f"shared must be [T, N] rows with unit inner stride, got {tuple(shared.shape)}")
     if shared_gate is not None and (shared is None or shared_gate.shape != (T, 1)):
@@ -92,7 +99,7 @@ def ffn_residual_rows(x: torch.Tensor, routed: torch.Tensor, shared: torch.Tenso
     if T:
         s = shared if shared is not None else x
         g = shared_gate if shared_gate is not None else x
-        _ffn_residual_kernel[(T, triton.cdiv(N, block))](x, routed, s, g, y, N, s.stride(0), g.stride(0),
+        _ffn_residual_kernel[(T, triton.cdiv(N, block))](x, routed, s, g, y, N, topk, s.stride(0), g.stride(0),
                                                         HAS_SHARED=shared is not None,
                                                         HAS_GATE=shared_gate is not None, BLOCK=block, num_warps=4)
     return y

@@ -20,7 +20,8 @@ Three launches:
    (instead of one program looping over them) gives k times more programs, which batch-1 decode
    needs to keep enough bytes in flight.
 3. ``_sum_topk_kernel``: the per-token sum over the k choices, in a fixed order (deterministic,
-   unlike atomics; the scratch is only T*k*n_embd*4 bytes).
+   unlike atomics; the scratch is only T*k*n_embd*4 bytes). The runtime's MoE blocks skip it
+   (``reduce=False``): their residual epilogue (``kernels/ffn.py``) makes the same sum.
 
 The first two reuse the per-family unpacking of ``qmatvec`` (one compiled variant per quant type),
 or, with ``act_q8`` (the runtime's default), ``q8dot``'s int8 dot products for Q4_K/Q6_K experts:
@@ -259,7 +260,7 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                 host: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None,
                 counts: torch.Tensor | None = None, num_warps: int | None = None,
                 grouped: bool | None = None, tiles: tuple[int, int, int] | None = None,
-                act_q8: bool = False, cpi: int = 8) -> torch.Tensor:
+                act_q8: bool = False, cpi: int = 8, reduce: bool = True) -> torch.Tensor:
     """Routed-expert output ``sum_j w[t,j] * down_e(silu(gate_e x_t) * up_e x_t)`` -> [T, n_embd] fp32.
 
     x: [T, n_embd] (f32/f16/bf16); topk_ids/topk_weights: [T, k]; slot_table: int32 [n_expert]
@@ -279,6 +280,8 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     the dense layers. ``act_q8``: the per-pair (decode) kernels quantize their inputs to int8 and
     multiply Q4_K/Q6_K experts with int8 dot products (``q8dot``; a kernel whose types are
     others keeps the float input), loading up to ``cpi`` chunks of 256 per row at once.
+    ``reduce=False`` returns the weighted expert outputs unsummed, ``[T, k, n_embd]`` fp32, for a
+    consumer that sums them in choice order itself (``layers.ffn_residual``: one launch fewer).
     """
     T_, n_embd = x.shape
     topk = topk_ids.shape[1]
@@ -313,20 +316,18 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     x = x.contiguous()
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.contiguous()
-    y = _output(out, (T_, n_embd), x.device)
+    part = torch.empty((T_ * topk, n_embd), dtype=torch.float32, device=x.device)
+    y = _output(out, (T_, n_embd), x.device) if reduce else part.view(T_, topk, n_embd)
     if T_ == 0 or topk == 0:
         return y.zero_()
     h = torch.empty((T_ * topk, n_ff), dtype=torch.float32, device=x.device)
-    part = torch.empty((T_ * topk, n_embd), dtype=torch.float32, device=x.device)
     has_host = host is not None
     if grouped if grouped is not None else T_ * topk >= GROUPED_MIN_PAIRS:
         n_expert = slot_table.numel()
         bm, bn, warps = tiles or _grouped_tiles(T_ * topk / n_expert)
         if min(bm, bn) < 16 or (bm & (bm - 1)) or (bn & (bn - 1)):
             raise ValueError(f"grouped tiles must be powers of two >= 16 (tl.dot), got {bm}x{bn}")
-        pairs, block_expert, routed = group_pairs(topk_ids, n_expert, bm)
-        if counts is not None:
-            counts += routed.to(torch.int32)
+        pairs, block_expert = group_pairs(topk_ids, n_expert, bm, counts)
         # Triton's interpreter gets bf16 tl.dot wrong (see tests/test_kernels.py): off the GPU the
         # products run in fp32 whatever the activations' dtype.
         fp32 = x.dtype == torch.float32 or not x.is_cuda
@@ -359,5 +360,6 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
             topk, n_embd, n_ff, down_raw.stride(0), down_raw.shape[2], topk_ids.stride(0),
             topk_weights.stride(0), DOWN_QTYPE=int(down_qtype), HAS_HOST=has_host, BLOCK_N=bn, ACT_Q8=q8_down,
             ASM=use_asm(x), CPI=chunks_per_iteration(n_ff, cpi), num_warps=num_warps)
-    _sum_topk_kernel[(T_, triton.cdiv(n_embd, 1024))](part, y, topk, n_embd, y.stride(0), BLOCK=1024, num_warps=4)
+    if reduce:
+        _sum_topk_kernel[(T_, triton.cdiv(n_embd, 1024))](part, y, topk, n_embd, y.stride(0), BLOCK=1024, num_warps=4)
     return y
