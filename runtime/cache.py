@@ -81,14 +81,16 @@ class KVCache:
                 buf.index_copy_(1, pos0 + torch.arange(T, device=k.device), rows)
             else:
                 buf[:, pos0: pos0 + T] = rows
-        return self.buffers()
+        return self.buffers(pos0 + T if T > 1 and not isinstance(pos0, torch.Tensor) else None)
 
-    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole key and value buffers ``[H_kv, S, d]`` in the activations' dtype (q8_0:
-        expanded, a transient of one layer's size)."""
+    def buffers(self, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers ``[H_kv, S, d]`` in the activations' dtype (q8_0: expanded, a
+        transient of one layer's size); ``rows``: only the first rows (those a prefill call reads)."""
+        k, v = (self.k, self.v) if rows is None else (self.k[:, :rows], self.v[:, :rows])
         if self.q8:
-            return dequantize_q8_0(self.k, self.k_scale, self.dtype), dequantize_q8_0(self.v, self.v_scale, self.dtype)
-        return self.k, self.v
+            ks, vs = (self.k_scale, self.v_scale) if rows is None else (self.k_scale[:, :rows], self.v_scale[:, :rows])
+            return dequantize_q8_0(k, ks, self.dtype), dequantize_q8_0(v, vs, self.dtype)
+        return k, v
 
 
 KV_TYPES = tuple(KV_BYTES_PER_VALUE)  # auto: the activations' dtype (bf16 on a GPU); q8_0

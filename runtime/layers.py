@@ -209,9 +209,18 @@ def attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: 
 def attend_buffers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: "int | torch.Tensor",
                    window: int = 0) -> torch.Tensor:
     """``attention`` of ``q [T, H, d]`` at positions ``pos0 ..`` over whole KV buffers
-    ``[H_kv, S, d]`` whose row i holds position i (the new keys already written)."""
-    qpos = positions(pos0, q.shape[0], q.device)[:, None]
-    return _in_pieces(q, k, v, qpos, torch.arange(k.shape[1], device=q.device)[None, :], window)
+    ``[H_kv, S, d]`` whose row i holds position i (the new keys already written).
+
+    Several tokens at a known position (a prefill call) read only the rows some query may see:
+    a 512-token prompt in a 32k buffer would otherwise score 64 times the keys it needs. One
+    token keeps the whole buffer (shapes independent of the position, as a captured step needs)."""
+    T = q.shape[0]
+    lo, hi = 0, k.shape[1]
+    if T > 1 and not isinstance(pos0, torch.Tensor):
+        hi = min(hi, pos0 + T)
+        lo = max(0, pos0 - window + 1) if window > 0 else 0
+    qpos = positions(pos0, T, q.device)[:, None]
+    return _in_pieces(q, k[:, lo:hi], v[:, lo:hi], qpos, torch.arange(lo, hi, device=q.device)[None, :], window)
 
 
 def output_gate(o: torch.Tensor, gate: torch.Tensor | None, kind: str) -> torch.Tensor:

@@ -50,8 +50,8 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, K]`` -> ``[T, rows]`` in x's dtype."""
         x = x.contiguous()
-        out = torch.empty(x.shape[0], self.rows, dtype=x.dtype, device=x.device)
         if x.shape[0] == 1:
+            out = torch.empty(1, self.rows, dtype=x.dtype, device=x.device)
             q8 = q8dot.quantized(x) if self.int8_bands and q8dot.enabled() else None
             for i in range(0, len(self.segments), MAX_SEGMENTS):
                 part = self.segments[i:i + MAX_SEGMENTS]
@@ -59,8 +59,16 @@ class QuantLinear:
                 gemv(x, part, out[:, c0:c0 + sum(r.shape[0] for r, _ in part)], q8=q8)
             return out
         band = max(1, DEQUANT_SCRATCH_ELEMENTS // self.K)
+        if self.rows <= band:  # the whole stack expanded at once: one product straight into the output
+            w = torch.empty(self.rows, self.K, dtype=x.dtype, device=x.device)
+            r0 = 0
+            for raw, qt in self.segments:
+                dequantize_into(raw, qt, self.K, w[r0:r0 + raw.shape[0]])
+                r0 += raw.shape[0]
+            return F.linear(x, w)
         scratch = torch.empty(min(band, max(r.shape[0] for r, _ in self.segments)), self.K, dtype=x.dtype,
                               device=x.device)
+        out = torch.empty(x.shape[0], self.rows, dtype=x.dtype, device=x.device)
         col = 0
         for raw, qt in self.segments:
             for r0 in range(0, raw.shape[0], band):

@@ -280,11 +280,32 @@ def test_moe_iq4_xs_and_mxfp4_experts(grouped: bool) -> None:
 
 def test_group_pairs_sorts_by_expert_into_padded_blocks() -> None:
     ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2]], device=DEVICE)
-    pairs, block_expert, counts = group_pairs(ids, 5, 2)
-    assert counts.tolist() == [2, 1, 1, 4, 0]
+    counts = torch.tensor([10, 0, 0, 0, 7], dtype=torch.int32, device=DEVICE)
+    pairs, block_expert = group_pairs(ids, 5, 2, counts)
+    assert counts.tolist() == [12, 1, 1, 4, 7]  # incremented by the routings
     n_blocks = 4 + 5  # ceil(8 pairs / 2) + min(5 experts, 8 pairs): the no-sync worst case
     assert block_expert.tolist() == [0, 1, 2, 3, 3] + [5] * (n_blocks - 5)
     assert pairs.tolist() == [1, 4, 3, -1, 7, -1, 0, 2, 5, 6] + [-1] * (2 * n_blocks - 10)
+
+
+@pytest.mark.parametrize("n_expert,block_m,n_tok,k", [(256, 16, 300, 8), (7, 32, 5, 3), (128, 64, 129, 8)])
+def test_group_pairs_equals_a_stable_sort(n_expert, block_m, n_tok, k) -> None:
+    """Against numpy: every expert's pairs in pair order from its padded offset, -1 elsewhere,
+    each block's expert; more pairs than one loop step of the kernel (1024) in the first case."""
+    rng = np.random.default_rng(n_expert)
+    ids = np.stack([rng.choice(n_expert, k, replace=False) for _ in range(n_tok)])
+    pairs, block_expert = group_pairs(torch.from_numpy(ids).to(DEVICE), n_expert, block_m)
+    flat = ids.reshape(-1)
+    counts = np.bincount(flat, minlength=n_expert)
+    padded = -(-counts // block_m) * block_m
+    want = np.full(pairs.numel(), -1)
+    want_blocks = np.full(block_expert.numel(), n_expert)
+    order = np.argsort(flat, kind="stable")
+    start = np.concatenate(([0], np.cumsum(padded)[:-1]))
+    for e in range(n_expert):
+        want[start[e]: start[e] + counts[e]] = order[flat[order] == e]
+        want_blocks[start[e] // block_m: (start[e] + padded[e]) // block_m] = e
+    assert np.array_equal(pairs.cpu().numpy(), want) and np.array_equal(block_expert.cpu().numpy(), want_blocks)
 
 
 def test_grouped_moe_over_many_tokens_and_a_host_pool() -> None:
@@ -606,6 +627,16 @@ def aot_compile_all(arch: int = 90) -> None:
                                                                       "alpha_ptr", "dt_ptr", "a_ptr")},
                                                **{n: "*fp32" for n in ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "b_ptr")}},
               {"KM1": 3, "BLOCK_T": 4, "BLOCK_K": 128, "BLOCK_V": 128}),
+             (deltanet._chunk_prep_kernel, {n: "*fp32" for n in ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "b_ptr", "qc_ptr",
+                                                                 "w_ptr", "u0_ptr", "qk_ptr", "eg_ptr", "kd_ptr",
+                                                                 "keep_ptr")},
+              {"C": 64, "BS": 16, "BLOCK_K": 128, "BLOCK_V": 128}),
+             (deltanet._chunk_state_kernel, {n: "*fp32" for n in ("w_ptr", "q_ptr", "u0_ptr", "qk_ptr", "eg_ptr",
+                                                                  "kd_ptr", "keep_ptr", "state_ptr", "out_ptr")},
+              {"C": 64, "BLOCK_K": 128, "BLOCK_V": 32}),
+             (moe._group_pairs_kernel, {"ids_ptr": "*i64", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
+                                        "counts_ptr": "*i32"},
+              {"HAS_COUNT": True, "BLOCK_M": 32, "BLOCK_P": 1024, "BINS": 512}),
              (deltanet._gated_norm_kernel, {"o_ptr": "*fp32", "z_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16"},
               {"BLOCK_R": 4, "BLOCK_V": 128}),
              (ffn._silu_mul_kernel, {"g_ptr": "*bf16", "u_ptr": "*bf16", "y_ptr": "*bf16", **codes},
@@ -647,25 +678,31 @@ def compile_in_subprocess(call: str, count: int) -> None:
 
 
 def test_kernels_compile_for_h100() -> None:
-    compile_in_subprocess("from tests.test_kernels import aot_compile_all; aot_compile_all()", 32)
+    compile_in_subprocess("from tests.test_kernels import aot_compile_all; aot_compile_all()", 35)
 
 
-@pytest.mark.parametrize("T,d_k,d_v,chunk", [(150, 16, 24, 64), (40, 20, 16, 16)])
-def test_deltanet_chunk_states_match_the_torch_loop(T, d_k, d_v, chunk) -> None:
-    """The chunked delta rule with its state carried by one Triton launch against the torch
-    loop over chunks (float32, a non-zero start state, a partial last chunk); head sizes that
-    are not powers of two exercise the masks. The caller's state is left as it was."""
+@pytest.mark.parametrize("T,d_k,d_v,chunk", [(150, 16, 24, 64), (40, 20, 16, 16), (64, 32, 32, 32)])
+def test_deltanet_chunked_kernels_match_the_torch_forms(T, d_k, d_v, chunk) -> None:
+    """The chunked delta rule in two launches (``deltanet_chunked``: per-chunk terms with the
+    triangular solve, then the state carried) against the torch chunked form and the token-by-token
+    recurrence (float32, a non-zero start state, a partial last chunk, one chunk of exactly 32);
+    head sizes that are not powers of two exercise the masks. Strong decays and large betas make
+    the solve's off-diagonal blocks matter."""
+    from runtime.kernels.deltanet import deltanet_chunked
     from runtime.layers import l2_norm
-    from runtime.models.qwen35moe import gated_delta_rule_chunked
+    from runtime.models.qwen35moe import gated_delta_rule, gated_delta_rule_chunked
 
     g = torch.Generator().manual_seed(5)
     H = 3
-    q, k = l2_norm(torch.randn(T, H, d_k, generator=g)), l2_norm(torch.randn(T, H, d_k, generator=g))
+    q, k = l2_norm(torch.randn(T, H, d_k, generator=g)), l2_norm(torch.randn(T, H, d_k, generator=g) + 1.0)
     v, state = torch.randn(T, H, d_v, generator=g), torch.randn(H, d_k, d_v, generator=g)
-    decay, beta = -3 * torch.rand(T, H, generator=g), torch.rand(T, H, generator=g)
-    args = [t.to(DEVICE) for t in (q, k, v, decay, beta, state)]
-    o_ref, s_ref = gated_delta_rule_chunked(*args, chunk=chunk)
-    o, s = gated_delta_rule_chunked(*args, chunk=chunk, fused=True)
-    assert o.shape == o_ref.shape == (T, H, d_v) and s.shape == s_ref.shape
-    assert rel_l2(o.cpu(), o_ref.cpu()) < 1e-5 and rel_l2(s.cpu(), s_ref.cpu()) < 1e-5
-    assert torch.equal(args[-1].cpu(), state)
+    decay, beta = -3 * torch.rand(T, H, generator=g), 0.5 + 0.5 * torch.rand(T, H, generator=g)
+    o_ref, s_ref = gated_delta_rule_chunked(q, k, v, decay, beta, state, chunk=chunk)
+    o_rec, s_rec = gated_delta_rule(q.double(), k.double(), v.double(), decay.double(), beta.double(), state.double())
+    s = state.clone().to(DEVICE)
+    o = deltanet_chunked(*(t.to(DEVICE) for t in (q, k, v, decay, beta)), s, chunk)
+    assert o.shape == (T, H, d_v) and o.is_contiguous()
+    assert rel_l2(o.cpu(), o_ref) < 1e-5 and rel_l2(s.cpu(), s_ref) < 1e-5
+    assert rel_l2(o.cpu().double(), o_rec) < 1e-5 and rel_l2(s.cpu().double(), s_rec) < 1e-5
+    with pytest.raises(ValueError):
+        deltanet_chunked(*(t.to(DEVICE) for t in (q, k, v, decay, beta)), s, 24)

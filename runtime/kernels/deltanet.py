@@ -1,5 +1,5 @@
 """Gated DeltaNet kernels: the decode step (one token) in two launches instead of ~45 small torch
-kernels, and a prefill call's layer in three launches plus the chunked form's own products.
+kernels, and a prefill call's layer in four (the torch form: ~80).
 
 Why: at batch 1 a DeltaNet layer's arithmetic is tiny (a 128x128 state per value head), so the
 torch form's cost is its kernel count: concatenations, norms, exp/softplus/sigmoid, six
@@ -28,8 +28,12 @@ reference (CPU, prefill).
    walks the chunks in order. Its products run as three-pass TF32 (``tf32x3``: float32-level
    accuracy on the tensor cores; plain float32 FMA products ran out of registers and made a
    2048-token chunk slower than the torch loop), so the fused and torch forms agree to float32
-   round-off. Row-major inputs keep its loads coalesced (the solve's column-major outputs are
-   copied first).
+   round-off. Row-major inputs keep its loads coalesced.
+   ``_chunk_prep_kernel`` builds its inputs, one program per (value head, chunk): the cumulative
+   decays, the masked K K^T and Q K^T, and the solve of the chunk's unit lower-triangular system
+   (I + A) X = I, by forward substitution inside blocks of 16 rows (16 steps for all blocks at
+   once) and then block by block, every step a small ``tl.dot``; the torch form of the same
+   terms is ~40 launches, a batched trsm among them (``deltanet_chunked``).
 4. ``_prefill_prep_kernel`` (prefill): the conv over the window and the call's inputs, SiLU, the
    l2 norms, the tiled key heads and the gates, for blocks of tokens of one value head, straight
    into the float32 tensors the chunked form takes (the torch form is ~35 launches a layer).
@@ -172,15 +176,98 @@ def _chunk_state_kernel(w_ptr, q_ptr, u0_ptr, qk_ptr, eg_ptr, kd_ptr, keep_ptr, 
     tl.store(state_ptr + s_offs, S, mask=ms)
 
 
+@triton.jit
+def _chunk_prep_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, qc_ptr, w_ptr, u0_ptr, qk_ptr, eg_ptr, kd_ptr, keep_ptr,
+                       T, H, D_K, D_V, C: tl.constexpr, BS: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_V: tl.constexpr):
+    """One (value head, chunk): everything of the chunked form that does not depend on the state.
+    Rows past T are the padding tokens that change nothing (k = v = beta = g = 0)."""
+    h, c = tl.program_id(0), tl.program_id(1)
+    r = tl.arange(0, C)
+    t = c * C + r
+    tm = t < T
+    i, j = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)
+    mk, mv = tm[:, None] & (i < D_K)[None, :], tm[:, None] & (j < D_V)[None, :]
+    row = t.to(tl.int64) * H + h
+    out = (h.to(tl.int64) * tl.num_programs(1) + c) * C + r  # row of the [H, n, C, .] outputs
+    g = tl.load(g_ptr + row, mask=tm, other=0.0)
+    beta = tl.load(b_ptr + row, mask=tm, other=0.0)
+    G = tl.cumsum(g, axis=0)
+    eg = tl.exp(G)
+    lower = r[:, None] > r[None, :]
+    decay = tl.exp(tl.where(lower | (r[:, None] == r[None, :]), G[:, None] - G[None, :], float("-inf")))
+    k = tl.load(k_ptr + row[:, None] * D_K + i[None, :], mask=mk, other=0.0)
+    A = tl.where(lower, beta[:, None] * decay * tl.dot(k, tl.trans(k), input_precision="tf32x3"), 0.0)
+    # X = (I + A)^-1, A strictly lower: forward substitution inside blocks of BS rows (BS steps,
+    # the rows of every block at once), then block by block: X_a = X_aa (I_a - sum_b<a A_ab X_b).
+    eye = (r[:, None] == r[None, :]).to(tl.float32)
+    blk = r // BS
+    X = eye
+    diag = tl.where(blk[:, None] == blk[None, :], A, 0.0)
+    for s in tl.static_range(1, BS):
+        sel = (r % BS == s)[:, None]
+        X = tl.where(sel, eye - tl.dot(tl.where(sel, diag, 0.0), X, input_precision="tf32x3"), X)
+    inv_diag = X
+    off = tl.where(blk[:, None] > blk[None, :], A, 0.0)
+    for a in tl.static_range(1, C // BS):
+        sel = (blk == a)[:, None]
+        R = tl.dot(tl.where(sel, off, 0.0), X, input_precision="tf32x3")
+        X = tl.where(sel, tl.dot(inv_diag, tl.where(sel, eye - R, 0.0), input_precision="tf32x3"), X)
+    W = tl.dot(X, (beta * eg)[:, None] * k, input_precision="tf32x3")
+    last = tl.sum(tl.where(r == C - 1, G, 0.0), axis=0)
+    tl.store(w_ptr + out[:, None] * D_K + i[None, :], W, mask=(i < D_K)[None, :])
+    tl.store(kd_ptr + out[:, None] * D_K + i[None, :], k * tl.exp(last - G)[:, None], mask=(i < D_K)[None, :])
+    q = tl.load(q_ptr + row[:, None] * D_K + i[None, :], mask=mk, other=0.0)
+    tl.store(qc_ptr + out[:, None] * D_K + i[None, :], q, mask=(i < D_K)[None, :])
+    QK = tl.dot(q, tl.trans(k), input_precision="tf32x3") * decay
+    tl.store(qk_ptr + out[:, None] * C + r[None, :], QK)
+    v = tl.load(v_ptr + row[:, None] * D_V + j[None, :], mask=mv, other=0.0)
+    U0 = tl.dot(X, beta[:, None] * v, input_precision="tf32x3")
+    tl.store(u0_ptr + out[:, None] * D_V + j[None, :], U0, mask=(j < D_V)[None, :])
+    tl.store(eg_ptr + out, eg)
+    tl.store(keep_ptr + h.to(tl.int64) * tl.num_programs(1) + c, tl.exp(last))
+
+
+def deltanet_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The chunked delta rule (``runtime.models.qwen35moe.gated_delta_rule_chunked``'s math) in two
+    launches: one program per (head, chunk) builds the chunk's state-free terms, including the
+    solve of its unit lower-triangular system (the torch form: ~40 launches, a batched trsm among
+    them), then ``_chunk_state_kernel`` carries the state. ``q, k [T, H, d_k]``, ``v [T, H, d_v]``,
+    ``g, beta [T, H]``: float32 contiguous (``deltanet_prefill_inputs``' outputs); ``state [H, d_k,
+    d_v]`` float32 contiguous, updated in place; ``chunk`` a power of two >= 16. Returns the
+    outputs ``[T, H, d_v]`` float32 contiguous (a prefix of a buffer padded to whole chunks)."""
+    T, H, d_k = q.shape
+    d_v = v.shape[-1]
+    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in (q, k, v, g, beta)) or k.shape != q.shape \
+            or v.shape[:2] != (T, H) or g.shape != (T, H) or beta.shape != (T, H) or chunk < 16 or chunk & (chunk - 1):
+        raise ValueError("DeltaNet chunked: float32 contiguous q, k [T, H, d_k], v [T, H, d_v], g, beta [T, H] "
+                         "and a power-of-two chunk >= 16")
+    n = triton.cdiv(T, chunk)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    Qc, W, Kd = (torch.empty(H, n, chunk, d_k, **f32) for _ in range(3))
+    U0, QK = torch.empty(H, n, chunk, d_v, **f32), torch.empty(H, n, chunk, chunk, **f32)
+    eG, keep = torch.empty(H, n, chunk, **f32), torch.empty(H, n, **f32)
+    o = torch.empty(n * chunk, H, d_v, **f32)
+    if T:
+        _chunk_prep_kernel[(H, n)](q, k, v, g, beta, Qc, W, U0, QK, eG, Kd, keep, T, H, d_k, d_v, C=chunk,
+                                   BS=16, BLOCK_K=max(16, triton.next_power_of_2(d_k)),
+                                   BLOCK_V=max(16, triton.next_power_of_2(d_v)), num_warps=8)
+        deltanet_chunk_states(W, Qc, U0, QK, eG, Kd, keep, state, out=o.view(n, chunk, H, d_v).permute(2, 0, 1, 3))
+    return o[:T]
+
+
 def deltanet_chunk_states(W: torch.Tensor, Q: torch.Tensor, U0: torch.Tensor, QK: torch.Tensor, eG: torch.Tensor,
-                          Kd: torch.Tensor, keep: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+                          Kd: torch.Tensor, keep: torch.Tensor, state: torch.Tensor,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
     """The sequential part of the chunked delta rule, for all chunks in one launch.
 
     Per value head ``h`` and chunk ``n`` (``C`` tokens; shapes ``[H, n, C, .]``, float32, any
     strides): ``U = U0 - W S``, output ``eG * (Q S) + QK U``, then ``S = keep * S + Kd^T U``;
     ``W, Q, Kd [H, n, C, d_k]``, ``U0 [H, n, C, d_v]``, ``QK [H, n, C, C]`` (decay-masked),
     ``eG [H, n, C]``, ``keep [H, n]`` (any trailing size-1 dims). ``state [H, d_k, d_v]`` float32
-    is updated in place. Returns the outputs ``[H, n, C, d_v]``.
+    is updated in place. Returns the outputs ``[H, n, C, d_v]`` (written into ``out`` when given:
+    any strides but a unit inner one, e.g. a token-major buffer seen through a permute).
     """
     H, n, C, d_k = W.shape
     d_v = U0.shape[-1]
@@ -190,7 +277,10 @@ def deltanet_chunk_states(W: torch.Tensor, Q: torch.Tensor, U0: torch.Tensor, QK
     if any(t.dtype != torch.float32 or t.shape[:3] != (H, n, C) for t in mats) or C < 16 or C & (C - 1):
         raise ValueError("DeltaNet chunk states: inconsistent shapes (float32 [H, n, C, .], C a power of two >= 16)")
     eG, keep = eG.reshape(H, n, C), keep.reshape(H, n)
-    out = torch.empty((H, n, C, d_v), dtype=torch.float32, device=W.device)
+    if out is None:
+        out = torch.empty((H, n, C, d_v), dtype=torch.float32, device=W.device)
+    elif out.shape != (H, n, C, d_v) or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError("DeltaNet chunk states: out must be float32 [H, n, C, d_v] with a unit inner stride")
     block_v = max(16, min(32, triton.next_power_of_2(d_v)))
     strides = [st for t in mats for st in t.stride()] + list(eG.stride()) + list(keep.stride()) \
         + list(out.stride()[:3])

@@ -190,29 +190,75 @@ def _grouped_down_kernel(h_ptr, pairs_ptr, block_expert_ptr, wts_ptr, slot_ptr, 
                  mask=amask & (n[None, :] < N_EMBD))
 
 
-def group_pairs(ids: torch.Tensor, n_expert: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@triton.jit
+def _group_pairs_kernel(ids_ptr, pairs_ptr, block_expert_ptr, counts_ptr, P, N_EXPERT, N_BLOCKS,
+                        HAS_COUNT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+                        BINS: tl.constexpr):
+    """Program ``e < N_EXPERT`` places expert e's pairs; program ``N_EXPERT`` pads the unused tail.
+    Every program counts all experts itself (a histogram of the ids, P small): no program waits
+    for another, and every output element is written by exactly one program."""
+    e = tl.program_id(0)
+    hist = tl.zeros([BINS], dtype=tl.int32)
+    for p0 in range(0, P, BLOCK_P):
+        offs = p0 + tl.arange(0, BLOCK_P)
+        ids = tl.load(ids_ptr + offs, mask=offs < P, other=N_EXPERT).to(tl.int32)  # masked: a spare bin
+        hist += tl.histogram(ids, BINS)
+    bins = tl.arange(0, BINS)
+    padded = tl.where(bins < N_EXPERT, (hist + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    if e == N_EXPERT:
+        used = tl.sum(padded, axis=0)
+        for r0 in range(used, N_BLOCKS * BLOCK_M, BLOCK_P):
+            r = r0 + tl.arange(0, BLOCK_P)
+            tl.store(pairs_ptr + r, tl.full([BLOCK_P], -1, tl.int32), mask=r < N_BLOCKS * BLOCK_M)
+        for b0 in range(used // BLOCK_M, N_BLOCKS, BLOCK_P):
+            b = b0 + tl.arange(0, BLOCK_P)
+            tl.store(block_expert_ptr + b, tl.full([BLOCK_P], 0, tl.int64) + N_EXPERT, mask=b < N_BLOCKS)
+    else:
+        mine = bins == e
+        pad = tl.sum(tl.where(mine, padded, 0), axis=0)
+        count = tl.sum(tl.where(mine, hist, 0), axis=0)
+        start = tl.sum(tl.where(bins < e, padded, 0), axis=0)
+        seen = 0
+        for p0 in range(0, P, BLOCK_P):  # in pair order: a stable sort by expert
+            offs = p0 + tl.arange(0, BLOCK_P)
+            hit = (tl.load(ids_ptr + offs, mask=offs < P, other=N_EXPERT) == e).to(tl.int32)
+            rank = seen + tl.cumsum(hit, axis=0) - 1
+            tl.store(pairs_ptr + start + rank, offs, mask=hit > 0)
+            seen += tl.sum(hit, axis=0)
+        r = tl.arange(0, BLOCK_M)
+        tl.store(pairs_ptr + start + count + r, tl.full([BLOCK_M], -1, tl.int32), mask=r < pad - count)
+        for b0 in range(0, pad // BLOCK_M, BLOCK_P):
+            b = b0 + tl.arange(0, BLOCK_P)
+            tl.store(block_expert_ptr + start // BLOCK_M + b, tl.full([BLOCK_P], 0, tl.int64) + e,
+                     mask=b < pad // BLOCK_M)
+        if HAS_COUNT:
+            tl.store(counts_ptr + e, tl.load(counts_ptr + e) + count)
+
+
+def group_pairs(ids: torch.Tensor, n_expert: int, block_m: int,
+                counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the (token, choice) pairs of ``ids [T, k]`` by expert into blocks of ``block_m`` rows.
 
-    Returns ``pairs`` (int32, ``n_blocks * block_m``: flat pair index ``t * k + j`` or -1 for
-    padding), ``block_expert`` (int64 ``[n_blocks]``: the block's expert, ``n_expert`` for unused
-    blocks) and the routing counts per expert (int64 ``[n_expert]``). ``n_blocks`` is the worst
-    case ``ceil(P / block_m) + min(n_expert, P)`` so that nothing here waits for the device (no
-    ``bincount``/``nonzero``, whose output sizes need a host sync)."""
-    flat = ids.reshape(-1).long()
+    Returns ``pairs`` (int32, ``n_blocks * block_m``: flat pair index ``t * k + j``, in pair order
+    within an expert, or -1 for padding) and ``block_expert`` (int64 ``[n_blocks]``: the block's
+    expert, ``n_expert`` for unused blocks); ``counts`` (int32 ``[n_expert]``), when given, is
+    incremented by the routings per expert. ``n_blocks`` is the worst case ``ceil(P / block_m) +
+    min(n_expert, P)`` so that nothing here waits for the device. One launch (the torch form was
+    ~18 kernels, each a few microseconds of host time in a host-bound prefill)."""
+    flat = ids.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
     P = flat.numel()
-    counts = torch.zeros(n_expert, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    pad_end = torch.cumsum(padded, 0)
-    start = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat, stable=True)  # by expert, then by pair: a fixed order
-    e_sorted = flat[order]
-    dest = (pad_end - padded)[e_sorted] + torch.arange(P, device=ids.device) - start[e_sorted]
     n_blocks = triton.cdiv(P, block_m) + min(n_expert, P)
-    pairs = torch.full((n_blocks * block_m,), -1, dtype=torch.int32, device=ids.device)
-    pairs[dest] = order.to(torch.int32)
-    first_row = torch.arange(n_blocks, device=ids.device) * block_m
-    block_expert = torch.searchsorted(pad_end, first_row, right=True)
-    return pairs, block_expert, counts
+    pairs = torch.empty(n_blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(n_blocks, dtype=torch.int64, device=ids.device)
+    if counts is not None and (counts.dtype != torch.int32 or counts.numel() != n_expert or not counts.is_contiguous()):
+        raise ValueError(f"counts must be a contiguous int32 [{n_expert}]")
+    if n_blocks:
+        _group_pairs_kernel[(n_expert + 1,)](flat, pairs, block_expert, counts if counts is not None else pairs,
+                                             P, n_expert, n_blocks, HAS_COUNT=counts is not None, BLOCK_M=block_m,
+                                             BLOCK_P=1024, BINS=triton.next_power_of_2(n_expert + 1), num_warps=4)
+    return pairs, block_expert
 
 
 def _grouped_tiles(pairs_per_expert: float) -> tuple[int, int, int]:

@@ -172,7 +172,8 @@ class MoEModel(ABC):
         qr = qk_norm_rope_append(q, k, v, self.w.opt(p + "attn_q_norm.weight"), self.w.opt(p + "attn_k_norm.weight"),
                                  self.eps, rope.inv_on(q.device), rope.scale, pos0, kv.k, kv.v, *scales)
         if T > 1:
-            o = output_gate(attend_buffers(qr, *kv.buffers(), pos0, window), gate, gate_kind)
+            rows = None if isinstance(pos0, torch.Tensor) else pos0 + T  # the rows a prefill reads
+            o = output_gate(attend_buffers(qr, *kv.buffers(rows), pos0, window), gate, gate_kind)
             return o.reshape(T, H * d)
         S = kv.k.shape[1]
         split = 64 if S <= 8192 else 256 if S <= 65536 else 512  # kernels/attention.py: best per buffer size

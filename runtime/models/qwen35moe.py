@@ -43,7 +43,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 
 def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                             beta: torch.Tensor, state: torch.Tensor, chunk: int = CHUNK, fused: bool = False
+                             beta: torch.Tensor, state: torch.Tensor, chunk: int = CHUNK
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same recurrence, ``chunk`` tokens per step (for prefill): equal outputs up to round-off.
 
@@ -54,7 +54,8 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     depends on the state: they (and the masked Q K^T) are computed for all chunks at once, and
     only the state is carried chunk to chunk: O = e^G (Q S0) + tril(Q K^T e^(G_t - G_s)) U, end
     state e^(G_last) S0 + K^T (e^(G_last - G) U). Shapes as in ``gated_delta_rule``; the input
-    is padded to whole chunks with tokens that change nothing (k = v = beta = g = 0).
+    is padded to whole chunks with tokens that change nothing (k = v = beta = g = 0). The torch
+    reference of ``kernels.deltanet.deltanet_chunked`` (the GPU prefill's two launches).
     """
     T, H = q.shape[:2]
     n = -(-T // chunk)
@@ -79,20 +80,14 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     last = G[..., -1:]  # [H, n, 1]
     kdec = kc * (last - G).exp()[..., None]  # [H, n, C, dk]
     keep = last.exp()[..., None]  # [H, n, 1, 1]
-    if fused:
-        from ..kernels.deltanet import deltanet_chunk_states
-
-        state = state.clone(memory_format=torch.contiguous_format)
-        out = deltanet_chunk_states(W.contiguous(), qc, U0.contiguous(), QK, eG[..., 0], kdec, keep, state)
-    else:
-        WQ = torch.cat((W, qc), -2)  # one product with the state gives W S0 and Q S0
-        kdec_t = kdec.transpose(-1, -2)
-        out = torch.empty_like(vc)
-        for i in range(n):
-            P = WQ[:, i] @ state  # [H, 2C, dv]
-            U = U0[:, i] - P[:, :chunk]
-            out[:, i] = torch.baddbmm(eG[:, i] * P[:, chunk:], QK[:, i], U)
-            state = torch.baddbmm(keep[:, i] * state, kdec_t[:, i], U)
+    WQ = torch.cat((W, qc), -2)  # one product with the state gives W S0 and Q S0
+    kdec_t = kdec.transpose(-1, -2)
+    out = torch.empty_like(vc)
+    for i in range(n):
+        P = WQ[:, i] @ state  # [H, 2C, dv]
+        U = U0[:, i] - P[:, :chunk]
+        out[:, i] = torch.baddbmm(eG[:, i] * P[:, chunk:], QK[:, i], U)
+        state = torch.baddbmm(keep[:, i] * state, kdec_t[:, i], U)
     return out.transpose(1, 2).transpose(0, 2).reshape(n * chunk, H, -1)[:T], state
 
 
@@ -199,18 +194,17 @@ class Qwen35MoE(MoEModel):
     def delta_net_prefill(self, il: int, qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor,
                           alpha: torch.Tensor, st: RecurrentState) -> torch.Tensor:
         """``delta_net`` for several tokens with the Triton kernels (``kernels/deltanet.py``): the
-        conv, norms and gates in one launch, the chunked delta rule with its state carried in one
-        launch per layer, the gated output norm in one; a prefill call issues its launches from
-        Python, so each torch kernel saved is host time saved."""
-        from ..kernels.deltanet import deltanet_prefill_inputs, gated_rms_norm
+        conv, norms and gates in one launch, the chunked delta rule in two (its state updated in
+        place), the gated output norm in one; a prefill call issues its launches from Python, so
+        each torch kernel saved is host time saved."""
+        from ..kernels.deltanet import deltanet_chunked, deltanet_prefill_inputs, gated_rms_norm
 
         p, w, T, keep = f"blk.{il}.", self.w, qkv.shape[0], self.kernel - 1
         q, k, v, g, b = deltanet_prefill_inputs(qkv, beta, alpha, w(p + "ssm_dt.bias"), w(p + "ssm_a"),
                                                 w(p + "ssm_conv1d.weight"), st.conv, self.n_k, self.d_k, self.n_v)
         st.conv.copy_(qkv[T - keep:] if T >= keep else torch.cat((st.conv, qkv))[-keep:])  # after the read above
-        o, state = gated_delta_rule_chunked(q, k, v, g, b, st.ssm, fused=True)
-        st.ssm.copy_(state)
-        o = gated_rms_norm(o.contiguous(), z.reshape(T, -1), w(p + "ssm_norm.weight"), self.eps)
+        o = deltanet_chunked(q, k, v, g, b, st.ssm, CHUNK)
+        o = gated_rms_norm(o, z.reshape(T, -1), w(p + "ssm_norm.weight"), self.eps)
         return self.w.linear(o, p + "ssm_out.weight")
 
     def ffn(self, il: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
