@@ -615,7 +615,7 @@ def aot_compile_all(arch: int = 90) -> None:
                                          "wts_ptr": "*fp32", "slot_ptr": "*i32", "part_ptr": "*fp32"},
               {"DOWN_QTYPE": int(T.Q6_K), "HAS_HOST": False, "DOT_FP32": False, "BLOCK_M": 64, "BLOCK_N": 32}),
              (deltanet._conv_kernel, {"x_ptr": "*bf16", "win_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32"},
-              {"KM1": 3, "BLOCK": 1024}),
+              {"KM1": 3, "KP2": 4, "BLOCK": 256}),
              *[(deltanet._recurrence_kernel, {"act_ptr": "*fp32", "z_ptr": "*bf16", "beta_ptr": "*bf16",
                                               "alpha_ptr": "*bf16", "dt_ptr": "*bf16", "a_ptr": "*bf16",
                                               "state_ptr": "*fp32", "norm_ptr": "*bf16", "out_ptr": "*bf16", **codes},

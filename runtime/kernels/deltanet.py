@@ -50,19 +50,21 @@ from .q8dot import QBLOCK, attach, new_q8, store_q8
 
 
 @triton.jit
-def _conv_kernel(x_ptr, win_ptr, w_ptr, out_ptr, C, KM1: tl.constexpr, BLOCK: tl.constexpr):
+def _conv_kernel(x_ptr, win_ptr, w_ptr, out_ptr, C, KM1: tl.constexpr, KP2: tl.constexpr, BLOCK: tl.constexpr):
     c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = c < C
-    x = tl.load(x_ptr + c, mask=m, other=0.0).to(tl.float32)
-    acc = x * tl.load(w_ptr + c * (KM1 + 1) + KM1, mask=m, other=0.0).to(tl.float32)
-    prev = tl.load(win_ptr + c, mask=m, other=0.0)
-    for j in tl.static_range(KM1):
-        acc += prev.to(tl.float32) * tl.load(w_ptr + c * (KM1 + 1) + j, mask=m, other=0.0).to(tl.float32)
-        if j + 1 < KM1:  # shift the window: row j takes row j+1, the last row takes the new input
-            nxt = tl.load(win_ptr + (j + 1) * C + c, mask=m, other=0.0)
-            tl.store(win_ptr + j * C + c, nxt, mask=m)
-            prev = nxt
-    tl.store(win_ptr + (KM1 - 1) * C + c, x.to(win_ptr.dtype.element_ty), mask=m)
+    r = tl.arange(0, KP2)[:, None]  # window rows (KP2: KM1 rounded up to a power of two)
+    rm = (r < KM1) & m[None, :]
+    # every load before any store: one memory round trip (interleaved, each store waited for the
+    # load before it, as the window rows alias)
+    x = tl.load(x_ptr + c, mask=m, other=0.0)
+    win = tl.load(win_ptr + r * C + c[None, :], mask=rm, other=0.0)
+    w = tl.load(w_ptr + c[None, :] * (KM1 + 1) + r, mask=rm, other=0.0).to(tl.float32)
+    w_new = tl.load(w_ptr + c * (KM1 + 1) + KM1, mask=m, other=0.0).to(tl.float32)
+    acc = tl.sum(win.to(tl.float32) * w, axis=0) + x.to(tl.float32) * w_new
+    tl.debug_barrier()  # a row may be loaded and overwritten by different threads: all loads first
+    tl.store(win_ptr + (r - 1) * C + c[None, :], win, mask=rm & (r >= 1))  # shift: row j takes row j+1
+    tl.store(win_ptr + (KM1 - 1) * C + c, x.to(win_ptr.dtype.element_ty), mask=m)  # the new input last
     tl.store(out_ptr + c, acc / (1.0 + tl.exp(-acc)), mask=m)
 
 
@@ -134,8 +136,9 @@ def deltanet_decode(qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alph
         if not t.is_contiguous():
             raise ValueError(f"DeltaNet decode: {what} must be contiguous")
     act = torch.empty(C, dtype=torch.float32, device=qkv.device)
-    block = 1024
-    _conv_kernel[(triton.cdiv(C, block),)](qkv, conv_win, conv_w, act, C, KM1=K - 1, BLOCK=block, num_warps=4)
+    block = 256  # many programs, each a short latency chain
+    _conv_kernel[(triton.cdiv(C, block),)](qkv, conv_win, conv_w, act, C, KM1=K - 1,
+                                           KP2=triton.next_power_of_2(K - 1), BLOCK=block, num_warps=2)
     out = torch.empty(1, n_v * d_v, dtype=z.dtype, device=z.device)
     if q8 and (d_v < QBLOCK or d_v & (d_v - 1)):
         raise ValueError(f"DeltaNet decode: an int8 output needs a power-of-two value head size >= {QBLOCK}, got {d_v}")

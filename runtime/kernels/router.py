@@ -48,6 +48,9 @@ def softmax_topk(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor
     w = torch.empty((T, k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((T, k), dtype=torch.int64, device=logits.device)
     if T:
+        block = triton.next_power_of_2(N)
+        # one warp up to 512 experts: the 2k + 2 reductions then stay inside a warp (shuffles);
+        # with 4 warps each went through shared memory (3.4 us a layer on the H100 at 256 experts)
         _softmax_topk_kernel[(T,)](logits, w, ids, N, logits.stride(0), K=k, K_P2=triton.next_power_of_2(k),
-                                   NORM=norm, BLOCK=triton.next_power_of_2(N), num_warps=4)
+                                   NORM=norm, BLOCK=block, num_warps=1 if block <= 512 else 4)
     return w, ids
