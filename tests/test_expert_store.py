@@ -60,9 +60,14 @@ def test_any_residency_gives_identical_outputs(model_path, reference, mode, hot_
     assert torch.equal(model.forward(IDS), full)
     assert torch.equal(decode_steps(model), steps)
     assert list(generate(model, None, IDS[:4], None, 12, stop_ids=())) == greedy
+    # an all-hot zero-copy store leaves the counts on the device between tokens (nothing can
+    # move): reading the stats reads them, and they are whole
+    assert (store._unread_tokens > 0) == (hot_fraction == 1.0 and mode == "zerocopy")
     s = store.stats
+    assert store._unread_tokens == 0 and not bool(store.step_counts.any())
     routings = s.hot_hits + s.cache_hits + s.prefetch_hits + s.misses
     assert routings == s.tokens * model.spec.n_expert_used * len(model.spec.moe_layers)
+    assert s.tokens == 2 * len(IDS) + 4 + 12  # the forward, the decode steps, generate's prompt and 12 steps
     if hot_fraction == 1.0:
         assert s.misses == 0 and s.bytes_streamed == 0
     else:
