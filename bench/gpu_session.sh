@@ -16,6 +16,7 @@
 #   cut off after SIDE_TESTS_TIMEOUT seconds (180); their log goes to $OUT/tests.log.
 # presets: side-by-side on the laguna-xs2 and qwen3-30b-a3b shapes (llama-bench built already,
 #   e.g. LLAMA_BUILD inside the repo on a machine still warm from a `side` call; skipped otherwise).
+#   PRESETS="qwen3moe:qwen3-30b-a3b" runs one (each takes ~4-5 minutes: one per call fits the limit).
 set -euo pipefail
 steps="${*:-synth split compress tests}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -85,7 +86,7 @@ for step in $steps; do
       python3 bench/compare_llama.py "${OUT:-$work}/decode_bench.json" "${OUT:-/tmp}/llama_bench_$(basename "$model" .gguf).json" \
         --md "${OUT:-$work}/side_by_side.md" || true ;;
     presets)
-      for preset in qwen3moe:qwen3-30b-a3b laguna:laguna-xs2; do
+      for preset in ${PRESETS:-qwen3moe:qwen3-30b-a3b laguna:laguna-xs2}; do
         arch="${preset%%:*}" name="${preset#*:}" m="$work/$name-q4km.gguf"
         echo "== $name"
         [ -f "$m" ] || python3 -m repack.cli synth --arch "$arch" --preset "$name" --quant Q4_K_M -j 16 --skew reference -o "$m" >/dev/null

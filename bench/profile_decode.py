@@ -53,6 +53,7 @@ def main() -> None:
         torch.cuda.synchronize()
         dt = (time.perf_counter() - t0) / args.steps
         print(f"decode: {dt * 1e3:.1f} ms/token ({1 / dt:.1f} tok/s) unprofiled", flush=True)
+        host_share(session, ids, logits, args.steps)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(args.steps):
                 ids.append(int(torch.argmax(logits)))
@@ -70,10 +71,108 @@ def main() -> None:
     dt = time.perf_counter() - t0
     print(f"prefill {n} tokens (warm): {dt:.3f} s ({n / dt:.0f} tok/s)", flush=True)
     session.reset()
+    end_step = getattr(model.experts, "end_step", None)
+    model.experts.end_step = lambda n_tokens: None  # its count read waits for the device: not yet
+    t0 = time.perf_counter()
+    model.forward(list(range(300, 300 + n)), session.cache, last_only=True)  # host time to issue the call
+    issued = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    del model.experts.end_step
+    if end_step is not None:
+        end_step(n)
+    print(f"prefill {n} tokens: host issued the call in {issued * 1e3:.1f} ms, "
+          f"done at {(time.perf_counter() - t0) * 1e3:.1f} ms", flush=True)
+    session.reset()
+    syncs = sync_points(lambda: session.feed(list(range(300, 300 + n))))
+    print("host syncs in one prefill call: " + (", ".join(f"{k} x{v}" for k, v in syncs.items()) or "none"))
+    session.reset()
+    undo = label_sections(model)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         session.feed(list(range(300, 300 + n)))
         torch.cuda.synchronize()
+    undo()
     report(prof, 1, "prefill", args.rows)
+    sections = [e for e in prof.key_averages() if e.key.startswith("§")]
+    print("host time by section (a section's total includes the sections inside it):")
+    for e in sorted(sections, key=lambda e: -e.cpu_time_total):
+        print(f"  {e.key[1:]:24} {e.count:4} calls {e.cpu_time_total / 1e3:8.2f} ms")
+
+
+def host_share(session, ids: list[int], logits, steps: int) -> None:
+    """How much of a decode step is the host's, between replays: the captured step replayed back
+    to back (the device's time alone) against whole steps (argmax, the store's bookkeeping, the
+    session), and where a whole step's host time goes (cProfile: waits show as the call that
+    waits). Leaves the session's state advanced past ``ids``: reset it after."""
+    import cProfile
+    import io
+    import pstats
+
+    graph = session.graph
+    if graph is None or graph.graph is None:
+        print("no captured step: host share not measured")
+        return
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        graph.graph.replay()
+    torch.cuda.synchronize()
+    replay = (time.perf_counter() - t0) / steps
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        ids.append(int(torch.argmax(logits)))
+        logits = session.feed(ids)
+    torch.cuda.synchronize()
+    prof.disable()
+    whole = (time.perf_counter() - t0) / steps
+    print(f"replays alone: {replay * 1e3:.2f} ms/token; whole steps (cProfile on): {whole * 1e3:.2f} ms/token")
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+    print("\n".join(out.getvalue().splitlines()[4:]))
+
+
+SECTIONS = ("block", "attn", "delta_net", "ffn", "project", "project_present", "route_logits", "norm", "add_norm",
+            "attend_step")
+
+
+def label_sections(model) -> "callable":
+    """Wrap the model's per-layer methods (on this instance only) in profiler ranges, so the
+    profile says how much host time each part of a layer takes (Python included, which the
+    per-operator rows do not count). Returns a function that removes the wrappers."""
+    from torch.profiler import record_function
+
+    def wrap(name, fn):
+        def inner(*a, **k):
+            with record_function("§" + name):
+                return fn(*a, **k)
+        return inner
+
+    targets = [(model, n) for n in SECTIONS if hasattr(model, n)]
+    targets += [(model.experts, "moe")] if hasattr(model.experts, "moe") else []
+    for obj, n in targets:
+        setattr(obj, n, wrap(n, getattr(obj, n)))
+    return lambda: [delattr(obj, n) for obj, n in targets]
+
+
+def sync_points(fn) -> dict[str, int]:
+    """Where ``fn`` makes the host wait for the device (torch's sync debug mode), by source line."""
+    import collections
+    import warnings
+
+    found: collections.Counter = collections.Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            found[f"{Path(w.filename).name}:{w.lineno}"] += 1
+    return dict(found)
 
 
 def report(prof, per: int, unit: str, rows: int) -> None:

@@ -132,10 +132,10 @@ def test_fused_attention_reads_and_writes_a_q8_0_cache(arch, synth_model):
     the torch form (which quantizes the same rows and expands the whole buffer): the same logits
     up to float32 round-off, and not those of a float cache (the codes are really used)."""
     path = synth_model(arch)
-    ids = token_ids(load_model(path).spec.n_vocab, 20)
+    ids = token_ids(load(path).spec.n_vocab, 20)
 
     def steps(kernels: bool, kv_type: str) -> torch.Tensor:
-        model = load_model(path)
+        model = load(path)
         model.kernels = kernels
         cache = model.new_cache(kv_type=kv_type)
         return torch.cat([model.forward(ids[:6], cache)] + [model.forward(ids[i:i + 1], cache) for i in range(6, 20)])
