@@ -89,7 +89,9 @@ for step in $steps; do
       for preset in ${PRESETS:-qwen3moe:qwen3-30b-a3b laguna:laguna-xs2}; do
         arch="${preset%%:*}" name="${preset#*:}" m="$work/$name-q4km.gguf"
         echo "== $name"
-        [ -f "$m" ] || python3 -m repack.cli synth --arch "$arch" --preset "$name" --quant Q4_K_M -j 16 --skew reference -o "$m" >/dev/null
+        # always written fresh: a file an earlier, cut-off call left behind may predate the writer
+        # (llama.cpp refused one such file in session 11)
+        python3 -m repack.cli synth --arch "$arch" --preset "$name" --quant Q4_K_M -j 16 --skew reference -o "$m" >/dev/null
         python3 bench/decode_bench.py "$m" --depths 128 4096 --prefill 512 --json "${OUT:-$work}/decode_bench_$name.json" \
           || echo "decode_bench failed on $name (rc $?)"
         if [ -x "${LLAMA_BUILD:-/tmp/llama-build}/bin/llama-bench" ]; then

@@ -30,7 +30,7 @@ is quantized once per pair (one small launch).
 
 Prefill (many tokens) takes a grouped variant of launches 1 and 2: the (token, choice) pairs are
 sorted by expert into blocks of ``BLOCK_M`` rows of one expert (padded; built on the device with
-no host sync), and each program multiplies one block's activations by a tile of that expert's
+no host sync, in one launch: ``_group_pairs_kernel``), and each program multiplies one block's activations by a tile of that expert's
 weights with ``tl.dot``, unpacking the quant blocks once per tile instead of once per pair. The
 per-pair kernels above unpack an expert's weights for every token routed to it: at 512 tokens
 that is ~16 unpacks of every expert per layer, and the unpacking, not the bytes, is the cost.
