@@ -78,6 +78,25 @@ def test_any_residency_gives_identical_outputs(model_path, reference, mode, hot_
         assert s.cache_hits == 0
 
 
+def test_all_hot_store_counts_when_its_stats_are_read(model_path):
+    """An all-hot zero-copy store reads no counts between tokens; replacing its stats drops the
+    counts not read yet, so the new stats hold only what came after."""
+    from runtime.expert_store import StoreStats
+
+    model = load_model(model_path, store=StoreOptions(hot_fraction=1.0, mode="zerocopy"))
+    store = model.experts
+    assert store.all_hot
+    session = Session(model)
+    session.feed(IDS[:6])
+    assert store._unread_tokens == 6
+    store.stats = StoreStats()
+    assert store._unread_tokens == 0 and not bool(store.step_counts.any())
+    session.feed(IDS[:7])
+    session.feed(IDS[:8])
+    s = store.stats
+    assert s.tokens == 2 and s.hot_hits == 2 * model.spec.n_expert_used * len(model.spec.moe_layers)
+
+
 def test_fused_kernel_path_is_residency_independent(model_path):
     """Decode steps through the Triton MoE kernel (interpreted on CPU): all experts in the device
     pool vs 10% there and the rest read from the host pool (zero-copy) or copied into the cache."""
