@@ -73,16 +73,27 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, q8: bool = False) -> torch.Te
 
 
 def ffn_residual(x: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor | None = None,
-                 shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+                 shared_gate: torch.Tensor | None = None,
+                 next_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """The residual stream after a MoE block: ``x + routed + sigmoid(shared_gate) * shared`` (no
     gate: the shared expert always counts; no shared expert: ``x + routed``). ``routed`` may be
     float32 (the fused MoE kernels' output) and is rounded to x's dtype first; it may also be
     ``[T, k, n]``, the k weighted expert outputs of each token, summed here in choice order in
     float32 (as the MoE kernels sum them). One launch on a GPU (``kernels/ffn.py``) instead of up
-    to six."""
+    to six.
+
+    ``next_norm`` = (weight, eps) of the RMSNorm that opens the next block: on a GPU the same
+    launch computes it (and its int8 form, as ``rms_norm(..., q8=True)`` would), and it rides on
+    the result for ``normed`` to find; elsewhere the next block computes it as usual."""
     if x.is_cuda and x.dim() == 2 and x.dtype != torch.float64:
+        from .kernels import q8dot
         from .kernels.ffn import ffn_residual_rows
 
+        if next_norm is not None and next_norm[0].dtype == x.dtype:
+            y, h = ffn_residual_rows(x.contiguous(), routed.contiguous(), shared, shared_gate, next_norm,
+                                     q8=q8dot.wanted(x.shape[0], x.shape[1]))
+            y._sparkpack_normed = (next_norm[0], h)
+            return y
         return ffn_residual_rows(x.contiguous(), routed.contiguous(), shared, shared_gate)
     if routed.dim() == x.dim() + 1:
         parts, routed = routed.unbind(-2), torch.zeros_like(routed[..., 0, :])
@@ -94,6 +105,13 @@ def ffn_residual(x: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor | N
             shared = shared * torch.sigmoid(shared_gate)
         out = out + shared
     return x + out
+
+
+def normed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """The RMSNorm of ``x`` with ``weight`` if the launch that made ``x`` computed it already
+    (``ffn_residual``'s ``next_norm``), else None."""
+    pre = getattr(x, "_sparkpack_normed", None)
+    return pre[1] if pre is not None and pre[0] is weight else None
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -145,6 +145,29 @@ def test_fused_attention_reads_and_writes_a_q8_0_cache(arch, synth_model):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_each_block_epilogue_names_the_norm_that_opens_the_next(arch, synth_model):
+    """One-token GPU steps compute the next block's input norm in the MoE epilogue's launch
+    (``MoEModel.next_norm``, ``layers.ffn_residual``): every layer names the next layer's
+    ``attn_norm`` (the last, the output norm), and ``norm`` takes a norm so computed instead of
+    computing it again, for that weight only. (The kernel itself: tests/test_fused_steps.py.)"""
+    model = load(synth_model(arch))
+    one, many = torch.zeros(1, model.spec.n_embd), torch.zeros(3, model.spec.n_embd)
+    model.kernels = False
+    assert model.next_norm(0, one) is None
+    model.kernels = True
+    assert model.next_norm(0, many) is None  # prefill: the next block norms its rows itself
+    n = model.spec.n_layer
+    for il in range(n):
+        w, eps = model.next_norm(il, one)
+        assert w is model.w(f"blk.{il + 1}.attn_norm.weight" if il + 1 < n else "output_norm.weight")
+        assert eps == model.eps
+    x, done = torch.randn(1, model.spec.n_embd), torch.randn(1, model.spec.n_embd)
+    x._sparkpack_normed = (model.w("blk.1.attn_norm.weight"), done)
+    assert model.norm(x, "blk.1.attn_norm.weight") is done
+    assert model.norm(x, "blk.2.attn_norm.weight") is not done
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_q8_0_float32_matches_float64_reference(arch, tiny_hf_gguf):
     path = tiny_hf_gguf(arch, "q8_0")[1]
     m32, m64 = load(path), load(path, dtype=torch.float64)

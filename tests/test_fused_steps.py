@@ -124,3 +124,28 @@ def test_ffn_residual_sums_unsummed_expert_outputs_as_the_moe_kernels_do(dtype) 
     assert not torch.equal(got, ffn_residual_rows(x, parts[:, :-1].contiguous(), shared))  # every part counts
     with pytest.raises(ValueError):
         ffn_residual_rows(x, parts[:2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q8", [False, True])
+def test_ffn_residual_with_the_next_norm_is_that_norm_bit_for_bit(dtype, q8) -> None:
+    """The epilogue that also computes the next block's input norm (``norm=``): the same residual
+    row as without it, and the norm (and its int8 form) bit for bit the norm kernel's on that row,
+    so a step that takes the fused form cannot differ from one that does not."""
+    gen = torch.Generator().manual_seed(6)
+    T, k, N = 1, 8, 2048
+    x = torch.randn(T, N, generator=gen).to(dtype).to(DEVICE)
+    parts = torch.randn(T, k, N, generator=gen).to(DEVICE)
+    shared = torch.randn(T, N, generator=gen).to(dtype).to(DEVICE)
+    gate = torch.randn(T, 1, generator=gen).to(dtype).to(DEVICE)
+    w = (torch.rand(N, generator=gen) + 0.5).to(dtype).to(DEVICE)
+    y, h = ffn_residual_rows(x, parts, shared, gate, norm=(w, 1e-6), q8=q8)
+    assert torch.equal(y, ffn_residual_rows(x, parts, shared, gate))
+    want = rms_norm_rows(y, w, 1e-6, q8=q8)
+    assert h.dtype == dtype and torch.equal(h, want)
+    if q8:
+        same_q8(q8dot.attached(h), want)
+    else:
+        assert q8dot.attached(h) is None
+    with pytest.raises(ValueError):
+        ffn_residual_rows(x, parts, shared, gate, q8=True)  # an int8 form needs the norm

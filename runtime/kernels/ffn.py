@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .norm import normed_row, row_launch
 from .q8dot import QBLOCK, attach, new_q8, store_q8
 
 
@@ -41,8 +42,9 @@ def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, xq, xd, xs, N, stride_g, stride_u, Q8:
 
 
 @triton.jit
-def _ffn_residual_kernel(x_ptr, r_ptr, s_ptr, g_ptr, y_ptr, N, TOPK, stride_s, stride_g,
-                         HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
+def _ffn_residual_kernel(x_ptr, r_ptr, s_ptr, g_ptr, y_ptr, w_ptr, h_ptr, hq, hd, hs, N, TOPK, stride_s, stride_g, eps,
+                         HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr, NORM: tl.constexpr, Q8: tl.constexpr,
+                         BLOCK: tl.constexpr):
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = n < N
@@ -58,7 +60,10 @@ def _ffn_residual_kernel(x_ptr, r_ptr, s_ptr, g_ptr, y_ptr, N, TOPK, stride_s, s
             s = (s * (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         out = (out + s).to(dt).to(tl.float32)
     x = tl.load(x_ptr + t * N + n, mask=m, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t * N + n, (x + out).to(dt), mask=m)
+    y = (x + out).to(dt)
+    tl.store(y_ptr + t * N + n, y, mask=m)
+    if NORM:  # the next block's input norm on the new residual row (one program holds the row)
+        normed_row(tl.where(m, y.to(tl.float32), 0.0), w_ptr, h_ptr, hq, hd, hs, t, n, m, N, eps, True, Q8, BLOCK)
 
 
 def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, q8: bool = False) -> torch.Tensor:
@@ -80,11 +85,16 @@ def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, q8: bool = False) -> tor
 
 
 def ffn_residual_rows(x: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor | None = None,
-                      shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+                      shared_gate: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
+                      q8: bool = False) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
     """``x + routed + sigmoid(shared_gate) * shared`` for ``x [T, N]`` (contiguous, the residual
     stream's dtype); ``routed`` contiguous, any float dtype: ``[T, N]``, or ``[T, k, N]`` (the
     weighted expert outputs, summed here in choice order), rounded to x's dtype once summed;
-    ``shared [T, N]`` unit inner stride or None; ``shared_gate [T, 1]`` (one logit per token) or None."""
+    ``shared [T, N]`` unit inner stride or None; ``shared_gate [T, 1]`` (one logit per token) or None.
+
+    ``norm`` = (weight, eps): also the RMSNorm of the result that opens the next block (bit for bit
+    ``norm.rms_norm_rows(y, weight, eps, q8=q8)``, with ``q8`` its int8 form attached); returns
+    ``(y, normed)``. One launch instead of two, for one-token steps."""
     T, N = x.shape
     topk = routed.shape[1] if routed.dim() == 3 else 1
     if not x.is_contiguous() or routed.shape not in ((T, N), (T, topk, N)) or not routed.is_contiguous():
@@ -94,12 +104,22 @@ def ffn_residual_rows(x: torch.Tensor, routed: torch.Tensor, shared: torch.Tenso
         raise ValueError(f"shared must be [T, N] rows with unit inner stride, got {tuple(shared.shape)}")
     if shared_gate is not None and (shared is None or shared_gate.shape != (T, 1)):
         raise ValueError(f"shared_gate must be one logit per token [T, 1] beside a shared output")
+    if norm is not None and (norm[0].numel() != N or not norm[0].is_contiguous()):
+        raise ValueError("the norm weight must be a contiguous vector of the row size")
+    if q8 and (norm is None or N % QBLOCK):
+        raise ValueError(f"an int8 form needs the norm and rows of a multiple of {QBLOCK}")
     y = torch.empty_like(x)
-    block = min(triton.next_power_of_2(N), 1024)
+    h = torch.empty_like(x) if norm is not None else y
+    codes = new_q8(T, N, x.device) if q8 else (y, y, y)
+    block, warps = row_launch(N) if norm is not None else (min(triton.next_power_of_2(N), 1024), 4)
     if T:
         s = shared if shared is not None else x
         g = shared_gate if shared_gate is not None else x
-        _ffn_residual_kernel[(T, triton.cdiv(N, block))](x, routed, s, g, y, N, topk, s.stride(0), g.stride(0),
-                                                        HAS_SHARED=shared is not None,
-                                                        HAS_GATE=shared_gate is not None, BLOCK=block, num_warps=4)
-    return y
+        w, eps = norm if norm is not None else (x, 0.0)
+        _ffn_residual_kernel[(T, triton.cdiv(N, block))](x, routed, s, g, y, w, h, *codes, N, topk, s.stride(0),
+                                                        g.stride(0), eps, HAS_SHARED=shared is not None,
+                                                        HAS_GATE=shared_gate is not None, NORM=norm is not None,
+                                                        Q8=q8, BLOCK=block, num_warps=warps)
+    if norm is None:
+        return y
+    return y, (attach(h, codes) if q8 else h)

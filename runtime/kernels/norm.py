@@ -32,7 +32,15 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, xq, xd, xs, N, B, stride
         x = (x.to(tl.float32) + tl.load(r_ptr + r.to(tl.int64) * N + n, mask=m, other=0.0).to(tl.float32))
         x = x.to(s_ptr.dtype.element_ty)
         tl.store(s_ptr + r.to(tl.int64) * N + n, x, mask=m)
-    x = x.to(tl.float32)
+    normed_row(x.to(tl.float32), w_ptr, y_ptr, xq, xd, xs, r, n, m, N, eps, HAS_W, Q8, BLOCK)
+
+
+@triton.jit
+def normed_row(x, w_ptr, y_ptr, xq, xd, xs, r, n, m, N, eps, HAS_W: tl.constexpr, Q8: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """Row ``r`` of the norm from its float32 values ``x [BLOCK]`` (0 past N): written to ``y_ptr``
+    and, with ``Q8``, its int8 form. Shared by every kernel that ends in a norm, so that all of
+    them round exactly as this one (same block size and warps: the same sum order)."""
     y = (x * tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)).to(y_ptr.dtype.element_ty)
     if HAS_W:
         y = (y.to(tl.float32) * tl.load(w_ptr + n, mask=m, other=0.0).to(tl.float32)).to(y_ptr.dtype.element_ty)
@@ -41,6 +49,13 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, xq, xd, xs, N, B, stride
         blocks = tl.arange(0, BLOCK // 32)
         store_q8(tl.reshape(y.to(tl.float32), [BLOCK // 32, 32]), blocks, N, xq + r * N, xd + r * (N // 32),
                  xs + r * (N // 16))
+
+
+def row_launch(N: int) -> tuple[int, int]:
+    """(BLOCK, warps) of a one-program-per-row norm over N values: every kernel using
+    ``normed_row`` launches with these, so its sums run in the same order."""
+    block = max(triton.next_power_of_2(N), QBLOCK)
+    return block, 4 if block <= 1024 else 8
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None,
@@ -70,11 +85,10 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, resi
     s = torch.empty_like(y) if residual is not None else y
     codes = new_q8(A, N, x.device) if q8 else (y, y, y)
     if A * B:
-        block = max(triton.next_power_of_2(N), QBLOCK)
+        block, warps = row_launch(N)
         _rms_norm_kernel[(A * B,)](x, residual if residual is not None else x, weight if weight is not None else x,
                                    y, s, *codes, N, B, stride_a, stride_b, eps, HAS_W=weight is not None,
-                                   HAS_RES=residual is not None, Q8=q8, BLOCK=block,
-                                   num_warps=4 if block <= 1024 else 8)
+                                   HAS_RES=residual is not None, Q8=q8, BLOCK=block, num_warps=warps)
     if q8:
         attach(y, codes)
     return (s, y) if residual is not None else y

@@ -16,7 +16,7 @@ from formats.gguf_file import GGUFModel
 
 from ..cache import Q8_BLOCK, Cache, KVCache, RecurrentState
 from ..experts import ExpertProvider, GGUFExperts
-from ..layers import Rope, attend_buffers, output_gate, rms_norm, silu_mul
+from ..layers import Rope, attend_buffers, normed, output_gate, rms_norm, silu_mul
 from ..quant_linear import QuantLinear, linear
 from ..weights import Weights, quantizes_dense
 
@@ -110,7 +110,7 @@ class MoEModel(ABC):
             end_step = getattr(self.experts, "end_step", None)  # the store learns between tokens
             if end_step is not None:
                 end_step(ids.numel())
-        if last_only:
+        if last_only and x.shape[0] > 1:  # (one row stays the same tensor: its output norm may be done)
             x = x[-1:]
         x = self.norm(x, "output_norm.weight")
         return self.w.linear(x, "output.weight" if self.w.has("output.weight") else "token_embd.weight")
@@ -182,8 +182,18 @@ class MoEModel(ABC):
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """A block input or the output norm: it feeds projections, which read one decode row in
-        its int8 form, so on a GPU that form comes from the norm's launch."""
-        return rms_norm(x, self.w(name), self.eps, q8=True)
+        its int8 form, so on a GPU that form comes from the norm's launch (or from the previous
+        block's epilogue, which computed both: ``next_norm``)."""
+        w = self.w(name)
+        done = normed(x, w)
+        return done if done is not None else rms_norm(x, w, self.eps, q8=True)
+
+    def next_norm(self, il: int, x: torch.Tensor) -> tuple[torch.Tensor, float] | None:
+        """For layer ``il``'s epilogue on ``x``: the norm that opens the next block (the output norm
+        after the last), when a one-token GPU step can compute it in the same launch."""
+        if not (self.kernels and x.shape[0] == 1):
+            return None
+        return self.w(f"blk.{il + 1}.attn_norm.weight" if il + 1 < self.spec.n_layer else "output_norm.weight"), self.eps
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x + delta, norm(x + delta))``: the residual add and the next norm, one launch on a GPU."""

@@ -72,10 +72,10 @@ class Laguna(MoEModel):
         """The residual stream ``x`` after the FFN block on its normed input ``h``."""
         p = f"blk.{il}."
         if self.spec.layers[il].ffn == DENSE:
-            return x + self.mlp(h, p)
+            return ffn_residual(x, self.mlp(h, p), next_norm=self.next_norm(il, x))
         y = self.project_present(h, p, self.FFN_IN)
         routed = moe(h, *self.route_logits(il, y["ffn_gate_inp"]), self.experts, il)
         shared = None
         if "ffn_up_shexp" in y:
             shared = self.w.linear(silu_mul(y["ffn_gate_shexp"], y["ffn_up_shexp"], q8=True), p + "ffn_down_shexp.weight")
-        return ffn_residual(x, routed, shared)
+        return ffn_residual(x, routed, shared, next_norm=self.next_norm(il, x))

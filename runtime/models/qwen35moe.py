@@ -215,4 +215,5 @@ class Qwen35MoE(MoEModel):
         shared = None
         if "ffn_up_shexp" in y:
             shared = self.w.linear(silu_mul(y["ffn_gate_shexp"], y["ffn_up_shexp"], q8=True), p + "ffn_down_shexp.weight")
-        return ffn_residual(x, routed, shared, y.get("ffn_gate_inp_shexp") if shared is not None else None)
+        return ffn_residual(x, routed, shared, y.get("ffn_gate_inp_shexp") if shared is not None else None,
+                            self.next_norm(il, x))

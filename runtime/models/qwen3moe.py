@@ -45,4 +45,4 @@ class Qwen3MoE(MoEModel):
     def ffn(self, il: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The residual stream ``x`` after the MoE block on its normed input ``h``."""
         weights, ids = self.route(il, h)
-        return ffn_residual(x, moe(h, weights, ids, self.experts, il))
+        return ffn_residual(x, moe(h, weights, ids, self.experts, il), next_norm=self.next_norm(il, x))
