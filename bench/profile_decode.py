@@ -92,7 +92,7 @@ def main() -> None:
         torch.cuda.synchronize()
     undo()
     report(prof, 1, "prefill", args.rows)
-    sections = [e for e in prof.key_averages() if e.key.startswith("§")]
+    sections = [e for e in prof.key_averages() if e.key.startswith("§") and e.cpu_time_total > 0]  # (not GPU rows)
     print("host time by section (a section's total includes the sections inside it):")
     for e in sorted(sections, key=lambda e: -e.cpu_time_total):
         print(f"  {e.key[1:]:24} {e.count:4} calls {e.cpu_time_total / 1e3:8.2f} ms")
