@@ -13,6 +13,14 @@ import torch
 from formats.memory import KV_BYTES_PER_VALUE
 
 
+def prefill_rows(pos0: "int | torch.Tensor", T: int) -> int | None:
+    """The KV rows a call of ``T`` tokens from position ``pos0`` can attend to: ``pos0 + T`` for
+    several tokens at a known position (a prefill call reads no more); None, the whole buffer, for
+    one token or a position held on the device (a captured step, whose shapes must not depend on
+    the position)."""
+    return pos0 + T if T > 1 and not isinstance(pos0, torch.Tensor) else None
+
+
 class KVCache:
     """Keys and values of one attention layer in preallocated buffers ``[H_kv, capacity, head_dim]``
     whose row ``i`` (of each head) holds position ``i``. Head-major, so each head's keys are one
@@ -81,7 +89,7 @@ class KVCache:
                 buf.index_copy_(1, pos0 + torch.arange(T, device=k.device), rows)
             else:
                 buf[:, pos0: pos0 + T] = rows
-        return self.buffers(pos0 + T if T > 1 and not isinstance(pos0, torch.Tensor) else None)
+        return self.buffers(prefill_rows(pos0, T))
 
     def buffers(self, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value buffers ``[H_kv, S, d]`` in the activations' dtype (q8_0: expanded, a

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from formats.memory import ATTN_SCORES_MAX
 
-from .cache import KVCache
+from .cache import KVCache, prefill_rows
 
 
 HALF = (torch.bfloat16, torch.float16)
@@ -234,8 +234,9 @@ def attend_buffers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: "int
     token keeps the whole buffer (shapes independent of the position, as a captured step needs)."""
     T = q.shape[0]
     lo, hi = 0, k.shape[1]
-    if T > 1 and not isinstance(pos0, torch.Tensor):
-        hi = min(hi, pos0 + T)
+    rows = prefill_rows(pos0, T)
+    if rows is not None:
+        hi = min(hi, rows)
         lo = max(0, pos0 - window + 1) if window > 0 else 0
     qpos = positions(pos0, T, q.device)[:, None]
     return _in_pieces(q, k[:, lo:hi], v[:, lo:hi], qpos, torch.arange(lo, hi, device=q.device)[None, :], window)

@@ -236,7 +236,7 @@ def deltanet_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     """The chunked delta rule (``runtime.models.qwen35moe.gated_delta_rule_chunked``'s math) in two
     launches: one program per (head, chunk) builds the chunk's state-free terms, including the
     solve of its unit lower-triangular system (the torch form: ~40 launches, a batched trsm among
-    them), then ``_chunk_state_kernel`` carries the state. ``q, k [T, H, d_k]``, ``v [T, H, d_v]``,
+    them), then ``_chunk_state_kernel`` carries the state from chunk to chunk. ``q, k [T, H, d_k]``, ``v [T, H, d_v]``,
     ``g, beta [T, H]``: float32 contiguous (``deltanet_prefill_inputs``' outputs); ``state [H, d_k,
     d_v]`` float32 contiguous, updated in place; ``chunk`` a power of two >= 16. Returns the
     outputs ``[T, H, d_v]`` float32 contiguous (a prefix of a buffer padded to whole chunks)."""
@@ -246,6 +246,8 @@ def deltanet_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
             or v.shape[:2] != (T, H) or g.shape != (T, H) or beta.shape != (T, H) or chunk < 16 or chunk & (chunk - 1):
         raise ValueError("DeltaNet chunked: float32 contiguous q, k [T, H, d_k], v [T, H, d_v], g, beta [T, H] "
                          "and a power-of-two chunk >= 16")
+    if state.shape != (H, d_k, d_v) or state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError("DeltaNet chunked: the state must be a contiguous float32 [H, d_k, d_v]")
     n = triton.cdiv(T, chunk)
     f32 = dict(dtype=torch.float32, device=q.device)
     Qc, W, Kd = (torch.empty(H, n, chunk, d_k, **f32) for _ in range(3))
@@ -256,41 +258,18 @@ def deltanet_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         _chunk_prep_kernel[(H, n)](q, k, v, g, beta, Qc, W, U0, QK, eG, Kd, keep, T, H, d_k, d_v, C=chunk,
                                    BS=16, BLOCK_K=max(16, triton.next_power_of_2(d_k)),
                                    BLOCK_V=max(16, triton.next_power_of_2(d_v)), num_warps=8)
-        deltanet_chunk_states(W, Qc, U0, QK, eG, Kd, keep, state, out=o.view(n, chunk, H, d_v).permute(2, 0, 1, 3))
+        # per (head, chunk): U = U0 - W S, output eG * (Q S) + QK U (written token-major into o),
+        # then S = keep * S + Kd^T U
+        out = o.view(n, chunk, H, d_v).permute(2, 0, 1, 3)  # [H, n, C, d_v] over the token-major buffer
+        mats = (W, Qc, U0, QK, Kd)
+        strides = [st for t in mats for st in t.stride()] + list(eG.stride()) + list(keep.stride()) \
+            + list(out.stride()[:3])
+        block_v = max(16, min(32, triton.next_power_of_2(d_v)))
+        _chunk_state_kernel[(H, triton.cdiv(d_v, block_v))](W, Qc, U0, QK, eG, Kd, keep, state, out, n, d_k, d_v,
+                                                            *strides, C=chunk,
+                                                            BLOCK_K=max(16, triton.next_power_of_2(d_k)),
+                                                            BLOCK_V=block_v, num_warps=8, num_stages=1)
     return o[:T]
-
-
-def deltanet_chunk_states(W: torch.Tensor, Q: torch.Tensor, U0: torch.Tensor, QK: torch.Tensor, eG: torch.Tensor,
-                          Kd: torch.Tensor, keep: torch.Tensor, state: torch.Tensor,
-                          out: torch.Tensor | None = None) -> torch.Tensor:
-    """The sequential part of the chunked delta rule, for all chunks in one launch.
-
-    Per value head ``h`` and chunk ``n`` (``C`` tokens; shapes ``[H, n, C, .]``, float32, any
-    strides): ``U = U0 - W S``, output ``eG * (Q S) + QK U``, then ``S = keep * S + Kd^T U``;
-    ``W, Q, Kd [H, n, C, d_k]``, ``U0 [H, n, C, d_v]``, ``QK [H, n, C, C]`` (decay-masked),
-    ``eG [H, n, C]``, ``keep [H, n]`` (any trailing size-1 dims). ``state [H, d_k, d_v]`` float32
-    is updated in place. Returns the outputs ``[H, n, C, d_v]`` (written into ``out`` when given:
-    any strides but a unit inner one, e.g. a token-major buffer seen through a permute).
-    """
-    H, n, C, d_k = W.shape
-    d_v = U0.shape[-1]
-    if state.shape != (H, d_k, d_v) or state.dtype != torch.float32 or not state.is_contiguous():
-        raise ValueError("DeltaNet chunk states: the state must be a contiguous float32 [H, d_k, d_v]")
-    mats = (W, Q, U0, QK, Kd)
-    if any(t.dtype != torch.float32 or t.shape[:3] != (H, n, C) for t in mats) or C < 16 or C & (C - 1):
-        raise ValueError("DeltaNet chunk states: inconsistent shapes (float32 [H, n, C, .], C a power of two >= 16)")
-    eG, keep = eG.reshape(H, n, C), keep.reshape(H, n)
-    if out is None:
-        out = torch.empty((H, n, C, d_v), dtype=torch.float32, device=W.device)
-    elif out.shape != (H, n, C, d_v) or out.dtype != torch.float32 or out.stride(-1) != 1:
-        raise ValueError("DeltaNet chunk states: out must be float32 [H, n, C, d_v] with a unit inner stride")
-    block_v = max(16, min(32, triton.next_power_of_2(d_v)))
-    strides = [st for t in mats for st in t.stride()] + list(eG.stride()) + list(keep.stride()) \
-        + list(out.stride()[:3])
-    _chunk_state_kernel[(H, triton.cdiv(d_v, block_v))](W, Q, U0, QK, eG, Kd, keep, state, out, n, d_k, d_v,
-                                                        *strides, C=C, BLOCK_K=max(16, triton.next_power_of_2(d_k)),
-                                                        BLOCK_V=block_v, num_warps=8, num_stages=1)
-    return out
 
 
 # ----------------------------------------------------------------------------- prefill glue

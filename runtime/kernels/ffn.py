@@ -103,7 +103,7 @@ def ffn_residual_rows(x: torch.Tensor, routed: torch.Tensor, shared: torch.Tenso
     if shared is not None and (shared.shape != x.shape or shared.stride(-1) != 1):
         raise ValueError(f"shared must be [T, N] rows with unit inner stride, got {tuple(shared.shape)}")
     if shared_gate is not None and (shared is None or shared_gate.shape != (T, 1)):
-        raise ValueError(f"shared_gate must be one logit per token [T, 1] beside a shared output")
+        raise ValueError("shared_gate must be one logit per token [T, 1] beside a shared output")
     if norm is not None and (norm[0].numel() != N or not norm[0].is_contiguous()):
         raise ValueError("the norm weight must be a contiguous vector of the row size")
     if q8 and (norm is None or N % QBLOCK):

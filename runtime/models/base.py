@@ -14,9 +14,9 @@ from formats.archs import LINEAR, ModelSpec
 from formats.errors import SparkpackError
 from formats.gguf_file import GGUFModel
 
-from ..cache import Q8_BLOCK, Cache, KVCache, RecurrentState
-from ..experts import ExpertProvider, GGUFExperts
-from ..layers import Rope, attend_buffers, normed, output_gate, rms_norm, silu_mul
+from ..cache import Q8_BLOCK, Cache, KVCache, RecurrentState, prefill_rows
+from ..experts import ExpertProvider, GGUFExperts, moe
+from ..layers import Rope, attend_buffers, ffn_residual, normed, output_gate, rms_norm, silu_mul
 from ..quant_linear import QuantLinear, linear
 from ..weights import Weights, quantizes_dense
 
@@ -28,6 +28,9 @@ class MoEModel(ABC):
     # Projections of one input that run as one GEMM (``project``): per layer, the members of a
     # group that the file has, when at least two do.
     STACKS: tuple[tuple[str, ...], ...] = ()
+    # The projections of a MoE block's input, one GEMM when several (``ffn``): the router, then
+    # where the arch has them a shared expert's gate logit, gate and up.
+    FFN_IN: tuple[str, ...] = ("ffn_gate_inp",)
     topk_of_logits = False  # the router picks the top-k of its logits (softmax routers)
 
     def __init__(self, gguf: GGUFModel, spec: ModelSpec, device: torch.device | str = "cpu",
@@ -137,6 +140,19 @@ class MoEModel(ABC):
         gate, up = self.project(h, prefix, "ffn_gate", "ffn_up")
         return self.w.linear(silu_mul(gate, up, q8=True), f"{prefix}ffn_down.weight")
 
+    def ffn(self, il: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream ``x`` after layer ``il``'s MoE block on its normed input ``h``: the
+        routed experts, a shared expert where the file has one (behind a sigmoid gate where it has
+        that too), added in one epilogue launch (which also norms the next block's input)."""
+        p = f"blk.{il}."
+        y = self.project_present(h, p, self.FFN_IN)
+        routed = moe(h, *self.route_logits(il, y["ffn_gate_inp"]), self.experts, il)
+        shared = gate = None
+        if "ffn_up_shexp" in y:
+            shared = self.w.linear(silu_mul(y["ffn_gate_shexp"], y["ffn_up_shexp"], q8=True), p + "ffn_down_shexp.weight")
+            gate = y.get("ffn_gate_inp_shexp")
+        return ffn_residual(x, routed, shared, gate, self.next_norm(il, x))
+
     def stack_groups(self) -> list[tuple[str, ...]]:
         """Every layer's ``STACKS`` groups as stacked: the members the file has, two or more
         (full tensor names)."""
@@ -172,8 +188,7 @@ class MoEModel(ABC):
         qr = qk_norm_rope_append(q, k, v, self.w.opt(p + "attn_q_norm.weight"), self.w.opt(p + "attn_k_norm.weight"),
                                  self.eps, rope.inv_on(q.device), rope.scale, pos0, kv.k, kv.v, *scales)
         if T > 1:
-            rows = None if isinstance(pos0, torch.Tensor) else pos0 + T  # the rows a prefill reads
-            o = output_gate(attend_buffers(qr, *kv.buffers(rows), pos0, window), gate, gate_kind)
+            o = output_gate(attend_buffers(qr, *kv.buffers(prefill_rows(pos0, T)), pos0, window), gate, gate_kind)
             return o.reshape(T, H * d)
         S = kv.k.shape[1]
         split = 64 if S <= 8192 else 256 if S <= 65536 else 512  # kernels/attention.py: best per buffer size

@@ -11,9 +11,8 @@ import torch
 from formats.archs import DENSE, SLIDING
 
 from ..cache import Cache
-from ..experts import moe
 from ..layers import (Rope, attention, ffn_residual, output_gate, positions, rms_norm, rope_inv_freq, route_sigmoid,
-                      silu_mul, yarn_rope)
+                      yarn_rope)
 from .base import MoEModel
 
 
@@ -69,13 +68,8 @@ class Laguna(MoEModel):
         return route_sigmoid(logits, bias, self.spec.n_expert_used, self.norm_topk, self.scale)
 
     def ffn(self, il: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The residual stream ``x`` after the FFN block on its normed input ``h``."""
-        p = f"blk.{il}."
+        """The residual stream ``x`` after the FFN block on its normed input ``h``: the dense
+        layers' SwiGLU MLP, or the MoE block."""
         if self.spec.layers[il].ffn == DENSE:
-            return ffn_residual(x, self.mlp(h, p), next_norm=self.next_norm(il, x))
-        y = self.project_present(h, p, self.FFN_IN)
-        routed = moe(h, *self.route_logits(il, y["ffn_gate_inp"]), self.experts, il)
-        shared = None
-        if "ffn_up_shexp" in y:
-            shared = self.w.linear(silu_mul(y["ffn_gate_shexp"], y["ffn_up_shexp"], q8=True), p + "ffn_down_shexp.weight")
-        return ffn_residual(x, routed, shared, next_norm=self.next_norm(il, x))
+            return ffn_residual(x, self.mlp(h, f"blk.{il}."), next_norm=self.next_norm(il, x))
+        return super().ffn(il, h, x)

@@ -18,9 +18,8 @@ from formats.archs import LINEAR
 from formats.memory import DELTANET_CHUNK
 
 from ..cache import Cache, RecurrentState
-from ..experts import moe
-from ..layers import (Rope, attention, ffn_residual, l2_norm, output_gate, positions, rms_norm, rope_inv_freq,
-                      route_softmax, silu_mul, wide)
+from ..layers import (Rope, attention, l2_norm, output_gate, positions, rms_norm, rope_inv_freq, route_softmax,
+                      wide)
 from .base import MoEModel
 
 
@@ -206,14 +205,3 @@ class Qwen35MoE(MoEModel):
         o = deltanet_chunked(q, k, v, g, b, st.ssm, CHUNK)
         o = gated_rms_norm(o, z.reshape(T, -1), w(p + "ssm_norm.weight"), self.eps)
         return self.w.linear(o, p + "ssm_out.weight")
-
-    def ffn(self, il: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The residual stream ``x`` after the MoE block on its normed input ``h``."""
-        p = f"blk.{il}."
-        y = self.project_present(h, p, self.FFN_IN)
-        routed = moe(h, *self.route_logits(il, y["ffn_gate_inp"]), self.experts, il)
-        shared = None
-        if "ffn_up_shexp" in y:
-            shared = self.w.linear(silu_mul(y["ffn_gate_shexp"], y["ffn_up_shexp"], q8=True), p + "ffn_down_shexp.weight")
-        return ffn_residual(x, routed, shared, y.get("ffn_gate_inp_shexp") if shared is not None else None,
-                            self.next_norm(il, x))

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import Cache
-from ..experts import moe
-from ..layers import Rope, attention, ffn_residual, positions, rms_norm, rope_inv_freq, route_softmax
+from ..layers import Rope, attention, positions, rms_norm, rope_inv_freq, route_softmax
 from .base import MoEModel
 
 
@@ -41,8 +40,3 @@ class Qwen3MoE(MoEModel):
 
     def route_logits(self, il: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route_softmax(logits, self.spec.n_expert_used, self.norm_topk)
-
-    def ffn(self, il: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The residual stream ``x`` after the MoE block on its normed input ``h``."""
-        weights, ids = self.route(il, h)
-        return ffn_residual(x, moe(h, weights, ids, self.experts, il), next_norm=self.next_norm(il, x))
