@@ -151,7 +151,8 @@ def test_each_block_epilogue_names_the_norm_that_opens_the_next(arch, synth_mode
     ``attn_norm`` (the last, the output norm), and ``norm`` takes a norm so computed instead of
     computing it again, for that weight only. (The kernel itself: tests/test_fused_steps.py.)"""
     model = load(synth_model(arch))
-    one, many = torch.zeros(1, model.spec.n_embd), torch.zeros(3, model.spec.n_embd)
+    dev = model.w("output_norm.weight").device
+    one, many = torch.zeros(1, model.spec.n_embd, device=dev), torch.zeros(3, model.spec.n_embd, device=dev)
     model.kernels = False
     assert model.next_norm(0, one) is None
     model.kernels = True
@@ -161,7 +162,7 @@ def test_each_block_epilogue_names_the_norm_that_opens_the_next(arch, synth_mode
         w, eps = model.next_norm(il, one)
         assert w is model.w(f"blk.{il + 1}.attn_norm.weight" if il + 1 < n else "output_norm.weight")
         assert eps == model.eps
-    x, done = torch.randn(1, model.spec.n_embd), torch.randn(1, model.spec.n_embd)
+    x, done = torch.randn(1, model.spec.n_embd, device=dev), torch.randn(1, model.spec.n_embd, device=dev)
     x._sparkpack_normed = (model.w("blk.1.attn_norm.weight"), done)
     assert model.norm(x, "blk.1.attn_norm.weight") is done
     assert model.norm(x, "blk.2.attn_norm.weight") is not done
