@@ -338,7 +338,8 @@ def aot_compile_attention(arch: int = 90) -> None:
     for fn, ptrs, consts, warps, stages in jobs:
         sig = {p.name: "constexpr" if p.is_constexpr else ptrs.get(p.name, "fp32" if p.name in floats else "i32")
                for p in fn.params}
-        kernel = triton.compile(ASTSource(fn, sig, consts), target=target,
+        # (PDL compiled into one variant each: the one reading the position from the device)
+        kernel = triton.compile(ASTSource(fn, sig, {"PDL": consts["POS_PTR"], **consts}), target=target,
                                 options={"num_warps": warps, "num_stages": stages})
         assert kernel.asm["cubin"], (fn.__name__, consts)
         assert kernel.metadata.shared <= 227 * 1024, (fn.__name__, consts, kernel.metadata.shared)

@@ -108,6 +108,7 @@ def test_ffn_residual_sums_unsummed_expert_outputs_as_the_moe_kernels_do(dtype) 
     """The k weighted expert outputs ``[T, k, N]`` (``moe_experts(reduce=False)``) summed in the
     epilogue: bit for bit the epilogue of the MoE kernels' own per-token sum (``_sum_topk_kernel``,
     the same float32 additions in the same order), on the GPU path and the torch form alike."""
+    from runtime.kernels import pdl
     from runtime.kernels.moe import _sum_topk_kernel
 
     gen = torch.Generator().manual_seed(4)
@@ -116,7 +117,7 @@ def test_ffn_residual_sums_unsummed_expert_outputs_as_the_moe_kernels_do(dtype) 
     parts = (torch.randn(T, k, N, generator=gen) * torch.logspace(-3, 3, k)[None, :, None]).to(DEVICE)
     shared = torch.randn(T, N, generator=gen).to(dtype).to(DEVICE)
     summed = torch.empty(T, N, device=DEVICE)
-    _sum_topk_kernel[(T, 1)](parts, summed, k, N, N, BLOCK=128)
+    _sum_topk_kernel[(T, 1)](parts, summed, k, N, N, BLOCK=128, **pdl.flags(parts))
     got = ffn_residual_rows(x, parts, shared)
     assert torch.equal(got, ffn_residual_rows(x, summed, shared))
     torch_form = ffn_residual(x.cpu(), parts.cpu(), shared.cpu())

@@ -656,7 +656,7 @@ def aot_compile_all(arch: int = 90) -> None:
              (dense._dequant_kernel, {"w": "*u8", "ids": "*i64", "out": "*bf16"},
               {"QT": int(T.Q4_K), "HAS_IDS": True, "BR": 4})]
     for fn, ptrs, consts in jobs:
-        kernel = triton.compile(ASTSource(fn, _signature(fn, ptrs), consts), target=target)
+        kernel = triton.compile(ASTSource(fn, _signature(fn, ptrs), {"PDL": True, **consts}), target=target)
         assert kernel.asm["cubin"], (fn.__name__, consts)
     print("compiled", len(jobs))
 

@@ -57,6 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import prefetch_l2, wait_prior
 from .q8dot import QBLOCK, attach, new_q8, store_q8
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -126,7 +128,8 @@ def _qk_norm_rope_append_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, inv_ptr, po
                                 ks_ptr, vs_ptr, H, H_KV, S, D, HALF, stride_qt, stride_q, stride_kt, stride_k,
                                 stride_vt, stride_v, eps, rope_scale,
                                 HAS_QN: tl.constexpr, HAS_KN: tl.constexpr, POS_PTR: tl.constexpr,
-                                Q8KV: tl.constexpr, BLOCK_D: tl.constexpr):
+                                Q8KV: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     t = tl.program_id(0) // (H + H_KV)  # token t of the call, at position pos + t
     r = tl.program_id(0) % (H + H_KV)
     p = _position(pos, POS_PTR) + t
@@ -241,7 +244,7 @@ def qk_norm_rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             pos if pos_ptr else int(pos), out, k_cache, v_cache, *_scales(k_scale, v_scale, k_cache), H, H_kv, S,
             d, half, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], float(eps), float(rope_scale),
             HAS_QN=q_norm is not None, HAS_KN=k_norm is not None, POS_PTR=pos_ptr, Q8KV=k_scale is not None,
-            BLOCK_D=block, num_warps=1 if block <= 256 else 4)
+            BLOCK_D=block, num_warps=1 if block <= 256 else 4, **pdl.flags(q))
     return out[0] if one else out
 
 
@@ -261,15 +264,21 @@ def _kv_tile(c_ptr, s_ptr, off, soff, mask, act_ptr, Q8KV: tl.constexpr):
 @triton.jit(do_not_specialize=["pos"])
 def _attend_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos, m_ptr, l_ptr, acc_ptr, S, D, REP, NS, window,
                          qk_scale, POS_PTR: tl.constexpr, DOT_FP32: tl.constexpr, Q8KV: tl.constexpr,
-                         REP_P2: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr):
+                         REP_P2: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr,
+                         PDL: tl.constexpr):
     """Partial softmax of kv head ``kh``'s query heads over positions ``[sp*SPLIT, (sp+1)*SPLIT)``.
     Scores are kept in log2 units (``qk_scale`` includes log2(e)), so the partial max is too."""
     kh = tl.program_id(0)
     sp = tl.program_id(1)
-    p = _position(pos, POS_PTR)
+    p = _position(pos, POS_PTR)  # (set before the step: no kernel of it writes the position)
     lo = sp.to(tl.int64) * SPLIT
     start = tl.maximum(lo, tl.where(window > 0, p - window + 1, 0))  # first allowed position
     hi = tl.minimum(lo + SPLIT, p + 1)  # one past the last
+    if start < hi:  # this split's keys and values into L2 while the previous kernel finishes
+        kv = kh.to(tl.int64) * S * D
+        prefetch_l2(k_ptr + kv + start * D, k_ptr + kv + tl.minimum(hi, S) * D, PDL)
+        prefetch_l2(v_ptr + kv + start * D, v_ptr + kv + tl.minimum(hi, S) * D, PDL)
+    wait_prior(PDL)
     rows = tl.arange(0, REP_P2)
     rm = rows < REP
     heads = kh * REP + rows
@@ -328,9 +337,10 @@ def _softplus(x):
 @triton.jit(do_not_specialize=["pos"])
 def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, xq, xd, xs, pos, D, NS, window, stride_g,
                            POS_PTR: tl.constexpr, SPLIT: tl.constexpr, GATE: tl.constexpr,
-                           BLOCK_SP: tl.constexpr, BLOCK_C: tl.constexpr, Q8: tl.constexpr):
+                           BLOCK_SP: tl.constexpr, BLOCK_C: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr):
     """Query head ``h``, channels ``[c * BLOCK_C, (c+1) * BLOCK_C)``: merge the partials of the
     splits holding allowed positions (max first, then the rescaled sums), divide, gate, store."""
+    wait_prior(PDL)
     h = tl.program_id(0)
     p = _position(pos, POS_PTR)
     sp_first = tl.maximum(tl.where(window > 0, p - window + 1, 0), 0) // SPLIT
@@ -434,7 +444,7 @@ def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, *_scales(k_scale, v_scale, k_cache), p, m, l_, acc, S, d, rep, n_split, int(window),
         d ** -0.5 * LOG2E, POS_PTR=pos_ptr, DOT_FP32=fp32, Q8KV=k_scale is not None,
         REP_P2=max(16, triton.next_power_of_2(rep)), BLOCK_D=block_d,
-        BLOCK_S=block_s, SPLIT=split, num_warps=4, num_stages=1)
+        BLOCK_S=block_s, SPLIT=split, num_warps=4, num_stages=1, **pdl.flags(q))
     out = torch.empty(1, H * d, dtype=q.dtype, device=q.device)
     block_c = min(block_d, COMBINE_CHANNELS)
     codes = new_q8(1, H * d, q.device) if q8 else (out, out, out)
@@ -442,5 +452,5 @@ def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         m, l_, acc, gate if gate is not None else q, out, *codes, p, d, n_split, int(window),
         gate.stride(0) if gate is not None else 0,
         POS_PTR=pos_ptr, SPLIT=split, GATE=GATE_KINDS[gate_kind], BLOCK_SP=COMBINE_SPLITS,
-        BLOCK_C=block_c, Q8=q8, num_warps=4)
+        BLOCK_C=block_c, Q8=q8, num_warps=4, **pdl.flags(m))
     return attach(out, codes) if q8 else out

@@ -46,11 +46,15 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import wait_prior
 from .q8dot import QBLOCK, attach, new_q8, store_q8
 
 
 @triton.jit
-def _conv_kernel(x_ptr, win_ptr, w_ptr, out_ptr, C, KM1: tl.constexpr, KP2: tl.constexpr, BLOCK: tl.constexpr):
+def _conv_kernel(x_ptr, win_ptr, w_ptr, out_ptr, C, KM1: tl.constexpr, KP2: tl.constexpr, BLOCK: tl.constexpr,
+                 PDL: tl.constexpr):
+    wait_prior(PDL)
     c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = c < C
     r = tl.arange(0, KP2)[:, None]  # window rows (KP2: KM1 rounded up to a power of two)
@@ -80,7 +84,8 @@ def _gates(b_raw, alpha, dt, a):
 @triton.jit
 def _recurrence_kernel(act_ptr, z_ptr, beta_ptr, alpha_ptr, dt_ptr, a_ptr, state_ptr, norm_ptr, out_ptr,
                        xq, xd, xs, N_K, D_K, D_V, q_scale, eps,
-                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, Q8: tl.constexpr):
+                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     h = tl.program_id(0)
     kh = h % N_K
     i = tl.arange(0, BLOCK_K)
@@ -138,14 +143,15 @@ def deltanet_decode(qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alph
     act = torch.empty(C, dtype=torch.float32, device=qkv.device)
     block = 256  # many programs, each a short latency chain
     _conv_kernel[(triton.cdiv(C, block),)](qkv, conv_win, conv_w, act, C, KM1=K - 1,
-                                           KP2=triton.next_power_of_2(K - 1), BLOCK=block, num_warps=2)
+                                           KP2=triton.next_power_of_2(K - 1), BLOCK=block, num_warps=2,
+                                           **pdl.flags(qkv))
     out = torch.empty(1, n_v * d_v, dtype=z.dtype, device=z.device)
     if q8 and (d_v < QBLOCK or d_v & (d_v - 1)):
         raise ValueError(f"DeltaNet decode: an int8 output needs a power-of-two value head size >= {QBLOCK}, got {d_v}")
     codes = new_q8(1, n_v * d_v, z.device) if q8 else (out, out, out)
     _recurrence_kernel[(n_v,)](act, z, beta, alpha, dt_bias, a, state, norm_w, out, *codes, n_k, d_k, d_v,
                                d_k ** -0.5, eps, BLOCK_K=triton.next_power_of_2(d_k),
-                               BLOCK_V=triton.next_power_of_2(d_v), Q8=q8, num_warps=8)
+                               BLOCK_V=triton.next_power_of_2(d_v), Q8=q8, num_warps=8, **pdl.flags(act))
     return attach(out, codes) if q8 else out
 
 
@@ -155,7 +161,8 @@ def _chunk_state_kernel(w_ptr, q_ptr, u0_ptr, qk_ptr, eg_ptr, kd_ptr, keep_ptr, 
                         sw_h, sw_n, sw_r, sw_c, sq_h, sq_n, sq_r, sq_c, su_h, su_n, su_r, su_c,
                         sqk_h, sqk_n, sqk_r, sqk_c, skd_h, skd_n, skd_r, skd_c, seg_h, seg_n, seg_r,
                         skp_h, skp_n, so_h, so_n, so_r,
-                        C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                        C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     h = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     r = tl.arange(0, C)
@@ -182,9 +189,10 @@ def _chunk_state_kernel(w_ptr, q_ptr, u0_ptr, qk_ptr, eg_ptr, kd_ptr, keep_ptr, 
 @triton.jit
 def _chunk_prep_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, qc_ptr, w_ptr, u0_ptr, qk_ptr, eg_ptr, kd_ptr, keep_ptr,
                        T, H, D_K, D_V, C: tl.constexpr, BS: tl.constexpr, BLOCK_K: tl.constexpr,
-                       BLOCK_V: tl.constexpr):
+                       BLOCK_V: tl.constexpr, PDL: tl.constexpr):
     """One (value head, chunk): everything of the chunked form that does not depend on the state.
     Rows past T are the padding tokens that change nothing (k = v = beta = g = 0)."""
+    wait_prior(PDL)
     h, c = tl.program_id(0), tl.program_id(1)
     r = tl.arange(0, C)
     t = c * C + r
@@ -257,7 +265,7 @@ def deltanet_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     if T:
         _chunk_prep_kernel[(H, n)](q, k, v, g, beta, Qc, W, U0, QK, eG, Kd, keep, T, H, d_k, d_v, C=chunk,
                                    BS=16, BLOCK_K=max(16, triton.next_power_of_2(d_k)),
-                                   BLOCK_V=max(16, triton.next_power_of_2(d_v)), num_warps=8)
+                                   BLOCK_V=max(16, triton.next_power_of_2(d_v)), num_warps=8, **pdl.flags(q))
         # per (head, chunk): U = U0 - W S, output eG * (Q S) + QK U (written token-major into o),
         # then S = keep * S + Kd^T U
         out = o.view(n, chunk, H, d_v).permute(2, 0, 1, 3)  # [H, n, C, d_v] over the token-major buffer
@@ -268,7 +276,7 @@ def deltanet_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         _chunk_state_kernel[(H, triton.cdiv(d_v, block_v))](W, Qc, U0, QK, eG, Kd, keep, state, out, n, d_k, d_v,
                                                             *strides, C=chunk,
                                                             BLOCK_K=max(16, triton.next_power_of_2(d_k)),
-                                                            BLOCK_V=block_v, num_warps=8, num_stages=1)
+                                                            BLOCK_V=block_v, num_warps=8, num_stages=1, **pdl.flags(W))
     return o[:T]
 
 
@@ -296,7 +304,9 @@ def _conv_rows(x_ptr, win_ptr, w_ptr, t, tm, c, m, C, stride_x, KM1: tl.constexp
 @triton.jit
 def _prefill_prep_kernel(x_ptr, win_ptr, w_ptr, beta_ptr, alpha_ptr, dt_ptr, a_ptr, q_ptr, k_ptr, v_ptr, g_ptr,
                          b_ptr, T, C, N_K, N_V, D_K, D_V, stride_x, stride_b, stride_a, q_scale,
-                         KM1: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                         KM1: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                         PDL: tl.constexpr):
+    wait_prior(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
     h = tl.program_id(1)
@@ -347,13 +357,14 @@ def deltanet_prefill_inputs(qkv: torch.Tensor, beta: torch.Tensor, alpha: torch.
         _prefill_prep_kernel[(triton.cdiv(T, bt), n_v)](
             qkv, conv_win, conv_w, beta, alpha, dt_bias, a, q, k, v, g, b, T, C, n_k, n_v, d_k, d_v, qkv.stride(0),
             beta.stride(0), alpha.stride(0), d_k ** -0.5, KM1=K - 1, BLOCK_T=bt,
-            BLOCK_K=triton.next_power_of_2(d_k), BLOCK_V=triton.next_power_of_2(d_v), num_warps=4)
+            BLOCK_K=triton.next_power_of_2(d_k), BLOCK_V=triton.next_power_of_2(d_v), num_warps=4, **pdl.flags(qkv))
     return q, k, v, g, b
 
 
 @triton.jit
 def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, R, N_V, D_V, stride_z, eps,
-                       BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+                       BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows (token, value head)
     j = tl.arange(0, BLOCK_V)
     m = (r < R)[:, None] & (j < D_V)[None, :]
@@ -380,5 +391,6 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     br = 4 if z.is_cuda else 64
     if T:
         _gated_norm_kernel[(triton.cdiv(T * n_v, br),)](o, z, weight, y, T * n_v, n_v, d_v, z.stride(0), eps,
-                                                        BLOCK_R=br, BLOCK_V=triton.next_power_of_2(d_v), num_warps=4)
+                                                        BLOCK_R=br, BLOCK_V=triton.next_power_of_2(d_v), num_warps=4,
+                                                        **pdl.flags(o))
     return y

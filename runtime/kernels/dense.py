@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import prefetch_l2, wait_prior
 from .q8dot import chunks_per_iteration, q4_k_rows_q8, q4_k_scales, q6_k_rows_q8, q6_k_scales, use_asm
 from .qmatvec import Q4_K, Q6_K, _row_dot, _unpack, row_bytes_of
 
@@ -164,12 +166,32 @@ def _segment(QT: tl.constexpr, w, row_stride, N, blk, x, xq, xd, xs, y, col, K, 
 
 
 @triton.jit
+def _prefetch_band(w, row_stride, N, blk, BN: tl.constexpr):
+    r0 = blk.to(tl.int64) * BN
+    prefetch_l2(w + r0 * row_stride, w + tl.minimum(r0 + BN, N) * row_stride, True)
+
+
+@triton.jit
 def _gemv_kernel(x, xq, xd, xs, y, K, w0, n0, s0, w1, n1, s1, w2, n2, s2, w3, n3, s3,
                  QT0: tl.constexpr, QT1: tl.constexpr, QT2: tl.constexpr, QT3: tl.constexpr,
                  NSEG: tl.constexpr, BN: tl.constexpr, CPI: tl.constexpr, ACT_Q8: tl.constexpr,
-                 ASM: tl.constexpr):
+                 ASM: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     e0 = tl.cdiv(n0, BN)
+    if PDL:  # this program's weight rows into L2 while the previous kernel finishes
+        if pid < e0:
+            _prefetch_band(w0, s0, n0, pid, BN)
+        elif NSEG > 1:
+            e1 = e0 + tl.cdiv(n1, BN)
+            if pid < e1:
+                _prefetch_band(w1, s1, n1, pid - e0, BN)
+            elif NSEG > 2:
+                e2 = e1 + tl.cdiv(n2, BN)
+                if pid < e2:
+                    _prefetch_band(w2, s2, n2, pid - e1, BN)
+                elif NSEG > 3:
+                    _prefetch_band(w3, s3, n3, pid - e2, BN)
+    wait_prior(PDL)
     if pid < e0:
         _segment(QT0, w0, s0, n0, pid, x, xq, xd, xs, y, 0, K, BN, CPI, ACT_Q8, ASM)
     if NSEG > 1:
@@ -187,7 +209,8 @@ def _gemv_kernel(x, xq, xd, xs, y, K, w0, n0, s0, w1, n1, s1, w2, n2, s2, w3, n3
 
 @triton.jit
 def _dequant_kernel(w, ids, out, N, K, row_bytes, stride_out, QT: tl.constexpr, HAS_IDS: tl.constexpr,
-                    BR: tl.constexpr):
+                    BR: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     c = tl.program_id(1)
     rmask = r < N
@@ -255,7 +278,8 @@ def gemv(x: torch.Tensor, segments: list[tuple[torch.Tensor, int]], out: torch.T
         raise ValueError(f"q8 must be x quantized by q8dot.quantize ([1, {K // 4}] int32 words)")
     xq, xd, xs = q8 if q8 is not None else (x, x, x)
     _gemv_kernel[(blocks,)](x, xq, xd, xs, out, K, *args, QT0=qts[0], QT1=qts[1], QT2=qts[2], QT3=qts[3],
-                            NSEG=len(segments), BN=bn, CPI=cpi, ACT_Q8=q8 is not None, ASM=use_asm(x), num_warps=warps)
+                            NSEG=len(segments), BN=bn, CPI=cpi, ACT_Q8=q8 is not None, ASM=use_asm(x), num_warps=warps,
+                            **pdl.flags(x))
     return out
 
 
@@ -272,5 +296,5 @@ def dequantize_into(raw: torch.Tensor, qtype: int, K: int, out: torch.Tensor,
     br = 4 if out.is_cuda else 64
     grid = (triton.cdiv(n, br), triton.cdiv(K, 256))
     _dequant_kernel[grid](raw, raw if ids is None else ids, out, n, K, raw.shape[1], out.stride(0),
-                          QT=qtype, HAS_IDS=ids is not None, BR=br)
+                          QT=qtype, HAS_IDS=ids is not None, BR=br, **pdl.flags(raw))
     return out

@@ -21,12 +21,16 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import wait_prior
 from .norm import normed_row, row_launch
 from .q8dot import QBLOCK, attach, new_q8, store_q8
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, xq, xd, xs, N, stride_g, stride_u, Q8: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, xq, xd, xs, N, stride_g, stride_u, Q8: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    wait_prior(PDL)
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = n < N
@@ -44,7 +48,8 @@ def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, xq, xd, xs, N, stride_g, stride_u, Q8:
 @triton.jit
 def _ffn_residual_kernel(x_ptr, r_ptr, s_ptr, g_ptr, y_ptr, w_ptr, h_ptr, hq, hd, hs, N, TOPK, stride_s, stride_g, eps,
                          HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr, NORM: tl.constexpr, Q8: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = n < N
@@ -80,7 +85,7 @@ def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, q8: bool = False) -> tor
     block = min(max(triton.next_power_of_2(N), QBLOCK), 1024)
     if T:
         _silu_mul_kernel[(T, triton.cdiv(N, block))](gate, up, y, *codes, N, gate.stride(0), up.stride(0), Q8=q8,
-                                                    BLOCK=block, num_warps=4)
+                                                    BLOCK=block, num_warps=4, **pdl.flags(gate))
     return attach(y, codes) if q8 else y
 
 
@@ -119,7 +124,7 @@ def ffn_residual_rows(x: torch.Tensor, routed: torch.Tensor, shared: torch.Tenso
         _ffn_residual_kernel[(T, triton.cdiv(N, block))](x, routed, s, g, y, w, h, *codes, N, topk, s.stride(0),
                                                         g.stride(0), eps, HAS_SHARED=shared is not None,
                                                         HAS_GATE=shared_gate is not None, NORM=norm is not None,
-                                                        Q8=q8, BLOCK=block, num_warps=warps)
+                                                        Q8=q8, BLOCK=block, num_warps=warps, **pdl.flags(x))
     if norm is None:
         return y
     return y, (attach(h, codes) if q8 else h)

@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels import pdl
+from runtime.kernels.pdl import prefetch_l2, wait_prior
 from runtime.kernels.q8dot import chunks_per_iteration, quantize, quantized, readable, row_dot_q8, use_asm
 from runtime.kernels.qmatvec import SUPPORTED_QTYPES, _output, _row_dot, _tile_dot, row_bytes_of, rows_per_program
 
@@ -61,11 +63,12 @@ def _slot_base(slot, dev_ptr, host_ptr, slot_bytes, HAS_HOST: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(x_ptr, xq, xd, xs, ids_ptr, slot_ptr, gate_ptr, up_ptr, gate_h_ptr, up_h_ptr, h_ptr, count_ptr,
-                    TOPK, N_FF, K, gate_slot_bytes, up_slot_bytes, up_row0, gate_row_bytes, up_row_bytes,
-                    stride_x, stride_ids,
+                    down_ptr, TOPK, N_FF, K, gate_slot_bytes, up_slot_bytes, up_row0, gate_row_bytes, up_row_bytes,
+                    stride_x, stride_ids, down_slot_bytes, down_bytes,
                     GATE_QTYPE: tl.constexpr, UP_QTYPE: tl.constexpr, HAS_HOST: tl.constexpr,
                     HAS_COUNT: tl.constexpr, BLOCK_N: tl.constexpr, ACT_Q8: tl.constexpr, ASM: tl.constexpr,
-                    CPI: tl.constexpr):
+                    CPI: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     pair = tl.program_id(0)
     t = pair // TOPK
     j = pair % TOPK
@@ -74,6 +77,12 @@ def _gate_up_kernel(x_ptr, xq, xd, xs, ids_ptr, slot_ptr, gate_ptr, up_ptr, gate
         if tl.program_id(1) == 0:  # one count per (token, choice): the store's routing statistics
             tl.atomic_add(count_ptr + expert, 1)
     slot = tl.load(slot_ptr + expert).to(tl.int64)
+    if PDL:  # this program's share of the expert's down matrix into L2, for the down launch
+        if slot >= 0:
+            share = tl.cdiv(tl.cdiv(down_bytes, tl.num_programs(1)), 16) * 16
+            a = tl.program_id(1).to(tl.int64) * share
+            base = down_ptr + slot * down_slot_bytes
+            prefetch_l2(base + a, base + tl.minimum(a + share, down_bytes), True)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n3 = n[:, None, None]
     # Without a host pool a non-resident expert (slot < 0) reads nothing (zero valid rows) and
@@ -99,7 +108,8 @@ def _gate_up_kernel(x_ptr, xq, xd, xs, ids_ptr, slot_ptr, gate_ptr, up_ptr, gate
 def _down_kernel(h_ptr, hq, hd, hs, ids_ptr, wts_ptr, slot_ptr, down_ptr, down_h_ptr, part_ptr,
                  TOPK, N_EMBD, N_FF, down_slot_bytes, down_row_bytes, stride_ids, stride_wts,
                  DOWN_QTYPE: tl.constexpr, HAS_HOST: tl.constexpr, BLOCK_N: tl.constexpr,
-                 ACT_Q8: tl.constexpr, ASM: tl.constexpr, CPI: tl.constexpr):
+                 ACT_Q8: tl.constexpr, ASM: tl.constexpr, CPI: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     pair = tl.program_id(0)
     t = pair // TOPK
     j = pair % TOPK
@@ -124,8 +134,9 @@ def _down_kernel(h_ptr, hq, hd, hs, ids_ptr, wts_ptr, slot_ptr, down_ptr, down_h
 
 
 @triton.jit
-def _sum_topk_kernel(part_ptr, y_ptr, TOPK, N_EMBD, stride_y, BLOCK: tl.constexpr):
+def _sum_topk_kernel(part_ptr, y_ptr, TOPK, N_EMBD, stride_y, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """y[t] = sum over j = 0..k-1, in that order, of the weighted expert outputs."""
+    wait_prior(PDL)
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -139,8 +150,9 @@ def _grouped_gate_up_kernel(x_ptr, pairs_ptr, block_expert_ptr, slot_ptr, gate_p
                             h_ptr, TOPK, N_EXPERT, N_FF, K, gate_slot_bytes, up_slot_bytes, up_row0,
                             gate_row_bytes, up_row_bytes, stride_x,
                             GATE_QTYPE: tl.constexpr, UP_QTYPE: tl.constexpr, HAS_HOST: tl.constexpr,
-                            DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                            DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """One block of ``BLOCK_M`` pairs routed to one expert x ``BLOCK_N`` rows of its gate and up."""
+    wait_prior(PDL)
     blk = tl.program_id(0)
     expert = tl.load(block_expert_ptr + blk)
     if expert < N_EXPERT:  # blocks past the last expert's are padding of the worst-case grid
@@ -167,8 +179,9 @@ def _grouped_gate_up_kernel(x_ptr, pairs_ptr, block_expert_ptr, slot_ptr, gate_p
 def _grouped_down_kernel(h_ptr, pairs_ptr, block_expert_ptr, wts_ptr, slot_ptr, down_ptr, down_h_ptr, part_ptr,
                          N_EXPERT, N_EMBD, N_FF, down_slot_bytes, down_row_bytes,
                          DOWN_QTYPE: tl.constexpr, HAS_HOST: tl.constexpr, DOT_FP32: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """One block of pairs x ``BLOCK_N`` rows of the expert's down, times each pair's weight."""
+    wait_prior(PDL)
     blk = tl.program_id(0)
     expert = tl.load(block_expert_ptr + blk)
     if expert < N_EXPERT:
@@ -193,10 +206,11 @@ def _grouped_down_kernel(h_ptr, pairs_ptr, block_expert_ptr, wts_ptr, slot_ptr, 
 @triton.jit
 def _group_pairs_kernel(ids_ptr, pairs_ptr, block_expert_ptr, counts_ptr, P, N_EXPERT, N_BLOCKS,
                         HAS_COUNT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-                        BINS: tl.constexpr):
+                        BINS: tl.constexpr, PDL: tl.constexpr):
     """Program ``e < N_EXPERT`` places expert e's pairs; program ``N_EXPERT`` pads the unused tail.
     Every program counts all experts itself (a histogram of the ids, P small): no program waits
     for another, and every output element is written by exactly one program."""
+    wait_prior(PDL)
     e = tl.program_id(0)
     hist = tl.zeros([BINS], dtype=tl.int32)
     for p0 in range(0, P, BLOCK_P):
@@ -257,7 +271,8 @@ def group_pairs(ids: torch.Tensor, n_expert: int, block_m: int,
     if n_blocks:
         _group_pairs_kernel[(n_expert + 1,)](flat, pairs, block_expert, counts if counts is not None else pairs,
                                              P, n_expert, n_blocks, HAS_COUNT=counts is not None, BLOCK_M=block_m,
-                                             BLOCK_P=1024, BINS=triton.next_power_of_2(n_expert + 1), num_warps=4)
+                                             BLOCK_P=1024, BINS=triton.next_power_of_2(n_expert + 1), num_warps=4,
+                                             **pdl.flags(flat))
     return pairs, block_expert
 
 
@@ -382,11 +397,11 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
             topk, n_expert, n_ff, n_embd, gate_raw.stride(0), up_raw.stride(0), up_row0,
             gate_raw.shape[2], up_raw.shape[2], x.stride(0),
             GATE_QTYPE=int(gate_qtype), UP_QTYPE=int(up_qtype), HAS_HOST=has_host, DOT_FP32=fp32,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, **pdl.flags(x))
         _grouped_down_kernel[(block_expert.numel(), triton.cdiv(n_embd, bn))](
             h, pairs, block_expert, topk_weights, slot_table, down_raw, down_h, part,
             n_expert, n_embd, n_ff, down_raw.stride(0), down_raw.shape[2],
-            DOWN_QTYPE=int(down_qtype), HAS_HOST=has_host, DOT_FP32=fp32, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+            DOWN_QTYPE=int(down_qtype), HAS_HOST=has_host, DOT_FP32=fp32, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, **pdl.flags(h))
     else:
         rows, warps = _launch(T_ * topk)
         bn = block_n or rows_per_program(x.device, rows)
@@ -396,16 +411,19 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         xq, xd, xs = quantized(x) if q8_gu else (x, x, x)  # the norm that wrote x may have attached it
         _gate_up_kernel[(T_ * topk, triton.cdiv(n_ff, bn))](
             x, xq, xd, xs, topk_ids, slot_table, gate_raw, up_raw, gate_h, up_h, h, counts if counts is not None else slot_table,
-            topk, n_ff, n_embd, gate_raw.stride(0), up_raw.stride(0), up_row0,
-            gate_raw.shape[2], up_raw.shape[2], x.stride(0), topk_ids.stride(0),
+            down_raw, topk, n_ff, n_embd, gate_raw.stride(0), up_raw.stride(0), up_row0,
+            gate_raw.shape[2], up_raw.shape[2], x.stride(0), topk_ids.stride(0), down_raw.stride(0),
+            down_raw.shape[1] * down_raw.shape[2],
             GATE_QTYPE=int(gate_qtype), UP_QTYPE=int(up_qtype), HAS_HOST=has_host, HAS_COUNT=counts is not None,
-            BLOCK_N=bn, ACT_Q8=q8_gu, ASM=use_asm(x), CPI=chunks_per_iteration(n_embd, cpi), num_warps=num_warps)
+            BLOCK_N=bn, ACT_Q8=q8_gu, ASM=use_asm(x), CPI=chunks_per_iteration(n_embd, cpi), num_warps=num_warps,
+            **pdl.flags(x))
         hq, hd, hs = quantize(h) if q8_down else (h, h, h)
         _down_kernel[(T_ * topk, triton.cdiv(n_embd, bn))](
             h, hq, hd, hs, topk_ids, topk_weights, slot_table, down_raw, down_h, part,
             topk, n_embd, n_ff, down_raw.stride(0), down_raw.shape[2], topk_ids.stride(0),
             topk_weights.stride(0), DOWN_QTYPE=int(down_qtype), HAS_HOST=has_host, BLOCK_N=bn, ACT_Q8=q8_down,
-            ASM=use_asm(x), CPI=chunks_per_iteration(n_ff, cpi), num_warps=num_warps)
+            ASM=use_asm(x), CPI=chunks_per_iteration(n_ff, cpi), num_warps=num_warps, **pdl.flags(h))
     if reduce:
-        _sum_topk_kernel[(T_, triton.cdiv(n_embd, 1024))](part, y, topk, n_embd, y.stride(0), BLOCK=1024, num_warps=4)
+        _sum_topk_kernel[(T_, triton.cdiv(n_embd, 1024))](part, y, topk, n_embd, y.stride(0), BLOCK=1024,
+                                                          num_warps=4, **pdl.flags(part))
     return y

@@ -17,12 +17,16 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import wait_prior
 from .q8dot import QBLOCK, attach, new_q8, store_q8
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, xq, xd, xs, N, B, stride_a, stride_b, eps,
-                     HAS_W: tl.constexpr, HAS_RES: tl.constexpr, Q8: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_W: tl.constexpr, HAS_RES: tl.constexpr, Q8: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    wait_prior(PDL)
     r = tl.program_id(0)
     n = tl.arange(0, BLOCK)
     m = n < N
@@ -88,7 +92,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, resi
         block, warps = row_launch(N)
         _rms_norm_kernel[(A * B,)](x, residual if residual is not None else x, weight if weight is not None else x,
                                    y, s, *codes, N, B, stride_a, stride_b, eps, HAS_W=weight is not None,
-                                   HAS_RES=residual is not None, Q8=q8, BLOCK=block, num_warps=warps)
+                                   HAS_RES=residual is not None, Q8=q8, BLOCK=block, num_warps=warps, **pdl.flags(x))
     if q8:
         attach(y, codes)
     return (s, y) if residual is not None else y

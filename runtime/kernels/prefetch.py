@@ -17,10 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import wait_prior
+
 
 @triton.jit
 def _prefetch_kernel(ids_ptr, table_ptr, eff_ptr, host_ptr, dev_ptr, first_slot, slot_words, N_CHUNKS,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     j = tl.program_id(0)
     c = tl.program_id(1)
     expert = tl.load(ids_ptr + j)
@@ -62,4 +66,5 @@ def prefetch_experts(ids: torch.Tensor, table_row: torch.Tensor, eff_row: torch.
     # On the CPU (Triton's interpreter, CI) each program costs a Python re-entry: one per guess.
     chunks = n_chunks or (1 if pool.device.type == "cpu" else 16)
     _prefetch_kernel[(k, chunks)](ids.reshape(-1), table_row, eff_row, host_pool.view(torch.int32),
-                                  pool.view(torch.int32), first_slot, words, chunks, BLOCK=1024, num_warps=4)
+                                  pool.view(torch.int32), first_slot, words, chunks, BLOCK=1024, num_warps=4,
+                                  **pdl.flags(ids))

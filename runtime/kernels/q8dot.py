@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import wait_prior
 from .qmatvec import Q4_K, Q6_K
 
 QBLOCK = 32  # activation elements per int8 scale
@@ -96,7 +98,8 @@ def store_q8(v, b, K, xq, xd, xs):
 
 
 @triton.jit
-def _quantize_kernel(x, xq, xd, xs, K, stride_x, BLOCKS: tl.constexpr):
+def _quantize_kernel(x, xq, xd, xs, K, stride_x, BLOCKS: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     t = tl.program_id(0)
     b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     k = b[:, None] * 32 + tl.arange(0, 32)[None, :]
@@ -121,7 +124,7 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     blocks = 8 if x.is_cuda else 64
     if T:
         _quantize_kernel[(T, triton.cdiv(K // 32, blocks))](x, xq, xd, xs, K, x.stride(0), BLOCKS=blocks,
-                                                             num_warps=2)
+                                                             num_warps=2, **pdl.flags(x))
     return xq.view(torch.int32), xd, xs
 
 

@@ -28,6 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import wait_prior
+
 # GGML type ids (gguf.constants.GGMLQuantizationType), repeated here so the GPU machine needs no gguf.
 Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, MXFP4 = 2, 6, 8, 12, 13, 14, 23, 39
 
@@ -285,7 +288,8 @@ def _tile_dot(QTYPE: tl.constexpr, w_rows, rmask, a_rows, amask, c, K, acc,
 
 @triton.jit
 def _qmv_kernel(x_ptr, w_ptr, y_ptr, B, N, K, row_bytes, stride_xb, stride_yb,
-                QTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr):
+                QTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     pid_n = tl.program_id(0)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n3 = n[:, None, None]
@@ -305,7 +309,8 @@ def _qmv_kernel(x_ptr, w_ptr, y_ptr, B, N, K, row_bytes, stride_xb, stride_yb,
 @triton.jit
 def _qmm_kernel(x_ptr, w_ptr, y_ptr, B, N, K, row_bytes, stride_xb, stride_yb,
                 QTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
-                DOT_FP32: tl.constexpr):
+                DOT_FP32: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -384,7 +389,7 @@ def qmatvec(x: torch.Tensor, w_raw: torch.Tensor, qtype: int, K: int,
         block_n = block_n or rows_per_program(x.device, 16 if N >= 8192 else 4)
         _qmv_kernel[(triton.cdiv(N, block_n),)](
             x, w_raw, y, B, N, K, w_raw.shape[1], x.stride(0), y.stride(0),
-            QTYPE=qtype, BLOCK_B=_next_pow2(B), BLOCK_N=block_n, num_warps=4)
+            QTYPE=qtype, BLOCK_B=_next_pow2(B), BLOCK_N=block_n, num_warps=4, **pdl.flags(x))
         return y
     for b0 in range(0, B, DOT_B_MAX):
         xs, ys = x[b0:b0 + DOT_B_MAX], y[b0:b0 + DOT_B_MAX]
@@ -394,5 +399,5 @@ def qmatvec(x: torch.Tensor, w_raw: torch.Tensor, qtype: int, K: int,
         _qmm_kernel[(triton.cdiv(N, bn), triton.cdiv(bs, block_b))](
             xs, w_raw, ys, bs, N, K, w_raw.shape[1], xs.stride(0), ys.stride(0),
             QTYPE=qtype, BLOCK_B=block_b, BLOCK_N=bn, DOT_FP32=x.dtype == torch.float32,
-            num_warps=4)
+            num_warps=4, **pdl.flags(xs))
     return y

@@ -11,10 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import wait_prior
+
 
 @triton.jit
 def _softmax_topk_kernel(logits_ptr, w_ptr, ids_ptr, N, stride_l, K: tl.constexpr, K_P2: tl.constexpr,
-                         NORM: tl.constexpr, BLOCK: tl.constexpr):
+                         NORM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     t = tl.program_id(0)
     n = tl.arange(0, BLOCK)
     m = n < N
@@ -52,5 +56,5 @@ def softmax_topk(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor
         # one warp up to 512 experts: the 2k + 2 reductions then stay inside a warp (shuffles);
         # with 4 warps each went through shared memory (3.4 us a layer on the H100 at 256 experts)
         _softmax_topk_kernel[(T,)](logits, w, ids, N, logits.stride(0), K=k, K_P2=triton.next_power_of_2(k),
-                                   NORM=norm, BLOCK=block, num_warps=1 if block <= 512 else 4)
+                                   NORM=norm, BLOCK=block, num_warps=1 if block <= 512 else 4, **pdl.flags(logits))
     return w, ids
