@@ -308,7 +308,13 @@ def route_softmax(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tenso
 def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor | None, k: int, norm: bool,
                   scale: float = 1.0, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Laguna router: experts chosen on sigmoid + correction bias, weighted by the unbiased
-    sigmoids (renormalised), times the routed scaling factor."""
+    sigmoids (renormalised), times the routed scaling factor. On a GPU one Triton launch
+    (``kernels/router.py``) instead of about nine."""
+    if logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1 and logits.dtype != torch.float64 \
+            and softcap == 0:
+        from .kernels.router import sigmoid_topk
+
+        return sigmoid_topk(logits, bias, k, norm, scale)
     logits = wide(logits)
     if softcap > 0:
         logits = torch.tanh(logits / softcap) * softcap

@@ -563,6 +563,41 @@ def test_softmax_topk_matches_route_softmax(n, k, norm) -> None:
         assert ids.cpu().tolist() == [[e for _, e in row] for row in canon]
 
 
+@pytest.mark.parametrize("with_bias,norm", [(True, True), (False, False)])
+def test_sigmoid_topk_matches_route_sigmoid(with_bias, norm) -> None:
+    """Laguna's router in one launch: experts chosen on sigmoid + correction bias, weighted by
+    the unbiased sigmoids, renormalised, scaled; same experts in the same order as the torch form,
+    weights to float32 round-off. The bias really steers the choice (a mutation that drops it
+    picks other experts here), and a tie goes to the lower expert id."""
+    from runtime.kernels.router import sigmoid_topk
+    from runtime.layers import route_sigmoid
+
+    g = torch.Generator().manual_seed(7)
+    T, n, k, scale = 5, 64, 8, 2.5
+    logits = torch.randn(T, n, generator=g) * 2
+    bias = (torch.randn(n, generator=g) * 0.5) if with_bias else None
+    logits[3, 9] = logits[3, 21] = 40.0  # both sigmoids round to 1.0: a tie for first place
+    if with_bias:
+        bias[9] = bias[21] = bias.max() + 1.0
+    for x in (logits, logits.to(torch.bfloat16)):
+        w, ids = sigmoid_topk(x.to(DEVICE), None if bias is None else bias.to(DEVICE), k, norm, scale)
+        want_w, want_ids = route_sigmoid(x, bias, k, norm, scale)  # the torch form (on the CPU)
+        assert ids.dtype == torch.int64 and w.dtype == torch.float32
+        assert ids[3, :2].tolist() == [9, 21]
+        chosen = torch.sigmoid(x.float()) + (bias if bias is not None else 0.0)
+        for t in range(T):  # the k largest choices, the lower id first among equals (bf16 ties often)
+            canon = sorted(range(n), key=lambda e: (-float(chosen[t, e]), e))[:k]  # noqa: B023
+            assert ids[t].cpu().tolist() == canon
+            assert sorted(canon) == sorted(want_ids[t].tolist()) or x.dtype == torch.bfloat16
+            scores = torch.sigmoid(x[t].float())[canon]
+            want = (scores / scores.sum() if norm else scores) * scale
+            assert torch.allclose(w[t].cpu(), want, rtol=1e-5, atol=1e-7)
+        assert torch.allclose(w.cpu().sum(-1), want_w.sum(-1), rtol=1e-5)
+    if with_bias:
+        _, unbiased = route_sigmoid(logits, None, k, norm, scale)
+        assert not torch.equal(ids.cpu().sort().values, unbiased.sort().values)
+
+
 # ----------------------------------------------------------------------------- GPU codegen without a GPU
 
 FLOAT_ARGS = ("q_scale", "eps")
@@ -645,8 +680,10 @@ def aot_compile_all(arch: int = 90) -> None:
                                          "y_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "hq": "*i8",
                                          "hd": "*fp32", "hs": "*fp32"},
               {"HAS_SHARED": True, "HAS_GATE": True, "NORM": True, "Q8": True, "BLOCK": 2048}),
-             (router._softmax_topk_kernel, {"logits_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i64"},
-              {"K": 8, "K_P2": 8, "NORM": True, "BLOCK": 256}),
+             *[(router._route_topk_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32",
+                                            "ids_ptr": "*i64"},
+                {"K": 8, "K_P2": 8, "SIGMOID": sig, "HAS_BIAS": sig, "NORM": True, "BLOCK": 256})
+               for sig in (False, True)],
              (prefetch._prefetch_kernel, {"ids_ptr": "*i64", "table_ptr": "*i32", "eff_ptr": "*i32",
                                           "host_ptr": "*i32", "dev_ptr": "*i32"}, {"BLOCK": 1024}),
              *[(dense._gemv_kernel, {"x": "*bf16", "y": "*bf16", "w0": "*i16", "w1": "*i32", "w2": "*fp32",
@@ -680,7 +717,7 @@ def compile_in_subprocess(call: str, count: int) -> None:
 
 
 def test_kernels_compile_for_h100() -> None:
-    compile_in_subprocess("from tests.test_kernels import aot_compile_all; aot_compile_all()", 35)
+    compile_in_subprocess("from tests.test_kernels import aot_compile_all; aot_compile_all()", 36)
 
 
 @pytest.mark.parametrize("T,d_k,d_v,chunk", [(150, 16, 24, 64), (40, 20, 16, 16), (64, 32, 32, 32)])
