@@ -14,8 +14,8 @@
 #   bench/compare_llama.py's table (ours / llama.cpp). ~9 of the 10 minutes a call may run.
 #   SIDE_TESTS="tests/..." also runs those tests on CUDA while the model is written (before any timing),
 #   cut off after SIDE_TESTS_TIMEOUT seconds (180); their log goes to $OUT/tests.log.
-# presets: side-by-side on the laguna-xs2 and qwen3-30b-a3b shapes (llama-bench built already,
-#   e.g. LLAMA_BUILD inside the repo on a machine still warm from a `side` call; skipped otherwise).
+# presets: side-by-side on the laguna-xs2 and qwen3-30b-a3b shapes (llama-bench built in the background
+#   while the first model is written and timed, unless already built on a machine still warm).
 #   PRESETS="qwen3moe:qwen3-30b-a3b" runs one (each takes ~4-5 minutes: one per call fits the limit).
 set -euo pipefail
 steps="${*:-synth split compress tests}"
@@ -86,6 +86,11 @@ for step in $steps; do
       python3 bench/compare_llama.py "${OUT:-$work}/decode_bench.json" "${OUT:-/tmp}/llama_bench_$(basename "$model" .gguf).json" \
         --md "${OUT:-$work}/side_by_side.md" || true ;;
     presets)
+      build=""
+      if [ ! -x "${LLAMA_BUILD:-/tmp/llama-build}/bin/llama-bench" ]; then  # a fresh machine: build meanwhile
+        nice -n 19 bash bench/llama_bench.sh --build-only > "$work/llama_build.log" 2>&1 &
+        build=$!
+      fi
       for preset in ${PRESETS:-qwen3moe:qwen3-30b-a3b laguna:laguna-xs2}; do
         arch="${preset%%:*}" name="${preset#*:}" m="$work/$name-q4km.gguf"
         echo "== $name"
@@ -94,6 +99,7 @@ for step in $steps; do
         python3 -m repack.cli synth --arch "$arch" --preset "$name" --quant Q4_K_M -j 16 --skew reference -o "$m" >/dev/null
         python3 bench/decode_bench.py "$m" --depths 128 4096 --prefill 512 --json "${OUT:-$work}/decode_bench_$name.json" \
           || echo "decode_bench failed on $name (rc $?)"
+        if [ -n "$build" ]; then wait "$build" || tail -20 "$work/llama_build.log"; build=""; fi
         if [ -x "${LLAMA_BUILD:-/tmp/llama-build}/bin/llama-bench" ]; then
           LLAMA_DEPTHS=0,128,4096 bash bench/llama_bench.sh --no-build "$m" || true
           python3 bench/compare_llama.py "${OUT:-$work}/decode_bench_$name.json" "${OUT:-/tmp}/llama_bench_$name-q4km.json" \

@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--rows", type=int, default=25)
-    ap.add_argument("--prefill", type=int, default=512, help="prompt length of the profiled prefill")
+    ap.add_argument("--prefill", type=int, default=512, help="prompt length of the profiled prefill (0: none)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     model = load_model(args.model, device="cuda", dtype=torch.bfloat16,
@@ -61,6 +61,8 @@ def main() -> None:
             torch.cuda.synchronize()
         report(prof, args.steps, "token", args.rows)
     n = args.prefill
+    if not n:
+        return
     session.reset()
     session.feed(list(range(200, 200 + n)))  # warm (compiles the prefill kernels)
     session.reset()
