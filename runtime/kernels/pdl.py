@@ -8,14 +8,15 @@ signalled (``griddepcontrol.launch_dependents``), and blocks in ``griddepcontrol
 that predecessor has completed and its writes are visible.
 
 The rule that keeps this exact, for every kernel of the runtime: ``wait_prior(PDL)`` comes
-before any load or store, in every program. Only two things may come first: ``prefetch_l2``, a
-hint to bring weights or older KV rows into L2 that loads nothing into the program and so cannot
-race; and reads of what no kernel writes during a step (the decode position, set before it). So a kernel reads
-and writes nothing before its predecessor is done (no read-after-write or write-after-read
-race), and since each predecessor itself waited for its own, completion is transitive down the
-stream. Only then does it signal its dependents, so at most two kernels share the GPU and a
-kernel's successor fills slots its own programs left free (it cannot starve it). Results never
-depend on PDL: ``SPARKPACK_PDL=0`` turns it off (tests compare both).
+before any load or store, in every program. So a kernel touches nothing its predecessor writes
+or reads before that predecessor is done (no read-after-write or write-after-read race), and
+since each predecessor itself waited for its own, completion is transitive down the stream.
+Only two things may come first: ``prefetch_l2``, a hint to bring weights or older KV rows into
+L2, which loads nothing into the program and so cannot race; and reads of what no kernel writes
+during a step (the decode position, set before it). A kernel signals its dependents only after
+its wait, so at most two kernels share the GPU and a kernel's successor fills slots its own
+programs left free (it cannot starve it). Results never depend on PDL: ``SPARKPACK_PDL=0`` turns
+it off (a CUDA test compares both).
 """
 from __future__ import annotations
 
@@ -45,15 +46,17 @@ def prefetch_l2(lo, hi, PDL: tl.constexpr):
     """Before ``wait_prior``: ask for the bytes from pointer ``lo`` up to pointer ``hi`` to be
     brought into L2 (Hopper's bulk prefetch, one instruction, no registers held), for data no
     kernel of the step writes (weights, older KV rows). The DRAM latency then overlaps the
-    predecessor's tail instead of following it. A hint only: it never changes a result."""
+    predecessor's tail instead of following it. A hint only: it never changes a result. The range
+    is rounded out to 16-byte units, which stays inside the allocation (sizes are rounded to 512)."""
     if PDL:
         a = lo.to(tl.int64, bitcast=True)
         start = a // 16 * 16  # the instruction wants 16-byte units
         size = (hi.to(tl.int64, bitcast=True) - start + 15) // 16 * 16
         if size > 0:
+            addr = tl.full([1], 0, tl.int64) + start
+            nbytes = tl.full([1], 0, tl.int32) + size.to(tl.int32)
             tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                                      [tl.full([1], 0, tl.int64) + start, tl.full([1], 0, tl.int32) + size.to(tl.int32)],
-                                      dtype=tl.int32, is_pure=False, pack=1)
+                                      [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @functools.cache
