@@ -291,10 +291,15 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tenso
 # --- routers -----------------------------------------------------------------------------------
 
 
+def _router_kernel_takes(logits: torch.Tensor) -> bool:
+    """Whether ``kernels/router.py`` serves these logits: [T, n_expert] on a GPU, rows contiguous."""
+    return logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1 and logits.dtype != torch.float64
+
+
 def route_softmax(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen routers: softmax over all experts, top-k, optionally renormalised to sum 1. On a GPU
     one Triton launch (``kernels/router.py``) instead of five to seven."""
-    if logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1 and logits.dtype != torch.float64:
+    if _router_kernel_takes(logits):
         from .kernels.router import softmax_topk
 
         return softmax_topk(logits, k, norm)
@@ -310,8 +315,7 @@ def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor | None, k: int, norm:
     """Laguna router: experts chosen on sigmoid + correction bias, weighted by the unbiased
     sigmoids (renormalised), times the routed scaling factor. On a GPU one Triton launch
     (``kernels/router.py``) instead of about nine."""
-    if logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1 and logits.dtype != torch.float64 \
-            and softcap == 0:
+    if _router_kernel_takes(logits) and softcap == 0:
         from .kernels.router import sigmoid_topk
 
         return sigmoid_topk(logits, bias, k, norm, scale)

@@ -166,9 +166,15 @@ def _segment(QT: tl.constexpr, w, row_stride, N, blk, x, xq, xd, xs, y, col, K, 
 
 
 @triton.jit
-def _prefetch_band(w, row_stride, N, blk, BN: tl.constexpr):
-    r0 = blk.to(tl.int64) * BN
-    prefetch_l2(w + r0 * row_stride, w + tl.minimum(r0 + BN, N) * row_stride, True)
+def _band(QT: tl.constexpr, w, row_stride, N, blk, x, xq, xd, xs, y, col, K, BN: tl.constexpr, CPI: tl.constexpr,
+          ACT_Q8: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+    """One program's rows of one segment: its weight rows into L2 while the previous kernel
+    finishes (they depend on no kernel), then the wait, then the rows."""
+    if PDL:
+        r0 = blk.to(tl.int64) * BN
+        prefetch_l2(w + r0 * row_stride, w + tl.minimum(r0 + BN, N) * row_stride, True)
+    wait_prior(PDL)
+    _segment(QT, w, row_stride, N, blk, x, xq, xd, xs, y, col, K, BN, CPI, ACT_Q8, ASM)
 
 
 @triton.jit
@@ -176,35 +182,21 @@ def _gemv_kernel(x, xq, xd, xs, y, K, w0, n0, s0, w1, n1, s1, w2, n2, s2, w3, n3
                  QT0: tl.constexpr, QT1: tl.constexpr, QT2: tl.constexpr, QT3: tl.constexpr,
                  NSEG: tl.constexpr, BN: tl.constexpr, CPI: tl.constexpr, ACT_Q8: tl.constexpr,
                  ASM: tl.constexpr, PDL: tl.constexpr):
+    # The grid is exactly the segments' blocks: every program takes one branch (and waits once).
     pid = tl.program_id(0)
     e0 = tl.cdiv(n0, BN)
-    if PDL:  # this program's weight rows into L2 while the previous kernel finishes
-        if pid < e0:
-            _prefetch_band(w0, s0, n0, pid, BN)
-        elif NSEG > 1:
-            e1 = e0 + tl.cdiv(n1, BN)
-            if pid < e1:
-                _prefetch_band(w1, s1, n1, pid - e0, BN)
-            elif NSEG > 2:
-                e2 = e1 + tl.cdiv(n2, BN)
-                if pid < e2:
-                    _prefetch_band(w2, s2, n2, pid - e1, BN)
-                elif NSEG > 3:
-                    _prefetch_band(w3, s3, n3, pid - e2, BN)
-    wait_prior(PDL)
     if pid < e0:
-        _segment(QT0, w0, s0, n0, pid, x, xq, xd, xs, y, 0, K, BN, CPI, ACT_Q8, ASM)
-    if NSEG > 1:
+        _band(QT0, w0, s0, n0, pid, x, xq, xd, xs, y, 0, K, BN, CPI, ACT_Q8, ASM, PDL)
+    elif NSEG > 1:
         e1 = e0 + tl.cdiv(n1, BN)
-        if (pid >= e0) & (pid < e1):
-            _segment(QT1, w1, s1, n1, pid - e0, x, xq, xd, xs, y, n0, K, BN, CPI, ACT_Q8, ASM)
-        if NSEG > 2:
+        if pid < e1:
+            _band(QT1, w1, s1, n1, pid - e0, x, xq, xd, xs, y, n0, K, BN, CPI, ACT_Q8, ASM, PDL)
+        elif NSEG > 2:
             e2 = e1 + tl.cdiv(n2, BN)
-            if (pid >= e1) & (pid < e2):
-                _segment(QT2, w2, s2, n2, pid - e1, x, xq, xd, xs, y, n0 + n1, K, BN, CPI, ACT_Q8, ASM)
-            if NSEG > 3:
-                if pid >= e2:
-                    _segment(QT3, w3, s3, n3, pid - e2, x, xq, xd, xs, y, n0 + n1 + n2, K, BN, CPI, ACT_Q8, ASM)
+            if pid < e2:
+                _band(QT2, w2, s2, n2, pid - e1, x, xq, xd, xs, y, n0 + n1, K, BN, CPI, ACT_Q8, ASM, PDL)
+            elif NSEG > 3:
+                _band(QT3, w3, s3, n3, pid - e2, x, xq, xd, xs, y, n0 + n1 + n2, K, BN, CPI, ACT_Q8, ASM, PDL)
 
 
 @triton.jit
