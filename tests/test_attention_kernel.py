@@ -6,10 +6,8 @@ attention itself, both computed in float64 on the values the kernels are given.
 Without a GPU the kernels run in Triton's interpreter on tiny shapes (float32 products, see the
 module's docstring); the cases still cover both head sizes' code paths (d 32 and 64), rep 1, 2
 and 4, partial rope, YaRN's cos/sin scale, a sliding window, positions at 0, inside a split and
-at the last row of the buffer, every gate, and garbage in the rows the mask excludes. Each
-attention case runs both ways of merging the partials (folded into the split kernel, and the
-combine kernel's launch), which must agree bit for bit. One test compiles the kernels for sm_90,
-which the interpreter does not check.
+at the last row of the buffer, every gate, and garbage in the rows the mask excludes. One test
+compiles the kernels for sm_90, which the interpreter does not check.
 """
 from __future__ import annotations
 
@@ -112,8 +110,7 @@ def filled_cache(H_kv: int, d: int, S: int, pos: int, dtype: torch.dtype, g: tor
 def run_attention(H_kv: int, rep: int, d: int, S: int, split: int, pos: int, window: int, dtype: torch.dtype,
                   gate_kind: str = "none", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' output ``[H, d]`` (with garbage in every cache row the mask excludes, ``pos``
-    given as an int and as a device scalar, the combine folded into the split kernel and in a
-    launch of its own: all four must agree bit for bit) and the torch reference, gated."""
+    given as an int and as a device scalar: both must agree) and the torch reference, gated."""
     g = torch.Generator().manual_seed(seed)
     H = H_kv * rep
     cache = filled_cache(H_kv, d, S, pos, dtype, g)
@@ -142,10 +139,10 @@ def run_attention(H_kv: int, rep: int, d: int, S: int, split: int, pos: int, win
     gate_dev = None
     if gate is not None:
         gate_dev = qg.to(DEVICE, dtype)[:, d:] if gate_kind == "sigmoid" else gate.to(DEVICE, dtype)
-    outs = [attend_decode(q_dev, kc.to(DEVICE), vc.to(DEVICE), p, window, gate_dev, gate_kind, split, fold=fold)
-            for p in (pos, torch.tensor(pos, device=DEVICE)) for fold in (True, False)]
+    outs = [attend_decode(q_dev, kc.to(DEVICE), vc.to(DEVICE), p, window, gate_dev, gate_kind, split)
+            for p in (pos, torch.tensor(pos, device=DEVICE))]
     assert outs[0].shape == (1, H * d) and outs[0].dtype == dtype
-    assert all(torch.equal(outs[0], o) for o in outs[1:])  # the folded merge is the combine kernel's, bit for bit
+    assert torch.equal(outs[0], outs[1])
     return outs[0].cpu().view(H, d), ref
 
 
@@ -161,7 +158,6 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 6e-3}
     (2, 2, 32, 96, 32, 45, 20),  # window opening inside the previous split
     (1, 4, 64, 128, 96, 120, 80),  # window opening in a split's second tile: the first tile is skipped
     (2, 1, 32, 64, 16, 63, 1),  # window 1: the token alone
-    (2, 2, 32, 256, 16, 250, 5),  # 16 splits, all but the last empty
 ])
 def test_attend_decode_matches_torch(dtype, H_kv, rep, d, S, split, pos, window) -> None:
     out, ref = run_attention(H_kv, rep, d, S, split, pos, window, dtype, seed=pos + window)
@@ -190,139 +186,11 @@ def test_attend_decode_ignores_excluded_rows() -> None:
     assert not torch.allclose(attend_decode(q, kc.to(DEVICE), vc.to(DEVICE), 63, split=16), base)
 
 
-def counters_zero() -> bool:
-    from runtime.kernels import attention as at
-
-    return all(int(c.count_nonzero()) == 0 for c in at._COUNTERS.values())
-
-
-@pytest.mark.parametrize("pos,window", [(3, 0), (250, 5), (100, 40)])
-def test_folded_path_in_a_row_and_mostly_empty_splits(pos, window) -> None:
-    """The folding program puts its kv head's counter back to zero, so the next call (the next
-    layer, a graph replay) merges again once all its partials are in: calls in a row give the
-    two-launch path's bits every time. Positions that leave most of the splits empty: the first
-    split alone, the last one alone (a short window at the end), a few in the middle. On a GPU, a
-    real shape (64 splits, 8 heads of 128 per kv head) and many calls, to give a race a chance."""
-    cuda = DEVICE == "cuda"
-    H_kv, rep, d, S, split = (4, 8, 128, 4096, 64) if cuda else (2, 2, 32, 256, 16)
-    scale = S // 256
-    pos, window = pos * scale, window * scale
-    g = torch.Generator().manual_seed(pos)
-    q = torch.randn(H_kv * rep, d, generator=g).to(DEVICE)
-    kc, vc = (torch.randn(H_kv, S, d, generator=g).to(DEVICE) for _ in range(2))
-    gate = torch.randn(H_kv * rep, generator=g).to(DEVICE)
-    want = attend_decode(q, kc, vc, pos, window, gate, "softplus_head", split, fold=False)
-    at = torch.tensor(pos, device=DEVICE)
-    for _ in range(100 if cuda else 2):
-        assert torch.equal(attend_decode(q, kc, vc, at, window, gate, "softplus_head", split, fold=True), want)
-        assert counters_zero()
-
-
-@pytest.mark.skipif(DEVICE == "cuda", reason="reorders the programs of Triton's interpreter")
-def test_folded_merge_does_not_depend_on_the_last_program(monkeypatch) -> None:
-    """Whichever program of a kv head draws the last ticket merges, and it reads only memory, in a
-    fixed order: with the interpreter's programs run in reverse (split 0 of each kv head last, so
-    it merges, instead of the last split), the bits are the same."""
-    from triton.runtime import interpreter
-
-    g = torch.Generator().manual_seed(4)
-    q = torch.randn(4, 64, generator=g)
-    kc, vc = (torch.randn(2, 128, 64, generator=g) for _ in range(2))
-    gate = torch.randn(4, 64, generator=g)
-    args = (q, kc, vc, 90, 0, gate, "sigmoid", 16)
-    want = attend_decode(*args, q8=True, fold=True)
-    builder = interpreter.interpreter_builder
-    set_idx, seen = builder.set_grid_idx, []
-
-    def reversed_idx(x, y, z):
-        nx, ny, nz = builder.grid_dim
-        seen.append((nx - 1 - x, ny - 1 - y, nz - 1 - z))
-        set_idx(*seen[-1])
-
-    monkeypatch.setattr(builder, "set_grid_idx", reversed_idx)
-    got = attend_decode(*args, q8=True, fold=True)
-    monkeypatch.undo()
-    assert seen[-1] == (0, 0, 0) and len(seen) == 2 * 8  # the reversal was in force
-    assert torch.equal(got, want) and counters_zero()
-    from runtime.kernels import q8dot
-
-    for a, b in zip(q8dot.attached(got), q8dot.attached(want)):
-        assert torch.equal(a, b)
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
-def test_folded_path_in_a_cuda_graph(monkeypatch) -> None:
-    """Captured once and replayed at other positions (read from memory), the folded path gives the
-    eager two-launch bits at each; a capture that finds no counter buffer yet takes the two-launch
-    path (same bits) instead of allocating one inside the graph."""
-    from runtime.kernels import attention as at, q8dot
-
-    g = torch.Generator().manual_seed(8)
-    q = torch.randn(16, 128, generator=g).to(DEVICE, torch.bfloat16)
-    kc, vc = (torch.randn(2, 1024, 128, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
-    gate = torch.randn(16, 128, generator=g).to(DEVICE, torch.bfloat16)
-    pos = torch.tensor(10, device=DEVICE)
-    for fold in (True, False):  # compile both paths outside the captures
-        attend_decode(q, kc, vc, pos, 0, gate, "sigmoid", 64, q8=True, fold=fold)
-    for fresh in (False, True):
-        if fresh:
-            monkeypatch.setattr(at, "_COUNTERS", {})
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = attend_decode(q, kc, vc, pos, 0, gate, "sigmoid", 64, q8=True, fold=True)
-        assert (q.device in at._COUNTERS) != fresh
-        for p in (10, 700, 1023, 64):
-            pos.fill_(p)
-            graph.replay()
-            want = attend_decode(q, kc, vc, p, 0, gate, "sigmoid", 64, q8=True, fold=False)
-            assert torch.equal(out, want)
-            for a, b in zip(q8dot.attached(out), q8dot.attached(want)):
-                assert torch.equal(a, b)
-        assert counters_zero()
-
-
-def test_fold_is_chosen_by_capacity_argument_or_environment(monkeypatch) -> None:
-    """By default the combine is folded up to ``FOLD_SPLITS`` splits of the capacity and has a
-    launch of its own beyond; ``fold=`` and then ``SPARKPACK_ATTN_FOLD`` override the default."""
-    from runtime.kernels import attention as at
-
-    launched = []
-
-    class Spy:
-        def __init__(self, kernel, name):
-            self.kernel, self.name = kernel, name
-
-        def __getitem__(self, grid):
-            launched.append(self.name)
-            return self.kernel[grid]
-
-    for name in ("_attend_folded_kernel", "_attend_split_kernel", "_attend_combine_kernel"):
-        monkeypatch.setattr(at, name, Spy(getattr(at, name), name))
-    monkeypatch.delenv("SPARKPACK_ATTN_FOLD", raising=False)
-
-    def paths(n_split: int, fold=None) -> list[str]:
-        launched.clear()
-        q = torch.ones(2, 32, device=DEVICE)
-        kc = torch.ones(1, n_split * 16, 32, device=DEVICE)
-        out = attend_decode(q, kc, kc, 5, split=16, fold=fold)
-        assert torch.allclose(out.cpu(), torch.ones(1, 64))
-        return launched[:]
-
-    folded, separate = ["_attend_folded_kernel"], ["_attend_split_kernel", "_attend_combine_kernel"]
-    assert paths(at.FOLD_SPLITS) == folded and paths(at.FOLD_SPLITS + 1) == separate
-    assert paths(at.FOLD_SPLITS + 1, fold=True) == folded and paths(1, fold=False) == separate
-    monkeypatch.setenv("SPARKPACK_ATTN_FOLD", "0")
-    assert paths(1) == separate and paths(1, fold=True) == folded
-    monkeypatch.setenv("SPARKPACK_ATTN_FOLD", "1")
-    assert paths(at.FOLD_SPLITS + 1) == folded and paths(1, fold=False) == separate
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attend_decode_int8_form(dtype) -> None:
-    """With ``q8`` the merge also writes the output's int8 form (``attn_output``'s input): bit for
-    bit ``q8dot.quantize`` of the output, which is itself unchanged, folded or not; d = 64 gives
-    two blocks per head (two combine programs each writing its own; one folding program writing
-    both heads' four)."""
+    """With ``q8`` the combine kernel also writes the output's int8 form (``attn_output``'s input):
+    bit for bit ``q8dot.quantize`` of the output, which is itself unchanged; d = 64 gives two
+    blocks per head, two programs each writing its own."""
     from runtime.kernels import q8dot
 
     g = torch.Generator().manual_seed(5)
@@ -330,13 +198,10 @@ def test_attend_decode_int8_form(dtype) -> None:
     kc, vc = (torch.randn(2, 48, 64, generator=g).to(DEVICE, dtype) for _ in range(2))
     gate = torch.randn(4, 64, generator=g).to(DEVICE, dtype)
     plain = attend_decode(q, kc, vc, 30, gate=gate, gate_kind="sigmoid", split=16)
-    assert q8dot.attached(plain) is None
-    outs = [attend_decode(q, kc, vc, 30, gate=gate, gate_kind="sigmoid", split=16, q8=True, fold=fold)
-            for fold in (True, False)]
-    for out in outs:
-        assert torch.equal(out, plain)
-        for fused, own in zip(q8dot.attached(out), q8dot.quantize(out)):
-            assert torch.equal(fused.cpu(), own.cpu())
+    out = attend_decode(q, kc, vc, 30, gate=gate, gate_kind="sigmoid", split=16, q8=True)
+    assert torch.equal(out, plain) and q8dot.attached(plain) is None
+    for fused, own in zip(q8dot.attached(out), q8dot.quantize(out)):
+        assert torch.equal(fused.cpu(), own.cpu())
     with pytest.raises(ValueError, match="multiple of 32"):
         attend_decode(q[:, :48].contiguous(), kc[..., :48].contiguous(), vc[..., :48].contiguous(), 30, q8=True)
 
@@ -375,9 +240,8 @@ def test_q8_0_cache_read_and_written_as_codes(dtype) -> None:
     expanded = [dequantize_q8_0(c, s, dtype) for c, s in zip(codes, scales)]
     for window in (0, 10):
         want = attend_decode(got_q, *expanded, pos, window, gate, "sigmoid", split=16)
-        got, other = (attend_decode(got_q, *codes, pos, window, gate, "sigmoid", split=16, k_scale=scales[0],
-                                    v_scale=scales[1], fold=fold) for fold in (True, False))
-        assert torch.equal(got, other)
+        got = attend_decode(got_q, *codes, pos, window, gate, "sigmoid", split=16, k_scale=scales[0],
+                            v_scale=scales[1])
         if dtype == torch.float32 or DEVICE == "cuda":
             assert torch.equal(got, want)
         else:  # the interpreter truncates the expanded tiles to bf16 where torch rounds them
@@ -439,7 +303,7 @@ def test_bad_shapes_raise() -> None:
 
 
 def aot_compile_attention(arch: int = 90) -> None:
-    """Compile the four kernels for sm_``arch`` at the real models' largest shapes (d=256,
+    """Compile the three kernels for sm_``arch`` at the real models' largest shapes (d=256,
     rep 16) with the launch options ``attend_decode`` uses, and check that each fits the shared
     memory of a Hopper SM (227 KiB). Needs TRITON_INTERPRET unset."""
     import triton
@@ -467,16 +331,8 @@ def aot_compile_attention(arch: int = 90) -> None:
             (at._attend_combine_kernel,
              {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "gate_ptr": "*" + act, "out_ptr": "*" + act,
               "pos": pos, "xq": "*i8", "xd": "*fp32", "xs": "*fp32"},
-             {"POS_PTR": pos_ptr, "SPLIT": 64, "GATE": 1 if pos_ptr else 2, "BLOCK_SP": at.COMBINE_SPLITS,
-              "BLOCK_C": 32, "UNROLL": at.COMBINE_UNROLL, "Q8": pos_ptr}, 1, 3),
-            (at._attend_folded_kernel,
-             {"q_ptr": "*" + act, "k_ptr": cache["kc_ptr"], "v_ptr": cache["vc_ptr"], "ks_ptr": "*fp16",
-              "vs_ptr": "*fp16", "pos": pos, "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
-              "cnt_ptr": "*i32", "gate_ptr": "*" + act, "out_ptr": "*" + act, "xq": "*i8", "xd": "*fp32",
-              "xs": "*fp32"},
-             {"POS_PTR": pos_ptr, "DOT_FP32": act == "fp32", "Q8KV": q8kv, "REP_P2": 16, "BLOCK_D": 256,
-              "BLOCK_S": 64, "SPLIT": 64, "GATE": 1 if pos_ptr else 3, "Q8": pos_ptr, "REP_C": 16,
-              "BLOCK_SP": at.FOLD_SPLITS, "UNROLL": max(1, at.FOLD_TILE // (16 * 256))}, 4, 1),
+             {"POS_PTR": pos_ptr, "SPLIT": 64, "GATE": 1 if pos_ptr else 2, "BLOCK_SP": 64, "BLOCK_C": 32,
+              "Q8": pos_ptr}, 4, 3),
         ]
     target = GPUTarget("cuda", arch, 32)
     for fn, ptrs, consts, warps, stages in jobs:
@@ -491,4 +347,4 @@ def aot_compile_attention(arch: int = 90) -> None:
 
 
 def test_attention_kernels_compile_for_h100() -> None:
-    compile_in_subprocess("from tests.test_attention_kernel import aot_compile_attention; aot_compile_attention()", 8)
+    compile_in_subprocess("from tests.test_attention_kernel import aot_compile_attention; aot_compile_attention()", 6)

@@ -1,12 +1,11 @@
-"""Decode attention (one new token) in two launches instead of ~50 small torch kernels.
+"""Decode attention (one new token) in three launches instead of ~50 small torch kernels.
 
 Why: at batch 1 an attention layer's arithmetic between its projections and ``attn_output`` is
 tiny (one query row per head against the cached keys), so the torch form's cost is its kernel
 count: the q/k RMSNorms (seven launches each), RoPE's cos/sin rebuilt every layer, the rotation
 (slices, negation, concatenation), the KV append (``index_copy_`` of keys and values), the GQA
 scores over the whole KV buffer, the position mask, the softmax, probabilities times values, the
-permute back and the output gate. Three steps cover all of it, in two launches on buffers of up
-to ``FOLD_SPLITS`` splits (the last two folded into one) and three on longer ones:
+permute back and the output gate. Three kernels cover all of it:
 
 1. ``_qk_norm_rope_append_kernel``: one program per head row (per token, H query rows, then H_kv
    key rows): per-head RMSNorm (statistic in float32), NEOX rope over the first ``rope_dim``
@@ -23,35 +22,12 @@ to ``FOLD_SPLITS`` splits (the last two folded into one) and three on longer one
    capacity, so it never depends on the position and a captured CUDA graph replays it at any
    position: programs whose range lies wholly past ``pos`` (or before the sliding window) write
    an empty partial and read no keys or values.
-3. The merge (``_merge_partials``, ``_finish``) of the partials of the splits that hold allowed
-   positions (the range follows from ``pos`` and the window, also read from memory in a graph):
-   the max over those splits, then their rescaled sums in split order, elementwise fused
-   multiply-adds only, so an output element's bits do not depend on the tile that computes it;
-   then the division by the softmax sum, the output gate (sigmoid per channel for Qwen3.5/3.6,
-   softplus per head or per channel for Laguna), the store of ``[H * d]`` and, optionally, of its
-   int8 form. It runs in one of two places, with the same bits:
-
-   - folded into the split kernel (``_attend_folded_kernel``, one launch): each program, once its
-     partial is stored, takes a ticket from its kv head's int32 counter (a CTA barrier, then an
-     acq_rel atomic add: the partial is visible GPU-wide before the ticket is). The program that
-     draws the last ticket puts the counter back to 0 (a graph replay finds it zero: it is never
-     zeroed inside the step, which would be a memset node per layer in the graph) and merges the
-     kv head's ``rep`` query heads over all channels, reading the partials past L1.
-   - in ``_attend_combine_kernel``, a launch of its own: one program per (query head, 32
-     channels). Splitting the channels too keeps the merge from setting the pace on long buffers
-     (one program per head read its head's partials alone, serially).
-
-   Why both: on an H100 at batch 1 each launch of the captured decode graph costs ~2-3 us of a
-   ~65 us layer, which folding saves. But the folding program reads every used partial of its
-   kv head alone, ``rep * d * 4`` bytes a split (4 KiB for Qwen3-30B's 8 heads of 128, 8 KiB for
-   Qwen3.6's 8 of 256), at one SM's share of L2 bandwidth (~100 GB/s, so ~40-80 ns a split),
-   where the combine kernel spreads them over ``H * d / 32`` programs. Since the graph serves
-   every position, the choice goes by the capacity, not the position: folded up to
-   ``FOLD_SPLITS`` = 64 splits (4096 positions at split 64), where the merge at the buffer's very
-   end (~2.5-5 us estimated) costs about what the launch saves and every earlier position gains;
-   two launches beyond, where hundreds of splits (32k and 128k buffers) would take tens of us
-   serially. ``attend_decode(fold=...)`` or ``SPARKPACK_ATTN_FOLD=1``/``0`` forces either path
-   (benchmarks).
+3. ``_attend_combine_kernel``: one program per (query head, 32 channels) merges the partials of
+   the splits that hold allowed positions (the range follows from ``pos`` and the window, also
+   read from memory in a graph), divides by the softmax sum, applies the output gate (sigmoid per
+   channel for Qwen3.5/3.6, softplus per head or per channel for Laguna) and stores ``[H * d]``.
+   Splitting the channels too keeps the merge from setting the pace on long buffers (one program
+   per head read its head's partials alone, serially).
 
 ``split`` trades the first kernel's parallelism against the partials to merge. Measured on an
 H100 (bf16, CUDA-graph replays of both attention launches, 32 query / 4 kv heads of 128, 3/4 of
@@ -77,8 +53,6 @@ interpreter, which gets bf16 ``tl.dot`` wrong. The torch path stays the referenc
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -91,10 +65,7 @@ ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GATE_KINDS = {"none": 0, "sigmoid": 1, "softplus_head": 2, "softplus": 3}
 LOG2E = 1.4426950408889634
 COMBINE_CHANNELS = 32  # channels per combine program: H programs alone were half as fast at 32k positions
-COMBINE_SPLITS = 256  # partial maxima per load in a combine program's first pass (8 registers a thread)
-COMBINE_UNROLL = 32  # partials a combine program loads at once in its second pass (3 registers each)
-FOLD_SPLITS = 64  # the combine is folded into the split kernel up to this many splits (docstring: why)
-FOLD_TILE = 8192  # partial elements per unrolled merge step of the folding program (x3 with max and sum)
+COMBINE_SPLITS = 64  # partials merged per combine step
 
 
 @triton.jit
@@ -290,14 +261,13 @@ def _kv_tile(c_ptr, s_ptr, off, soff, mask, act_ptr, Q8KV: tl.constexpr):
     return t
 
 
-@triton.jit
-def _attend_partial(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos, m_ptr, l_ptr, acc_ptr, S, D, REP, NS, window,
-                    qk_scale, POS_PTR: tl.constexpr, DOT_FP32: tl.constexpr, Q8KV: tl.constexpr,
-                    REP_P2: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr,
-                    PDL: tl.constexpr):
-    """Partial softmax of kv head ``kh``'s query heads over positions ``[sp*SPLIT, (sp+1)*SPLIT)``,
-    stored at slot ``head * NS + sp`` of the scratch; returns the position. Scores are kept in log2
-    units (``qk_scale`` includes log2(e)), so the partial max is too."""
+@triton.jit(do_not_specialize=["pos"])
+def _attend_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos, m_ptr, l_ptr, acc_ptr, S, D, REP, NS, window,
+                         qk_scale, POS_PTR: tl.constexpr, DOT_FP32: tl.constexpr, Q8KV: tl.constexpr,
+                         REP_P2: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr,
+                         PDL: tl.constexpr):
+    """Partial softmax of kv head ``kh``'s query heads over positions ``[sp*SPLIT, (sp+1)*SPLIT)``.
+    Scores are kept in log2 units (``qk_scale`` includes log2(e)), so the partial max is too."""
     kh = tl.program_id(0)
     sp = tl.program_id(1)
     p = _position(pos, POS_PTR)  # (set before the step: no kernel of it writes the position)
@@ -353,17 +323,6 @@ def _attend_partial(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos, m_ptr, l_ptr, acc_
     else:  # nothing allowed here: an empty partial, no key or value read
         tl.store(m_ptr + slot, tl.full([REP_P2], float("-inf"), dtype=tl.float32), mask=rm)
         tl.store(l_ptr + slot, tl.zeros([REP_P2], dtype=tl.float32), mask=rm)
-    return p
-
-
-@triton.jit(do_not_specialize=["pos"])
-def _attend_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos, m_ptr, l_ptr, acc_ptr, S, D, REP, NS, window,
-                         qk_scale, POS_PTR: tl.constexpr, DOT_FP32: tl.constexpr, Q8KV: tl.constexpr,
-                         REP_P2: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr,
-                         PDL: tl.constexpr):
-    """The partials alone (two-launch path): ``_attend_combine_kernel`` merges them."""
-    _attend_partial(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos, m_ptr, l_ptr, acc_ptr, S, D, REP, NS, window,
-                    qk_scale, POS_PTR, DOT_FP32, Q8KV, REP_P2, BLOCK_D, BLOCK_S, SPLIT, PDL)
 
 
 @triton.jit
@@ -375,175 +334,55 @@ def _softplus(x):
     return tl.where(x > 20.0, x, log1p)
 
 
-@triton.jit
-def _used_splits(p, window, SPLIT: tl.constexpr):
-    """The first and last split holding an allowed position (every split between them holds some)."""
-    return tl.maximum(tl.where(window > 0, p - window + 1, 0), 0) // SPLIT, p // SPLIT
-
-
-@triton.jit
-def _merge_partials(m_ptr, l_ptr, acc_ptr, slot0, rm, d, dm, sp_first, sp_last, D, ROWS: tl.constexpr,
-                    COLS: tl.constexpr, BLOCK_SP: tl.constexpr, UNROLL: tl.constexpr):
-    """Merge the partials of splits ``sp_first..sp_last`` for the rows (query heads) whose first
-    scratch slot is ``slot0 [ROWS]`` (masked by ``rm``), channels ``d [COLS]`` (masked by ``dm``):
-    the max over the splits first, then the rescaled sums in split order, one fused multiply-add
-    per split and element. Returns the unnormalised output and the softmax sum, both
-    ``[ROWS, COLS]`` (the sum is the same in every channel of a row).
-
-    Every operation after the max (which is exact in any order) is elementwise, so each output
-    element is the same chain of roundings whatever the tile's shape and layout: the folded
-    kernel (all heads of a kv head, all channels) and the combine kernel (one head, 32 channels)
-    give the same bits. ``UNROLL`` splits are loaded before their sums (memory-level parallelism;
-    a masked split adds fma(0, 0, x) = x, exactly, so the unroll never changes a bit either).
-    Each split's max and sum are loaded broadcast over the channels, in the partial tile's own
-    layout: as ``[ROWS]`` vectors they were moved into it through shared memory, with two
-    barriers per split that kept the loads of the next splits from being issued early.
-    Loads bypass L1 (``.cg``): in the folded kernel the partials were written by other programs."""
-    sb = tl.arange(0, BLOCK_SP)
-    mx = tl.full([ROWS, BLOCK_SP], float("-inf"), dtype=tl.float32)
-    for c in range(sp_first, sp_last + 1, BLOCK_SP):
-        mx = tl.maximum(mx, tl.load(m_ptr + slot0[:, None] + c + sb[None, :],
-                                    mask=rm[:, None] & (c + sb <= sp_last)[None, :], other=float("-inf"),
-                                    cache_modifier=".cg"))
-    m_all = tl.where(rm, tl.max(mx, axis=1), 0.0)[:, None]  # (0 for masked rows: weights 0, not NaN)
-    l_sum = tl.zeros([ROWS, COLS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, COLS], dtype=tl.float32)
-    for c in range(sp_first, sp_last + 1, UNROLL):
-        for u in tl.static_range(UNROLL):
-            ok = tl.where(c + u <= sp_last, rm, False)[:, None]  # (rm & a scalar: int32 in the interpreter)
-            slot = (slot0 + c + u)[:, None]
-            row = tl.broadcast_to(slot, (ROWS, COLS))
-            ms = tl.load(m_ptr + row, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            ls = tl.load(l_ptr + row, mask=ok, other=0.0, cache_modifier=".cg")
-            part = tl.load(acc_ptr + slot * D + d[None, :], mask=ok & dm[None, :], other=0.0, cache_modifier=".cg")
-            w = tl.exp2(ms - m_all)
-            l_sum = tl.fma(w, ls, l_sum)
-            acc = tl.fma(w, part, acc)
-    return acc, l_sum
-
-
-@triton.jit
-def _finish(acc, l_sum, heads, rm, d, dm, c0, gate_ptr, out_ptr, xq, xd, xs, D, K, stride_g, GATE: tl.constexpr,
-            Q8: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Divide by the softmax sum, apply the output gate, store rows ``heads`` x channels ``d``
-    (``d = c0 + arange(COLS)``) of the output ``[K = H * D]`` and, with ``Q8``, their int8 form
-    (D a multiple of 32, so each 32 channels of the tile are one block, whole or wholly masked)."""
-    ok = rm[:, None] & dm[None, :]
-    o = acc / tl.where(ok, l_sum, 1.0)
-    hg = heads.to(tl.int64) * stride_g
-    if GATE == 1:  # sigmoid per channel
-        g = tl.load(gate_ptr + hg[:, None] + d[None, :], mask=ok, other=0.0).to(tl.float32)
-        o = o / (1.0 + tl.exp(-g))
-    elif GATE == 2:  # softplus, one scalar per head
-        o = o * _softplus(tl.load(gate_ptr + hg, mask=rm, other=0.0).to(tl.float32))[:, None]
-    elif GATE == 3:  # softplus per channel
-        g = tl.load(gate_ptr + hg[:, None] + d[None, :], mask=ok, other=0.0).to(tl.float32)
-        o = o * _softplus(g)
-    o = o.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + heads[:, None] * D + d[None, :], o, mask=ok)
-    if Q8:
-        j = tl.arange(0, COLS // 32)
-        blk = (heads[:, None] * D + c0 + j[None, :] * 32) // 32
-        blk = tl.where(rm[:, None] & (c0 + j[None, :] * 32 < D), blk, K // 32)  # past K: store_q8 masks it
-        store_q8(tl.reshape(o.to(tl.float32), [ROWS * (COLS // 32), 32]), tl.reshape(blk, [ROWS * (COLS // 32)]),
-                 K, xq, xd, xs)
-
-
 @triton.jit(do_not_specialize=["pos"])
 def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, xq, xd, xs, pos, D, NS, window, stride_g,
                            POS_PTR: tl.constexpr, SPLIT: tl.constexpr, GATE: tl.constexpr,
-                           BLOCK_SP: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr, Q8: tl.constexpr,
-                           PDL: tl.constexpr):
+                           BLOCK_SP: tl.constexpr, BLOCK_C: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr):
     """Query head ``h``, channels ``[c * BLOCK_C, (c+1) * BLOCK_C)``: merge the partials of the
-    splits holding allowed positions (``_merge_partials``), divide, gate, store."""
+    splits holding allowed positions (max first, then the rescaled sums), divide, gate, store."""
     wait_prior(PDL)
     h = tl.program_id(0)
     p = _position(pos, POS_PTR)
-    sp_first, sp_last = _used_splits(p, window, SPLIT)
-    heads = h + tl.arange(0, 1)
-    rm = heads >= 0
-    c0 = tl.program_id(1) * BLOCK_C
-    d = c0 + tl.arange(0, BLOCK_C)
+    sp_first = tl.maximum(tl.where(window > 0, p - window + 1, 0), 0) // SPLIT
+    sp_last = p // SPLIT
+    base = h.to(tl.int64) * NS
+    b = tl.arange(0, BLOCK_SP)
+    d = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     dm = d < D
-    acc, l_sum = _merge_partials(m_ptr, l_ptr, acc_ptr, heads.to(tl.int64) * NS, rm, d, dm, sp_first, sp_last, D,
-                                 1, BLOCK_C, BLOCK_SP, UNROLL)
-    _finish(acc, l_sum, heads, rm, d, dm, c0, gate_ptr, out_ptr, xq, xd, xs, D, tl.num_programs(0) * D, stride_g,
-            GATE, Q8, 1, BLOCK_C)
-
-
-@triton.jit(do_not_specialize=["pos"])
-def _attend_folded_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos, m_ptr, l_ptr, acc_ptr, cnt_ptr, gate_ptr,
-                          out_ptr, xq, xd, xs, S, D, REP, NS, window, qk_scale, stride_g,
-                          POS_PTR: tl.constexpr, DOT_FP32: tl.constexpr, Q8KV: tl.constexpr, REP_P2: tl.constexpr,
-                          BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr, GATE: tl.constexpr,
-                          Q8: tl.constexpr, REP_C: tl.constexpr, BLOCK_SP: tl.constexpr, UNROLL: tl.constexpr,
-                          PDL: tl.constexpr):
-    """The split kernel with the combine folded in: each program stores its partial and takes a
-    ticket on kv head ``kh``'s counter; the one drawing the last ticket merges the partials of
-    all ``REP`` query heads of ``kh`` over all channels, as ``_attend_combine_kernel`` does (same
-    helpers, same order of operations: the same bits), and puts the counter back to 0."""
-    p = _attend_partial(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos, m_ptr, l_ptr, acc_ptr, S, D, REP, NS, window,
-                        qk_scale, POS_PTR, DOT_FP32, Q8KV, REP_P2, BLOCK_D, BLOCK_S, SPLIT, PDL)
-    kh = tl.program_id(0)
-    # Every thread's stores of the partial are issued before the ticket: the barrier orders them
-    # before the (single-thread) atomic, whose release makes them visible GPU-wide to the program
-    # that acquires the last ticket.
-    tl.debug_barrier()
-    ticket = tl.atomic_add(cnt_ptr + kh, 1, sem="acq_rel")
-    if ticket == NS - 1:  # every other program of kh has stored its partial: merge them
-        tl.store(cnt_ptr + kh, 0)  # (no program of kh touches it again in this launch)
-        rows = tl.arange(0, REP_C)
-        rm = rows < REP
-        heads = kh * REP + rows
-        d = tl.arange(0, BLOCK_D)
-        dm = d < D
-        sp_first, sp_last = _used_splits(p, window, SPLIT)
-        acc, l_sum = _merge_partials(m_ptr, l_ptr, acc_ptr, heads.to(tl.int64) * NS, rm, d, dm, sp_first, sp_last,
-                                     D, REP_C, BLOCK_D, BLOCK_SP, UNROLL)
-        _finish(acc, l_sum, heads, rm, d, dm, 0, gate_ptr, out_ptr, xq, xd, xs, D, tl.num_programs(0) * REP * D,
-                stride_g, GATE, Q8, REP_C, BLOCK_D)
-
-
-# The folded kernel's counters: one int32 per kv head, per device, zero between launches (the
-# program that draws a head's last ticket puts it back to 0). One buffer serves every layer and
-# call: kernels of one stream run one after another (with PDL too: a kernel touches memory only
-# after its predecessor has completed), so no two launches ever count on it at once; a decode
-# step, eager or replayed from a CUDA graph, is one stream (attention on two streams of one device
-# at once would share the counters: the runtime never does that). Allocated once, outside any capture
-# (zeroing it inside a step would be a memset node per layer in the graph); a larger one
-# replaces it only outside a capture, and the old one is kept alive for graphs that point at it.
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """A zeroed int32 buffer of at least ``n`` counters on ``device``, or None while a CUDA graph
-    is being captured and none is there yet (the caller then takes the two-launch path)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = _COUNTERS[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
-    return buf
-
-
-def _fold_wanted(fold: bool | None, n_split: int) -> bool:
-    """The argument, else ``SPARKPACK_ATTN_FOLD`` (1: always fold, 0: never), else the capacity."""
-    if fold is None:
-        env = os.environ.get("SPARKPACK_ATTN_FOLD", "")
-        fold = env == "1" if env in ("0", "1") else n_split <= FOLD_SPLITS
-    return fold
+    mx = tl.full([BLOCK_SP], float("-inf"), dtype=tl.float32)
+    for c in range(sp_first, sp_last + 1, BLOCK_SP):
+        mx = tl.maximum(mx, tl.load(m_ptr + base + c + b, mask=c + b <= sp_last, other=float("-inf")))
+    m_all = tl.max(mx, axis=0)
+    l_sum = tl.zeros([BLOCK_SP], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for c in range(sp_first, sp_last + 1, BLOCK_SP):
+        sm = c + b <= sp_last
+        w = tl.exp2(tl.load(m_ptr + base + c + b, mask=sm, other=float("-inf")) - m_all)
+        l_sum += w * tl.load(l_ptr + base + c + b, mask=sm, other=0.0)
+        part = tl.load(acc_ptr + (base + c + b)[:, None] * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
+        acc += tl.sum(part * w[:, None], axis=0)
+    o = acc / tl.sum(l_sum, axis=0)
+    if GATE == 1:  # sigmoid per channel
+        g = tl.load(gate_ptr + h.to(tl.int64) * stride_g + d, mask=dm, other=0.0).to(tl.float32)
+        o = o / (1.0 + tl.exp(-g))
+    elif GATE == 2:  # softplus, one scalar per head
+        o = o * _softplus(tl.load(gate_ptr + h.to(tl.int64) * stride_g).to(tl.float32))
+    elif GATE == 3:  # softplus per channel
+        g = tl.load(gate_ptr + h.to(tl.int64) * stride_g + d, mask=dm, other=0.0).to(tl.float32)
+        o = o * _softplus(g)
+    o = o.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + h * D + d, o, mask=dm)
+    if Q8:  # BLOCK_C == 32 and D % 32 == 0: this program's channels are one block of the int8 form
+        blk = (h * D + tl.program_id(1) * BLOCK_C) // 32 + tl.arange(0, 1)
+        store_q8(tl.reshape(o.to(tl.float32), [1, BLOCK_C]), blk, tl.num_programs(0) * D, xq, xd, xs)
 
 
 def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: "int | torch.Tensor",
                   window: int = 0, gate: torch.Tensor | None = None, gate_kind: str = "none",
                   split: int = 64, q8: bool = False, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None, fold: bool | None = None) -> torch.Tensor:
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query token's GQA attention over the cache rows ``j <= pos`` (and ``pos - j < window``
-    when ``window > 0``), times the optional output gate, in one launch (combine folded into the
-    split kernel) or two (split, then combine).
+    when ``window > 0``), times the optional output gate, in two launches.
 
     q ``[H, d]`` contiguous (``qk_norm_rope_append``'s output); caches ``[H_kv, S, d]`` contiguous
     in q's dtype, S the whole capacity (rows past ``pos`` are masked, whatever they hold); query
@@ -553,16 +392,9 @@ def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     per channel). A ``[H, d]`` gate needs a contiguous last axis, any row stride. ``split``:
     positions per program of the first kernel, a multiple of 16. Returns one row ``[1, H * d]`` in
     q's dtype (``attn_output``'s input); ``q8`` (d a multiple of 32) attaches its int8 form
-    (``q8dot.attach``), computed where the output is. With ``k_scale``/``v_scale`` the caches are
-    a Q8_0 cache's int8 codes and f16 scales, read as such (each tile expanded in registers, no
-    expanded copy of the cache).
-
-    ``fold``: True merges the partials in the split kernel (the last program of each kv head),
-    False in a combine launch of their own; both give the same bits. None (the default) takes
-    ``SPARKPACK_ATTN_FOLD`` when it is 1 or 0 (benchmarks force a path with it), else folds when
-    the capacity has at most ``FOLD_SPLITS`` splits (``ceil(S / split)``; the module docstring
-    says why). The choice depends on shapes only, never on the position, so a captured graph
-    stays valid at every position.
+    (``q8dot.attach``), computed by the combine kernel: one block of 32 channels per program.
+    With ``k_scale``/``v_scale`` the caches are a Q8_0 cache's int8 codes and f16 scales, read as
+    such (each tile expanded in registers, no expanded copy of the cache).
     """
     what = "attend_decode"
     if q.dim() != 2 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape or k_cache.shape[2] != q.shape[1]:
@@ -603,31 +435,22 @@ def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     m = torch.empty(H * n_split, dtype=torch.float32, device=q.device)
     l_ = torch.empty(H * n_split, dtype=torch.float32, device=q.device)
     acc = torch.empty(H * n_split * d, dtype=torch.float32, device=q.device)
-    out = torch.empty(1, H * d, dtype=q.dtype, device=q.device)
-    codes = new_q8(1, H * d, q.device) if q8 else (out, out, out)
-    gate_args = (gate if gate is not None else q, gate.stride(0) if gate is not None else 0)
     # Triton's interpreter gets bf16 tl.dot wrong (see tests/test_kernels.py): off the GPU the
     # products run in fp32 whatever the activations' dtype.
     fp32 = q.dtype == torch.float32 or not q.is_cuda
-    split_consts = dict(POS_PTR=pos_ptr, DOT_FP32=fp32, Q8KV=k_scale is not None,
-                        REP_P2=max(16, triton.next_power_of_2(rep)), BLOCK_D=block_d, BLOCK_S=block_s, SPLIT=split)
-    counters = _counters(q.device, H_kv) if _fold_wanted(fold, n_split) else None
     # num_stages=1: at split 64 a program has one tile, and deeper software pipelines only
     # multiply shared memory (float32 at d=256 would not fit in an H100's 227 KiB at three).
-    if counters is not None:
-        rep_c = triton.next_power_of_2(rep)
-        _attend_folded_kernel[(H_kv, n_split)](
-            q, k_cache, v_cache, *_scales(k_scale, v_scale, k_cache), p, m, l_, acc, counters, gate_args[0], out,
-            *codes, S, d, rep, n_split, int(window), d ** -0.5 * LOG2E, gate_args[1], **split_consts,
-            GATE=GATE_KINDS[gate_kind], Q8=q8, REP_C=rep_c, BLOCK_SP=FOLD_SPLITS,
-            UNROLL=max(1, min(16, FOLD_TILE // (rep_c * block_d))), num_warps=4, num_stages=1, **pdl.flags(q))
-    else:
-        _attend_split_kernel[(H_kv, n_split)](
-            q, k_cache, v_cache, *_scales(k_scale, v_scale, k_cache), p, m, l_, acc, S, d, rep, n_split,
-            int(window), d ** -0.5 * LOG2E, **split_consts, num_warps=4, num_stages=1, **pdl.flags(q))
-        block_c = min(block_d, COMBINE_CHANNELS)
-        _attend_combine_kernel[(H, triton.cdiv(d, block_c))](
-            m, l_, acc, gate_args[0], out, *codes, p, d, n_split, int(window), gate_args[1],
-            POS_PTR=pos_ptr, SPLIT=split, GATE=GATE_KINDS[gate_kind], BLOCK_SP=COMBINE_SPLITS,
-            BLOCK_C=block_c, UNROLL=COMBINE_UNROLL, Q8=q8, num_warps=1, **pdl.flags(m))
+    _attend_split_kernel[(H_kv, n_split)](
+        q, k_cache, v_cache, *_scales(k_scale, v_scale, k_cache), p, m, l_, acc, S, d, rep, n_split, int(window),
+        d ** -0.5 * LOG2E, POS_PTR=pos_ptr, DOT_FP32=fp32, Q8KV=k_scale is not None,
+        REP_P2=max(16, triton.next_power_of_2(rep)), BLOCK_D=block_d,
+        BLOCK_S=block_s, SPLIT=split, num_warps=4, num_stages=1, **pdl.flags(q))
+    out = torch.empty(1, H * d, dtype=q.dtype, device=q.device)
+    block_c = min(block_d, COMBINE_CHANNELS)
+    codes = new_q8(1, H * d, q.device) if q8 else (out, out, out)
+    _attend_combine_kernel[(H, triton.cdiv(d, block_c))](
+        m, l_, acc, gate if gate is not None else q, out, *codes, p, d, n_split, int(window),
+        gate.stride(0) if gate is not None else 0,
+        POS_PTR=pos_ptr, SPLIT=split, GATE=GATE_KINDS[gate_kind], BLOCK_SP=COMBINE_SPLITS,
+        BLOCK_C=block_c, Q8=q8, num_warps=4, **pdl.flags(m))
     return attach(out, codes) if q8 else out

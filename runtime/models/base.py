@@ -171,8 +171,7 @@ class MoEModel(ABC):
         Triton kernels of ``kernels/attention.py``, returning ``attn_output``'s input ``[T, H * d]``,
         or None where the model file's torch form runs instead (CPU without ``kernels``, float64).
         The q/k RMSNorms, rope and the KV append are one launch for any T; one token then attends
-        in one more (split and combine folded, the output gate included) or, on buffers of more
-        than ``attention.FOLD_SPLITS`` splits, two (split, then combine); several tokens (prefill)
+        in two more (split and combine, the output gate included); several tokens (prefill)
         attend over the buffers with ``layers.attend_buffers`` and take the gate in torch. A Q8_0
         KV cache is written as codes (and, decoding, read as codes). Gate kinds as
         ``attention.attend_decode`` takes them."""
