@@ -140,7 +140,8 @@ def bench_moe(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator) -
 def bench_moe_prefill(args: argparse.Namespace, gen: torch.Generator) -> bool:
     """Prefill-sized MoE (T tokens, top-8 of ``--moe-experts`` experts of ``--moe-ff`` rows: Q4_K
     gate/up, Q6_K down; qwen3.6: 256 x 512, qwen3-30b: 128 x 768): the per-pair decode kernels
-    against the grouped kernels (and tile shapes)."""
+    against the grouped kernels: the expanded-tile ones and the sub-block ones (and their tile
+    shapes)."""
     n_embd, n_ff, n_exp, topk = 2048, args.moe_ff, args.moe_experts, 8
     gq, dq = qmv.Q4_K, qmv.Q6_K
     gate = random_blocks(gq, n_exp * n_ff, n_embd, gen).reshape(n_exp, n_ff, -1)
@@ -160,10 +161,11 @@ def bench_moe_prefill(args: argparse.Namespace, gen: torch.Generator) -> bool:
             g = xe @ dequantize_rows(gate[e], gq, n_embd).T
             u = xe @ dequantize_rows(up[e], gq, n_embd).T
             ref.index_add_(0, rows, wts[rows, j, None] * ((torch.nn.functional.silu(g) * u) @ dequantize_rows(down[e], dq, n_ff).T))
-        cases = [("per-pair", False, None)] + [("grouped", True, t) for t in tiles]
-        for name, grouped, t in cases:
+        cases = [("per-pair", False, None, None), ("expanded", True, None, False)] + \
+            [("sub", True, t, True) for t in tiles]
+        for name, grouped, t, sub in cases:
             run = lambda: moe_experts(x, ids, wts, slots, gate, up, down, gq, gq, dq, n_ff,  # noqa: E731
-                                      grouped=grouped, tiles=t)
+                                      grouped=grouped, tiles=t, sub=sub)
             if not grouped and T > 512:
                 continue  # minutes per call
             ms = median_ms(run)

@@ -218,6 +218,37 @@ def test_moe_matches_reference_and_ignores_slot_placement(moe_case: dict, groupe
     assert torch.equal(first, moved)
 
 
+@pytest.mark.parametrize("types", [(T.Q4_K, T.Q5_K, T.Q6_K), (T.Q6_K, T.Q4_K, T.Q5_K), (T.Q4_K, T.Q4_K, T.Q4_K)],
+                         ids=["q4k-q5k-q6k", "q6k-q4k-q5k", "q4k"])
+def test_grouped_sub_block_kernels_match_the_expanded_ones(types: tuple) -> None:
+    """The sub-block kernels (integer codes on the tensor cores, scales after) against the
+    reference and the expanded-tile kernels, for each K-quant in each role (with a Q6_K beside a
+    Q4_K, the Q4_K sub-blocks are read in halves of 16). Uneven experts: some blocks padded."""
+    gq, uq, dq = types
+    rng = torch.Generator().manual_seed(11)
+    n_embd, n_ff, n_exp, topk, n_tok = 256, 256, 3, 2, 20  # n_ff: down's K, one super-block
+    x = torch.randn(n_tok, n_embd, generator=rng)
+    ids = torch.stack([torch.randperm(n_exp, generator=rng)[:topk] for _ in range(n_tok)])
+    wts = torch.rand(n_tok, topk, generator=rng)
+    gate, up = random_weight(gq, n_ff, n_embd, 51, n_exp), random_weight(uq, n_ff, n_embd, 52, n_exp)
+    down = random_weight(dq, n_embd, n_ff, 53, n_exp)
+    ref = moe_reference(x.double(), ids, wts, dequant64(gate, gq, n_embd), dequant64(up, uq, n_embd),
+                        dequant64(down, dq, n_ff))
+    slots = [1, 2, 0]
+    args = (x.to(DEVICE), ids.to(DEVICE), wts.to(DEVICE), torch.tensor(slots, dtype=torch.int32, device=DEVICE),
+            pools(gate, slots, n_exp), pools(up, slots, n_exp), pools(down, slots, n_exp), gq, uq, dq, n_ff)
+    tiles = (16, 64, 4) if DEVICE == "cpu" else None
+    sub = moe_experts(*args, grouped=True, tiles=tiles)
+    tile = moe_experts(*args, grouped=True, tiles=tiles, sub=False)
+    assert rel_l2(sub, ref) < 1e-5 and rel_l2(tile, ref) < 1e-5
+    # residency never changes the sub-block kernels' bits
+    moved = [0, 3, 1]
+    again = moe_experts(args[0], args[1], args[2], torch.tensor(moved, dtype=torch.int32, device=DEVICE),
+                        pools(gate, moved, 4), pools(up, moved, 4), pools(down, moved, 4), gq, uq, dq, n_ff,
+                        grouped=True, tiles=tiles)
+    assert torch.equal(again, sub)
+
+
 def test_moe_switches_to_the_grouped_kernels_from_grouped_min_pairs() -> None:
     """The default picks the grouped kernels (and their tiles) from GROUPED_MIN_PAIRS pairs up;
     both give the reference result."""
@@ -623,7 +654,7 @@ def aot_compile_all(arch: int = 90) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from runtime.kernels import deltanet, dense, ffn, moe, norm, prefetch, q8dot, qmatvec as qm, router
+    from runtime.kernels import deltanet, dense, ffn, moe, moe_grouped, norm, prefetch, q8dot, qmatvec as qm, router
 
     target = GPUTarget("cuda", arch, 32)
     x_types = {"x_ptr": "*bf16", "y_ptr": "*fp32"}
@@ -642,13 +673,20 @@ def aot_compile_all(arch: int = 90) -> None:
              for q8 in (False, True)]
     jobs += [(q8dot._quantize_kernel, {"x": "*bf16", "xq": "*i8", "xd": "*fp32", "xs": "*fp32"}, {"BLOCKS": 8}),
              (moe._sum_topk_kernel, {"part_ptr": "*fp32", "y_ptr": "*fp32"}, {"BLOCK": 1024}),
-             (moe._grouped_gate_up_kernel, {"x_ptr": "*bf16", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
-                                            "slot_ptr": "*i32", "h_ptr": "*fp32"},
+             (moe_grouped._tile_gate_up_kernel, {"x_ptr": "*bf16", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
+                                                 "slot_ptr": "*i32", "h_ptr": "*fp32"},
               {"GATE_QTYPE": int(T.Q4_K), "UP_QTYPE": int(T.Q4_K), "HAS_HOST": True, "DOT_FP32": False,
                "BLOCK_M": 16, "BLOCK_N": 32}),
-             (moe._grouped_down_kernel, {"h_ptr": "*fp32", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
-                                         "wts_ptr": "*fp32", "slot_ptr": "*i32", "part_ptr": "*fp32"},
+             (moe_grouped._tile_down_kernel, {"h_ptr": "*fp32", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
+                                              "wts_ptr": "*fp32", "slot_ptr": "*i32", "part_ptr": "*fp32"},
               {"DOWN_QTYPE": int(T.Q6_K), "HAS_HOST": False, "DOT_FP32": False, "BLOCK_M": 64, "BLOCK_N": 32}),
+             (moe_grouped._sub_gate_up_kernel, {"x_ptr": "*bf16", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
+                                                "slot_ptr": "*i32", "h_ptr": "*bf16"},
+              {"GATE_QTYPE": int(T.Q4_K), "UP_QTYPE": int(T.Q5_K), "HAS_HOST": True, "OPER": 1, "KS": 32,
+               "BLOCK_M": 32, "BLOCK_N": 128}),
+             (moe_grouped._sub_down_kernel, {"h_ptr": "*fp16", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
+                                             "wts_ptr": "*fp32", "slot_ptr": "*i32", "part_ptr": "*fp32"},
+              {"DOWN_QTYPE": int(T.Q6_K), "HAS_HOST": False, "OPER": 2, "KS": 16, "BLOCK_M": 16, "BLOCK_N": 64}),
              (deltanet._conv_kernel, {"x_ptr": "*bf16", "win_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32"},
               {"KM1": 3, "KP2": 4, "BLOCK": 256}),
              *[(deltanet._recurrence_kernel, {"act_ptr": "*fp32", "z_ptr": "*bf16", "beta_ptr": "*bf16",
@@ -669,7 +707,7 @@ def aot_compile_all(arch: int = 90) -> None:
              (deltanet._chunk_state_kernel, {n: "*fp32" for n in ("w_ptr", "q_ptr", "u0_ptr", "qk_ptr", "eg_ptr",
                                                                   "kd_ptr", "keep_ptr", "state_ptr", "out_ptr")},
               {"C": 64, "BLOCK_K": 128, "BLOCK_V": 32}),
-             (moe._group_pairs_kernel, {"ids_ptr": "*i64", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
+             (moe_grouped._group_pairs_kernel, {"ids_ptr": "*i64", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
                                         "counts_ptr": "*i32"},
               {"HAS_COUNT": True, "BLOCK_M": 32, "BLOCK_P": 1024, "BINS": 512}),
              (deltanet._gated_norm_kernel, {"o_ptr": "*fp32", "z_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16"},
@@ -717,7 +755,7 @@ def compile_in_subprocess(call: str, count: int) -> None:
 
 
 def test_kernels_compile_for_h100() -> None:
-    compile_in_subprocess("from tests.test_kernels import aot_compile_all; aot_compile_all()", 36)
+    compile_in_subprocess("from tests.test_kernels import aot_compile_all; aot_compile_all()", 38)
 
 
 @pytest.mark.parametrize("T,d_k,d_v,chunk", [(150, 16, 24, 64), (40, 20, 16, 16), (64, 32, 32, 32)])
