@@ -11,11 +11,12 @@
 # llama: llama.cpp's llama-bench on the same model (bench/llama_bench.sh; .device/llama.cpp carried).
 # side: issue 7's side-by-side in one call: llama.cpp builds (niced, in the background) while the
 #   model is written and decode_bench runs; then llama-bench on the same file and
-#   bench/compare_llama.py's table (ours / llama.cpp). ~9 of the 10 minutes a call may run.
+#   bench/compare_llama.py's table (ours / llama.cpp). Nothing is timed while the build runs.
 #   SIDE_TESTS="tests/..." also runs those tests on CUDA while the model is written (before any timing),
 #   cut off after SIDE_TESTS_TIMEOUT seconds (180); their log goes to $OUT/tests.log.
 # presets: side-by-side on the laguna-xs2 and qwen3-30b-a3b shapes (llama-bench built in the background
-#   while the first model is written and timed, unless already built on a machine still warm).
+#   while the first model is written, unless already built on a machine still warm).
+# build: only build llama-bench (then side/presets on the same warm machine skip the build).
 #   PRESETS="qwen3moe:qwen3-30b-a3b" runs one (each takes ~4-5 minutes: one per call fits the limit).
 set -euo pipefail
 steps="${*:-synth split compress tests}"
@@ -78,10 +79,11 @@ for step in $steps; do
       fi
       [ -f "$model" ] || python3 -m repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 8 --skew reference -o "$model" >/dev/null
       if [ -n "$tests" ]; then wait "$tests" || true; echo "== CUDA tests"; tail -15 "${OUT:-$work}/tests.log"; fi
-      # (ours runs while llama.cpp compiles at nice 19: any contention is counted against us)
-      python3 bench/decode_bench.py "$model" --json "${OUT:-$work}/decode_bench.json" ${DECODE_ARGS:-} || echo "decode_bench failed (rc $?)"
+      # nothing is timed while llama.cpp compiles: a prefill is partly host-bound, and a 16-job
+      # build even at nice 19 took it from ~8900 to ~5100 tok/s (sessions 12-13)
       wait "$build" || { tail -20 "$work/llama_build.log"; exit 1; }
       tail -1 "$work/llama_build.log"
+      python3 bench/decode_bench.py "$model" --json "${OUT:-$work}/decode_bench.json" ${DECODE_ARGS:-} || echo "decode_bench failed (rc $?)"
       bash bench/llama_bench.sh --no-build "$model"
       python3 bench/compare_llama.py "${OUT:-$work}/decode_bench.json" "${OUT:-/tmp}/llama_bench_$(basename "$model" .gguf).json" \
         --md "${OUT:-$work}/side_by_side.md" || true ;;
@@ -97,9 +99,9 @@ for step in $steps; do
         # always written fresh: a file an earlier, cut-off call left behind may predate the writer
         # (llama.cpp refused one such file in session 11)
         python3 -m repack.cli synth --arch "$arch" --preset "$name" --quant Q4_K_M -j 16 --skew reference -o "$m" >/dev/null
+        if [ -n "$build" ]; then wait "$build" || tail -20 "$work/llama_build.log"; build=""; fi  # nothing timed meanwhile
         python3 bench/decode_bench.py "$m" --depths 128 4096 --prefill 512 --json "${OUT:-$work}/decode_bench_$name.json" \
           || echo "decode_bench failed on $name (rc $?)"
-        if [ -n "$build" ]; then wait "$build" || tail -20 "$work/llama_build.log"; build=""; fi
         if [ -x "${LLAMA_BUILD:-/tmp/llama-build}/bin/llama-bench" ]; then
           LLAMA_DEPTHS=0,128,4096 bash bench/llama_bench.sh --no-build "$m" || true
           python3 bench/compare_llama.py "${OUT:-$work}/decode_bench_$name.json" "${OUT:-/tmp}/llama_bench_$name-q4km.json" \
@@ -107,6 +109,8 @@ for step in $steps; do
         fi
         rm -f "$m"
       done ;;
+    build)
+      bash bench/llama_bench.sh --build-only ;;
     kernels)
       echo "== kernels"
       python3 bench/kernels_bench.py ;;

@@ -2,7 +2,7 @@
 # Baseline: llama.cpp's own llama-bench (CUDA, all layers on the GPU) on the same GGUFs we serve, so
 # BENCHMARKS.md can put our tokens/s next to llama.cpp's. Runs on the GPU machine (no network), from
 # the repo root, with the git-ignored .device/llama.cpp carried: a stripped llama.cpp tree (from the
-# llama-cpp-python 0.3.36 sdist, build d066322) holding only what CMake needs for llama-bench.
+# llama-cpp-python 0.3.36 sdist, llama.cpp commit 0c1e570) holding only what CMake needs for llama-bench.
 #   bash bench/llama_bench.sh --build-only             # build only (e.g. in the background, ~5 min)
 #   bash bench/llama_bench.sh [--no-build] M.gguf ...  # build unless the binary exists, then bench
 # Builds only the llama-bench target, sm_90, into $LLAMA_BUILD (default /tmp/llama-build); needs
@@ -29,7 +29,8 @@ if [ "$build" = 1 ] && [ ! -x "$bin" ]; then
   cmake -B "$build_dir" -S .device/llama.cpp -DCMAKE_BUILD_TYPE=Release \
     -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="${LLAMA_CUDA_ARCH:-90}" -DGGML_NATIVE=OFF -DGGML_CCACHE=OFF \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF > "$build_dir.configure.log" 2>&1 \
+    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+    -DLLAMA_BUILD_COMMIT=0c1e570 -DLLAMA_BUILD_NUMBER=0 > "$build_dir.configure.log" 2>&1 \
     || { tail -30 "$build_dir.configure.log"; exit 1; }
   cmake --build "$build_dir" --target llama-bench -j"$(nproc)" > "$build_dir.build.log" 2>&1 \
     || { grep -m20 -B2 -A5 -i "error" "$build_dir.build.log"; tail -20 "$build_dir.build.log"; exit 1; }
