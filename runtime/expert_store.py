@@ -281,11 +281,17 @@ class ExpertStore:
         self.table_dev = self.table_pinned.to(self.device, copy=True)
         self.step_counts = torch.zeros((spec.n_layer, self.n_expert), dtype=torch.int32, device=self.device)
         self._step_routed = False
+        # A replayed step's counts (and guesses) are copied into pinned memory behind it and
+        # learned from while the next step runs (``end_step(defer=True)``): (tokens, copy done).
+        self._pending: tuple[int, torch.cuda.Event | None] | None = None
+        self._table_sent: torch.cuda.Event | None = None  # the last upload from the pinned table
         self.freq = np.zeros((spec.n_layer, self.n_expert))  # decayed routing counts (zero-copy admission)
         self._promoting: tuple[list[tuple[int, int, int]], torch.cuda.Event] | None = None
         # Prefetch: the guess of each layer this step (-1: none; reset after every step), the
         # effective table rows the guesses produce, and per layer the event its MoE waits on.
         self.guess_ids = torch.full((spec.n_layer, max(self.n_prefetch, 1)), -1, dtype=torch.int64, device=self.device)
+        self._counts_host = torch.empty(self.step_counts.shape, dtype=torch.int32, pin_memory=self.pin)
+        self._guess_host = torch.empty(self.guess_ids.shape, dtype=torch.int64, pin_memory=self.pin)
         self.eff_table = torch.empty_like(self.table_dev) if self.n_prefetch else None
         self.guess_in: torch.Tensor | None = None
         self.prefetch_stream = torch.cuda.Stream(self.device) if on_cuda and self.n_prefetch else None
@@ -495,12 +501,15 @@ class ExpertStore:
     def _upload_table(self, layer: int | None = None) -> None:
         """Send the host table (or one layer's row) to the device without a host sync.
 
-        ``self.table`` is a view of pinned memory; the host writes it only after a sync that
-        follows every copy enqueued from it (the router read in async mode, the step-count read
-        in zero-copy mode), so a pending copy never sees a half-written table."""
+        ``self.table`` is a view of pinned memory; the host writes it only after the last copy
+        from it is done (the router read of async mode syncs anyway; zero-copy mode's bookkeeping
+        waits for ``_table_sent``), so a pending copy never sees a half-written table."""
         src = self.table_pinned if layer is None else self.table_pinned[layer]
         dst = self.table_dev if layer is None else self.table_dev[layer]
         dst.copy_(src, non_blocking=self.pin)
+        if self.pin:
+            self._table_sent = torch.cuda.Event()
+            self._table_sent.record()
 
     def _victim(self, protect: set[int]) -> int:
         """Least recently used cache slot not needed by the layer being served."""
@@ -567,10 +576,16 @@ class ExpertStore:
         zero-copy mode with every layer on the fused kernel needs no host round trip inside the step."""
         return self.mode == "zerocopy" and self.fused_all
 
-    def end_step(self, n_tokens: int, routed: bool | None = None) -> None:
+    def end_step(self, n_tokens: int, routed: bool | None = None, defer: bool = False) -> None:
         """After a forward call: count what was routed and (zero-copy mode) promote missed experts
         into cache slots so that repeats are served from VRAM. One small device->host copy.
         ``routed`` says whether MoE layers ran (a replayed graph cannot tell the store).
+
+        ``defer`` (a replayed decode step, called right after its launch): the step's counts are
+        copied into pinned memory behind it and learned from at the next ``end_step``, which
+        then runs while the GPU computes that next step, not between steps with the GPU idle.
+        Its table changes reach the step after (the upload is stream-ordered behind the step
+        running): residency moves a token later, results never change.
 
         Promotions overlap the next step instead of delaying it: a victim slot leaves the table
         at once (its expert is read from host memory again), the copy runs on the side stream
@@ -584,14 +599,20 @@ class ExpertStore:
         if self.all_hot:
             self._unread_tokens += n_tokens
             return
-        self._read_counts(n_tokens)
+        self._learn_pending()
+        if defer:
+            self._snapshot(n_tokens)
+        else:
+            self._read_counts(n_tokens)
 
     @property
     def stats(self) -> StoreStats:
-        """The run's counts, up to the last token (reading counts an all-hot store left on the device)."""
+        """The run's counts, up to the last token (reading counts an all-hot store left on the
+        device, and a deferred step's)."""
         if self._unread_tokens:
             n, self._unread_tokens = self._unread_tokens, 0
             self._read_counts(n)
+        self._learn_pending()
         return self._stats
 
     @stats.setter
@@ -599,20 +620,56 @@ class ExpertStore:
         if self._unread_tokens:  # counts not read yet belong to the stats being replaced
             self._unread_tokens = 0
             self.step_counts.zero_()
+        self._pending = None  # so does a deferred step's snapshot (the device counts are reset)
         self._stats = value
 
     def _read_counts(self, n_tokens: int) -> None:
         counts = self.step_counts.to("cpu", copy=True).numpy()  # waits for the step; a copy on CPU too
         guesses = self.guess_ids.to("cpu", copy=True).numpy() if self.n_prefetch else None
+        self._reset_counts()
+        self._timed_learn(counts, n_tokens, guesses)
+
+    def _snapshot(self, n_tokens: int) -> None:
+        """Queue this step's counts and guesses into pinned memory behind it, then reset them."""
+        self._counts_host.copy_(self.step_counts, non_blocking=self.pin)
+        if self.n_prefetch:
+            self._guess_host.copy_(self.guess_ids, non_blocking=self.pin)
+        self._reset_counts()
+        done = None
+        if self.pin:
+            done = torch.cuda.Event()
+            done.record()
+        self._pending = (n_tokens, done)
+
+    def _learn_pending(self) -> None:
+        """Learn from a deferred step's snapshot (its copy has long landed: the caller read the
+        step's logits). The next snapshot is queued only after this returns, so the pinned
+        buffers are never rewritten while read."""
+        if self._pending is None:
+            return
+        n_tokens, done = self._pending
+        self._pending = None
+        if done is not None:
+            done.synchronize()
+        self._timed_learn(self._counts_host.numpy(), n_tokens, self._guess_host.numpy() if self.n_prefetch else None)
+
+    def _reset_counts(self) -> None:
+        self.step_counts.zero_()
+        if self.n_prefetch:
+            self.guess_ids.fill_(-1)
+
+    def _timed_learn(self, counts: np.ndarray, n_tokens: int, guesses: np.ndarray | None) -> None:
         t0 = time.perf_counter()
         self._learn_step(counts, n_tokens, guesses)
-        self.stats.step_seconds += time.perf_counter() - t0
+        self._stats.step_seconds += time.perf_counter() - t0
 
     def _learn_step(self, counts: np.ndarray, n_tokens: int, guesses: np.ndarray | None = None) -> None:
         # On the few (layer, expert) pairs routed this step (8 a layer a token), not the whole
-        # [n_layer, n_expert] table: a decode step's bookkeeping runs with the GPU idle, and
-        # whole-table masks cost ~0.3 ms a token (40 x 256 experts) against ~0.05 ms so.
-        self.step_counts.zero_()
+        # [n_layer, n_expert] table: whole-table masks cost ~0.3 ms a token (40 x 256 experts)
+        # against ~0.05 ms so.
+        if self._table_sent is not None:  # the pinned table is rewritten below
+            self._table_sent.synchronize()
+            self._table_sent = None
         st = self._stats
         st.tokens += n_tokens
         n_expert = counts.shape[1]
@@ -627,7 +684,6 @@ class ExpertStore:
         if guesses is not None:
             guessed = guesses >= 0
             guessing = guessed.any(axis=1)
-            self.guess_ids.fill_(-1)
             self._guessed.clear()
             gl, gj = np.nonzero(guessed)
             copied = np.unique(gl * n_expert + guesses[gl, gj])

@@ -11,7 +11,7 @@ issues the whole step at once. What makes the step capturable:
     memory inside the kernel (routings are counted there too), guessed ones are copied on a
     side stream that forks and joins inside the graph (prefetch), and the store's per-token
     bookkeeping (reading the counts, promoting missed experts into cache slots, rewriting the
-    slot table in place) runs between replays. Stores that copy misses on demand (async, sync)
+    slot table in place) runs on the host while the next replay computes. Stores that copy misses on demand (async, sync)
     need the router's choice on the host mid-step and run eagerly.
 A replayed step runs exactly the kernels of an eager step with the same shapes, so outputs are
 the same bits either way.
@@ -75,8 +75,8 @@ class DecodeGraph:
             logits = self.logits
         self.cache.pos += 1
         end_step = getattr(self.model.experts, "end_step", None)
-        if end_step is not None:
-            end_step(1, routed=True)
+        if end_step is not None:  # the store learns from the previous step while this one runs
+            end_step(1, routed=True, defer=True)
         return logits[-1].clone()  # the graph's output buffer is rewritten by the next replay
 
     def _capture(self) -> torch.Tensor:

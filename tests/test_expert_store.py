@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from formats.sparkpack import Pack
-from runtime.expert_store import ExpertStore, GGUFSource
+from runtime.expert_store import ExpertStore, GGUFSource, StoreStats
 from runtime.generate import Session, generate
 from runtime.models import StoreOptions, load_model
 
@@ -463,3 +463,50 @@ def test_experts_without_a_kernel_are_named_once(synth_model, model_path):
     said = warnings_of(f16, True)
     assert len(said) == 1 and f16.name in said[0] and "F16" in said[0] and "dequantize" in said[0]
     assert warnings_of(f16, False) == [] and warnings_of(model_path, True) == []
+
+
+def test_deferred_bookkeeping_is_the_same_one_step_later(model_path):
+    """A replayed decode step's bookkeeping (``end_step(defer=True)``) runs at the next
+    ``end_step``, while that step computes: the same counts, promotions and table as learning at
+    once, one step later. Reading the stats or an eager step learns a pending step first, and
+    replacing the stats drops it."""
+    from formats.archs import model_spec
+    from formats.gguf_file import GGUFModel
+
+    gguf = GGUFModel(model_path)
+    spec = model_spec(gguf)
+    il = spec.moe_layers[0]
+    hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
+    hot[list(spec.moe_layers), :4] = True
+    steps = [(10,), (10, 10, 10), (11, 11, 11, 11), (13,), (12,) * 5, (1, 12)]
+
+    def run(defer: bool) -> tuple[ExpertStore, list[np.ndarray]]:
+        store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot, 2, "zerocopy")
+        tables = []
+        for experts in steps:
+            for e in experts:
+                store.step_counts[il, e] += 1
+            store.end_step(1, routed=True, defer=defer)
+            tables.append(store.table.copy())
+        return store, tables
+
+    def counts(store: ExpertStore) -> dict:
+        return {k: v for k, v in store.stats.as_json().items() if k != "step_seconds"}
+
+    now, now_tables = run(False)
+    later, later_tables = run(True)
+    assert not np.array_equal(now_tables[2], now_tables[1])  # the steps do move experts
+    for a, b in zip(now_tables[:-1], later_tables[1:]):
+        assert np.array_equal(a, b)
+    assert counts(later) == counts(now) and counts(now)["tokens"] == len(steps)
+    assert int(later.step_counts.sum()) == 0  # the device counts were reset behind each step
+
+    later.step_counts[il, 10] += 1
+    later.end_step(1, routed=True, defer=True)
+    later.step_counts[il, 11] += 2
+    later.end_step(1, routed=True)  # eager: the pending step first, then its own counts
+    assert later._pending is None and counts(later)["tokens"] == len(steps) + 2
+    later.step_counts[il, 11] += 1
+    later.end_step(1, routed=True, defer=True)
+    later.stats = StoreStats()
+    assert later.stats.tokens == 0  # the pending step belonged to the stats replaced
