@@ -154,9 +154,9 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
               help="Routing profile choosing the hot experts [MODEL.profile.json when present].")
 @click.option("--stream", "stream_mode", type=click.Choice(["auto", "zerocopy", "async", "sync"]), default="auto",
               show_default=True, help="How misses reach the GPU (see runtime/expert_store.py).")
-@click.option("--prefetch/--no-prefetch", default=True, show_default=True,
+@click.option("--prefetch/--no-prefetch", default=False, show_default=True,
               help="Zero-copy decode: in layers expected to miss often, copy the guessed cold experts to the GPU "
-                   "while the layer's attention runs.")
+                   "while the layer's attention runs (measured slower on an H100, see BENCHMARKS.md).")
 @click.option("--host-ram", type=SizeParam(), help="Pinned host memory for cold experts [80% of available]; "
               "less than they need reads misses from disk.")
 @click.option("--ctx", type=click.IntRange(min=1), default=4096, show_default=True,

@@ -41,7 +41,11 @@ class StoreOptions:
     mode: str = "auto"
     host_bytes: int | None = None
     ctx: int = 4096
-    prefetch: bool = True  # guess layers' experts and copy cold ones ahead (zero-copy mode)
+    # guess layers' experts and copy cold ones ahead (zero-copy mode). Off by default: with the
+    # ~3 ms all-GPU step on the H100 it lost in every configuration measured (sessions 12-13,
+    # BENCHMARKS.md: 10% 75.0 -> 67.4 tok/s, 20% 94.0 -> 92.0, uniform 60% 115.4 -> 106.8): a
+    # layer's MoE waits for copies that have only its attention step to land.
+    prefetch: bool = False
     prefetch_min_misses: float | None = None  # None: PREFETCH_MIN_MISSES
     kv_type: str = "auto"  # KV cache element type (runtime.cache.KV_TYPES)
     prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per forward call (their temporaries are planned for)

@@ -65,7 +65,7 @@ def test_graph_replay_with_a_q8_0_kv_cache_equals_eager(model_path):
 
 def test_reset_keeps_the_graph_valid(model_path):
     model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
-                       store=StoreOptions(hot_fraction=0.5, mode="zerocopy"))
+                       store=StoreOptions(hot_fraction=0.5, mode="zerocopy", prefetch=True))
     tok1, log1, session = greedy(model, True)
     graph = session.graph
     session.feed([7, 8, 9])  # not an extension: a new sequence in the same buffers
@@ -84,7 +84,7 @@ def test_decoding_past_ctx_captures_again_on_the_grown_buffers(model_path):
     """Past --ctx a step runs eagerly and the KV buffers double; the graph captured on the old
     buffers must not be replayed on stale memory."""
     model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
-                       store=StoreOptions(hot_fraction=0.5, mode="zerocopy"))
+                       store=StoreOptions(hot_fraction=0.5, mode="zerocopy", prefetch=True))
     tok_g, log_g, s = greedy(model, True, n=20, ctx=16)  # 10 prompt tokens + 20: one growth, to 32
     assert s.graph is not None and s.graph.captures == 2 and s.graph.replays > 10
     tok_e, log_e, _ = greedy(model, False, n=20, ctx=16)
@@ -101,7 +101,7 @@ def test_programmatic_dependent_launch_changes_no_bit(model_path, hot_fraction, 
         monkeypatch.setenv("SPARKPACK_PDL", flag)
         pdl.reset()
         model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
-                           store=StoreOptions(hot_fraction=hot_fraction, cache_slots=4, mode="zerocopy"))
+                           store=StoreOptions(hot_fraction=hot_fraction, cache_slots=4, mode="zerocopy", prefetch=True))
         on = pdl.enabled(torch.empty(0, device="cuda"))
         tokens, logits, _ = greedy(model, True, n=16)
         return on, tokens, logits
