@@ -10,7 +10,7 @@
 # decode: all-GPU decode (CUDA graph vs eager) and prefill speed (bench/decode_bench.py).
 # llama: llama.cpp's llama-bench on the same model (bench/llama_bench.sh; .device/llama.cpp carried).
 # side: issue 7's side-by-side in one call: llama.cpp builds (niced, in the background) while the
-#   model is written and decode_bench runs; then llama-bench on the same file and
+#   model is written; then our decode_bench, llama-bench on the same file and
 #   bench/compare_llama.py's table (ours / llama.cpp). Nothing is timed while the build runs.
 #   SIDE_TESTS="tests/..." also runs those tests on CUDA while the model is written (before any timing),
 #   cut off after SIDE_TESTS_TIMEOUT seconds (180); their log goes to $OUT/tests.log.

@@ -11,8 +11,8 @@ issues the whole step at once. What makes the step capturable:
     memory inside the kernel (routings are counted there too), guessed ones are copied on a
     side stream that forks and joins inside the graph (prefetch), and the store's per-token
     bookkeeping (reading the counts, promoting missed experts into cache slots, rewriting the
-    slot table in place) runs on the host while the next replay computes. Stores that copy misses on demand (async, sync)
-    need the router's choice on the host mid-step and run eagerly.
+    slot table in place) runs on the host while the next replay computes. Stores that copy
+    misses on demand (async, sync) need the router's choice on the host mid-step and run eagerly.
 A replayed step runs exactly the kernels of an eager step with the same shapes, so outputs are
 the same bits either way.
 """
