@@ -162,7 +162,7 @@ class StoreStats:
     guessed_misses: int = 0  # misses in layers that guessed: what the guesses failed to find
     bytes_streamed: int = 0  # host->device bytes, copies and zero-copy reads together
     copy_seconds: float = 0.0  # wall time the host spent issuing/waiting for copies (sync, async)
-    step_seconds: float = 0.0  # host time between tokens: zero-copy counting and promotions
+    step_seconds: float = 0.0  # host time of the per-token bookkeeping (overlaps the next replayed step)
     disk_reads: int = 0
 
     def as_json(self) -> dict:
