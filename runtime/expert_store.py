@@ -507,7 +507,7 @@ class ExpertStore:
         src = self.table_pinned if layer is None else self.table_pinned[layer]
         dst = self.table_dev if layer is None else self.table_dev[layer]
         dst.copy_(src, non_blocking=self.pin)
-        if self.pin:
+        if self.pin and self.mode == "zerocopy":  # async mode's per-layer uploads need no event
             self._table_sent = torch.cuda.Event()
             self._table_sent.record()
 
