@@ -401,6 +401,34 @@ def test_moe_host_pool_gives_identical_bits(moe_case: dict) -> None:
     assert torch.equal(out, all_dev)
 
 
+@pytest.mark.parametrize("n_ff", [768, 512])
+@pytest.mark.parametrize("act_q8", [True, False], ids=["q8", "float"])
+def test_moe_decode_host_pool_gives_identical_bits_at_real_widths(n_ff: int, act_q8: bool) -> None:
+    """One token, top-8, Q4_K_M's expert types, the runtime's default launch: half the experts read
+    from a host pool give the all-device bits. On a GPU at the real widths (n_ff 768: Qwen3-30B,
+    whose down rows of 768 load a partial group of chunks; 512: Qwen3.6 and Laguna), where the
+    compiled kernels' reductions are what could differ; on the CPU at a small n_embd."""
+    gpu = DEVICE == "cuda"
+    n_embd, n_expert, k = (2048, 16, 8) if gpu else (256, 4, 2)
+    g = torch.Generator().manual_seed(n_ff)
+    x = torch.randn(1, n_embd, generator=g).to(DEVICE)
+    ids = torch.randperm(n_expert, generator=g)[:k].view(1, k).to(DEVICE)
+    wts = torch.rand(1, k, generator=g).to(DEVICE)
+    gate = torch.from_numpy(random_weight(T.Q4_K, n_ff, n_embd, 11, n_expert)).to(DEVICE)
+    up = torch.from_numpy(random_weight(T.Q4_K, n_ff, n_embd, 12, n_expert)).to(DEVICE)
+    down = torch.from_numpy(random_weight(T.Q6_K, n_embd, n_ff, 13, n_expert)).to(DEVICE)
+    table = torch.arange(n_expert, dtype=torch.int32, device=DEVICE)
+    host = tuple(p.cpu().pin_memory() if gpu else p.clone() for p in (gate, up, down))
+    on_host = torch.tensor([-(e + 1) if e % 2 else e for e in range(n_expert)], dtype=torch.int32, device=DEVICE)
+    args = (T.Q4_K, T.Q4_K, T.Q6_K, n_ff)
+    dev = moe_experts(x, ids, wts, table, gate, up, down, *args, act_q8=act_q8)
+    mixed = moe_experts(x, ids, wts, on_host, gate, up, down, *args, act_q8=act_q8, host=host)
+    ref = moe_reference(x.double().cpu(), ids.cpu(), wts.cpu(), dequant64(gate.cpu().numpy(), T.Q4_K, n_embd),
+                        dequant64(up.cpu().numpy(), T.Q4_K, n_embd), dequant64(down.cpu().numpy(), T.Q6_K, n_ff))
+    assert rel_l2(dev, ref) < (2e-2 if act_q8 else 1e-5)
+    assert torch.equal(mixed, dev)
+
+
 def test_moe_non_resident_expert_is_caught(moe_case: dict) -> None:
     chosen = int(moe_case["ids"][0, 0])
     slot_of = [e if e != chosen else -1 for e in range(N_EXPERT)]
