@@ -3,10 +3,13 @@
     python bench/decode_bench.py M.gguf [--depths 128 1024 4096] [--prefill 512 4096] [--tokens 64]
                                         [--prefill-chunks 2048 512 4096]
 
-Decode: prefill ``depth`` tokens, then time ``--tokens`` greedy steps (tok/s at that KV depth),
-replayed from a CUDA graph and, for comparison, eagerly. Prefill: tok/s of a fresh prompt of
+Decode: prefill ``depth`` tokens, then time ``--tokens`` greedy steps (tok/s at that KV depth)
+three ways: the runtime's loop (``Session.decode``, what ``generate`` and ``spark-run`` run: graph
+replays, each launched before the host reads the token it feeds), graph replays with the token
+read back before each launch (``sync``: the loop of sessions 1-13), and eager steps. Prefill: tok/s of a fresh prompt of
 each length, in calls of each ``--prefill-chunks`` size (default: the runtime's), with the
-device memory each call's temporaries took next to what the VRAM plan counts for them. Also: the graph and eager steps must give the same tokens and logits.
+device memory each call's temporaries took next to what the VRAM plan counts for them. Also: the graph and eager steps must give the same tokens and logits, and the runtime's loop
+the same tokens.
 Writes JSON to $OUT/decode_bench.json (or --json).
 """
 from __future__ import annotations
@@ -53,6 +56,21 @@ def decode(model, depth: int, n: int, graphs: bool, ctx: int) -> tuple[float, li
     return n / (time.perf_counter() - t0), out, torch.stack(steps)
 
 
+def decode_ahead(model, depth: int, n: int, ctx: int) -> tuple[float, list[int]]:
+    """tok/s and tokens of ``n`` greedy steps of the runtime's decode loop (``Session.decode``)."""
+    session = Session(model, ctx=ctx, graphs=True)
+    ids = prompt(depth, model.spec.n_vocab)
+    logits = session.feed(ids)
+    for _ in range(2):  # warm-up (capture on the first)
+        ids.append(int(torch.argmax(logits)))
+        logits = session.feed(ids)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = list(session.decode(logits, n + 1, torch.argmax))  # n + 1 tokens: n steps
+    torch.cuda.synchronize()
+    return n / (time.perf_counter() - t0), out[:n]
+
+
 def prefill(model, n: int, ctx: int, chunk: int = PREFILL_CHUNK, reps: int = 3) -> tuple[float, int]:
     """Median tok/s of ``reps`` prefills of ``n`` tokens (a prefill is host-bound in part, so
     single runs scatter; llama-bench averages its repetitions too), and the device memory the
@@ -94,12 +112,15 @@ def main() -> None:
     print(f"loaded {args.model.name} in {time.perf_counter() - t0:.1f} s", flush=True)
     res: dict = {"model": args.model.name, "device": torch.cuda.get_device_name(), "decode": [], "prefill": []}
     for depth in args.depths:
+        a_tps, a_tok = decode_ahead(model, depth, args.tokens, ctx)
         g_tps, g_tok, g_log = decode(model, depth, args.tokens, True, ctx)
         e_tps, e_tok, e_log = decode(model, depth, args.eager_tokens, False, ctx)
         k = args.eager_tokens
-        same = g_tok[:k] == e_tok and torch.equal(g_log[:k], e_log)
-        res["decode"].append({"depth": depth, "graph_tok_s": g_tps, "eager_tok_s": e_tps, "graph_equals_eager": same})
-        print(f"decode at depth {depth:5}: graph {g_tps:7.1f} tok/s, eager {e_tps:6.1f} tok/s, identical {same}", flush=True)
+        same = g_tok[:k] == e_tok and torch.equal(g_log[:k], e_log) and a_tok == g_tok
+        res["decode"].append({"depth": depth, "graph_tok_s": a_tps, "sync_tok_s": g_tps, "eager_tok_s": e_tps,
+                              "graph_equals_eager": same})
+        print(f"decode at depth {depth:5}: {a_tps:7.1f} tok/s (graph, one step ahead; {g_tps:7.1f} reading each "
+              f"token first), eager {e_tps:6.1f} tok/s, identical {same}", flush=True)
     res["decode_vram_peak_allocated"] = torch.cuda.max_memory_allocated()  # (prefill rows reset the peak)
     res["decode_vram_peak_reserved"] = torch.cuda.max_memory_reserved()
     for chunk in args.prefill_chunks:

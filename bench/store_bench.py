@@ -85,16 +85,12 @@ def held_out_prompt(model, path: Path, n_tokens: int) -> list[int]:
 
 
 def run(model, prompt: list[int], n_tokens: int) -> tuple[list[int], torch.Tensor, Session]:
-    """Greedy decode; returns the tokens, every step's logits and the session (its timing)."""
+    """Greedy decode in the runtime's loop (``Session.decode``, as ``generate``); returns the
+    tokens, the logits each was picked from and the session (its timing)."""
     session = Session(model)
-    ids = list(prompt)
-    logits = session.feed(ids)
-    steps = []
-    for _ in range(n_tokens):
-        steps.append(logits)
-        ids.append(int(torch.argmax(logits)))
-        logits = session.feed(ids)
-    return ids[len(prompt):], torch.stack(steps), session
+    steps: list[torch.Tensor] = []
+    tokens = list(session.decode(session.feed(list(prompt)), n_tokens + 1, torch.argmax, seen=steps))
+    return tokens[:n_tokens], torch.stack(steps[:n_tokens]), session
 
 
 def free_memory(cuda: bool) -> None:

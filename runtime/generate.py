@@ -7,7 +7,7 @@ state included, can only grow, so anything that is not an extension starts a fre
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,6 +20,10 @@ from .models.base import MoEModel
 
 
 class TokenSampler(Protocol):
+    """A sampler may also offer ``history_free`` (True) and ``pick(logits) -> tensor`` (the
+    token id on the device, nothing read back): ``generate`` then decodes one step ahead of the
+    host (``Session.decode``)."""
+
     def sample(self, logits: torch.Tensor, history: list[int]) -> int: ...
 
 
@@ -33,6 +37,7 @@ class Timing:
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     capture_seconds: float = 0.0  # one-off: the decode step that captured the CUDA graph
+    ahead_steps: int = 0  # decode steps launched before the host had read the token they feed
 
 
 DEFAULT_CTX = 4096
@@ -92,23 +97,83 @@ class Session:
         self.fed = list(ids)
         return logits
 
+    def decode(self, logits: torch.Tensor, n: int, pick: Callable[[torch.Tensor], torch.Tensor],
+               seen: list[torch.Tensor] | None = None) -> Iterator[int]:
+        """Up to ``n`` tokens after the fed ones, whose last logits are ``logits``; ``pick`` chooses
+        each on the device (logits -> a token id tensor, nothing read back). ``seen`` collects the
+        logits each token was picked from (benchmarks compare them across residencies).
+
+        Why: read back at once, every token costs a host round trip in which the GPU idles (the
+        read, then the launch of the next step: ~0.2 ms of a ~3 ms step on the H100). Once the
+        decode step is captured, the step that feeds token i is launched from the device copy of
+        i before the host reads i, so the GPU always has the next step queued. A token the
+        consumer then rejects (a stop token) has been fed already: ``fed`` includes it, as the
+        cache does, so a later ``feed`` reuses or resets them as usual. The tokens and logits are
+        the bits ``feed`` gives one token at a time (same captured step, same inputs)."""
+        on_cuda = logits.is_cuda
+        host = torch.empty(1, dtype=torch.long, pin_memory=on_cuda)
+        last = time.perf_counter()  # when the previous token was read (or a feed returned)
+        queued = False  # whether the logits came from a step launched ahead, not yet timed
+        for i in range(n):
+            if seen is not None:
+                seen.append(logits)
+            token = pick(logits).reshape(1)
+            ahead = None
+            if on_cuda:
+                host.copy_(token, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+                if i + 1 < n and self.graph is not None and self.graph.graph is not None:
+                    ahead = self.graph.step(token)  # None past the graph's KV room
+                ready.synchronize()  # the token, not the step queued behind it
+                tok = int(host[0])
+            else:
+                tok = int(token[0])
+            if queued:  # reading this token waited for the step launched last time: one decode step
+                now = time.perf_counter()
+                self.timing.decode_tokens += 1
+                self.timing.decode_seconds += now - last
+                last = now
+            queued = ahead is not None
+            if queued:
+                self.fed.append(tok)
+                self.timing.ahead_steps += 1
+            yield tok
+            if i + 1 == n:
+                return
+            if ahead is None:
+                logits = self.feed(self.fed + [tok])
+                last = time.perf_counter()
+            else:
+                logits = ahead
+
 
 def generate(model: MoEModel, tokenizer: object | None, prompt_ids: list[int], sampler: TokenSampler | None,
              max_new_tokens: int, stop_ids: Iterable[int] | None = None,
              session: Session | None = None) -> Iterator[int]:
     """Yield up to ``max_new_tokens`` tokens after ``prompt_ids``; a stop token ends the stream
     (it is not yielded). ``sampler`` None means greedy (argmax, first index on ties), the
-    deterministic mode the exactness tests compare; ``stop_ids`` None takes the tokenizer's."""
+    deterministic mode the exactness tests compare; ``stop_ids`` None takes the tokenizer's.
+    Greedy and history-free samplers pick on the device and run one step ahead of the host
+    (``Session.decode``); a sampler that needs the history gets it, one host round trip a token."""
     if stop_ids is None:
         stop_ids = getattr(tokenizer, "stop_ids", ()) if tokenizer is not None else ()
     stops = set(int(s) for s in stop_ids)
     session = session if session is not None else Session(model)
     history = list(prompt_ids)
     logits = session.feed(history)
-    for _ in range(max_new_tokens):
-        tok = int(torch.argmax(logits)) if sampler is None else int(sampler.sample(logits, history))
+    if sampler is None or getattr(sampler, "history_free", False):
+        pick = torch.argmax if sampler is None else sampler.pick
+        for tok in session.decode(logits, max_new_tokens, pick):
+            if tok in stops:
+                return
+            yield tok
+        return
+    for i in range(max_new_tokens):
+        tok = int(sampler.sample(logits, history))
         if tok in stops:
             return
         yield tok
         history.append(tok)
-        logits = session.feed(history)
+        if i + 1 < max_new_tokens:
+            logits = session.feed(history)

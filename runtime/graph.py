@@ -59,13 +59,17 @@ class DecodeGraph:
     def _buffers(self) -> tuple[int, ...]:
         return tuple(k.data_ptr() for k in self._kv())
 
-    def step(self, token: int) -> torch.Tensor | None:
-        """Logits ``[n_vocab]`` after feeding ``token`` at position ``cache.pos``."""
+    def step(self, token: int | torch.Tensor) -> torch.Tensor | None:
+        """Logits ``[n_vocab]`` after feeding ``token`` at position ``cache.pos``: an int, or a
+        one-element id tensor on the device (``Session.decode``: nothing waits for its value)."""
         if self.cache.pos + 1 > self.room():
             return None
         if self.graph is not None and self._buffers() != self.captured_on:
             self.graph = None  # eager steps past the room grew the KV buffers: capture again on them
-        self.ids.fill_(token)
+        if isinstance(token, torch.Tensor):
+            self.ids.copy_(token.reshape(1), non_blocking=True)
+        else:
+            self.ids.fill_(token)
         self.pos.fill_(self.cache.pos)
         if self.graph is None:
             logits = self._capture()

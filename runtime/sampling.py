@@ -100,8 +100,15 @@ class Sampler:
             x = x.masked_fill(probs < self.min_p * top, float("-inf"))
         return x
 
-    def sample(self, logits: torch.Tensor, history: History = None) -> int | torch.Tensor:
-        """One token id for ``[vocab]`` logits (an int), one per row for ``[batch, vocab]`` (a tensor)."""
+    @property
+    def history_free(self) -> bool:
+        """Whether a draw needs no token history (no repetition penalty): then ``pick`` can run on
+        the device one step ahead of the host (``Session.decode``)."""
+        return self.repetition_penalty == 1.0
+
+    def pick(self, logits: torch.Tensor, history: History = None) -> torch.Tensor:
+        """Token ids as a tensor on ``logits``' device (a 0-d tensor for ``[vocab]`` logits), with
+        no host round trip: what ``sample`` returns, before it is read."""
         single = logits.dim() == 1
         x = logits.unsqueeze(0) if single else logits
         if self.temperature == 0.0:
@@ -109,4 +116,9 @@ class Sampler:
         else:
             probs = torch.softmax(self.filtered_logits(x, history), dim=-1)
             out = torch.multinomial(probs, 1, generator=self._generator(x.device)).squeeze(-1)
-        return int(out[0]) if single else out
+        return out[0] if single else out
+
+    def sample(self, logits: torch.Tensor, history: History = None) -> int | torch.Tensor:
+        """One token id for ``[vocab]`` logits (an int), one per row for ``[batch, vocab]`` (a tensor)."""
+        out = self.pick(logits, history)
+        return int(out) if logits.dim() == 1 else out

@@ -114,3 +114,27 @@ def test_programmatic_dependent_launch_changes_no_bit(model_path, hot_fraction, 
     if not on:
         pytest.skip("PDL needs a Hopper or newer GPU and a Triton with griddepcontrol")
     assert not off and tok_p == tok_n and torch.equal(log_p, log_n)
+
+
+@pytest.mark.parametrize("hot_fraction", [1.0, 0.3])
+def test_decoding_one_step_ahead_gives_the_one_token_at_a_time_bits(model_path, hot_fraction):
+    """``generate`` launches the step that feeds a token before the host reads that token
+    (``Session.decode``): the tokens are those of eager steps fed one at a time, a stop token
+    leaves the session fed up to and including it, and the next ``feed`` continues from there
+    with the eager step's logits, also past ``ctx`` (where the steps fall back to eager ones)."""
+    from runtime.generate import generate
+
+    model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
+                       store=StoreOptions(hot_fraction=hot_fraction, cache_slots=2, mode="zerocopy"))
+    tok_e, log_e, _ = greedy(model, False, n=20, ctx=16)
+    session = Session(model, ctx=16)  # 10 prompt tokens + 20: one growth, to 32
+    assert list(generate(model, None, PROMPT, None, 20, stop_ids=(), session=session)) == tok_e
+    assert session.timing.ahead_steps > 0 and session.graph.captures == 2
+    assert session.fed == PROMPT + tok_e[:-1]
+    assert torch.equal(session.feed(PROMPT + tok_e), log_e[-1])
+    first = next((i for i in range(2, 18) if tok_e[i] not in tok_e[:i]), None)  # a token new at i
+    assert first is not None, "the tiny model repeats one token: no stop token to try"
+    session = Session(model, ctx=64)
+    assert list(generate(model, None, PROMPT, None, 20, stop_ids=[tok_e[first]], session=session)) == tok_e[:first]
+    assert session.fed == PROMPT + tok_e[:first + 1] and session.timing.ahead_steps == first
+    assert torch.equal(session.feed(PROMPT + tok_e[:first + 2]), log_e[first + 1])
