@@ -252,6 +252,34 @@ def test_q8_0_cache_read_and_written_as_codes(dtype) -> None:
         attend_decode(got_q, *codes, pos, k_scale=scales[0])
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="torch's fused attention path is taken on a GPU only")
+@pytest.mark.parametrize("window", [0, 4096, 100])
+def test_prompt_prefill_attention_matches_the_unfused_form(window: int) -> None:
+    """A prompt's first call (position 0, half precision) attends through torch's fused causal
+    attention (``layers._causal_sdpa``); the unfused form (``layers._attend``) is the reference,
+    here at the Qwen3-30B head shape over a 300-token prompt, in float64. A window shorter than the prompt
+    keeps the unfused form (its mask is not plain causal): same bits as ``_attend`` itself."""
+    from runtime.layers import _attend, _flash_prompt, attend_buffers
+
+    g = torch.Generator().manual_seed(window)
+    T, H, H_kv, d, S = 300, 32, 4, 128, 512
+    q = torch.randn(T, H, d, generator=g).to(DEVICE, torch.bfloat16)
+    k = torch.randn(H_kv, S, d, generator=g).to(DEVICE, torch.bfloat16)
+    v = torch.randn(H_kv, S, d, generator=g).to(DEVICE, torch.bfloat16)
+    got = attend_buffers(q, k, v, 0, window)
+    pos = torch.arange(T, device=DEVICE)
+    want = _attend(q, k[:, :T], v[:, :T], pos[:, None], pos[None, :], window)
+    assert _flash_prompt(q, 0, window) == (window != 100)
+    assert got.shape == (T, H, d) and got.dtype == torch.bfloat16
+    if window == 100:
+        assert torch.equal(got, want)
+    else:  # against the unfused form in float64
+        c = [t.double().cpu() for t in (q, k[:, :T], v[:, :T], pos[:, None], pos[None, :])]
+        exact = _attend(*c, window)
+        assert rel_l2(got, exact) < 1e-2 and rel_l2(got, exact) < 2 * rel_l2(want, exact)
+    assert not _flash_prompt(q, 5, 0) and not _flash_prompt(q.float(), 0, 0)
+
+
 def test_bad_shapes_raise() -> None:
     f32 = dict(device=DEVICE, dtype=torch.float32)
     q, k, v = torch.zeros(4, 32, **f32), torch.zeros(2, 32, **f32), torch.zeros(2, 32, **f32)
