@@ -71,9 +71,11 @@ def decode_ahead(model, depth: int, n: int, ctx: int) -> tuple[float, list[int]]
     return n / (time.perf_counter() - t0), out[:n]
 
 
-def prefill(model, n: int, ctx: int, chunk: int = PREFILL_CHUNK, reps: int = 3) -> tuple[float, int]:
+def prefill(model, n: int, ctx: int, chunk: int = PREFILL_CHUNK, reps: int = 5) -> tuple[float, int]:
     """Median tok/s of ``reps`` prefills of ``n`` tokens (a prefill is host-bound in part, so
-    single runs scatter; llama-bench averages its repetitions too), and the device memory the
+    single runs scatter: on one H100 machine the same 512-token Qwen3-30B call took 58-64 ms in
+    most runs and 104-108 ms in some, gc off or on; llama-bench averages 5 repetitions), and the
+    device memory the
     prefill added at its peak over what the session held before it (its temporaries)."""
     session = Session(model, ctx=ctx, graphs=False, prefill_chunk=chunk)
     # warm-up with a full chunk: the MoE kernels' tile shape (and so what Triton compiles) depends

@@ -78,6 +78,7 @@ for step in $steps; do
         tests=$!
       fi
       [ -f "$model" ] || python3 -m repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 8 --skew reference -o "$model" >/dev/null
+      sync  # as in presets: no page-cache writeback while a prefill is timed
       if [ -n "$tests" ]; then wait "$tests" || true; echo "== CUDA tests"; tail -15 "${OUT:-$work}/tests.log"; fi
       # nothing is timed while llama.cpp compiles: a prefill is partly host-bound, and a 16-job
       # build even at nice 19 took it from ~8900 to ~5100 tok/s (sessions 12-13)
@@ -99,6 +100,7 @@ for step in $steps; do
         # always written fresh: a file an earlier, cut-off call left behind may predate the writer
         # (llama.cpp refused one such file in session 11)
         python3 -m repack.cli synth --arch "$arch" --preset "$name" --quant Q4_K_M -j 16 --skew reference -o "$m" >/dev/null
+        sync  # the ~18 GB just written is flushed before anything is timed, not during a host-bound prefill
         if [ -n "$build" ]; then wait "$build" || tail -20 "$work/llama_build.log"; build=""; fi  # nothing timed meanwhile
         python3 bench/decode_bench.py "$m" --depths 128 4096 --prefill 512 --json "${OUT:-$work}/decode_bench_$name.json" \
           || echo "decode_bench failed on $name (rc $?)"

@@ -85,6 +85,8 @@ def main() -> None:
     print(f"prefill {n} tokens: host issued the call in {issued * 1e3:.1f} ms, "
           f"done at {(time.perf_counter() - t0) * 1e3:.1f} ms", flush=True)
     session.reset()
+    host_functions(lambda: session.feed(list(range(300, 300 + n))), args.rows)
+    session.reset()
     syncs = sync_points(lambda: session.feed(list(range(300, 300 + n))))
     print("host syncs in one prefill call: " + (", ".join(f"{k} x{v}" for k, v in syncs.items()) or "none"))
     session.reset()
@@ -98,6 +100,24 @@ def main() -> None:
     print("host time by section (a section's total includes the sections inside it):")
     for e in sorted(sections, key=lambda e: -e.cpu_time_total):
         print(f"  {e.key[1:]:24} {e.count:4} calls {e.cpu_time_total / 1e3:8.2f} ms")
+
+
+def host_functions(call, rows: int) -> None:
+    """Where the host's time goes in ``call`` (cProfile, by own time): a prefill issues ~1400
+    kernels, and when issuing them takes longer than running them the Python side is the limit."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    call()
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(rows)
+    print("prefill host time by function (own time):\n" + "\n".join(out.getvalue().splitlines()[4:]))
 
 
 def host_share(session, ids: list[int], logits, steps: int) -> None:
