@@ -36,15 +36,22 @@ def prompt(n: int, n_vocab: int) -> list[int]:
     return torch.randint(100, n_vocab - 100, (n,), generator=g).tolist()
 
 
-def decode(model, depth: int, n: int, graphs: bool, ctx: int) -> tuple[float, list[int], torch.Tensor]:
+def warm_session(model, depth: int, graphs: bool, ctx: int) -> tuple[Session, list[int], torch.Tensor]:
+    """A session fed ``depth`` prompt tokens and two greedy steps (the first captures the graph)."""
     session = Session(model, ctx=ctx, graphs=graphs)
     ids = prompt(depth, model.spec.n_vocab)
     logits = session.feed(ids)
-    for _ in range(2):  # warm-up (capture on the first)
+    for _ in range(2):
         ids.append(int(torch.argmax(logits)))
         logits = session.feed(ids)
-    out, steps = [], []
     torch.cuda.synchronize()
+    return session, ids, logits
+
+
+def decode(model, depth: int, n: int, graphs: bool, ctx: int) -> tuple[float, list[int], torch.Tensor]:
+    """tok/s, tokens and logits of ``n`` greedy steps, each token read back before the next step."""
+    session, ids, logits = warm_session(model, depth, graphs, ctx)
+    out, steps = [], []
     t0 = time.perf_counter()
     for _ in range(n):
         tok = int(torch.argmax(logits))
@@ -58,13 +65,7 @@ def decode(model, depth: int, n: int, graphs: bool, ctx: int) -> tuple[float, li
 
 def decode_ahead(model, depth: int, n: int, ctx: int) -> tuple[float, list[int]]:
     """tok/s and tokens of ``n`` greedy steps of the runtime's decode loop (``Session.decode``)."""
-    session = Session(model, ctx=ctx, graphs=True)
-    ids = prompt(depth, model.spec.n_vocab)
-    logits = session.feed(ids)
-    for _ in range(2):  # warm-up (capture on the first)
-        ids.append(int(torch.argmax(logits)))
-        logits = session.feed(ids)
-    torch.cuda.synchronize()
+    session, _, logits = warm_session(model, depth, True, ctx)
     t0 = time.perf_counter()
     out = list(session.decode(logits, n + 1, torch.argmax))  # n + 1 tokens: n steps
     torch.cuda.synchronize()
