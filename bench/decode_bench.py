@@ -72,12 +72,12 @@ def decode_ahead(model, depth: int, n: int, ctx: int) -> tuple[float, list[int]]
     return n / (time.perf_counter() - t0), out[:n]
 
 
-def prefill(model, n: int, ctx: int, chunk: int = PREFILL_CHUNK, reps: int = 5) -> tuple[float, int]:
-    """Median tok/s of ``reps`` prefills of ``n`` tokens (a prefill is host-bound in part, so
+def prefill(model, n: int, ctx: int, chunk: int = PREFILL_CHUNK, reps: int = 5) -> tuple[list[float], int]:
+    """tok/s of ``reps`` prefills of ``n`` tokens (a prefill is host-bound in part, so
     single runs scatter: on one H100 machine the same 512-token Qwen3-30B call took 58-64 ms in
-    most runs and 104-108 ms in some, gc off or on; llama-bench averages 5 repetitions), and the
-    device memory the
-    prefill added at its peak over what the session held before it (its temporaries)."""
+    most runs and 104-108 ms in some, gc off or on; the median is reported, llama-bench averages
+    5 repetitions), and the device memory the prefill added at its peak over what the session
+    held before it (its temporaries)."""
     session = Session(model, ctx=ctx, graphs=False, prefill_chunk=chunk)
     # warm-up with a full chunk: the MoE kernels' tile shape (and so what Triton compiles) depends
     # on the tokens per chunk
@@ -94,7 +94,7 @@ def prefill(model, n: int, ctx: int, chunk: int = PREFILL_CHUNK, reps: int = 5) 
         torch.cuda.synchronize()
         rates.append(n / (time.perf_counter() - t0))
         peak = max(peak, torch.cuda.max_memory_allocated() - base)
-    return statistics.median(rates), peak
+    return rates, peak
 
 
 def main() -> None:
@@ -129,11 +129,14 @@ def main() -> None:
     for chunk in args.prefill_chunks:
         key = "prefill" if chunk == args.prefill_chunks[0] else f"prefill_chunk_{chunk}"
         for n in args.prefill:
-            tps, peak = prefill(model, n, ctx, chunk)
+            rates, peak = prefill(model, n, ctx, chunk)
+            tps = statistics.median(rates)
             planned = prefill_activation_bytes(model.spec, chunk, ctx)
-            res.setdefault(key, []).append({"tokens": n, "tok_s": tps, "chunk": chunk, "temporaries_peak": peak,
+            res.setdefault(key, []).append({"tokens": n, "tok_s": tps, "tok_s_each": rates, "chunk": chunk,
+                                            "temporaries_peak": peak,
                                             "temporaries_planned": planned})
-            print(f"prefill {n:5} tokens in chunks of {chunk:4}: {tps:8.1f} tok/s, temporaries "
+            print(f"prefill {n:5} tokens in chunks of {chunk:4}: {tps:8.1f} tok/s (median of "
+                  f"{', '.join(f'{r:.0f}' for r in rates)}), temporaries "
                   f"{peak / 2**20:.0f} MiB (planned {planned / 2**20:.0f})", flush=True)
     args.json.write_text(json.dumps(res, indent=1) + "\n")
     if not all(d["graph_equals_eager"] for d in res["decode"]):
