@@ -6,10 +6,11 @@
 Decode: prefill ``depth`` tokens, then time ``--tokens`` greedy steps (tok/s at that KV depth)
 three ways: the runtime's loop (``Session.decode``, what ``generate`` and ``spark-run`` run: graph
 replays, each launched before the host reads the token it feeds), graph replays with the token
-read back before each launch (``sync``: the loop of sessions 1-13), and eager steps. Prefill: tok/s of a fresh prompt of
-each length, in calls of each ``--prefill-chunks`` size (default: the runtime's), with the
-device memory each call's temporaries took next to what the VRAM plan counts for them. Also: the graph and eager steps must give the same tokens and logits, and the runtime's loop
-the same tokens.
+read back before each launch (``sync``: the loop of sessions 1-13), and eager steps. Prefill:
+tok/s of a fresh prompt of each length (median of 5 calls, each recorded), in calls of each
+``--prefill-chunks`` size (default: the runtime's), with the device memory each call's
+temporaries took next to what the VRAM plan counts for them. Also: the graph and eager steps
+must give the same tokens and logits, and the runtime's loop the same tokens.
 Writes JSON to $OUT/decode_bench.json (or --json).
 """
 from __future__ import annotations
