@@ -118,13 +118,15 @@ class Session:
             if seen is not None:
                 seen.append(logits)
             token = pick(logits).reshape(1)
-            ahead = None
+            ready = None
             if on_cuda:
                 host.copy_(token, non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record()
-                if i + 1 < n and self.graph is not None and self.graph.graph is not None:
-                    ahead = self.graph.step(token)  # None past the graph's KV room
+            ahead = None
+            if i + 1 < n and self.graph is not None and self.graph.graph is not None:
+                ahead = self.graph.step(token)  # None past the graph's KV room
+            if ready is not None:
                 ready.synchronize()  # the token, not the step queued behind it
                 tok = int(host[0])
             else:

@@ -59,6 +59,68 @@ def test_stop_token_ends_generation_and_is_not_yielded(qwen):
     assert list(generate(model, None, [1, 2, 3], ScriptedSampler([5, 6, 7]), 2, stop_ids=[])) == [5, 6]
 
 
+class ScriptedTokens:
+    """A sampler's draws, made one token at a time with the history shown (the read-first loop)."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+
+    def sample(self, logits: torch.Tensor, history: list[int]) -> int:
+        return int(torch.argmax(logits)) if self.sampler is None else int(self.sampler.pick(logits))
+
+
+class EagerStep:
+    """Stands in for a captured decode step on the CPU (no CUDA graphs there): feeds a token id
+    tensor without reading it, so ``Session.decode`` takes its step-ahead branch in CI too."""
+
+    graph = True  # "captured"
+
+    def __init__(self, session: Session, room: int):
+        self.session, self.room, self.steps = session, room, 0
+
+    def step(self, token: torch.Tensor) -> torch.Tensor | None:
+        s = self.session
+        if s.cache.pos + 1 > self.room:
+            return None  # past the graph's room: Session.decode falls back to feed
+        self.steps += 1
+        return s.model.forward(token.reshape(1), s.cache, last_only=True)[-1]
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_decoding_one_step_ahead_keeps_the_session_consistent(qwen35, sampled):
+    """The step that feeds a token runs before the host reads it: the same tokens as one step at a
+    time, ``fed`` (and the cache) include a rejected stop token, a later feed continues from
+    there, and steps past the room fall back to ``feed``. A history-free sampler takes the same
+    path with the same draws."""
+    from runtime.sampling import Sampler
+
+    model = load_model(qwen35)
+    prompt = [1, 2, 3, 4]
+
+    def sampler():
+        return Sampler(temperature=1.3, seed=5) if sampled else None
+
+    plain = list(generate(model, None, prompt, ScriptedTokens(sampler()), 12, stop_ids=()))
+    session = Session(model, graphs=False)
+    session.feed(prompt)
+    session.graph = ahead = EagerStep(session, room=len(prompt) + 8)
+    assert list(generate(model, None, prompt, sampler(), 12, stop_ids=(), session=session)) == plain
+    assert ahead.steps == 8 and session.timing.ahead_steps == 8  # then 3 steps through feed
+    assert session.timing.decode_tokens == 11 and session.timing.decode_seconds > 0  # every step timed once
+    assert session.fed == prompt + plain[:-1] and session.cache.pos == len(session.fed)
+    first = next(i for i in range(1, 11) if plain[i] not in plain[:i])
+    session = Session(model, graphs=False)
+    session.feed(prompt)
+    session.graph = EagerStep(session, room=64)
+    got = list(generate(model, None, prompt, sampler(), 12, stop_ids=[plain[first]], session=session))
+    assert got == plain[:first] and session.fed == prompt + plain[:first + 1]
+    assert session.cache.pos == len(session.fed)
+    reference = Session(model, graphs=False)  # the same feeds, one token at a time after the prompt
+    for j in range(len(prompt), len(prompt) + first + 3):
+        want = reference.feed((prompt + plain)[:j])
+    assert torch.equal(session.feed(prompt + plain[:first + 2]), want)
+
+
 def test_session_reuses_the_cached_prefix(qwen35):
     model = load_model(qwen35, dtype=torch.float64)
     session = Session(model)
