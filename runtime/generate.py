@@ -30,13 +30,16 @@ class TokenSampler(Protocol):
 @dataclass
 class Timing:
     """Wall time of prompt processing (calls with several new tokens) and decode (one token);
-    the one step that captures the decode graph is counted apart."""
+    a step that captures the decode graph is counted apart. A step ``Session.decode`` launches
+    ahead is timed from one token read to the next, so the consumer's own time between tokens
+    (printing, a client) is inside it: the GPU computes meanwhile, and the rate is the one the
+    consumer sees."""
 
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
-    capture_seconds: float = 0.0  # one-off: the decode step that captured the CUDA graph
+    capture_seconds: float = 0.0  # the decode steps that captured the CUDA graph (again after KV growth)
     ahead_steps: int = 0  # decode steps launched before the host had read the token they feed
 
 
@@ -112,32 +115,44 @@ class Session:
         the bits ``feed`` gives one token at a time (same captured step, same inputs)."""
         on_cuda = logits.is_cuda
         host = torch.empty(1, dtype=torch.long, pin_memory=on_cuda)
+        stream = torch.cuda.current_stream(logits.device) if on_cuda else None
         last = time.perf_counter()  # when the previous token was read (or a feed returned)
-        queued = False  # whether the logits came from a step launched ahead, not yet timed
+        queued = None  # the timing account of the step launched ahead last time, not yet read
         for i in range(n):
             if seen is not None:
                 seen.append(logits)
             token = pick(logits).reshape(1)
             ready = None
-            if on_cuda:
+            if stream is not None:
                 host.copy_(token, non_blocking=True)
                 ready = torch.cuda.Event()
-                ready.record()
-            ahead = None
+                ready.record(stream)
+            ahead = account = None
             if i + 1 < n and self.graph is not None and self.graph.graph is not None:
+                captures = self.graph.captures
                 ahead = self.graph.step(token)  # None past the graph's KV room
-            if ready is not None:
-                ready.synchronize()  # the token, not the step queued behind it
-                tok = int(host[0])
-            else:
-                tok = int(token[0])
-            if queued:  # reading this token waited for the step launched last time: one decode step
+                if ahead is not None:  # a step that captured again (after KV growth) is no decode step
+                    account = "capture" if self.graph.captures != captures else "decode"
+            try:
+                if ready is not None:
+                    ready.synchronize()  # the token, not the step queued behind it
+                    tok = int(host[0])
+                else:
+                    tok = int(token[0])
+            except BaseException:  # interrupted with a step fed whose token is unknown: start afresh
+                if ahead is not None:
+                    self.reset()
+                raise
+            if queued is not None:  # reading this token waited for the step launched last time
                 now = time.perf_counter()
-                self.timing.decode_tokens += 1
-                self.timing.decode_seconds += now - last
+                if queued == "decode":
+                    self.timing.decode_tokens += 1
+                    self.timing.decode_seconds += now - last
+                else:
+                    self.timing.capture_seconds += now - last
                 last = now
-            queued = ahead is not None
-            if queued:
+            queued = account
+            if ahead is not None:
                 self.fed.append(tok)
                 self.timing.ahead_steps += 1
             yield tok

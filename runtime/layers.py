@@ -9,6 +9,7 @@ what the converter changed, e.g. Qwen3.5's ``1 + w`` norms are stored already ad
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -249,10 +250,19 @@ def _flash_prompt(q: torch.Tensor, pos0: "int | torch.Tensor", window: int) -> b
     with no sliding window that could bite (``T <= window``): then the mask is plain causal and
     torch's fused attention (flash) takes it in one launch. The unfused form of ``_attend`` is
     ~10 launches a layer plus its mask, and a 512-token prefill of the all-attention shapes
-    (Qwen3-30B, Laguna) was host-bound on issuing them (64 ms of host time, 43 ms of GPU work)."""
-    T = q.shape[0]
+    (Qwen3-30B, Laguna) was host-bound on issuing them (64 ms of host time, 43 ms of GPU work).
+    Only where a fused kernel runs (Ampere or newer, head size a multiple of 8 up to 256): torch's
+    fallback (the math kernel) would build the whole score matrix, which the prefill's memory plan
+    does not count (the unfused form scores in pieces of ``ATTN_SCORES_MAX``)."""
+    T, _, d = q.shape
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and T > 1
-            and isinstance(pos0, int) and pos0 == 0 and (window <= 0 or T <= window))
+            and isinstance(pos0, int) and pos0 == 0 and (window <= 0 or T <= window)
+            and d % 8 == 0 and d <= 256 and _ampere_or_newer(q.device))
+
+
+@functools.cache
+def _ampere_or_newer(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -75,23 +75,32 @@ class EagerStep:
 
     graph = True  # "captured"
 
-    def __init__(self, session: Session, room: int):
-        self.session, self.room, self.steps = session, room, 0
+    def __init__(self, session: Session, room: int, capture_at: int = -1):
+        self.session, self.room, self.capture_at, self.steps, self.captures = session, room, capture_at, 0, 0
 
     def step(self, token: torch.Tensor) -> torch.Tensor | None:
         s = self.session
         if s.cache.pos + 1 > self.room:
             return None  # past the graph's room: Session.decode falls back to feed
         self.steps += 1
-        return s.model.forward(token.reshape(1), s.cache, last_only=True)[-1]
+        self.captures += s.cache.pos == self.capture_at  # as DecodeGraph captures again after KV growth
+        return s.model.forward(token.as_subclass(torch.Tensor).reshape(1), s.cache, last_only=True)[-1]
+
+
+class Interrupted(torch.Tensor):
+    """A token id whose value cannot be read: Ctrl-C while the host waits for it."""
+
+    def __getitem__(self, index):
+        raise KeyboardInterrupt
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 def test_decoding_one_step_ahead_keeps_the_session_consistent(qwen35, sampled):
     """The step that feeds a token runs before the host reads it: the same tokens as one step at a
     time, ``fed`` (and the cache) include a rejected stop token, a later feed continues from
-    there, and steps past the room fall back to ``feed``. A history-free sampler takes the same
-    path with the same draws."""
+    there, steps past the room fall back to ``feed``, a step that captures is timed as a capture,
+    and an interrupt while a fed token is unread resets the session. A history-free sampler takes
+    the same path with the same draws."""
     from runtime.sampling import Sampler
 
     model = load_model(qwen35)
@@ -103,10 +112,11 @@ def test_decoding_one_step_ahead_keeps_the_session_consistent(qwen35, sampled):
     plain = list(generate(model, None, prompt, ScriptedTokens(sampler()), 12, stop_ids=()))
     session = Session(model, graphs=False)
     session.feed(prompt)
-    session.graph = ahead = EagerStep(session, room=len(prompt) + 8)
+    session.graph = ahead = EagerStep(session, room=len(prompt) + 8, capture_at=len(prompt) + 2)
     assert list(generate(model, None, prompt, sampler(), 12, stop_ids=(), session=session)) == plain
     assert ahead.steps == 8 and session.timing.ahead_steps == 8  # then 3 steps through feed
-    assert session.timing.decode_tokens == 11 and session.timing.decode_seconds > 0  # every step timed once
+    t = session.timing  # every step timed once, the capturing one as a capture
+    assert t.decode_tokens == 10 and t.decode_seconds > 0 and t.capture_seconds > 0
     assert session.fed == prompt + plain[:-1] and session.cache.pos == len(session.fed)
     first = next(i for i in range(1, 11) if plain[i] not in plain[:i])
     session = Session(model, graphs=False)
@@ -119,6 +129,10 @@ def test_decoding_one_step_ahead_keeps_the_session_consistent(qwen35, sampled):
     for j in range(len(prompt), len(prompt) + first + 3):
         want = reference.feed((prompt + plain)[:j])
     assert torch.equal(session.feed(prompt + plain[:first + 2]), want)
+    session.graph = EagerStep(session, room=64)  # interrupted with a step fed whose token is unread
+    with pytest.raises(KeyboardInterrupt):
+        next(session.decode(want, 4, lambda logits: torch.argmax(logits).as_subclass(Interrupted)))
+    assert session.fed == [] and session.cache.pos == 0
 
 
 def test_session_reuses_the_cached_prefix(qwen35):
