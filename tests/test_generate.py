@@ -403,18 +403,21 @@ def test_prefill_chunk_temporaries_are_planned_for(synth_model):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("arch", ["qwen35moe", "laguna"])
 def test_prefill_temporaries_stay_within_the_plan(synth_model, arch):
-    """The device memory a prefill call adds at its peak is at most what the plan counts."""
+    """The device memory a prefill call adds at its peak is at most what the plan counts: a
+    prompt of a chunk and a half, so the first call attends from position 0 (torch's fused
+    attention on a GPU) and the second over a past (the unfused form, scored in pieces)."""
     from formats.memory import prefill_activation_bytes
 
     model = load_model(synth_model(arch, "Q8_0"), device="cuda", dtype=torch.bfloat16,
-                       store=StoreOptions(hot_fraction=1.0, ctx=1024))
+                       store=StoreOptions(hot_fraction=1.0, ctx=2048))
     for chunk in (128, 700):
-        session = Session(model, ctx=1024, prefill_chunk=chunk)
-        session.feed(list(range(3, 3 + chunk)))  # warm: compiles, allocates the cache
+        n = chunk + chunk // 2
+        session = Session(model, ctx=2048, prefill_chunk=chunk)
+        session.feed(list(range(3, 3 + n)))  # warm: compiles, allocates the cache
         session.reset()
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        session.feed(list(range(5, 5 + chunk)))
+        session.feed(list(range(5, 5 + n)))
         torch.cuda.synchronize()
-        assert torch.cuda.max_memory_allocated() - base <= prefill_activation_bytes(model.spec, chunk, 1024)
+        assert torch.cuda.max_memory_allocated() - base <= prefill_activation_bytes(model.spec, chunk, 2048)
