@@ -102,33 +102,37 @@ def main() -> None:
         print(f"  {e.key[1:]:24} {e.count:4} calls {e.cpu_time_total / 1e3:8.2f} ms")
 
 
-def host_functions(call, rows: int) -> None:
-    """Where the host's time goes in ``call`` (cProfile, by own time): a prefill issues ~1400
-    kernels, and when issuing them takes longer than running them the Python side is the limit."""
+def profiled(call, rows: int) -> tuple[float, str]:
+    """Wall seconds of ``call`` (synchronized on both ends) under cProfile, and its top ``rows``
+    functions by own time (a wait shows as the call that waits)."""
     import cProfile
     import io
     import pstats
 
-    torch.cuda.synchronize()
     prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
     prof.enable()
     call()
     torch.cuda.synchronize()
     prof.disable()
+    seconds = time.perf_counter() - t0
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(rows)
-    print("prefill host time by function (own time):\n" + "\n".join(out.getvalue().splitlines()[4:]))
+    return seconds, "\n".join(out.getvalue().splitlines()[4:])
+
+
+def host_functions(call, rows: int) -> None:
+    """Where the host's time goes in ``call`` (cProfile, by own time): a prefill issues ~750-1400
+    kernels, and when issuing them takes longer than running them the Python side is the limit."""
+    print("prefill host time by function (own time):\n" + profiled(call, rows)[1])
 
 
 def host_share(session, ids: list[int], logits, steps: int) -> None:
     """How much of a decode step is the host's, between replays: the captured step replayed back
     to back (the device's time alone) against whole steps (argmax, the store's bookkeeping, the
-    session), and where a whole step's host time goes (cProfile: waits show as the call that
-    waits). Leaves the session's state advanced past ``ids``: reset it after."""
-    import cProfile
-    import io
-    import pstats
-
+    session), and where a whole step's host time goes. Leaves the session's state advanced past
+    ``ids``: reset it after."""
     graph = session.graph
     if graph is None or graph.graph is None:
         print("no captured step: host share not measured")
@@ -139,20 +143,17 @@ def host_share(session, ids: list[int], logits, steps: int) -> None:
         graph.graph.replay()
     torch.cuda.synchronize()
     replay = (time.perf_counter() - t0) / steps
-    prof = cProfile.Profile()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    prof.enable()
-    for _ in range(steps):
-        ids.append(int(torch.argmax(logits)))
-        logits = session.feed(ids)
-    torch.cuda.synchronize()
-    prof.disable()
-    whole = (time.perf_counter() - t0) / steps
-    print(f"replays alone: {replay * 1e3:.2f} ms/token; whole steps (cProfile on): {whole * 1e3:.2f} ms/token")
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
-    print("\n".join(out.getvalue().splitlines()[4:]))
+
+    def whole_steps():
+        nonlocal logits
+        for _ in range(steps):
+            ids.append(int(torch.argmax(logits)))
+            logits = session.feed(ids)
+
+    seconds, table = profiled(whole_steps, 18)
+    print(f"replays alone: {replay * 1e3:.2f} ms/token; whole steps (cProfile on): "
+          f"{seconds / steps * 1e3:.2f} ms/token")
+    print(table)
 
 
 SECTIONS = ("block", "attn", "delta_net", "ffn", "project", "project_present", "route_logits", "norm", "add_norm",
