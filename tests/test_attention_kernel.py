@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from runtime.cache import KVCache  # noqa: E402
-from runtime.kernels.attention import attend_decode, qk_norm_rope_append  # noqa: E402
+from runtime.kernels.attention import attend_decode, attend_prefill, qk_norm_rope_append  # noqa: E402
 from runtime.layers import Rope, attention, rms_norm, rope_inv_freq, yarn_rope  # noqa: E402
 from tests.test_kernels import DEVICE, compile_in_subprocess, rel_l2  # noqa: E402
 
@@ -281,6 +281,33 @@ def test_prompt_prefill_attention_matches_the_unfused_form(window: int) -> None:
     assert not _flash_prompt(q, 5, 0) and not _flash_prompt(q.float(), 0, 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,H_kv,rep,d,S,pos,window", [
+    (7, 2, 2, 32, 64, 0, 0),  # a prompt's first call
+    (20, 1, 4, 64, 96, 45, 0),  # a continuation over a past, blocks of tokens crossing key tiles
+    (33, 2, 1, 32, 128, 60, 16),  # a window shorter than the call: early keys drop out row by row
+    (5, 2, 3, 32, 64, 59, 0),  # rep 3 (padded rows), the call ending at the last row of the buffer
+    (16, 1, 8, 128, 256, 100, 300),  # the Qwen3-30B head shape, a window longer than the past
+])
+def test_attend_prefill_matches_torch(dtype, T, H_kv, rep, d, S, pos, window) -> None:
+    """``attend_prefill`` (a captured prefill call's attention) against ``runtime.layers._attend`` in
+    float64, with garbage in every row past the call; the position by value and from memory give
+    the same bits."""
+    from runtime.layers import _attend
+
+    g = torch.Generator().manual_seed(T + pos)
+    H = H_kv * rep
+    q = rand(g, T, H, d, dtype=dtype, scale=2.0)
+    k, v = rand(g, H_kv, S, d, dtype=dtype, scale=2.0), rand(g, H_kv, S, d, dtype=dtype)
+    k[:, pos + T:], v[:, pos + T:] = 1e6, -1e6  # never attended
+    qpos = torch.arange(pos, pos + T)[:, None]
+    ref = _attend(q, k, v, qpos, torch.arange(S)[None, :], window)
+    dev = [t.to(DEVICE, dtype).contiguous() for t in (q, k, v)]
+    outs = [attend_prefill(*dev, p, window) for p in (pos, torch.tensor(pos, device=DEVICE))]
+    assert outs[0].shape == (T, H, d) and outs[0].dtype == dtype and torch.equal(outs[0], outs[1])
+    assert rel_l2(outs[0].cpu(), ref) < TOL[dtype]
+
+
 def test_bad_shapes_raise() -> None:
     f32 = dict(device=DEVICE, dtype=torch.float32)
     q, k, v = torch.zeros(4, 32, **f32), torch.zeros(2, 32, **f32), torch.zeros(2, 32, **f32)
@@ -332,7 +359,7 @@ def test_bad_shapes_raise() -> None:
 
 
 def aot_compile_attention(arch: int = 90) -> None:
-    """Compile the three kernels for sm_``arch`` at the real models' largest shapes (d=256,
+    """Compile the four kernels for sm_``arch`` at the real models' largest shapes (d=256,
     rep 16) with the launch options ``attend_decode`` uses, and check that each fits the shared
     memory of a Hopper SM (227 KiB). Needs TRITON_INTERPRET unset."""
     import triton
@@ -363,6 +390,10 @@ def aot_compile_attention(arch: int = 90) -> None:
              {"POS_PTR": pos_ptr, "SPLIT": 64, "GATE": 1 if pos_ptr else 2, "BLOCK_SP": 64, "BLOCK_C": 32,
               "Q8": pos_ptr}, 4, 3),
         ]
+        jobs.append((at._attend_prefill_kernel,
+                     {"q_ptr": "*" + act, "k_ptr": "*" + act, "v_ptr": "*" + act, "out_ptr": "*" + act, "pos": pos},
+                     {"POS_PTR": pos_ptr, "DOT_FP32": act == "fp32", "REP_P2": 16, "BLOCK_T": 4, "BLOCK_D": 256,
+                      "BLOCK_S": 32}, 4, 3))
     target = GPUTarget("cuda", arch, 32)
     for fn, ptrs, consts, warps, stages in jobs:
         sig = {p.name: "constexpr" if p.is_constexpr else ptrs.get(p.name, "fp32" if p.name in floats else "i32")
@@ -376,4 +407,4 @@ def aot_compile_attention(arch: int = 90) -> None:
 
 
 def test_attention_kernels_compile_for_h100() -> None:
-    compile_in_subprocess("from tests.test_attention_kernel import aot_compile_attention; aot_compile_attention()", 6)
+    compile_in_subprocess("from tests.test_attention_kernel import aot_compile_attention; aot_compile_attention()", 8)

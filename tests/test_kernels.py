@@ -319,6 +319,22 @@ def test_group_pairs_sorts_by_expert_into_padded_blocks() -> None:
     assert pairs.tolist() == [1, 4, 3, -1, 7, -1, 0, 2, 5, 6] + [-1] * (2 * n_blocks - 10)
 
 
+def test_group_pairs_counts_only_the_real_tokens_of_a_padded_call() -> None:
+    """A padded prefill call (``count_tokens``, read from the device) places every pair, padding
+    included, but counts the routings of its leading real tokens only; over 1024 pairs (more
+    than one loop step of the kernel) with the limit inside the second step."""
+    rng = np.random.default_rng(3)
+    ids = torch.from_numpy(np.stack([rng.choice(64, 8, replace=False) for _ in range(160)])).to(DEVICE)
+    whole = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    want_pairs, want_blocks = group_pairs(ids, 64, 16, whole)
+    for real in (160, 131, 1):
+        counts = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+        pairs, blocks = group_pairs(ids, 64, 16, counts, torch.tensor(real, device=DEVICE))
+        assert torch.equal(pairs, want_pairs) and torch.equal(blocks, want_blocks)
+        assert counts.cpu().tolist() == np.bincount(ids[:real].cpu().numpy().reshape(-1), minlength=64).tolist()
+    assert torch.equal(counts.sum(), torch.tensor(8, dtype=torch.int32, device=DEVICE)) and int(whole.sum()) == 1280
+
+
 @pytest.mark.parametrize("n_expert,block_m,n_tok,k", [(256, 16, 300, 8), (7, 32, 5, 3), (128, 64, 129, 8)])
 def test_group_pairs_equals_a_stable_sort(n_expert, block_m, n_tok, k) -> None:
     """Against numpy: every expert's pairs in pair order from its padded offset, -1 elsewhere,
@@ -736,8 +752,8 @@ def aot_compile_all(arch: int = 90) -> None:
                                                                   "kd_ptr", "keep_ptr", "state_ptr", "out_ptr")},
               {"C": 64, "BLOCK_K": 128, "BLOCK_V": 32}),
              (moe_grouped._group_pairs_kernel, {"ids_ptr": "*i64", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
-                                        "counts_ptr": "*i32"},
-              {"HAS_COUNT": True, "BLOCK_M": 32, "BLOCK_P": 1024, "BINS": 512}),
+                                        "counts_ptr": "*i32", "limit_ptr": "*i64"},
+              {"HAS_COUNT": True, "HAS_LIMIT": True, "BLOCK_M": 32, "BLOCK_P": 1024, "BINS": 512}),
              (deltanet._gated_norm_kernel, {"o_ptr": "*fp32", "z_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16"},
               {"BLOCK_R": 4, "BLOCK_V": 128}),
              (ffn._silu_mul_kernel, {"g_ptr": "*bf16", "u_ptr": "*bf16", "y_ptr": "*bf16", **codes},

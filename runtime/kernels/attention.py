@@ -34,6 +34,14 @@ H100 (bf16, CUDA-graph replays of both attention launches, 32 query / 4 kv heads
 the buffer in use): split 64 is best at 4k positions (9 us); at 32k, 256 (28 us against 35 at
 64); at 128k, 512 (82 us against 129). The caller picks it from the capacity.
 
+4. ``_attend_prefill_kernel`` (``attend_prefill``): a prefill call's queries whose first position
+   is read from memory, for a prefill step captured in a CUDA graph (``runtime.graph``), where
+   neither torch's fused attention nor the sliced buffers of ``attend_buffers`` can be used (both
+   need the position on the host). Flash-attention style: one program per (kv head, block of
+   tokens), the ``rep`` query heads of each token as rows of the tile (each key and value read
+   once per kv head and block), an online softmax over tiles of keys up to the block's last
+   position (from the window's start where there is one), the same mask.
+
 A Q8_0 KV cache (``--kv-type q8_0``: int8 codes, one f16 scale per 32 values) is read and
 written in place: the first kernel quantizes the new key and value rows by ``runtime.cache``'s
 rule, the split kernel expands each tile in registers (code times scale, rounded to the
@@ -454,3 +462,98 @@ def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         POS_PTR=pos_ptr, SPLIT=split, GATE=GATE_KINDS[gate_kind], BLOCK_SP=COMBINE_SPLITS,
         BLOCK_C=block_c, Q8=q8, num_warps=4, **pdl.flags(m))
     return attach(out, codes) if q8 else out
+
+
+@triton.jit(do_not_specialize=["pos", "T"])
+def _attend_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pos, T, S, D, H, REP, window, qk_scale,
+                           POS_PTR: tl.constexpr, DOT_FP32: tl.constexpr, REP_P2: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+    """Tokens ``[tb * BLOCK_T, (tb+1) * BLOCK_T)`` of kv head ``kh``: rows ``t * REP_P2 + r`` are
+    token t's query head ``kh * REP + r``. Scores in log2 units (``qk_scale`` includes log2(e))."""
+    wait_prior(PDL)
+    kh = tl.program_id(0)
+    tb = tl.program_id(1)
+    p = _position(pos, POS_PTR)
+    rows = tl.arange(0, BLOCK_T * REP_P2)
+    t = tb * BLOCK_T + rows // REP_P2
+    r = rows % REP_P2
+    rm = (t < T) & (r < REP)
+    qpos = p + t  # each row's position (int64)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    q_off = (t.to(tl.int64) * H + kh * REP + r)[:, None] * D + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=rm[:, None] & dm[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    t_last = tl.minimum(tb * BLOCK_T + BLOCK_T, T) - 1
+    hi = tl.minimum(p + t_last + 1, S)  # one past the block's last visible key
+    start = tl.maximum(tl.where(window > 0, p + tb * BLOCK_T - window + 1, 0), 0)
+    k_base = k_ptr + kh.to(tl.int64) * S * D
+    v_base = v_ptr + kh.to(tl.int64) * S * D
+    m_i = tl.full([BLOCK_T * REP_P2], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_T * REP_P2], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_T * REP_P2, BLOCK_D], dtype=tl.float32)
+    for j0 in range(start // BLOCK_S * BLOCK_S, hi, BLOCK_S):
+        j = j0 + tl.arange(0, BLOCK_S)
+        jm = (j >= start) & (j < hi)
+        kt = tl.load(k_base + j[None, :] * D + d[:, None], mask=dm[:, None] & jm[None, :], other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, kt)
+        ok = jm[None, :] & (j[None, :] <= qpos[:, None])
+        if window > 0:
+            ok = ok & (qpos[:, None] - j[None, :] < window)
+        s = tl.where(ok, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet stays empty
+        alpha = tl.exp2(m_i - m_use)
+        pr = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        vt = tl.load(v_base + j[:, None] * D + d[None, :], mask=jm[:, None] & dm[None, :], other=0.0)
+        if DOT_FP32:
+            acc = acc * alpha[:, None] + tl.dot(pr, vt.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pr.to(vt.dtype), vt)
+        m_i = m_new
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (rows past T or rep: never stored)
+    tl.store(out_ptr + q_off, o.to(out_ptr.dtype.element_ty), mask=rm[:, None] & dm[None, :])
+
+
+def attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: "int | torch.Tensor",
+                   window: int = 0) -> torch.Tensor:
+    """Causal GQA attention of the T queries ``q [T, H, d]`` at positions ``pos .. pos+T-1`` over
+    the cache rows ``j <= position`` (and ``position - j < window`` when ``window > 0``): the keys
+    of those positions must already be written (``qk_norm_rope_append``). Caches ``[H_kv, S, d]``
+    contiguous in q's dtype, the whole capacity; ``pos`` an int or a 0-dim integer device tensor
+    (then ``pos + T <= S`` is the caller's promise). Returns ``[T, H, d]`` in q's dtype, one launch."""
+    what = "attend_prefill"
+    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape or k_cache.shape[2] != q.shape[2]:
+        raise ValueError(f"{what}: expected q [T, H, d] and caches [H_kv, S, d], got {tuple(q.shape)}, "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    (T, H, d), (H_kv, S, _) = q.shape, k_cache.shape
+    if H_kv == 0 or H % H_kv or d == 0 or S == 0:
+        raise ValueError(f"{what}: {H} query heads cannot share {H_kv} kv heads (or an empty shape)")
+    if q.dtype not in ACT_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"{what}: q and the caches must share one of bf16/f16/f32, got {q.dtype}, "
+                         f"{k_cache.dtype}, {v_cache.dtype}")
+    if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"{what}: q and the caches must be contiguous")
+    if k_cache.device != q.device or v_cache.device != q.device:
+        raise ValueError(f"{what}: all tensors must be on {q.device}")
+    if window < 0:
+        raise ValueError(f"{what}: window must be >= 0, got {window}")
+    pos_ptr = _check_pos(pos, S, q.device, what, T)
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    rep = H // H_kv
+    rep_p2 = triton.next_power_of_2(rep)
+    block_t = max(1, 64 // rep_p2) if d > 128 else max(1, 128 // rep_p2)  # 64-128 rows a tile
+    block_d = max(16, triton.next_power_of_2(d))
+    fp32 = q.dtype == torch.float32 or not q.is_cuda  # (the interpreter gets bf16 tl.dot wrong)
+    _attend_prefill_kernel[(H_kv, triton.cdiv(T, block_t))](
+        q, k_cache, v_cache, out, pos if pos_ptr else int(pos), T, S, d, H, rep, int(window), d ** -0.5 * LOG2E,
+        POS_PTR=pos_ptr, DOT_FP32=fp32, REP_P2=rep_p2, BLOCK_T=block_t, BLOCK_D=block_d,
+        BLOCK_S=64 if d <= 128 else 32, num_warps=8 if block_t * rep_p2 >= 128 else 4, **pdl.flags(q))
+    return out

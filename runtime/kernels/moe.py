@@ -145,7 +145,8 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                 host: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None,
                 counts: torch.Tensor | None = None, num_warps: int | None = None,
                 grouped: bool | None = None, tiles: tuple[int, int, int] | None = None,
-                act_q8: bool = False, cpi: int = 8, reduce: bool = True, sub: bool | None = None) -> torch.Tensor:
+                act_q8: bool = False, cpi: int = 8, reduce: bool = True, sub: bool | None = None,
+                count_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """Routed-expert output ``sum_j w[t,j] * down_e(silu(gate_e x_t) * up_e x_t)`` -> [T, n_embd] fp32.
 
     x: [T, n_embd] (f32/f16/bf16); topk_ids/topk_weights: [T, k]; slot_table: int32 [n_expert]
@@ -168,6 +169,8 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     others keeps the float input), loading up to ``cpi`` chunks of 256 per row at once.
     ``reduce=False`` returns the weighted expert outputs unsummed, ``[T, k, n_embd]`` fp32, for a
     consumer that sums them in choice order itself (``layers.ffn_residual``: one launch fewer).
+    ``count_tokens`` (a padded prefill call: a one-element integer device tensor) counts the routings of
+    only that many leading tokens; such a call always takes the grouped kernels.
     """
     T_, n_embd = x.shape
     topk = topk_ids.shape[1]
@@ -207,10 +210,10 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if T_ == 0 or topk == 0:
         return y.zero_()
     has_host = host is not None
-    if grouped if grouped is not None else T_ * topk >= GROUPED_MIN_PAIRS:
+    if count_tokens is not None or (grouped if grouped is not None else T_ * topk >= GROUPED_MIN_PAIRS):
         grouped_experts(x, topk_ids, topk_weights, slot_table, (gate_raw, up_raw, down_raw),
                         (gate_h, up_h, down_h) if has_host else None, (gate_qtype, up_qtype, down_qtype), n_ff,
-                        up_row0, part, counts, tiles, sub)
+                        up_row0, part, counts, tiles, sub, count_tokens)
     else:
         rows, warps = _launch(T_ * topk)
         h = torch.empty((T_ * topk, n_ff), dtype=torch.float32, device=x.device)

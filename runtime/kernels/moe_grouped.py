@@ -264,13 +264,18 @@ def _tile_down_kernel(h_ptr, pairs_ptr, block_expert_ptr, wts_ptr, slot_ptr, dow
 # ----------------------------------------------------------------------------- grouping
 
 @triton.jit
-def _group_pairs_kernel(ids_ptr, pairs_ptr, block_expert_ptr, counts_ptr, P, N_EXPERT, N_BLOCKS,
-                        HAS_COUNT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-                        BINS: tl.constexpr, PDL: tl.constexpr):
+def _group_pairs_kernel(ids_ptr, pairs_ptr, block_expert_ptr, counts_ptr, limit_ptr, P, TOPK, N_EXPERT, N_BLOCKS,
+                        HAS_COUNT: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_P: tl.constexpr, BINS: tl.constexpr, PDL: tl.constexpr):
     """Program ``e < N_EXPERT`` places expert e's pairs; program ``N_EXPERT`` pads the unused tail.
     Every program counts all experts itself (a histogram of the ids, P small): no program waits
-    for another, and every output element is written by exactly one program."""
+    for another, and every output element is written by exactly one program. ``HAS_LIMIT``: only
+    the pairs of the first ``*limit_ptr`` tokens are counted (all are placed)."""
     wait_prior(PDL)
+    if HAS_LIMIT:
+        counted = tl.load(limit_ptr).to(tl.int32) * TOPK
+    else:
+        counted = P
     e = tl.program_id(0)
     hist = tl.zeros([BINS], dtype=tl.int32)
     for p0 in range(0, P, BLOCK_P):
@@ -293,12 +298,14 @@ def _group_pairs_kernel(ids_ptr, pairs_ptr, block_expert_ptr, counts_ptr, P, N_E
         count = tl.sum(tl.where(mine, hist, 0), axis=0)
         start = tl.sum(tl.where(bins < e, padded, 0), axis=0)
         seen = 0
+        real = 0
         for p0 in range(0, P, BLOCK_P):  # in pair order: a stable sort by expert
             offs = p0 + tl.arange(0, BLOCK_P)
             hit = (tl.load(ids_ptr + offs, mask=offs < P, other=N_EXPERT) == e).to(tl.int32)
             rank = seen + tl.cumsum(hit, axis=0) - 1
             tl.store(pairs_ptr + start + rank, offs, mask=hit > 0)
             seen += tl.sum(hit, axis=0)
+            real += tl.sum(tl.where(offs < counted, hit, 0), axis=0)
         r = tl.arange(0, BLOCK_M)
         tl.store(pairs_ptr + start + count + r, tl.full([BLOCK_M], -1, tl.int32), mask=r < pad - count)
         for b0 in range(0, pad // BLOCK_M, BLOCK_P):
@@ -306,11 +313,11 @@ def _group_pairs_kernel(ids_ptr, pairs_ptr, block_expert_ptr, counts_ptr, P, N_E
             tl.store(block_expert_ptr + start // BLOCK_M + b, tl.full([BLOCK_P], 0, tl.int64) + e,
                      mask=b < pad // BLOCK_M)
         if HAS_COUNT:
-            tl.store(counts_ptr + e, tl.load(counts_ptr + e) + count)
+            tl.store(counts_ptr + e, tl.load(counts_ptr + e) + real)
 
 
-def group_pairs(ids: torch.Tensor, n_expert: int, block_m: int,
-                counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def group_pairs(ids: torch.Tensor, n_expert: int, block_m: int, counts: torch.Tensor | None = None,
+                count_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the (token, choice) pairs of ``ids [T, k]`` by expert into blocks of ``block_m`` rows.
 
     Returns ``pairs`` (int32, ``n_blocks * block_m``: flat pair index ``t * k + j``, in pair order
@@ -318,7 +325,9 @@ def group_pairs(ids: torch.Tensor, n_expert: int, block_m: int,
     expert, ``n_expert`` for unused blocks); ``counts`` (int32 ``[n_expert]``), when given, is
     incremented by the routings per expert. ``n_blocks`` is the worst case ``ceil(P / block_m) +
     min(n_expert, P)`` so that nothing here waits for the device. One launch (the torch form was
-    ~18 kernels, each a few microseconds of host time in a host-bound prefill)."""
+    ~18 kernels, each a few microseconds of host time in a host-bound prefill). ``count_tokens``: a
+    one-element integer device tensor, the number of leading tokens that are real (a padded
+    prefill call, ``runtime.graph``): only their routings are counted."""
     flat = ids.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
@@ -330,7 +339,9 @@ def group_pairs(ids: torch.Tensor, n_expert: int, block_m: int,
         raise ValueError(f"counts must be a contiguous int32 [{n_expert}]")
     if n_blocks:
         _group_pairs_kernel[(n_expert + 1,)](flat, pairs, block_expert, counts if counts is not None else pairs,
-                                             P, n_expert, n_blocks, HAS_COUNT=counts is not None, BLOCK_M=block_m,
+                                             count_tokens if count_tokens is not None else pairs, P, ids.shape[-1], n_expert,
+                                             n_blocks, HAS_COUNT=counts is not None,
+                                             HAS_LIMIT=count_tokens is not None and counts is not None, BLOCK_M=block_m,
                                              BLOCK_P=1024, BINS=triton.next_power_of_2(n_expert + 1), num_warps=4,
                                              **pdl.flags(flat))
     return pairs, block_expert
@@ -372,13 +383,13 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
                     host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
                     qtypes: tuple[int, int, int], n_ff: int, up_row0: int, part: torch.Tensor,
                     counts: torch.Tensor | None = None, tiles: tuple[int, int, int] | None = None,
-                    sub: bool | None = None) -> None:
+                    sub: bool | None = None, count_tokens: torch.Tensor | None = None) -> None:
     """Weighted expert outputs of every (token, choice) pair into ``part [T*k, n_embd]`` (fp32),
     in two launches after ``group_pairs``. Arguments as ``moe.moe_experts`` has checked them:
     ``pools`` = (gate, up, down) device views (up may be gate's view with ``up_row0 = n_ff``),
     ``host`` the same over the host pool or None. ``sub``: the sub-block kernels where the types
     have them (default: unless ``SPARKPACK_GROUPED_SUB=0``), False the expanded-tile kernels. ``tiles`` =
-    (BLOCK_M, BLOCK_N, warps) overrides the tile shape, for tuning."""
+    (BLOCK_M, BLOCK_N, warps) overrides the tile shape, for tuning. ``count_tokens``: see ``group_pairs``."""
     (gate, up, down), (gq, uq, dq) = pools, (int(q) for q in qtypes)
     gate_h, up_h, down_h = host if host is not None else pools
     T_, n_embd = x.shape
@@ -392,7 +403,7 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     bm, bn, warps = tiles or (_sub_tiles if sub_gu or sub_down else _tile_tiles)(per_expert)
     if min(bm, bn) < 16 or (bm & (bm - 1)) or (bn & (bn - 1)):
         raise ValueError(f"grouped tiles must be powers of two >= 16 (tl.dot), got {bm}x{bn}")
-    pairs, block_expert = group_pairs(topk_ids, n_expert, bm, counts)
+    pairs, block_expert = group_pairs(topk_ids, n_expert, bm, counts, count_tokens)
     nb, flags = block_expert.numel(), pdl.flags(x)
     # h between the launches: in the activations' half dtype where the products take it in that
     # dtype anyway (the same rounding, half the bytes), else fp32
