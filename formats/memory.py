@@ -18,6 +18,9 @@ RUNTIME_OVERHEAD_BYTES = 768 * 1024**2
 PREFILL_CHUNK = 2048
 # Tokens per block of the chunked DeltaNet prefill (runtime.models.qwen35moe).
 DELTANET_CHUNK = 64
+# Most tokens of a prefill call captured in a CUDA graph (runtime.graph.PrefillGraphs): shorter
+# calls are padded to a few sizes up to this; longer ones run eagerly in PREFILL_CHUNK pieces.
+PREFILL_GRAPH_TOKENS = 512
 # Attention scores held at once: a long chunk's queries go in pieces (runtime.layers.attention).
 ATTN_SCORES_MAX = 1 << 25
 # Weights a multi-token projection expands at once from quantized bytes (runtime.quant_linear):
@@ -92,7 +95,26 @@ def prefill_activation_bytes(spec: ModelSpec, chunk: int = PREFILL_CHUNK, ctx: i
     return hidden + worst
 
 
+def prefill_graph_bytes(spec: ModelSpec, tokens: int = PREFILL_GRAPH_TOKENS) -> int:
+    """The memory pool kept by the captured prefill calls (``runtime.graph.PrefillGraphs``): the
+    temporaries of a ``tokens``-token call, held between calls. Only models whose every layer is
+    attention capture prefill calls; their attention there is one fused kernel (no scores held),
+    so a layer's peak is its projections or its MoE / MLP."""
+    if any(kind.attention == LINEAR for kind in spec.layers):
+        return 0
+    hidden = tokens * 8 * spec.n_embd * 4 + 2 * min(DEQUANT_SCRATCH_ELEMENTS, spec.n_vocab * spec.n_embd)
+    worst = 0
+    for il, kind in enumerate(spec.layers):
+        layer = 4 * tokens * spec.n_head[il] * spec.head_dim * 4
+        if kind.ffn == MOE:
+            layer = max(layer, tokens * spec.n_expert_used * (spec.n_ff_exp + spec.n_embd) * 4)
+        elif kind.ffn == DENSE:
+            layer = max(layer, tokens * 3 * spec.n_ff_dense * 4)
+        worst = max(worst, layer)
+    return hidden + worst
+
+
 def runtime_bytes(spec: ModelSpec, ctx: int, chunk: int = PREFILL_CHUNK) -> int:
-    """What the runtime needs besides weights, KV cache and recurrent state: its fixed overhead
-    and a prefill call's temporaries."""
-    return RUNTIME_OVERHEAD_BYTES + prefill_activation_bytes(spec, chunk, ctx)
+    """What the runtime needs besides weights, KV cache and recurrent state: its fixed overhead,
+    a prefill call's temporaries and the captured prefill calls' pool."""
+    return RUNTIME_OVERHEAD_BYTES + prefill_activation_bytes(spec, chunk, ctx) + prefill_graph_bytes(spec)

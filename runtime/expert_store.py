@@ -280,6 +280,9 @@ class ExpertStore:
         self.table = self.table_pinned.numpy()
         self.table_dev = self.table_pinned.to(self.device, copy=True)
         self.step_counts = torch.zeros((spec.n_layer, self.n_expert), dtype=torch.int32, device=self.device)
+        # A padded prefill call (``MoEModel.forward(real=...)``): the device scalar of its real
+        # tokens, whose routings alone the fused kernels count (padding must not teach placement).
+        self.count_tokens: torch.Tensor | None = None
         self._step_routed = False
         # A replayed step's counts (and guesses) are copied into pinned memory behind it and
         # learned from while the next step runs (``end_step(defer=True)``): (tokens, copy done).
@@ -394,7 +397,11 @@ class ExpertStore:
                     row = self.eff_table[layer]
                 return self._fused(la, x, weights, ids, row, la.host_views, self.step_counts[layer], parts)
             flat = ids.reshape(-1)
-            self.step_counts[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+            one = torch.ones_like(flat, dtype=torch.int32)
+            if self.count_tokens is not None:  # a padded call: its real tokens' routings only
+                one = (torch.arange(ids.shape[0], device=ids.device) < self.count_tokens).to(torch.int32)
+                one = one.repeat_interleave(ids.shape[1])
+            self.step_counts[layer].index_add_(0, flat, one)
         else:
             left = self._make_resident(layer, ids)
             if la.fused:
@@ -412,7 +419,8 @@ class ExpertStore:
         # router ids (int64) and weights (float32) go in as they are: the kernels read either
         # float32 out: the block's residual epilogue (layers.ffn_residual) rounds it, no launch of its own
         return moe_experts(x, ids, weights.float(), table_row, *la.views, *la.qtypes, la.n_ff,
-                           host=host_views, counts=counts, act_q8=q8dot.enabled(), reduce=not parts)
+                           host=host_views, counts=counts, act_q8=q8dot.enabled(), reduce=not parts,
+                           count_tokens=self.count_tokens if counts is not None else None)
 
     def _fused_overflow(self, layer: int, la: "_Layer", x: torch.Tensor, weights: torch.Tensor,
                         ids: torch.Tensor, left: np.ndarray, parts: bool = False) -> torch.Tensor:

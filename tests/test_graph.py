@@ -1,15 +1,17 @@
-"""Decode steps replayed from a CUDA graph give the eager steps' bits, at any residency (GPU only:
-run on the GPU machine with SPARKPACK_TEST_DEVICE=cuda; CI has no CUDA and skips them)."""
+"""Decode steps and prefill calls replayed from CUDA graphs give the eager calls' bits, at any
+residency (GPU: run on the GPU machine with SPARKPACK_TEST_DEVICE=cuda; CI has no CUDA and skips
+those). The padded prefill calls themselves (what a captured call computes) are also checked on
+the CPU, eagerly."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from runtime.generate import Session
-from runtime.graph import capturable
+from runtime.graph import PREFILL_SIZES, PrefillGraphs, capturable, padded_prefill
 from runtime.models import StoreOptions, load_model
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
 
 
@@ -31,6 +33,7 @@ def greedy(model, graphs: bool, n: int = 12, ctx: int = 64, kv_type: str = "auto
     return ids[len(PROMPT):], torch.stack(steps), session
 
 
+@cuda
 @pytest.mark.parametrize("hot_fraction,slots,prefetch", [(1.0, 0, False), (0.3, 0, False), (0.3, 0, True),
                                                          (0.3, 6, True)])
 def test_graph_replay_equals_eager(model_path, hot_fraction, slots, prefetch):
@@ -53,6 +56,7 @@ def test_graph_replay_equals_eager(model_path, hot_fraction, slots, prefetch):
     assert tok_r == tok_g and torch.equal(log_r, log_g)
 
 
+@cuda
 def test_graph_replay_with_a_q8_0_kv_cache_equals_eager(model_path):
     """The q8_0 cache's quantize-on-write and expand-on-read inside the captured step."""
     model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
@@ -63,11 +67,12 @@ def test_graph_replay_with_a_q8_0_kv_cache_equals_eager(model_path):
     assert tok_g == tok_e and torch.equal(log_g, log_e)
 
 
+@cuda
 def test_reset_keeps_the_graph_valid(model_path):
     """After a reset (a new sequence in the same buffers) the captured step replays the eager
-    steps' bits. The prompt goes in two pieces (3 tokens, then 7): a prompt's first call attends
-    through torch's fused attention and later calls through the unfused form, so the reference
-    eager session is fed the same pieces."""
+    steps' bits. The prompt goes in two pieces (3 tokens, then 7): pieces are padded calls of
+    their own (all-attention models) or attend differently from a whole prompt (torch's fused
+    attention from position 0 on qwen35moe), so the reference eager session is fed the same pieces."""
     model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
                        store=StoreOptions(hot_fraction=0.5, mode="zerocopy", prefetch=True))
 
@@ -90,6 +95,7 @@ def test_reset_keeps_the_graph_valid(model_path):
     assert session.graph is graph and graph.replays >= 20 and tok_g == tok_e and torch.equal(log_g, log_e)
 
 
+@cuda
 def test_decoding_past_ctx_captures_again_on_the_grown_buffers(model_path):
     """Past --ctx a step runs eagerly and the KV buffers double; the graph captured on the old
     buffers must not be replayed on stale memory."""
@@ -101,6 +107,7 @@ def test_decoding_past_ctx_captures_again_on_the_grown_buffers(model_path):
     assert tok_g == tok_e and torch.equal(log_g, log_e)
 
 
+@cuda
 @pytest.mark.parametrize("hot_fraction", [1.0, 0.3])
 def test_programmatic_dependent_launch_changes_no_bit(model_path, hot_fraction, monkeypatch):
     """Kernels launched with PDL (Hopper: each starts while its predecessor drains, then waits for
@@ -126,6 +133,7 @@ def test_programmatic_dependent_launch_changes_no_bit(model_path, hot_fraction, 
     assert not off and tok_p == tok_n and torch.equal(log_p, log_n)
 
 
+@cuda
 @pytest.mark.parametrize("hot_fraction", [1.0, 0.3])
 def test_decoding_one_step_ahead_gives_the_one_token_at_a_time_bits(model_path, hot_fraction):
     """``generate`` launches the step that feeds a token before the host reads that token
@@ -151,3 +159,100 @@ def test_decoding_one_step_ahead_gives_the_one_token_at_a_time_bits(model_path, 
     assert list(generate(model, None, PROMPT, None, 20, stop_ids=[tok_e[first]], session=session)) == tok_e[:first]
     assert session.fed == PROMPT + tok_e[:first + 1] and session.timing.ahead_steps == first
     assert torch.equal(session.feed(PROMPT + tok_e[:first + 2]), log_e[first + 1])
+
+
+def eager_prefill(model, prompts: list[list[int]], ctx: int) -> tuple[list[torch.Tensor], Session]:
+    """Each prompt fed whole into one cache by plain ``forward`` calls (no padding)."""
+    session = Session(model, ctx=ctx)
+    session.prefill = None
+    return [session.feed(p) for p in prompts], session
+
+
+def padded_feeds(model, prompts: list[list[int]], ctx: int, capture: bool) -> tuple[list[torch.Tensor], Session]:
+    """The same through ``PrefillGraphs`` (every prompt extends the previous one)."""
+    session = Session(model, ctx=ctx, graphs=capture)
+    session.prefill = PrefillGraphs(model, session.cache, capture)
+    return [session.feed(p) for p in prompts], session
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "laguna"])
+def test_a_padded_prefill_call_computes_the_real_tokens_alone(synth_model, arch):
+    """The calls a captured prefill replays, run eagerly on the CPU: padded to 16 and 32 tokens
+    with the first position and the real count read from tensors, they give the unpadded calls'
+    logits (to float32 round-off: the products have other shapes), write the same KV rows, advance
+    the cache by the real tokens only, and the expert store counts the real tokens' routings
+    alone, at partial residency with cache slots. A longer extension goes in calls of at most
+    512 tokens (512, then 8 padded to 16) where the plain session makes one call."""
+    path = synth_model(arch, "Q4_K_M", skew=1.0)
+    opts = StoreOptions(hot_fraction=0.5, cache_slots=2, mode="zerocopy")
+    prompts = [PROMPT[:3], PROMPT, PROMPT + list(range(40, 57))]  # 3 -> 16, 7 -> 16, 17 -> 32
+    prompts.append(prompts[-1] + [3 + i % 89 for i in range(520)])
+    ref_model, pad_model = load_model(path, store=opts), load_model(path, store=opts)
+    want, ref = eager_prefill(ref_model, prompts, 64)
+    got, pad = padded_feeds(pad_model, prompts, 64, capture=False)
+    assert [PrefillGraphs.size(n) for n in (1, 2, 16, 17, 500, 512, 513)] == [None, 16, 16, 32, 512, 512, None]
+    assert PREFILL_SIZES[-1] == 512 and pad.cache.pos == ref.cache.pos == 547
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and torch.allclose(g, w, rtol=1e-4, atol=1e-4)
+    for la, lb in zip(pad.cache.layers, ref.cache.layers):
+        assert torch.allclose(la.k[:, :547], lb.k[:, :547], rtol=1e-4, atol=1e-4)
+    a, b = pad_model.experts.stats, ref_model.experts.stats
+    # (cache hits and misses split differently: the store promotes experts between calls, and the
+    # padded session makes one call more)
+    assert a.tokens == b.tokens == 547 and a.hot_hits == b.hot_hits
+    assert a.cache_hits + a.misses == b.cache_hits + b.misses
+
+
+def test_padding_that_would_grow_the_kv_cache_runs_eagerly(synth_model):
+    """A call whose real tokens fit the KV buffers but whose padding would not is left to the
+    eager path: padding never doubles the cache."""
+    model = load_model(synth_model("qwen3moe", "Q4_K_M"), store=StoreOptions(hot_fraction=1.0, mode="zerocopy"))
+    session = Session(model, ctx=16)
+    graphs = PrefillGraphs(model, session.cache, capture=False)
+    assert graphs.feed(PROMPT) is not None and session.cache.pos == 10  # 16 positions: fits
+    assert graphs.feed(PROMPT[:5]) is None and session.cache.pos == 10  # 15 real, padded to 26
+    assert all(la.k.shape[1] == 16 for la in session.cache.layers)
+
+
+@cuda
+@pytest.mark.parametrize("hot_fraction", [1.0, 0.3])
+def test_captured_prefill_replays_the_eager_padded_calls(model_path, hot_fraction):
+    """Prefill calls replayed from their graphs (several sizes, a size replayed for new tokens at
+    a new position, after a reset, after a KV growth) give the bits of the same padded calls run
+    eagerly, and the decode after them too; every residency the all-hot bits; within bf16
+    round-off of unpadded calls; the store counts the real tokens alone."""
+    model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
+                       store=StoreOptions(hot_fraction=hot_fraction, cache_slots=2, mode="zerocopy"))
+    session = Session(model, ctx=64)
+    if not padded_prefill(model, session.cache):
+        assert model.arch == "qwen35moe" or not capturable(model)
+        assert session.prefill is None
+        pytest.skip("prefill calls are padded on all-attention models with a capturable store only")
+    seqs = [[PROMPT[:4], PROMPT + list(range(50, 70))],  # 4 tokens -> 16 at 0, 26 -> 32 at 4
+            [PROMPT[::-1][:5], PROMPT[::-1] + list(range(70, 90)) + list(range(5, 45))]]  # a replay; 65 -> 96: growth
+
+    def run(capture: bool, m=model) -> tuple[torch.Tensor, Session, int]:
+        s = Session(m, ctx=64, graphs=capture)
+        out = []
+        for prompts in seqs:
+            s.reset()
+            out += [s.feed(p) for p in prompts]
+            ids = list(prompts[-1])
+            for _ in range(4):
+                ids.append(int(torch.argmax(out[-1])))
+                out.append(s.feed(ids))
+        return torch.stack(out), s, m.experts.stats.tokens
+
+    got, s, n_counted = run(True)
+    assert s.prefill.captures == 3 and s.prefill.replays == 1  # sizes 16, 32, then 96 on the grown buffers
+    want, _, _ = run(False)
+    assert torch.equal(got, want)
+    assert n_counted == sum(len(p[-1]) + 4 for p in seqs)
+    if hot_fraction < 1.0:
+        ref = load_model(model_path, device="cuda", dtype=torch.bfloat16,
+                         store=StoreOptions(hot_fraction=1.0, cache_slots=0, mode="zerocopy"))
+        assert torch.equal(run(True, ref)[0], got)
+    plain, _ = eager_prefill(model, seqs[0], 64)
+    for g, w in zip(got[:2], plain):
+        assert (g.float() - w.float()).norm() < 3e-2 * w.float().norm()
+

@@ -88,9 +88,18 @@ class MoEModel(ABC):
     def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: int | torch.Tensor) -> torch.Tensor:
         """Layer ``il``'s residual block on ``x [T, n_embd]`` whose first token is at ``pos0``."""
 
+    def reserve_kv(self, cache: Cache, n: int) -> None:
+        """Make every KV cache of ``cache`` hold ``n`` positions before a call that reads its
+        position from the device (which cannot grow them itself)."""
+        for il, layer in enumerate(cache.layers):
+            if isinstance(layer, KVCache):
+                like = torch.empty(0, self.spec.n_head_kv[il], self.spec.head_dim, dtype=self.dtype, device=self.device)
+                layer.reserve(n, like)
+
     @torch.no_grad()
     def forward(self, ids: torch.Tensor | list[int], cache: Cache | None = None,
-                last_only: bool = False, pos: torch.Tensor | None = None) -> torch.Tensor:
+                last_only: bool = False, pos: torch.Tensor | None = None,
+                real: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[T, n_vocab]`` for the new tokens ``ids`` (``[1, n_vocab]`` for the last one
         only with ``last_only``: generation needs no more, and the head is the largest matmul);
         advances ``cache`` when given.
@@ -99,15 +108,29 @@ class MoEModel(ABC):
         ``pos`` (a device scalar holding the first new position) is for a step captured in a CUDA
         graph (``runtime.graph``): nothing here then touches the host, and the caller advances
         ``cache.pos`` and the expert store's bookkeeping itself.
+
+        ``real`` (with ``pos``; a device scalar): a padded call (``runtime.graph.PrefillGraphs``):
+        only the first ``real`` ids are tokens, the rest pad the call to a captured size and sit
+        after them (causal attention keeps them out of the real tokens' results). The logits are
+        the last real token's, and the expert store counts only the real tokens' routings.
         """
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
         cache = cache if cache is not None else self.new_cache()
         x = self.w.embed(ids)
         prefetch = getattr(self.experts, "prefetch", None) if ids.numel() == 1 else None
-        for il in range(self.spec.n_layer):
-            if prefetch is not None:
-                prefetch(il, x, self.guess_experts)
-            x = self.block(il, x, cache, cache.pos if pos is None else pos)
+        limit = real is not None and hasattr(self.experts, "count_tokens")
+        if limit:
+            self.experts.count_tokens = real
+        try:
+            for il in range(self.spec.n_layer):
+                if prefetch is not None:
+                    prefetch(il, x, self.guess_experts)
+                x = self.block(il, x, cache, cache.pos if pos is None else pos)
+        finally:
+            if limit:
+                self.experts.count_tokens = None
+        if real is not None:
+            x = x.index_select(0, (real - 1).reshape(1))
         if pos is None:
             cache.pos += ids.numel()
             end_step = getattr(self.experts, "end_step", None)  # the store learns between tokens
@@ -172,14 +195,16 @@ class MoEModel(ABC):
         or None where the model file's torch form runs instead (CPU without ``kernels``, float64).
         The q/k RMSNorms, rope and the KV append are one launch for any T; one token then attends
         in two more (split and combine, the output gate included); several tokens (prefill)
-        attend over the buffers with ``layers.attend_buffers`` and take the gate in torch. A Q8_0
+        attend over the buffers with ``layers.attend_buffers`` and take the gate in torch, or, with
+        the position on the device (a padded prefill call, ``runtime.graph.PrefillGraphs``), in one
+        launch of ``attention.attend_prefill`` over the whole buffers. A Q8_0
         KV cache is written as codes (and, decoding, read as codes). Gate kinds as
         ``attention.attend_decode`` takes them."""
         kv = cache.layers[il] if cache is not None else None
         if not (self.kernels and isinstance(kv, KVCache) and q.dtype in (torch.bfloat16, torch.float16, torch.float32)):
             return None
         from ..kernels import q8dot
-        from ..kernels.attention import attend_decode, qk_norm_rope_append
+        from ..kernels.attention import attend_decode, attend_prefill, qk_norm_rope_append
 
         p, (T, H, d) = f"blk.{il}.", q.shape
         if not isinstance(pos0, torch.Tensor):
@@ -188,8 +213,11 @@ class MoEModel(ABC):
         qr = qk_norm_rope_append(q, k, v, self.w.opt(p + "attn_q_norm.weight"), self.w.opt(p + "attn_k_norm.weight"),
                                  self.eps, rope.inv_on(q.device), rope.scale, pos0, kv.k, kv.v, *scales)
         if T > 1:
-            o = output_gate(attend_buffers(qr, *kv.buffers(prefill_rows(pos0, T)), pos0, window), gate, gate_kind)
-            return o.reshape(T, H * d)
+            if isinstance(pos0, torch.Tensor) and not kv.q8:
+                o = attend_prefill(qr, kv.k, kv.v, pos0, window)
+            else:
+                o = attend_buffers(qr, *kv.buffers(prefill_rows(pos0, T)), pos0, window)
+            return output_gate(o, gate, gate_kind).reshape(T, H * d)
         S = kv.k.shape[1]
         split = 64 if S <= 8192 else 256 if S <= 65536 else 512  # kernels/attention.py: best per buffer size
         return attend_decode(qr[0], kv.k, kv.v, pos0, window, None if gate is None else gate[0], gate_kind, split,
