@@ -7,9 +7,11 @@ Decode: prefill ``depth`` tokens, then time ``--tokens`` greedy steps (tok/s at 
 three ways: the runtime's loop (``Session.decode``, what ``generate`` and ``spark-run`` run: graph
 replays, each launched before the host reads the token it feeds), graph replays with the token
 read back before each launch (``sync``: the loop of sessions 1-13), and eager steps. Prefill:
-tok/s of a fresh prompt of each length (median of 5 calls, each recorded), in calls of each
-``--prefill-chunks`` size (default: the runtime's), with the device memory each call's
-temporaries took next to what the VRAM plan counts for them. Also: the graph and eager steps
+tok/s of a fresh prompt of each length (median of 5 calls, each recorded) in a session like
+``spark-run``'s (calls of up to 512 tokens replayed from CUDA graphs) and of the session's first
+call (which captured them), in calls of each ``--prefill-chunks`` size (default: the runtime's),
+with the device memory each call's temporaries took and the graphs' pool next to what the VRAM
+plan counts for them. Also: the graph and eager steps
 must give the same tokens and logits, and the runtime's loop the same tokens.
 Writes JSON to $OUT/decode_bench.json (or --json).
 """
@@ -27,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from formats.memory import PREFILL_CHUNK, prefill_activation_bytes  # noqa: E402
+from formats.memory import PREFILL_CHUNK, prefill_activation_bytes, prefill_graph_bytes  # noqa: E402
 from runtime.generate import Session  # noqa: E402
 from runtime.models import StoreOptions, load_model  # noqa: E402
 
@@ -73,17 +75,32 @@ def decode_ahead(model, depth: int, n: int, ctx: int) -> tuple[float, list[int]]
     return n / (time.perf_counter() - t0), out[:n]
 
 
-def prefill(model, n: int, ctx: int, chunk: int = PREFILL_CHUNK, reps: int = 5) -> tuple[list[float], int]:
-    """tok/s of ``reps`` prefills of ``n`` tokens (a prefill is host-bound in part, so
-    single runs scatter: on one H100 machine the same 512-token Qwen3-30B call took 58-64 ms in
-    most runs and 104-108 ms in some, gc off or on; the median is reported, llama-bench averages
-    5 repetitions), and the device memory the prefill added at its peak over what the session
-    held before it (its temporaries)."""
-    session = Session(model, ctx=ctx, graphs=False, prefill_chunk=chunk)
-    # warm-up with a full chunk: the MoE kernels' tile shape (and so what Triton compiles) depends
-    # on the tokens per chunk
-    session.feed(prompt(min(n, session.prefill_chunk), model.spec.n_vocab))
+def pool_bytes(pool) -> int:
+    """Device memory held by one CUDA graph memory pool (its segments)."""
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id", ())) == tuple(pool))
+
+
+def prefill(model, n: int, ctx: int, chunk: int = PREFILL_CHUNK, reps: int = 5) -> tuple[list[float], int, float, int]:
+    """tok/s of ``reps`` prefills of ``n`` tokens in a session as ``spark-run`` runs one (short
+    calls replayed from CUDA graphs: ``runtime.graph.PrefillGraphs``), the device memory a
+    prefill added at its peak over what the session held before it (its temporaries), the tok/s
+    of the session's first such prefill (which captured its graphs) and the bytes those graphs
+    keep in their pool. Eager prefills of the all-attention shapes were host-bound, and their
+    times scattered by machine and process (58-108 ms for one 512-token Qwen3-30B call); the
+    median of the repetitions is reported, llama-bench averages 5."""
+    # compile first, with a full chunk: the MoE kernels' tile shape (and so what Triton compiles)
+    # depends on the tokens per chunk
+    Session(model, ctx=ctx, graphs=False, prefill_chunk=chunk).feed(prompt(min(n, chunk), model.spec.n_vocab))
+    session = Session(model, ctx=ctx, prefill_chunk=chunk)
     ids = prompt(n, model.spec.n_vocab)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    session.feed(ids)
+    torch.cuda.synchronize()
+    first = n / (time.perf_counter() - t0)
+    graphs = session.prefill
+    pool = pool_bytes(graphs.pool) if graphs is not None and graphs.pool is not None else 0
     rates, peak = [], 0
     for _ in range(reps):
         session.reset()
@@ -95,7 +112,7 @@ def prefill(model, n: int, ctx: int, chunk: int = PREFILL_CHUNK, reps: int = 5) 
         torch.cuda.synchronize()
         rates.append(n / (time.perf_counter() - t0))
         peak = max(peak, torch.cuda.max_memory_allocated() - base)
-    return rates, peak
+    return rates, peak, first, pool
 
 
 def main() -> None:
@@ -130,15 +147,17 @@ def main() -> None:
     for chunk in args.prefill_chunks:
         key = "prefill" if chunk == args.prefill_chunks[0] else f"prefill_chunk_{chunk}"
         for n in args.prefill:
-            rates, peak = prefill(model, n, ctx, chunk)
+            rates, peak, first, pool = prefill(model, n, ctx, chunk)
             tps = statistics.median(rates)
             planned = prefill_activation_bytes(model.spec, chunk, ctx)
             res.setdefault(key, []).append({"tokens": n, "tok_s": tps, "tok_s_each": rates, "chunk": chunk,
-                                            "temporaries_peak": peak,
-                                            "temporaries_planned": planned})
+                                            "first_call_tok_s": first, "temporaries_peak": peak,
+                                            "temporaries_planned": planned, "graph_pool": pool,
+                                            "graph_pool_planned": prefill_graph_bytes(model.spec)})
             print(f"prefill {n:5} tokens in chunks of {chunk:4}: {tps:8.1f} tok/s (median of "
-                  f"{', '.join(f'{r:.0f}' for r in rates)}), temporaries "
-                  f"{peak / 2**20:.0f} MiB (planned {planned / 2**20:.0f})", flush=True)
+                  f"{', '.join(f'{r:.0f}' for r in rates)}; first call, capturing: {first:.0f}), temporaries "
+                  f"{peak / 2**20:.0f} MiB (planned {planned / 2**20:.0f}), graph pool {pool / 2**20:.0f} MiB "
+                  f"(planned {prefill_graph_bytes(model.spec) / 2**20:.0f})", flush=True)
     args.json.write_text(json.dumps(res, indent=1) + "\n")
     if not all(d["graph_equals_eager"] for d in res["decode"]):
         raise SystemExit("graph replay and eager decode differ")

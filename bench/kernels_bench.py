@@ -12,6 +12,7 @@ shape, so a fast wrong kernel cannot pass.
     python bench/kernels_bench.py --only dense --gemv-tiles 4,4 8,4 2,2   # one-token dense GEMV
     python bench/kernels_bench.py --only moe dense --act float q8   # float vs int8 activations
     python bench/kernels_bench.py --only attention --attn-buffers 4096 32768   # decode attention
+    python bench/kernels_bench.py --only prefill-attention --prefill-tokens 512 2048   # prefill attention
 
 Needs only torch and triton (no gguf): blocks are generated and dequantized by
 ``runtime.kernels.reference``. Run from anywhere; the repository root is put on sys.path.
@@ -308,6 +309,40 @@ def bench_attention(args: argparse.Namespace, copy_gbs: float, gen: torch.Genera
     return ok
 
 
+def bench_prefill_attention(args: argparse.Namespace, gen: torch.Generator) -> bool:
+    """A prefill call's attention: ``attend_prefill`` (one Triton launch, the position read from
+    memory: what a captured prefill call runs) against what an eager call runs, torch's fused
+    causal attention from position 0 (``_causal_sdpa``) and the unfused form over a past
+    (``attend_buffers``), for calls of ``--prefill-tokens`` at position 0 and after as many
+    earlier tokens. Checked against the unfused form in fp32."""
+    from runtime.kernels.attention import attend_prefill
+    from runtime.layers import _attend, attend_buffers
+
+    ok = True
+    print(f"{'shape':10} {'T':>5} {'past':>5} {'triton us':>9} {'eager us':>9} {'eager form':>10} {'rel-L2':>9}")
+    dt = torch.bfloat16
+    for name, H, H_kv, d, _ in ATTN_SHAPES:
+        for T in args.prefill_tokens:
+            for past in (0, T):
+                S = past + T
+                q = torch.randn(T, H, d, generator=gen, device="cuda").to(dt)
+                k, v = (torch.randn(H_kv, S, d, generator=gen, device="cuda").to(dt) for _ in range(2))
+                pos = torch.tensor(past, device="cuda")
+                got = attend_prefill(q, k, v, pos)
+                at = torch.arange(past, S, device="cuda")
+                want = _attend(q.float(), k.float(), v.float(), at[:, None], torch.arange(S, device="cuda")[None, :], 0)
+                err = rel_l2(got.float(), want)
+                good = err < 2e-2
+                ok &= good
+                ours = median_ms(lambda: attend_prefill(q, k, v, pos))
+                eager = median_ms(lambda: attend_buffers(q, k, v, past))
+                form = "sdpa" if past == 0 else "unfused"
+                print(f"{name:10} {T:5} {past:5} {ours * 1e3:9.1f} {eager * 1e3:9.1f} {form:>10} "
+                      f"{err:9.2e}{'' if good else '  FAIL'}")
+                del q, k, v
+    return ok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--qtypes", nargs="+", default=list(QTYPES), choices=list(QTYPES))
@@ -326,8 +361,8 @@ def main() -> None:
                     help="one-token activations: float, or int8 (q8dot) for the MoE and dense kernels")
     ap.add_argument("--attn-buffers", nargs="+", type=int, default=[4096, 32768],
                     help="KV buffer sizes (positions) for the attention kernels")
-    ap.add_argument("--only", choices=["qmatvec", "moe", "prefill", "dense", "attention"], nargs="+",
-                    default=["qmatvec", "moe", "prefill", "dense", "attention"])
+    ap.add_argument("--only", choices=["qmatvec", "moe", "prefill", "dense", "attention", "prefill-attention"],
+                    nargs="+", default=["qmatvec", "moe", "prefill", "dense", "attention", "prefill-attention"])
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernels_bench needs a CUDA device")
@@ -346,6 +381,8 @@ def main() -> None:
         ok &= bench_dense(args, copy_gbs, gen)
     if "attention" in args.only:
         ok &= bench_attention(args, copy_gbs, gen)
+    if "prefill-attention" in args.only:
+        ok &= bench_prefill_attention(args, gen)
     sys.exit(0 if ok else 1)
 
 
