@@ -102,10 +102,10 @@ for step in $steps; do
         python3 -m repack.cli synth --arch "$arch" --preset "$name" --quant Q4_K_M -j 16 --skew reference -o "$m" >/dev/null
         sync  # the ~18 GB just written is flushed before anything is timed, not during a host-bound prefill
         if [ -n "$build" ]; then wait "$build" || tail -20 "$work/llama_build.log"; build=""; fi  # nothing timed meanwhile
-        python3 bench/decode_bench.py "$m" --depths 128 4096 --prefill 512 4096 --json "${OUT:-$work}/decode_bench_$name.json" \
+        python3 bench/decode_bench.py "$m" --depths 128 1024 4096 --prefill 512 4096 --json "${OUT:-$work}/decode_bench_$name.json" \
           || echo "decode_bench failed on $name (rc $?)"
         if [ -x "${LLAMA_BUILD:-/tmp/llama-build}/bin/llama-bench" ]; then
-          LLAMA_DEPTHS=0,128,4096 bash bench/llama_bench.sh --no-build "$m" || true
+          LLAMA_DEPTHS=0,128,1024,4096 bash bench/llama_bench.sh --no-build "$m" || true
           python3 bench/compare_llama.py "${OUT:-$work}/decode_bench_$name.json" "${OUT:-/tmp}/llama_bench_$name-q4km.json" \
             --md "${OUT:-$work}/side_by_side_$name.md" || true
         fi
