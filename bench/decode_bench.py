@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from formats.memory import PREFILL_CHUNK, prefill_activation_bytes, prefill_graph_bytes  # noqa: E402
+from formats.memory import PREFILL_CHUNK, PREFILL_GRAPH_TOKENS, prefill_activation_bytes, prefill_graph_bytes  # noqa: E402
 from runtime.generate import Session  # noqa: E402
 from runtime.models import StoreOptions, load_model  # noqa: E402
 
@@ -81,12 +81,12 @@ def pool_bytes(pool) -> int:
                if tuple(seg.get("segment_pool_id", ())) == tuple(pool))
 
 
-def prefill(model, n: int, ctx: int, chunk: int = PREFILL_CHUNK, reps: int = 5) -> tuple[list[float], int, float, int]:
+def prefill(model, n: int, ctx: int, chunk: int = PREFILL_CHUNK, reps: int = 5) -> dict:
     """tok/s of ``reps`` prefills of ``n`` tokens in a session as ``spark-run`` runs one (short
     calls replayed from CUDA graphs: ``runtime.graph.PrefillGraphs``), the device memory a
     prefill added at its peak over what the session held before it (its temporaries), the tok/s
-    of the session's first such prefill (which captured its graphs) and the bytes those graphs
-    keep in their pool. Eager prefills of the all-attention shapes were host-bound, and their
+    of the session's first such prefill (which captured its graphs), the bytes those graphs
+    keep in their pool and the tokens per call the session used. Eager prefills of the all-attention shapes were host-bound, and their
     times scattered by machine and process (58-108 ms for one 512-token Qwen3-30B call); the
     median of the repetitions is reported, llama-bench averages 5."""
     # compile first, with a full chunk: the MoE kernels' tile shape (and so what Triton compiles)
@@ -112,7 +112,8 @@ def prefill(model, n: int, ctx: int, chunk: int = PREFILL_CHUNK, reps: int = 5) 
         torch.cuda.synchronize()
         rates.append(n / (time.perf_counter() - t0))
         peak = max(peak, torch.cuda.max_memory_allocated() - base)
-    return rates, peak, first, pool
+    calls = min(chunk, PREFILL_GRAPH_TOKENS) if graphs is not None else chunk
+    return {"rates": rates, "peak": peak, "first": first, "pool": pool, "calls": calls}
 
 
 def main() -> None:
@@ -147,17 +148,17 @@ def main() -> None:
     for chunk in args.prefill_chunks:
         key = "prefill" if chunk == args.prefill_chunks[0] else f"prefill_chunk_{chunk}"
         for n in args.prefill:
-            rates, peak, first, pool = prefill(model, n, ctx, chunk)
-            tps = statistics.median(rates)
+            r = prefill(model, n, ctx, chunk)
+            tps = statistics.median(r["rates"])
             planned = prefill_activation_bytes(model.spec, chunk, ctx)
-            res.setdefault(key, []).append({"tokens": n, "tok_s": tps, "tok_s_each": rates, "chunk": chunk,
-                                            "first_call_tok_s": first, "temporaries_peak": peak,
-                                            "temporaries_planned": planned, "graph_pool": pool,
-                                            "graph_pool_planned": prefill_graph_bytes(model.spec)})
-            print(f"prefill {n:5} tokens in chunks of {chunk:4}: {tps:8.1f} tok/s (median of "
-                  f"{', '.join(f'{r:.0f}' for r in rates)}; first call, capturing: {first:.0f}), temporaries "
-                  f"{peak / 2**20:.0f} MiB (planned {planned / 2**20:.0f}), graph pool {pool / 2**20:.0f} MiB "
-                  f"(planned {prefill_graph_bytes(model.spec) / 2**20:.0f})", flush=True)
+            res.setdefault(key, []).append({"tokens": n, "tok_s": tps, "tok_s_each": r["rates"], "chunk": chunk,
+                                            "call_tokens": r["calls"], "first_call_tok_s": r["first"],
+                                            "temporaries_peak": r["peak"], "temporaries_planned": planned,
+                                            "graph_pool": r["pool"], "graph_pool_planned": prefill_graph_bytes(model.spec)})
+            print(f"prefill {n:5} tokens in chunks of {chunk:4} (calls of {r['calls']}): {tps:8.1f} tok/s (median of "
+                  f"{', '.join(f'{x:.0f}' for x in r['rates'])}; first call, capturing: {r['first']:.0f}), "
+                  f"temporaries {r['peak'] / 2**20:.0f} MiB (planned {planned / 2**20:.0f}), graph pool "
+                  f"{r['pool'] / 2**20:.0f} MiB (planned {prefill_graph_bytes(model.spec) / 2**20:.0f})", flush=True)
     args.json.write_text(json.dumps(res, indent=1) + "\n")
     if not all(d["graph_equals_eager"] for d in res["decode"]):
         raise SystemExit("graph replay and eager decode differ")

@@ -282,7 +282,7 @@ class ExpertStore:
         self.step_counts = torch.zeros((spec.n_layer, self.n_expert), dtype=torch.int32, device=self.device)
         # A padded prefill call (``MoEModel.forward(real=...)``): the device scalar of its real
         # tokens, whose routings alone the fused kernels count (padding must not teach placement).
-        self.count_tokens: torch.Tensor | None = None
+        self.real_tokens: torch.Tensor | None = None
         self._step_routed = False
         # A replayed step's counts (and guesses) are copied into pinned memory behind it and
         # learned from while the next step runs (``end_step(defer=True)``): (tokens, copy done).
@@ -398,8 +398,8 @@ class ExpertStore:
                 return self._fused(la, x, weights, ids, row, la.host_views, self.step_counts[layer], parts)
             flat = ids.reshape(-1)
             one = torch.ones_like(flat, dtype=torch.int32)
-            if self.count_tokens is not None:  # a padded call: its real tokens' routings only
-                one = (torch.arange(ids.shape[0], device=ids.device) < self.count_tokens).to(torch.int32)
+            if self.real_tokens is not None:  # a padded call run eagerly off the GPU (tests): real tokens only
+                one = (torch.arange(ids.shape[0], device=ids.device) < self.real_tokens).to(torch.int32)
                 one = one.repeat_interleave(ids.shape[1])
             self.step_counts[layer].index_add_(0, flat, one)
         else:
@@ -420,7 +420,7 @@ class ExpertStore:
         # float32 out: the block's residual epilogue (layers.ffn_residual) rounds it, no launch of its own
         return moe_experts(x, ids, weights.float(), table_row, *la.views, *la.qtypes, la.n_ff,
                            host=host_views, counts=counts, act_q8=q8dot.enabled(), reduce=not parts,
-                           count_tokens=self.count_tokens if counts is not None else None)
+                           count_tokens=self.real_tokens if counts is not None else None)
 
     def _fused_overflow(self, layer: int, la: "_Layer", x: torch.Tensor, weights: torch.Tensor,
                         ids: torch.Tensor, left: np.ndarray, parts: bool = False) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from formats.memory import PREFILL_CHUNK, PREFILL_GRAPH_TOKENS
 
-from .graph import DecodeGraph, PrefillGraphs, capturable, padded_prefill
+from .graph import DecodeGraph, PrefillGraphs, capturable, prefill_is_padded
 from .models.base import MoEModel
 
 
@@ -35,6 +35,7 @@ class Timing:
     (printing, a client) is inside it: the GPU computes meanwhile, and the rate is the one the
     consumer sees."""
 
+    # prefill includes the calls that captured a prefill graph (the first call of each size)
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
@@ -62,11 +63,12 @@ class Session:
         self.timing = Timing()
         self.cache = model.new_cache(ctx, kv_type)
         # short prefill calls padded to a few sizes and (with graphs) captured: runtime.graph
-        self.prefill = PrefillGraphs(model, self.cache, self.use_graphs) if padded_prefill(model, self.cache) else None
+        self.prefill = PrefillGraphs(model, self.cache, self.use_graphs) if prefill_is_padded(model, self.cache) else None
         self.fed: list[int] = []
 
     def reset(self) -> None:
-        """Forget the sequence; buffers (and a captured decode step) are kept for the next one."""
+        """Forget the sequence; buffers (and the captured decode step and prefill calls) are kept
+        for the next one."""
         self.cache.reset()
         self.fed = []
 

@@ -39,6 +39,15 @@ from .models.base import MoEModel
 PREFILL_SIZES = (16, 32, 64, 96, 128, 192, 256, 384, PREFILL_GRAPH_TOKENS)
 
 
+def _kv_layers(cache: Cache) -> list[KVCache]:
+    return [la for la in cache.layers if isinstance(la, KVCache)]
+
+
+def kv_addresses(cache: Cache) -> tuple[int, ...]:
+    """Where the KV buffers are: a graph captured on other addresses must be captured again."""
+    return tuple(la.k.data_ptr() for la in _kv_layers(cache) if la.k is not None)
+
+
 def capturable(model: MoEModel) -> bool:
     """Whether a decode step of ``model`` can be captured: CUDA, and experts that need no host
     round trip inside the step. ``SPARKPACK_CUDA_GRAPHS=0`` turns capture off (debugging)."""
@@ -63,14 +72,11 @@ class DecodeGraph:
         self.captures = 0
         self.captured_on: tuple[int, ...] = ()
 
-    def _kv(self) -> list[torch.Tensor]:
-        return [la.k for la in self.cache.layers if getattr(la, "k", None) is not None]
-
     def room(self) -> int:
-        return min((k.shape[1] for k in self._kv()), default=0)
+        return min((la.k.shape[1] for la in _kv_layers(self.cache) if la.k is not None), default=0)
 
     def _buffers(self) -> tuple[int, ...]:
-        return tuple(k.data_ptr() for k in self._kv())
+        return kv_addresses(self.cache)
 
     def step(self, token: int | torch.Tensor) -> torch.Tensor | None:
         """Logits ``[n_vocab]`` after feeding ``token`` at position ``cache.pos``: an int, or a
@@ -111,7 +117,7 @@ class DecodeGraph:
         return logits
 
 
-def padded_prefill(model: MoEModel, cache: Cache) -> bool:
+def prefill_is_padded(model: MoEModel, cache: Cache) -> bool:
     """Whether prefill calls of ``model`` into ``cache`` go through ``PrefillGraphs``: CUDA with
     the runtime's kernels in half precision, every layer attention over a bf16/f16 KV cache (a
     DeltaNet state would take the padding in), and experts that need no host round trip. This
@@ -127,12 +133,23 @@ class PrefillGraphs:
     the next of ``PREFILL_SIZES``. With ``capture`` the first call of a size runs eagerly and is
     captured, later ones replay; without it every call runs eagerly (the same kernels, the same
     bits). The KV buffers are grown to hold the padding before a call; a growth drops the
-    captured graphs, which capture again on the new buffers."""
+    captured graphs, which capture again on the new buffers. A call whose padding alone would
+    grow them is left to the caller's eager (unpadded) path, so near the end of ``ctx`` a
+    prompt's bits can depend on ``ctx``.
+
+    Consecutive calls (a long prompt's pieces) queue on the device without waiting for each
+    other: the ids go through two pinned staging buffers and the store learns each call's
+    counts while the next one runs (``end_step(defer=True)``, as a decode step does)."""
 
     def __init__(self, model: MoEModel, cache: Cache, capture: bool = True):
         self.model, self.cache, self.capture = model, cache, capture
         dev = model.device
         self.ids = torch.zeros(PREFILL_GRAPH_TOKENS, dtype=torch.long, device=dev)
+        # the host side of the ids copy, two in turn, each reused once its last copy is done
+        pin = dev.type == "cuda"
+        self.staging = [torch.zeros(PREFILL_GRAPH_TOKENS, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self.staged: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
         self.pos = torch.zeros((), dtype=torch.long, device=dev)
         self.real = torch.zeros((), dtype=torch.long, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -149,24 +166,20 @@ class PrefillGraphs:
             return None
         return next((s for s in PREFILL_SIZES if s >= n), None)
 
-    def _buffers(self) -> tuple[int, ...]:
-        return tuple(la.k.data_ptr() for la in self.cache.layers if isinstance(la, KVCache) and la.k is not None)
-
     def feed(self, ids: list[int]) -> torch.Tensor | None:
-        """Logits ``[n_vocab]`` of the last of ``ids`` fed at ``cache.pos``, or None for a call of
-        a length that is not captured (the caller runs it eagerly)."""
+        """Logits ``[n_vocab]`` of the last of ``ids`` fed at ``cache.pos``, or None for a call the
+        caller runs eagerly: a length that is not captured, or padding that would grow the KV
+        buffers. The logits are a device tensor the next call may still be computing behind."""
         n = len(ids)
         size = self.size(n)
-        kv = [la for la in self.cache.layers if isinstance(la, KVCache)]
-        room = min(la.capacity for la in kv)
+        room = min(la.capacity for la in _kv_layers(self.cache))  # (what the first reserve allocates)
         if size is None or (self.cache.pos + n <= room < self.cache.pos + size):
-            return None  # not captured, or only the padding would grow the KV buffers
+            return None
         self.model.reserve_kv(self.cache, self.cache.pos + size)
-        if self._buffers() != self.captured_on:
+        if kv_addresses(self.cache) != self.captured_on:
             self.graphs.clear()  # grown buffers: capture again on them
-            self.captured_on = self._buffers()
-        self.ids[:n].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=False)
-        self.ids[n:size].fill_(ids[-1])  # padding: any real token id
+            self.captured_on = kv_addresses(self.cache)
+        self._stage(ids, size)
         self.pos.fill_(self.cache.pos)
         self.real.fill_(n)
         ran = self.graphs.get(size)
@@ -178,9 +191,24 @@ class PrefillGraphs:
             logits = self._run(size)
         self.cache.pos += n
         end_step = getattr(self.model.experts, "end_step", None)
-        if end_step is not None:
-            end_step(n, routed=True)
+        if end_step is not None:  # learned from while the next call runs
+            end_step(n, routed=True, defer=True)
         return logits[-1].clone()  # the graph's output buffer is rewritten by the next replay
+
+    def _stage(self, ids: list[int], size: int) -> None:
+        """The call's ids (padded with its last one: any real id) into ``self.ids`` without a host
+        wait: a pageable copy would wait for the previous call to finish."""
+        host = self.staging[self.turn]
+        if self.staged[self.turn] is not None:
+            self.staged[self.turn].synchronize()  # its copy two calls ago (long done)
+        n = len(ids)
+        host[:n] = torch.tensor(ids, dtype=torch.long)
+        host[n:size] = ids[-1]
+        self.ids[:size].copy_(host[:size], non_blocking=True)
+        if self.ids.is_cuda:
+            self.staged[self.turn] = torch.cuda.Event()
+            self.staged[self.turn].record()
+        self.turn ^= 1
 
     def _call(self, size: int) -> torch.Tensor:
         return self.model.forward(self.ids[:size], self.cache, last_only=True, pos=self.pos, real=self.real)

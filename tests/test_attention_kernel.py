@@ -288,6 +288,7 @@ def test_prompt_prefill_attention_matches_the_unfused_form(window: int) -> None:
     (33, 2, 1, 32, 128, 60, 16),  # a window shorter than the call: early keys drop out row by row
     (5, 2, 3, 32, 64, 59, 0),  # rep 3 (padded rows), the call ending at the last row of the buffer
     (16, 1, 8, 128, 256, 100, 300),  # the Qwen3-30B head shape, a window longer than the past
+    (150, 2, 2, 32, 256, 70, 40),  # many blocks of tokens, each with its own window start
 ])
 def test_attend_prefill_matches_torch(dtype, T, H_kv, rep, d, S, pos, window) -> None:
     """``attend_prefill`` (a captured prefill call's attention) against ``runtime.layers._attend`` in

@@ -406,8 +406,9 @@ def test_prefill_temporaries_stay_within_the_plan(synth_model, arch):
     """The device memory a prefill call adds at its peak is at most what the plan counts: a
     prompt of a chunk and a half, so the first call attends from position 0 (torch's fused
     attention on a GPU) and the second over a past (the unfused form, scored in pieces). Laguna's
-    calls of up to 512 tokens are padded and captured (``runtime.graph``): their temporaries live
-    in the graphs' pool, which ``formats.memory.prefill_graph_bytes`` plans for."""
+    calls of up to 512 tokens are padded and captured (``runtime.graph``): a replay allocates
+    nothing, and the graphs' pool (``formats.memory.prefill_graph_bytes``) is measured against
+    the plan at full size by ``bench/decode_bench.py`` (segment sizes dwarf it at tiny shapes)."""
     from formats.memory import prefill_activation_bytes
 
     model = load_model(synth_model(arch, "Q8_0"), device="cuda", dtype=torch.bfloat16,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from runtime.generate import Session
-from runtime.graph import PREFILL_SIZES, PrefillGraphs, capturable, padded_prefill
+from runtime.graph import PREFILL_SIZES, PrefillGraphs, capturable, prefill_is_padded
 from runtime.models import StoreOptions, load_model
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -176,13 +176,15 @@ def padded_feeds(model, prompts: list[list[int]], ctx: int, capture: bool) -> tu
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "laguna"])
-def test_a_padded_prefill_call_computes_the_real_tokens_alone(synth_model, arch):
-    """The calls a captured prefill replays, run eagerly on the CPU: padded to 16 and 32 tokens
-    with the first position and the real count read from tensors, they give the unpadded calls'
-    logits (to float32 round-off: the products have other shapes), write the same KV rows, advance
-    the cache by the real tokens only, and the expert store counts the real tokens' routings
-    alone, at partial residency with cache slots. A longer extension goes in calls of at most
-    512 tokens (512, then 8 padded to 16) where the plain session makes one call."""
+def test_a_prefill_is_padded_call_computes_the_real_tokens_alone(synth_model, arch):
+    """Padded prefill calls run eagerly on the CPU: padded to 16 and 32 tokens with the first
+    position and the real count read from tensors, they give the unpadded calls' logits (to
+    float32 round-off: the products have other shapes), write the same KV rows, advance the cache
+    by the real tokens only, and the expert store counts the real tokens' routings alone, at
+    partial residency with cache slots. A longer extension goes in calls of at most 512 tokens
+    (512, then 8 padded to 16) where the plain session makes one call. (On the CPU attention and
+    routing counts take the torch forms; the GPU kernels of a captured call are tested on CUDA
+    below and in test_attention_kernel / test_kernels.)"""
     path = synth_model(arch, "Q4_K_M", skew=1.0)
     opts = StoreOptions(hot_fraction=0.5, cache_slots=2, mode="zerocopy")
     prompts = [PROMPT[:3], PROMPT, PROMPT + list(range(40, 57))]  # 3 -> 16, 7 -> 16, 17 -> 32
@@ -217,21 +219,25 @@ def test_padding_that_would_grow_the_kv_cache_runs_eagerly(synth_model):
 @cuda
 @pytest.mark.parametrize("hot_fraction", [1.0, 0.3])
 def test_captured_prefill_replays_the_eager_padded_calls(model_path, hot_fraction):
-    """Prefill calls replayed from their graphs (several sizes, a size replayed for new tokens at
-    a new position, after a reset, after a KV growth) give the bits of the same padded calls run
-    eagerly, and the decode after them too; every residency the all-hot bits; within bf16
-    round-off of unpadded calls; the store counts the real tokens alone."""
+    """Prefill calls replayed from their graphs give the bits of the same padded calls run
+    eagerly, and so does the decode after them: several sizes; a size replayed for new tokens at
+    a new position; a reset; a KV growth, after which a size captured on the old buffers is
+    captured again. Every residency gives the all-hot bits, results are within bf16 round-off of
+    unpadded calls, and the store's device counts hold the real tokens' routings alone."""
     model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
                        store=StoreOptions(hot_fraction=hot_fraction, cache_slots=2, mode="zerocopy"))
     session = Session(model, ctx=64)
-    if not padded_prefill(model, session.cache):
+    if not prefill_is_padded(model, session.cache):
         assert model.arch == "qwen35moe" or not capturable(model)
         assert session.prefill is None
         pytest.skip("prefill calls are padded on all-attention models with a capturable store only")
+    first = PROMPT[::-1] + list(range(70, 90))
     seqs = [[PROMPT[:4], PROMPT + list(range(50, 70))],  # 4 tokens -> 16 at 0, 26 -> 32 at 4
-            [PROMPT[::-1][:5], PROMPT[::-1] + list(range(70, 90)) + list(range(5, 45))]]  # a replay; 65 -> 96: growth
+            [first[:5], first,  # 5 -> 16 at 0 (a replay), 25 -> 32 at 5 (a replay at a new position)
+             first + list(range(5, 45)),  # 40 -> 64 at 30: past ctx, the buffers grow
+             first + list(range(5, 48))]]  # 3 -> 16 at 70: captured again on the grown buffers
 
-    def run(capture: bool, m=model) -> tuple[torch.Tensor, Session, int]:
+    def run(capture: bool, m=model) -> tuple[torch.Tensor, Session]:
         s = Session(m, ctx=64, graphs=capture)
         out = []
         for prompts in seqs:
@@ -241,13 +247,15 @@ def test_captured_prefill_replays_the_eager_padded_calls(model_path, hot_fractio
             for _ in range(4):
                 ids.append(int(torch.argmax(out[-1])))
                 out.append(s.feed(ids))
-        return torch.stack(out), s, m.experts.stats.tokens
+        return torch.stack(out), s
 
-    got, s, n_counted = run(True)
-    assert s.prefill.captures == 3 and s.prefill.replays == 1  # sizes 16, 32, then 96 on the grown buffers
-    want, _, _ = run(False)
+    got, s = run(True)
+    assert (s.prefill.captures, s.prefill.replays) == (4, 2)  # 16, 32, then 64 and 16 on the grown buffers
+    st = model.experts.stats
+    assert st.tokens == sum(len(p[-1]) + 4 for p in seqs)
+    assert st.hot_hits + st.cache_hits + st.misses == st.tokens * model.spec.n_expert_used * len(model.spec.moe_layers)
+    want, _ = run(False)
     assert torch.equal(got, want)
-    assert n_counted == sum(len(p[-1]) + 4 for p in seqs)
     if hot_fraction < 1.0:
         ref = load_model(model_path, device="cuda", dtype=torch.bfloat16,
                          store=StoreOptions(hot_fraction=1.0, cache_slots=0, mode="zerocopy"))
@@ -255,4 +263,3 @@ def test_captured_prefill_replays_the_eager_padded_calls(model_path, hot_fractio
     plain, _ = eager_prefill(model, seqs[0], 64)
     for g, w in zip(got[:2], plain):
         assert (g.float() - w.float()).norm() < 3e-2 * w.float().norm()
-

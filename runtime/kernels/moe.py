@@ -170,7 +170,8 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     ``reduce=False`` returns the weighted expert outputs unsummed, ``[T, k, n_embd]`` fp32, for a
     consumer that sums them in choice order itself (``layers.ffn_residual``: one launch fewer).
     ``count_tokens`` (a padded prefill call: a one-element integer device tensor) counts the routings of
-    only that many leading tokens; such a call always takes the grouped kernels.
+    only that many leading tokens; such a call always takes the grouped kernels, whose grouping
+    launch is where the limit is applied (the per-pair kernels count every pair they compute).
     """
     T_, n_embd = x.shape
     topk = topk_ids.shape[1]

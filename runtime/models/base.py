@@ -114,13 +114,15 @@ class MoEModel(ABC):
         after them (causal attention keeps them out of the real tokens' results). The logits are
         the last real token's, and the expert store counts only the real tokens' routings.
         """
+        if real is not None and pos is None:
+            raise ValueError("forward: a padded call (real=...) reads its position from the device (pos=...)")
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
         cache = cache if cache is not None else self.new_cache()
         x = self.w.embed(ids)
         prefetch = getattr(self.experts, "prefetch", None) if ids.numel() == 1 else None
-        limit = real is not None and hasattr(self.experts, "count_tokens")
+        limit = real is not None and hasattr(self.experts, "real_tokens")
         if limit:
-            self.experts.count_tokens = real
+            self.experts.real_tokens = real
         try:
             for il in range(self.spec.n_layer):
                 if prefetch is not None:
@@ -128,7 +130,7 @@ class MoEModel(ABC):
                 x = self.block(il, x, cache, cache.pos if pos is None else pos)
         finally:
             if limit:
-                self.experts.count_tokens = None
+                self.experts.real_tokens = None
         if real is not None:
             x = x.index_select(0, (real - 1).reshape(1))
         if pos is None:

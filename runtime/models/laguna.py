@@ -39,12 +39,12 @@ class Laguna(MoEModel):
         self.scale = float(hp["expert_weights_scale"])
         self.norm_topk = bool(hp["norm_topk"])
 
-    def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: int) -> torch.Tensor:
+    def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: "int | torch.Tensor") -> torch.Tensor:
         a = self.attn(il, self.norm(x, f"blk.{il}.attn_norm.weight"), cache, pos0)
         x, h = self.add_norm(x, a, f"blk.{il}.ffn_norm.weight")
         return self.ffn(il, h, x)
 
-    def attn(self, il: int, h: torch.Tensor, cache: Cache, pos0: int) -> torch.Tensor:
+    def attn(self, il: int, h: torch.Tensor, cache: Cache, pos0: "int | torch.Tensor") -> torch.Tensor:
         p, w, d, T = f"blk.{il}.", self.w, self.spec.head_dim, h.shape[0]
         swa = self.spec.layers[il].attention == SLIDING
         q, k, v, gate = self.project(h, p, "attn_q", "attn_k", "attn_v", "attn_gate")

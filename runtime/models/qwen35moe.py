@@ -110,7 +110,7 @@ class Qwen35MoE(MoEModel):
         self.d_v = int(hp["ssm_inner_size"]) // self.n_v
         self.norm_topk = bool(self.meta("expert_weights_norm", hp.get("norm_topk", True)))
 
-    def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: int) -> torch.Tensor:
+    def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: "int | torch.Tensor") -> torch.Tensor:
         h = self.norm(x, f"blk.{il}.attn_norm.weight")
         if self.spec.layers[il].attention == LINEAR:
             a = self.delta_net(il, h, cache.layers[il])
@@ -119,7 +119,7 @@ class Qwen35MoE(MoEModel):
         x, h = self.add_norm(x, a, f"blk.{il}.post_attention_norm.weight")
         return self.ffn(il, h, x)
 
-    def attn(self, il: int, h: torch.Tensor, cache: Cache, pos0: int) -> torch.Tensor:
+    def attn(self, il: int, h: torch.Tensor, cache: Cache, pos0: "int | torch.Tensor") -> torch.Tensor:
         p, w, d, T = f"blk.{il}.", self.w, self.spec.head_dim, h.shape[0]
         qg, k, v = self.project(h, p, "attn_q", "attn_k", "attn_v")
         qg = qg.view(T, -1, 2 * d)  # per head: [query | gate]

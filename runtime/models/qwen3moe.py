@@ -20,12 +20,12 @@ class Qwen3MoE(MoEModel):
         self.rope = Rope(hp["rope_dim"], rope_inv_freq(hp["rope_freq_base"], hp["rope_dim"]))
         self.norm_topk = bool(self.meta("expert_weights_norm", hp.get("norm_topk", True)))
 
-    def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: int) -> torch.Tensor:
+    def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: "int | torch.Tensor") -> torch.Tensor:
         a = self.attn(il, self.norm(x, f"blk.{il}.attn_norm.weight"), cache, pos0)
         x, h = self.add_norm(x, a, f"blk.{il}.ffn_norm.weight")
         return self.ffn(il, h, x)
 
-    def attn(self, il: int, h: torch.Tensor, cache: Cache, pos0: int) -> torch.Tensor:
+    def attn(self, il: int, h: torch.Tensor, cache: Cache, pos0: "int | torch.Tensor") -> torch.Tensor:
         p, w, d, T = f"blk.{il}.", self.w, self.spec.head_dim, h.shape[0]
         q, k, v = (t.view(T, -1, d) for t in self.project(h, p, "attn_q", "attn_k", "attn_v"))
         o = self.attend_step(il, q, k, v, cache, pos0, self.rope)
