@@ -18,7 +18,7 @@ the same bits either way.
 
 Prefill calls of up to ``PREFILL_GRAPH_TOKENS`` tokens are captured too (``PrefillGraphs``), for
 the all-attention models: a 512-token call of the Qwen3-30B shape issues ~750 kernels, and on the
-GPU machine's host that took 55-110 ms against ~40 ms of GPU work. A call is padded to the next
+GPU machine's host that took 55-127 ms against ~35 ms of GPU work. A call is padded to the next
 of a few sizes (one graph each, one shared memory pool); its first position and the number of
 real tokens are read from device memory. The padding sits after the real tokens, so causal
 attention keeps it out of their results, and the expert store counts only their routings.
