@@ -60,7 +60,8 @@ def recurrent_state_bytes(spec: ModelSpec, bytes_per_value: int = 4) -> int:
     return n_linear * per_layer * bytes_per_value
 
 
-def prefill_activation_bytes(spec: ModelSpec, chunk: int = PREFILL_CHUNK, ctx: int = 4096) -> int:
+def prefill_activation_bytes(spec: ModelSpec, chunk: int = PREFILL_CHUNK, ctx: int = 4096,
+                             scores: bool = True) -> int:
     """Temporaries of one prefill call of ``chunk`` tokens at their peak: the hungriest layer's
     (a layer's temporaries are freed before the next one runs) plus the hidden states passed
     between layers. Counted from the runtime's float32 working tensors, per token:
@@ -73,6 +74,8 @@ def prefill_activation_bytes(spec: ModelSpec, chunk: int = PREFILL_CHUNK, ctx: i
       a dense MLP: its gate, up and their product;
     - the band of a quantized dense matrix expanded for cuBLAS (``DEQUANT_SCRATCH_ELEMENTS``, or
       the largest matrix, the output head, when that is smaller).
+
+    ``scores=False``: attention is one fused kernel that holds no scores (a captured call).
     """
     # residual, normed input, projections' outputs (float32 bound), the expanded weight band
     hidden = chunk * 8 * spec.n_embd * 4 + 2 * min(DEQUANT_SCRATCH_ELEMENTS, spec.n_vocab * spec.n_embd)
@@ -86,8 +89,8 @@ def prefill_activation_bytes(spec: ModelSpec, chunk: int = PREFILL_CHUNK, ctx: i
             per_head = 2 * (2 * d_k + d_v) + 4 * DELTANET_CHUNK + 2 * (d_k + d_v) + d_k + d_v
             layer = padded * n_v * per_head * 4
         else:
-            scores = min(ATTN_SCORES_MAX, spec.n_head[il] * chunk * max(ctx, chunk))
-            layer = 3 * scores * 4 + 4 * chunk * spec.n_head[il] * spec.head_dim * 4
+            held = min(ATTN_SCORES_MAX, spec.n_head[il] * chunk * max(ctx, chunk)) if scores else 0
+            layer = 3 * held * 4 + 4 * chunk * spec.n_head[il] * spec.head_dim * 4
         if kind.ffn == MOE:
             layer = max(layer, chunk * spec.n_expert_used * (spec.n_ff_exp + spec.n_embd) * 4)
         elif kind.ffn == DENSE:  # gate, up and their product
@@ -99,20 +102,10 @@ def prefill_activation_bytes(spec: ModelSpec, chunk: int = PREFILL_CHUNK, ctx: i
 def prefill_graph_bytes(spec: ModelSpec, tokens: int = PREFILL_GRAPH_TOKENS) -> int:
     """The memory pool kept by the captured prefill calls (``runtime.graph.PrefillGraphs``): the
     temporaries of a ``tokens``-token call, held between calls. Only models whose every layer is
-    attention capture prefill calls; their attention there is one fused kernel (no scores held),
-    so a layer's peak is its projections or its MoE / MLP."""
+    attention capture prefill calls; their attention there is one fused kernel (no scores held)."""
     if any(kind.attention == LINEAR for kind in spec.layers):
         return 0
-    hidden = tokens * 8 * spec.n_embd * 4 + 2 * min(DEQUANT_SCRATCH_ELEMENTS, spec.n_vocab * spec.n_embd)
-    worst = 0
-    for il, kind in enumerate(spec.layers):
-        layer = 4 * tokens * spec.n_head[il] * spec.head_dim * 4
-        if kind.ffn == MOE:
-            layer = max(layer, tokens * spec.n_expert_used * (spec.n_ff_exp + spec.n_embd) * 4)
-        elif kind.ffn == DENSE:
-            layer = max(layer, tokens * 3 * spec.n_ff_dense * 4)
-        worst = max(worst, layer)
-    return hidden + worst
+    return prefill_activation_bytes(spec, tokens, scores=False)
 
 
 def runtime_bytes(spec: ModelSpec, ctx: int, chunk: int = PREFILL_CHUNK) -> int:

@@ -48,6 +48,21 @@ def kv_addresses(cache: Cache) -> tuple[int, ...]:
     return tuple(la.k.data_ptr() for la in _kv_layers(cache) if la.k is not None)
 
 
+def run_and_capture(call, device: torch.device, stream: torch.cuda.Stream, pool=None
+                    ) -> tuple[torch.Tensor, torch.cuda.CUDAGraph, torch.Tensor]:
+    """``call()`` run eagerly on the side ``stream`` (as capture wants: warm-up, lazy weights,
+    kernel compilation, allocator), then recorded into a graph (in ``pool`` when given) without
+    running. Returns the eager result (a copy), the graph and the graph's output tensor."""
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        result = call().clone()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):  # records the same call; nothing runs now
+        out = call()
+    return result, graph, out
+
+
 def capturable(model: MoEModel) -> bool:
     """Whether a decode step of ``model`` can be captured: CUDA, and experts that need no host
     round trip inside the step. ``SPARKPACK_CUDA_GRAPHS=0`` turns capture off (debugging)."""
@@ -103,16 +118,10 @@ class DecodeGraph:
         return logits[-1].clone()  # the graph's output buffer is rewritten by the next replay
 
     def _capture(self) -> torch.Tensor:
-        stream = torch.cuda.Stream(self.model.device)
-        stream.wait_stream(torch.cuda.current_stream(self.model.device))
-        with torch.cuda.stream(stream):  # the real step, eagerly, on a side stream as capture wants
-            logits = self.model.forward(self.ids, self.cache, last_only=True, pos=self.pos).clone()
-        torch.cuda.current_stream(self.model.device).wait_stream(stream)
+        dev = self.model.device
+        logits, self.graph, self.logits = run_and_capture(
+            lambda: self.model.forward(self.ids, self.cache, last_only=True, pos=self.pos), dev, torch.cuda.Stream(dev))
         self.captures += 1
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # records the same step; nothing runs now
-            self.logits = self.model.forward(self.ids, self.cache, last_only=True, pos=self.pos)
-        self.graph = graph
         self.captured_on = self._buffers()
         return logits
 
@@ -176,9 +185,10 @@ class PrefillGraphs:
         if size is None or (self.cache.pos + n <= room < self.cache.pos + size):
             return None
         self.model.reserve_kv(self.cache, self.cache.pos + size)
-        if kv_addresses(self.cache) != self.captured_on:
+        addresses = kv_addresses(self.cache)
+        if addresses != self.captured_on:
             self.graphs.clear()  # grown buffers: capture again on them
-            self.captured_on = kv_addresses(self.cache)
+            self.captured_on = addresses
         self._stage(ids, size)
         self.pos.fill_(self.cache.pos)
         self.real.fill_(n)
@@ -220,14 +230,7 @@ class PrefillGraphs:
         dev = self.model.device
         if self.stream is None:  # one side stream for every warm-up run: cuBLAS keeps a workspace per stream
             self.stream = torch.cuda.Stream(dev)
-        stream = self.stream
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            logits = self._call(size).clone()
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):  # records the same call; nothing runs now
-            out = self._call(size)
+        logits, graph, out = run_and_capture(lambda: self._call(size), dev, self.stream, self.pool)
         self.pool = graph.pool()
         self.graphs[size] = (graph, out)
         self.captures += 1

@@ -92,7 +92,7 @@ class MoEModel(ABC):
         """Make every KV cache of ``cache`` hold ``n`` positions before a call that reads its
         position from the device (which cannot grow them itself)."""
         for il, layer in enumerate(cache.layers):
-            if isinstance(layer, KVCache):
+            if isinstance(layer, KVCache) and (layer.k is None or layer.k.shape[1] < n):  # (every call: cheap when done)
                 like = torch.empty(0, self.spec.n_head_kv[il], self.spec.head_dim, dtype=self.dtype, device=self.device)
                 layer.reserve(n, like)
 
