@@ -14,6 +14,8 @@ compares the experts actually routed with two guesses from the layer's router:
   same layer   the block's input (before its attention): what ``runtime.kernels.prefetch`` uses;
                lead time: one attention / DeltaNet step.
   one ahead    the previous block's input: lead time a whole layer.
+  after attn   the previous block's residual after its attention (its MoE's input, before the
+               norm): lead time that MoE and this block's attention.
 
 For each guess it reports what the current prefetch copies (the top-k guess's cold members) and
 the top ``c`` cold experts by guessed logit, as recall (share of the cold routings found) and
@@ -58,6 +60,7 @@ def main() -> None:
     hot = model.experts.hot
     prompt = held_out_prompt(model, args.prompts, args.prompt_tokens)
     inputs: dict[int, list[torch.Tensor]] = {}
+    mids: dict[int, list[torch.Tensor]] = {}
     routed: dict[int, list[np.ndarray]] = {}
     block = model.block
 
@@ -65,7 +68,14 @@ def main() -> None:
         inputs.setdefault(il, []).append(x.float().cpu())
         return block(il, x, cache, pos0)
 
+    ffn = model.ffn
+
+    def recording_ffn(il, h, x):
+        mids.setdefault(il, []).append(x.float().cpu())
+        return ffn(il, h, x)
+
     model.block = recording_block
+    model.ffn = recording_ffn
     model.experts.observe_routing = lambda il, ids: routed.setdefault(il, []).append(ids.cpu().numpy())
     # eager steps: a replayed CUDA graph would not call the recording block
     decoded = list(generate(model, None, prompt, None, args.decode, stop_ids=(), session=Session(model, graphs=False)))
@@ -74,8 +84,9 @@ def main() -> None:
               "hot_fraction": args.hot_fraction, "tables": {}}
     for part, rows_of in (("prompt", slice(0, n_prompt)), ("decoded", slice(n_prompt, None))):
         x_of = {il: torch.cat(v)[rows_of] for il, v in inputs.items()}
+        mid_of = {il: torch.cat(v)[rows_of] for il, v in mids.items()}
         ids_of = {il: np.concatenate(v)[rows_of] for il, v in routed.items()}
-        result["tables"][part] = table(model, hot, x_of, ids_of, args.candidates)
+        result["tables"][part] = table(model, hot, x_of, mid_of, ids_of, args.candidates)
     print(f"{args.model.name}: {n_prompt} prompt tokens of {args.prompts.name}, {len(decoded)} decoded; hot fraction "
           f"{args.hot_fraction:.0%} (profile {args.profile.name})")
     for part, t in result["tables"].items():
@@ -89,12 +100,12 @@ def main() -> None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
 
 
-def table(model, hot: np.ndarray, inputs: dict[int, torch.Tensor], routed: dict[int, np.ndarray],
-          candidates: list[int]) -> dict:
-    """Recall and copies of each guess over the tokens in ``inputs`` (block inputs by layer) and
-    ``routed`` (the ids each MoE layer chose for them)."""
+def table(model, hot: np.ndarray, inputs: dict[int, torch.Tensor], mids: dict[int, torch.Tensor],
+          routed: dict[int, np.ndarray], candidates: list[int]) -> dict:
+    """Recall and copies of each guess over the tokens in ``inputs`` (block inputs by layer),
+    ``mids`` (residuals after attention by layer) and ``routed`` (the ids each MoE layer chose)."""
     spec, k = model.spec, model.spec.n_expert_used
-    layers = [il for il in spec.moe_layers if il - 1 in inputs and il in routed]
+    layers = [il for il in spec.moe_layers if il - 1 in inputs and il - 1 in mids and il in routed]
     n_tok = len(next(iter(routed.values())))
     sums: dict[str, list[int]] = {}
     cold_total = 0
@@ -104,7 +115,8 @@ def table(model, hot: np.ndarray, inputs: dict[int, torch.Tensor], routed: dict[
         is_cold = cold[ids]
         cold_total += int(is_cold.sum())
         norm = model.w(f"blk.{il}.{model.ffn_norm}.weight").float()
-        for name, x in (("same layer", inputs[il]), ("one ahead", inputs[il - 1])):
+        for name, x in (("same layer", inputs[il]), ("one ahead", inputs[il - 1]),
+                        ("after attn", mids[il - 1])):
             logits = model.w.linear(x.to(norm.device) * norm, f"blk.{il}.ffn_gate_inp.weight").float().cpu().numpy()
             order = np.argsort(-logits, axis=1)
             guesses = {"top-k guess, cold part": [set(r[cold[r]]) for r in order[:, :k]]}
