@@ -19,8 +19,11 @@ PREFILL_CHUNK = 2048
 # Tokens per block of the chunked DeltaNet prefill (runtime.models.qwen35moe).
 DELTANET_CHUNK = 64
 # Most tokens of a prefill call captured in a CUDA graph (runtime.graph.PrefillGraphs): calls are
-# padded to a few sizes up to this, and sessions of the models that capture them feed every
-# prompt in calls of at most this many tokens (others use PREFILL_CHUNK).
+# padded to a few sizes up to this, and sessions of the models that capture them (every layer
+# attention, on a GPU in half precision, 16-bit KV cache: runtime.graph.short_prefill_calls) feed
+# every prompt in calls of at most this many tokens, whether or not their expert store can be
+# captured, so the --vram plan counts this many tokens' temporaries for them (others use
+# PREFILL_CHUNK).
 PREFILL_GRAPH_TOKENS = 512
 # Attention scores held at once: a long chunk's queries go in pieces (runtime.layers.attention).
 ATTN_SCORES_MAX = 1 << 25

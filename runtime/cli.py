@@ -165,8 +165,8 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
               help="KV cache storage: auto (the activations' dtype, bf16 on a GPU) or q8_0 (about half the memory).")
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=PREFILL_CHUNK, show_default=True,
               help="Prompt tokens per forward call: larger prefills faster, for more activation memory (--vram plans "
-                   "for it). Models whose prompt calls are replayed from CUDA graphs (Qwen3 MoE, Laguna on a GPU) "
-                   "use at most 512.")
+                   "for it). All-attention models on a GPU in half precision with a 16-bit KV cache (Qwen3 MoE, "
+                   "Laguna), whose prompt calls are replayed from CUDA graphs, use at most 512.")
 @click.option("--store/--no-store", "use_store", default=None,
               help="Use the tiered expert store [on for cuda or when a store option is given].")
 @click.option("--stats-json", type=click.Path(dir_okay=False, path_type=Path),

@@ -15,7 +15,7 @@ import torch
 
 from formats.memory import PREFILL_CHUNK, PREFILL_GRAPH_TOKENS
 
-from .graph import DecodeGraph, PrefillGraphs, capturable, prefill_is_padded
+from .graph import DecodeGraph, PrefillGraphs, capturable, feeds_short_calls, prefill_is_padded
 from .models.base import MoEModel
 
 
@@ -64,6 +64,9 @@ class Session:
         self.cache = model.new_cache(ctx, kv_type)
         # short prefill calls padded to a few sizes and (with graphs) captured: runtime.graph
         self.prefill = PrefillGraphs(model, self.cache, self.use_graphs) if prefill_is_padded(model, self.cache) else None
+        # Calls of at most PREFILL_GRAPH_TOKENS on such models even when the store cannot be
+        # captured: the --vram plan counts those calls' temporaries, not prefill_chunk's.
+        self.short_calls = feeds_short_calls(model, self.cache)
         self.fed: list[int] = []
 
     def reset(self) -> None:
@@ -93,7 +96,7 @@ class Session:
             # Models whose prefill calls are captured take every prompt in captured calls: on the
             # GPU machine a 4096-token Qwen3-30B prompt went 1.7x faster in replayed 512-token
             # calls than in eager 2048-token ones (BENCHMARKS.md, session 15).
-            step = min(self.prefill_chunk, PREFILL_GRAPH_TOKENS) if self.prefill is not None else self.prefill_chunk
+            step = min(self.prefill_chunk, PREFILL_GRAPH_TOKENS) if self.short_calls else self.prefill_chunk
             for i in range(n, len(ids), step):
                 chunk = ids[i: i + step]
                 logits = self.prefill.feed(chunk) if self.prefill is not None else None

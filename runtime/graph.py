@@ -29,6 +29,7 @@ import os
 
 import torch
 
+from formats.archs import LINEAR, ModelSpec
 from formats.memory import PREFILL_GRAPH_TOKENS
 
 from .cache import Cache, KVCache
@@ -126,15 +127,29 @@ class DecodeGraph:
         return logits
 
 
+def short_prefill_calls(device: torch.device | str, dtype: torch.dtype, spec: ModelSpec, kv_type: str) -> bool:
+    """Whether sessions feed prompts in calls of at most ``PREFILL_GRAPH_TOKENS`` tokens: on CUDA
+    (where the runtime's kernels run) in half precision, for a model whose every layer is
+    attention over a bf16/f16 KV cache (a DeltaNet state would take padding in). These are the
+    calls ``PrefillGraphs`` pads and captures. It depends on nothing the expert store decides,
+    so the ``--vram`` plan (``runtime.models.open_store``) knows before the store exists that no
+    prefill call's temporaries exceed a short call's."""
+    return (torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and kv_type != "q8_0" and bool(spec.layers) and all(k.attention != LINEAR for k in spec.layers))
+
+
+def feeds_short_calls(model: MoEModel, cache: Cache) -> bool:
+    """``short_prefill_calls`` for a session of ``model`` over ``cache``."""
+    q8 = any(isinstance(la, KVCache) and la.q8 for la in cache.layers)
+    return model.kernels and short_prefill_calls(model.device, model.dtype, model.spec, "q8_0" if q8 else "auto")
+
+
 def prefill_is_padded(model: MoEModel, cache: Cache) -> bool:
-    """Whether prefill calls of ``model`` into ``cache`` go through ``PrefillGraphs``: CUDA with
-    the runtime's kernels in half precision, every layer attention over a bf16/f16 KV cache (a
-    DeltaNet state would take the padding in), and experts that need no host round trip. This
-    does not depend on whether graphs are captured: an eager session computes the same padded
-    calls, so turning capture off never changes a result."""
-    return (model.device.type == "cuda" and model.kernels and model.dtype in (torch.bfloat16, torch.float16)
-            and bool(getattr(model.experts, "capturable", False)) and bool(cache.layers)
-            and all(isinstance(la, KVCache) and not la.q8 for la in cache.layers))
+    """Whether prefill calls of ``model`` into ``cache`` go through ``PrefillGraphs``: short calls
+    (``feeds_short_calls``) and experts that need no host round trip. This does not depend on
+    whether graphs are captured: an eager session computes the same padded calls, so turning
+    capture off never changes a result."""
+    return feeds_short_calls(model, cache) and bool(getattr(model.experts, "capturable", False))
 
 
 class PrefillGraphs:

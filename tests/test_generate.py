@@ -400,6 +400,46 @@ def test_prefill_chunk_temporaries_are_planned_for(synth_model):
         load_model(gguf, store=StoreOptions(vram=need, ctx=512, prefill_chunk=1_000_000))
 
 
+def test_short_prefill_calls_depend_on_the_model_device_and_kv_type_only(synth_model):
+    """Prompts go in calls of at most PREFILL_GRAPH_TOKENS exactly for all-attention models on a
+    GPU in half precision with a 16-bit KV cache; nothing about the expert store enters, so the
+    --vram plan can know it before the store exists."""
+    from formats.archs import model_spec
+    from formats.gguf_file import GGUFModel
+    from runtime.graph import short_prefill_calls
+
+    spec = {a: model_spec(GGUFModel(synth_model(a, "Q8_0"))) for a in ("qwen3moe", "laguna", "qwen35moe")}
+    for arch in ("qwen3moe", "laguna"):
+        assert short_prefill_calls("cuda", torch.bfloat16, spec[arch], "auto")
+        assert short_prefill_calls(torch.device("cuda", 0), torch.float16, spec[arch], "auto")
+        assert not short_prefill_calls("cuda", torch.bfloat16, spec[arch], "q8_0")
+        assert not short_prefill_calls("cuda", torch.float32, spec[arch], "auto")
+        assert not short_prefill_calls("cpu", torch.bfloat16, spec[arch], "auto")
+    assert not short_prefill_calls("cuda", torch.bfloat16, spec["qwen35moe"], "auto")  # DeltaNet layers
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_vram_plan_counts_short_prefill_calls(synth_model):
+    """On a GPU the plan of an all-attention model counts a short call's temporaries whatever
+    --prefill-chunk says (its sessions never make a longer call); a DeltaNet model's counts the
+    chunk. The session feeds a long prompt in such calls."""
+    from formats.memory import PREFILL_GRAPH_TOKENS, runtime_bytes
+
+    for arch, chunk in (("laguna", PREFILL_GRAPH_TOKENS), ("qwen35moe", 4096)):
+        model = load_model(synth_model(arch, "Q8_0"), device="cuda", dtype=torch.bfloat16,
+                           store=StoreOptions(vram=2**31, ctx=512, prefill_chunk=4096))
+        assert model.residency.overhead_bytes == runtime_bytes(model.spec, 512, chunk)
+    calls: list[int] = []
+    model = load_model(synth_model("laguna", "Q8_0"), device="cuda", dtype=torch.bfloat16,
+                       store=StoreOptions(hot_fraction=0.5, mode="async", ctx=2048))  # a store that cannot be captured
+    forward = model.forward
+    model.forward = lambda ids, *a, **k: calls.append(len(ids)) or forward(ids, *a, **k)
+    session = Session(model, ctx=2048, prefill_chunk=2048)
+    assert session.prefill is None and session.short_calls
+    session.feed(list(range(3, 3 + 1100)))
+    assert calls == [PREFILL_GRAPH_TOKENS, PREFILL_GRAPH_TOKENS, 1100 - 2 * PREFILL_GRAPH_TOKENS]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("arch", ["qwen35moe", "laguna"])
 def test_prefill_temporaries_stay_within_the_plan(synth_model, arch):
@@ -409,7 +449,7 @@ def test_prefill_temporaries_stay_within_the_plan(synth_model, arch):
     calls of up to 512 tokens are padded and captured (``runtime.graph``): a replay allocates
     nothing, and the graphs' pool (``formats.memory.prefill_graph_bytes``) is measured against
     the plan at full size by ``bench/decode_bench.py`` (segment sizes dwarf it at tiny shapes)."""
-    from formats.memory import prefill_activation_bytes
+    from formats.memory import PREFILL_GRAPH_TOKENS, prefill_activation_bytes
 
     model = load_model(synth_model(arch, "Q8_0"), device="cuda", dtype=torch.bfloat16,
                        store=StoreOptions(hot_fraction=1.0, ctx=2048))
@@ -423,4 +463,5 @@ def test_prefill_temporaries_stay_within_the_plan(synth_model, arch):
         torch.cuda.reset_peak_memory_stats()
         session.feed(list(range(5, 5 + n)))
         torch.cuda.synchronize()
-        assert torch.cuda.max_memory_allocated() - base <= prefill_activation_bytes(model.spec, chunk, 2048)
+        planned = min(chunk, PREFILL_GRAPH_TOKENS) if session.short_calls else chunk  # what open_store plans
+        assert torch.cuda.max_memory_allocated() - base <= prefill_activation_bytes(model.spec, planned, 2048)
