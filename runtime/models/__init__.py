@@ -64,7 +64,6 @@ def open_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOption
     """The tiered expert store and its residency plan for an opened model file (``pack`` the
     ``.sparkpack`` or None for a GGUF). Benchmarks use it to swap stores under one loaded model."""
     from formats.experts import expert_tensor_names
-
     from formats.memory import PREFILL_GRAPH_TOKENS
 
     from ..expert_store import ExpertStore, GGUFSource, PackSourceExperts, routed_experts_bytes
