@@ -91,15 +91,12 @@ class DecodeGraph:
     def room(self) -> int:
         return min((la.k.shape[1] for la in _kv_layers(self.cache) if la.k is not None), default=0)
 
-    def _buffers(self) -> tuple[int, ...]:
-        return kv_addresses(self.cache)
-
     def step(self, token: int | torch.Tensor) -> torch.Tensor | None:
         """Logits ``[n_vocab]`` after feeding ``token`` at position ``cache.pos``: an int, or a
         one-element id tensor on the device (``Session.decode``: nothing waits for its value)."""
         if self.cache.pos + 1 > self.room():
             return None
-        if self.graph is not None and self._buffers() != self.captured_on:
+        if self.graph is not None and kv_addresses(self.cache) != self.captured_on:
             self.graph = None  # eager steps past the room grew the KV buffers: capture again on them
         if isinstance(token, torch.Tensor):
             self.ids.copy_(token.reshape(1), non_blocking=True)
@@ -123,7 +120,7 @@ class DecodeGraph:
         logits, self.graph, self.logits = run_and_capture(
             lambda: self.model.forward(self.ids, self.cache, last_only=True, pos=self.pos), dev, torch.cuda.Stream(dev))
         self.captures += 1
-        self.captured_on = self._buffers()
+        self.captured_on = kv_addresses(self.cache)
         return logits
 
 
@@ -140,7 +137,7 @@ def short_prefill_calls(device: torch.device | str, dtype: torch.dtype, spec: Mo
 
 def feeds_short_calls(model: MoEModel, cache: Cache) -> bool:
     """``short_prefill_calls`` for a session of ``model`` over ``cache``."""
-    q8 = any(isinstance(la, KVCache) and la.q8 for la in cache.layers)
+    q8 = any(la.q8 for la in _kv_layers(cache))
     return model.kernels and short_prefill_calls(model.device, model.dtype, model.spec, "q8_0" if q8 else "auto")
 
 
