@@ -25,13 +25,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from formats.memory import PREFILL_CHUNK, PREFILL_GRAPH_TOKENS, prefill_activation_bytes, prefill_graph_bytes  # noqa: E402
-from runtime.generate import Session  # noqa: E402
-from runtime.models import StoreOptions, load_model  # noqa: E402
+from sparkpack.formats.memory import PREFILL_CHUNK, PREFILL_GRAPH_TOKENS, prefill_activation_bytes, prefill_graph_bytes
+from sparkpack.runtime.generate import Session
+from sparkpack.runtime.models import StoreOptions, load_model
 
 
 def prompt(n: int, n_vocab: int) -> list[int]:

@@ -20,8 +20,7 @@
 #   PRESETS="qwen3moe:qwen3-30b-a3b" runs one (each takes ~4-5 minutes: one per call fits the limit).
 set -euo pipefail
 steps="${*:-synth split compress tests}"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+. bench/device_env.sh
 work="${BENCH_DIR:-/var/tmp/sparkpack-bench}"
 mkdir -p "$work"
 echo "== machine"; nproc; free -g | head -2; df -h "$work" /dev/shm | tail -2
@@ -38,7 +37,7 @@ for step in $steps; do
     compress)
       echo "== zstd ratio on the first 4 layers (same shapes)"
       cut="$work/cut.gguf"
-      python3 -m repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M --layers 4 -j 16 -o "$cut" >/dev/null
+      python3 -m sparkpack.repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M --layers 4 -j 16 -o "$cut" >/dev/null
       python3 bench/split_bench.py "$cut" --hot-fraction 0.6 --workdir "$work" --compress
       rm -f "$cut" ;;
     tests)
@@ -48,23 +47,23 @@ for step in $steps; do
       tail -15 "${OUT:-$work}/tests.log" ;;
     calib)
       echo "== calibration throughput (full-size synthetic model, CUDA)"
-      [ -f "$model" ] || python3 -m repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 16 --skew reference -o "$model" >/dev/null
-      /usr/bin/time -v python3 -m repack.cli calibrate "$model" --corpus "${BENCH_CORPUS:-corpora}" --device cuda \
+      [ -f "$model" ] || python3 -m sparkpack.repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 16 --skew reference -o "$model" >/dev/null
+      /usr/bin/time -v python3 -m sparkpack.repack.cli calibrate "$model" --corpus "${BENCH_CORPUS:-corpora}" --device cuda \
         --max-tokens "${CALIB_TOKENS:-4096}" -o "$work/calib.profile.json" --quiet 2> "$work/calib.err" || { tail -5 "$work/calib.err"; exit 1; }
       grep -E "Elapsed|Maximum resident" "$work/calib.err" ;;
     store)
       echo "== expert store at partial residency (full-size model, skewed routing)"
-      [ -f "$model" ] || python3 -m repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 16 --skew reference -o "$model" >/dev/null
+      [ -f "$model" ] || python3 -m sparkpack.repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 16 --skew reference -o "$model" >/dev/null
       prof="$work/agent.profile.json"  # not MODEL.profile.json: uniform runs must not pick it up
-      [ -f "$prof" ] || /usr/bin/time -f "calibrate: %e s, peak RSS %M KiB" python3 -m repack.cli calibrate "$model" \
+      [ -f "$prof" ] || /usr/bin/time -f "calibrate: %e s, peak RSS %M KiB" python3 -m sparkpack.repack.cli calibrate "$model" \
         --corpus .device/corpus/bench_agent.jsonl --device cuda --max-tokens "${CALIB_TOKENS:-8192}" -o "$prof" --quiet
       python3 bench/store_bench.py "$model" --profile "$prof" --prompts .device/corpus/mt_bench_questions.jsonl \
         --tokens "${STORE_TOKENS:-48}" --json "${OUT:-$work}/store_bench.json" ${STORE_ARGS:-} ;;
     decode)
-      [ -f "$model" ] || python3 -m repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 16 --skew reference -o "$model" >/dev/null
+      [ -f "$model" ] || python3 -m sparkpack.repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 16 --skew reference -o "$model" >/dev/null
       python3 bench/decode_bench.py "$model" --json "${OUT:-$work}/decode_bench.json" ;;
     llama)
-      [ -f "$model" ] || python3 -m repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 16 --skew reference -o "$model" >/dev/null
+      [ -f "$model" ] || python3 -m sparkpack.repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 16 --skew reference -o "$model" >/dev/null
       bash bench/llama_bench.sh "$model" ;;
     side)
       echo "== side by side with llama.cpp (build in the background)"
@@ -77,7 +76,7 @@ for step in $steps; do
           > "${OUT:-$work}/tests.log" 2>&1 &
         tests=$!
       fi
-      [ -f "$model" ] || python3 -m repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 8 --skew reference -o "$model" >/dev/null
+      [ -f "$model" ] || python3 -m sparkpack.repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 8 --skew reference -o "$model" >/dev/null
       sync  # as in presets: no page-cache writeback while a prefill is timed
       if [ -n "$tests" ]; then wait "$tests" || true; echo "== CUDA tests"; tail -15 "${OUT:-$work}/tests.log"; fi
       # nothing is timed while llama.cpp compiles: a prefill is partly host-bound, and a 16-job
@@ -99,7 +98,7 @@ for step in $steps; do
         echo "== $name"
         # always written fresh: a file an earlier, cut-off call left behind may predate the writer
         # (llama.cpp refused one such file in session 11)
-        python3 -m repack.cli synth --arch "$arch" --preset "$name" --quant Q4_K_M -j 16 --skew reference -o "$m" >/dev/null
+        python3 -m sparkpack.repack.cli synth --arch "$arch" --preset "$name" --quant Q4_K_M -j 16 --skew reference -o "$m" >/dev/null
         sync  # the ~18 GB just written is flushed before anything is timed, not during a host-bound prefill
         if [ -n "$build" ]; then wait "$build" || tail -20 "$work/llama_build.log"; build=""; fi  # nothing timed meanwhile
         python3 bench/decode_bench.py "$m" --depths 128 1024 4096 --prefill 512 4096 --json "${OUT:-$work}/decode_bench_$name.json" \

@@ -24,16 +24,14 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from triton.testing import do_bench_cudagraph
 
-import torch  # noqa: E402
-from triton.testing import do_bench_cudagraph  # noqa: E402
-
-from runtime.kernels import dense  # noqa: E402
-from runtime.kernels import qmatvec as qmv  # noqa: E402
-from runtime.kernels.moe import moe_experts  # noqa: E402
-from runtime.kernels.q8dot import quantize  # noqa: E402
-from runtime.kernels.reference import dequantize_rows, random_blocks  # noqa: E402
+from sparkpack.runtime.kernels import dense
+from sparkpack.runtime.kernels import qmatvec as qmv
+from sparkpack.runtime.kernels.moe import moe_experts
+from sparkpack.runtime.kernels.q8dot import quantize
+from sparkpack.runtime.kernels.reference import dequantize_rows, random_blocks
 
 QTYPES = {"Q4_K": qmv.Q4_K, "Q6_K": qmv.Q6_K, "Q8_0": qmv.Q8_0, "Q5_K": qmv.Q5_K, "Q5_0": qmv.Q5_0,
           "Q4_0": qmv.Q4_0, "IQ4_XS": qmv.IQ4_XS, "MXFP4": qmv.MXFP4}
@@ -249,9 +247,9 @@ def bench_attention(args: argparse.Namespace, copy_gbs: float, gen: torch.Genera
     form it replaces (q/k norm, rope, KV append, masked GQA over the buffer, sigmoid gate), for a
     bf16 and a Q8_0 cache at several buffer sizes with the token 3/4 into the buffer. GB/s counts
     the cache rows up to the token (keys and values, codes and scales) once."""
-    from runtime.cache import KVCache
-    from runtime.kernels.attention import attend_decode, qk_norm_rope_append
-    from runtime.layers import Rope, attention, rms_norm, rope_inv_freq
+    from sparkpack.runtime.cache import KVCache
+    from sparkpack.runtime.kernels.attention import attend_decode, qk_norm_rope_append
+    from sparkpack.runtime.layers import Rope, attention, rms_norm, rope_inv_freq
 
     ok = True
     print(f"{'shape':10} {'kv':5} {'buffer':>7} {'pos':>6} {'split':>5} {'attend us':>9} {'GB/s':>6} {'%copy':>6} "
@@ -315,8 +313,8 @@ def bench_prefill_attention(args: argparse.Namespace, gen: torch.Generator) -> b
     causal attention from position 0 (``_causal_sdpa``) and the unfused form over a past
     (``attend_buffers``), for calls of ``--prefill-tokens`` at position 0 and after as many
     earlier tokens. Checked against the unfused form in fp32."""
-    from runtime.kernels.attention import attend_prefill
-    from runtime.layers import _attend, attend_buffers
+    from sparkpack.runtime.kernels.attention import attend_prefill
+    from sparkpack.runtime.layers import _attend, attend_buffers
 
     ok = True
     print(f"{'shape':10} {'T':>5} {'past':>5} {'triton us':>9} {'eager us':>9} {'eager form':>10} {'rel-L2':>9}")

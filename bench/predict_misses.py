@@ -29,14 +29,12 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from bench.store_bench import held_out_prompt  # noqa: E402
-from runtime.generate import Session, generate  # noqa: E402
-from runtime.models import StoreOptions, load_model  # noqa: E402
+from bench.store_bench import held_out_prompt
+from sparkpack.runtime.generate import Session, generate
+from sparkpack.runtime.models import StoreOptions, load_model
 
 
 def main() -> None:

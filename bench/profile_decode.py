@@ -13,13 +13,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-from runtime.generate import Session  # noqa: E402
-from runtime.models import StoreOptions, load_model  # noqa: E402
+from sparkpack.runtime.generate import Session
+from sparkpack.runtime.models import StoreOptions, load_model
 
 
 def main() -> None:

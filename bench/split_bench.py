@@ -60,7 +60,7 @@ def main() -> None:
     size = a.model.stat().st_size
     work = Path(tempfile.mkdtemp(prefix="split_bench-", dir=a.workdir or a.model.parent))
     pack, joined = work / "model.sparkpack", work / "joined.gguf"
-    repack = [sys.executable, "-m", "repack.cli"]
+    repack = [sys.executable, "-m", "sparkpack.repack.cli"]
     split = repack + ["split", str(a.model), "-o", str(pack), "--hot-fraction", a.hot_fraction]
     if a.compress:
         split.append("--compress")

@@ -25,17 +25,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from calibrate.readers import read_corpus  # noqa: E402
-from calibrate.render import ChatRenderer  # noqa: E402
-from runtime.chat_template import ChatTemplate  # noqa: E402
-from runtime.generate import Session  # noqa: E402
-from runtime.models import StoreOptions, load_model, open_store  # noqa: E402
-from runtime.residency import PREFETCH_MIN_MISSES  # noqa: E402
-from runtime.tokenizer import GGUFTokenizer  # noqa: E402
+from sparkpack.calibrate.readers import read_corpus
+from sparkpack.calibrate.render import ChatRenderer
+from sparkpack.runtime.chat_template import ChatTemplate
+from sparkpack.runtime.generate import Session
+from sparkpack.runtime.models import StoreOptions, load_model, open_store
+from sparkpack.runtime.residency import PREFETCH_MIN_MISSES
+from sparkpack.runtime.tokenizer import GGUFTokenizer
 
 
 @dataclass
@@ -102,12 +100,10 @@ def free_memory(cuda: bool) -> None:
 def vram_run(model_path: Path, profile: Path, vram: str, prompt: list[int], n_tokens: int, out: Path) -> dict:
     """spark-run under ``--vram`` in its own process: the peak it reports is the whole program's."""
     stats = out / "vram_run.json"
-    cmd = [sys.executable, "-m", "runtime.cli", str(model_path), "--vram", vram, "--profile", str(profile),
+    cmd = [sys.executable, "-m", "sparkpack.runtime.cli", str(model_path), "--vram", vram, "--profile", str(profile),
            "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", str(n_tokens), "--temperature", "0",
            "--device", "cuda", "--stats-json", str(stats)]
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    p = subprocess.run(cmd, capture_output=True, text=True)
     print(p.stderr.strip()[-2000:])
     if p.returncode != 0:
         raise SystemExit(f"spark-run --vram {vram} failed (rc {p.returncode})")

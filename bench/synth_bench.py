@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("-o", "--output", type=Path, required=True)
     a = ap.parse_args()
 
-    cmd = [sys.executable, "-m", "repack.cli", "synth", "--arch", a.arch, "--preset", a.preset, "--quant", a.quant,
+    cmd = [sys.executable, "-m", "sparkpack.repack.cli", "synth", "--arch", a.arch, "--preset", a.preset, "--quant", a.quant,
            "--jobs", str(a.jobs), "-o", str(a.output)]
     if a.layers:
         cmd += ["--layers", str(a.layers)]

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from formats.placement import expert_scores, plan_greedy
+from sparkpack.formats.placement import expert_scores, plan_greedy
 
 FRACTIONS = (0.2, 0.4, 0.6, 0.8)
 UNIFORM_SEED = 0

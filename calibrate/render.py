@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from formats.errors import SparkpackError
+from sparkpack.formats.errors import SparkpackError
 
 from .conversation import Conversation
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from formats.errors import FormatError, SparkpackError
+from sparkpack.formats.errors import FormatError, SparkpackError
 
 MAGIC = b"SPKTRACE"
 VERSION = 1

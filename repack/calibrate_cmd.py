@@ -11,8 +11,8 @@ from typing import Any
 
 import click
 
-from formats.errors import SparkpackError
-from formats.profile import default_profile_path
+from sparkpack.formats.errors import SparkpackError
+from sparkpack.formats.profile import default_profile_path
 
 CHECKPOINT_EVERY = 16  # conversations between checkpoints; each costs one small JSON write
 
@@ -57,9 +57,9 @@ def calibrate_cmd(model_path: Path, corpus: Path | None, output: Path | None, ma
     repack calibrate model.gguf --corpus held/ --trace held.trace
     repack calibrate model.gguf --eval held.trace --profile model.profile.json --cache-slots 8
     """
-    from formats.archs import model_spec
-    from formats.gguf_file import GGUFModel
-    from formats.profile import model_identity
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.gguf_file import GGUFModel
+    from sparkpack.formats.profile import model_identity
 
     gguf = GGUFModel(model_path)
     spec = model_spec(gguf)
@@ -82,11 +82,11 @@ def calibrate_cmd(model_path: Path, corpus: Path | None, output: Path | None, ma
 def run_calibrate(gguf, spec, identity, corpus: Path, output: Path, max_tokens: int | None, ctx: int, chunk: int,
                   device: str, resume: bool, merge: bool, decay: float, trace_path: Path | None, strict: bool,
                   quiet: bool, stop_after: int | None) -> None:
-    from formats.profile import Profile
+    from sparkpack.formats.profile import Profile
 
-    from calibrate.readers import read_corpus
-    from calibrate.replay import GENERATED, PROMPT, Replayer, ReplayState, top_share
-    from calibrate.trace import TraceWriter
+    from sparkpack.calibrate.readers import read_corpus
+    from sparkpack.calibrate.replay import GENERATED, PROMPT, Replayer, ReplayState, top_share
+    from sparkpack.calibrate.trace import TraceWriter
 
     base = None
     if merge:  # check before hours of replay, not after
@@ -192,10 +192,10 @@ def load_for_replay(gguf, device: str):
     """The runtime model on the chosen device and a renderer with the model's template/tokenizer."""
     import torch
 
-    from calibrate.render import ChatRenderer
-    from runtime.chat_template import ChatTemplate
-    from runtime.models import load_model
-    from runtime.tokenizer import GGUFTokenizer
+    from sparkpack.calibrate.render import ChatRenderer
+    from sparkpack.runtime.chat_template import ChatTemplate
+    from sparkpack.runtime.models import load_model
+    from sparkpack.runtime.tokenizer import GGUFTokenizer
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -206,7 +206,7 @@ def load_for_replay(gguf, device: str):
         # The tiered store keeps experts quantized on the GPU (all of them when they fit in 90% of
         # free memory, else a hot set plus the pinned host tier): the fused kernels run decode and
         # prefill expands one expert at a time, so nothing thrashes a bf16 cache.
-        from runtime.residency import StoreOptions
+        from sparkpack.runtime.residency import StoreOptions
 
         free = torch.cuda.mem_get_info()[0]
         model = load_model(gguf, device=device, dtype=dtype, store=StoreOptions(vram=int(free * 0.9)))
@@ -243,7 +243,7 @@ def save_checkpoint(path: Path, run_key: dict[str, Any], state, trace) -> None:
 
 
 def load_checkpoint(path: Path, run_key: dict[str, Any], shape: tuple[int, int, int]):
-    from calibrate.replay import ReplayState
+    from sparkpack.calibrate.replay import ReplayState
 
     if not path.exists():
         return None
@@ -265,10 +265,10 @@ def run_eval(gguf, spec, identity, eval_path: Path, profile_path: Path, ctx: int
              slots: int, as_json: bool, quiet: bool, strict: bool, max_tokens: int | None) -> None:
     import numpy as np
 
-    from calibrate.evaluate import evaluate, format_table, rows_json
-    from calibrate.trace import is_trace, read_trace
-    from formats.experts import expert_nbytes
-    from formats.profile import Profile
+    from sparkpack.calibrate.evaluate import evaluate, format_table, rows_json
+    from sparkpack.calibrate.trace import is_trace, read_trace
+    from sparkpack.formats.experts import expert_nbytes
+    from sparkpack.formats.profile import Profile
 
     if not profile_path.exists():
         raise SparkpackError(profile_path, "no such profile (give --profile, or calibrate first)")
@@ -310,8 +310,8 @@ def replay_to_memory(gguf, spec, corpus: Path, ctx: int, chunk: int, device: str
                      max_tokens: int | None):
     import numpy as np
 
-    from calibrate.readers import read_corpus
-    from calibrate.replay import Replayer, ReplayState
+    from sparkpack.calibrate.readers import read_corpus
+    from sparkpack.calibrate.replay import Replayer, ReplayState
 
     convs, _ = read_corpus(corpus, strict=strict)
     model, renderer = load_for_replay(gguf, device)

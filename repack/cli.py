@@ -5,19 +5,19 @@ import importlib
 
 import click
 
-from formats.errors import cli_entry
+from sparkpack.formats.errors import cli_entry
 
 # module -> attribute holding the click command. Imported lazily so `repack --help` stays fast
 # and a command's heavy imports (torch, datasets) load only when it runs.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "inspect": ("repack.inspect_cmd", "inspect_cmd"),
-    "synth": ("repack.synth_cmd", "synth_cmd"),
-    "demo": ("repack.demo_cmd", "demo_cmd"),
-    "convert-hf": ("repack.convert_hf_cmd", "convert_hf_cmd"),
-    "split": ("repack.split_cmd", "split_cmd"),
-    "join": ("repack.join_cmd", "join_cmd"),
-    "verify": ("repack.verify_cmd", "verify_cmd"),
-    "calibrate": ("repack.calibrate_cmd", "calibrate_cmd"),
+    "inspect": ("sparkpack.repack.inspect_cmd", "inspect_cmd"),
+    "synth": ("sparkpack.repack.synth_cmd", "synth_cmd"),
+    "demo": ("sparkpack.repack.demo_cmd", "demo_cmd"),
+    "convert-hf": ("sparkpack.repack.convert_hf_cmd", "convert_hf_cmd"),
+    "split": ("sparkpack.repack.split_cmd", "split_cmd"),
+    "join": ("sparkpack.repack.join_cmd", "join_cmd"),
+    "verify": ("sparkpack.repack.verify_cmd", "verify_cmd"),
+    "calibrate": ("sparkpack.repack.calibrate_cmd", "calibrate_cmd"),
 }
 
 

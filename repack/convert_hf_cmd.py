@@ -14,7 +14,7 @@ import click
               help="Type of the weight matrices; norms, routers and conv kernels stay f32.")
 def convert_hf_cmd(hf_dir: Path, out: Path, outtype: str) -> None:
     """Convert a Qwen3-MoE, Qwen3.5/3.6-MoE or Laguna transformers model to GGUF."""
-    from repack.convert_hf import convert
+    from sparkpack.repack.convert_hf import convert
 
     path = convert(hf_dir, out, outtype)
     click.echo(f"wrote {path} ({path.stat().st_size} bytes, {outtype})")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from formats.errors import SparkpackError
+from sparkpack.formats.errors import SparkpackError
 
 REPO_CORPORA = Path(__file__).resolve().parents[1] / "corpora"
 
@@ -41,7 +41,7 @@ def demo_cmd(workdir: Path, corpus: Path | None, arch: str, hot_fraction: float)
     workdir.mkdir(parents=True, exist_ok=True)
     model, profile, pack = workdir / f"{arch}-tiny.gguf", workdir / f"{arch}-tiny.profile.json", \
         workdir / f"{arch}-tiny.sparkpack"
-    repack, spark = [sys.executable, "-m", "repack.cli"], [sys.executable, "-m", "runtime.cli"]
+    repack, spark = [sys.executable, "-m", "sparkpack.repack.cli"], [sys.executable, "-m", "sparkpack.runtime.cli"]
     q = shlex.quote
     steps = [
         (["synth", "--arch", arch, "--preset", "tiny", "--quant", "Q4_K_M", "--skew", "1.0", "-o", str(model)],

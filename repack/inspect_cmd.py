@@ -8,10 +8,10 @@ from typing import Any
 
 import click
 
-from formats.archs import model_spec
-from formats.experts import expert_nbytes, expert_tensor_names
-from formats.gguf_file import GGUFModel
-from formats.memory import kv_cache_bytes, recurrent_state_bytes, runtime_bytes
+from sparkpack.formats.archs import model_spec
+from sparkpack.formats.experts import expert_nbytes, expert_tensor_names
+from sparkpack.formats.gguf_file import GGUFModel
+from sparkpack.formats.memory import kv_cache_bytes, recurrent_state_bytes, runtime_bytes
 
 from .units import fmt_size
 

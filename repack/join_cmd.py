@@ -7,9 +7,9 @@ from pathlib import Path
 
 import click
 
-from formats.errors import FormatError, SparkpackError
-from formats.profile import hash_file_range
-from formats.sparkpack import HEADER_SHARD, Pack
+from sparkpack.formats.errors import FormatError, SparkpackError
+from sparkpack.formats.profile import hash_file_range
+from sparkpack.formats.sparkpack import HEADER_SHARD, Pack
 
 CHUNK = 8 << 20
 

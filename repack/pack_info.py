@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from formats.sparkpack import Pack
+from sparkpack.formats.sparkpack import Pack
 
 from .units import fmt_size
 

@@ -8,13 +8,13 @@ from typing import Any
 
 import click
 
-from formats.archs import ModelSpec, model_spec
-from formats.errors import SparkpackError
-from formats.experts import expert_nbytes, expert_tensor_names
-from formats.gguf_file import GGUFModel
-from formats.memory import kv_cache_bytes, recurrent_state_bytes, runtime_bytes
+from sparkpack.formats.archs import ModelSpec, model_spec
+from sparkpack.formats.errors import SparkpackError
+from sparkpack.formats.experts import expert_nbytes, expert_tensor_names
+from sparkpack.formats.gguf_file import GGUFModel
+from sparkpack.formats.memory import kv_cache_bytes, recurrent_state_bytes, runtime_bytes
 
-from formats.placement import Plan, default_cache_slots, make_plan
+from sparkpack.formats.placement import Plan, default_cache_slots, make_plan
 from .units import SIZE, fmt_size
 
 DEFAULT_HOT_FRACTION = 0.5
@@ -99,8 +99,8 @@ def print_plan(plan: Plan, budget: Budget, n_experts: int, profile_name: str | N
 def split_cmd(model_path: Path, profile_path: Path | None, vram: int | None, hot_fraction: float | None, ctx: int,
               cache_slots: int | None, compress: bool, force: bool, output: Path | None) -> None:
     """Rewrite a GGUF as a hot shard plus per-expert cold shards (a .sparkpack directory)."""
-    from formats.pack_writer import write_pack
-    from formats.profile import Profile, model_identity
+    from sparkpack.formats.pack_writer import write_pack
+    from sparkpack.formats.profile import Profile, model_identity
 
     if vram is not None and hot_fraction is not None:
         raise SparkpackError(None, "give either --vram or --hot-fraction, not both")

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-from formats.errors import SparkpackError
-from formats.quant_mix import MIXES
+from sparkpack.formats.errors import SparkpackError
+from sparkpack.formats.quant_mix import MIXES
 
 from .synth.presets import ARCH_NAMES, PRESET_NAMES
 from .units import fmt_size

@@ -6,9 +6,9 @@ import sys
 from pathlib import Path
 
 import click
-from formats.errors import FormatError
-from formats.profile import HASH_NAME, hash_file_range
-from formats.sparkpack import HEADER_SHARD, HOT_SHARD, Pack, checksum
+from sparkpack.formats.errors import FormatError
+from sparkpack.formats.profile import HASH_NAME, hash_file_range
+from sparkpack.formats.sparkpack import HEADER_SHARD, HOT_SHARD, Pack, checksum
 
 
 def verify_pack(path: Path, progress=lambda n: None) -> Pack:

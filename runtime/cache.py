@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from formats.memory import KV_BYTES_PER_VALUE
+from sparkpack.formats.memory import KV_BYTES_PER_VALUE
 
 
 def prefill_rows(pos0: "int | torch.Tensor", T: int) -> int | None:

@@ -19,7 +19,7 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-from formats.errors import SparkpackError
+from sparkpack.formats.errors import SparkpackError
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import click
 
-from formats.errors import SparkpackError, cli_entry
-from formats.memory import KV_BYTES_PER_VALUE, PREFILL_CHUNK
-from repack.units import SizeParam
+from sparkpack.formats.errors import SparkpackError, cli_entry
+from sparkpack.formats.memory import KV_BYTES_PER_VALUE, PREFILL_CHUNK
+from sparkpack.repack.units import SizeParam
 
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
 

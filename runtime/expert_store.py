@@ -55,11 +55,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from formats.archs import ModelSpec
-from formats.errors import SparkpackError
-from formats.experts import ROLE_ORDER, expert_slices
-from formats.gguf_file import GGUFModel
-from formats.quants import quant_name
+from sparkpack.formats.archs import ModelSpec
+from sparkpack.formats.errors import SparkpackError
+from sparkpack.formats.experts import ROLE_ORDER, expert_slices
+from sparkpack.formats.gguf_file import GGUFModel
+from sparkpack.formats.quants import quant_name
 
 from .experts import routed_sum
 from .layers import swiglu

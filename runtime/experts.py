@@ -17,9 +17,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from formats.archs import ModelSpec
-from formats.experts import expert_slices
-from formats.gguf_file import GGUFModel
+from sparkpack.formats.archs import ModelSpec
+from sparkpack.formats.experts import expert_slices
+from sparkpack.formats.gguf_file import GGUFModel
 
 from .layers import swiglu
 from .weights import PackSource, dequantize_bytes

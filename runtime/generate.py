@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from formats.memory import PREFILL_CHUNK, PREFILL_GRAPH_TOKENS
+from sparkpack.formats.memory import PREFILL_CHUNK, PREFILL_GRAPH_TOKENS
 
 from .graph import DecodeGraph, PrefillGraphs, capturable, feeds_short_calls, prefill_is_padded
 from .models.base import MoEModel

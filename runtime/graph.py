@@ -29,8 +29,8 @@ import os
 
 import torch
 
-from formats.archs import LINEAR, ModelSpec
-from formats.memory import PREFILL_GRAPH_TOKENS
+from sparkpack.formats.archs import LINEAR, ModelSpec
+from sparkpack.formats.memory import PREFILL_GRAPH_TOKENS
 
 from .cache import Cache, KVCache
 from .models.base import MoEModel

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from formats.memory import ATTN_SCORES_MAX
+from sparkpack.formats.memory import ATTN_SCORES_MAX
 
 from .cache import KVCache, prefill_rows
 

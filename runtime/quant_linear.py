@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from formats.memory import DEQUANT_SCRATCH_ELEMENTS
+from sparkpack.formats.memory import DEQUANT_SCRATCH_ELEMENTS
 
 from .kernels import q8dot
 from .kernels.dense import FLOAT_TYPES, MAX_SEGMENTS, dequantize_into, gemv, row_bytes

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
-from formats.archs import ModelSpec
-from formats.errors import SparkpackError
-from formats.memory import KV_BYTES_PER_VALUE, PREFILL_CHUNK, kv_cache_bytes, recurrent_state_bytes, runtime_bytes
-from formats.placement import default_cache_slots, expert_scores, make_plan
-from formats.profile import Profile, default_profile_path, model_identity
+from sparkpack.formats.archs import ModelSpec
+from sparkpack.formats.errors import SparkpackError
+from sparkpack.formats.memory import KV_BYTES_PER_VALUE, PREFILL_CHUNK, kv_cache_bytes, recurrent_state_bytes, runtime_bytes
+from sparkpack.formats.placement import default_cache_slots, expert_scores, make_plan
+from sparkpack.formats.profile import Profile, default_profile_path, model_identity
 
 
 # Prefetch a layer's guessed experts only where the plan expects at least this many misses per

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from formats.errors import SparkpackError
+from sparkpack.formats.errors import SparkpackError
 
 History = Sequence[int] | Sequence[Sequence[int]] | torch.Tensor | None
 

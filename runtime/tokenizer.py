@@ -19,7 +19,7 @@ from typing import Any
 
 from gguf.vocab import bytes_to_unicode
 
-from formats.errors import SparkpackError
+from sparkpack.formats.errors import SparkpackError
 
 # gguf.TokenType values
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6

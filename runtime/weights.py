@@ -12,8 +12,8 @@ import math
 import numpy as np
 import torch
 
-from formats.errors import FormatError
-from formats.gguf_file import GGUFModel
+from sparkpack.formats.errors import FormatError
+from sparkpack.formats.gguf_file import GGUFModel
 
 from .dequant import dequantize
 from .quant_linear import QuantLinear, has_kernel, linear, stack
@@ -171,7 +171,7 @@ class PackSource:
     ``runtime.experts.PackExperts``."""
 
     def __init__(self, pack):
-        from formats.gguf_file import TensorInfo
+        from sparkpack.formats.gguf_file import TensorInfo
 
         self.pack = pack
         self.path = pack.path

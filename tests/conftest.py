@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 def synth_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """``make(arch, quant="Q8_0", skew=0.0, seed=0) -> Path``: a tiny synthetic GGUF, written once
     per argument tuple per session (treat it as read-only)."""
-    from repack.synth import write_synthetic
+    from sparkpack.repack.synth import write_synthetic
 
     cache: dict[tuple, Path] = {}
     root = tmp_path_factory.mktemp("synth")
@@ -37,7 +37,7 @@ def synth_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]
 def tiny_hf_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[Path, Path]]:
     """``make(arch, outtype="f32") -> (hf_dir, gguf)``: a tiny random transformers model
     (tests/hf_tiny.py) and its conversion by repack.convert_hf, built once per session."""
-    from repack.convert_hf import convert
+    from sparkpack.repack.convert_hf import convert
     from tests.hf_tiny import make_tiny_hf
 
     root = tmp_path_factory.mktemp("tiny_hf_gguf")

@@ -7,10 +7,10 @@ import gguf
 import numpy as np
 import pytest
 
-from formats.archs import DENSE, FULL, LINEAR, MOE, SLIDING, model_spec
-from formats.errors import FormatError, UnsupportedError
-from formats.experts import expert_bytes, expert_nbytes, expert_slices
-from formats.gguf_file import GGUFModel
+from sparkpack.formats.archs import DENSE, FULL, LINEAR, MOE, SLIDING, model_spec
+from sparkpack.formats.errors import FormatError, UnsupportedError
+from sparkpack.formats.experts import expert_bytes, expert_nbytes, expert_slices
+from sparkpack.formats.gguf_file import GGUFModel
 
 N_EXPERT, N_EMBD, N_FF = 4, 32, 16
 

@@ -21,9 +21,9 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from runtime.cache import KVCache  # noqa: E402
-from runtime.kernels.attention import attend_decode, attend_prefill, qk_norm_rope_append  # noqa: E402
-from runtime.layers import Rope, attention, rms_norm, rope_inv_freq, yarn_rope  # noqa: E402
+from sparkpack.runtime.cache import KVCache  # noqa: E402
+from sparkpack.runtime.kernels.attention import attend_decode, attend_prefill, qk_norm_rope_append  # noqa: E402
+from sparkpack.runtime.layers import Rope, attention, rms_norm, rope_inv_freq, yarn_rope  # noqa: E402
 from tests.test_kernels import DEVICE, compile_in_subprocess, rel_l2  # noqa: E402
 
 EPS = 1e-6
@@ -191,7 +191,7 @@ def test_attend_decode_int8_form(dtype) -> None:
     """With ``q8`` the combine kernel also writes the output's int8 form (``attn_output``'s input):
     bit for bit ``q8dot.quantize`` of the output, which is itself unchanged; d = 64 gives two
     blocks per head, two programs each writing its own."""
-    from runtime.kernels import q8dot
+    from sparkpack.runtime.kernels import q8dot
 
     g = torch.Generator().manual_seed(5)
     q = torch.randn(4, 64, generator=g).to(DEVICE, dtype)
@@ -213,7 +213,7 @@ def test_q8_0_cache_read_and_written_as_codes(dtype) -> None:
     (ties to even included), nothing else changes, and attention over the codes equals attention
     over the cache expanded by ``dequantize_q8_0`` (bit for bit where casts round to nearest);
     d = 64 is two blocks a row."""
-    from runtime.cache import dequantize_q8_0, quantize_q8_0
+    from sparkpack.runtime.cache import dequantize_q8_0, quantize_q8_0
 
     g = torch.Generator().manual_seed(11)
     H, H_kv, d, S, pos = 4, 2, 64, 48, 29
@@ -260,7 +260,7 @@ def test_prompt_prefill_attention_matches_the_unfused_form(window: int) -> None:
     float64 and no farther from it than the unfused bf16 form, at the Qwen3-30B head shape over a
     300-token prompt. A window shorter than the prompt keeps the unfused form (its mask is not
     plain causal): the bits of ``_attend`` itself."""
-    from runtime.layers import _attend, _flash_prompt, attend_buffers
+    from sparkpack.runtime.layers import _attend, _flash_prompt, attend_buffers
 
     g = torch.Generator().manual_seed(window)
     T, H, H_kv, d, S = 300, 32, 4, 128, 512
@@ -294,7 +294,7 @@ def test_attend_prefill_matches_torch(dtype, T, H_kv, rep, d, S, pos, window) ->
     """``attend_prefill`` (a captured prefill call's attention) against ``runtime.layers._attend`` in
     float64, with garbage in every row past the call; the position by value and from memory give
     the same bits."""
-    from runtime.layers import _attend
+    from sparkpack.runtime.layers import _attend
 
     g = torch.Generator().manual_seed(T + pos)
     H = H_kv * rep
@@ -367,7 +367,7 @@ def aot_compile_attention(arch: int = 90) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from runtime.kernels import attention as at
+    from sparkpack.runtime.kernels import attention as at
 
     floats = {"eps", "rope_scale", "qk_scale"}
     jobs = []

@@ -13,13 +13,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from calibrate.conversation import Conversation
-from calibrate.evaluate import cold_rate, cold_rate_lru
-from calibrate.readers import read_corpus
-from calibrate.trace import MAGIC, TraceWriter, read_trace
-from formats.archs import model_spec
-from formats.gguf_file import GGUFModel
-from repack.calibrate_cmd import calibrate_cmd, load_for_replay
+from sparkpack.calibrate.conversation import Conversation
+from sparkpack.calibrate.evaluate import cold_rate, cold_rate_lru
+from sparkpack.calibrate.readers import read_corpus
+from sparkpack.calibrate.trace import MAGIC, TraceWriter, read_trace
+from sparkpack.formats.archs import model_spec
+from sparkpack.formats.gguf_file import GGUFModel
+from sparkpack.repack.calibrate_cmd import calibrate_cmd, load_for_replay
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_CORPORA = REPO / ".." / "shared" / "corpora"
@@ -50,7 +50,7 @@ def write_prompts(path: Path, texts: list[str]) -> Path:
 def calibrate(*args: str) -> subprocess.CompletedProcess:
     """The real CLI in a subprocess: what a user sees, exit code and the one error line."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "repack.cli", "calibrate", *map(str, args), "--quiet"],
+    return subprocess.run([sys.executable, "-m", "sparkpack.repack.cli", "calibrate", *map(str, args), "--quiet"],
                           capture_output=True, text=True, cwd=REPO, env=env)
 
 
@@ -68,7 +68,7 @@ def test_rendering_uses_the_model_template(tiny_hf_gguf):
     ids equal the HF tokenizer's; the generated mask covers exactly the assistant turns."""
     from transformers import AutoTokenizer
 
-    from runtime.chat_template import render_chat
+    from sparkpack.runtime.chat_template import render_chat
 
     hf_dir, path = tiny_hf_gguf("qwen3moe")
     gguf = GGUFModel(path)
@@ -166,10 +166,10 @@ def test_resume_gives_the_uninterrupted_profile_and_trace(synth_model, tmp_path)
 def test_refused_conversations_are_reported_and_not_recounted_on_resume(synth_model):
     """A conversation the template refuses is skipped with its reason, and a resumed run that
     starts after it neither retries it nor counts the skip twice."""
-    from calibrate.render import ChatRenderer
-    from calibrate.replay import Replayer, ReplayState
-    from formats.errors import SparkpackError
-    from runtime.chat_template import ChatTemplate
+    from sparkpack.calibrate.render import ChatRenderer
+    from sparkpack.calibrate.replay import Replayer, ReplayState
+    from sparkpack.formats.errors import SparkpackError
+    from sparkpack.runtime.chat_template import ChatTemplate
 
     gguf = GGUFModel(synth_model("qwen3moe", skew="reference"))
     convs = [Conversation(messages=[{"role": "user", "content": t}], source="t") for t in ("a b", "REFUSE", "c d")]

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from formats.errors import SparkpackError
-from runtime.chat_template import ChatTemplate, render_chat
+from sparkpack.formats.errors import SparkpackError
+from sparkpack.runtime.chat_template import ChatTemplate, render_chat
 from tests.hf_tiny import build_tokenizer
 
 # A Qwen3-style template: system + tool list, think blocks, tool calls, tool responses grouped in
@@ -188,7 +188,7 @@ def test_special_tokens_come_from_the_gguf_tokenizer(tmp_path):
     equals transformers' (which reads it from tokenizer_config.json)."""
     from transformers import AutoTokenizer
 
-    from runtime.tokenizer import GGUFTokenizer
+    from sparkpack.runtime.tokenizer import GGUFTokenizer
     from tests.test_tokenizer import _metadata
 
     build_tokenizer("laguna", tmp_path)

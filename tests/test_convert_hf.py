@@ -19,8 +19,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file
 
-from formats.archs import model_spec
-from formats.gguf_file import GGUFModel
+from sparkpack.formats.archs import model_spec
+from sparkpack.formats.gguf_file import GGUFModel
 
 ARCHS = ("qwen3moe", "qwen35moe", "laguna")
 
@@ -295,7 +295,7 @@ def test_bf16_checkpoint_is_decoded_exactly(tiny_hf_gguf, tmp_path: Path) -> Non
     import torch
     from safetensors.torch import load_file as load_pt, save_file
 
-    from repack.convert_hf import convert
+    from sparkpack.repack.convert_hf import convert
 
     src, _ = tiny_hf_gguf("qwen3moe")
     dst = tmp_path / "bf16"
@@ -315,7 +315,7 @@ def test_fused_expert_checkpoint_gives_same_file(tiny_hf_gguf, tmp_path: Path) -
     experts x embd x ff); both layouts must give the same GGUF tensors."""
     from safetensors.numpy import save_file
 
-    from repack.convert_hf import convert
+    from sparkpack.repack.convert_hf import convert
 
     src, per_expert = tiny_hf_gguf("qwen3moe")
     c, hf = _hf(src)
@@ -369,7 +369,7 @@ def test_tokenizer_metadata_matches_hf(tiny_hf_gguf, arch: str) -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "repack.cli", "convert-hf", *args],
+    return subprocess.run([sys.executable, "-m", "sparkpack.repack.cli", "convert-hf", *args],
                           capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 def test_demo_runs_the_whole_pipeline(tmp_path: Path) -> None:
     work = tmp_path / "demo"
-    r = subprocess.run([sys.executable, "-m", "repack.cli", "demo", "--workdir", str(work)],
+    r = subprocess.run([sys.executable, "-m", "sparkpack.repack.cli", "demo", "--workdir", str(work)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     for step in ("repack synth", "repack calibrate", "repack split", "repack verify", "spark-run"):
@@ -19,7 +19,7 @@ def test_demo_runs_the_whole_pipeline(tmp_path: Path) -> None:
 
 
 def test_demo_with_a_missing_corpus_is_one_line(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "repack.cli", "demo", "--workdir", str(tmp_path),
+    r = subprocess.run([sys.executable, "-m", "sparkpack.repack.cli", "demo", "--workdir", str(tmp_path),
                         "--corpus", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from gguf.constants import GGMLQuantizationType as T  # noqa: E402
 
-from runtime.kernels.dense import dequantize_into, gemv  # noqa: E402
+from sparkpack.runtime.kernels.dense import dequantize_into, gemv  # noqa: E402
 from tests.test_kernels import DEVICE, dequant64, random_weight, rel_l2  # noqa: E402
 
 

@@ -9,7 +9,7 @@ import torch
 from gguf import quants as gq
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from runtime.dequant import SUPPORTED, dequantize
+from sparkpack.runtime.dequant import SUPPORTED, dequantize
 
 # Types gguf-py can quantize: made from random floats, so they are realistic blocks.
 QUANTIZABLE = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4]
@@ -95,7 +95,7 @@ def test_other_types_fall_back_to_gguf(caplog):
     rng = np.random.default_rng(1)
     raw = rng.integers(0, 256, size=(2, tsize), dtype=np.uint8)
     raw[:, 80:84] = np.array([1e-2, 1e-3], dtype=np.float16).view(np.uint8)  # d, dmin
-    with caplog.at_level(logging.INFO, logger="runtime.dequant"):
+    with caplog.at_level(logging.INFO, logger="sparkpack.runtime.dequant"):
         out = dequantize(raw, int(T.Q2_K), shape)
         dequantize(raw, int(T.Q2_K), shape)
     assert torch.equal(out, reference(raw, T.Q2_K, shape))
@@ -113,7 +113,7 @@ def test_wrong_byte_count_and_bad_row_length_are_rejected():
 def test_large_matrices_are_expanded_in_bands_with_the_same_bits(monkeypatch):
     """Big dense tensors are dequantized a band of rows at a time (bounded temporaries under a
     --vram budget); the result must be the whole-tensor result exactly."""
-    import runtime.weights as weights
+    import sparkpack.runtime.weights as weights
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
     rng = np.random.default_rng(3)

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from formats.sparkpack import Pack
-from runtime.expert_store import ExpertStore, GGUFSource, StoreStats
-from runtime.generate import Session, generate
-from runtime.models import StoreOptions, load_model
+from sparkpack.formats.sparkpack import Pack
+from sparkpack.runtime.expert_store import ExpertStore, GGUFSource, StoreStats
+from sparkpack.runtime.generate import Session, generate
+from sparkpack.runtime.models import StoreOptions, load_model
 
 REPO = Path(__file__).resolve().parents[1]
 IDS = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]
@@ -82,7 +82,7 @@ def test_any_residency_gives_identical_outputs(model_path, reference, mode, hot_
 def test_all_hot_store_counts_when_its_stats_are_read(model_path):
     """An all-hot zero-copy store reads no counts between tokens; replacing its stats drops the
     counts not read yet, so the new stats hold only what came after."""
-    from runtime.expert_store import StoreStats
+    from sparkpack.runtime.expert_store import StoreStats
 
     model = load_model(model_path, store=StoreOptions(hot_fraction=1.0, mode="zerocopy"))
     store = model.experts
@@ -101,8 +101,8 @@ def test_all_hot_store_counts_when_its_stats_are_read(model_path):
 def test_fused_kernel_path_is_residency_independent(model_path):
     """Decode steps through the Triton MoE kernel (interpreted on CPU): all experts in the device
     pool vs 10% there and the rest read from the host pool (zero-copy) or copied into the cache."""
-    from formats.archs import model_spec
-    from formats.gguf_file import GGUFModel
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.gguf_file import GGUFModel
 
     gguf = GGUFModel(model_path)
     spec = model_spec(gguf)
@@ -140,8 +140,8 @@ def test_prefetch_accounting(model_path):
     """A guessed cold expert is copied (bytes streamed once); if routed it is served from the
     prefetch slot, not missed; a guessed hot expert costs nothing; an unguessed cold one is a
     zero-copy miss."""
-    from formats.archs import model_spec
-    from formats.gguf_file import GGUFModel
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.gguf_file import GGUFModel
 
     gguf = GGUFModel(model_path)
     spec = model_spec(gguf)
@@ -171,7 +171,7 @@ def test_prefetch_accounting(model_path):
 
 def test_pack_placement_and_stats_json(model_path, reference, tmp_path):
     pack = tmp_path / "m.sparkpack"
-    r = run_cli(["-m", "repack.cli", "split", str(model_path), "--hot-fraction", "0.5", "-o", str(pack)])
+    r = run_cli(["-m", "sparkpack.repack.cli", "split", str(model_path), "--hot-fraction", "0.5", "-o", str(pack)])
     assert r.returncode == 0, r.stderr
     model = load_model(pack, store=StoreOptions(cache_slots=4))
     assert np.array_equal(model.experts.hot, Pack.open(pack).hot)
@@ -179,7 +179,7 @@ def test_pack_placement_and_stats_json(model_path, reference, tmp_path):
 
     stats = tmp_path / "stats.json"
     ids = ",".join(map(str, IDS[:4]))
-    r = run_cli(["-m", "runtime.cli", str(pack), "--prompt-ids", ids, "--max-tokens", "6", "--temperature", "0",
+    r = run_cli(["-m", "sparkpack.runtime.cli", str(pack), "--prompt-ids", ids, "--max-tokens", "6", "--temperature", "0",
                  "--cache-slots", "4", "--stats-json", str(stats)])
     assert r.returncode == 0, r.stderr
     s = json.loads(stats.read_text())
@@ -192,9 +192,9 @@ def test_pack_placement_and_stats_json(model_path, reference, tmp_path):
 
 def test_profile_places_the_experts_the_traffic_uses(model_path, tmp_path):
     """A profile's hottest experts are the ones the store keeps on the device."""
-    from formats.archs import model_spec
-    from formats.gguf_file import GGUFModel
-    from formats.profile import Profile, model_identity
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.gguf_file import GGUFModel
+    from sparkpack.formats.profile import Profile, model_identity
 
     gguf = GGUFModel(model_path)
     spec = model_spec(gguf)
@@ -214,8 +214,8 @@ def test_zero_copy_cache_admits_repeat_traffic_only(model_path):
     """Zero-copy cache slots cost an extra transfer, so a one-off miss must not take one; an
     expert routed again is copied in, and a more often routed expert displaces a less often
     routed one. The slot then holds the expert's exact bytes."""
-    from formats.archs import model_spec
-    from formats.gguf_file import GGUFModel
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.gguf_file import GGUFModel
 
     gguf = GGUFModel(model_path)
     spec = model_spec(gguf)
@@ -246,8 +246,8 @@ def test_zero_copy_cache_admits_repeat_traffic_only(model_path):
 
 def test_small_host_budget_falls_back_to_disk_tier(model_path, reference):
     warnings: list[str] = []
-    from formats.archs import model_spec
-    from formats.gguf_file import GGUFModel
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.gguf_file import GGUFModel
 
     gguf = GGUFModel(model_path)
     spec = model_spec(gguf)
@@ -276,9 +276,9 @@ def corrupt_one_cold_shard(pack: Path) -> str:
 @pytest.mark.parametrize("host_ram", [None, "300KB"])
 def test_corrupt_cold_shard_is_named_and_stops_cleanly(model_path, tmp_path, host_ram):
     pack = tmp_path / "m.sparkpack"
-    assert run_cli(["-m", "repack.cli", "split", str(model_path), "--hot-fraction", "0.3", "-o", str(pack)]).returncode == 0
+    assert run_cli(["-m", "sparkpack.repack.cli", "split", str(model_path), "--hot-fraction", "0.3", "-o", str(pack)]).returncode == 0
     shard = corrupt_one_cold_shard(pack)
-    args = ["-m", "runtime.cli", str(pack), "--prompt-ids", ",".join(map(str, IDS)), "--max-tokens", "24",
+    args = ["-m", "sparkpack.runtime.cli", str(pack), "--prompt-ids", ",".join(map(str, IDS)), "--max-tokens", "24",
             "--temperature", "0", "--cache-slots", "16", "--hot-fraction", "0.0"]
     if host_ram:  # disk tier: the shard is read (and checked) when a token first needs it
         args += ["--host-ram", host_ram]
@@ -290,7 +290,7 @@ def test_corrupt_cold_shard_is_named_and_stops_cleanly(model_path, tmp_path, hos
 
 
 def test_vram_budget_too_small_is_one_line(model_path):
-    r = run_cli(["-m", "runtime.cli", str(model_path), "-p", "hi", "--device", "cpu", "--vram", "1MiB"])
+    r = run_cli(["-m", "sparkpack.runtime.cli", str(model_path), "-p", "hi", "--device", "cpu", "--vram", "1MiB"])
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "VRAM budget" in r.stderr and "too small" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
@@ -317,9 +317,9 @@ def test_vram_plan_counts_dense_matrices_held_as_gguf_bytes(model_path):
     """On a GPU dense matrices stay GGUF bytes (``Weights(quantized=True)``); the plan must count
     exactly what such weights hold once loaded as at load (stacks first, then the rest), and
     less than the expanded weights need."""
-    from formats.experts import expert_tensor_names
-    from runtime.residency import plan_residency
-    from runtime.weights import Weights
+    from sparkpack.formats.experts import expert_tensor_names
+    from sparkpack.runtime.residency import plan_residency
+    from sparkpack.runtime.weights import Weights
 
     model = load_model(model_path)
     w = Weights(model.gguf, "cpu", torch.float32, quantized=True)
@@ -339,12 +339,12 @@ def test_vram_plan_counts_dense_matrices_held_as_gguf_bytes(model_path):
 
 def test_prefetch_only_where_misses_are_expected(model_path):
     """The plan guesses ahead only in layers expected to miss often enough to pay for a guess."""
-    from formats.archs import model_spec
-    from formats.experts import expert_tensor_names
-    from formats.gguf_file import GGUFModel
-    from formats.profile import Profile, model_identity
-    from runtime.expert_store import routed_experts_bytes
-    from runtime.residency import plan_residency
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.experts import expert_tensor_names
+    from sparkpack.formats.gguf_file import GGUFModel
+    from sparkpack.formats.profile import Profile, model_identity
+    from sparkpack.runtime.expert_store import routed_experts_bytes
+    from sparkpack.runtime.residency import plan_residency
 
     gguf = GGUFModel(model_path)
     spec = model_spec(gguf)
@@ -387,11 +387,11 @@ def test_guess_is_the_routers_choice_on_the_block_input(synth_model, arch):
 def test_vram_plan_reserves_prefetch_slots_only_when_used(model_path):
     """Under --vram the guess slots come out of the hot set only when some layer will guess;
     otherwise the plan is the one without prefetch, and the parts always fit the budget."""
-    from formats.archs import model_spec
-    from formats.experts import expert_tensor_names
-    from formats.gguf_file import GGUFModel
-    from runtime.expert_store import routed_experts_bytes
-    from runtime.residency import plan_residency
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.experts import expert_tensor_names
+    from sparkpack.formats.gguf_file import GGUFModel
+    from sparkpack.runtime.expert_store import routed_experts_bytes
+    from sparkpack.runtime.residency import plan_residency
 
     gguf = GGUFModel(model_path)
     spec = model_spec(gguf)
@@ -417,8 +417,8 @@ def test_moe_reads_guessed_experts_from_the_prefetch_slots(model_path):
     """After a guess, the layer's MoE reads the guessed cold experts from the device slots the
     guess filled: with their host copies poisoned the result still equals the all-device one,
     and without a guess the poisoned bytes are read."""
-    from formats.archs import model_spec
-    from formats.gguf_file import GGUFModel
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.gguf_file import GGUFModel
 
     gguf = GGUFModel(model_path)
     spec = model_spec(gguf)
@@ -447,8 +447,8 @@ def test_experts_without_a_kernel_are_named_once(synth_model, model_path):
     """Expert quant types the Triton kernels do not read (here F16) fall back to dequantizing on
     use, and the store says so in one line naming the file and the types; a Q4_K_M file, or a
     store not asked for the kernels, says nothing."""
-    from formats.archs import model_spec
-    from formats.gguf_file import GGUFModel
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.gguf_file import GGUFModel
 
     def warnings_of(path: Path, fused: bool) -> list[str]:
         gguf = GGUFModel(path)
@@ -471,8 +471,8 @@ def test_deferred_bookkeeping_is_the_same_one_step_later(model_path):
     ``end_step``, while that step computes: the same counts, promotions and table as learning at
     once, one step later. Reading the stats or an eager step learns a pending step first, and
     replacing the stats drops it."""
-    from formats.archs import model_spec
-    from formats.gguf_file import GGUFModel
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.gguf_file import GGUFModel
 
     gguf = GGUFModel(model_path)
     spec = model_spec(gguf)

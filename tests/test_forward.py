@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.experts import GGUFExperts
-from runtime.generate import generate
-from runtime.layers import Rope, rope_inv_freq, yarn_rope
-from runtime.models import load_model
+from sparkpack.runtime.experts import GGUFExperts
+from sparkpack.runtime.generate import generate
+from sparkpack.runtime.layers import Rope, rope_inv_freq, yarn_rope
+from sparkpack.runtime.models import load_model
 
 ARCHS = ("qwen3moe", "laguna", "qwen35moe")
 # CI runs this file on the CPU; on the GPU machine the same file runs with SPARKPACK_TEST_DEVICE=cuda.
@@ -199,9 +199,9 @@ class CountingExperts:
 
 
 def test_experts_are_reached_only_through_the_provider(tiny_hf_gguf):
-    from formats.archs import model_spec
-    from formats.gguf_file import GGUFModel
-    from runtime.models import MODELS
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.gguf_file import GGUFModel
+    from sparkpack.runtime.models import MODELS
 
     path = tiny_hf_gguf("qwen3moe")[1]
     gguf = GGUFModel(path)
@@ -251,7 +251,7 @@ def test_spark_run_logits_out_matches_transformers(arch, tiny_hf_gguf, hf_ref, t
     hf = hf_ref(arch)
     ids = token_ids(hf.config.vocab_size, 12, seed=3)
     out = tmp_path / "logits.npy"
-    r = subprocess.run([sys.executable, "-m", "runtime.cli", str(tiny_hf_gguf(arch)[1]),
+    r = subprocess.run([sys.executable, "-m", "sparkpack.runtime.cli", str(tiny_hf_gguf(arch)[1]),
                         "--prompt-ids", ",".join(map(str, ids)), "--logits-out", str(out), "--device", DEVICE, "--dtype", "float32"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -278,7 +278,7 @@ def test_mixed_k_quant_file(arch, synth_model):
 def test_laguna_yarn_full_layers_match_transformers(tmp_path):
     """Laguna's full-attention layers use YaRN in the real model; the converted file carries the
     scaling keys and our rope must reproduce transformers' (sliding layers stay plain)."""
-    from repack.convert_hf import convert
+    from sparkpack.repack.convert_hf import convert
     from tests.hf_tiny import load_tiny_hf, make_tiny_hf
 
     rope = {"full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "partial_rotary_factor": 0.5,
@@ -296,8 +296,8 @@ def test_laguna_yarn_full_layers_match_transformers(tmp_path):
 def test_chunked_delta_rule_equals_recurrent(T):
     """float64, a partial last chunk (or whole chunks, or less than one) and a non-zero start
     state (a prefill after earlier turns)."""
-    from runtime.layers import l2_norm
-    from runtime.models.qwen35moe import gated_delta_rule, gated_delta_rule_chunked
+    from sparkpack.runtime.layers import l2_norm
+    from sparkpack.runtime.models.qwen35moe import gated_delta_rule, gated_delta_rule_chunked
 
     g = torch.Generator().manual_seed(0)
     H, dk, dv = 4, 8, 6
@@ -316,7 +316,7 @@ def test_chunked_delta_rule_equals_recurrent(T):
 
 def test_qwen35moe_long_prefill_matches_transformers(tiny_hf_gguf, hf_ref):
     """A prompt longer than one DeltaNet chunk takes the chunked prefill path."""
-    from runtime.models.qwen35moe import CHUNK
+    from sparkpack.runtime.models.qwen35moe import CHUNK
 
     hf = hf_ref("qwen35moe")
     model = load(tiny_hf_gguf("qwen35moe")[1])
@@ -327,7 +327,7 @@ def test_qwen35moe_long_prefill_matches_transformers(tiny_hf_gguf, hf_ref):
 def test_stacked_weights_are_row_bands_of_one_matrix(tiny_hf_gguf):
     """Projections of one input run as one GEMM over a stacked matrix; each tensor name then
     reads its rows of it (same values, no second copy), and mismatched widths are refused."""
-    from formats.errors import FormatError
+    from sparkpack.formats.errors import FormatError
 
     model = load(tiny_hf_gguf("qwen35moe")[1])
     names = ("blk.0.attn_qkv.weight", "blk.0.attn_gate.weight", "blk.0.ssm_beta.weight")
@@ -346,7 +346,7 @@ def test_projections_use_the_stacks_built_at_load(arch, tiny_hf_gguf):
     """With the expert store the dense weights load at once, stacked groups first; a forward
     then stacks nothing new (every ``project`` call is a declared group), so no tensor is ever
     held twice."""
-    from runtime.models import StoreOptions
+    from sparkpack.runtime.models import StoreOptions
 
     model = load(tiny_hf_gguf(arch)[1], store=StoreOptions(hot_fraction=1.0))
     def held_stacks():  # expanded (CPU) or as GGUF bytes (GPU)
@@ -362,8 +362,8 @@ def test_projections_use_the_stacks_built_at_load(arch, tiny_hf_gguf):
 def test_attention_in_query_pieces_equals_one_pass(monkeypatch, window):
     """A long chunk over a long cache attends in query pieces (bounded score memory); every
     query row gets what one pass gives, with a cache already holding earlier positions."""
-    from runtime import layers
-    from runtime.cache import KVCache
+    from sparkpack.runtime import layers
+    from sparkpack.runtime.cache import KVCache
 
     g = torch.Generator().manual_seed(3)
     T, H, Hkv, d, past = 13, 4, 2, 8, 6
@@ -397,9 +397,9 @@ def test_dense_matrices_held_as_gguf_bytes_give_the_expanded_forward(arch, synth
     matrix may be held expanded as well. With float activations the one-token steps agree to fp32
     round-off; with int8 activations (the runtime's default, ``kernels/q8dot.py``) to the
     activations' rounding."""
-    from runtime.kernels import q8dot
-    from runtime.quant_linear import QuantLinear
-    from runtime.weights import Weights
+    from sparkpack.runtime.kernels import q8dot
+    from sparkpack.runtime.quant_linear import QuantLinear
+    from sparkpack.runtime.weights import Weights
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         # CPU tensors need the interpreter; on a GPU every forward test above holds the bytes anyway

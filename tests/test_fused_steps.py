@@ -15,10 +15,10 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from runtime.kernels import q8dot  # noqa: E402
-from runtime.kernels.ffn import ffn_residual_rows, silu_mul_rows  # noqa: E402
-from runtime.kernels.norm import rms_norm_rows  # noqa: E402
-from runtime.layers import ffn_residual, rms_norm  # noqa: E402
+from sparkpack.runtime.kernels import q8dot  # noqa: E402
+from sparkpack.runtime.kernels.ffn import ffn_residual_rows, silu_mul_rows  # noqa: E402
+from sparkpack.runtime.kernels.norm import rms_norm_rows  # noqa: E402
+from sparkpack.runtime.layers import ffn_residual, rms_norm  # noqa: E402
 from tests.test_kernels import DEVICE  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -108,8 +108,8 @@ def test_ffn_residual_sums_unsummed_expert_outputs_as_the_moe_kernels_do(dtype) 
     """The k weighted expert outputs ``[T, k, N]`` (``moe_experts(reduce=False)``) summed in the
     epilogue: bit for bit the epilogue of the MoE kernels' own per-token sum (``_sum_topk_kernel``,
     the same float32 additions in the same order), on the GPU path and the torch form alike."""
-    from runtime.kernels import pdl
-    from runtime.kernels.moe import _sum_topk_kernel
+    from sparkpack.runtime.kernels import pdl
+    from sparkpack.runtime.kernels.moe import _sum_topk_kernel
 
     gen = torch.Generator().manual_seed(4)
     T, k, N = 3, 8, 80

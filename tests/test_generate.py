@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import cli
-from runtime.generate import Session, generate
-from runtime.models import StoreOptions, load_model
+from sparkpack.runtime import cli
+from sparkpack.runtime.generate import Session, generate
+from sparkpack.runtime.models import StoreOptions, load_model
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_decoding_one_step_ahead_keeps_the_session_consistent(qwen35, sampled):
     there, steps past the room fall back to ``feed``, a step that captures is timed as a capture,
     and an interrupt while a fed token is unread resets the session. A history-free sampler takes
     the same path with the same draws."""
-    from runtime.sampling import Sampler
+    from sparkpack.runtime.sampling import Sampler
 
     model = load_model(qwen35)
     prompt = [1, 2, 3, 4]
@@ -200,8 +200,8 @@ def test_cuda_request_without_a_gpu_is_a_clear_error(qwen, monkeypatch, capsys):
 def test_spark_run_on_the_gpu_gives_all_gpu_logits_at_partial_residency(synth_model, tmp_path, monkeypatch, capsys):
     """Through the command line on the GPU (bf16, fused kernels): 30% of
     the experts hot, the rest streamed, writes the bits of the all-hot run."""
-    from formats.archs import model_spec
-    from formats.gguf_file import GGUFModel
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.gguf_file import GGUFModel
 
     gguf = synth_model("qwen35moe", "Q4_K_M")
     ids = ",".join(str(i) for i in range(3, 60))
@@ -218,9 +218,9 @@ def test_spark_run_on_the_gpu_gives_all_gpu_logits_at_partial_residency(synth_mo
 @pytest.mark.parametrize("compress", [False, True])
 def test_sparkpack_runs_like_its_gguf(qwen35, tmp_path, monkeypatch, capsys, compress):
     """A pack (some experts hot, the rest in cold shards, optionally zstd) gives the GGUF's logits."""
-    from formats.archs import model_spec
-    from formats.gguf_file import GGUFModel
-    from formats.pack_writer import write_pack
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.gguf_file import GGUFModel
+    from sparkpack.formats.pack_writer import write_pack
 
     gguf = GGUFModel(qwen35)
     spec = model_spec(gguf)
@@ -234,7 +234,7 @@ def test_sparkpack_runs_like_its_gguf(qwen35, tmp_path, monkeypatch, capsys, com
 
 
 def greedy_text(gguf: Path, ids: list[int], n: int) -> str:
-    from runtime.tokenizer import GGUFTokenizer
+    from sparkpack.runtime.tokenizer import GGUFTokenizer
 
     model = load_model(gguf)
     tok = GGUFTokenizer.from_metadata(model.gguf)
@@ -251,7 +251,7 @@ def hf_chat_ids(hf_dir: Path, messages: list[dict]) -> list[int]:
 
 
 def test_raw_prompt_is_plain_continuation(qwen, monkeypatch, capsys):
-    from runtime.tokenizer import GGUFTokenizer
+    from sparkpack.runtime.tokenizer import GGUFTokenizer
 
     tok = GGUFTokenizer.from_metadata(load_model(qwen).gguf)
     code, out, err = run_cli([str(qwen), "-p", "The quick brown", "--raw", "--temperature", "0",
@@ -297,7 +297,7 @@ def test_q8_0_kv_cache_round_trip_and_growth():
     """Codes and scales land at their positions (int and device-scalar positions), growth keeps
     what was written, and every value comes back within half a quantization step (and the
     scale's f16 rounding)."""
-    from runtime.cache import KVCache
+    from sparkpack.runtime.cache import KVCache
 
     g = torch.Generator().manual_seed(0)
     kv = KVCache(4, "q8_0")
@@ -322,7 +322,7 @@ def test_q8_0_kv_cache_round_trip_and_growth():
 def test_q8_0_kv_cache_in_generation(synth_model):
     """A q8_0 KV cache changes attention inputs by quantization error only: the prompt's logits
     stay close to the bf16/f32 cache's, and a session generates with it."""
-    from runtime.generate import Session
+    from sparkpack.runtime.generate import Session
 
     model = load_model(synth_model("qwen3moe", "Q8_0"))
     ids = list(range(5, 45))
@@ -340,9 +340,9 @@ def test_kv_type_flag_reaches_the_cache_and_the_vram_plan(synth_model, qwen, tmp
     """spark-run --kv-type q8_0: the logits are those of a q8_0 cache, generation runs, and the
     store's --vram plan counts 34 bytes per 32 cached values; a head size q8_0 cannot block is a
     one-line error."""
-    from formats.archs import model_spec
-    from formats.gguf_file import GGUFModel
-    from formats.memory import kv_cache_bytes
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.gguf_file import GGUFModel
+    from sparkpack.formats.memory import kv_cache_bytes
 
     code, _, err = run_cli([str(qwen), "--prompt-ids", "4,5", "--kv-type", "q8_0"], monkeypatch, capsys)
     assert code == 1 and "multiple of 32" in err and qwen.name in err and "Traceback" not in err
@@ -368,8 +368,8 @@ def test_kv_type_flag_reaches_the_cache_and_the_vram_plan(synth_model, qwen, tmp
 def test_kv_accounting_matches_the_buffers_the_session_allocates(synth_model, kv_type):
     """What --vram plans for the KV cache is what a session allocates, sliding-window layers
     included (they keep every key: the window is in the mask), in either cache type."""
-    from formats.memory import KV_BYTES_PER_VALUE, kv_cache_bytes
-    from runtime.cache import KVCache
+    from sparkpack.formats.memory import KV_BYTES_PER_VALUE, kv_cache_bytes
+    from sparkpack.runtime.cache import KVCache
 
     model = load_model(synth_model("laguna", "Q8_0"))  # sliding window 64 < ctx
     session = Session(model, ctx=256, kv_type=kv_type)
@@ -383,10 +383,10 @@ def test_kv_accounting_matches_the_buffers_the_session_allocates(synth_model, kv
 def test_prefill_chunk_temporaries_are_planned_for(synth_model):
     """--vram plans a prefill call's temporaries for the chunk the session will use: a larger
     chunk leaves less for experts, and a budget that cannot hold them says so."""
-    from formats.archs import model_spec
-    from formats.errors import SparkpackError
-    from formats.gguf_file import GGUFModel
-    from formats.memory import prefill_activation_bytes, runtime_bytes
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.errors import SparkpackError
+    from sparkpack.formats.gguf_file import GGUFModel
+    from sparkpack.formats.memory import prefill_activation_bytes, runtime_bytes
 
     gguf = synth_model("qwen35moe", "Q8_0")
     spec = model_spec(GGUFModel(gguf))
@@ -404,9 +404,9 @@ def test_short_prefill_calls_depend_on_the_model_device_and_kv_type_only(synth_m
     """Prompts go in calls of at most PREFILL_GRAPH_TOKENS exactly for all-attention models on a
     GPU in half precision with a 16-bit KV cache; nothing about the expert store enters, so the
     --vram plan can know it before the store exists."""
-    from formats.archs import model_spec
-    from formats.gguf_file import GGUFModel
-    from runtime.graph import short_prefill_calls
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.gguf_file import GGUFModel
+    from sparkpack.runtime.graph import short_prefill_calls
 
     spec = {a: model_spec(GGUFModel(synth_model(a, "Q8_0"))) for a in ("qwen3moe", "laguna", "qwen35moe")}
     for arch in ("qwen3moe", "laguna"):
@@ -423,7 +423,7 @@ def test_vram_plan_counts_short_prefill_calls(synth_model):
     """On a GPU the plan of an all-attention model counts a short call's temporaries whatever
     --prefill-chunk says (its sessions never make a longer call); a DeltaNet model's counts the
     chunk. The session feeds a long prompt in such calls."""
-    from formats.memory import PREFILL_GRAPH_TOKENS, runtime_bytes
+    from sparkpack.formats.memory import PREFILL_GRAPH_TOKENS, runtime_bytes
 
     for arch, chunk in (("laguna", PREFILL_GRAPH_TOKENS), ("qwen35moe", 4096)):
         model = load_model(synth_model(arch, "Q8_0"), device="cuda", dtype=torch.bfloat16,
@@ -449,7 +449,7 @@ def test_prefill_temporaries_stay_within_the_plan(synth_model, arch):
     calls of up to 512 tokens are padded and captured (``runtime.graph``): a replay allocates
     nothing, and the graphs' pool (``formats.memory.prefill_graph_bytes``) is measured against
     the plan at full size by ``bench/decode_bench.py`` (segment sizes dwarf it at tiny shapes)."""
-    from formats.memory import PREFILL_GRAPH_TOKENS, prefill_activation_bytes
+    from sparkpack.formats.memory import PREFILL_GRAPH_TOKENS, prefill_activation_bytes
 
     model = load_model(synth_model(arch, "Q8_0"), device="cuda", dtype=torch.bfloat16,
                        store=StoreOptions(hot_fraction=1.0, ctx=2048))

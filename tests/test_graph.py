@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.generate import Session
-from runtime.graph import PREFILL_SIZES, PrefillGraphs, capturable, prefill_is_padded
-from runtime.models import StoreOptions, load_model
+from sparkpack.runtime.generate import Session
+from sparkpack.runtime.graph import PREFILL_SIZES, PrefillGraphs, capturable, prefill_is_padded
+from sparkpack.runtime.models import StoreOptions, load_model
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
@@ -112,7 +112,7 @@ def test_decoding_past_ctx_captures_again_on_the_grown_buffers(model_path):
 def test_programmatic_dependent_launch_changes_no_bit(model_path, hot_fraction, monkeypatch):
     """Kernels launched with PDL (Hopper: each starts while its predecessor drains, then waits for
     it) against the same steps launched plainly: same tokens, same logits, prefill and decode."""
-    from runtime.kernels import pdl
+    from sparkpack.runtime.kernels import pdl
 
     def run(flag: str):
         monkeypatch.setenv("SPARKPACK_PDL", flag)
@@ -140,7 +140,7 @@ def test_decoding_one_step_ahead_gives_the_one_token_at_a_time_bits(model_path, 
     (``Session.decode``): the tokens are those of eager steps fed one at a time, a stop token
     leaves the session fed up to and including it, and the next ``feed`` continues from there
     with the eager step's logits, also past ``ctx`` (where the steps fall back to eager ones)."""
-    from runtime.generate import generate
+    from sparkpack.runtime.generate import generate
 
     model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
                        store=StoreOptions(hot_fraction=hot_fraction, cache_slots=2, mode="zerocopy"))

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from formats.gguf_file import GGUFModel
-from repack.cli import cli
-from repack.synth.presets import get_preset
+from sparkpack.formats.gguf_file import GGUFModel
+from sparkpack.repack.cli import cli
+from sparkpack.repack.synth.presets import get_preset
 
 LAYER_KINDS = {
     "qwen35moe": {"linear-attention": 3, "full-attention": 1, "moe-ffn": 4},
@@ -58,7 +58,7 @@ def test_inspect_synthetic(synth_model, arch: str, quant: str) -> None:
 
 
 def _run_inspect(path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "repack.cli", "inspect", str(path)], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "sparkpack.repack.cli", "inspect", str(path)], capture_output=True, text=True)
 
 
 def _assert_one_line_error(path: Path, *fragments: str) -> None:

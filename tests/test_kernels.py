@@ -20,10 +20,10 @@ import pytest  # noqa: E402
 from gguf.constants import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
-from runtime.kernels.moe import GROUPED_MIN_PAIRS, group_pairs, moe_experts  # noqa: E402
-from runtime.kernels.prefetch import prefetch_experts  # noqa: E402
-from runtime.kernels.qmatvec import BLOCK_LAYOUT, qmatvec  # noqa: E402
-from runtime.kernels.reference import dequantize_rows, random_blocks  # noqa: E402
+from sparkpack.runtime.kernels.moe import GROUPED_MIN_PAIRS, group_pairs, moe_experts  # noqa: E402
+from sparkpack.runtime.kernels.prefetch import prefetch_experts  # noqa: E402
+from sparkpack.runtime.kernels.qmatvec import BLOCK_LAYOUT, qmatvec  # noqa: E402
+from sparkpack.runtime.kernels.reference import dequantize_rows, random_blocks  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -504,10 +504,10 @@ def test_deltanet_decode_matches_the_torch_form(n_k, d_k, n_v, d_v, K) -> None:
     the output comes from the same launch: bit for bit ``q8dot.quantize`` of the output."""
     import torch.nn.functional as F
 
-    from runtime.kernels import q8dot
-    from runtime.kernels.deltanet import deltanet_decode
-    from runtime.layers import l2_norm, rms_norm
-    from runtime.models.qwen35moe import gated_delta_rule
+    from sparkpack.runtime.kernels import q8dot
+    from sparkpack.runtime.kernels.deltanet import deltanet_decode
+    from sparkpack.runtime.layers import l2_norm, rms_norm
+    from sparkpack.runtime.models.qwen35moe import gated_delta_rule
 
     g = torch.Generator().manual_seed(3)
     C, eps = 2 * n_k * d_k + n_v * d_v, 1e-6
@@ -551,8 +551,8 @@ def test_deltanet_prefill_inputs_match_the_torch_form(T) -> None:
     powers of two exercise the masks."""
     import torch.nn.functional as F
 
-    from runtime.kernels.deltanet import deltanet_prefill_inputs
-    from runtime.layers import l2_norm
+    from sparkpack.runtime.kernels.deltanet import deltanet_prefill_inputs
+    from sparkpack.runtime.layers import l2_norm
 
     g = torch.Generator().manual_seed(8)
     n_k, d_k, n_v, d_v, K = 2, 12, 4, 20, 4
@@ -580,8 +580,8 @@ def test_gated_rms_norm_matches_the_torch_form(dtype) -> None:
     """The DeltaNet output norm ``rms_norm(o, w) * silu(z)`` per value head, z a column band."""
     import torch.nn.functional as F
 
-    from runtime.kernels.deltanet import gated_rms_norm
-    from runtime.layers import rms_norm
+    from sparkpack.runtime.kernels.deltanet import gated_rms_norm
+    from sparkpack.runtime.layers import rms_norm
 
     g = torch.Generator().manual_seed(9)
     T, n_v, d_v = 70, 3, 20
@@ -599,8 +599,8 @@ def test_gated_rms_norm_matches_the_torch_form(dtype) -> None:
 def test_rms_norm_kernel_matches_the_torch_form(dtype) -> None:
     """Rows of a 2-D tensor and strided per-head rows of a 3-D view (the query half of a fused
     query|gate projection), with and without a weight, N not a power of two."""
-    from runtime.kernels.norm import rms_norm_rows
-    from runtime.layers import rms_norm
+    from sparkpack.runtime.kernels.norm import rms_norm_rows
+    from sparkpack.runtime.layers import rms_norm
 
     g = torch.Generator().manual_seed(4)
     x2 = (torch.randn(5, 48, generator=g) * 3).to(dtype)
@@ -620,8 +620,8 @@ def test_softmax_topk_matches_route_softmax(n, k, norm) -> None:
     """Same experts in the same (descending) order as softmax + torch.topk, weights to float32
     round-off; a tie goes to the lower expert id (torch.topk leaves that open); bf16 logits widen
     as the torch form does."""
-    from runtime.kernels.router import softmax_topk
-    from runtime.layers import route_softmax
+    from sparkpack.runtime.kernels.router import softmax_topk
+    from sparkpack.runtime.layers import route_softmax
 
     g = torch.Generator().manual_seed(6)
     logits = torch.randn(5, n, generator=g) * 3
@@ -644,8 +644,8 @@ def test_sigmoid_topk_matches_route_sigmoid(with_bias, norm) -> None:
     the unbiased sigmoids, renormalised, scaled; same experts in the same order as the torch form,
     weights to float32 round-off. The bias really steers the choice (a mutation that drops it
     picks other experts here), and a tie goes to the lower expert id."""
-    from runtime.kernels.router import sigmoid_topk
-    from runtime.layers import route_sigmoid
+    from sparkpack.runtime.kernels.router import sigmoid_topk
+    from sparkpack.runtime.layers import route_sigmoid
 
     g = torch.Generator().manual_seed(7)
     T, n, k, scale = 5, 64, 8, 2.5
@@ -698,7 +698,7 @@ def aot_compile_all(arch: int = 90) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from runtime.kernels import deltanet, dense, ffn, moe, moe_grouped, norm, prefetch, q8dot, qmatvec as qm, router
+    from sparkpack.runtime.kernels import deltanet, dense, ffn, moe, moe_grouped, norm, prefetch, q8dot, qmatvec as qm, router
 
     target = GPUTarget("cuda", arch, 32)
     x_types = {"x_ptr": "*bf16", "y_ptr": "*fp32"}
@@ -809,9 +809,9 @@ def test_deltanet_chunked_kernels_match_the_torch_forms(T, d_k, d_v, chunk) -> N
     recurrence (float32, a non-zero start state, a partial last chunk, one chunk of exactly 32);
     head sizes that are not powers of two exercise the masks. Strong decays and large betas make
     the solve's off-diagonal blocks matter."""
-    from runtime.kernels.deltanet import deltanet_chunked
-    from runtime.layers import l2_norm
-    from runtime.models.qwen35moe import gated_delta_rule, gated_delta_rule_chunked
+    from sparkpack.runtime.kernels.deltanet import deltanet_chunked
+    from sparkpack.runtime.layers import l2_norm
+    from sparkpack.runtime.models.qwen35moe import gated_delta_rule, gated_delta_rule_chunked
 
     g = torch.Generator().manual_seed(5)
     H = 3

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from formats.placement import cold_hit_rates, expert_scores, make_plan
+from sparkpack.formats.placement import cold_hit_rates, expert_scores, make_plan
 
 
 def counts(n_layer: int, n_expert: int, seed: int = 0) -> np.ndarray:

@@ -6,10 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from formats.archs import model_spec
-from formats.errors import FormatError, SparkpackError
-from formats.gguf_file import GGUFModel
-from formats.profile import Profile, model_identity
+from sparkpack.formats.archs import model_spec
+from sparkpack.formats.errors import FormatError, SparkpackError
+from sparkpack.formats.gguf_file import GGUFModel
+from sparkpack.formats.profile import Profile, model_identity
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from gguf.constants import GGMLQuantizationType as T  # noqa: E402
 
-from runtime.kernels.dense import gemv  # noqa: E402
-from runtime.kernels.moe import moe_experts  # noqa: E402
-from runtime.kernels.q8dot import quantize  # noqa: E402
+from sparkpack.runtime.kernels.dense import gemv  # noqa: E402
+from sparkpack.runtime.kernels.moe import moe_experts  # noqa: E402
+from sparkpack.runtime.kernels.q8dot import quantize  # noqa: E402
 from tests.test_dense_kernels import segment  # noqa: E402
 from tests.test_kernels import DEVICE, dequant64, pools, random_weight, rel_l2  # noqa: E402
 
@@ -128,7 +128,7 @@ def test_moe_decode_on_int8_activations(merged: bool) -> None:
 def test_misaligned_pools_fall_back_to_float_activations() -> None:
     """A pool view the int8 kernels cannot load words from (an odd byte offset) is read with
     float activations, giving exactly the float kernels' result instead of a faulting load."""
-    from runtime.kernels.q8dot import readable
+    from sparkpack.runtime.kernels.q8dot import readable
 
     n_embd, n_ff, n_exp = 256, 256, 3
     gate, up = random_weight(T.Q4_K, n_ff, n_embd, 51, n_exp), random_weight(T.Q4_K, n_ff, n_embd, 52, n_exp)

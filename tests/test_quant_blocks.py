@@ -7,9 +7,9 @@ import pytest
 from gguf import quants
 from gguf.constants import GGMLQuantizationType as T
 
-from formats.quant_blocks import SUPPORTED, float_bytes, make_rng, random_blocks, random_tensor_bytes
-from formats.quant_mix import tensor_qtype, use_more_bits
-from formats.routing_skew import REFERENCE_TOP_SHARE, reference_skew, top_share
+from sparkpack.formats.quant_blocks import SUPPORTED, float_bytes, make_rng, random_blocks, random_tensor_bytes
+from sparkpack.formats.quant_mix import tensor_qtype, use_more_bits
+from sparkpack.formats.routing_skew import REFERENCE_TOP_SHARE, reference_skew, top_share
 
 
 @pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda q: q.name)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from calibrate.conversation import Conversation
-from calibrate.readers import ReadStats, read_corpus
-from formats.errors import SparkpackError
+from sparkpack.calibrate.conversation import Conversation
+from sparkpack.calibrate.readers import ReadStats, read_corpus
+from sparkpack.formats.errors import SparkpackError
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "corpora"
@@ -343,7 +343,7 @@ def test_sample_tool_arguments_are_json_objects() -> None:
 
 
 def test_unreadable_file_is_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from calibrate.readers import detect
+    from sparkpack.calibrate.readers import detect
 
     (tmp_path / "a.jsonl").write_text(GOOD + "\n")
     (tmp_path / "b.jsonl").write_text(GOOD + "\n")
@@ -354,7 +354,7 @@ def test_unreadable_file_is_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPa
             raise PermissionError(13, "Permission denied", str(path))
         return real_detect(path)
 
-    monkeypatch.setattr("calibrate.readers.detect_file", failing)
+    monkeypatch.setattr("sparkpack.calibrate.readers.detect_file", failing)
     convs, stats = read(tmp_path)
     assert len(convs) == 1 and stats.skipped == {"unreadable file": 1}
     with pytest.raises(SparkpackError, match=r"a\.jsonl: unreadable file: Permission denied"):

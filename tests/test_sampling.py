@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from formats.errors import SparkpackError
-from runtime.sampling import Sampler
+from sparkpack.formats.errors import SparkpackError
+from sparkpack.runtime.sampling import Sampler
 
 
 def _logits(seed: int = 0, n: int = 50) -> torch.Tensor:
@@ -93,7 +93,7 @@ def test_zero_top_p_through_spark_run(tiny_hf_gguf, monkeypatch, capsys):
     """The one sampler setting click's ranges let through reaches the user as one line."""
     import sys
 
-    from runtime import cli
+    from sparkpack.runtime import cli
 
     gguf = tiny_hf_gguf("qwen3moe")[1]
     capsys.readouterr()  # drop the fixture's progress output

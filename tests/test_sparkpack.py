@@ -13,20 +13,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from formats.archs import model_spec
-from formats.errors import FormatError
-from formats.experts import expert_bytes as gguf_expert_bytes
-from formats.gguf_file import GGUFModel
-from formats.profile import Profile, model_identity
-from formats.sparkpack import ALIGNMENT, Pack, is_pack
-from repack.verify_cmd import verify_pack
+from sparkpack.formats.archs import model_spec
+from sparkpack.formats.errors import FormatError
+from sparkpack.formats.experts import expert_bytes as gguf_expert_bytes
+from sparkpack.formats.gguf_file import GGUFModel
+from sparkpack.formats.profile import Profile, model_identity
+from sparkpack.formats.sparkpack import ALIGNMENT, Pack, is_pack
+from sparkpack.repack.verify_cmd import verify_pack
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
     """The real ``repack`` entry point in-process: (exit code, stdout, stderr)."""
-    from repack.cli import main
+    from sparkpack.repack.cli import main
 
     monkeypatch.setattr(sys, "argv", ["repack", *map(str, args)])
     code = 0
@@ -325,14 +325,14 @@ def test_split_bad_profile_file_and_flags(synth_model, cli, tmp_path):
 @pytest.fixture(scope="module")
 def slow_model(tmp_path_factory) -> Path:
     """~100 MB of F16 experts: big enough that a split can be killed half-way."""
-    from repack.synth import get_preset, write_synthetic
+    from sparkpack.repack.synth import get_preset, write_synthetic
 
     p = replace(get_preset("qwen3moe", "tiny"), n_layer=8, n_head=(4,) * 8, n_expert=32, n_ff_exp=256)
     return write_synthetic(tmp_path_factory.mktemp("slow") / "slow.gguf", "qwen3moe", p, "F16")
 
 
 def kill_split_midway(model: Path, out: Path, *extra: str) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "repack.cli", "split", str(model), "-o", str(out),
+    proc = subprocess.Popen([sys.executable, "-m", "sparkpack.repack.cli", "split", str(model), "-o", str(out),
                              "--hot-fraction", "0", "--compress", *extra],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     tmp = out.parent / f".{out.name}.tmp-{proc.pid}"

@@ -14,15 +14,15 @@ import pytest
 from click.testing import CliRunner
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from formats.archs import LINEAR, MOE, model_spec
-from formats.gguf_file import GGUFModel
-from repack.cli import cli
-from repack.synth import write_synthetic
-from repack.synth import writer as synth_writer
-from repack.synth.metadata import chat_template
-from repack.synth.presets import PRESETS, get_preset
-from repack.synth.tensors import tensor_plan
-from repack.synth.vocab import build_vocab
+from sparkpack.formats.archs import LINEAR, MOE, model_spec
+from sparkpack.formats.gguf_file import GGUFModel
+from sparkpack.repack.cli import cli
+from sparkpack.repack.synth import write_synthetic
+from sparkpack.repack.synth import writer as synth_writer
+from sparkpack.repack.synth.metadata import chat_template
+from sparkpack.repack.synth.presets import PRESETS, get_preset
+from sparkpack.repack.synth.tensors import tensor_plan
+from sparkpack.repack.synth.vocab import build_vocab
 
 ARCHS = ["qwen35moe", "laguna", "qwen3moe"]
 
@@ -181,7 +181,7 @@ def test_cli_writes_and_rejects_bad_combinations(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     with GGUFModel(out) as m:
         assert "preset=tiny quant=Q5_K_M" in m.get("sparkpack.synthetic")
-    proc = subprocess.run([sys.executable, "-m", "repack.cli", "synth", "--arch", "qwen3moe", "--preset",
+    proc = subprocess.run([sys.executable, "-m", "sparkpack.repack.cli", "synth", "--arch", "qwen3moe", "--preset",
                            "laguna-xs2", "-o", str(tmp_path / "x.gguf")], capture_output=True, text=True)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
@@ -193,8 +193,8 @@ def test_cli_writes_and_rejects_bad_combinations(tmp_path: Path) -> None:
 MEDIUM_WRITER = textwrap.dedent("""
     import json, sys
     from dataclasses import replace
-    from repack.synth import write_synthetic
-    from repack.synth.presets import get_preset
+    from sparkpack.repack.synth import write_synthetic
+    from sparkpack.repack.synth.presets import get_preset
     p = replace(get_preset("qwen3moe", "tiny"), name="medium", n_embd=1024, n_expert=64, n_ff_exp=1024,
                 n_vocab=4096, special_start=3000)
     path = write_synthetic(sys.argv[1], "qwen3moe", p, "Q4_K_M")

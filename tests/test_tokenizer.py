@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from formats.errors import SparkpackError
-from repack.convert_hf.vocab import CONTROL, read_vocab
-from runtime.tokenizer import GGUFTokenizer
+from sparkpack.formats.errors import SparkpackError
+from sparkpack.repack.convert_hf.vocab import CONTROL, read_vocab
+from sparkpack.runtime.tokenizer import GGUFTokenizer
 from tests.hf_tiny import build_tokenizer
 
 TEXTS = [
@@ -140,7 +140,7 @@ def test_gguf_model_source(qwen_dir, tmp_path):
     """Built from a real GGUF file through formats.gguf_file.GGUFModel."""
     import gguf
 
-    from formats.gguf_file import GGUFModel
+    from sparkpack.formats.gguf_file import GGUFModel
 
     md = _metadata(qwen_dir, "qwen2")
     path = tmp_path / "t.gguf"
@@ -184,7 +184,7 @@ def test_unsupported_tokenizer_names_the_file(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    from formats.gguf_file import GGUFModel
+    from sparkpack.formats.gguf_file import GGUFModel
 
     with GGUFModel(path) as m, pytest.raises(SparkpackError) as e:
         GGUFTokenizer.from_metadata(m)
@@ -195,7 +195,7 @@ def test_converted_gguf_matches_its_hf_tokenizer(tiny_hf_gguf):
     """End to end: the metadata repack's converter writes rebuilds the HF tokenizer's ids."""
     from tokenizers import Tokenizer
 
-    from formats.gguf_file import GGUFModel
+    from sparkpack.formats.gguf_file import GGUFModel
 
     hf_dir, path = tiny_hf_gguf("qwen3moe")
     hf = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))

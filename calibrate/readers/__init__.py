@@ -10,7 +10,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from formats.errors import SparkpackError
+from sparkpack.formats.errors import SparkpackError
 
 from ..conversation import Conversation
 from . import claude_code, codex, datasets_reader, records, text

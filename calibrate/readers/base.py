@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from formats.errors import SparkpackError
+from sparkpack.formats.errors import SparkpackError
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from formats.errors import SparkpackError, UnsupportedError
+from sparkpack.formats.errors import SparkpackError, UnsupportedError
 
 from . import laguna, qwen3moe, qwen35moe
 from .common import OUTTYPES, Arch, encode, gguf_tensors, output_qtype, write_gguf

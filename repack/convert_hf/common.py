@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from formats.errors import SparkpackError
+from sparkpack.formats.errors import SparkpackError
 
 from .source import SafetensorsSource
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from formats.errors import SparkpackError
+from sparkpack.formats.errors import SparkpackError
 
 from .common import Arch, rope_parameters, write_common_metadata
 

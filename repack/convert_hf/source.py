@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from formats.errors import SparkpackError
+from sparkpack.formats.errors import SparkpackError
 
 _NP_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16}
 

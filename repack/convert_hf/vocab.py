@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from formats.errors import SparkpackError
+from sparkpack.formats.errors import SparkpackError
 
 # gguf.TokenType values
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6

@@ -6,7 +6,7 @@ from importlib import resources
 
 import gguf
 
-from formats.quant_mix import FILE_TYPE
+from sparkpack.formats.quant_mix import FILE_TYPE
 
 from .presets import Preset
 from .vocab import build_vocab

@@ -35,12 +35,12 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels import pdl
-from runtime.kernels.pdl import prefetch_l2, wait_prior
-from runtime.kernels.q8dot import chunks_per_iteration, quantize, quantized, readable, row_dot_q8, use_asm
-from runtime.kernels.moe_grouped import GROUPED_MIN_PAIRS, group_pairs, grouped_experts
-from runtime.kernels.qmatvec import _output, _row_dot, rows_per_program
-from runtime.kernels.slots import check_pool, slot_base
+from sparkpack.runtime.kernels import pdl
+from sparkpack.runtime.kernels.pdl import prefetch_l2, wait_prior
+from sparkpack.runtime.kernels.q8dot import chunks_per_iteration, quantize, quantized, readable, row_dot_q8, use_asm
+from sparkpack.runtime.kernels.moe_grouped import GROUPED_MIN_PAIRS, group_pairs, grouped_experts
+from sparkpack.runtime.kernels.qmatvec import _output, _row_dot, rows_per_program
+from sparkpack.runtime.kernels.slots import check_pool, slot_base
 
 __all__ = ["GROUPED_MIN_PAIRS", "group_pairs", "moe_experts"]
 

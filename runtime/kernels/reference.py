@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from runtime.kernels.qmatvec import BLOCK_LAYOUT, IQ4_XS, MXFP4, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, row_bytes_of
+from sparkpack.runtime.kernels.qmatvec import BLOCK_LAYOUT, IQ4_XS, MXFP4, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, row_bytes_of
 
 # Byte offsets of each block's f16 fields (d, dmin): random bytes there could be inf/NaN.
 F16_FIELDS: dict[int, tuple[int, ...]] = {Q4_0: (0,), Q5_0: (0,), Q8_0: (0,), Q4_K: (0, 2), Q5_K: (0, 2),

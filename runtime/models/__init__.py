@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from formats.archs import model_spec
-from formats.errors import UnsupportedError
-from formats.gguf_file import GGUFModel
+from sparkpack.formats.archs import model_spec
+from sparkpack.formats.errors import UnsupportedError
+from sparkpack.formats.gguf_file import GGUFModel
 
 from ..experts import ExpertProvider, GGUFExperts, PackExperts
 from ..residency import StoreOptions
@@ -31,7 +31,7 @@ def load_model(path: str | os.PathLike[str] | GGUFModel, device: torch.device | 
     expanded; None keeps all): the simple path, used on CPU. With ``store`` the tiered expert store
     holds them quantized (hot set, cache slots, host tier) as ``store`` asks; the plan is kept on
     the model as ``model.residency``."""
-    from formats.sparkpack import Pack, is_pack
+    from sparkpack.formats.sparkpack import Pack, is_pack
 
     pack = None
     if not isinstance(path, GGUFModel) and is_pack(path):
@@ -52,7 +52,7 @@ def load_model(path: str | os.PathLike[str] | GGUFModel, device: torch.device | 
     model = cls(source, spec, device=device, dtype=dtype, experts=experts)  # type: ignore[arg-type]
     model.residency = residency
     if store is not None:  # a budget must fail (or hold) at load, not in the middle of a reply
-        from formats.experts import expert_tensor_names
+        from sparkpack.formats.experts import expert_tensor_names
 
         for group in model.stack_groups():  # stacked first: no part is ever held twice
             model.w.stacked(group)
@@ -63,8 +63,8 @@ def load_model(path: str | os.PathLike[str] | GGUFModel, device: torch.device | 
 def open_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOptions):
     """The tiered expert store and its residency plan for an opened model file (``pack`` the
     ``.sparkpack`` or None for a GGUF). Benchmarks use it to swap stores under one loaded model."""
-    from formats.experts import expert_tensor_names
-    from formats.memory import PREFILL_GRAPH_TOKENS
+    from sparkpack.formats.experts import expert_tensor_names
+    from sparkpack.formats.memory import PREFILL_GRAPH_TOKENS
 
     from ..expert_store import ExpertStore, GGUFSource, PackSourceExperts, routed_experts_bytes
     from ..graph import short_prefill_calls

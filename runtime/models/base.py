@@ -10,9 +10,9 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from formats.archs import LINEAR, ModelSpec
-from formats.errors import SparkpackError
-from formats.gguf_file import GGUFModel
+from sparkpack.formats.archs import LINEAR, ModelSpec
+from sparkpack.formats.errors import SparkpackError
+from sparkpack.formats.gguf_file import GGUFModel
 
 from ..cache import Q8_BLOCK, Cache, KVCache, RecurrentState, prefill_rows
 from ..experts import ExpertProvider, GGUFExperts, moe

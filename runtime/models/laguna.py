@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from formats.archs import DENSE, SLIDING
+from sparkpack.formats.archs import DENSE, SLIDING
 
 from ..cache import Cache
 from ..layers import (Rope, attention, ffn_residual, output_gate, positions, rms_norm, rope_inv_freq, route_sigmoid,

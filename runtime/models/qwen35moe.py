@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from formats.archs import LINEAR
-from formats.memory import DELTANET_CHUNK
+from sparkpack.formats.archs import LINEAR
+from sparkpack.formats.memory import DELTANET_CHUNK
 
 from ..cache import Cache, RecurrentState
 from ..layers import (Rope, attention, l2_norm, output_gate, positions, rms_norm, rope_inv_freq, route_softmax,
