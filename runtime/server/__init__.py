@@ -1,0 +1,1 @@
+"""The HTTP server behind `spark-run MODEL --serve`: OpenAI and Anthropic dialects over one model."""

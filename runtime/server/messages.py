@@ -1,0 +1,515 @@
+"""Three request dialects (OpenAI chat, OpenAI Responses, Anthropic Messages) -> one conversation
+that the model's own chat template renders.
+
+The canonical form is what the real templates need, read in llama.cpp's ``models/templates``:
+string content (Qwen3's template calls ``content.startswith``), tool-call arguments as a dict
+(Qwen3.5/3.6 and Laguna iterate ``arguments|items``), the tool's name on tool results, reasoning as
+``reasoning_content``, and at most one system message, first (Qwen3.5/3.6 raise "System message
+must be at the beginning"): system and developer messages wherever they stand are merged into it.
+
+Text parts of one message are joined with a newline, as llama.cpp joins them. The models read text
+only: an image or a file is a 400, never silently dropped. Every ``RequestError`` names the field.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+class RequestError(ValueError):
+    """A request the server must answer with 400: ``param`` names the field (e.g.
+    "messages[2].content"), ``message`` says the problem in one line, ``code`` is an OpenAI-style
+    code or None."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(f"{param}: {message}" if param else message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+@dataclass
+class Conversation:
+    """``messages``: {"role": "system"|"user"|"assistant"|"tool", "content": str}; an assistant may
+    carry "reasoning_content" and "tool_calls" [{"id", "type": "function", "function": {"name",
+    "arguments": dict}}]; a tool message "tool_call_id" and "name". ``tools`` in OpenAI
+    function-tool form; ``tool_choice`` "auto" | "none" | "required" | {"name": str};
+    ``template_kwargs`` go to the chat template (e.g. {"enable_thinking": False})."""
+    messages: list[dict]
+    tools: list[dict] | None
+    tool_choice: str | dict
+    template_kwargs: dict = field(default_factory=dict)
+
+
+# --- field access that names the field when it is wrong ----------------------------------------
+
+def _type_name(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer", float: "number",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _object(value: Any, param: str | None) -> dict:
+    if not isinstance(value, dict):
+        raise RequestError(f"must be an object, got {_type_name(value)}", param or "body")
+    return value
+
+
+def _array(value: Any, param: str) -> list:
+    if not isinstance(value, list):
+        raise RequestError(f"must be an array, got {_type_name(value)}", param)
+    return value
+
+
+def _string(value: Any, param: str, *, empty: bool = True) -> str:
+    if not isinstance(value, str):
+        raise RequestError(f"must be a string, got {_type_name(value)}", param)
+    if not empty and not value:
+        raise RequestError("must not be empty", param)
+    return value
+
+
+def _optional_string(body: dict, key: str, param: str) -> str | None:
+    value = body.get(key)
+    return None if value is None else _string(value, param)
+
+
+def _required(body: dict, key: str, param: str) -> Any:
+    if body.get(key) is None:
+        raise RequestError(f"'{key}' is required", param)
+    return body[key]
+
+
+_IMAGE_TYPES = {"image", "image_url", "input_image"}
+_FILE_TYPES = {"document", "file", "input_file", "input_audio", "audio"}
+
+
+def _unsupported_part(kind: str, param: str) -> RequestError:
+    if kind in _IMAGE_TYPES:
+        return RequestError("images are not supported: this server runs a text-only model", param,
+                            "unsupported_content")
+    if kind in _FILE_TYPES:
+        return RequestError(f"'{kind}' content is not supported: this server runs a text-only model", param,
+                            "unsupported_content")
+    return RequestError(f"unsupported content part type {kind!r}", param)
+
+
+def _text_of(content: Any, param: str, text_types: dict[str, str]) -> str:
+    """A message's content as one string: a string, null, or parts whose type maps to the key
+    holding their text (``text_types``)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(_array(content, param)):
+        pp = f"{param}[{j}]"
+        part = _object(part, pp)
+        kind = part.get("type")
+        if kind not in text_types:
+            raise _unsupported_part(str(kind), f"{pp}.type")
+        texts.append(_string(part.get(text_types[kind]), f"{pp}.{text_types[kind]}"))
+    return "\n".join(texts)
+
+
+def _arguments(value: Any, param: str) -> dict:
+    """Tool-call arguments as the dict the templates iterate: OpenAI sends a JSON string."""
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        return value
+    if not isinstance(value, str):
+        raise RequestError(f"must be a JSON object or a string holding one, got {_type_name(value)}", param)
+    if not value.strip():
+        return {}
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"is not valid JSON ({e.msg} at character {e.pos})", param) from None
+    if not isinstance(parsed, dict):
+        raise RequestError(f"must be a JSON object, got {_type_name(parsed)}", param)
+    return parsed
+
+
+def _tool_call(call_id: str, name: str, arguments: dict) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _function_tool(name: Any, description: Any, parameters: Any, param: str) -> dict:
+    fn: dict[str, Any] = {"name": _string(name, f"{param}.name", empty=False)}
+    if description is not None:
+        fn["description"] = _string(description, f"{param}.description")
+    if parameters is not None:
+        fn["parameters"] = _object(parameters, f"{param}.parameters")
+    return {"type": "function", "function": fn}
+
+
+def _lead_with_system(systems: list[str], messages: list[dict]) -> list[dict]:
+    return ([{"role": "system", "content": "\n\n".join(systems)}] if systems else []) + messages
+
+
+def _check_choice(choice: str | dict, tools: list[dict] | None, param: str) -> str | dict:
+    names = {t["function"]["name"] for t in tools or []}
+    if isinstance(choice, dict):
+        if choice["name"] not in names:
+            raise RequestError(f"names tool {choice['name']!r}, which is not among the request's function tools",
+                               param)
+    elif choice == "required" and not names:
+        raise RequestError("'required' needs at least one function tool in 'tools'", param)
+    elif choice == "auto" and not names:
+        return "none"
+    return choice
+
+
+def _openai_choice(value: Any, tools: list[dict] | None, param: str = "tool_choice") -> str | dict:
+    """OpenAI chat: "auto" | "none" | "required" | {"type": "function", "function": {"name"}};
+    Responses: {"type": "function", "name"}. Either form is accepted on both routes."""
+    if value is None:
+        return "auto" if tools else "none"
+    if isinstance(value, str):
+        if value not in ("auto", "none", "required"):
+            raise RequestError(f"must be 'auto', 'none', 'required' or a function choice, got {value!r}", param)
+        return _check_choice(value, tools, param)
+    value = _object(value, param)
+    if value.get("type") != "function":
+        raise RequestError(f"forces tool type {value.get('type')!r}; only function tools run here", f"{param}.type")
+    if isinstance(value.get("function"), dict):
+        name = _string(value["function"].get("name"), f"{param}.function.name", empty=False)
+    else:
+        name = _string(value.get("name"), f"{param}.name", empty=False)
+    return _check_choice({"name": name}, tools, param)
+
+
+def _thinking_off_for(effort: Any, kwargs: dict) -> dict:
+    """``reasoning_effort: "none"`` turns the template's thinking off unless the request's own
+    chat_template_kwargs already say (llama.cpp maps it the same way)."""
+    if effort == "none":
+        kwargs.setdefault("enable_thinking", False)
+    return kwargs
+
+
+def _template_kwargs(body: dict) -> dict:
+    kwargs = body.get("chat_template_kwargs")
+    return dict(_object(kwargs, "chat_template_kwargs")) if kwargs is not None else {}
+
+
+# --- OpenAI chat completions -------------------------------------------------------------------
+
+_CHAT_TEXT = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
+def from_openai_chat(body: dict) -> Conversation:
+    """``/v1/chat/completions``."""
+    body = _object(body, None)
+    messages = _array(_required(body, "messages", "messages"), "messages")
+    if not messages:
+        raise RequestError("must hold at least one message", "messages")
+    systems: list[str] = []
+    out: list[dict] = []
+    names: dict[str, str] = {}
+    for i, m in enumerate(messages):
+        p = f"messages[{i}]"
+        m = _object(m, p)
+        role = _string(m.get("role"), f"{p}.role")
+        content = _text_of(m.get("content"), f"{p}.content", _CHAT_TEXT)
+        if role in ("system", "developer"):
+            systems.append(content)
+        elif role == "user":
+            out.append({"role": "user", "content": content})
+        elif role == "assistant":
+            message = {"role": "assistant", "content": content}
+            reasoning = m.get("reasoning_content", m.get("reasoning"))
+            if reasoning is not None:
+                message["reasoning_content"] = _string(reasoning, f"{p}.reasoning_content")
+            calls = []
+            for j, c in enumerate(_array(m.get("tool_calls") or [], f"{p}.tool_calls")):
+                pc = f"{p}.tool_calls[{j}]"
+                c = _object(c, pc)
+                if c.get("type", "function") != "function":
+                    raise RequestError(f"tool call type {c.get('type')!r} is not supported; only 'function'", f"{pc}.type")
+                fn = _object(c.get("function"), f"{pc}.function")
+                name = _string(fn.get("name"), f"{pc}.function.name", empty=False)
+                call_id = _optional_string(c, "id", f"{pc}.id") or f"call_{i}_{j}"
+                names[call_id] = name
+                calls.append(_tool_call(call_id, name, _arguments(fn.get("arguments"), f"{pc}.function.arguments")))
+            if calls:
+                message["tool_calls"] = calls
+            out.append(message)
+        elif role == "tool":
+            call_id = _string(_required(m, "tool_call_id", f"{p}.tool_call_id"), f"{p}.tool_call_id")
+            name = _optional_string(m, "name", f"{p}.name") or names.get(call_id, "")
+            out.append({"role": "tool", "content": content, "tool_call_id": call_id, "name": name})
+        elif role == "function":
+            raise RequestError("role 'function' (deprecated) is not supported; send tool results with role 'tool'",
+                               f"{p}.role")
+        else:
+            raise RequestError(f"unknown role {role!r}", f"{p}.role")
+    tools = _chat_tools(body.get("tools"))
+    return Conversation(messages=_lead_with_system(systems, out), tools=tools,
+                        tool_choice=_openai_choice(body.get("tool_choice"), tools),
+                        template_kwargs=_thinking_off_for(body.get("reasoning_effort"), _template_kwargs(body)))
+
+
+def _chat_tools(value: Any) -> list[dict] | None:
+    """Function tools; other kinds (``custom``) cannot be called by these models and are skipped."""
+    if value is None:
+        return None
+    tools = []
+    for k, t in enumerate(_array(value, "tools")):
+        pt = f"tools[{k}]"
+        t = _object(t, pt)
+        if t.get("type", "function") != "function":
+            continue
+        fn = _object(t.get("function"), f"{pt}.function")
+        tools.append(_function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), f"{pt}.function"))
+    return tools or None
+
+
+# --- OpenAI Responses ------------------------------------------------------------------------------
+
+_RESPONSES_TEXT = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
+# items of tools this server does not run: their calls carry nothing a text model can continue from
+_HOSTED_ITEMS = {"web_search_call", "file_search_call", "computer_call", "computer_call_output",
+                 "image_generation_call", "code_interpreter_call", "local_shell_call", "local_shell_call_output",
+                 "custom_tool_call", "custom_tool_call_output", "mcp_call", "mcp_list_tools",
+                 "mcp_approval_request", "mcp_approval_response", "compaction"}
+
+
+def from_responses(body: dict) -> Conversation:
+    """``/v1/responses``, stateless: the whole conversation comes in ``input`` every time."""
+    body = _object(body, None)
+    for key in ("previous_response_id", "conversation"):
+        if body.get(key) is not None:
+            raise RequestError(f"this server is stateless and stores no responses, so '{key}' cannot be used; "
+                               "send the whole conversation in 'input' (Codex does with its default settings)", key)
+    systems = [_string(body["instructions"], "instructions")] if body.get("instructions") is not None else []
+    value = _required(body, "input", "input")
+    items = [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else _array(value, "input")
+    out: list[dict] = []
+    names: dict[str, str] = {}
+    reasoning: list[str] = []   # reasoning items wait for the assistant output they precede
+
+    def assistant() -> dict:
+        """The assistant message this item belongs to: the last one, unless a user or tool turn came since."""
+        if not out or out[-1]["role"] != "assistant":
+            out.append({"role": "assistant", "content": ""})
+        message = out[-1]
+        if reasoning:
+            earlier = [message["reasoning_content"]] if "reasoning_content" in message else []
+            message["reasoning_content"] = "\n\n".join(earlier + reasoning)
+            reasoning.clear()
+        return message
+
+    for i, item in enumerate(items):
+        p = f"input[{i}]"
+        item = _object(item, p)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = _string(item.get("role"), f"{p}.role")
+            content = _text_of(item.get("content"), f"{p}.content", _RESPONSES_TEXT)
+            if role in ("system", "developer"):
+                systems.append(content)
+            elif role == "user":
+                out.append({"role": "user", "content": content})
+            elif role == "assistant":
+                message = assistant()
+                message["content"] = "\n".join(x for x in (message["content"], content) if x)
+            else:
+                raise RequestError(f"unknown role {role!r}", f"{p}.role")
+        elif kind == "function_call":
+            call_id = _string(_required(item, "call_id", f"{p}.call_id"), f"{p}.call_id")
+            name = _string(item.get("name"), f"{p}.name", empty=False)
+            names[call_id] = name
+            assistant().setdefault("tool_calls", []).append(
+                _tool_call(call_id, name, _arguments(item.get("arguments"), f"{p}.arguments")))
+        elif kind == "function_call_output":
+            call_id = _string(_required(item, "call_id", f"{p}.call_id"), f"{p}.call_id")
+            content = _text_of(item.get("output"), f"{p}.output", _RESPONSES_TEXT)
+            out.append({"role": "tool", "content": content, "tool_call_id": call_id, "name": names.get(call_id, "")})
+        elif kind == "reasoning":
+            text = _reasoning_text(item, p)
+            if text:
+                reasoning.append(text)
+        elif kind == "item_reference":
+            raise RequestError("item references need stored responses; this server is stateless: send the item itself",
+                               f"{p}.type")
+        elif kind in _HOSTED_ITEMS:
+            continue
+        else:
+            raise RequestError(f"unknown input item type {kind!r}", f"{p}.type")
+    if reasoning and out and out[-1]["role"] == "assistant":
+        assistant()
+    tools = _responses_tools(body.get("tools"))
+    effort = _object(body["reasoning"], "reasoning").get("effort") if body.get("reasoning") is not None else None
+    return Conversation(messages=_lead_with_system(systems, out), tools=tools,
+                        tool_choice=_openai_choice(body.get("tool_choice"), tools),
+                        template_kwargs=_thinking_off_for(effort, _template_kwargs(body)))
+
+
+def _reasoning_text(item: dict, p: str) -> str:
+    """The reasoning's own text when the client kept it (``content``), else its summary."""
+    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        texts = []
+        for j, part in enumerate(_array(item.get(key) or [], f"{p}.{key}")):
+            part = _object(part, f"{p}.{key}[{j}]")
+            if part.get("type", kind) == kind:
+                texts.append(_string(part.get("text"), f"{p}.{key}[{j}].text"))
+        if texts:
+            return "\n\n".join(texts)
+    return ""
+
+
+def _responses_tools(value: Any) -> list[dict] | None:
+    """Function tools (flat in Responses); web search, MCP, custom, local shell... are skipped."""
+    if value is None:
+        return None
+    tools = []
+    for k, t in enumerate(_array(value, "tools")):
+        pt = f"tools[{k}]"
+        t = _object(t, pt)
+        if t.get("type") != "function":
+            continue
+        tools.append(_function_tool(t.get("name"), t.get("description"), t.get("parameters"), pt))
+    return tools or None
+
+
+# --- Anthropic messages ----------------------------------------------------------------------------
+
+def from_anthropic(body: dict) -> Conversation:
+    """``/v1/messages`` and ``/v1/messages/count_tokens``."""
+    body = _object(body, None)
+    systems = _anthropic_system(body.get("system"))
+    messages = _array(_required(body, "messages", "messages"), "messages")
+    if not messages:
+        raise RequestError("must hold at least one message", "messages")
+    out: list[dict] = []
+    names: dict[str, str] = {}
+    for i, m in enumerate(messages):
+        p = f"messages[{i}]"
+        m = _object(m, p)
+        role = _string(m.get("role"), f"{p}.role")
+        if role not in ("user", "assistant"):
+            raise RequestError(f"must be 'user' or 'assistant', got {role!r}", f"{p}.role")
+        content = _required(m, "content", f"{p}.content")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else _array(content, f"{p}.content")
+        if role == "assistant":
+            out.append(_anthropic_assistant(blocks, f"{p}.content", names))
+        else:
+            out.extend(_anthropic_user(blocks, f"{p}.content", names))
+    tools = _anthropic_tools(body.get("tools"))
+    return Conversation(messages=_lead_with_system(systems, out), tools=tools,
+                        tool_choice=_anthropic_choice(body.get("tool_choice"), tools),
+                        template_kwargs=_anthropic_thinking(body))
+
+
+def _anthropic_system(value: Any) -> list[str]:
+    """Claude Code opens ``system`` with an ``x-anthropic-billing-header:`` block that changes every
+    request and would defeat prefix reuse; it means nothing to the model, so it is dropped."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        if value.startswith(BILLING_HEADER):
+            value = value.partition("\n")[2]
+        return [value] if value else []
+    blocks = _array(value, "system")
+    texts = []
+    for k, block in enumerate(blocks):
+        pb = f"system[{k}]"
+        block = _object(block, pb)
+        if block.get("type") != "text":
+            raise _unsupported_part(str(block.get("type")), f"{pb}.type")
+        text = _string(block.get("text"), f"{pb}.text")
+        if k == 0 and text.startswith(BILLING_HEADER):
+            continue
+        texts.append(text)
+    return ["\n\n".join(texts)] if texts else []
+
+
+def _anthropic_assistant(blocks: list, p: str, names: dict[str, str]) -> dict:
+    texts, thoughts, calls = [], [], []
+    for j, block in enumerate(blocks):
+        pb = f"{p}[{j}]"
+        block = _object(block, pb)
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(_string(block.get("text"), f"{pb}.text"))
+        elif kind == "thinking":
+            thoughts.append(_string(block.get("thinking"), f"{pb}.thinking"))
+        elif kind == "redacted_thinking":
+            continue  # encrypted by Anthropic: nothing a local model can read
+        elif kind == "tool_use":
+            call_id = _string(block.get("id"), f"{pb}.id", empty=False)
+            name = _string(block.get("name"), f"{pb}.name", empty=False)
+            names[call_id] = name
+            calls.append(_tool_call(call_id, name, _object(block.get("input", {}), f"{pb}.input")))
+        else:
+            raise _unsupported_part(str(kind), f"{pb}.type")
+    message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+    if thoughts:
+        message["reasoning_content"] = "\n".join(thoughts)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _anthropic_user(blocks: list, p: str, names: dict[str, str]) -> list[dict]:
+    """Tool results become tool messages, ahead of the turn's text (they answer the calls just made)."""
+    results, texts = [], []
+    for j, block in enumerate(blocks):
+        pb = f"{p}[{j}]"
+        block = _object(block, pb)
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(_string(block.get("text"), f"{pb}.text"))
+        elif kind == "tool_result":
+            call_id = _string(block.get("tool_use_id"), f"{pb}.tool_use_id", empty=False)
+            content = _text_of(block.get("content"), f"{pb}.content", {"text": "text"})
+            if block.get("is_error") is True:
+                content = "Error: " + content if content else "Error"
+            results.append({"role": "tool", "content": content, "tool_call_id": call_id,
+                            "name": names.get(call_id, "")})
+        else:
+            raise _unsupported_part(str(kind), f"{pb}.type")
+    return results + ([{"role": "user", "content": "\n".join(texts)}] if texts or not results else [])
+
+
+def _anthropic_tools(value: Any) -> list[dict] | None:
+    """Client tools with an ``input_schema``; Anthropic's typed tools (``web_search_20250305``,
+    ``bash_20250124``...) have no schema a local model could follow and are skipped."""
+    if value is None:
+        return None
+    tools = []
+    for k, t in enumerate(_array(value, "tools")):
+        pt = f"tools[{k}]"
+        t = _object(t, pt)
+        if t.get("type") not in (None, "custom"):
+            continue
+        tools.append(_function_tool(t.get("name"), t.get("description"), t.get("input_schema", {}), pt))
+    return tools or None
+
+
+def _anthropic_choice(value: Any, tools: list[dict] | None) -> str | dict:
+    """{"type": "auto" | "any" | "tool" | "none", "name"}."""
+    if value is None:
+        return "auto" if tools else "none"
+    value = _object(value, "tool_choice")
+    kind = value.get("type")
+    if kind == "tool":
+        choice: str | dict = {"name": _string(value.get("name"), "tool_choice.name", empty=False)}
+    elif kind in ("auto", "any", "none"):
+        choice = {"auto": "auto", "any": "required", "none": "none"}[kind]
+    else:
+        raise RequestError(f"must be 'auto', 'any', 'tool' or 'none', got {kind!r}", "tool_choice.type")
+    return _check_choice(choice, tools, "tool_choice")
+
+
+def _anthropic_thinking(body: dict) -> dict:
+    kwargs = _template_kwargs(body)
+    if body.get("thinking") is not None:
+        kind = _object(body["thinking"], "thinking").get("type")
+        if kind not in ("enabled", "disabled", "adaptive"):
+            raise RequestError(f"must be 'enabled', 'disabled' or 'adaptive', got {kind!r}", "thinking.type")
+        kwargs.setdefault("enable_thinking", kind != "disabled")
+    return kwargs
