@@ -19,7 +19,9 @@ a file whose text contains those tags. Here a value ends only where the rest of 
 structure follows: ``</parameter>``, optional whitespace, then ``<parameter=NAME>`` or
 ``</function>`` + ``</tool_call>`` (Laguna: ``</arg_value>`` then ``<arg_key>NAME</arg_key><arg_value>``
 or ``</tool_call>``); when the tool's schema lists its properties, NAME must be one of them, which
-is what llama.cpp's grammar would have forced. As in llama.cpp a value is converted with the
+is what llama.cpp's grammar would have forced. (A value that quotes the whole closing sequence,
+``</parameter>`` ``</function>`` ``</tool_call>``, still ends there: while streaming nothing can tell
+it from the real end.) As in llama.cpp a value is converted with the
 tool's JSON schema (a string stays raw text; number, integer, boolean, null, object and array are
 parsed, falling back to the raw text when they do not parse).
 
