@@ -229,3 +229,11 @@ CASES = [
          "<tool_call>no_schema</tool_call>\nDone.",
          "Done.", "", (("no_schema", {}),)),
 ]
+
+CASES += [
+    Case("qwen3-coder call without its <tool_call> opener", QWEN, False,
+         "Checking the status.\n<function=bash>\n<parameter=command>\ngit status --short\n</parameter>\n</function>\n</tool_call>\n"
+         "<function=unknown_tool>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>",
+         "Checking the status.<function=unknown_tool>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>", "",
+         (("bash", {"command": "git status --short"}),)),
+]

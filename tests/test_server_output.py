@@ -225,3 +225,13 @@ def test_prompt_opens_reasoning_only_at_its_end() -> None:
 def test_values_take_the_schema_type_or_stay_text(raw: str, types: set[str], want) -> None:
     got = convert_value(raw, frozenset(types))
     assert got == want and type(got) is type(want)
+
+
+def test_bare_function_opener_needs_a_tool_of_that_name() -> None:
+    text = "See <function=bash>\n<parameter=command>\nls\n</parameter>\n</function>\n</tool_call>"
+    assert summary(run(QWEN, [text]))[2] == [("bash", {"command": "ls"})]
+    for syntax, tools in ((QWEN, None), (HERMES, TOOLS), (LAGUNA, TOOLS)):
+        assert merged(run(syntax, [text], tools=tools)) == [TextDelta(text)]
+    held = _parser(QWEN, in_reasoning=False)
+    assert held.feed("x <function=ba") == [TextDelta("x")]
+    assert held.feed("sh2>") == [TextDelta(" <function=bash2>")]

@@ -10,8 +10,9 @@ The three formats are the ones the models' chat templates teach them (llama.cpp'
 * Qwen3 (``HERMES_JSON``): ``<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>``
 * Laguna (``LAGUNA``): ``<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n</tool_call>``
 
-A JSON body inside ``<tool_call>`` is accepted in every format (Qwen models fall back to it), and an
-XML body in the hermes one.
+A JSON body inside ``<tool_call>`` is accepted in every format (Qwen models fall back to it), an
+XML body in the hermes one, and, as llama.cpp does for Qwen3-Coder, an XML call whose ``<tool_call>``
+was left out when it opens with ``<function=NAME>`` of a tool in the request.
 
 Values are raw text, so where a value ends is a choice. llama.cpp ends it at the first
 ``\\n</parameter>\\n`` (``</arg_value>`` for Laguna); ollama at the first ``</tool_call>``. Both cut
@@ -291,6 +292,7 @@ def _held(buf: str, tags: tuple[str, ...]) -> int:
 
 
 _TOOL_OPEN, _TOOL_CLOSE, _THINK_OPEN, _THINK_CLOSE = "<tool_call>", "</tool_call>", "<think>", "</think>"
+_FUNCTION_OPEN = "<function="
 _VALUE_CANDIDATE = re.compile(r"[\n<]")
 
 
@@ -303,7 +305,7 @@ class _Call:
     """The tool call being read: raw text kept so that a call that never completes becomes text."""
     back: Callable[[bool], bool]         # the state the call interrupted (text or reasoning)
     gap: str                             # whitespace dropped before <tool_call>, given back on failure
-    raw: list[str] = field(default_factory=lambda: [_TOOL_OPEN])
+    raw: list[str]                       # the call's text so far, from its opening tag
     index: int | None = None             # set when ToolCallStart is out
     name: str = ""
     args: dict = field(default_factory=dict)
@@ -403,6 +405,8 @@ class OutputParser:
         self.syntax = syntax
         self._parse_tools = parse_tools
         self._tools = _tool_params(tools)
+        self._bare_names = (frozenset(self._tools) if syntax is ToolSyntax.QWEN_XML and parse_tools and self._tools
+                            else None)
         self._new_id = new_id
         self._buf = ""
         self._out: list[Event] = []
@@ -508,11 +512,34 @@ class OutputParser:
             self._buf = ""
             return False
         i = buf.find(_TOOL_OPEN)
+        bare = self._bare_function(buf, i if i >= 0 else len(buf))
+        if bare is not None and bare[1]:
+            self._open_call(buf[:bare[0]], back=self._text, kind=TextDelta, tag=_FUNCTION_OPEN)
+            return True
+        if bare is not None and not final:  # hold the opener and the whitespace before it
+            cut = len(buf[:bare[0]].rstrip())
+            self._emit(TextDelta(buf[:cut]))
+            self._buf = buf[cut:]
+            return False
         if i >= 0:
             self._open_call(buf[:i], back=self._text, kind=TextDelta)
             return True
-        self._flush_before_tags(TextDelta, (_TOOL_OPEN,), final)
+        self._flush_before_tags(TextDelta, (_TOOL_OPEN, _FUNCTION_OPEN) if self._bare_names else (_TOOL_OPEN,), final)
         return False
+
+    def _bare_function(self, buf: str, before: int) -> tuple[int, bool] | None:
+        """Qwen3-Coder sometimes leaves out ``<tool_call>``; llama.cpp then takes ``<function=NAME>``
+        of a tool in the request as the call's start. Returns where such an opener starts before
+        ``before`` and whether it is complete (False: the name is still arriving)."""
+        if not self._bare_names:
+            return None
+        k = buf.find(_FUNCTION_OPEN)
+        while 0 <= k < before:
+            status, _, _ = _match(buf, k, (_FUNCTION_OPEN, _Name(">", self._bare_names)))
+            if status != _FAIL:
+                return k, status == _FULL
+            k = buf.find(_FUNCTION_OPEN, k + 1)
+        return None
 
     def _reasoning(self, final: bool) -> bool:
         if not self._strip_lead():
@@ -549,12 +576,12 @@ class OutputParser:
         self._emit(kind(buf[:len(buf) - keep]))
         self._buf = buf[len(buf) - keep:]
 
-    def _open_call(self, before: str, back: Callable[[bool], bool], kind: type) -> None:
+    def _open_call(self, before: str, back: Callable[[bool], bool], kind: type, tag: str = _TOOL_OPEN) -> None:
         body = before.rstrip()
         self._emit(kind(body))
-        self._buf = self._buf[len(before) + len(_TOOL_OPEN):]
-        self._call = _Call(back=back, gap=before[len(body):])
-        self._state = self._call_body
+        self._buf = self._buf[len(before) + len(tag):]
+        self._call = _Call(back=back, gap=before[len(body):], raw=[tag])
+        self._state = self._call_body if tag == _TOOL_OPEN else self._xml_function
 
     # the end of a call, good or bad -----------------------------------------------------------
 
