@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import tarfile
 from functools import lru_cache
 from pathlib import Path
@@ -550,3 +551,63 @@ def test_parsed_calls_render_back_through_the_template_and_parse_the_same(key: s
         for call in again.get("tool_calls", []):
             call["id"] = None
         assert again == want, (key, case.name, written)
+
+
+# --- real data nobody here wrote (../shared/corpora) --------------------------------------------------
+
+SHARED_CORPORA = Path(__file__).resolve().parents[1] / ".." / "shared" / "corpora" / "lucebox-hub"
+
+
+def _corpus(name: str) -> Path:
+    path = SHARED_CORPORA / name
+    if not path.exists():
+        pytest.skip(f"real-data file {path} is absent")
+    return path
+
+
+def test_real_agent_conversations_render_through_every_template() -> None:
+    """bench_agent.jsonl: a coding agent's OpenAI-format requests on real SWE-bench issues."""
+    rows = [json.loads(line) for line in _corpus("bench_agent.jsonl").read_text().splitlines() if line.strip()]
+    assert rows
+    keys = [k for k in TEMPLATES if k not in REAL or real_templates()]
+    for row in rows:
+        conv = from_openai_chat({"messages": row["messages"], "tools": TOOLS})
+        texts = [m["content"] for m in row["messages"] if m["role"] not in ("system", "developer")]
+        assert [m["content"] for m in conv.messages if m["role"] != "system"] == texts
+        for key in keys:
+            prompt = render(key, conv)
+            assert all(t in prompt for t in texts), (row["id"], key)
+
+
+def test_real_patches_as_call_arguments_survive_template_and_parser() -> None:
+    """SWE-bench's reference patches (real diffs: braces, tags, quotes, tabs, unicode) as a tool
+    call's argument: rendered by each template as the model would write it, then parsed back from
+    random splits, they come out byte for byte."""
+    import pyarrow.parquet as pq
+
+    patches = pq.read_table(_corpus("swe_bench_verified.parquet"), columns=["patch"]).column("patch").to_pylist()
+    patches = [p for p in patches[:: len(patches) // 60] if p][:60]
+    tools = [{"type": "function", "function": {"name": "apply_patch", "parameters": {
+        "type": "object", "properties": {"patch": {"type": "string"}, "strip": {"type": "integer"}}}}}]
+    keys = [k for k in TEMPLATES if k not in REAL or real_templates()]
+    rng = random.Random(0)
+    for key in keys:
+        tmpl, (_, syntax, end) = template(key), TEMPLATES[key]
+        # a turn without reasoning: Laguna's templates open it with thinking off (ours with it on)
+        kwargs = {} if key.startswith("qwen") else {"enable_thinking": key.startswith("synthetic")}
+        history = [{"role": "user", "content": "Fix the issue."}]
+        prompt = tmpl.render(history, tools=tools, **kwargs)
+        for patch in patches:
+            call = {"id": "c", "type": "function", "function": {"name": "apply_patch", "arguments": {"patch": patch, "strip": 1}}}
+            full = tmpl.render(history + [{"role": "assistant", "content": "", "tool_calls": [call]}], tools=tools,
+                               add_generation_prompt=False, **kwargs)
+            assert full.startswith(prompt) and full.endswith(end), key
+            written = full[len(prompt):-len(end)]
+            cuts = sorted(rng.sample(range(1, len(written)), k=min(len(written) - 1, 40)))
+            parser = OutputParser(syntax, in_reasoning=prompt_opens_reasoning(prompt), parse_tools=True, tools=tools)
+            events = []
+            for a, b in zip([0, *cuts], [*cuts, len(written)]):
+                events += parser.feed(written[a:b])
+            events += parser.finish()
+            ends = [e for e in events if isinstance(e, ToolCallEnd)]
+            assert [e.arguments for e in ends] == [{"patch": patch, "strip": 1}], (key, patch[:80])
