@@ -246,24 +246,25 @@ def from_openai_chat(body: dict) -> Conversation:
                                f"{p}.role")
         else:
             raise RequestError(f"unknown role {role!r}", f"{p}.role")
-    tools = _chat_tools(body.get("tools"))
+    tools = _function_tools(body.get("tools"), flat=False)
     return Conversation(messages=_lead_with_system(systems, out), tools=tools,
                         tool_choice=_openai_choice(body.get("tool_choice"), tools),
                         template_kwargs=_thinking_off_for(body.get("reasoning_effort"), _template_kwargs(body)))
 
 
-def _chat_tools(value: Any) -> list[dict] | None:
-    """Function tools; other kinds (``custom``) cannot be called by these models and are skipped."""
+def _function_tools(value: Any, *, flat: bool) -> list[dict] | None:
+    """Function tools (``flat``: Responses' form, without the ``function`` wrapper). Other kinds
+    (custom, web search, MCP, local shell...) cannot be called by these models and are skipped."""
     if value is None:
         return None
     tools = []
     for k, t in enumerate(_array(value, "tools")):
         pt = f"tools[{k}]"
         t = _object(t, pt)
-        if t.get("type", "function") != "function":
+        if t.get("type", None if flat else "function") != "function":
             continue
-        fn = _object(t.get("function"), f"{pt}.function")
-        tools.append(_function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), f"{pt}.function"))
+        fn, pf = (t, pt) if flat else (_object(t.get("function"), f"{pt}.function"), f"{pt}.function")
+        tools.append(_function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), pf))
     return tools or None
 
 
@@ -341,7 +342,7 @@ def from_responses(body: dict) -> Conversation:
             raise RequestError(f"unknown input item type {kind!r}", f"{p}.type")
     if reasoning and out and out[-1]["role"] == "assistant":
         assistant()
-    tools = _responses_tools(body.get("tools"))
+    tools = _function_tools(body.get("tools"), flat=True)
     effort = _object(body["reasoning"], "reasoning").get("effort") if body.get("reasoning") is not None else None
     return Conversation(messages=_lead_with_system(systems, out), tools=tools,
                         tool_choice=_openai_choice(body.get("tool_choice"), tools),
@@ -359,20 +360,6 @@ def _reasoning_text(item: dict, p: str) -> str:
         if texts:
             return "\n\n".join(texts)
     return ""
-
-
-def _responses_tools(value: Any) -> list[dict] | None:
-    """Function tools (flat in Responses); web search, MCP, custom, local shell... are skipped."""
-    if value is None:
-        return None
-    tools = []
-    for k, t in enumerate(_array(value, "tools")):
-        pt = f"tools[{k}]"
-        t = _object(t, pt)
-        if t.get("type") != "function":
-            continue
-        tools.append(_function_tool(t.get("name"), t.get("description"), t.get("parameters"), pt))
-    return tools or None
 
 
 # --- Anthropic messages ----------------------------------------------------------------------------

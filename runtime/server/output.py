@@ -675,57 +675,54 @@ class OutputParser:
         call.args[call.key] = value  # a repeated key: the last value wins, as json.loads does
         self._emit(ToolCallDelta(call.index, piece))
 
-    def _close_args(self) -> None:
-        self._emit(ToolCallDelta(self._call.index, "}" if self._call.args else "{}"))
-
-    def _read_value(self, alternatives: Callable[[], tuple[tuple, ...]], candidates: re.Pattern) -> tuple[str, int, list[str]] | None:
-        """Move the value's text out of the buffer up to where the call's structure may resume;
-        returns (full, which, names) when it does, None while undecided."""
+    def _value(self, ends: Callable[[], tuple[tuple, ...]], candidates: re.Pattern, next_key: set[int],
+               then: Callable[[bool], bool]) -> bool:
+        """Move the value's text out of the buffer up to where the call's structure may resume
+        (``ends``, tried where ``candidates`` match); once it does, start the next parameter (the
+        alternatives in ``next_key``, continuing in ``then``) or end the call."""
         buf = self._buf
-        alts = alternatives()
+        alts = ends()
         for m in candidates.finditer(buf):
             status, which, end, names = _match_any(buf, m.start(), alts)
             if status == _FAIL:
                 continue
             self._value_text(self._consume(m.start()))
             if status == _PARTIAL:
-                return None
+                return False
             self._consume(end - m.start())
-            return _FULL, which, names
+            self._end_value()
+            if which in next_key:
+                self._begin_value(names[0])
+                self._state = then
+            else:
+                self._end_tagged_call()
+            return True
         self._value_text(self._consume(len(buf)))
-        return None
+        return False
+
+    def _end_tagged_call(self) -> None:
+        self._emit(ToolCallDelta(self._call.index, "}" if self._call.args else "{}"))
+        self._end_call()
 
     # Qwen XML -----------------------------------------------------------------------------------
 
     def _xml_function(self, final: bool) -> bool:
-        """``<function=NAME>`` read up to the name's end, then the first parameter or the call's end."""
-        buf = self._buf
-        if not self._call.name:
-            status, end, names = _match(buf, 0, (_Name(">"),))
-            if status == _PARTIAL:
-                return False
-            if status == _FAIL:
-                self._fail()
-                return True
-            self._consume(end)
-            self._call.name = names[0]
-            return True
-        status, which, end, names = _match_any(buf, 0, ((_WS, "<parameter=", _Name(">")),
-                                                        (_WS, "</function>", _WS, _TOOL_CLOSE)))
+        """``<function=NAME>``, then the first parameter or the call's end."""
+        status, which, end, names = _match_any(self._buf, 0, ((_Name(">"), _WS, "<parameter=", _Name(">")),
+                                                              (_Name(">"), _WS, "</function>", _WS, _TOOL_CLOSE)))
         if status == _PARTIAL:
             return False
         if status == _FAIL:
             self._fail()
             return True
         self._consume(end)
-        if which == 1:
-            self._start()
-            self._close_args()
-            self._end_call()
-            return True
+        self._call.name = names[0]
         self._start()
-        self._begin_value(names[0])
-        self._state = self._xml_value_start
+        if which == 1:
+            self._end_tagged_call()
+        else:
+            self._begin_value(names[1])
+            self._state = self._xml_value_start
         return True
 
     def _xml_value_start(self, final: bool) -> bool:
@@ -745,18 +742,7 @@ class OutputParser:
                 ("\n</parameter>", _WS, "</function>", _WS, _TOOL_CLOSE))
 
     def _xml_value(self, final: bool) -> bool:
-        found = self._read_value(self._xml_ends, _VALUE_CANDIDATE)
-        if found is None:
-            return False
-        _, which, names = found
-        self._end_value()
-        if which in (0, 2):
-            self._begin_value(names[0])
-            self._state = self._xml_value_start
-        else:
-            self._close_args()
-            self._end_call()
-        return True
+        return self._value(self._xml_ends, _VALUE_CANDIDATE, {0, 2}, self._xml_value_start)
 
     # Laguna ---------------------------------------------------------------------------------------
 
@@ -780,8 +766,7 @@ class OutputParser:
         self._call.name = name
         self._start()
         if which == 1:
-            self._close_args()
-            self._end_call()
+            self._end_tagged_call()
         else:
             self._begin_value(names[0])
             self._state = self._laguna_value
@@ -792,17 +777,7 @@ class OutputParser:
                 ("</arg_value>", _WS, _TOOL_CLOSE))
 
     def _laguna_value(self, final: bool) -> bool:
-        found = self._read_value(self._laguna_ends, _LAGUNA_CANDIDATE)
-        if found is None:
-            return False
-        _, which, names = found
-        self._end_value()
-        if which == 0:
-            self._begin_value(names[0])
-        else:
-            self._close_args()
-            self._end_call()
-        return True
+        return self._value(self._laguna_ends, _LAGUNA_CANDIDATE, {0}, self._laguna_value)
 
     # JSON body (hermes; accepted in every format) -------------------------------------------------
 
