@@ -83,6 +83,30 @@ def model_identity(model: GGUFModel) -> ModelIdentity:
     return ModelIdentity(model.file_size, n, hash_file_range(model.path, 0, n))
 
 
+@dataclass(frozen=True)
+class Decay:
+    """How a live run's counts were aged: every token processed multiplies all counts and token
+    totals by ``2 ** (-1 / half_life_tokens)`` (``formats.decayed_routing``). ``tokens_seen`` is
+    the undecayed number of tokens learned from, so a reader can tell a young profile from an
+    old one. A profile without it holds plain sums (``repack calibrate``)."""
+
+    half_life_tokens: float
+    tokens_seen: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"half_life_tokens": _num(self.half_life_tokens), "tokens_seen": _num(self.tokens_seen)}
+
+    @classmethod
+    def from_json(cls, d: Any, where: str | os.PathLike[str]) -> "Decay":
+        try:
+            half, seen = float(d["half_life_tokens"]), float(d["tokens_seen"])
+        except (KeyError, TypeError, ValueError):
+            raise FormatError(where, "decay must have half_life_tokens and tokens_seen") from None
+        if not (math.isfinite(half) and half > 0 and math.isfinite(seen) and seen >= 0):
+            raise FormatError(where, "decay half_life_tokens must be finite and > 0, tokens_seen finite and >= 0")
+        return cls(half, seen)
+
+
 @dataclass
 class Profile:
     """Routing counts per (layer, expert) for prompt-side and generated-side tokens."""
@@ -94,6 +118,7 @@ class Profile:
     moe_layers: list[int]
     counts: dict[str, np.ndarray] = field(default_factory=dict)  # side -> float64 [n_layer, n_expert]
     tokens: dict[str, float] = field(default_factory=dict)  # side -> tokens seen
+    decay: Decay | None = None  # set by a live learner (decayed counts); None: plain sums
 
     @classmethod
     def new(cls, identity: ModelIdentity, spec: ModelSpec) -> "Profile":
@@ -127,6 +152,11 @@ class Profile:
                        {s: self.counts[s] * decay + other.counts[s] for s in SIDES},
                        {s: self.tokens[s] * decay + other.tokens[s] for s in SIDES})
 
+    def copy(self) -> "Profile":
+        """An independent snapshot (a writer thread may save it while learning goes on)."""
+        return Profile(self.identity, self.arch, self.n_layer, self.n_expert, list(self.moe_layers),
+                       {s: self.counts[s].copy() for s in SIDES}, dict(self.tokens), self.decay)
+
     def check_model(self, identity: ModelIdentity, spec: ModelSpec, where: str | os.PathLike[str]) -> None:
         """Refuse a profile recorded on another model: its counts would place the wrong experts."""
         if (self.n_layer, self.n_expert) != (spec.n_layer, spec.n_expert):
@@ -139,7 +169,7 @@ class Profile:
     # --- files --------------------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        d = {
             "format": PROFILE_FORMAT,
             "version": PROFILE_VERSION,
             "identity": self.identity.to_json(),
@@ -150,17 +180,28 @@ class Profile:
             "tokens": {s: _num(self.tokens[s]) for s in SIDES},
             "counts": {s: [[_num(x) for x in row] for row in self.counts[s].tolist()] for s in SIDES},
         }
+        if self.decay is not None:
+            d["decay"] = self.decay.to_json()
+        return d
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write atomically: a reader never sees half a profile."""
+        """Write atomically and durably: the data goes to a temporary name in the same folder,
+        is fsynced, renamed over ``path``, and the folder is fsynced so the rename itself
+        survives a power cut. A reader (or a crash at any moment) sees the old file or the new
+        one, never half of one; a failed write removes its temporary file."""
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        with open(tmp, "w") as f:
-            json.dump(self.to_json(), f, separators=(",", ":"))
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        tmp = temp_name(path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(self.to_json(), f, separators=(",", ":"))
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(path.parent)
         return path
 
     @classmethod
@@ -195,11 +236,32 @@ class Profile:
                 if not math.isfinite(tok) or tok < 0:
                     raise FormatError(where, f"{s} token count must be finite and >= 0")
                 prof.tokens[s] = tok
+            if d.get("decay") is not None:
+                prof.decay = Decay.from_json(d["decay"], where)
         except FormatError:
             raise
         except (KeyError, TypeError, ValueError) as e:
             raise FormatError(where, f"malformed profile ({type(e).__name__}: {str(e)[:80]})") from None
         return prof
+
+
+def temp_name(path: Path, pid: int | None = None) -> Path:
+    """Where ``Profile.save`` writes before the rename: hidden, beside ``path``, one per process."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid() if pid is None else pid}")
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename inside ``folder`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _num(x: float) -> int | float:
