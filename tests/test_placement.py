@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from sparkpack.formats.placement import cold_hit_rates, expert_scores, make_plan
+from sparkpack.formats.archs import model_spec
+from sparkpack.formats.decayed_routing import DecayedRouting
+from sparkpack.formats.gguf_file import GGUFModel
+from sparkpack.formats.placement import (SWAP_MARGIN, Swaps, cold_hit_rates, expert_scores, make_plan, plan_swaps,
+                                         plan_uniform)
+from sparkpack.formats.profile import Profile, model_identity
 
 
 def counts(n_layer: int, n_expert: int, seed: int = 0) -> np.ndarray:
@@ -58,3 +64,86 @@ def test_scores_and_rates_helpers():
     assert np.allclose(s, [[0.8 * 1 + 0.2 * 0.25, 0.2 * 0.75]])
     r = cold_hit_rates(np.array([[True, False]]), {"generated": np.array([[3.0, 1.0]])})
     assert r == {"generated": 0.25}
+
+
+# --- re-placement while running ------------------------------------------------------------------
+
+def apply(hot: np.ndarray, swaps: Swaps) -> np.ndarray:
+    hot = hot.copy()
+    for il, e in swaps.demote:
+        assert hot[il, e]
+        hot[il, e] = False
+    for il, e in swaps.promote:
+        assert not hot[il, e]
+        hot[il, e] = True
+    return hot
+
+
+def test_swaps_reach_the_greedy_plan_within_the_budget():
+    rng = np.random.default_rng(3)
+    scores = rng.random((3, 16))
+    scores[0] = 0  # a dense layer
+    nbytes = {1: 100, 2: 100}
+    plan = make_plan(3, 16, nbytes, 1500, {"prompt": scores * 0, "generated": scores}, {"generated": 1.0})
+    hot = np.zeros((3, 16), dtype=bool)
+    hot[1:, :7] = True  # a uniform start, 1400 bytes
+    swaps = plan_swaps(hot, scores, nbytes, 1500, margin=0.0)
+    after = apply(hot, swaps)
+    assert np.array_equal(after, plan.hot)
+    assert swaps.gain == pytest.approx(scores[plan.hot].sum() - scores[hot].sum())
+    assert not plan_swaps(after, scores, nbytes, 1500, margin=0.0)  # nothing left to do
+
+
+def test_a_shrunk_budget_drops_the_weakest_and_a_grown_one_fills():
+    scores = np.array([[5.0, 4.0, 3.0, 2.0, 1.0, 0.5]])
+    hot = np.array([[True, True, True, True, False, False]])
+    s = plan_swaps(hot, scores, {0: 10}, 25)
+    assert s.demote == [(0, 3), (0, 2)] and s.promote == []
+    s = plan_swaps(hot, scores, {0: 10}, 60)
+    assert s.demote == [] and s.promote == [(0, 4), (0, 5)]
+
+
+def test_hysteresis_margin_and_unequal_sizes():
+    hot = np.array([[False, False], [True, True]])
+    nbytes = {0: 200, 1: 100}  # layer 0's expert takes the bytes of both of layer 1's
+    scores = np.array([[0.0, 2.4], [1.0, 1.0]])
+    assert not plan_swaps(hot, scores, nbytes, 200, margin=0.25)  # 2.4 does not beat 1.25 x (1 + 1)
+    scores[0, 1] = 2.6
+    s = plan_swaps(hot, scores, nbytes, 200, margin=0.25)
+    assert s.promote == [(0, 1)] and sorted(s.demote) == [(1, 0), (1, 1)] and s.gain == pytest.approx(0.6)
+    scores = np.array([[0.0, 0.0], [1.0, 1.0]])
+    hot = np.array([[True, False], [False, False]])
+    assert plan_swaps(hot, scores, nbytes, 200, max_promote=1).promote == [(1, 0)]  # the strongest move first
+    assert not plan_swaps(hot, scores, nbytes, 200, max_promote=0)
+
+
+def test_the_hot_set_does_not_flap_on_stationary_traffic(synth_model):
+    """Noisy counts of one fixed routing distribution, re-placed after every request. At the
+    edge of each layer's hot half sit two experts of exactly equal use: with the margin the set
+    settles and stays; without it they keep trading places. The half-life gives an edge
+    expert about as many routings of memory as the default gives a full-size model's."""
+    g = GGUFModel(synth_model("qwen3moe"))
+    spec = model_spec(g)
+    rng = np.random.default_rng(0)
+    p = -np.sort(-rng.dirichlet(np.full(spec.n_expert, 1.0), size=spec.n_layer), axis=1)
+    half = spec.n_expert // 2
+    p[:, half - 1: half + 1] = p[:, half - 1: half + 1].mean(axis=1, keepdims=True)
+    p = p[:, rng.permutation(spec.n_expert)]
+    nbytes = {il: 100 for il in spec.moe_layers}
+    budget = 100 * len(spec.moe_layers) * half
+
+    def run(margin: float) -> list[int]:
+        learner = DecayedRouting(Profile.new(model_identity(g), spec), half_life_tokens=10_000)
+        hot = plan_uniform((spec.n_layer, spec.n_expert), nbytes, budget)
+        moves = []
+        for _ in range(400):  # requests of 200 generated tokens, top-4 routings each
+            c = np.stack([rng.multinomial(200 * 4, p[il]) for il in range(spec.n_layer)]).astype(float)
+            learner.observe(c, 200, "generated")
+            s = plan_swaps(hot, learner.scores(), nbytes, budget, margin=margin)
+            hot = apply(hot, s)
+            moves.append(len(s.promote))
+        return moves
+
+    settled = run(SWAP_MARGIN)
+    assert sum(settled[:100]) > 0 and sum(settled[100:]) == 0
+    assert sum(run(0.0)[100:]) > 10  # what the margin prevents
