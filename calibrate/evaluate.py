@@ -1,7 +1,8 @@
 """How often a placement misses: cold-hit rates of uniform vs profile placement on a routing trace.
 
 This is the number the product lives by. A routing is *cold* when its expert is neither resident
-(hot) nor, with a cache, still in the layer's LRU ring of spare slots. Placements are built the way
+(hot) nor, with a cache, in the layer's spare slots: an LRU ring, or the LFU and
+frequency-aware policies of ``calibrate.cache_policies`` (profile placement only). Placements are built the way
 ``repack split`` builds them (``repack.placement``: one greedy ranking across layers by expected
 hits per byte) under the same byte budget as the uniform placement they are compared with, so the
 comparison is between choices, not between budgets. Everything is numpy on the trace: no model.
@@ -13,6 +14,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from sparkpack.formats.placement import expert_scores, plan_greedy
+
+from .cache_policies import simulate
 
 FRACTIONS = (0.2, 0.4, 0.6, 0.8)
 UNIFORM_SEED = 0
@@ -27,6 +30,8 @@ class EvalRow:
     uniform_lru: float | None  # uniform set drawn with UNIFORM_SEED, plus the cache
     profile_lru: float | None
     profile_generated: float | None  # profile placement, generated-side routings only
+    profile_lfu: float | None = None  # profile placement with the LFU policy's slots
+    profile_freq: float | None = None  # ... with the store's frequency-aware admission
 
 
 def uniform_mask(n_moe: int, n_expert: int, n_hot: int, seed: int = UNIFORM_SEED) -> np.ndarray:
@@ -120,6 +125,8 @@ def evaluate(ids: np.ndarray, generated: np.ndarray, n_expert: int, moe_layers: 
     out = []
     for i, (f, n_hot) in enumerate(zip(fractions, n_hots)):
         prof = masks[2 * i + 1]
+        other = {p: simulate(ids, prof, slots, p, shared=False).cold_rate for p in ("lfu", "freq")} if slots > 0 \
+            else {"lfu": None, "freq": None}
         out.append(EvalRow(
             fraction=f, hot_per_layer=n_hot,
             uniform=1.0 - n_hot / n_expert,
@@ -127,6 +134,7 @@ def evaluate(ids: np.ndarray, generated: np.ndarray, n_expert: int, moe_layers: 
             uniform_lru=None if lru is None else float(lru[2 * i]),
             profile_lru=None if lru is None else float(lru[2 * i + 1]),
             profile_generated=cold_rate(gen, prof) if len(gen) else None,
+            profile_lfu=other["lfu"], profile_freq=other["freq"],
         ))
     return out
 
@@ -135,13 +143,13 @@ def format_table(rows: list[EvalRow], slots: int, n_tokens: int) -> str:
     """A plain-text table of cold-hit rates (share of routings that need a cold expert)."""
     head = ["hot", "uniform", "profile"]
     if slots > 0:
-        head += [f"uniform+LRU{slots}", f"profile+LRU{slots}"]
+        head += [f"uniform+LRU{slots}", f"profile+LRU{slots}", f"profile+LFU{slots}", f"profile+freq{slots}"]
     lines = [f"cold-hit rate over {n_tokens} tokens (share of routings whose expert is not resident)",
              "  ".join(f"{h:>16}" for h in head)]
     for r in rows:
         cells = [f"{r.fraction:.0%}", f"{r.uniform:.1%}", f"{r.profile:.1%}"]
         if slots > 0:
-            cells += [f"{r.uniform_lru:.1%}", f"{r.profile_lru:.1%}"]
+            cells += [f"{r.uniform_lru:.1%}", f"{r.profile_lru:.1%}", f"{r.profile_lfu:.1%}", f"{r.profile_freq:.1%}"]
         lines.append("  ".join(f"{c:>16}" for c in cells))
     return "\n".join(lines)
 

@@ -41,7 +41,7 @@ def checkpoint_path(profile_path: Path) -> Path:
               help="Evaluate placements on this held-out corpus or trace instead of calibrating.")
 @click.option("--profile", "profile_path", type=click.Path(path_type=Path), help="With --eval: the profile to judge.")
 @click.option("--cache-slots", type=click.IntRange(min=0), default=0, show_default=True,
-              help="With --eval: LRU slots per layer in front of the cold tier.")
+              help="With --eval: cache slots per layer in front of the cold tier (LRU, LFU and the store's frequency-aware policy).")
 @click.option("--json", "as_json", is_flag=True, help="With --eval: print JSON instead of a table.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--stop-after", type=click.IntRange(min=1), hidden=True,
