@@ -7,11 +7,13 @@ Traces come from ``repack calibrate M.gguf --corpus C --trace T.trace`` on two d
 Each trace is split in halves: the first is traffic to learn from (replayed in ``--chunk``-token
 calls, cycled when more is needed), the second is held out to judge placements on.
 
-Switch: a learner (``formats.decayed_routing``) with each half-life learns A for four half-lives
-(its memory is then A), then B. After every call the hot set ``repack split`` would choose from
-the learned scores at ``--fraction`` of expert bytes is scored on B's held-out half. The gap is
-``cold(A's own placement) - cold(B's own placement)`` on B; the script reports after how many
-tokens of B (and how many half-lives) the learned placement has closed 50% and 90% of it.
+Switch: a learner (``formats.decayed_routing``) whose memory is A and that then learns B for
+``t`` tokens holds ``2**(-t/H) A + (1 - 2**(-t/H)) B`` (rates; exactly, up to sampling noise,
+which the noise part measures on its own). So the switch is measured on mixtures: for weights
+``w`` of B from 0 to 1, the hot set ``repack split`` would choose from the mixed rates at
+``--fraction`` of expert bytes is scored on B's held-out half; the gap is ``cold(w=0) -
+cold(w=1)``, and the weights that close 50% and 90% of it become times ``t = -H log2(1 - w)``,
+in half-lives: properties of the two corpora and the model, whatever the half-life.
 
 Noise: a learner with each half-life learns A only, for six half-lives; its placement's cold rate
 on A's held-out half is compared with the placement from all of A's first half (no decay). Too
@@ -86,51 +88,40 @@ def main() -> None:
     a_held, b_held = np.asarray(a.ids[na:]), np.asarray(b.ids[nb:])
     a_own, b_own = bench.own(np.asarray(a.ids[:na])), bench.own(np.asarray(b.ids[:nb]))
     cold_ab, cold_bb = cold_rate(b_held, a_own), cold_rate(b_held, b_own)
+    ra, rb = bench.counts(np.asarray(a.ids[:na])) / na, bench.counts(np.asarray(b.ids[:nb])) / nb
+    weights = np.linspace(0, 1, 201)
+    cold = [cold_rate(b_held, bench.hot(expert_scores(w * rb + (1 - w) * ra, ra * 0, 1.0, 0.0))) for w in weights]
+    switch = {}
+    for share in (0.5, 0.9):
+        target = cold[0] - share * (cold[0] - cold[-1])
+        w = next((float(x) for x, c in zip(weights, cold) if c <= target), 1.0)
+        switch[share] = {"weight": w, "half_lives": float(-np.log2(1 - w)) if w < 1 else None}
     rows = []
     for h in args.half_lives:
-        learner = DecayedRouting(bench.empty, h)
-        feed = calls(a, na, args.chunk)
-        for _ in range(int(4 * h / args.chunk) + 1):
-            bench.learn(learner, *next(feed))
-        start = cold_rate(b_held, bench.hot(learner.scores()))
-        t50 = t90 = None
-        seen = 0
-        feed = calls(b, nb, args.chunk)
-        curve = []
-        while seen < 6 * h and t90 is None:
-            bench.learn(learner, *next(feed))
-            seen += args.chunk
-            c = cold_rate(b_held, bench.hot(learner.scores()))
-            closed = (start - c) / (start - cold_bb) if start > cold_bb else 1.0
-            curve.append((seen, c))
-            if t50 is None and closed >= 0.5:
-                t50 = seen
-            if t90 is None and closed >= 0.9:
-                t90 = seen
         learner = DecayedRouting(bench.empty, h)
         feed = calls(a, na, args.chunk)
         for _ in range(int(6 * h / args.chunk) + 1):
             bench.learn(learner, *next(feed))
         stationary = cold_rate(a_held, bench.hot(learner.scores()))
         full = cold_rate(a_held, a_own)
-        rows.append({"half_life": h, "cold_before_switch": start, "t50": t50, "t90": t90,
-                     "t50_half_lives": t50 / h if t50 else None, "t90_half_lives": t90 / h if t90 else None,
-                     "stationary_cold": stationary, "undecayed_cold": full,
+        rows.append({"half_life": h, "stationary_cold": stationary, "undecayed_cold": full,
                      "stationary_excess": stationary / full - 1 if full else None})
     out = {"model": str(args.model), "a": str(args.a), "b": str(args.b), "fraction": args.fraction,
-           "a_tokens": a.n_tokens, "b_tokens": b.n_tokens, "cold_on_b": {"a_placement": cold_ab, "b_placement": cold_bb},
-           "rows": rows}
+           "a_tokens": a.n_tokens, "b_tokens": b.n_tokens,
+           "cold_on_b": {"a_rates": cold[0], "b_rates": cold[-1], "b_own_placement": cold_bb},
+           "switch": {str(k): v for k, v in switch.items()}, "noise": rows}
     if args.json:
         print(json.dumps(out, indent=1))
         return
-    print(f"{args.model.name} at {args.fraction:.0%} hot: on {args.b.name}'s held-out half, {args.a.name}'s placement "
-          f"misses {cold_ab:.1%}, {args.b.name}'s own {cold_bb:.1%}")
-    print(f"{'half-life':>10} {'50% closed':>18} {'90% closed':>18} {'stationary cold':>16} {'undecayed':>10} {'excess':>7}")
+    print(f"{args.model.name} at {args.fraction:.0%} hot, on {args.b.name}'s held-out half: placement from "
+          f"{args.a.name} misses {cold[0]:.2%}, from {args.b.name} {cold[-1]:.2%}")
+    for share, v in switch.items():
+        t = f"{v['half_lives']:.2f} half-lives" if v["half_lives"] is not None else "never"
+        print(f"  {share:.0%} of the gap closed at B weight {v['weight']:.3f}: {t} after the switch")
+    print(f"stationary {args.a.name}: cold-hit rate of the decayed placement on its held-out half (undecayed "
+          f"{rows[0]['undecayed_cold']:.2%})")
     for r in rows:
-        def at(t, k):
-            return f"{t:>8} ({r[k]:.2f} H)" if t else f"{'> 6 H':>18}"
-        print(f"{r['half_life']:>10.0f} {at(r['t50'], 't50_half_lives'):>18} {at(r['t90'], 't90_half_lives'):>18} "
-              f"{r['stationary_cold']:>16.2%} {r['undecayed_cold']:>10.2%} {r['stationary_excess']:>+7.1%}")
+        print(f"  half-life {r['half_life']:>8.0f}: {r['stationary_cold']:.2%} ({r['stationary_excess']:+.1%})")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .archs import ModelSpec
+from .atomic_file import write_atomic
 from .errors import FormatError, SparkpackError
 from .gguf_file import GGUFModel
 
@@ -185,24 +186,9 @@ class Profile:
         return d
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write atomically and durably: the data goes to a temporary name in the same folder,
-        is fsynced, renamed over ``path``, and the folder is fsynced so the rename itself
-        survives a power cut. A reader (or a crash at any moment) sees the old file or the new
-        one, never half of one; a failed write removes its temporary file."""
-        path = Path(path)
-        tmp = temp_name(path)
-        try:
-            with open(tmp, "w") as f:
-                json.dump(self.to_json(), f, separators=(",", ":"))
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        fsync_dir(path.parent)
-        return path
+        """Write atomically and durably (``formats.atomic_file``): a reader, or a crash at any
+        moment, sees the old profile or the new one, never half of one."""
+        return write_atomic(path, json.dumps(self.to_json(), separators=(",", ":")) + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Profile":
@@ -243,25 +229,6 @@ class Profile:
         except (KeyError, TypeError, ValueError) as e:
             raise FormatError(where, f"malformed profile ({type(e).__name__}: {str(e)[:80]})") from None
         return prof
-
-
-def temp_name(path: Path, pid: int | None = None) -> Path:
-    """Where ``Profile.save`` writes before the rename: hidden, beside ``path``, one per process."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid() if pid is None else pid}")
-
-
-def fsync_dir(folder: Path) -> None:
-    """Make a rename inside ``folder`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _num(x: float) -> int | float:

@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "join": ("sparkpack.repack.join_cmd", "join_cmd"),
     "verify": ("sparkpack.repack.verify_cmd", "verify_cmd"),
     "calibrate": ("sparkpack.repack.calibrate_cmd", "calibrate_cmd"),
+    "report": ("sparkpack.repack.report_cmd", "report_cmd"),
 }
 
 

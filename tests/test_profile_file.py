@@ -17,7 +17,8 @@ import pytest
 from sparkpack.formats.archs import model_spec
 from sparkpack.formats.errors import SparkpackError
 from sparkpack.formats.gguf_file import GGUFModel
-from sparkpack.formats.profile import Profile, default_profile_path, model_identity, temp_name
+from sparkpack.formats.atomic_file import temp_name
+from sparkpack.formats.profile import Profile, default_profile_path, model_identity
 from sparkpack.formats.profile_file import ProfileFile
 
 REPO = Path(__file__).resolve().parents[1]

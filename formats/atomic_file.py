@@ -1,0 +1,46 @@
+"""Files that are either the old version or the new one, never half of either.
+
+Data goes to a hidden temporary name beside the target (``.NAME.tmp-PID``, one per process), is
+fsynced, renamed over the target, and the folder is fsynced so the rename itself survives a power
+cut. A failed write removes its temporary file; one left by a process killed mid-write carries
+its pid, so the next writer can tell it is stale (``formats.profile_file``).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def temp_name(path: Path, pid: int | None = None) -> Path:
+    """Where ``write_atomic`` writes ``path`` before the rename."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid() if pid is None else pid}")
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> Path:
+    path = Path(path)
+    tmp = temp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename inside ``folder`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
