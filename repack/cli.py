@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("sparkpack.repack.verify_cmd", "verify_cmd"),
     "calibrate": ("sparkpack.repack.calibrate_cmd", "calibrate_cmd"),
     "report": ("sparkpack.repack.report_cmd", "report_cmd"),
+    "export": ("sparkpack.repack.export_cmd", "export_cmd"),
 }
 
 
