@@ -8,15 +8,16 @@ so ``counts / tokens`` stays a per-token rate (``formats.placement.expert_scores
 chosen from it follows the recent mix. Steady state holds ``1 / (1 - d)`` (about
 ``1.44 x half_life_tokens``) tokens' worth of traffic.
 
-Why ``HALF_LIFE_TOKENS``: measured on tiny synthetic models replaying the real corpora
-(docs/FORMAT.md, "Decay"): after a switch from one corpus to another, the learned placement's
-cold-hit rate on the new traffic comes within 10% of the new corpus's own calibrated placement
-after about one half-life, while on stationary traffic a half-life of a few thousand routings
-per expert keeps the placement as good as an undecayed one (sampling noise of the counts is
-what a short memory costs). The default gives every expert of a 256-expert top-8 model
-about ``HALF_LIFE_TOKENS * 8 / 256`` routings of memory, and at the ~150-300k tokens an hour a
-coding agent feeds a local server (new prompt tokens after prefix reuse, plus generated ones) a
-change of work moves the placement within about an hour or two.
+Why ``HALF_LIFE_TOKENS`` = 200k (measured with ``bench/decay_half_life.py`` on recorded traces of
+tiny synthetic models over the real corpora; docs/FORMAT.md, "Decay", has the tables): the
+placement's sampling noise stays under 1% of the cold-hit rate once every expert has a few
+thousand routings of memory, which a 256-expert top-8 model (Qwen3.5/3.6) reaches at a half-life
+of 50-100k tokens; 200k gives it ~9000 (``1.44 x 200k x 8 / 256``), margin for flatter layers. After
+a switch of corpus, 90% of the gap between the old and the new traffic's placement closed
+within 0.2-4.5 half-lives (about one typically). A coding agent feeding a local server processes
+~150-600k tokens an active hour (the new suffix of each turn after prefix reuse, 1-5k tokens,
+plus a few hundred generated, every 10-30 s), so a change of work moves the placement within
+about an hour, two or three at worst, and a ten-minute detour (~50k tokens) weighs only ~16%.
 """
 from __future__ import annotations
 
