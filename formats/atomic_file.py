@@ -44,3 +44,14 @@ def fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a temporary file named for it may still be written)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .archs import ModelSpec
+from .atomic_file import pid_alive
 from .errors import FormatError, SparkpackError
 from .experts import expert_slices, expert_tensor_names
 from .gguf_file import GGUFModel
@@ -94,19 +95,9 @@ def remove_stale_tmp(out: Path) -> None:
             pid = int(p.name.rsplit("-", 1)[1])
         except ValueError:
             continue
-        if pid == os.getpid() or _alive(pid):
+        if pid == os.getpid() or pid_alive(pid):
             continue
         shutil.rmtree(p, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _sync_dir_tree(path: Path) -> None:

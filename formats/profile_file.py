@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .archs import ModelSpec
+from .atomic_file import pid_alive
 from .errors import SparkpackError
 from .profile import ModelIdentity, Profile
 
@@ -77,7 +78,7 @@ class ProfileFile:
         removed = []
         for tmp in self.path.parent.glob(f".{self.path.name}.tmp-*"):
             pid = tmp.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and not _alive(int(pid)):
+            if pid.isdigit() and not pid_alive(int(pid)):
                 tmp.unlink(missing_ok=True)
                 removed.append(tmp)
         return removed
@@ -113,13 +114,3 @@ def saved_at_exit(file: ProfileFile, snapshot: Callable[[], Profile]) -> Iterato
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
