@@ -123,6 +123,7 @@ def bootstrap(learner: DecayedRouting, replayer: Replayer, paths: Iterable[Path]
         if stop is not None and stop.is_set():
             raise _Stopped
 
+    replayer.model.experts = replayer.counter  # (again: an earlier bootstrap with this replayer unwrapped it)
     try:
         replayer.replay(_conversations(paths, stats), state, max_tokens=max_tokens, after_each=after_each)
     except _Stopped:

@@ -121,3 +121,9 @@ def test_stop_ends_after_the_current_conversation(home, model):
     stop.set()
     res = bootstrap(learner, replayer, bootstrap_files("auto", home), stop=stop)
     assert res.stopped and res.sessions == 1 and replayer.model.experts is replayer.counter.inner
+    before = sum(c.sum() for c in learner.profile().counts.values())
+    again = bootstrap(learner, replayer, bootstrap_files("auto", home))  # the same replayer serves again
+    spec = model_spec(GGUFModel(model))
+    added = sum(c.sum() for c in learner.profile().counts.values()) - before
+    assert again.sessions == 2 and learner.tokens_seen == res.tokens + again.tokens
+    assert added == pytest.approx(again.tokens * len(spec.moe_layers) * spec.n_expert_used, rel=0.01)
