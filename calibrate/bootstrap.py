@@ -91,6 +91,7 @@ class BootstrapResult:
     files: int = 0
     skipped: Counter[str] = field(default_factory=Counter)
     stopped: bool = False  # ``stop`` was set, or ``max_tokens`` was reached
+    done: list[str] = field(default_factory=list)  # ids of the conversations consumed (``skip`` resumes after them)
 
     def summary(self) -> str:
         line = (f"learned from {self.sessions} sessions" + (f" and {self.documents} documents" if self.documents else "")
@@ -101,14 +102,16 @@ class BootstrapResult:
 
 
 def bootstrap(learner: DecayedRouting, replayer: Replayer, paths: Iterable[Path], *, max_tokens: int | None = None,
-              stop: threading.Event | None = None) -> BootstrapResult:
+              stop: threading.Event | None = None, skip: Iterable[str] = ()) -> BootstrapResult:
     """Replay the conversations in ``paths`` (in that order) through ``replayer``'s model and
     teach ``learner`` each one's routings, prompt and generated sides apart, as it goes.
 
-    ``stop`` (set from another thread: the server starting to serve, Ctrl-C) ends it after the
-    conversation being replayed. The replayer wraps the model's expert provider while it runs;
+    ``stop`` (set from another thread: a request arriving, Ctrl-C) ends it after the conversation
+    being replayed; a later call with ``skip=result.done`` goes on from there, so a server can
+    bootstrap in the background between requests. The replayer wraps the model's expert provider while it runs;
     the wrapper is removed before returning, so a model used afterwards is the model as it was."""
     result = BootstrapResult()
+    skip = list(skip)
     stats: list[ReadStats] = []
     state = ReplayState(counts=np.zeros((2, *learner.shape), dtype=np.int64))
     seen = [state.counts, 0, 0]  # counts, prompt tokens, generated tokens at the last conversation
@@ -125,13 +128,15 @@ def bootstrap(learner: DecayedRouting, replayer: Replayer, paths: Iterable[Path]
 
     replayer.model.experts = replayer.counter  # (again: an earlier bootstrap with this replayer unwrapped it)
     try:
-        replayer.replay(_conversations(paths, stats), state, max_tokens=max_tokens, after_each=after_each)
+        replayer.replay(_conversations(paths, stats), state, max_tokens=max_tokens, after_each=after_each,
+                        skip=skip)
     except _Stopped:
         result.stopped = True
     finally:
         replayer.model.experts = replayer.counter.inner
     result.sessions, result.documents, result.tokens = state.conversations, state.documents, state.total_tokens
     result.stopped |= state.truncated
+    result.done = skip + state.done
     result.files = sum(s.files for s in stats)
     result.skipped = state.skipped + sum((s.skipped for s in stats), Counter())
     return result
