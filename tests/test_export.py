@@ -198,3 +198,36 @@ def test_cli_prints_paste_ready_arguments_and_rates(synth_model, tmp_path):
     other = synth_model("qwen3moe", skew="reference", seed=2)
     r = export(other, "--llama-cpp", "--vram", "2GiB", "--profile", tmp_path / "tiny.profile.json")
     assert r.returncode == 1 and "profile is for another model" in r.stderr
+
+
+def test_llama_cpp_places_what_the_export_says(synth_model, tmp_path):
+    """The referee: llama.cpp itself loads a tiny model with the exported arguments. Its debug log
+    names every tensor an override sent to the CPU, and its KV / recurrent-state sizes must be
+    ours; on a CUDA build its GPU model buffer must be the weights we counted there. Needs a
+    llama.cpp ``llama-completion`` (or ``llama-cli``) binary in SPARKPACK_LLAMA_CLI."""
+    exe = os.environ.get("SPARKPACK_LLAMA_CLI")
+    if not exe:
+        pytest.skip("SPARKPACK_LLAMA_CLI is not set (path to a llama.cpp llama-completion binary); the patterns "
+                    "are still checked in Python re and std::regex above")
+    mib = 1024 * 1024
+    for arch in ("qwen3moe", "qwen35moe", "laguna"):
+        path = synth_model(arch, skew="reference")
+        gguf = GGUFModel(path)
+        spec = model_spec(gguf)
+        tensors = {n: t.nbytes for n, t in gguf.tensors.items()}
+        probe = plan_llama_cpp(tensors, spec, 1 << 40, 1000, reserve=0)
+        two = probe.gpu_weights + probe.kv + sum(sorted(probe.expert_layer_bytes.values())[:2])
+        plan = plan_llama_cpp(tensors, spec, two, 1000, reserve=0)
+        assert len(plan.gpu_layers) == 2 and plan.cpu_layers
+        out = subprocess.run([exe, "-m", str(path), *plan.args(), "-fit", "off", "-n", "1", "-p", "hi", "-no-cnv",
+                              "--verbose"], capture_output=True, text=True, timeout=300)
+        log = out.stdout + out.stderr
+        assert out.returncode == 0, log[-2000:]
+        moved = set(re.findall(r"tensor (\S+) \(.*\) buffer type overridden to CPU", log))
+        assert moved == expert_names(spec, plan.cpu_layers), arch
+        sizes = [float(x) for x in re.findall(r"(?:llama_kv_cache|llama_memory_recurrent): size = +([\d.]+) MiB", log)]
+        assert sizes and abs(sum(sizes) - plan.kv / mib) <= 0.006 * len(sizes), (arch, sizes, plan.kv / mib)
+        gpu = re.findall(r"CUDA0 model buffer size = +([\d.]+) MiB", log)
+        if gpu:
+            on_gpu = plan.gpu_weights + sum(plan.expert_layer_bytes[il] for il in plan.gpu_layers)
+            assert abs(float(gpu[-1]) - on_gpu / mib) <= 0.05, (arch, gpu, on_gpu / mib)
