@@ -36,7 +36,7 @@ def learned(synth_model, tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("report")
     model = root / "tiny.gguf"
     model.write_bytes(synth_model("qwen35moe", skew="reference").read_bytes())
-    invoke(model, "--corpus", REPO / "corpora")
+    invoke(model, "--corpus", REPO / "corpora", "--max-tokens", "3000")  # README.md, then chats
     held = root / "held.jsonl"
     held.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in [
         "Write a Python function that parses ISO dates and explain the edge cases.",
