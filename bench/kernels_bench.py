@@ -12,7 +12,8 @@ shape, so a fast wrong kernel cannot pass.
     python bench/kernels_bench.py --only dense --gemv-tiles 4,4 8,4 2,2   # one-token dense GEMV
     python bench/kernels_bench.py --only moe dense --act float q8   # float vs int8 activations
     python bench/kernels_bench.py --only attention --attn-buffers 4096 32768   # decode attention
-    python bench/kernels_bench.py --only prefill-attention --prefill-tokens 512 2048   # prefill attention
+    python bench/kernels_bench.py --only prefill-attention --prefill-tokens 2048 --prefill-past 0 16384 32768
+    python bench/kernels_bench.py --only deltanet --prefill-tokens 2048 --norm-rows 4 16 64   # DeltaNet prefill
 
 Needs only torch and triton (no gguf): blocks are generated and dequantized by
 ``runtime.kernels.reference``. Run from anywhere; the repository root is put on sys.path.
@@ -25,6 +26,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
 from sparkpack.runtime.kernels import dense
@@ -239,7 +241,7 @@ def bench_dense(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator)
 
 
 # (name, query heads, kv heads, head size, rope dims): Qwen3.6-35B-A3B, Qwen3-30B-A3B
-ATTN_SHAPES = [("qwen3.6", 16, 2, 256, 64), ("qwen3-30b", 32, 4, 128, 128)]
+ATTN_SHAPES = [("qwen3.6", 16, 2, 256, 64), ("qwen3-30b", 32, 4, 128, 128), ("laguna", 64, 8, 128, 64)]
 
 
 def bench_attention(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator) -> bool:
@@ -308,37 +310,93 @@ def bench_attention(args: argparse.Namespace, copy_gbs: float, gen: torch.Genera
 
 
 def bench_prefill_attention(args: argparse.Namespace, gen: torch.Generator) -> bool:
-    """A prefill call's attention: ``attend_prefill`` (one Triton launch, the position read from
-    memory: what a captured prefill call runs) against what an eager call runs, torch's fused
-    causal attention from position 0 (``_causal_sdpa``) and the unfused form over a past
-    (``attend_buffers``), for calls of ``--prefill-tokens`` at position 0 and after as many
-    earlier tokens. Checked against the unfused form in fp32."""
+    """A prefill call's attention after ``--prefill-past`` earlier tokens: ``attend_prefill`` (one
+    Triton launch), torch's fused attention with a lower-right causal mask (``sdpa-lr``: what
+    cuDNN/flash/efficient kernels take for a query block at the end of its keys) and the unfused
+    form in pieces (``attend_buffers`` over a past: what an eager call ran before). The past
+    grows with a long prompt, so the form that wins at 32k decides a long prompt's prefill. Each
+    checked against the unfused form in fp32 where that fits (past <= 16k)."""
+    from torch.nn.attention.bias import causal_lower_right
+
     from sparkpack.runtime.kernels.attention import attend_prefill
     from sparkpack.runtime.layers import _attend, attend_buffers
 
+    def sdpa_lr(q, k, v):
+        T, S = q.shape[0], k.shape[1]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
+                                             attn_mask=causal_lower_right(T, S), enable_gqa=True)
+        return out[0].transpose(0, 1)
+
     ok = True
-    print(f"{'shape':10} {'T':>5} {'past':>5} {'triton us':>9} {'eager us':>9} {'eager form':>10} {'rel-L2':>9}")
+    print(f"{'shape':10} {'T':>5} {'past':>6} {'triton ms':>9} {'sdpa-lr ms':>10} {'unfused ms':>10} "
+          f"{'rel-L2 tri':>10} {'rel-L2 sdpa':>11}")
     dt = torch.bfloat16
     for name, H, H_kv, d, _ in ATTN_SHAPES:
         for T in args.prefill_tokens:
-            for past in (0, T):
+            for past in args.prefill_past:
                 S = past + T
                 q = torch.randn(T, H, d, generator=gen, device="cuda").to(dt)
                 k, v = (torch.randn(H_kv, S, d, generator=gen, device="cuda").to(dt) for _ in range(2))
                 pos = torch.tensor(past, device="cuda")
-                got = attend_prefill(q, k, v, pos)
-                at = torch.arange(past, S, device="cuda")
-                want = _attend(q.float(), k.float(), v.float(), at[:, None], torch.arange(S, device="cuda")[None, :], 0)
-                err = rel_l2(got.float(), want)
-                good = err < 2e-2
-                ok &= good
-                ours = median_ms(lambda: attend_prefill(q, k, v, pos))
-                eager = median_ms(lambda: attend_buffers(q, k, v, past))
-                form = "sdpa" if past == 0 else "unfused"
-                print(f"{name:10} {T:5} {past:5} {ours * 1e3:9.1f} {eager * 1e3:9.1f} {form:>10} "
-                      f"{err:9.2e}{'' if good else '  FAIL'}")
+                errs = []
+                for fn in (lambda: attend_prefill(q, k, v, pos), lambda: sdpa_lr(q, k, v)):
+                    try:
+                        got = fn()
+                    except RuntimeError as e:  # a backend that refuses the shape
+                        errs.append(f"n/a ({str(e)[:30]})")
+                        continue
+                    if S <= 16384 + 2048:
+                        at = torch.arange(past, S, device="cuda")
+                        want = _attend(q.float(), k.float(), v.float(), at[:, None],
+                                       torch.arange(S, device="cuda")[None, :], 0)
+                        err = rel_l2(got.float(), want)
+                        ok &= err < 2e-2
+                        errs.append(f"{err:.2e}")
+                    else:
+                        errs.append("-")
+                tri = median_ms(lambda: attend_prefill(q, k, v, pos))
+                try:
+                    lr = f"{median_ms(lambda: sdpa_lr(q, k, v)):10.2f}"
+                except RuntimeError:
+                    lr = f"{'n/a':>10}"
+                unf = median_ms(lambda: attend_buffers(q, k, v, past)) if past else float("nan")
+                print(f"{name:10} {T:5} {past:6} {tri:9.2f} {lr} {unf:10.2f} {errs[0]:>10} {errs[-1]:>11}")
                 del q, k, v
     return ok
+
+
+def bench_deltanet_prefill(args: argparse.Namespace, gen: torch.Generator) -> bool:
+    """The DeltaNet prefill kernels at the Qwen3.6 shape (32 value heads of 128, 16 key heads)
+    for calls of ``--prefill-tokens``: input prep, the chunked rule, the gated norm (with each
+    ``--norm-rows`` rows per program: the launch that took 20 of 224 ms of a 2048-token call)."""
+    from sparkpack.runtime.kernels import deltanet as dn
+
+    n_k, n_v, d_k, d_v = 16, 32, 128, 128
+    print(f"{'T':>5} {'prep ms':>8} {'chunked ms':>10} " + " ".join(f"{'norm/' + str(r):>9}" for r in args.norm_rows))
+    for T in args.prefill_tokens:
+        q, k = (F.normalize(torch.randn(T, n_v, d_k, generator=gen, device="cuda"), dim=-1) for _ in range(2))
+        v = torch.randn(T, n_v, d_v, generator=gen, device="cuda")
+        g = -torch.rand(T, n_v, generator=gen, device="cuda") * 0.1
+        beta = torch.rand(T, n_v, generator=gen, device="cuda")
+        state = torch.zeros(n_v, d_k, d_v, device="cuda")
+        chunked = median_ms(lambda: dn.deltanet_chunked(q, k, v, g, beta, state, 64))
+        qkv = torch.randn(T, 2 * n_k * d_k + n_v * d_v, generator=gen, device="cuda").to(torch.bfloat16)
+        ba = torch.randn(T, 2 * n_v, generator=gen, device="cuda").to(torch.bfloat16)
+        conv_w = torch.randn(qkv.shape[1], 4, generator=gen, device="cuda")
+        win = torch.zeros(3, qkv.shape[1], device="cuda", dtype=torch.bfloat16)
+        dtb, a = torch.randn(n_v, device="cuda"), -torch.rand(n_v, device="cuda")
+        prep = median_ms(lambda: dn.deltanet_prefill_inputs(qkv, ba[:, :n_v], ba[:, n_v:], dtb, a, conv_w, win,
+                                                             n_k, d_k, n_v))
+        o = torch.randn(T, n_v, d_v, generator=gen, device="cuda")
+        z = torch.randn(T, n_v * d_v, generator=gen, device="cuda").to(torch.bfloat16)
+        w = torch.randn(d_v, device="cuda")
+        norms = []
+        ref = dn.gated_rms_norm(o, z, w, 1e-6, rows=4)
+        for r in args.norm_rows:
+            assert torch.equal(dn.gated_rms_norm(o, z, w, 1e-6, rows=r), ref)
+            norms.append(median_ms(lambda: dn.gated_rms_norm(o, z, w, 1e-6, rows=r)))
+        print(f"{T:5} {prep:8.3f} {chunked:10.3f} " + " ".join(f"{n:9.3f}" for n in norms))
+    return True
 
 
 def main() -> None:
@@ -359,8 +417,12 @@ def main() -> None:
                     help="one-token activations: float, or int8 (q8dot) for the MoE and dense kernels")
     ap.add_argument("--attn-buffers", nargs="+", type=int, default=[4096, 32768],
                     help="KV buffer sizes (positions) for the attention kernels")
-    ap.add_argument("--only", choices=["qmatvec", "moe", "prefill", "dense", "attention", "prefill-attention"],
-                    nargs="+", default=["qmatvec", "moe", "prefill", "dense", "attention", "prefill-attention"])
+    ap.add_argument("--prefill-past", nargs="+", type=int, default=[0, 2048, 16384],
+                    help="prefill attention: earlier tokens before the call")
+    ap.add_argument("--norm-rows", nargs="+", type=int, default=[4, 16, 64],
+                    help="deltanet: rows per program of the gated norm")
+    kinds = ["qmatvec", "moe", "prefill", "dense", "attention", "prefill-attention", "deltanet"]
+    ap.add_argument("--only", choices=kinds, nargs="+", default=kinds)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernels_bench needs a CUDA device")
@@ -381,6 +443,8 @@ def main() -> None:
         ok &= bench_attention(args, copy_gbs, gen)
     if "prefill-attention" in args.only:
         ok &= bench_prefill_attention(args, gen)
+    if "deltanet" in args.only:
+        ok &= bench_deltanet_prefill(args, gen)
     sys.exit(0 if ok else 1)
 
 

@@ -3,6 +3,7 @@
 \b
   spark-run model.gguf -p "question"        one answer, chat template applied
   spark-run model.gguf -p "text" --raw      plain continuation, no template
+  spark-run model.gguf --prompt-file p.md   the prompt from a file (long agent prompts)
   spark-run model.gguf                      interactive chat (keeps the history)
   spark-run model.gguf --prompt-ids 1,2,3 --logits-out l.npy
                                             logits [n_ids, vocab] of exactly those ids
@@ -138,7 +139,11 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
 @click.option("-p", "--prompt", help="Prompt text (chat template applied unless --raw).")
 @click.option("--system", help="System message for chat prompts.")
 @click.option("--raw", is_flag=True, help="Feed the prompt as plain text, without the chat template.")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Read the prompt text from this file (long prompts: one argument is limited by the OS).")
 @click.option("--prompt-ids", help="Comma-separated token ids fed exactly (no BOS, no template).")
+@click.option("--prompt-ids-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Read --prompt-ids from this file (comma- or whitespace-separated).")
 @click.option("--logits-out", type=click.Path(dir_okay=False, path_type=Path),
               help="With --prompt-ids: write float32 logits [n_ids, vocab] to this .npy and exit.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
@@ -179,12 +184,17 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
 @click.option("--min-p", type=click.FloatRange(0, 1), default=0.05, show_default=True)
 @click.option("--repeat-penalty", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None, help="Sampling seed (default: random).")
-def run_cmd(model_path: Path, prompt: str | None, system: str | None, raw: bool, prompt_ids: str | None,
+def run_cmd(model_path: Path, prompt: str | None, prompt_file: Path | None, system: str | None, raw: bool,
+            prompt_ids: str | None, prompt_ids_file: Path | None,
             logits_out: Path | None, device: str, dtype_name: str, expert_cache: int, vram: int | None,
             hot_fraction: float | None, cache_slots: int | None, profile_path: Path | None, stream_mode: str,
             prefetch: bool, host_ram: int | None, ctx: int, kv_type: str, prefill_chunk: int, use_store: bool | None, stats_json: Path | None, max_tokens: int,
             temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
             seed: int | None) -> None:
+    prompt = _from_file(prompt, prompt_file, "-p/--prompt", "--prompt-file")
+    prompt_ids = _from_file(prompt_ids, prompt_ids_file, "--prompt-ids", "--prompt-ids-file")
+    if prompt_ids is not None:
+        prompt_ids = ",".join(prompt_ids.replace(",", " ").split())
     if logits_out is not None and prompt_ids is None:
         raise SparkpackError(None, "--logits-out needs --prompt-ids")
     if prompt_ids is not None and prompt is not None:
@@ -221,12 +231,26 @@ def run_cmd(model_path: Path, prompt: str | None, system: str | None, raw: bool,
         report_stats(model, session, stats_json)
 
 
+def _from_file(value: str | None, path: Path | None, flag: str, file_flag: str) -> str | None:
+    """The option's text, or the file's when ``file_flag`` was given instead."""
+    if path is None:
+        return value
+    if value is not None:
+        raise SparkpackError(None, f"give either {flag} or {file_flag}, not both")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise SparkpackError(path, "is not UTF-8 text") from None
+
+
 def run_session(model, prompt, system, raw, prompt_ids, logits_out, max_tokens, sampler, ctx: int,
                 kv_type: str = "auto", prefill_chunk: int = PREFILL_CHUNK):
     """The run itself; returns the generation session (for statistics) or None."""
     from .generate import Session
 
     session = Session(model, ctx=ctx, kv_type=kv_type, prefill_chunk=prefill_chunk)
+    if model.device.type == "cuda" and logits_out is None:  # kernels and graphs ready before the prompt
+        click.echo(f"warmed up in {session.warm_up():.2f} s", err=True)
     if prompt_ids is not None:
         ids = parse_ids(prompt_ids, model.spec.n_vocab)
         if logits_out is not None:

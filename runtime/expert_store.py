@@ -613,6 +613,13 @@ class ExpertStore:
         else:
             self._read_counts(n_tokens)
 
+    def forget_traffic(self) -> None:
+        """Drop what the store learned from the tokens so far (statistics, decayed routing counts
+        for cache admission): a session's warm-up runs dummy tokens that must teach nothing."""
+        _ = self.stats  # reads counts still on the device or pending, so none leak into later stats
+        self.freq[:] = 0
+        self.stats = StoreStats()
+
     @property
     def stats(self) -> StoreStats:
         """The run's counts, up to the last token (reading counts an all-hot store left on the

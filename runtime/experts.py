@@ -30,6 +30,10 @@ class ExpertProvider(Protocol):
         """SwiGLU output ``[n, n_embd]`` of one expert for rows ``x [n, n_embd]``."""
         ...
 
+    def forget_traffic(self) -> None:
+        """Forget routing statistics gathered so far (a session's warm-up tokens)."""
+        ...
+
 
 class GGUFExperts:
     """Experts dequantized per (layer, expert) from the GGUF bytes, on first use."""
@@ -71,6 +75,9 @@ class GGUFExperts:
 
     def forward(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
         return swiglu(x, *self.weights(layer, expert))
+
+    def forget_traffic(self) -> None:
+        """Nothing to forget: this provider keeps no routing statistics."""
 
 
 class PackExperts(GGUFExperts):

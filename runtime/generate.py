@@ -15,7 +15,7 @@ import torch
 
 from sparkpack.formats.memory import PREFILL_CHUNK, PREFILL_GRAPH_TOKENS
 
-from .graph import DecodeGraph, PrefillGraphs, capturable, feeds_short_calls, prefill_is_padded
+from .graph import PREFILL_SIZES, DecodeGraph, PrefillGraphs, capturable, feeds_short_calls, prefill_is_padded
 from .models.base import MoEModel
 
 
@@ -62,12 +62,49 @@ class Session:
         self.graph: DecodeGraph | None = None
         self.timing = Timing()
         self.cache = model.new_cache(ctx, kv_type)
+        self.cache_ctx = ctx
         # short prefill calls padded to a few sizes and (with graphs) captured: runtime.graph
         self.prefill = PrefillGraphs(model, self.cache, self.use_graphs) if prefill_is_padded(model, self.cache) else None
         # Calls of at most PREFILL_GRAPH_TOKENS on such models even when the store cannot be
         # captured: the --vram plan counts those calls' temporaries, not prefill_chunk's.
         self.short_calls = feeds_short_calls(model, self.cache)
         self.fed: list[int] = []
+
+    def warm_up(self) -> float:
+        """Run every call shape a first prompt and its reply will use on dummy tokens, then forget
+        them; returns the seconds it took. Why: the first call of each shape compiles (or loads)
+        its Triton kernels, grows the allocator and captures its CUDA graph, and a user's first
+        prompt paid that: on the GPU machine a one-shot 8192-token prompt of the Qwen3.6 shape
+        prefilled at ~4000 tok/s against ~10000 warm (BENCHMARKS.md). Shapes: a full prefill
+        chunk and a short one after it (eager sessions; a count that is not a multiple of 16 is
+        another kernel variant), or every padded call size (``PrefillGraphs``), then two decode
+        steps (capture, replay). The expert store's counts and cache admission forget the dummy
+        traffic; results never depend on any of it."""
+        t0 = time.perf_counter()
+        n_vocab = self.model.spec.n_vocab
+        room = max(2, self.cache_ctx - 2)
+        dummy = torch.randint(0, n_vocab, (room + 64,), generator=torch.Generator().manual_seed(0)).tolist()
+        if self.prefill is not None:
+            for size in PREFILL_SIZES:
+                if size + 1 <= room:
+                    self.reset()
+                    self.feed(dummy[:size])
+            sizes = [min(room - 1, 37)]
+        else:
+            sizes = [min(self.prefill_chunk, room - 38), 37]
+        self.reset()
+        ids: list[int] = []
+        for n in sizes:
+            if n > 0 and len(ids) + n + 2 <= room:
+                ids += dummy[len(ids): len(ids) + n]
+                self.feed(ids)
+        for _ in range(2):
+            ids.append(dummy[len(ids)])
+            self.feed(ids)
+        self.reset()
+        self.timing = Timing()
+        self.model.experts.forget_traffic()
+        return time.perf_counter() - t0
 
     def reset(self) -> None:
         """Forget the sequence; buffers (and the captured decode step and prefill calls) are kept

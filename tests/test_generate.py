@@ -465,3 +465,36 @@ def test_prefill_temporaries_stay_within_the_plan(synth_model, arch):
         torch.cuda.synchronize()
         planned = min(chunk, PREFILL_GRAPH_TOKENS) if session.short_calls else chunk  # what open_store plans
         assert torch.cuda.max_memory_allocated() - base <= prefill_activation_bytes(model.spec, planned, 2048)
+
+
+def test_warm_up_leaves_no_trace(qwen35):
+    """A warmed-up session gives the bits of a fresh one and reports no warm-up tokens: the
+    dummy prompt is forgotten (cache, timing, store statistics)."""
+    model = load_model(qwen35, store=StoreOptions(hot_fraction=0.5, cache_slots=2))
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    fresh = Session(model, ctx=128, prefill_chunk=8).feed(ids)
+    model.experts.forget_traffic()
+    warm = Session(model, ctx=128, prefill_chunk=8)
+    assert warm.warm_up() > 0
+    assert warm.timing.prefill_tokens == 0 and warm.fed == [] and model.experts.stats.tokens == 0
+    assert torch.equal(warm.feed(ids), fresh)
+    assert model.experts.stats.tokens == len(ids)
+
+
+def test_prompt_and_ids_from_files(qwen, tmp_path, monkeypatch, capsys):
+    """A 32k-token prompt is more than the OS takes as one argument: files give the same run."""
+    ids = [5, 17, 42, 99, 7, 3]
+    args = ["--max-tokens", "3", "--temperature", "0"]
+    code, want, _ = run_cli([str(qwen), "--prompt-ids", ",".join(map(str, ids)), *args], monkeypatch, capsys)
+    assert code == 0
+    f = tmp_path / "ids.txt"
+    f.write_text("5, 17 42\n99,7\t3\n")
+    code, got, _ = run_cli([str(qwen), "--prompt-ids-file", str(f), *args], monkeypatch, capsys)
+    assert code == 0 and got == want
+    text = tmp_path / "p.md"
+    text.write_text("Fix the failing test in utils.py\n")
+    code, want, _ = run_cli([str(qwen), "-p", text.read_text(), *args], monkeypatch, capsys)
+    code2, got, _ = run_cli([str(qwen), "--prompt-file", str(text), *args], monkeypatch, capsys)
+    assert code == code2 == 0 and got == want
+    code, _, err = run_cli([str(qwen), "--prompt-file", str(text), "-p", "x"], monkeypatch, capsys)
+    assert code == 1 and "either -p/--prompt or --prompt-file" in err and "Traceback" not in err

@@ -263,3 +263,29 @@ def test_captured_prefill_replays_the_eager_padded_calls(model_path, hot_fractio
     plain, _ = eager_prefill(model, seqs[0], 64)
     for g, w in zip(got[:2], plain):
         assert (g.float() - w.float()).norm() < 3e-2 * w.float().norm()
+
+
+@cuda
+def test_warm_up_captures_before_the_prompt_and_changes_no_bit(model_path):
+    """After ``Session.warm_up`` a prompt and its reply run on graphs captured beforehand (no
+    capture inside the user's prompt or first decode step), with the bits of an unwarmed session."""
+    model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
+                       store=StoreOptions(hot_fraction=0.5, cache_slots=4, mode="zerocopy"))
+    tok_ref, log_ref, _ = greedy(model, True, ctx=1024)
+    warm = Session(model, ctx=1024)
+    warm.warm_up()
+    if warm.prefill is not None:
+        assert warm.prefill.captures == sum(1 for s in PREFILL_SIZES if s + 1 <= 1022)
+    captures = (warm.graph.captures if warm.graph is not None else 0,
+                warm.prefill.captures if warm.prefill is not None else 0)
+    ids = list(PROMPT)
+    logits = warm.feed(ids)
+    steps = []
+    for _ in range(12):
+        ids.append(int(torch.argmax(logits)))
+        logits = warm.feed(ids)
+        steps.append(logits)
+    assert ids[len(PROMPT):] == tok_ref and torch.equal(torch.stack(steps), log_ref)
+    assert (warm.graph.captures if warm.graph is not None else 0,
+            warm.prefill.captures if warm.prefill is not None else 0) == captures
+    assert warm.timing.capture_seconds == 0
