@@ -13,7 +13,7 @@ shape, so a fast wrong kernel cannot pass.
     python bench/kernels_bench.py --only moe dense --act float q8   # float vs int8 activations
     python bench/kernels_bench.py --only attention --attn-buffers 4096 32768   # decode attention
     python bench/kernels_bench.py --only prefill-attention --prefill-tokens 2048 --prefill-past 0 16384 32768
-    python bench/kernels_bench.py --only deltanet --prefill-tokens 2048 --norm-rows 4 16 64   # DeltaNet prefill
+    python bench/kernels_bench.py --only deltanet --prefill-tokens 2048   # DeltaNet prefill kernels
 
 Needs only torch and triton (no gguf): blocks are generated and dequantized by
 ``runtime.kernels.reference``. Run from anywhere; the repository root is put on sys.path.
@@ -366,13 +366,14 @@ def bench_prefill_attention(args: argparse.Namespace, gen: torch.Generator) -> b
 
 
 def bench_deltanet_prefill(args: argparse.Namespace, gen: torch.Generator) -> bool:
-    """The DeltaNet prefill kernels at the Qwen3.6 shape (32 value heads of 128, 16 key heads)
-    for calls of ``--prefill-tokens``: input prep, the chunked rule, the gated norm (with each
-    ``--norm-rows`` rows per program: the launch that took 20 of 224 ms of a 2048-token call)."""
+    """The DeltaNet prefill kernels at the Qwen3.6 shape (32 value heads of 128, 16 key heads) for
+    calls of ``--prefill-tokens``: input prep, the chunked rule, the gated norm. Timed one by one
+    (a profile of a whole call with programmatic dependent launch counts each kernel's wait for
+    the previous one as its own time)."""
     from sparkpack.runtime.kernels import deltanet as dn
 
     n_k, n_v, d_k, d_v = 16, 32, 128, 128
-    print(f"{'T':>5} {'prep ms':>8} {'chunked ms':>10} " + " ".join(f"{'norm/' + str(r):>9}" for r in args.norm_rows))
+    print(f"{'T':>5} {'prep ms':>8} {'chunked ms':>10} {'norm ms':>8}")
     for T in args.prefill_tokens:
         q, k = (F.normalize(torch.randn(T, n_v, d_k, generator=gen, device="cuda"), dim=-1) for _ in range(2))
         v = torch.randn(T, n_v, d_v, generator=gen, device="cuda")
@@ -390,12 +391,8 @@ def bench_deltanet_prefill(args: argparse.Namespace, gen: torch.Generator) -> bo
         o = torch.randn(T, n_v, d_v, generator=gen, device="cuda")
         z = torch.randn(T, n_v * d_v, generator=gen, device="cuda").to(torch.bfloat16)
         w = torch.randn(d_v, device="cuda")
-        norms = []
-        ref = dn.gated_rms_norm(o, z, w, 1e-6, rows=4)
-        for r in args.norm_rows:
-            assert torch.equal(dn.gated_rms_norm(o, z, w, 1e-6, rows=r), ref)
-            norms.append(median_ms(lambda: dn.gated_rms_norm(o, z, w, 1e-6, rows=r)))
-        print(f"{T:5} {prep:8.3f} {chunked:10.3f} " + " ".join(f"{n:9.3f}" for n in norms))
+        norm = median_ms(lambda: dn.gated_rms_norm(o, z, w, 1e-6))
+        print(f"{T:5} {prep:8.3f} {chunked:10.3f} {norm:8.3f}")
     return True
 
 
@@ -419,8 +416,6 @@ def main() -> None:
                     help="KV buffer sizes (positions) for the attention kernels")
     ap.add_argument("--prefill-past", nargs="+", type=int, default=[0, 2048, 16384],
                     help="prefill attention: earlier tokens before the call")
-    ap.add_argument("--norm-rows", nargs="+", type=int, default=[4, 16, 64],
-                    help="deltanet: rows per program of the gated norm")
     kinds = ["qmatvec", "moe", "prefill", "dense", "attention", "prefill-attention", "deltanet"]
     ap.add_argument("--only", choices=kinds, nargs="+", default=kinds)
     args = ap.parse_args()
