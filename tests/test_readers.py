@@ -359,3 +359,35 @@ def test_unreadable_file_is_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert len(convs) == 1 and stats.skipped == {"unreadable file": 1}
     with pytest.raises(SparkpackError, match=r"a\.jsonl: unreadable file: Permission denied"):
         read(tmp_path, strict=True)
+
+
+# --- compressed logs ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sample", ["claude_code", "codex", "openai_chat.jsonl", "sharegpt.json", "notes.md"])
+def test_gzip_and_zstd_logs_read_like_the_plain_file(tmp_path: Path, sample: str) -> None:
+    """Rotated logs (``x.jsonl.gz``, ``x.jsonl.zst``) are read through a decompressor and their
+    format is that of the name under the compression, not skipped as binary."""
+    import gzip
+
+    import zstandard
+
+    src = SAMPLES / sample
+    src = next(src.iterdir()) if src.is_dir() else src
+    plain, _ = read(src)
+    assert plain
+    for suffix, pack in ((".gz", gzip.compress), (".zst", zstandard.ZstdCompressor().compress)):
+        packed = tmp_path / (src.name + suffix)
+        packed.write_bytes(pack(src.read_bytes()))
+        convs, stats = read(packed)
+        assert stats.skipped == read(src)[1].skipped
+        assert [(c.id, c.messages, c.kind) for c in convs] == [(c.id, c.messages, c.kind) for c in plain]
+
+
+def test_a_damaged_compressed_log_is_counted_or_named(tmp_path: Path) -> None:
+    (tmp_path / "a.jsonl.gz").write_bytes(b"not gzip at all")
+    (tmp_path / "b.jsonl.zst").write_bytes(b"not zstd either")
+    (tmp_path / "c.jsonl").write_text(GOOD + "\n")
+    convs, stats = read(tmp_path)
+    assert len(convs) == 1 and stats.skipped["unreadable file"] == 2
+    with pytest.raises(SparkpackError, match="a.jsonl.gz"):
+        read(tmp_path, strict=True)

@@ -14,7 +14,7 @@ from sparkpack.formats.errors import SparkpackError
 
 from ..conversation import Conversation
 from . import claude_code, codex, datasets_reader, records, text
-from .base import FileContext, ReadStats, iter_jsonl
+from .base import DECOMPRESS_ERRORS, FileContext, ReadStats, iter_jsonl, open_text
 from .detect import detect_file, walk
 
 __all__ = ["read_corpus", "ReadStats", "detect_file"]
@@ -44,8 +44,8 @@ def _stream(root: Path, stats: ReadStats, strict: bool) -> Iterator[Conversation
                 else:
                     stats.conversations += 1
                 yield conv
-        except OSError as e:  # permissions, a file removed while walking, a read error
-            ctx.skip("unreadable file", None, e.strerror or str(e))
+        except DECOMPRESS_ERRORS as e:  # permissions, a file removed while walking, a read error, bad gzip
+            ctx.skip("unreadable file", None, getattr(e, "strerror", None) or str(e) or type(e).__name__)
 
 
 def _read_file(ctx: FileContext, fmt: str) -> Iterator[Conversation]:
@@ -79,7 +79,8 @@ def _jsonl(ctx: FileContext) -> Iterator[Conversation]:
 
 def _json(ctx: FileContext) -> Iterator[Conversation]:
     """A JSON file holds one record or a list of them; JSONL saved as .json is read as JSONL."""
-    raw = ctx.path.read_text(encoding="utf-8", errors="replace")
+    with open_text(ctx.path) as f:
+        raw = f.read()
     try:
         value = json.loads(raw)
     except json.JSONDecodeError as e:

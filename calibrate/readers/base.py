@@ -6,12 +6,16 @@ must not die on line 40 000 of a log, but a user must be able to see what was dr
 """
 from __future__ import annotations
 
+import gzip
+import io
 import json
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+import zstandard
 
 from sparkpack.formats.errors import SparkpackError
 
@@ -76,9 +80,35 @@ class RecordError(ValueError):
         super().__init__(f"{reason}: {detail}" if detail else reason)
 
 
+# Logs are often rotated into compressed files (``session.jsonl.gz``, ``*.zst``): they are read
+# through a decompressor, and their format is that of the name without the compression suffix.
+COMPRESSED_SUFFIXES = (".gz", ".zst", ".zstd")
+# What a damaged compressed file raises while it is read (a truncated gzip stream: EOFError).
+DECOMPRESS_ERRORS = (OSError, EOFError, zstandard.ZstdError)
+
+
+def format_suffix(path: Path) -> str:
+    """``.jsonl`` for ``a.jsonl``, ``a.jsonl.gz`` and ``a.jsonl.zst``."""
+    return Path(path.stem).suffix if path.suffix in COMPRESSED_SUFFIXES else path.suffix
+
+
+def open_bytes(path: Path) -> IO[bytes]:
+    """The file's contents as bytes, decompressed when its name says it is compressed."""
+    if path.suffix == ".gz":
+        return gzip.open(path, "rb")
+    if path.suffix in (".zst", ".zstd"):
+        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+    return open(path, "rb")
+
+
+def open_text(path: Path) -> IO[str]:
+    """UTF-8 text of the (maybe compressed) file; undecodable bytes become U+FFFD."""
+    return io.TextIOWrapper(open_bytes(path), encoding="utf-8", errors="replace")
+
+
 def iter_jsonl(ctx: FileContext) -> Iterator[tuple[int, Any]]:
     """(line number, parsed value) for each non-blank line; bad JSON is skipped and counted."""
-    with open(ctx.path, encoding="utf-8", errors="replace") as f:
+    with open_text(ctx.path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

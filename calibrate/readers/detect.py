@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from . import claude_code, codex
+from .base import format_suffix, open_text
 from .datasets_reader import is_saved_dataset
 from .text import is_binary
 
@@ -22,7 +23,7 @@ SNIFFED_TEXT = {".log", ".txt", ""}
 def sniff_records(path: Path, limit: int = SNIFF_RECORDS) -> list[dict]:
     """Up to ``limit`` leading lines that parse as JSON objects (bad lines ignored here)."""
     out: list[dict] = []
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open_text(path) as f:
         for line in f:
             if len(out) >= limit:
                 break
@@ -36,7 +37,7 @@ def sniff_records(path: Path, limit: int = SNIFF_RECORDS) -> list[dict]:
 
 
 def _starts_with_object(path: Path) -> bool:
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open_text(path) as f:
         first = next((line for line in f if line.strip()), "")
     try:
         return isinstance(json.loads(first), dict)
@@ -45,22 +46,24 @@ def _starts_with_object(path: Path) -> bool:
 
 
 def detect_file(path: Path) -> str:
-    """One of: dataset, claude_code, codex, jsonl, json, text, binary, empty."""
+    """One of: dataset, claude_code, codex, jsonl, json, text, binary, empty. A compressed
+    file (``.gz``, ``.zst``) is judged by its contents and the name under the compression."""
     if is_saved_dataset(path) or path.suffix in DATASET_FILES:
         return "dataset"
     if path.stat().st_size == 0:
         return "empty"
     if is_binary(path):
         return "binary"
-    if path.suffix in SNIFFED_TEXT and not _starts_with_object(path):  # logs are often JSONL
+    suffix = format_suffix(path)
+    if suffix in SNIFFED_TEXT and not _starts_with_object(path):  # logs are often JSONL
         return "text"
-    if path.suffix in JSON_LINES or path.suffix in (".json", *SNIFFED_TEXT):
+    if suffix in JSON_LINES or suffix in (".json", *SNIFFED_TEXT):
         head = sniff_records(path)
         if claude_code.looks_like(head):
             return "claude_code"
         if codex.looks_like(head):
             return "codex"
-        return "json" if path.suffix == ".json" else "jsonl"
+        return "json" if suffix == ".json" else "jsonl"
     return "text"
 
 

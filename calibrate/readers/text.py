@@ -9,14 +9,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..conversation import Conversation, document
-from .base import FileContext
+from .base import FileContext, open_bytes, open_text
 
 SNIFF_BYTES = 8192
 
 
 def is_binary(path: Path) -> bool:
     """NUL bytes or undecodable UTF-8 in the first block mean the file is not text."""
-    with open(path, "rb") as f:
+    with open_bytes(path) as f:
         head = f.read(SNIFF_BYTES)
     if b"\0" in head:
         return True
@@ -28,7 +28,8 @@ def is_binary(path: Path) -> bool:
 
 
 def read_file(ctx: FileContext) -> Iterator[Conversation]:
-    text = ctx.path.read_text(encoding="utf-8", errors="replace")
+    with open_text(ctx.path) as f:
+        text = f.read()
     if not text.strip():
         ctx.skip("empty file")
         return
