@@ -34,6 +34,39 @@ class EvalRow:
     profile_freq: float | None = None  # ... with the store's frequency-aware admission
 
 
+# Fewest routings per expert, on average, for a count to say which experts are busy. Counts are
+# close to Poisson: at 10 an expert's count is 10 +- 3, so one used twice as often as the average
+# stands about 2 standard deviations clear; below that, which experts come out on top is mostly
+# chance and a placement learned from it is little better than an arbitrary one.
+MIN_ROUTINGS_PER_EXPERT = 10
+
+
+def min_calibration_tokens(n_expert: int, n_expert_used: int) -> int:
+    """Tokens that route each expert ``MIN_ROUTINGS_PER_EXPERT`` times on average: every token
+    routes ``n_expert_used`` of the ``n_expert`` experts of each MoE layer."""
+    return -(-MIN_ROUTINGS_PER_EXPERT * n_expert // n_expert_used)
+
+
+def too_few_tokens(tokens: float, n_expert: int, n_expert_used: int) -> str | None:
+    """One line saying why ``tokens`` cannot place experts, or None when they are enough."""
+    need = min_calibration_tokens(n_expert, n_expert_used)
+    if tokens >= need:
+        return None
+    per_expert = tokens * n_expert_used / n_expert
+    return (f"only {tokens:.0f} tokens: each of the {n_expert} experts per layer is routed {per_expert:.1f} times "
+            f"on average, too few to tell busy experts from idle ones (this model needs at least {need} tokens)")
+
+
+def top_share(counts: np.ndarray, moe_layers: list[int], fraction: float = 0.6) -> float:
+    """Share of routings taken by the most-used ``fraction`` of experts, per layer, pooled."""
+    c = counts[moe_layers]
+    total = c.sum()
+    if total == 0:
+        return 0.0
+    n_top = max(1, int(round(fraction * c.shape[1])))
+    return float(np.sort(c, axis=1)[:, ::-1][:, :n_top].sum() / total)
+
+
 def uniform_mask(n_moe: int, n_expert: int, n_hot: int, seed: int = UNIFORM_SEED) -> np.ndarray:
     """``n_hot`` arbitrary experts per layer, reproducible: bool ``[n_moe, n_expert]``."""
     rng = np.random.default_rng(seed)

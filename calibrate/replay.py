@@ -142,6 +142,29 @@ class Replayer:
                     trace.append(self.counter.take_chunk(), r.generated[c0:c1])
         return windows
 
+    def render(self, conv: Conversation) -> Rendered | str:
+        """The conversation's tokens, or why it cannot be replayed."""
+        try:
+            r = self.renderer.render(conv)
+        except RenderError as e:
+            return f"template refused: {str(e)[:80]}"
+        return r if r.ids else "empty after rendering"
+
+    def planned_tokens(self, convs: Iterable[Conversation], max_tokens: int | None = None,
+                       on_tokens: Callable[[int], None] | None = None) -> int:
+        """How many tokens ``replay`` will count from ``convs``: rendering is cheap next to the
+        forward passes, and knowing the total up front gives the progress bar an end and an ETA."""
+        n = 0
+        for conv in convs:
+            r = self.render(conv)
+            if not isinstance(r, str):
+                n += len(r.ids)
+                if on_tokens is not None:
+                    on_tokens(len(r.ids))
+            if max_tokens is not None and n >= max_tokens:
+                return max_tokens
+        return n
+
     def replay(self, convs: Iterable[Conversation], state: ReplayState, *, max_tokens: int | None = None,
                trace: TraceSink | None = None, skip: Iterable[str] = (),
                after_each: Callable[[ReplayState], None] | None = None,
@@ -159,13 +182,9 @@ class Replayer:
             if skip.get(conv.id, 0) > 0:
                 skip[conv.id] -= 1
                 continue
-            try:
-                r = self.renderer.render(conv)
-            except RenderError as e:
-                self._refuse(state, conv, f"template refused: {str(e)[:80]}", after_each)
-                continue
-            if not r.ids:
-                self._refuse(state, conv, "empty after rendering", after_each)
+            r = self.render(conv)
+            if isinstance(r, str):
+                self._refuse(state, conv, r, after_each)
                 continue
             if max_tokens is not None and state.total_tokens + len(r.ids) > max_tokens:
                 keep = max_tokens - state.total_tokens
@@ -207,13 +226,3 @@ def _budgeted(convs: Iterable[Conversation], state: ReplayState, max_tokens: int
         if max_tokens is not None and (state.total_tokens >= max_tokens or state.truncated):
             return
         yield conv
-
-
-def top_share(counts: np.ndarray, moe_layers: list[int], fraction: float = 0.6) -> float:
-    """Share of routings taken by the most-used ``fraction`` of experts, per layer, pooled."""
-    c = counts[moe_layers]
-    total = c.sum()
-    if total == 0:
-        return 0.0
-    n_top = max(1, int(round(fraction * c.shape[1])))
-    return float(np.sort(c, axis=1)[:, ::-1][:, :n_top].sum() / total)

@@ -25,24 +25,61 @@ class UnsupportedError(SparkpackError):
     """A valid file that this tool cannot handle (unknown architecture, non-MoE model...)."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what ``timeout``, ``docker stop``, systemd and CI send), raised in the main thread.
+
+    A ``KeyboardInterrupt`` so that every command cleans up its temp outputs and checkpoints
+    exactly as it does on Ctrl-C, with no second code path to forget; the exit status still
+    tells the two apart."""
+
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+
+
+def _raise_terminated(signum, frame) -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
+    raise Terminated()
+
+
+def stop_message(prog: str, stop: KeyboardInterrupt) -> tuple[str, int]:
+    """The one line and exit status of an interrupted command; notes added to the exception on
+    the way out (``add_note``: where a checkpoint went) are appended."""
+    what = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
+    notes = "; ".join(getattr(stop, "__notes__", ()))
+    return f"{prog}: {what}" + (f": {notes}" if notes else ""), (
+        EXIT_TERMINATED if isinstance(stop, Terminated) else EXIT_INTERRUPTED)
+
+
 def cli_entry(command, prog: str) -> None:
     """Run a click command so that known failures print one line and exit non-zero.
 
     ``SparkpackError`` carries its own file-and-problem message; disk and permission errors are
-    reported by path; Ctrl-C exits 130. Anything else is a bug and keeps its traceback.
+    reported by path; Ctrl-C exits 130 and SIGTERM, turned into ``Terminated`` here for every
+    command at once, 143. A group called without a command prints its help and exits 0.
+    Anything else is a bug and keeps its traceback.
     """
+    import signal
     import sys
 
     import click
 
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         command.main(prog_name=prog, standalone_mode=False)
     except SparkpackError as e:
         click.echo(f"{prog}: error: {e}", err=True)
         sys.exit(1)
-    except click.exceptions.Abort:
-        click.echo(f"{prog}: aborted", err=True)
-        sys.exit(130)
+    except click.exceptions.NoArgsIsHelpError as e:  # bare `repack`: asking for help is no error
+        click.echo(e.ctx.get_help() if e.ctx is not None else command.get_help(click.Context(command)))
+        sys.exit(0)
+    except click.exceptions.Abort as e:  # click wraps Ctrl-C (and our SIGTERM) in Abort
+        stop = e.__cause__ if isinstance(e.__cause__, KeyboardInterrupt) else KeyboardInterrupt()
+        line, code = stop_message(prog, stop)
+        click.echo(line, err=True)
+        sys.exit(code)
     except click.UsageError as e:  # bad option or argument: one line, with where to look
         cmd = e.ctx.command_path if e.ctx is not None else prog
         click.echo(f"{prog}: error: {e.format_message()} (see '{cmd} --help')", err=True)
@@ -50,9 +87,10 @@ def cli_entry(command, prog: str) -> None:
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        click.echo(f"{prog}: interrupted", err=True)
-        sys.exit(130)
+    except KeyboardInterrupt as e:  # outside click's main (while it parses arguments)
+        line, code = stop_message(prog, e)
+        click.echo(line, err=True)
+        sys.exit(code)
     except BrokenPipeError:
         sys.exit(1)
     except OSError as e:

@@ -78,6 +78,37 @@ def default_profile_path(model_path: str | os.PathLike[str]) -> Path:
     return model_path.with_name(model_path.stem + ".profile.json")
 
 
+@dataclass(frozen=True)
+class ProfileChoice:
+    """The profile a command places experts with: the one given, else ``MODEL.profile.json``
+    beside the model when it belongs to it. ``warning`` is one line for the user when that file
+    is there but cannot be used (another model's, or unreadable)."""
+
+    profile: "Profile | None"
+    path: Path | None
+    warning: str | None = None
+
+
+def choose_profile(given: str | os.PathLike[str] | None, model_path: str | os.PathLike[str],
+                   identity: "ModelIdentity", spec: ModelSpec) -> ProfileChoice:
+    """``given`` must load and match (its errors stop the command); the default beside the model
+    is used when it matches and reported when it does not, so a calibration is never dropped
+    without a word."""
+    if given is not None:
+        prof = Profile.load(given)
+        prof.check_model(identity, spec, given)
+        return ProfileChoice(prof, Path(given))
+    guess = default_profile_path(model_path)
+    if not guess.is_file():
+        return ProfileChoice(None, None)
+    try:
+        prof = Profile.load(guess)
+        prof.check_model(identity, spec, guess)
+    except SparkpackError as e:
+        return ProfileChoice(None, None, f"ignoring {guess}: {e.problem} (recalibrate this model, or pass --profile)")
+    return ProfileChoice(prof, guess)
+
+
 def model_identity(model: GGUFModel) -> ModelIdentity:
     """Identity of an open GGUF (reads only its header bytes)."""
     n = model.data_offset

@@ -14,6 +14,8 @@ import click
 from sparkpack.formats.errors import SparkpackError
 from sparkpack.formats.profile import default_profile_path
 
+from .outputs import check_output, reported_as
+
 CHECKPOINT_EVERY = 16  # conversations between checkpoints; each costs one small JSON write
 
 
@@ -32,6 +34,7 @@ def checkpoint_path(profile_path: Path) -> Path:
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its checkpoint.")
 @click.option("--merge", is_flag=True, help="Merge into the existing profile at the output path.")
+@click.option("--force", is_flag=True, help="Replace an existing profile (and --trace file) instead of refusing.")
 @click.option("--decay", type=click.FloatRange(0.0, 1.0), default=0.5, show_default=True,
               help="With --merge: weight of the existing profile's counts.")
 @click.option("--trace", "trace_path", type=click.Path(path_type=Path),
@@ -47,13 +50,15 @@ def checkpoint_path(profile_path: Path) -> Path:
 @click.option("--stop-after", type=click.IntRange(min=1), hidden=True,
               help="Stop as if interrupted after N conversations (tests --resume).")
 def calibrate_cmd(model_path: Path, corpus: Path | None, output: Path | None, max_tokens: int | None, ctx: int,
-                  chunk: int, device: str, resume: bool, merge: bool, decay: float, trace_path: Path | None,
+                  chunk: int, device: str, resume: bool, merge: bool, force: bool, decay: float,
+                  trace_path: Path | None,
                   strict: bool, eval_path: Path | None, profile_path: Path | None, cache_slots: int, as_json: bool,
                   quiet: bool, stop_after: int | None) -> None:
     """Learn which experts your traffic uses: replay CORPUS through MODEL and count routings.
 
     \b
     repack calibrate model.gguf --corpus logs/            # -> model.profile.json
+    repack calibrate model.gguf --corpus new/ --merge     # add new traffic to it
     repack calibrate model.gguf --corpus held/ --trace held.trace
     repack calibrate model.gguf --eval held.trace --profile model.profile.json --cache-slots 8
     """
@@ -73,27 +78,32 @@ def calibrate_cmd(model_path: Path, corpus: Path | None, output: Path | None, ma
     if corpus is None:
         raise SparkpackError(None, "--corpus is required (a file or folder of traffic to replay), or use --eval")
     output = output or default_profile_path(model_path)
-    run_calibrate(gguf, spec, identity, corpus, output, max_tokens, ctx, chunk, device, resume, merge, decay,
+    run_calibrate(gguf, spec, identity, corpus, output, max_tokens, ctx, chunk, device, resume, merge, force, decay,
                   trace_path, strict, quiet, stop_after)
 
 
 # --- calibration -------------------------------------------------------------------------------
 
 def run_calibrate(gguf, spec, identity, corpus: Path, output: Path, max_tokens: int | None, ctx: int, chunk: int,
-                  device: str, resume: bool, merge: bool, decay: float, trace_path: Path | None, strict: bool,
-                  quiet: bool, stop_after: int | None) -> None:
+                  device: str, resume: bool, merge: bool, force: bool, decay: float, trace_path: Path | None,
+                  strict: bool, quiet: bool, stop_after: int | None) -> None:
     from sparkpack.formats.profile import Profile
 
+    from sparkpack.calibrate.evaluate import top_share, too_few_tokens
     from sparkpack.calibrate.readers import read_corpus
-    from sparkpack.calibrate.replay import GENERATED, PROMPT, Replayer, ReplayState, top_share
+    from sparkpack.calibrate.replay import GENERATED, PROMPT, Replayer, ReplayState
     from sparkpack.calibrate.trace import TraceWriter
 
+    # everything that can refuse is checked before hours of replay, not after
     base = None
-    if merge:  # check before hours of replay, not after
+    if merge:
         if not output.exists():
             raise SparkpackError(output, "--merge needs an existing profile here (or drop --merge)")
         base = Profile.load(output)
         base.check_model(identity, spec, output)
+    check_output(output, force or merge, "use --merge to add this corpus to it, or --force to replace it")
+    if trace_path is not None:
+        check_output(trace_path, force or resume)
     convs, read_stats = read_corpus(corpus, strict=strict)
     model, renderer = load_for_replay(gguf, device)
     run_key = {"identity": identity.to_json(), "corpus": str(corpus.resolve()), "ctx": ctx, "chunk": chunk,
@@ -105,14 +115,21 @@ def run_calibrate(gguf, spec, identity, corpus: Path, output: Path, max_tokens: 
         click.echo(f"no checkpoint at {ckpt}; starting from the beginning", err=True)
     resumed = state is not None
     state = state or ReplayState(counts=_zeros(shape))
+    replayer = Replayer(model, renderer, ctx, chunk, record=trace_path is not None)
+    planned, planned_stats = read_corpus(corpus, strict=strict)
+    with _counter(quiet) as counting:
+        total = replayer.planned_tokens(planned, max_tokens, counting.update)
+    if total == 0:
+        raise SparkpackError(corpus, f"nothing to replay ({planned_stats.summary()})")
+    if (few := too_few_tokens(total, spec.n_expert, spec.n_expert_used)) is not None:
+        click.echo(f"warning: {corpus}: {few}", err=True)
     trace_meta = {"arch": spec.arch, "identity": identity.to_json()}
     trace = None
     if trace_path is not None:
         args = (trace_path, spec.moe_layers, spec.n_expert_used, spec.n_expert, trace_meta)
         trace = TraceWriter.reopen(*args, n_tokens=state.trace_tokens) if resumed else TraceWriter(*args)
 
-    replayer = Replayer(model, renderer, ctx, chunk, record=trace is not None)
-    bar = _progress(quiet, max_tokens, state.total_tokens)
+    bar = _progress(quiet, total, state.total_tokens)
     counted = [0]
     last_good = [state.snapshot()]  # Ctrl-C may land mid-update; the checkpoint takes this snapshot
 
@@ -135,27 +152,22 @@ def run_calibrate(gguf, spec, identity, corpus: Path, output: Path, max_tokens: 
             trace.abandon()
         click.echo(f"stopped after {counted[0]} conversations; checkpoint {ckpt}; rerun with --resume", err=True)
         return
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (formats.errors.Terminated)
         bar.close()
         save_checkpoint(ckpt, run_key, last_good[0], trace)
         if trace is not None:
             trace.abandon()
-        click.echo(f"checkpoint saved to {ckpt}; rerun with --resume to continue", err=True)
+        stop.add_note(f"checkpoint saved to {ckpt}; rerun with --resume to continue")
         raise
     bar.close()
     seconds = time.perf_counter() - started
-    if state.total_tokens == 0:
-        if trace is not None:
-            trace.abandon()
-            trace.partial.unlink(missing_ok=True)
-        raise SparkpackError(corpus, f"nothing to replay ({read_stats.summary()})")
-
     prof = Profile.new(identity, spec)
     prof.add(prompt=state.counts[PROMPT], generated=state.counts[GENERATED],
              prompt_tokens=state.tokens[PROMPT], generated_tokens=state.tokens[GENERATED])
     if base is not None:
         prof = base.merge(prof, decay)
-    prof.save(output)
+    with reported_as(output):
+        prof.save(output)
     if trace is not None:
         trace.close()
     ckpt.unlink(missing_ok=True)
@@ -226,6 +238,14 @@ def _progress(quiet: bool, total: int | None, initial: int):
 
     return tqdm(total=total, initial=initial, unit="tok", unit_scale=True, file=sys.stderr,
                 disable=quiet, dynamic_ncols=True, desc="replay")
+
+
+def _counter(quiet: bool):
+    """The tokens being counted before replay (no total yet); erased when done."""
+    from tqdm import tqdm
+
+    return tqdm(unit="tok", unit_scale=True, file=sys.stderr, disable=quiet, dynamic_ncols=True, leave=False,
+                desc="reading corpus")
 
 
 def save_checkpoint(path: Path, run_key: dict[str, Any], state, trace) -> None:
@@ -316,11 +336,12 @@ def replay_to_memory(gguf, spec, corpus: Path, ctx: int, chunk: int, device: str
     convs, _ = read_corpus(corpus, strict=strict)
     model, renderer = load_for_replay(gguf, device)
     sink = _MemorySink()
-    bar = _progress(quiet, max_tokens, 0)
-    Replayer(model, renderer, ctx, chunk, record=True).replay(
-        convs, ReplayState(counts=_zeros((2, spec.n_layer, spec.n_expert))), max_tokens=max_tokens, trace=sink,
-        on_tokens=bar.update)
-    bar.close()
+    replayer = Replayer(model, renderer, ctx, chunk, record=True)
+    with _counter(quiet) as counting:
+        total = replayer.planned_tokens(read_corpus(corpus, strict=strict)[0], max_tokens, counting.update)
+    with _progress(quiet, total, 0) as bar:
+        replayer.replay(convs, ReplayState(counts=_zeros((2, spec.n_layer, spec.n_expert))), max_tokens=max_tokens,
+                        trace=sink, on_tokens=bar.update)
     if not sink.ids:
         return np.zeros((0, len(spec.moe_layers), spec.n_expert_used), np.int64), np.zeros(0, bool)
     return np.concatenate(sink.ids), np.concatenate(sink.gen)

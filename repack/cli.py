@@ -1,6 +1,7 @@
 """Entry point of ``repack``. Each subcommand lives in its own module and registers here."""
 from __future__ import annotations
 
+import difflib
 import importlib
 
 import click
@@ -32,6 +33,13 @@ class LazyGroup(click.Group):
             return None
         module, attr = COMMANDS[name]
         return getattr(importlib.import_module(module), attr)
+
+    def resolve_command(self, ctx: click.Context, args: list[str]):  # type: ignore[override]
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and name not in COMMANDS:
+            close = difflib.get_close_matches(name, COMMANDS, n=1)
+            ctx.fail(f"no such command '{name}'" + (f"; did you mean '{close[0]}'?" if close else ""))
+        return super().resolve_command(ctx, args)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -16,6 +16,12 @@ from sparkpack.formats.errors import SparkpackError
 
 REPO_CORPORA = Path(__file__).resolve().parents[1] / "corpora"
 
+RANDOM_WEIGHTS = (
+    "The demo model has random weights: what it writes is gibberish (tokens like [FILL598]), by design.\n"
+    "Look instead at what sparkpack does with it: the skew calibration finds (top 60% of experts vs 60%),\n"
+    "the expected cold-hit rate of the placement, the hits per token and the speed spark-run reports at\n"
+    "exit, and `verify` (a pack is the GGUF's exact bytes; every placement gives the all-GPU outputs).")
+
 
 def _run(argv: list[str], shown: str) -> None:
     click.secho(f"\n$ {shown}", bold=True)
@@ -38,21 +44,22 @@ def demo_cmd(workdir: Path, corpus: Path | None, arch: str, hot_fraction: float)
     corpus = corpus or REPO_CORPORA
     if not corpus.exists():
         raise SparkpackError(corpus, "sample corpus not found; pass --corpus with a folder of chats or prompts")
+    click.secho(RANDOM_WEIGHTS, bold=True)
     workdir.mkdir(parents=True, exist_ok=True)
-    model, profile, pack = workdir / f"{arch}-tiny.gguf", workdir / f"{arch}-tiny.profile.json", \
-        workdir / f"{arch}-tiny.sparkpack"
+    model, pack = workdir / f"{arch}-tiny.gguf", workdir / f"{arch}-tiny.sparkpack"
     repack, spark = [sys.executable, "-m", "sparkpack.repack.cli"], [sys.executable, "-m", "sparkpack.runtime.cli"]
     q = shlex.quote
+    # --force: the demo is meant to be run again in the same folder. calibrate writes
+    # MODEL.profile.json beside the model, where split (and spark-run) find it on their own.
     steps = [
-        (["synth", "--arch", arch, "--preset", "tiny", "--quant", "Q4_K_M", "--skew", "1.0", "-o", str(model)],
-         "repack"),
+        (["synth", "--arch", arch, "--preset", "tiny", "--quant", "Q4_K_M", "--skew", "1.0", "-o", str(model),
+          "--force"], "repack"),
         (["inspect", str(model)], "repack"),
-        (["calibrate", str(model), "--corpus", str(corpus), "-o", str(profile), "--max-tokens", "20000"], "repack"),
-        (["split", str(model), "--profile", str(profile), "--hot-fraction", str(hot_fraction), "--force",
-          "-o", str(pack)], "repack"),
+        (["calibrate", str(model), "--corpus", str(corpus), "--max-tokens", "20000", "--force"], "repack"),
+        (["split", str(model), "--hot-fraction", str(hot_fraction), "--force", "-o", str(pack)], "repack"),
         (["verify", str(pack)], "repack"),
         ([str(pack), "-p", "Explain what a mixture-of-experts model is.", "--max-tokens", "24",
-          "--temperature", "0"], "spark-run"),
+          "--temperature", "0", "--store"], "spark-run"),
     ]
     for args, prog in steps:
         _run((repack if prog == "repack" else spark) + args, " ".join([prog] + [q(a) for a in args]))

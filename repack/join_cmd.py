@@ -11,6 +11,8 @@ from sparkpack.formats.errors import FormatError, SparkpackError
 from sparkpack.formats.profile import hash_file_range
 from sparkpack.formats.sparkpack import HEADER_SHARD, Pack
 
+from .outputs import check_output, reported_as
+
 CHUNK = 8 << 20
 
 
@@ -57,8 +59,9 @@ def join_pack(pack_path: Path, out: Path, force: bool = False, progress=lambda n
             fds[rel] = os.open(pack.shard_path(rel), os.O_RDONLY)
         return fds[rel]
 
-    dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    dst = -1
     try:
+        dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         _copy_range(fd_of(HEADER_SHARD), 0, data_offset, dst, buf)
         pos = data_offset
         for off, kind, item in items:
@@ -89,8 +92,9 @@ def join_pack(pack_path: Path, out: Path, force: bool = False, progress=lambda n
         if pos != int(pack.identity.file_size):
             raise FormatError(pack_path, f"rebuilt {pos} bytes, the source had {pack.identity.file_size}")
         os.fsync(dst)
-    except BaseException:
-        os.close(dst)
+    except BaseException:  # Ctrl-C and SIGTERM (formats.errors.Terminated) included
+        if dst >= 0:
+            os.close(dst)
         tmp.unlink(missing_ok=True)
         raise
     finally:
@@ -103,16 +107,17 @@ def join_pack(pack_path: Path, out: Path, force: bool = False, progress=lambda n
 
 @click.command("join")
 @click.argument("pack", type=click.Path(path_type=Path))
-@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="GGUF file to write.")
+@click.option("-o", "--output", type=click.Path(path_type=Path, dir_okay=False), required=True,
+              help="GGUF file to write.")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 def join_cmd(pack: Path, output: Path, force: bool) -> None:
     """Rebuild the original GGUF (byte-identical) from a .sparkpack."""
     from tqdm import tqdm
 
     p = Pack.open(pack)
+    check_output(output, force)
     total = sum(int(t["nbytes"]) for t in p.manifest["tensors"])
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="join", file=sys.stderr,
-              disable=None) as bar:
+              disable=None) as bar, reported_as(output):
         join_pack(pack, output, force, bar.update)
     click.echo(f"wrote {output}")
-

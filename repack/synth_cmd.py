@@ -10,6 +10,7 @@ from sparkpack.formats.errors import SparkpackError
 from sparkpack.formats.quant_mix import MIXES
 
 from .synth.presets import ARCH_NAMES, PRESET_NAMES
+from .outputs import check_output, reported_as
 from .units import fmt_size
 
 
@@ -47,19 +48,20 @@ class SkewParam(click.ParamType):
               help="Generator processes [default: CPU count, at most 16].")
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path, dir_okay=False),
               help="Output .gguf path (written to a temp name, then renamed).")
+@click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 def synth_cmd(arch: str, preset: str, quant: str, skew, seed: int, n_layer: int | None, jobs: int | None,
-              output: Path) -> None:
+              output: Path, force: bool) -> None:
     """Write a synthetic GGUF: real tensor names, shapes, metadata, tokenizer and chat template of
     ARCH, random weights in valid quant blocks."""
     from .synth import write_synthetic
 
     if jobs is None:
         jobs = min(os.cpu_count() or 1, 16)
-    if not output.parent.is_dir():
-        raise SparkpackError(output, "the output directory does not exist")
+    check_output(output, force)
     try:
-        path = write_synthetic(output, arch, preset, quant, seed=seed, skew=skew, n_layer=n_layer, jobs=jobs,
-                               progress=True)
+        with reported_as(output):
+            path = write_synthetic(output, arch, preset, quant, seed=seed, skew=skew, n_layer=n_layer, jobs=jobs,
+                                   progress=True)
     except ValueError as e:
         raise SparkpackError(output, str(e)) from None
     click.echo(f"wrote {path} ({fmt_size(path.stat().st_size)})")

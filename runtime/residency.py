@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from sparkpack.formats.archs import ModelSpec
 from sparkpack.formats.errors import SparkpackError
 from sparkpack.formats.memory import KV_BYTES_PER_VALUE, PREFILL_CHUNK, kv_cache_bytes, recurrent_state_bytes, runtime_bytes
 from sparkpack.formats.placement import default_cache_slots, expert_scores, make_plan
-from sparkpack.formats.profile import Profile, default_profile_path, model_identity
+from sparkpack.formats.profile import Profile, choose_profile, model_identity
 
 
 # Prefetch a layer's guessed experts only where the plan expects at least this many misses per
@@ -76,20 +77,11 @@ class Residency:
 
 def load_profile(path: Path | None, model_path: Path, identity, spec: ModelSpec) -> tuple[Profile | None, str | None]:
     """An explicit profile (must match the model), else ``MODEL.profile.json`` when it exists and
-    matches, else none."""
-    if path is not None:
-        prof = Profile.load(path)
-        prof.check_model(identity, spec, path)
-        return prof, str(path)
-    guess = default_profile_path(model_path)
-    if guess.is_file():
-        try:
-            prof = Profile.load(guess)
-            prof.check_model(identity, spec, guess)
-            return prof, str(guess)
-        except SparkpackError:
-            return None, None
-    return None, None
+    matches, else none; a default that is there but does not match is named in one line."""
+    choice = choose_profile(path, model_path, identity, spec)
+    if choice.warning:
+        print(f"warning: {choice.warning}", file=sys.stderr)
+    return choice.profile, str(choice.path) if choice.path is not None else None
 
 
 def plan_residency(spec: ModelSpec, tensors: dict, expert_names: set[str], slot_bytes: dict[int, int],

@@ -52,3 +52,14 @@ def tiny_hf_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tupl
         return cache[(arch, outtype)]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def slow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """~100 MB of F16 experts: big enough that a split or join can be stopped half-way."""
+    from dataclasses import replace
+
+    from sparkpack.repack.synth import get_preset, write_synthetic
+
+    p = replace(get_preset("qwen3moe", "tiny"), n_layer=8, n_head=(4,) * 8, n_expert=32, n_ff_exp=256)
+    return write_synthetic(tmp_path_factory.mktemp("slow") / "slow.gguf", "qwen3moe", p, "F16")

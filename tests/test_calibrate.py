@@ -288,6 +288,52 @@ def test_calibrates_on_the_real_shared_corpora(synth_model, tmp_path):
     assert sum(prof["tokens"].values()) == 600 and "stopped at --max-tokens" in out
 
 
+# --- what calibrate says while it works -------------------------------------------------------------
+
+def replay_bars(stderr: str) -> list[str]:
+    return [b for b in stderr.replace("\r", "\n").splitlines() if b.startswith("replay:")]
+
+
+@pytest.mark.parametrize("n_prompts, max_tokens", [(12, 100000), (12, 50)])
+def test_progress_has_a_total_and_ends_at_100_percent(synth_model, tmp_path, n_prompts, max_tokens):
+    """The total is known before replay: the corpus's tokens, or --max-tokens when that is fewer."""
+    model = synth_model("qwen3moe")
+    corpus = write_prompts(tmp_path / "c.jsonl", [f"prompt number {i} with some words" for i in range(n_prompts)])
+    res = CliRunner().invoke(calibrate_cmd, [str(model), "--corpus", str(corpus), "-o", str(tmp_path / "p.json")])
+    assert res.exit_code == 0, res.output
+    tokens = sum(json.loads((tmp_path / "p.json").read_text())["tokens"].values())
+    res = CliRunner().invoke(calibrate_cmd, [str(model), "--corpus", str(corpus), "-o", str(tmp_path / "q.json"),
+                                             "--max-tokens", str(max_tokens)])
+    assert res.exit_code == 0, res.output
+    from tqdm import tqdm
+
+    total = tqdm.format_sizeof(min(tokens, max_tokens))  # as the bar prints it
+    bars = replay_bars(res.stderr)
+    assert bars and all(f"/{total} [" in b for b in bars), bars  # every bar has the total, with an ETA
+    assert bars[-1].startswith("replay: 100%") and f"| {total}/{total} [" in bars[-1] and "<" in bars[0]
+    assert "warning" not in res.stderr
+
+
+def test_a_corpus_too_small_to_place_experts_is_warned_about(synth_model, tmp_path):
+    """16 experts, top-4: 40 tokens route each expert 10 times on average (calibrate.evaluate)."""
+    from sparkpack.calibrate.evaluate import min_calibration_tokens
+
+    model = synth_model("qwen3moe")
+    spec = model_spec(GGUFModel(model))
+    assert min_calibration_tokens(spec.n_expert, spec.n_expert_used) == 40
+    corpus = write_prompts(tmp_path / "c.jsonl", ["hi"])
+    res = CliRunner().invoke(calibrate_cmd, [str(model), "--corpus", str(corpus), "-o", str(tmp_path / "p.json"),
+                                             "--quiet"])
+    assert res.exit_code == 0, res.output
+    tokens = sum(json.loads((tmp_path / "p.json").read_text())["tokens"].values())
+    warnings = [ln for ln in res.stderr.splitlines() if ln.startswith("warning:")]
+    assert len(warnings) == 1 and f"only {tokens} tokens" in warnings[0] and "at least 40 tokens" in warnings[0]
+    assert "beside" not in warnings[0]
+    shown = subprocess.run([sys.executable, "-m", "sparkpack.repack.cli", "inspect", str(tmp_path / "p.json")],
+                           capture_output=True, text=True, cwd=REPO)
+    assert f"only {tokens} tokens" in shown.stdout
+
+
 # --- bad input through the CLI -------------------------------------------------------------------
 
 def one_error_line(res: subprocess.CompletedProcess) -> str:

@@ -376,6 +376,9 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 def test_cli_converts(tiny_hf_gguf, tmp_path: Path) -> None:
     hf_dir, _ = tiny_hf_gguf("laguna")
     out = tmp_path / "sub" / "l.gguf"
+    # outputs go into folders that exist (the rule of every repack command, repack/outputs.py)
+    _one_line_error(_cli(str(hf_dir), "-o", str(out), "--outtype", "f16"), str(out), "does not exist")
+    out.parent.mkdir()
     r = _cli(str(hf_dir), "-o", str(out), "--outtype", "f16")
     assert r.returncode == 0, r.stderr
     _, t = _read(out)

@@ -11,11 +11,17 @@ def test_demo_runs_the_whole_pipeline(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "sparkpack.repack.cli", "demo", "--workdir", str(work)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
+    # said up front: the text is gibberish, and what to look at instead
+    head = r.stdout.split("$ repack synth")[0]
+    assert "random weights" in head and "cold-hit rate" in head and "speed" in head
     for step in ("repack synth", "repack calibrate", "repack split", "repack verify", "spark-run"):
         assert f"$ {step}" in r.stdout
     assert (work / "qwen35moe-tiny.profile.json").is_file()
     assert (work / "qwen35moe-tiny.sparkpack" / "manifest.json").is_file()
     assert "OK" in r.stdout  # verify passed
+    assert "found beside the model" in r.stderr  # split used the calibration without being told
+    assert "replay: 100%" in r.stderr.replace("\r", "\n")
+    assert "per token:" in r.stderr  # spark-run reports hits
 
 
 def test_demo_with_a_missing_corpus_is_one_line(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -321,15 +320,6 @@ def test_split_bad_profile_file_and_flags(synth_model, cli, tmp_path):
 
 
 # --- crash safety ---------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def slow_model(tmp_path_factory) -> Path:
-    """~100 MB of F16 experts: big enough that a split can be killed half-way."""
-    from sparkpack.repack.synth import get_preset, write_synthetic
-
-    p = replace(get_preset("qwen3moe", "tiny"), n_layer=8, n_head=(4,) * 8, n_expert=32, n_ff_exp=256)
-    return write_synthetic(tmp_path_factory.mktemp("slow") / "slow.gguf", "qwen3moe", p, "F16")
-
 
 def kill_split_midway(model: Path, out: Path, *extra: str) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "sparkpack.repack.cli", "split", str(model), "-o", str(out),

@@ -1,0 +1,55 @@
+"""The one rule for what a command writes (a GGUF, a pack, a profile, a trace).
+
+An existing output is refused unless the user says ``--force`` (calibrate also accepts
+``--merge``), and the place it goes is tried before any long work starts: a calibration must not
+replay for minutes and then fail to save. Every writer builds its output under a hidden temp name
+beside it and renames it into place, so errors are reported under the user's ``-o`` path, never
+under the temp name they never typed.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from sparkpack.formats.errors import SparkpackError
+
+# Errors that say the destination, not the input, is the problem.
+_DESTINATION_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+
+
+def check_output(path: Path, force: bool, how: str = "use --force to replace it") -> None:
+    """Refuse ``path`` if it exists (unless ``force``) and fail now if its folder cannot take it.
+
+    The folder is tried by creating (and removing) a hidden file in it: permission bits say
+    nothing for root, and a read-only or full filesystem only shows when written to."""
+    if path.exists() and not force:
+        raise SparkpackError(path, f"already exists ({how})")
+    folder = path.parent
+    if not folder.exists():
+        raise SparkpackError(path, f"cannot write here: folder {folder} does not exist")
+    if not folder.is_dir():
+        raise SparkpackError(path, f"cannot write here: {folder} is not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.probe-", dir=folder)
+    except OSError as e:
+        raise SparkpackError(path, f"cannot write here: {e.strerror or e}") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+@contextmanager
+def reported_as(path: Path) -> Iterator[None]:
+    """Report a failure to write ``path``'s temp files (disk full, the temp folder removed under
+    us...) as a failure to write ``path``."""
+    try:
+        yield
+    except OSError as e:
+        name = os.path.basename(os.fspath(e.filename)) if e.filename else ""
+        if e.errno in _DESTINATION_ERRNOS or name.startswith(f".{path.name}.") or (
+                e.filename and f"{os.sep}.{path.name}." in os.fspath(e.filename)):
+            raise SparkpackError(path, f"cannot write: {e.strerror or e}") from None
+        raise
