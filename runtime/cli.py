@@ -4,7 +4,7 @@
   spark-run model.gguf -p "question"        one answer, chat template applied
   spark-run model.gguf -p "text" --raw      plain continuation, no template
   spark-run model.gguf --prompt-file p.md   the prompt from a file (long agent prompts)
-  spark-run model.gguf                      interactive chat (keeps the history)
+  spark-run model.gguf                      interactive chat (keeps the history; /help)
   spark-run model.gguf --prompt-ids 1,2,3 --logits-out l.npy
                                             logits [n_ids, vocab] of exactly those ids
   spark-run model.sparkpack --vram 14GiB    fit a 16 GB card: hot experts, cache and KV
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import click
 
-from sparkpack.formats.errors import SparkpackError, cli_entry
+from sparkpack.formats.errors import SparkpackError, Terminated, cli_entry
 from sparkpack.formats.memory import KV_BYTES_PER_VALUE, PREFILL_CHUNK
 from sparkpack.repack.units import SizeParam
 
@@ -104,16 +104,33 @@ def make_sampler(temperature: float, top_k: int, top_p: float, min_p: float, rep
                    repetition_penalty=repeat_penalty, seed=seed)
 
 
-def stream(model, tok, ids: list[int], sampler, max_tokens: int, session=None) -> list[int]:
-    """Generate and print text as it comes; returns the generated ids."""
+def check_prompt(n_prompt: int, ctx: int, reply: bool = True) -> None:
+    """The context (--ctx) holds the prompt and, when one is generated, at least one token of
+    the reply; a longer prompt is refused rather than run past the KV cache it was sized for."""
+    if n_prompt > ctx or (reply and n_prompt == ctx):
+        need = "the prompt and its reply" if reply else "the prompt"
+        raise SparkpackError(None, f"the prompt is {n_prompt} tokens and --ctx is {ctx}: the context must hold "
+                                   f"{need} (raise --ctx or shorten the prompt)")
+
+
+def stream(model, tok, ids: list[int], sampler, max_tokens: int, session, ctx: int,
+           out: list[int] | None = None) -> list[int]:
+    """Generate and print text as it comes, stopping at the end of the context; returns the
+    generated ids (``out``, when given, fills as they come: an interrupted reply keeps them)."""
     from .generate import generate
 
-    out: list[int] = []
+    check_prompt(len(ids), ctx)
+    room = ctx - len(ids)
+    out = [] if out is None else out
     decoder = tok.stream(skip_special=True)  # holds back partial UTF-8 characters
-    for t in generate(model, tok, ids, sampler, max_tokens, session=session):
-        out.append(t)
-        click.echo(decoder.push(t), nl=False)
-    click.echo(decoder.flush())
+    try:
+        for t in generate(model, tok, ids, sampler, min(max_tokens, room), session=session):
+            out.append(t)
+            click.echo(decoder.push(t), nl=False)
+    finally:
+        click.echo(decoder.flush())
+    if len(out) == room < max_tokens:
+        click.echo(f"[stopped: the context is full (--ctx {ctx})]", err=True)
     return out
 
 
@@ -135,6 +152,7 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]}, help=__doc__)
+@click.version_option(package_name="sparkpack", prog_name="spark-run")
 @click.argument("model_path", metavar="MODEL", type=click.Path(path_type=Path))
 @click.option("-p", "--prompt", help="Prompt text (chat template applied unless --raw).")
 @click.option("--system", help="System message for chat prompts.")
@@ -148,6 +166,7 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
               help="With --prompt-ids: write float32 logits [n_ids, vocab] to this .npy and exit.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="auto: cuda when a GPU is present.")
+@click.option("--threads", type=click.IntRange(min=1), help="CPU threads for torch [torch's default: one per core].")
 @click.option("--dtype", "dtype_name", type=click.Choice(DTYPES), default="auto", show_default=True,
               help="Compute dtype (auto: float32 on cpu, bfloat16 on cuda).")
 @click.option("--expert-cache", type=SizeParam(), default="8GiB", show_default=True,
@@ -185,8 +204,8 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
 @click.option("--repeat-penalty", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None, help="Sampling seed (default: random).")
 def run_cmd(model_path: Path, prompt: str | None, prompt_file: Path | None, system: str | None, raw: bool,
-            prompt_ids: str | None, prompt_ids_file: Path | None,
-            logits_out: Path | None, device: str, dtype_name: str, expert_cache: int, vram: int | None,
+            prompt_ids: str | None, prompt_ids_file: Path | None, logits_out: Path | None, device: str,
+            threads: int | None, dtype_name: str, expert_cache: int, vram: int | None,
             hot_fraction: float | None, cache_slots: int | None, profile_path: Path | None, stream_mode: str,
             prefetch: bool, host_ram: int | None, ctx: int, kv_type: str, prefill_chunk: int, use_store: bool | None, stats_json: Path | None, max_tokens: int,
             temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
@@ -199,6 +218,10 @@ def run_cmd(model_path: Path, prompt: str | None, prompt_file: Path | None, syst
         raise SparkpackError(None, "--logits-out needs --prompt-ids")
     if prompt_ids is not None and prompt is not None:
         raise SparkpackError(None, "give either -p/--prompt or --prompt-ids, not both")
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     device = resolve_device(device)
     asked = (vram, hot_fraction, cache_slots, profile_path, host_ram) != (None,) * 5 or stream_mode != "auto"
     if use_store is False and asked:
@@ -256,10 +279,11 @@ def run_session(model, prompt, system, raw, prompt_ids, logits_out, max_tokens, 
         if logits_out is not None:
             import numpy as np
 
+            check_prompt(len(ids), ctx, reply=False)
             logits = model.forward(ids, model.new_cache(kv_type=kv_type)).float().cpu().numpy().astype(np.float32)
             save_npy_atomic(logits_out, logits)
             return None
-        stream(model, load_tokenizer(model), ids, sampler, max_tokens, session=session)
+        stream(model, load_tokenizer(model), ids, sampler, max_tokens, session, ctx)
         return session
 
     tok = load_tokenizer(model)
@@ -271,9 +295,9 @@ def run_session(model, prompt, system, raw, prompt_ids, logits_out, max_tokens, 
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}]
             ids = chat_ids(tok, template, messages)
-        stream(model, tok, ids, sampler, max_tokens, session=session)
+        stream(model, tok, ids, sampler, max_tokens, session, ctx)
         return session
-    chat(model, tok, chat_template(model, False), system, sampler, max_tokens, session)
+    chat(model, tok, chat_template(model, False), system, sampler, max_tokens, session, ctx)
     return session
 
 
@@ -292,9 +316,13 @@ def default_host_ram() -> int | None:
 def report_residency(model) -> None:
     r, st = model.residency, model.experts
     d = st.describe()
-    prefetch = f" with {d['prefetch_slots']} prefetch slots" if d["prefetch_slots"] else ""
-    line = (f"experts: {d['hot_experts']}/{d['experts']} hot ({d['hot_fraction']:.0%}, {r.source}), "
-            f"{d['cache_slots']} cache slots, misses via {d['mode']}{prefetch}, cold experts in {d['host_tier']} memory")
+    line = f"experts: {d['hot_experts']}/{d['experts']} hot ({d['hot_fraction']:.0%}, {r.source})"
+    if d["host_tier"] == "none":  # nothing is cold: no misses to stream, no host tier
+        line += ", none cold"
+    else:
+        prefetch = f" with {d['prefetch_slots']} prefetch slots" if d["prefetch_slots"] else ""
+        line += (f", {d['cache_slots']} cache slots, misses via {d['mode']}{prefetch}, "
+                 f"cold experts in {d['host_tier']} memory")
     if r.expected_cold_rate is not None:
         line += f", expected cold-hit rate {r.expected_cold_rate:.1%}"
     click.echo(line, err=True)
@@ -309,7 +337,7 @@ def collect_stats(model, session) -> dict:
            "prefill_tok_s": t.prefill_tokens / t.prefill_seconds if t.prefill_seconds else None,
            "decode_tokens": t.decode_tokens, "decode_seconds": t.decode_seconds,
            "decode_tok_s": t.decode_tokens / t.decode_seconds if t.decode_seconds else None,
-           "graph_capture_seconds": t.capture_seconds}
+           "graph_capture_seconds": t.capture_seconds, "cpu_threads": torch.get_num_threads()}
     store = model.experts if model.residency is not None else None
     if store is not None:
         s = store.stats.as_json()
@@ -362,23 +390,67 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
-def chat(model, tok, template: str, system: str | None, sampler, max_tokens: int, session) -> None:
+CHAT_HELP = """\
+commands (not sent to the model):
+  /reset        forget the conversation (the system message stays)
+  /system TEXT  set the system message (/system alone removes it)
+  /help         this list
+  /exit         end the chat (or Ctrl-D, or Ctrl-C at the prompt)
+Ctrl-C during a reply stops that reply; the conversation goes on. Arrow keys edit and recall lines."""
+
+
+def chat(model, tok, template: str, system: str | None, sampler, max_tokens: int, session, ctx: int) -> None:
     """Interactive loop: the conversation is re-rendered each turn and the cache reused for the
-    unchanged prefix. Empty line or EOF ends it; /reset clears the history."""
-    messages: list[dict] = [{"role": "system", "content": system}] if system else []
+    unchanged prefix. Lines starting with ``/`` are commands, handled here (CHAT_HELP)."""
     interactive = sys.stdin.isatty()
+    if interactive:
+        import readline  # noqa: F401 - gives input() line editing and a history (arrow keys)
+
+        click.echo(CHAT_HELP, err=True)
+    history: list[dict] = []
     while True:
-        if interactive:
-            click.echo("> ", nl=False)
-        line = sys.stdin.readline()
-        if not line or not line.strip():
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
             return
-        if line.strip() == "/reset":
-            messages = messages[:1] if system else []
+        except KeyboardInterrupt as e:  # Ctrl-C at the prompt ends the chat; SIGTERM ends the program
+            if isinstance(e, Terminated):
+                raise
+            click.echo("", err=True)
+            return
+        text = line.strip()
+        if not text:
             continue
-        messages.append({"role": "user", "content": line.rstrip("\n")})
-        out = stream(model, tok, chat_ids(tok, template, messages), sampler, max_tokens, session=session)
-        messages.append({"role": "assistant", "content": tok.decode(out, skip_special=True)})
+        if text.startswith("/"):
+            cmd, _, arg = text.partition(" ")
+            if cmd in ("/exit", "/quit"):
+                return
+            if cmd == "/reset":
+                history = []
+                click.echo("[conversation cleared]", err=True)
+            elif cmd == "/system":
+                system = arg.strip() or None
+                click.echo(f"[system message {'set' if system else 'removed'}]", err=True)
+            elif cmd == "/help":
+                click.echo(CHAT_HELP, err=True)
+            else:
+                click.echo(f"[unknown command {cmd}; /help lists them]", err=True)
+            continue
+        turn = [{"role": "user", "content": line}]
+        messages = ([{"role": "system", "content": system}] if system else []) + history + turn
+        out: list[int] = []
+        try:
+            stream(model, tok, chat_ids(tok, template, messages), sampler, max_tokens, session, ctx, out)
+        except SparkpackError as e:  # a conversation grown past --ctx: say so, keep the chat
+            click.echo(f"error: {e}; /reset to start over", err=True)
+            continue
+        except KeyboardInterrupt as e:
+            if isinstance(e, Terminated):
+                raise
+            # Stopped mid-step, the cache may hold part of a chunk: the next turn starts afresh.
+            session.reset()
+            click.echo("[reply stopped]", err=True)
+        history += turn + [{"role": "assistant", "content": tok.decode(out, skip_special=True)}]
 
 
 def main() -> None:
