@@ -13,6 +13,7 @@ from sparkpack.formats.experts import expert_nbytes, expert_tensor_names
 from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.formats.memory import kv_cache_bytes, recurrent_state_bytes, runtime_bytes
 
+from .profile_info import is_profile_file, print_profile_report, profile_report
 from .units import fmt_size
 
 GROUPS = ("routed experts", "shared expert", "router", "attention", "dense ffn", "embeddings", "output", "norms")
@@ -112,21 +113,21 @@ def print_report(r: dict[str, Any]) -> None:
 
 @click.command("inspect")
 @click.argument("model", type=click.Path(path_type=Path))
-@click.option("--ctx", default=4096, show_default=True, help="Context length for the KV-cache estimate.")
+@click.option("--ctx", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Context length for the KV-cache estimate.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def inspect_cmd(model: Path, ctx: int, as_json: bool) -> None:
-    """Show a model's (or a .sparkpack's) architecture, experts, quant types and VRAM needs."""
+    """Show a model's (or a .sparkpack's) architecture, experts, quant types and VRAM needs, or
+    what a routing profile (MODEL.profile.json) holds: its model, tokens, skew and coverage."""
     if model.is_dir():  # a .sparkpack (Pack.open explains what is wrong with any other directory)
         from .pack_info import pack_report, print_pack_report
 
-        report = pack_report(model)
-        if as_json:
-            click.echo(json.dumps(report, indent=2))
-        else:
-            print_pack_report(report)
-        return
-    report = gguf_report(model, ctx)
+        report, show = pack_report(model), print_pack_report
+    elif model.is_file() and is_profile_file(model):
+        report, show = profile_report(model), print_profile_report
+    else:
+        report, show = gguf_report(model, ctx), print_report
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
-        print_report(report)
+        show(report)

@@ -58,5 +58,8 @@ def print_pack_report(r: dict[str, Any]) -> None:
         rate = r["expected_cold_hit_rate"]
         echo(f"  cold-hit rate   generated {rate['generated']:.1%}, prompt {rate['prompt']:.1%} (under the profile)")
     echo(f"  hot shard       {fmt_size(r['hot_shard_bytes'])}")
-    comp = f", zstd {r['cold_stored_bytes'] / max(r['cold_raw_bytes'], 1):.1%} of raw" if r["compression"] and r["cold_raw_bytes"] else ""
+    comp = ""
+    if r["compression"] and r["cold_raw_bytes"]:
+        share = r["cold_stored_bytes"] / r["cold_raw_bytes"]
+        comp = ", zstd saved nothing" if share >= 1 else f", zstd {share:.1%} of raw"
     echo(f"  cold shards     {r['cold_shards']} files, {fmt_size(r['cold_stored_bytes'])}{comp}")
