@@ -1,0 +1,94 @@
+"""The README's "Your first hour" commands, run in order as a user would, and what they must do:
+the calibration is used by split and spark-run without being named, and a profile of another
+model is reported in one line instead of being dropped silently."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+
+import numpy as np
+
+from tests.procs import REPACK, REPO, SPARK_RUN, run
+
+PROGRAMS = {"repack": REPACK, "spark-run": SPARK_RUN}
+
+
+def readme_commands() -> list[list[str]]:
+    """The ``$ `` lines of the README's walkthrough section, in order."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Your first hour", 1)[1].split("\n## ", 1)[0]
+    return [shlex.split(line[2:], comments=True) for line in section.splitlines() if line.startswith("$ ")]
+
+
+def test_readme_walkthrough_places_experts_by_the_calibration(tmp_path):
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.experts import expert_nbytes
+    from sparkpack.formats.gguf_file import GGUFModel
+    from sparkpack.formats.placement import default_cache_slots, make_plan
+    from sparkpack.formats.profile import Profile
+    from sparkpack.formats.sparkpack import Pack
+    from sparkpack.repack.split_cmd import compute_budget
+
+    os.symlink(REPO / "corpora", tmp_path / "corpora")
+    commands = readme_commands()
+    assert [c[:2] for c in commands] == [["repack", "synth"], ["repack", "calibrate"], ["repack", "inspect"],
+                                         ["repack", "split"], ["spark-run", "model.sparkpack"],
+                                         ["spark-run", "model.sparkpack"]]
+    shown = {}
+    for argv in commands:
+        chat = argv[0] == "spark-run" and "-p" not in argv
+        res = run([*PROGRAMS[argv[0]], *argv[1:]], cwd=tmp_path, input="hello\n/exit\n" if chat else None)
+        assert res.returncode == 0, (argv, res.stderr)
+        shown[" ".join(argv[:2]) + (" chat" if chat else "")] = res
+
+    split = shown["repack split"].stderr
+    assert "placement from profile model.profile.json (found beside the model)" in split
+    # the pack's hot set is the one the profile gives under split's budget, not the uniform one
+    gguf = GGUFModel(tmp_path / "model.gguf")
+    spec = model_spec(gguf)
+    prof = Profile.load(tmp_path / "model.profile.json")
+    per_expert = {il: expert_nbytes(gguf, spec, il) for il in spec.moe_layers}
+    budget = compute_budget(gguf, spec, None, 0.5, 4096, default_cache_slots(spec))
+    want = make_plan(spec.n_layer, spec.n_expert, per_expert, budget.experts, prof.counts, prof.tokens)
+    uniform = make_plan(spec.n_layer, spec.n_expert, per_expert, budget.experts)
+    pack = Pack.open(tmp_path / "model.sparkpack")
+    assert np.array_equal(pack.hot, want.hot) and not np.array_equal(pack.hot, uniform.hot)
+    assert pack.manifest["placement"]["profile"] == "model.profile.json"
+    # spark-run finds the profile beside the pack too: it reports the expected cold-hit rate
+    run_line = shown["spark-run model.sparkpack"].stderr
+    assert "the pack's placement" in run_line and "expected cold-hit rate" in run_line
+    assert len(shown["spark-run model.sparkpack chat"].stdout.splitlines()) == 1  # one reply, then /exit
+    assert "skew" in shown["repack inspect"].stdout and "this model" in shown["repack inspect"].stdout
+    # calibrate's progress bar ended at its total
+    assert re.search(r"replay: 100%", shown["repack calibrate"].stderr)
+
+
+def test_a_profile_of_another_model_is_named_not_dropped(synth_model, tmp_path):
+    """MODEL.profile.json beside MODEL but recorded on another model: split and spark-run say so
+    in one line and place experts uniformly."""
+    model = tmp_path / "model.gguf"
+    os.link(synth_model("qwen3moe"), model)  # a private name: the profile beside it is this test's
+    other = synth_model("qwen3moe", seed=1)
+    from click.testing import CliRunner
+
+    from sparkpack.repack.calibrate_cmd import calibrate_cmd
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"prompt": "hello there"}) + "\n")
+    res = CliRunner().invoke(calibrate_cmd, [str(other), "--corpus", str(corpus), "-o",
+                                             str(tmp_path / "model.profile.json"), "--quiet"])
+    assert res.exit_code == 0, res.output
+
+    split = run([*REPACK, "split", str(model), "--hot-fraction", "0.5"])
+    assert split.returncode == 0, split.stderr
+    warnings = [ln for ln in split.stderr.splitlines() if ln.startswith("warning:")]
+    assert len(warnings) == 1 and "model.profile.json" in warnings[0] and "another model" in warnings[0]
+    assert "no profile: placing experts uniformly" in split.stderr
+
+    spark = run([*SPARK_RUN, str(model), "--hot-fraction", "0.5", "-p", "hi", "--max-tokens", "2", "--threads", "1"])
+    assert spark.returncode == 0, spark.stderr
+    warnings = [ln for ln in spark.stderr.splitlines() if ln.startswith("warning:")]
+    assert len(warnings) == 1 and "another model" in warnings[0], spark.stderr
+    assert "uniform placement (no profile)" in spark.stderr
