@@ -78,7 +78,7 @@ def test_inspect_describes_a_profile(synth_model, tmp_path):
 
 
 def test_a_prompt_longer_than_ctx_is_refused(synth_model):
-    res = run([*SPARK_RUN, str(synth_model("qwen3moe")), "-p", "word " * 80, "--ctx", "64", "--threads", "1"])
+    res = run([*SPARK_RUN, str(synth_model("qwen3moe")), "-p", "word " * 80, "--ctx", "64", "--threads", "1", "--device", "cpu"])
     lines = error_lines(res.stderr)
     assert res.returncode == 1 and len(lines) == 1 and "Traceback" not in res.stderr
     assert lines[0].startswith("spark-run: error: the prompt is ") and "--ctx is 64" in lines[0]
@@ -86,10 +86,11 @@ def test_a_prompt_longer_than_ctx_is_refused(synth_model):
 
 
 def test_generation_stops_at_the_end_of_the_context(synth_model, tmp_path):
+    """On the CPU: no decode step is spent capturing a CUDA graph, so the counts are exact."""
     ids = ",".join(str(i) for i in range(100, 120))  # 20 prompt tokens, room for 4 in --ctx 24
     stats = tmp_path / "s.json"
     res = run([*SPARK_RUN, str(synth_model("qwen3moe")), "--prompt-ids", ids, "--ctx", "24", "--max-tokens", "50",
-               "--temperature", "0", "--threads", "1", "--stats-json", str(stats)])
+               "--temperature", "0", "--threads", "1", "--device", "cpu", "--stats-json", str(stats)])
     assert res.returncode == 0, res.stderr
     assert "[stopped: the context is full (--ctx 24)]" in res.stderr
     s = json.loads(stats.read_text())
@@ -100,7 +101,7 @@ def test_generation_stops_at_the_end_of_the_context(synth_model, tmp_path):
 def test_threads_and_the_plan_line_of_an_all_hot_store(synth_model, tmp_path):
     stats = tmp_path / "s.json"
     res = run([*SPARK_RUN, str(synth_model("qwen3moe")), "--store", "-p", "hi", "--max-tokens", "2",
-               "--threads", "1", "--stats-json", str(stats)])
+               "--threads", "1", "--device", "cpu", "--stats-json", str(stats)])
     assert res.returncode == 0, res.stderr
     assert json.loads(stats.read_text())["cpu_threads"] == 1
     line = next(ln for ln in res.stderr.splitlines() if ln.startswith("experts:"))

@@ -87,7 +87,7 @@ def test_a_profile_of_another_model_is_named_not_dropped(synth_model, tmp_path):
     assert len(warnings) == 1 and "model.profile.json" in warnings[0] and "another model" in warnings[0]
     assert "no profile: placing experts uniformly" in split.stderr
 
-    spark = run([*SPARK_RUN, str(model), "--hot-fraction", "0.5", "-p", "hi", "--max-tokens", "2", "--threads", "1"])
+    spark = run([*SPARK_RUN, str(model), "--hot-fraction", "0.5", "-p", "hi", "--max-tokens", "2", "--threads", "1", "--device", "cpu"])
     assert spark.returncode == 0, spark.stderr
     warnings = [ln for ln in spark.stderr.splitlines() if ln.startswith("warning:")]
     assert len(warnings) == 1 and "another model" in warnings[0], spark.stderr
