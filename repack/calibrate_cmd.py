@@ -249,17 +249,14 @@ def _counter(quiet: bool):
 
 
 def save_checkpoint(path: Path, run_key: dict[str, Any], state, trace) -> None:
-    """Counts and done conversations, atomically; the trace is flushed first so the count it
+    """Counts and done conversations, atomically (a second Ctrl-C while the first one's
+    checkpoint is written leaves no temp file); the trace is flushed first so the count it
     records is on disk."""
+    from sparkpack.formats.atomic_file import write_atomic
+
     if trace is not None:
         trace.flush()
-    state_json = state.to_json()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump({"run": run_key, "state": state_json}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps({"run": run_key, "state": state.to_json()}))
 
 
 def load_checkpoint(path: Path, run_key: dict[str, Any], shape: tuple[int, int, int]):

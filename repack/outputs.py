@@ -24,8 +24,9 @@ _DESTINATION_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
 def check_output(path: Path, force: bool, how: str = "use --force to replace it") -> None:
     """Refuse ``path`` if it exists (unless ``force``) and fail now if its folder cannot take it.
 
-    The folder is tried by creating (and removing) a hidden file in it: permission bits say
-    nothing for root, and a read-only or full filesystem only shows when written to."""
+    The folder is tried by creating a file in it: permission bits say nothing for root, and a
+    read-only filesystem only shows when written to. The file is unnamed (O_TMPFILE where the
+    filesystem has it) so an interruption cannot leave it behind."""
     if path.exists() and not force:
         raise SparkpackError(path, f"already exists ({how})")
     folder = path.parent
@@ -34,11 +35,10 @@ def check_output(path: Path, force: bool, how: str = "use --force to replace it"
     if not folder.is_dir():
         raise SparkpackError(path, f"cannot write here: {folder} is not a folder")
     try:
-        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.probe-", dir=folder)
+        with tempfile.TemporaryFile(prefix=f".{path.name}.probe-", dir=folder):
+            pass
     except OSError as e:
         raise SparkpackError(path, f"cannot write here: {e.strerror or e}") from None
-    os.close(fd)
-    os.unlink(probe)
 
 
 @contextmanager

@@ -16,7 +16,13 @@ MESSAGE = {signal.SIGTERM: "repack: terminated (SIGTERM)", signal.SIGINT: "repac
 
 
 def temp_of(out: Path) -> list[Path]:
+    """Anything hidden that a writer of ``out`` made beside it."""
     return list(out.parent.glob(f".{out.name}.*"))
+
+
+def writing(out: Path, pattern: str):
+    """True once the command's own temp output (not just any hidden file) exists."""
+    return lambda: any(out.parent.glob(pattern.format(name=out.name)))
 
 
 def assert_stopped(stopped, sig: int, out: Path) -> None:
@@ -30,7 +36,7 @@ def assert_stopped(stopped, sig: int, out: Path) -> None:
 def test_split_removes_its_temp_pack(slow_model, tmp_path, sig):
     out = tmp_path / "m.sparkpack"
     stopped = signal_mid_work([*REPACK, "split", str(slow_model), "-o", str(out), "--hot-fraction", "0", "--compress"],
-                              lambda: bool(temp_of(out)), sig)
+                              writing(out, ".{name}.tmp-*"), sig)
     assert_stopped(stopped, sig, out)
 
 
@@ -38,14 +44,14 @@ def test_join_removes_its_temp_gguf(slow_model, tmp_path):
     pack = tmp_path / "m.sparkpack"
     assert run([*REPACK, "split", str(slow_model), "-o", str(pack), "--hot-fraction", "0"]).returncode == 0
     out = tmp_path / "back.gguf"
-    assert_stopped(signal_mid_work([*REPACK, "join", str(pack), "-o", str(out)], lambda: bool(temp_of(out))),
+    assert_stopped(signal_mid_work([*REPACK, "join", str(pack), "-o", str(out)], writing(out, ".{name}.tmp-*")),
                    signal.SIGTERM, out)
 
 
 def test_synth_removes_its_temp_gguf(tmp_path):
     out = tmp_path / "m.gguf"
     argv = [*REPACK, "synth", "--arch", "qwen35moe", "--quant", "F32", "-o", str(out), "--jobs", "1"]
-    assert_stopped(signal_mid_work(argv, lambda: bool(temp_of(out))), signal.SIGTERM, out)
+    assert_stopped(signal_mid_work(argv, writing(out, ".{name}.*.tmp")), signal.SIGTERM, out)
 
 
 def test_convert_hf_removes_its_temp_gguf(tmp_path):
@@ -54,7 +60,8 @@ def test_convert_hf_removes_its_temp_gguf(tmp_path):
     # wide enough that writing the file takes a moment
     hf_dir = make_tiny_hf("qwen3moe", tmp_path / "hf", hidden_size=512, moe_intermediate_size=512, num_experts=16)
     out = tmp_path / "m.gguf"
-    assert_stopped(signal_mid_work([*REPACK, "convert-hf", str(hf_dir), "-o", str(out)], lambda: bool(temp_of(out))),
+    assert_stopped(signal_mid_work([*REPACK, "convert-hf", str(hf_dir), "-o", str(out)],
+                                   writing(out, ".{name}.*.tmp")),
                    signal.SIGTERM, out)
 
 
