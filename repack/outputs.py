@@ -48,8 +48,8 @@ def reported_as(path: Path) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        name = os.path.basename(os.fspath(e.filename)) if e.filename else ""
-        if e.errno in _DESTINATION_ERRNOS or name.startswith(f".{path.name}.") or (
-                e.filename and f"{os.sep}.{path.name}." in os.fspath(e.filename)):
+        parts = Path(os.fspath(e.filename)).parts if e.filename else ()
+        in_temp = any(part.startswith(f".{path.name}.") for part in parts)  # the temp file, or inside it
+        if e.errno in _DESTINATION_ERRNOS or in_temp:
             raise SparkpackError(path, f"cannot write: {e.strerror or e}") from None
         raise
