@@ -10,7 +10,7 @@ import click
 from sparkpack.formats.archs import model_spec
 from sparkpack.formats.errors import SparkpackError
 from sparkpack.formats.gguf_file import GGUFModel
-from sparkpack.formats.profile import Profile, default_profile_path, model_identity
+from sparkpack.formats.profile import choose_profile, model_identity
 
 from .llama_cpp_args import DEFAULT_RESERVE, KV_TYPES, plan_llama_cpp
 from .units import SIZE, fmt_size
@@ -40,11 +40,10 @@ def export_cmd(model_path: Path, llama_cpp: bool, vram: int, profile_path: Path 
         raise SparkpackError(None, "choose a runtime to export for: --llama-cpp")
     gguf = GGUFModel(model_path)
     spec = model_spec(gguf)
-    profile = None
-    where = profile_path or default_profile_path(model_path)
-    if profile_path is not None or where.exists():
-        profile = Profile.load(where)
-        profile.check_model(model_identity(gguf), spec, where)
+    choice = choose_profile(profile_path, model_path, model_identity(gguf), spec)
+    if choice.warning:
+        click.echo(f"warning: {choice.warning}", err=True)
+    profile, where = choice.profile, choice.path
     plan = plan_llama_cpp({n: t.nbytes for n, t in gguf.tensors.items()}, spec, vram, ctx, kv_type, reserve, profile)
     if vram - reserve < plan.gpu_weights + plan.kv:
         raise SparkpackError(model_path, f"--vram {fmt_size(vram)} is too small for llama.cpp even with every expert "

@@ -66,8 +66,8 @@ def test_readme_walkthrough_places_experts_by_the_calibration(tmp_path):
 
 
 def test_a_profile_of_another_model_is_named_not_dropped(synth_model, tmp_path):
-    """MODEL.profile.json beside MODEL but recorded on another model: split and spark-run say so
-    in one line and place experts uniformly."""
+    """MODEL.profile.json beside MODEL but recorded on another model: split, spark-run and export
+    say so in one line and place experts without it."""
     model = tmp_path / "model.gguf"
     os.link(synth_model("qwen3moe"), model)  # a private name: the profile beside it is this test's
     other = synth_model("qwen3moe", seed=1)
@@ -92,3 +92,8 @@ def test_a_profile_of_another_model_is_named_not_dropped(synth_model, tmp_path):
     warnings = [ln for ln in spark.stderr.splitlines() if ln.startswith("warning:")]
     assert len(warnings) == 1 and "another model" in warnings[0], spark.stderr
     assert "uniform placement (no profile)" in spark.stderr
+
+    export = run([*REPACK, "export", str(model), "--llama-cpp", "--vram", "2GiB"])
+    assert export.returncode == 0, export.stderr
+    warnings = [ln for ln in export.stderr.splitlines() if ln.startswith("warning:")]
+    assert len(warnings) == 1 and "another model" in warnings[0], export.stderr
