@@ -5,6 +5,10 @@ min-p -> draw. Each step follows transformers' semantics, which llama.cpp's samp
 
 * repetition penalty: for every distinct token already in ``history``, a positive logit is divided
   by the penalty and a negative one multiplied (so the token always becomes less likely);
+* presence and frequency penalties (OpenAI's, applied after the repetition penalty as vLLM does):
+  ``presence * (count > 0) + frequency * count`` is subtracted from each logit, ``count`` being the
+  token's occurrences among the generated tokens (``history`` after its first ``prompt_len``): a
+  coding agent's 20k-token prompt would otherwise penalise nearly every common token;
 * temperature 0 means greedy: argmax after the penalty, first index on ties;
 * top-k keeps the k highest logits (ties with the k-th are kept);
 * top-p keeps the smallest set of most likely tokens whose probability sums to at least ``top_p``
@@ -29,7 +33,8 @@ class Sampler:
     """Settings are checked here, so a bad command-line value is a one-line user error."""
 
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                 repetition_penalty: float = 1.0, seed: int | None = None):
+                 repetition_penalty: float = 1.0, seed: int | None = None, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, prompt_len: int = 0):
         if temperature < 0:
             raise SparkpackError(None, f"temperature must be >= 0, got {temperature}")
         if top_k < 0:
@@ -40,11 +45,17 @@ class Sampler:
             raise SparkpackError(None, f"min_p must be in [0, 1], got {min_p}")
         if repetition_penalty <= 0:
             raise SparkpackError(None, f"repetition_penalty must be > 0, got {repetition_penalty}")
+        for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+            if not -2.0 <= value <= 2.0:
+                raise SparkpackError(None, f"{name} must be in [-2, 2], got {value}")
         self.temperature = float(temperature)
         self.top_k = int(top_k)
         self.top_p = float(top_p)
         self.min_p = float(min_p)
         self.repetition_penalty = float(repetition_penalty)
+        self.presence_penalty = float(presence_penalty)
+        self.frequency_penalty = float(frequency_penalty)
+        self.prompt_len = int(prompt_len)
         self.seed = seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         self._generators: dict[str, torch.Generator] = {}
 
@@ -57,7 +68,8 @@ class Sampler:
         return g
 
     def _penalise(self, logits: torch.Tensor, history: History) -> torch.Tensor:
-        if self.repetition_penalty == 1.0 or history is None or len(history) == 0:
+        counted = self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        if (self.repetition_penalty == 1.0 and not counted) or history is None or len(history) == 0:
             return logits
         rows = logits.shape[0]
         if isinstance(history, torch.Tensor):
@@ -70,11 +82,14 @@ class Sampler:
             raise ValueError(f"history has {len(hist)} rows for {rows} rows of logits")
         out = logits.clone()
         for r, h in enumerate(hist):
-            if not h:
-                continue
-            idx = torch.tensor(sorted(set(int(t) for t in h)), device=logits.device, dtype=torch.long)
-            vals = out[r, idx]
-            out[r, idx] = torch.where(vals < 0, vals * self.repetition_penalty, vals / self.repetition_penalty)
+            if h and self.repetition_penalty != 1.0:
+                idx = torch.tensor(sorted(set(int(t) for t in h)), device=logits.device, dtype=torch.long)
+                vals = out[r, idx]
+                out[r, idx] = torch.where(vals < 0, vals * self.repetition_penalty, vals / self.repetition_penalty)
+            generated = [int(t) for t in h[self.prompt_len:]]
+            if counted and generated:
+                idx, count = torch.tensor(generated, device=logits.device, dtype=torch.long).unique(return_counts=True)
+                out[r, idx] -= self.frequency_penalty * count.to(out.dtype) + self.presence_penalty
         return out
 
     def filtered_logits(self, logits: torch.Tensor, history: History = None) -> torch.Tensor:
@@ -102,9 +117,9 @@ class Sampler:
 
     @property
     def history_free(self) -> bool:
-        """Whether a draw needs no token history (no repetition penalty): then ``pick`` can run on
-        the device one step ahead of the host (``Session.decode``)."""
-        return self.repetition_penalty == 1.0
+        """Whether a draw needs no token history (no penalty): then ``pick`` can run on the device
+        one step ahead of the host (``Session.decode``)."""
+        return self.repetition_penalty == 1.0 and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
 
     def pick(self, logits: torch.Tensor, history: History = None) -> torch.Tensor:
         """Token ids as a tensor on ``logits``' device (a 0-d tensor for ``[vocab]`` logits), with

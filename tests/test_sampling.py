@@ -82,8 +82,31 @@ def test_same_seed_same_sequence():
     assert len(set(seq_a)) > 1
 
 
+def test_presence_and_frequency_penalties_count_generated_tokens_only():
+    """OpenAI's rule, ``count * frequency + (count > 0) * presence`` off each logit, where the
+    counts are over the tokens after the prompt (the first ``prompt_len`` of the history)."""
+    x = torch.tensor([3.0, 2.5, 1.0, -0.5])
+    s = Sampler(presence_penalty=0.5, frequency_penalty=0.25, prompt_len=2)
+    pen = s._penalise(x.unsqueeze(0), [0, 1, 2, 2, 0])[0]  # prompt 0, 1; generated 2, 2, 0
+    assert pen.tolist() == [3.0 - 0.25 - 0.5, 2.5, 1.0 - 0.5 - 0.5, -0.5]
+    assert s.sample(x, [0, 1]) == 0 and Sampler(presence_penalty=2.0).sample(x, [0]) == 1
+    assert Sampler(frequency_penalty=-1.0).sample(x, [3, 3, 3, 3]) == 3  # negative values encourage
+    assert not s.history_free and Sampler(temperature=1.0).history_free
+    both = Sampler(repetition_penalty=2.0, presence_penalty=1.0)  # repetition first, then presence
+    assert both._penalise(x.unsqueeze(0), [0])[0].tolist() == [0.5, 2.5, 1.0, -0.5]
+
+
+def test_seeded_draws_depend_on_the_seed_only():
+    """Each request builds its own sampler: its seed alone fixes its draws."""
+    x = _logits(9)
+    draws = [Sampler(temperature=1.0, seed=s).sample(x) for s in (1, 2, 1)]
+    assert draws[0] == draws[2]
+    assert len({Sampler(temperature=1.0, seed=s).sample(x) for s in range(30)}) > 1
+
+
 @pytest.mark.parametrize("kw", [{"temperature": -1}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5},
-                                {"min_p": 2.0}, {"repetition_penalty": 0.0}])
+                                {"min_p": 2.0}, {"repetition_penalty": 0.0}, {"presence_penalty": 2.5},
+                                {"frequency_penalty": -3.0}])
 def test_bad_settings_rejected(kw):
     with pytest.raises(SparkpackError, match=next(iter(kw))):
         Sampler(**kw)
