@@ -145,3 +145,79 @@ class Cache:
                 for t in (layer.conv, layer.ssm):
                     if t is not None:
                         t.zero_()
+
+
+# Recurrent-state checkpoints a session keeps by default. A Qwen3.6-35B-A3B one holds 30 DeltaNet
+# layers' states, at most 66 MB (formats.memory.recurrent_state_bytes; 4 bytes a value), so eight
+# take about half a GB of pinned host memory.
+STATE_CHECKPOINTS = 8
+
+
+class StateCheckpoints:
+    """Copies of a ``Cache``'s recurrent states at some positions, to go back to one of them.
+
+    Why: a DeltaNet state is overwritten in place token after token, so unlike a KV cache (whose
+    position only has to be rewound) it cannot return to an earlier prefix; a request that shares
+    a prefix with the previous one restores the copy at or before it and computes from there
+    (``runtime.generate.Session.prompt``). The copies live in host memory (pinned on a GPU, where
+    they are copied without the host waiting), so the ``--vram`` plan does not count them. At
+    most ``limit`` are kept; past it the one whose loss leaves the smallest gap between its
+    neighbours goes (never the newest), so old prefixes stay reachable at a coarser spacing."""
+
+    def __init__(self, limit: int = STATE_CHECKPOINTS):
+        self.limit = limit
+        self.saved: dict[int, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
+        self._spare: list[list[tuple[torch.Tensor, torch.Tensor] | None]] = []  # host buffers to reuse
+
+    @property
+    def positions(self) -> list[int]:
+        return sorted(self.saved)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for copy in self.saved.values() for pair in copy if pair is not None for t in pair)
+
+    def save(self, cache: Cache) -> None:
+        """Copy the states as they are at ``cache.pos`` (queued behind the computation on a GPU)."""
+        if self.limit <= 0 or cache.pos in self.saved:
+            return
+        copy = self._spare.pop() if self._spare else [
+            None if not isinstance(la, RecurrentState) or la.conv is None else
+            (_host_like(la.conv), _host_like(la.ssm)) for la in cache.layers]
+        for pair, layer in zip(copy, cache.layers):
+            if pair is not None:
+                pair[0].copy_(layer.conv, non_blocking=True)
+                pair[1].copy_(layer.ssm, non_blocking=True)
+        self.saved[cache.pos] = copy
+        if len(self.saved) > self.limit:
+            self._drop_one()
+
+    def restore(self, cache: Cache, pos: int) -> None:
+        """Put the states saved at ``pos`` back into ``cache``'s own tensors (a captured decode step
+        keeps reading them) and set ``cache.pos``; position 0 needs no copy (zero states)."""
+        if pos == 0:
+            cache.reset()
+            return
+        for pair, layer in zip(self.saved[pos], cache.layers):
+            if pair is not None:
+                layer.conv.copy_(pair[0], non_blocking=True)
+                layer.ssm.copy_(pair[1], non_blocking=True)
+        cache.pos = pos
+
+    def discard_after(self, pos: int) -> None:
+        """Forget the copies past ``pos`` (the sequence changed there)."""
+        for p in [p for p in self.saved if p > pos]:
+            self._spare.append(self.saved.pop(p))
+
+    def _drop_one(self) -> None:
+        pos = self.positions
+        if len(pos) < 3:
+            victim = pos[0]
+        else:  # an interior copy, scored by the gap its removal leaves
+            victim = min(range(1, len(pos) - 1), key=lambda i: pos[i + 1] - pos[i - 1])
+            victim = pos[victim]
+        self._spare.append(self.saved.pop(victim))
+
+
+def _host_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)

@@ -1,8 +1,13 @@
 """Token generation: prefill the prompt once, then decode one token at a time from the cache.
 
-``Session`` keeps a model's cache together with the tokens it has consumed, so a chat can send the
-whole re-rendered conversation each turn and only the new suffix is computed (the cache, DeltaNet
-state included, can only grow, so anything that is not an extension starts a fresh cache).
+``Session`` keeps a model's cache together with the tokens it has consumed, so a chat or a server
+can send the whole re-rendered conversation each turn and have only what changed computed.
+``Session.prompt`` keeps the longest prefix that gives the very bits a fresh session computes:
+the rows written by the prefill calls a fresh session makes too (calls start at multiples of the
+call size), with DeltaNet states restored from checkpoints taken at those positions
+(``runtime.cache.StateCheckpoints``). Rows written by a decode step or by a call that started
+elsewhere are recomputed: the same tokens fed in other calls differ in the last bits on the CPU
+(4e-7 on the tiny models), and on a GPU a decode step's projections even take int8 activations.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import torch
 
 from sparkpack.formats.memory import PREFILL_CHUNK, PREFILL_GRAPH_TOKENS
 
+from .cache import STATE_CHECKPOINTS, RecurrentState, StateCheckpoints
 from .graph import PREFILL_SIZES, DecodeGraph, PrefillGraphs, capturable, feeds_short_calls, prefill_is_padded
 from .models.base import MoEModel
 
@@ -52,10 +58,11 @@ class Session:
     decode step replayed from a CUDA graph). ``graphs`` None: capture decode steps (and, on the
     all-attention models, prefill calls: prompts then go in calls of at most
     ``PREFILL_GRAPH_TOKENS``, padded, see ``runtime.graph.PrefillGraphs``) where the model allows
-    (CUDA, zero-copy expert store). ``kv_type``: see ``runtime.cache.KVCache``."""
+    (CUDA, zero-copy expert store). ``kv_type``: see ``runtime.cache.KVCache``. ``checkpoints``:
+    how many DeltaNet state copies ``prompt`` may go back to (models with DeltaNet layers)."""
 
     def __init__(self, model: MoEModel, prefill_chunk: int = PREFILL_CHUNK, ctx: int = DEFAULT_CTX,
-                 graphs: bool | None = None, kv_type: str = "auto"):
+                 graphs: bool | None = None, kv_type: str = "auto", checkpoints: int = STATE_CHECKPOINTS):
         self.model = model
         self.prefill_chunk = prefill_chunk
         self.use_graphs = capturable(model) if graphs is None else graphs
@@ -68,7 +75,17 @@ class Session:
         # Calls of at most PREFILL_GRAPH_TOKENS on such models even when the store cannot be
         # captured: the --vram plan counts those calls' temporaries, not prefill_chunk's.
         self.short_calls = feeds_short_calls(model, self.cache)
+        # Models whose prefill calls are captured take every prompt in captured calls: on the
+        # GPU machine a 4096-token Qwen3-30B prompt went 1.7x faster in replayed 512-token
+        # calls than in eager 2048-token ones (BENCHMARKS.md, session 15).
+        self.call_tokens = min(prefill_chunk, PREFILL_GRAPH_TOKENS) if self.short_calls else prefill_chunk
+        recurrent = any(isinstance(la, RecurrentState) for la in self.cache.layers)
+        self.checkpoints = StateCheckpoints(checkpoints) if recurrent else None
         self.fed: list[int] = []
+        # Rows [0, exact) came from the calls a fresh session feeding ``fed`` makes (whole calls
+        # from position 0): what ``prompt`` may keep.
+        self.exact = 0
+        self.reused = 0  # tokens the last ``prompt`` kept instead of computing
 
     def warm_up(self) -> float:
         """Run every call shape a first prompt and its reply will use on dummy tokens, then forget
@@ -111,34 +128,76 @@ class Session:
         for the next one."""
         self.cache.reset()
         self.fed = []
+        self.exact = 0
+        if self.checkpoints is not None:
+            self.checkpoints.discard_after(0)
 
     def feed(self, ids: list[int]) -> torch.Tensor:
-        """Make the cache hold exactly ``ids`` and return the logits of the last one ``[n_vocab]``."""
+        """Make the cache hold exactly ``ids`` and return the logits of the last one ``[n_vocab]``.
+        An extension of the fed tokens computes only the new ones (a decode step, a chat turn);
+        anything else goes through ``prompt``."""
         if not ids:
             raise ValueError("nothing to feed: empty token list")
         n = len(self.fed)
-        if len(ids) <= n or ids[:n] != self.fed:
-            self.reset()
-            n = 0
+        if len(ids) > n and ids[:n] == self.fed:
+            return self._run(ids, n, graph=True)
+        return self.prompt(ids)
+
+    def prompt(self, ids: list[int]) -> torch.Tensor:
+        """``feed`` for a new request: the logits are the bits of a fresh session's ``feed(ids)``.
+        Keeps the longest prefix of the cache that a fresh session would have computed the same
+        way (see the module docstring) and computes the rest; ``reused`` says how many tokens."""
+        if not ids:
+            raise ValueError("nothing to feed: empty token list")
+        common = next((i for i, (a, b) in enumerate(zip(ids, self.fed)) if a != b), min(len(ids), len(self.fed)))
+        keep = self._restorable(min(common, len(ids) - 1, self.exact))
+        if keep != self.cache.pos or keep != len(self.fed):
+            if self.checkpoints is not None:
+                self.checkpoints.restore(self.cache, keep)
+                self.checkpoints.discard_after(keep)
+            else:
+                self.cache.pos = keep  # KV rows past it are masked, then overwritten
+            self.fed = self.fed[:keep]
+        self.exact = keep
+        self.reused = keep
+        # A fresh session's lone first token is a decode step (captured); any later call is not.
+        return self._run(ids, keep, graph=keep == 0)
+
+    def _restorable(self, limit: int) -> int:
+        """The last position at most ``limit`` that ``prompt`` can go back to: a call boundary
+        of a fresh session with, on DeltaNet models, a state checkpoint (0 always qualifies)."""
+        best = limit - limit % self.call_tokens
+        if self.checkpoints is None:
+            return best
+        return max((p for p in self.checkpoints.positions if p <= best), default=0)
+
+    def _run(self, ids: list[int], n: int, graph: bool) -> torch.Tensor:
+        """Feed ``ids[n:]`` after the ``n`` tokens in the cache; the logits of the last."""
         t0 = time.perf_counter()
         logits = None
         capturing = False
-        if len(ids) - n == 1 and self.use_graphs:
+        if len(ids) - n == 1 and graph and self.use_graphs:
             if self.graph is None:
                 self.graph = DecodeGraph(self.model, self.cache)
             captures = self.graph.captures
             logits = self.graph.step(ids[-1])  # None past the graph's KV room: eager below
             capturing = self.graph.captures > captures
         if logits is None:
-            # Models whose prefill calls are captured take every prompt in captured calls: on the
-            # GPU machine a 4096-token Qwen3-30B prompt went 1.7x faster in replayed 512-token
-            # calls than in eager 2048-token ones (BENCHMARKS.md, session 15).
-            step = min(self.prefill_chunk, PREFILL_GRAPH_TOKENS) if self.short_calls else self.prefill_chunk
-            for i in range(n, len(ids), step):
-                chunk = ids[i: i + step]
+            # Calls end at multiples of call_tokens, so that those positions are where a fresh
+            # session's calls end: rows computed from there are the ones it computes.
+            step = self.call_tokens
+            i = n
+            while i < len(ids):
+                end = min(len(ids), i - i % step + step)
+                chunk = ids[i:end]
                 logits = self.prefill.feed(chunk) if self.prefill is not None else None
                 if logits is None:
                     logits = self.model.forward(chunk, self.cache, last_only=True)[-1]
+                if i == self.exact and end - i == step:  # a whole call from an exact row: still exact
+                    self.exact = end
+                    if self.checkpoints is not None:
+                        self.checkpoints.save(self.cache)
+                i = end
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         dt, new = time.perf_counter() - t0, len(ids) - n

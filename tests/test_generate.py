@@ -144,7 +144,7 @@ def test_session_reuses_the_cached_prefix(qwen35):
     second = session.feed(ids)  # extension: only the 3 new tokens are computed
     assert session.cache.pos == len(ids)
     assert torch.allclose(second, model.forward(ids)[-1], rtol=0, atol=1e-10)
-    third = session.feed([3, 14, 7])  # not an extension: starts over (recurrent state cannot rewind)
+    third = session.feed([3, 14, 7])  # not an extension: back to the last exact checkpoint (here none)
     assert session.cache.pos == 3
     assert torch.allclose(third, model.forward([3, 14, 7])[-1], rtol=0, atol=1e-10)
 

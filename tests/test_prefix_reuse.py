@@ -1,0 +1,95 @@
+"""Prefix reuse across requests (``Session.prompt``): what is kept gives the bits of a fresh
+session over the same tokens, for the three archs (DeltaNet states through checkpoints), on the
+CPU in float32 and on the GPU (SPARKPACK_TEST_DEVICE=cuda on the GPU machine; skipped without CUDA)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparkpack.formats.memory import recurrent_state_bytes
+from sparkpack.runtime.cache import StateCheckpoints
+from sparkpack.runtime.generate import Session, generate
+from sparkpack.runtime.models import StoreOptions, load_model
+
+CALL = 16  # prefill tokens per call: reuse happens at multiples of it
+ARCHS = ["qwen3moe", "laguna", "qwen35moe"]
+
+
+def ids_of(seed: int, n: int, vocab: int = 1700) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab, (n,), generator=g).tolist()
+
+
+def open_model(path, device: str):
+    if device == "cpu":
+        return load_model(path)
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return load_model(path, device="cuda", dtype=torch.bfloat16,
+                      store=StoreOptions(hot_fraction=0.5, cache_slots=4, mode="zerocopy"))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_reused_prefix_gives_the_bits_of_a_fresh_session(synth_model, arch, device):
+    """An agent's turns as successive requests: each turn's logits equal a fresh session's
+    ``feed`` bit for bit, including a turn that diverges in the middle of the previous answer
+    (clients re-render it), one that goes back before it, and a repeated request; the greedy
+    tokens after a reused prefix are a fresh session's too."""
+    model = open_model(synth_model(arch, "Q4_K_M" if device == "cuda" else "Q8_0"), device)
+    session = Session(model, prefill_chunk=CALL, ctx=256)
+
+    def fresh(ids: list[int]) -> torch.Tensor:
+        return Session(model, prefill_chunk=CALL, ctx=256).feed(ids)
+
+    turn1 = ids_of(1, 45)
+    answer = list(generate(model, None, turn1, None, 12, stop_ids=(), session=session))
+    assert session.exact == 32  # the rows of the two whole calls; the rest came from a partial call or decode
+    turn2 = turn1 + answer[:5] + ids_of(2, 30)  # the answer re-rendered differently after 5 tokens
+    turns = [turn2, turn2 + ids_of(3, 40), turn2[:40] + ids_of(4, 9), turn2[:40] + ids_of(4, 9)]
+    reused = []
+    for ids in turns:
+        got = session.prompt(ids)
+        assert torch.equal(got, fresh(ids)), f"turn of {len(ids)} tokens after reusing {session.reused}"
+        assert session.cache.pos == len(ids) == len(session.fed)
+        reused.append(session.reused)
+    # the whole calls before each divergence: 45 -> 32; 80 -> 80; 40 -> 32; the same 49 -> 48
+    assert reused == [32, 80, 32, 48]
+    if session.checkpoints is not None:
+        assert session.checkpoints.positions == [16, 32, 48]
+    tail = list(generate(model, None, turns[1], None, 8, stop_ids=(), session=session))
+    assert session.reused == 32  # back to the 49-token turn's last whole call before position 40
+    assert tail == list(generate(model, None, turns[1], None, 8, stop_ids=(),
+                                 session=Session(model, prefill_chunk=CALL, ctx=256)))
+
+
+def test_checkpoints_are_bounded_and_keep_old_prefixes_reachable(synth_model):
+    """At most ``limit`` copies, each of at most ``recurrent_state_bytes``; the oldest survives
+    (a later divergence far back still finds one) while the newest is never dropped."""
+    model = load_model(synth_model("qwen35moe"))
+    session = Session(model, prefill_chunk=8, ctx=256, checkpoints=4)
+    ids = ids_of(5, 90)
+    session.prompt(ids)
+    kept = session.checkpoints.positions
+    assert len(kept) == 4 and kept[0] == 8 and kept[-1] == 88, kept
+    assert 0 < session.checkpoints.nbytes <= 4 * recurrent_state_bytes(model.spec)
+    back = ids[:20] + ids_of(6, 5)
+    assert torch.equal(session.prompt(back), Session(model, prefill_chunk=8, ctx=256).feed(back))
+    assert session.reused == 8
+
+
+def test_checkpoint_spacing_policy():
+    """The victim is the interior copy whose neighbours are closest; the newest is never dropped."""
+    from sparkpack.runtime.cache import Cache, RecurrentState
+
+    cache = Cache([RecurrentState(torch.zeros(2, 3), torch.zeros(1, 2, 2))])
+    cp = StateCheckpoints(limit=3)
+    for pos in (10, 20, 30, 80, 90):
+        cache.pos = pos
+        cache.layers[0].ssm.fill_(pos)
+        cp.save(cache)
+    assert cp.positions == [10, 30, 90]
+    cp.restore(cache, 30)
+    assert cache.pos == 30 and int(cache.layers[0].ssm[0, 0, 0]) == 30
+    cp.discard_after(10)
+    assert cp.positions == [10]
