@@ -287,10 +287,17 @@ def generate(model: MoEModel, tokenizer: object | None, prompt_ids: list[int], s
     (``Session.decode``); a sampler that needs the history gets it, one host round trip a token."""
     if stop_ids is None:
         stop_ids = getattr(tokenizer, "stop_ids", ()) if tokenizer is not None else ()
-    stops = set(int(s) for s in stop_ids)
     session = session if session is not None else Session(model)
-    history = list(prompt_ids)
-    logits = session.feed(history)
+    logits = session.feed(list(prompt_ids))
+    yield from continue_tokens(session, logits, sampler, max_new_tokens, stop_ids)
+
+
+def continue_tokens(session: Session, logits: torch.Tensor, sampler: TokenSampler | None, max_new_tokens: int,
+                    stop_ids: Iterable[int]) -> Iterator[int]:
+    """``generate`` after the prompt is in ``session`` (``logits``: its last token's), for
+    callers that fed it themselves (the server's ``Session.prompt``)."""
+    stops = set(int(s) for s in stop_ids)
+    history = list(session.fed)
     if sampler is None or getattr(sampler, "history_free", False):
         pick = torch.argmax if sampler is None else sampler.pick
         for tok in session.decode(logits, max_new_tokens, pick):
