@@ -9,6 +9,9 @@
                                             logits [n_ids, vocab] of exactly those ids
   spark-run model.sparkpack --vram 14GiB    fit a 16 GB card: hot experts, cache and KV
                                             sized to the budget, misses streamed from RAM
+  spark-run model.gguf --serve --vram 14GiB --ctx 65536
+                                            serve it to coding agents (OpenAI and Anthropic
+                                            APIs on 127.0.0.1:8080); prints the client settings
 
 On a GPU the experts live in the tiered store (hot set, cache slots, pinned host memory);
 a .sparkpack brings its placement, a .gguf uses MODEL.profile.json when present.
@@ -203,17 +206,30 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
 @click.option("--min-p", type=click.FloatRange(0, 1), default=0.05, show_default=True)
 @click.option("--repeat-penalty", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None, help="Sampling seed (default: random).")
+@click.option("--serve", is_flag=True, help="Serve the model over HTTP (OpenAI and Anthropic APIs) instead of "
+              "running a prompt; the sampling options become the requests' defaults.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="With --serve: address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
+              help="With --serve: port (0 picks a free one).")
+@click.option("--api-key", help="With --serve: require this key (Authorization: Bearer or x-api-key).")
+@click.option("--api-key-file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="With --serve: read the key from this file (keeps it out of the process list).")
+@click.option("--test-hooks", type=click.Path(file_okay=False, path_type=Path), hidden=True,
+              help="Tests only: honour forced outputs in requests and dump each prompt's logits here.")
 def run_cmd(model_path: Path, prompt: str | None, prompt_file: Path | None, system: str | None, raw: bool,
             prompt_ids: str | None, prompt_ids_file: Path | None, logits_out: Path | None, device: str,
             threads: int | None, dtype_name: str, expert_cache: int, vram: int | None,
             hot_fraction: float | None, cache_slots: int | None, profile_path: Path | None, stream_mode: str,
             prefetch: bool, host_ram: int | None, ctx: int, kv_type: str, prefill_chunk: int, use_store: bool | None, stats_json: Path | None, max_tokens: int,
             temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
-            seed: int | None) -> None:
+            seed: int | None, serve: bool = False, host: str = "127.0.0.1", port: int = 8080,
+            api_key: str | None = None, api_key_file: Path | None = None, test_hooks: Path | None = None) -> None:
     prompt = _from_file(prompt, prompt_file, "-p/--prompt", "--prompt-file")
     prompt_ids = _from_file(prompt_ids, prompt_ids_file, "--prompt-ids", "--prompt-ids-file")
     if prompt_ids is not None:
         prompt_ids = ",".join(prompt_ids.replace(",", " ").split())
+    if serve and (prompt is not None or prompt_ids is not None or raw or system is not None):
+        raise SparkpackError(None, "--serve takes its prompts from HTTP requests: drop -p/--prompt-file/--prompt-ids/--raw/--system")
     if logits_out is not None and prompt_ids is None:
         raise SparkpackError(None, "--logits-out needs --prompt-ids")
     if prompt_ids is not None and prompt is not None:
@@ -236,6 +252,15 @@ def run_cmd(model_path: Path, prompt: str | None, prompt_file: Path | None, syst
     import torch
 
     try:
+        if serve:
+            from .server.serve import serve_from_cli
+
+            serve_from_cli(model_path, lambda: open_model(model_path, device, dtype_name, expert_cache, store),
+                           report_residency, host=host, port=port, api_key=api_key, api_key_file=api_key_file,
+                           ctx=ctx, kv_type=kv_type, prefill_chunk=prefill_chunk, temperature=temperature,
+                           top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed,
+                           test_hooks=test_hooks)
+            return
         model = open_model(model_path, device, dtype_name, expert_cache, store)
         if model.residency is not None:
             report_residency(model)

@@ -1,0 +1,228 @@
+"""The engine: one model, one ``Session``, a FIFO of requests computed one at a time in one thread.
+
+nano-vllm's shape (a request queue, a step loop, a thin API layer) with one sequence at a time:
+the expert store streams the experts one sequence's tokens miss, and a second sequence would miss
+others, so concurrent slots would mostly add PCIe traffic on the GPUs this serves. The GPU work
+runs in one dedicated thread; the asyncio routes hand it a ``Job`` and read what its ``TokenSink``
+posts back. The sink runs in the engine thread, per token, so a stop sequence ends generation at
+the token that completes it, and cancelling (a client gone) stops it within a token.
+
+Every request's prompt goes through ``Session.prompt``: the prefix shared with the previous
+request is kept (KV rows, DeltaNet checkpoints) wherever that gives a fresh run's bits.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from ..generate import Session, continue_tokens
+from ..sampling import Sampler
+from .errors import ApiError
+
+log = logging.getLogger("sparkpack.server")
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """One request's sampling; the server's defaults are spark-run's options."""
+
+    temperature: float = 0.7
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+    def sampler(self, prompt_len: int) -> Sampler | None:
+        """None (argmax on the device, spark-run's greedy path) for temperature 0 without penalties."""
+        penalties = (self.repetition_penalty, self.presence_penalty, self.frequency_penalty) != (1.0, 0.0, 0.0)
+        if self.temperature <= 0 and not penalties:
+            return None
+        return Sampler(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                       repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                       frequency_penalty=self.frequency_penalty, seed=self.seed, prompt_len=prompt_len)
+
+
+@dataclass
+class Outcome:
+    """How a job ended and what it cost (usage and metrics read it)."""
+
+    finish: str = "stop"  # stop (a stop token or string) | length | cancelled | error
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens kept from the previous request
+    completion_tokens: int = 0
+    error: str | None = None
+    queued_seconds: float = 0.0
+    first_token_seconds: float | None = None  # from arrival (queue wait included)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+
+class TokenSink(Protocol):
+    """Receives a job's tokens in the engine thread."""
+
+    def started(self, outcome: Outcome) -> None:
+        """The prompt is in the cache (``prompt_tokens``, ``cached_tokens`` known); tokens follow."""
+
+    def token(self, token_id: int) -> bool:
+        """One generated token; True ends generation here (a stop sequence completed)."""
+
+    def end(self, outcome: Outcome) -> None:
+        """Called once, last, whatever happened (also for a job cancelled in the queue)."""
+
+
+@dataclass
+class Job:
+    ids: list[int]
+    max_new: int
+    sampling: SamplingOptions
+    sink: TokenSink
+    forced: list[int] | None = None  # test-only: teacher-forced tokens (see ForcedTokens)
+    fail: str | None = None  # test-only: raise this in the engine thread after the prefill (the 500 path)
+    arrived: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Stop generating within a token; a job still queued never starts."""
+        self.cancelled.set()
+
+
+class ForcedTokens:
+    """Test-only sampler: returns ``tokens`` in order, then ``stop``. The model still computes
+    every step on its own tokens; only the choice of the next token is overridden, so a tiny random
+    model can drive the real tool-call and reasoning paths with a known text."""
+
+    history_free = False
+
+    def __init__(self, tokens: list[int], stop: int):
+        self.tokens, self.stop = list(tokens), stop
+
+    def sample(self, logits: torch.Tensor, history: list[int]) -> int:
+        return self.tokens.pop(0) if self.tokens else self.stop
+
+
+class Engine:
+    """``submit`` queues a job (503 past ``max_queue`` waiting); one thread computes them in
+    order. ``on_job`` (metrics) sees each finished job's outcome in that thread. ``dump_logits``:
+    test-only, a folder receiving, per computed request N (from 1), its last prompt token's logits
+    (``N.npy``, to compare with a fresh run bit for bit) and its prompt and generated token ids
+    (``N.json``)."""
+
+    def __init__(self, session: Session, stop_ids: frozenset[int], end_id: int, max_queue: int = 64,
+                 on_job: Callable[[Job, Outcome], None] | None = None, dump_logits: Path | None = None):
+        self.session = session
+        self.stop_ids = stop_ids
+        self.end_id = end_id  # what a forced output ends with (the template's end of turn)
+        self.max_queue = max_queue
+        self.on_job = on_job
+        self.dump_logits = dump_logits
+        self.served = 0
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._running: Job | None = None
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="sparkpack-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def waiting(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, job: Job) -> None:
+        if self._queue.qsize() >= self.max_queue:
+            raise ApiError(503, f"the server is busy: {self._queue.qsize()} requests are waiting; retry later")
+        self._queue.put(job)
+
+    def cancel_all(self) -> None:
+        """Cancel the running job and every queued one (each still ends with an outcome)."""
+        with self._lock:
+            if self._running is not None:
+                self._running.cancel()
+            for job in list(self._queue.queue):
+                if job is not None:
+                    job.cancel()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """``cancel_all``, then stop the thread once it has ended them (the GPU is then idle)."""
+        self.cancel_all()
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            outcome = Outcome(prompt_tokens=len(job.ids), queued_seconds=time.perf_counter() - job.arrived)
+            if job.cancelled.is_set():
+                outcome.finish = "cancelled"
+            else:
+                with self._lock:
+                    self._running = job
+                try:
+                    self._run(job, outcome)
+                except Exception as e:  # a bug or an out-of-memory: this request fails, the server goes on
+                    log.exception("request failed")
+                    outcome.finish, outcome.error = "error", f"{type(e).__name__}: {e}".splitlines()[0]
+                    self.session.reset()  # whatever state the failure left is not trusted
+                finally:
+                    with self._lock:
+                        self._running = None
+            try:
+                job.sink.end(outcome)
+            except Exception:
+                log.exception("a request's sink failed")
+            if self.on_job is not None:
+                self.on_job(job, outcome)
+
+    def _run(self, job: Job, outcome: Outcome) -> None:
+        session = self.session
+        timing = session.timing
+        prefill0, decode0 = timing.prefill_seconds, timing.decode_seconds
+        self.served += 1
+        serial = self.served
+        logits = session.prompt(job.ids)
+        outcome.cached_tokens = session.reused
+        job.sink.started(outcome)
+        if self.dump_logits is not None:
+            import numpy as np
+
+            np.save(self.dump_logits / f"{serial}.npy", logits.float().cpu().numpy())
+        if job.fail is not None:
+            raise RuntimeError(job.fail)
+        outcome.prefill_seconds = timing.prefill_seconds - prefill0
+        if job.forced is not None:
+            sampler = ForcedTokens(job.forced, self.end_id)
+        else:
+            sampler = job.sampling.sampler(len(job.ids))
+        outcome.finish = "length"
+        generated: list[int] = []
+        with contextlib.closing(continue_tokens(session, logits, sampler, job.max_new, self.stop_ids)) as tokens:
+            for n, tok in enumerate(tokens, 1):
+                generated.append(tok)
+                if outcome.first_token_seconds is None:
+                    outcome.first_token_seconds = time.perf_counter() - job.arrived
+                outcome.completion_tokens = n
+                if job.sink.token(tok):
+                    outcome.finish = "stop"
+                    break
+                if job.cancelled.is_set():
+                    outcome.finish = "cancelled"
+                    break
+            else:
+                if outcome.completion_tokens < job.max_new:
+                    outcome.finish = "stop"  # a stop token
+        outcome.decode_seconds = timing.decode_seconds - decode0
+        if self.dump_logits is not None:
+            (self.dump_logits / f"{serial}.json").write_text(json.dumps({"prompt": job.ids, "tokens": generated}))

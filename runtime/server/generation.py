@@ -1,0 +1,207 @@
+"""What every generating route shares: the served model, prompt building, starting a job, and
+collecting its events (with the client's disconnect cancelling it).
+
+A route turns its body into a ``Conversation`` (``messages``), then ``prompt_for`` renders it
+with the model's chat template, appends a forced tool-call prefix where ``tool_choice`` asks
+for one and tokenizes it; ``start`` checks the context and queues the job; the route formats
+``EventStream`` events in its dialect, streaming or collected (``collect``).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparkpack.formats.errors import SparkpackError
+
+from ..chat_template import ChatTemplate
+from .messages import Conversation, RequestError
+from .output import (OutputParser, ReasoningDelta, TextDelta, ToolCallEnd, ToolCallStart, ToolSyntax, forced_prefix,
+                     prompt_opens_reasoning)
+from .engine import Engine, Job, SamplingOptions
+from .errors import ApiError, context_exceeded
+from .metrics import ServerMetrics
+from .schemas import Sampling
+from .stream import EventStream, Finished, PlainText, Started
+
+# Test-only body fields, honoured with spark-run --serve's hidden --test-hooks: the text the
+# engine teacher-forces (the model runs; only the choice of each token is overridden), and a
+# message the engine thread raises after the prefill (the internal-error path).
+FORCED_OUTPUT_FIELD = "sparkpack_test_output"
+FAIL_FIELD = "sparkpack_test_fail"
+
+
+@dataclass
+class Served:
+    """The loaded model and everything routes need about it."""
+
+    name: str
+    model: Any  # runtime.models.base.MoEModel
+    tokenizer: Any  # runtime.tokenizer.GGUFTokenizer
+    template: ChatTemplate | None
+    syntax: ToolSyntax
+    ctx: int
+    defaults: SamplingOptions
+    engine: Engine
+    metrics: ServerMetrics
+    test_hooks: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    parser: OutputParser | PlainText
+    tools: bool  # tool calls are parsed (finish_reason tool_calls)
+
+
+# Stop strings a model needs besides its stop tokens, not reported as the request's own: after tool
+# calls Laguna may spell its end-of-turn token as text (llama.cpp stops there too).
+IMPLICIT_STOPS = {"laguna": ("</assistant>",)}
+
+
+def request_error(e: RequestError) -> ApiError:
+    return ApiError(400, e.message, e.param, e.code)
+
+
+def prompt_for(served: Served, conv: Conversation) -> Prompt:
+    """Render, force a tool call's start where asked, tokenize (the template writes any BOS)."""
+    if served.template is None:
+        raise ApiError(400, f"model {served.name} has no chat template; use /v1/completions")
+    try:
+        text = served.template.render(conv.messages, tools=conv.tools or None, add_generation_prompt=True,
+                                      **conv.template_kwargs)
+    except SparkpackError as e:
+        raise ApiError(400, f"the model's chat template rejected these messages: {e.problem}", "messages") from None
+    parse_tools = bool(conv.tools) and conv.tool_choice != "none"
+    reasoning = prompt_opens_reasoning(text)
+    prefix = forced_prefix(served.syntax, conv.tool_choice, in_reasoning=reasoning) if parse_tools else ""
+    parser = OutputParser(served.syntax, in_reasoning=reasoning, parse_tools=parse_tools, prefix=prefix,
+                          tools=conv.tools)
+    return Prompt(served.tokenizer.encode(text + prefix, add_special=False), parser, parse_tools)
+
+
+def raw_prompt(served: Served, prompt: str | list[int]) -> Prompt:
+    """/v1/completions: plain text (with the BOS the model asks for) or token ids, no template."""
+    if isinstance(prompt, str):
+        ids = served.tokenizer.encode(prompt, add_special=True)
+    else:
+        bad = [i for i in prompt if not 0 <= i < served.tokenizer.vocab_size]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (0..{served.tokenizer.vocab_size - 1})",
+                           "prompt")
+        ids = list(prompt)
+    if not ids:
+        raise ApiError(400, "the prompt is empty", "prompt")
+    return Prompt(ids, PlainText(), False)
+
+
+def sampling(served: Served, body: Sampling) -> SamplingOptions:
+    """The request's fields over the server's defaults."""
+    d = served.defaults
+    pick = {name: getattr(body, name) for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                                                   "presence_penalty", "frequency_penalty", "seed")}
+    return SamplingOptions(**{k: (v if v is not None else getattr(d, k)) for k, v in pick.items()})
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def start(served: Served, prompt: Prompt, max_tokens: int | None, options: SamplingOptions, stops: list[str],
+          body: Sampling, param: str = "messages") -> tuple[Job, EventStream]:
+    """Queue the job: a prompt that leaves no room in the context is a 400; generation stops at
+    the context's end (finish ``length``)."""
+    n, ctx = len(prompt.ids), served.ctx
+    if n >= ctx:
+        err = context_exceeded(n, ctx)
+        err.param = param
+        raise err
+    room = ctx - n
+    forced = fail = None
+    if served.test_hooks:
+        extra = body.model_extra or {}
+        if isinstance(extra.get(FORCED_OUTPUT_FIELD), str):
+            forced = served.tokenizer.encode(extra[FORCED_OUTPUT_FIELD], add_special=False)
+        if isinstance(extra.get(FAIL_FIELD), str):
+            fail = extra[FAIL_FIELD]
+    implicit = [s for s in IMPLICIT_STOPS.get(served.model.spec.arch, ()) if isinstance(prompt.parser, OutputParser)]
+    stream = EventStream(asyncio.get_running_loop(), served.tokenizer, prompt.parser, stops, implicit)
+    job = Job(prompt.ids, min(max_tokens, room) if max_tokens else room, options, stream, forced, fail)
+    served.engine.submit(job)
+    return job, stream
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: dict = field(default_factory=dict)
+
+    @property
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+@dataclass
+class Collected:
+    """A whole response: visible text, reasoning, tool calls and how it ended."""
+
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finished: Finished | None = None
+    _started: dict[int, ToolCall] = field(default_factory=dict)
+
+    def add(self, ev) -> None:
+        """Calls come from their ``ToolCallEnd`` only: a call cut off (max_tokens, a stop) is given
+        back as text by the parser."""
+        if isinstance(ev, TextDelta):
+            self.text += ev.text
+        elif isinstance(ev, ReasoningDelta):
+            self.reasoning += ev.text
+        elif isinstance(ev, ToolCallStart):
+            self._started[ev.index] = ToolCall(ev.id, ev.name)
+        elif isinstance(ev, ToolCallEnd):
+            call = self._started.pop(ev.index)
+            call.arguments = ev.arguments
+            self.tool_calls.append(call)
+
+
+async def collect(receive, job: Job, stream: EventStream) -> Collected:
+    """Every event of the job; a client that disconnects meanwhile cancels it."""
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        job.cancel()
+
+    watcher = asyncio.create_task(watch())
+    out = Collected()
+    try:
+        async for item in stream.events():
+            if isinstance(item, Finished):
+                out.finished = item
+            elif not isinstance(item, Started):
+                for ev in item:
+                    out.add(ev)
+    finally:
+        watcher.cancel()
+        job.cancel()  # (nothing left to stop when it finished)
+    return out
+
+
+def failed(finished: Finished) -> ApiError | None:
+    o = finished.outcome
+    if o.finish == "error":
+        return ApiError(500, f"generation failed: {o.error}")
+    return None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"

@@ -1,0 +1,94 @@
+"""HTTP plumbing every route shares: reading a JSON body safely, the API key, and turning any
+failure into one JSON error in the route's dialect.
+
+Bodies are read here rather than by FastAPI so that every way a body can be wrong (too large, not
+UTF-8, not JSON, not an object) gets the same one-line 4xx in the right dialect. An unexpected
+exception becomes a 500 whose message is its first line, logged once with its traceback, and the
+server goes on serving.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+
+from .errors import ApiError, dialect_of, error_body
+
+log = logging.getLogger("sparkpack.server")
+
+MAX_BODY_BYTES = 32 * 1024**2  # a 256k-token conversation is ~1 MB of JSON; tool results can be large
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+
+
+def error_response(path: str, err: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(dialect_of(path), err), status_code=err.status)
+
+
+class DialectRoute(APIRoute):
+    """A route whose failures answer in its dialect (``ApiError``), internal errors included."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except ApiError as e:
+                return error_response(request.url.path, e)
+            except Exception as e:
+                log.exception("internal error on %s", request.url.path)
+                line = (str(e).splitlines() or [""])[0]
+                return error_response(request.url.path, ApiError(500, f"internal error: {type(e).__name__}: {line}"))
+
+        return guarded
+
+
+async def read_json(request: Request) -> Any:
+    config: ServerConfig = request.app.state.config
+    limit = config.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body has {int(declared)} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise ApiError(400, "the request body is empty; send a JSON object")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+
+
+def check_api_key(request: Request) -> None:
+    """``Authorization: Bearer K`` (OpenAI clients) or ``x-api-key: K`` (Anthropic's)."""
+    key = request.app.state.config.api_key
+    if key is None:
+        return
+    sent = request.headers.get("x-api-key")
+    auth = request.headers.get("authorization", "")
+    if sent is None and auth.lower().startswith("bearer "):
+        sent = auth[7:].strip()
+    if sent is None or not hmac.compare_digest(sent.encode(), key.encode()):
+        raise ApiError(401, "invalid or missing API key (send Authorization: Bearer KEY or x-api-key: KEY)",
+                       code="invalid_api_key")

@@ -1,0 +1,90 @@
+"""Prometheus metrics of the server (``GET /metrics``).
+
+One registry per server (tests start several in one process), every metric declared once in
+``ServerMetrics``: a new one is a line there plus the line that updates it. The engine thread
+calls ``observe_job`` after each request; the expert store's counters are read as differences
+since the last request, so they cover exactly the served traffic.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from .engine import Job, Outcome
+
+PREFIX = "sparkpack_"
+# tokens/s buckets spanning a CPU test model to an H100 prefill
+RATE_BUCKETS = (1, 5, 10, 25, 50, 100, 200, 300, 500, 1000, 2000, 4000, 8000, 16000)
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
+# the expert store's counters exported as routings by where they were served
+STORE_ROUTINGS = {"hot": "hot_hits", "cached": "cache_hits", "prefetched": "prefetch_hits", "missed": "misses"}
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+disable_created_metrics()  # the *_created series say when the process started, for every metric
+
+
+class ServerMetrics:
+    def __init__(self, model=None):
+        self.model = model
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(PREFIX + "requests", "Requests by route and outcome", ["route", "outcome"], registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of generation requests", registry=r)
+        self.cached_tokens = Counter(PREFIX + "prefix_cache_hit_tokens",
+                                     "Prompt tokens kept from the previous request (not computed again)", registry=r)
+        self.generated_tokens = Counter(PREFIX + "generated_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "From arrival (queue included) to the first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram(PREFIX + "queue_wait_seconds", "Time a request waited for the engine",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_rate = Histogram(PREFIX + "prefill_tokens_per_second", "Prompt tokens computed per second, per request",
+                                      buckets=RATE_BUCKETS, registry=r)
+        self.decode_rate = Histogram(PREFIX + "decode_tokens_per_second", "Generated tokens per second, per request",
+                                     buckets=RATE_BUCKETS, registry=r)
+        self.waiting = Gauge(PREFIX + "requests_waiting", "Requests queued behind the running one", registry=r)
+        self.routings = Counter(PREFIX + "expert_routings", "Expert routings by where the expert was served",
+                                ["served"], registry=r)
+        self.routed_tokens = Counter(PREFIX + "expert_routed_tokens",
+                                     "Tokens through the MoE layers (routings / this = per token)", registry=r)
+        self.bytes_streamed = Counter(PREFIX + "expert_bytes_streamed", "Host-to-GPU expert bytes", registry=r)
+        self.vram_peak = Gauge(PREFIX + "vram_peak_bytes", "Peak GPU memory allocated by the process", registry=r)
+        self._store_seen: dict[str, int] = {}
+
+    def observe_job(self, job: Job, outcome: Outcome) -> None:
+        if outcome.finish in ("error",) or outcome.queued_seconds is None:
+            return
+        self.queue_wait.observe(outcome.queued_seconds)
+        if outcome.finish == "cancelled" and outcome.completion_tokens == 0 and outcome.prefill_seconds == 0:
+            return  # cancelled in the queue: nothing was computed
+        self.prompt_tokens.inc(outcome.prompt_tokens)
+        self.cached_tokens.inc(outcome.cached_tokens)
+        self.generated_tokens.inc(outcome.completion_tokens)
+        if outcome.first_token_seconds is not None:
+            self.ttft.observe(outcome.first_token_seconds)
+        computed = outcome.prompt_tokens - outcome.cached_tokens
+        if outcome.prefill_seconds > 0 and computed > 1:
+            self.prefill_rate.observe(computed / outcome.prefill_seconds)
+        if outcome.decode_seconds > 0 and outcome.completion_tokens > 1:
+            self.decode_rate.observe((outcome.completion_tokens - 1) / outcome.decode_seconds)
+        self.observe_store()
+
+    def observe_store(self) -> None:
+        """Add what the expert store counted since the last call (nothing without a store)."""
+        model = self.model
+        if model is None or getattr(model, "residency", None) is None:
+            return
+        stats = model.experts.stats
+        now = {name: int(getattr(stats, name)) for name in (*STORE_ROUTINGS.values(), "tokens", "bytes_streamed")}
+        delta = {k: v - self._store_seen.get(k, 0) for k, v in now.items()}
+        self._store_seen = now
+        for label, name in STORE_ROUTINGS.items():
+            self.routings.labels(served=label).inc(max(delta[name], 0))
+        self.routed_tokens.inc(max(delta["tokens"], 0))
+        self.bytes_streamed.inc(max(delta["bytes_streamed"], 0))
+        if model.device.type == "cuda":
+            import torch
+
+            self.vram_peak.set(torch.cuda.max_memory_allocated(model.device))
+
+    def render(self, waiting: int) -> bytes:
+        self.waiting.set(waiting)
+        return generate_latest(self.registry)

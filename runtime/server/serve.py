@@ -1,0 +1,197 @@
+"""``spark-run MODEL --serve``: bind, load the model while answering /health with 503, serve.
+
+The socket is bound first (``--port 0`` picks a free port, which is printed), so clients and
+tests can wait on /health while the model loads in a thread. Once loaded, the base URLs and
+client settings are printed to stdout. Ctrl-C or SIGTERM cancels the running and queued requests
+(their streams end within a token), stops the engine thread, frees the GPU and returns (exit 0).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from sparkpack.formats.errors import SparkpackError
+
+from .engine import Engine, SamplingOptions
+from .http import ServerConfig
+
+log = logging.getLogger("sparkpack.server")
+
+
+@dataclass
+class ServeOptions:
+    model_path: Path
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    ctx: int = 4096
+    kv_type: str = "auto"
+    prefill_chunk: int = 2048
+    defaults: SamplingOptions = SamplingOptions()
+    test_hooks: Path | None = None  # test-only: forced outputs honoured, prompt logits dumped here
+
+
+def model_name(path: Path) -> str:
+    name = path.name
+    return name[:-5] if name.endswith(".gguf") else name
+
+
+def build_served(model, opts: ServeOptions):
+    """The engine and everything routes need around a loaded model."""
+    from ..chat_template import ChatTemplate
+    from ..generate import Session
+    from ..tokenizer import GGUFTokenizer
+    from .output import tool_syntax_for
+    from .generation import Served
+    from .metrics import ServerMetrics
+
+    tok = GGUFTokenizer.from_metadata(model.gguf)
+    source = model.gguf.get("tokenizer.chat_template")
+    template = ChatTemplate.from_tokenizer(source, tok) if source else None
+    metrics = ServerMetrics(model)
+    end = next((i for i in (tok.eot_id, tok.eos_id) if i is not None), min(tok.stop_ids, default=0))
+    session = Session(model, ctx=opts.ctx, kv_type=opts.kv_type, prefill_chunk=opts.prefill_chunk)
+    engine = Engine(session, tok.stop_ids, end, on_job=metrics.observe_job, dump_logits=opts.test_hooks)
+    return Served(model_name(opts.model_path), model, tok, template, tool_syntax_for(model.spec.arch, source or ""),
+                  opts.ctx, opts.defaults, engine, metrics, test_hooks=opts.test_hooks is not None)
+
+
+def client_settings(name: str, base: str, ctx: int, api_key: str | None) -> str:
+    """What to paste into the clients (README "Use it from your agent" explains each)."""
+    key = api_key if api_key is not None else "sparkpack"
+    return "\n".join([
+        f"sparkpack: serving {name} at {base} (context {ctx} tokens); Ctrl-C stops it",
+        "",
+        "  OpenAI clients (Aider, OpenCode, Continue, the openai SDK):",
+        f"    export OPENAI_BASE_URL={base}/v1 OPENAI_API_KEY={key}",
+        "  Claude Code (and the anthropic SDK):",
+        f"    export ANTHROPIC_BASE_URL={base} ANTHROPIC_AUTH_TOKEN={key} ANTHROPIC_MODEL={name} "
+        f"ANTHROPIC_DEFAULT_HAIKU_MODEL={name} CLAUDE_CODE_ATTRIBUTION_HEADER=0",
+        "  Codex CLI (~/.codex/config.toml):",
+        f'    model = "{name}"',
+        '    model_provider = "sparkpack"',
+        f"    model_context_window = {ctx}",
+        "    [model_providers.sparkpack]",
+        '    name = "sparkpack"',
+        f'    base_url = "{base}/v1"',
+        '    wire_api = "responses"',
+        '    env_key = "OPENAI_API_KEY"' if api_key is not None else "",
+        "",
+    ])
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SparkpackError(f"{host}:{port}", f"cannot listen there: {e.strerror or e}") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(opts: ServeOptions, load: Callable[[], object], on_loaded: Callable[[object], None] | None = None) -> None:
+    """Serve until Ctrl-C/SIGTERM. ``load`` opens the model (in a thread, while /health says
+    503); a load failure ends the server with that error."""
+    import uvicorn
+
+    from .app import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    sock = bind(opts.host, opts.port)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    base = f"http://{shown}:{port}"
+    app = create_app(ServerConfig(api_key=opts.api_key))
+    click.echo(f"sparkpack: loading {opts.model_path} (listening on {base}, /health answers 503 until ready)", err=True)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # stop generating now: streams end within a token
+            super().handle_exit(sig, frame)
+            served = app.state.served
+            if served is not None:
+                served.engine.cancel_all()
+
+    server = Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10, lifespan="off"))
+    failure: list[BaseException] = []
+
+    def loader() -> None:
+        try:
+            model = load()
+            if on_loaded is not None:
+                on_loaded(model)
+            app.state.served = build_served(model, opts)
+        except BaseException as e:  # reported by the main thread after the server stops
+            failure.append(e)
+            server.should_exit = True
+            return
+        click.echo(client_settings(app.state.served.name, base, opts.ctx, opts.api_key))
+        sys.stdout.flush()
+
+    thread = threading.Thread(target=loader, name="sparkpack-load", daemon=True)
+    thread.start()
+    # uvicorn re-raises a caught SIGINT/SIGTERM into the previous handler once it has stopped;
+    # these make that a no-op, so a stop by signal ends normally (exit 0)
+    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        asyncio.run(server.serve(sockets=[sock]))
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        served, app.state.served = app.state.served, None
+        if served is not None:
+            served.engine.close()
+            device = served.model.device
+            del served
+            release(device)
+    if failure:
+        raise failure[0]
+
+
+def release(device) -> None:
+    """Give the GPU memory back before the process goes (another server may be waiting for it)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def serve_from_cli(model_path: Path, load: Callable[[], object], report_residency: Callable[[object], None], *,
+                   host: str, port: int, api_key: str | None, api_key_file: Path | None, ctx: int, kv_type: str,
+                   prefill_chunk: int, temperature: float, top_k: int, top_p: float, min_p: float,
+                   repeat_penalty: float, seed: int | None, test_hooks: Path | None) -> None:
+    """spark-run's --serve branch: its options as ``ServeOptions``, its sampling as the defaults."""
+    if api_key is not None and api_key_file is not None:
+        raise SparkpackError(None, "give either --api-key or --api-key-file, not both")
+    if api_key_file is not None:
+        api_key = api_key_file.read_text(encoding="utf-8").strip()
+        if not api_key:
+            raise SparkpackError(api_key_file, "is empty: it should hold the API key")
+    defaults = SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                               repetition_penalty=repeat_penalty, seed=seed)
+    defaults.sampler(0)  # a bad setting is a one-line error now, not a 500 on every request
+    if test_hooks is not None:
+        test_hooks.mkdir(parents=True, exist_ok=True)
+
+    def loaded(model) -> None:
+        if model.residency is not None:
+            report_residency(model)
+
+    run_server(ServeOptions(model_path, host, port, api_key, ctx, kv_type, prefill_chunk, defaults, test_hooks),
+               load, loaded)
