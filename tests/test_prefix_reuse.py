@@ -15,6 +15,16 @@ CALL = 16  # prefill tokens per call: reuse happens at multiples of it
 ARCHS = ["qwen3moe", "laguna", "qwen35moe"]
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Three times faster on the shared 2-core CI machine (a tiny model's matmuls are too small
+    for two threads); a fresh run and a reused prefix compare with the same thread count."""
+    from tests.serve_proc import one_thread
+
+    with one_thread():
+        yield
+
+
 def ids_of(seed: int, n: int, vocab: int = 1700) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(10, vocab, (n,), generator=g).tolist()
