@@ -1,0 +1,82 @@
+"""``spark-run --serve``'s command line: help, misuse, and failures that are one line and exit 1."""
+from __future__ import annotations
+
+import socket
+import sys
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from sparkpack.runtime import cli
+from sparkpack.runtime.server.serve import client_settings
+from tests.serve_proc import ServerProcess
+
+
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def spark_run(monkeypatch, capsys, *args: str) -> Ran:
+    """spark-run in this process, through its real entry point (one-line errors, exit codes)."""
+    monkeypatch.setattr(sys, "argv", ["spark-run", *args])
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out = capsys.readouterr()
+    return Ran(code, out.out, out.err)
+
+
+def test_help_shows_a_serve_example(monkeypatch, capsys):
+    out = spark_run(monkeypatch, capsys, "--serve", "--help")
+    assert out.returncode == 0 and "spark-run model.gguf --serve" in out.stdout and "--api-key-file" in out.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--serve", "-p", "hi"], "--serve takes its prompts from HTTP requests"),
+    (["--serve", "--api-key", "a", "--api-key-file", "pyproject.toml"], "either --api-key or --api-key-file"),
+    (["--serve", "--top-p", "0"], "top_p must be in (0, 1]"),
+])
+def test_misuse_is_one_line(synth_model, monkeypatch, capsys, args, message):
+    out = spark_run(monkeypatch, capsys, str(synth_model("qwen3moe")), "--device", "cpu", *args)
+    assert out.returncode == 1 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_taken_port_and_a_missing_model_are_one_line_errors(synth_model, tmp_path, monkeypatch, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = spark_run(monkeypatch, capsys, str(synth_model("qwen3moe")), "--serve", "--device", "cpu", "--port",
+                        str(port))
+    assert out.returncode == 1 and f"127.0.0.1:{port}: cannot listen there" in out.stderr
+    out = spark_run(monkeypatch, capsys, str(tmp_path / "missing.gguf"), "--serve", "--device", "cpu", "--port", "0")
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith("spark-run: error: ")
+    assert "Traceback" not in out.stderr
+
+
+def test_api_key_file_and_client_settings(synth_model, tmp_path):
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    server = ServerProcess(synth_model("qwen3moe"), "--api-key-file", str(key), api_key=None)
+    try:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        assert httpx.post(server.base + "/v1/chat/completions", json=body).status_code == 401
+        ok = httpx.post(server.base + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+        printed = "".join(server.stdout)
+        assert f"OPENAI_BASE_URL={server.base}/v1" in printed and f"ANTHROPIC_BASE_URL={server.base}" in printed
+        assert 'wire_api = "responses"' in printed and "s3cret" in printed
+    finally:
+        assert server.stop() == 0
+
+
+def test_client_settings_name_the_model_and_context():
+    text = client_settings("qwen3.6-35b", "http://127.0.0.1:8080", 65536, None)
+    assert 'model = "qwen3.6-35b"' in text and "model_context_window = 65536" in text
+    assert 'base_url = "http://127.0.0.1:8080/v1"' in text and "env_key" not in text
