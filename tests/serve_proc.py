@@ -37,8 +37,9 @@ def one_thread():
 
 
 class ServerProcess:
-    def __init__(self, model: Path, *args: str, hooks: Path | None = None, api_key: str | None = API_KEY):
-        cmd = [sys.executable, "-m", "sparkpack.runtime.cli", str(model), "--serve", "--port", "0", "--device", "cpu",
+    def __init__(self, model: Path, *args: str, hooks: Path | None = None, api_key: str | None = API_KEY,
+                 device: str = "cpu"):
+        cmd = [sys.executable, "-m", "sparkpack.runtime.cli", str(model), "--serve", "--port", "0", "--device", device,
                "--temperature", "0", *args]
         if api_key is not None:
             cmd += ["--api-key", api_key]

@@ -45,12 +45,14 @@ class ServerMetrics:
                                 ["served"], registry=r)
         self.routed_tokens = Counter(PREFIX + "expert_routed_tokens",
                                      "Tokens through the MoE layers (routings / this = per token)", registry=r)
+        self.per_token = Gauge(PREFIX + "expert_routings_per_token", "The last request's routings per token, by "
+                               "where the expert was served", ["served"], registry=r)
         self.bytes_streamed = Counter(PREFIX + "expert_bytes_streamed", "Host-to-GPU expert bytes", registry=r)
         self.vram_peak = Gauge(PREFIX + "vram_peak_bytes", "Peak GPU memory allocated by the process", registry=r)
-        self._store_seen: dict[str, int] = {}
+        self._store_seen: dict[str, int] = self._store_counts()  # loading's own reads are not traffic
 
     def observe_job(self, job: Job, outcome: Outcome) -> None:
-        if outcome.finish in ("error",) or outcome.queued_seconds is None:
+        if outcome.finish == "error":
             return
         self.queue_wait.observe(outcome.queued_seconds)
         if outcome.finish == "cancelled" and outcome.completion_tokens == 0 and outcome.prefill_seconds == 0:
@@ -67,17 +69,26 @@ class ServerMetrics:
             self.decode_rate.observe((outcome.completion_tokens - 1) / outcome.decode_seconds)
         self.observe_store()
 
-    def observe_store(self) -> None:
-        """Add what the expert store counted since the last call (nothing without a store)."""
+    def _store_counts(self) -> dict[str, int]:
+        """The expert store's counters now (empty without a store: the CPU path has none)."""
         model = self.model
-        if model is None or getattr(model, "residency", None) is None:
-            return
+        if model is None or model.residency is None:
+            return {}
         stats = model.experts.stats
-        now = {name: int(getattr(stats, name)) for name in (*STORE_ROUTINGS.values(), "tokens", "bytes_streamed")}
+        return {name: int(getattr(stats, name)) for name in (*STORE_ROUTINGS.values(), "tokens", "bytes_streamed")}
+
+    def observe_store(self) -> None:
+        """Add what the expert store counted since the last call."""
+        now = self._store_counts()
+        if not now:
+            return
+        model = self.model
         delta = {k: v - self._store_seen.get(k, 0) for k, v in now.items()}
         self._store_seen = now
         for label, name in STORE_ROUTINGS.items():
             self.routings.labels(served=label).inc(max(delta[name], 0))
+            if delta["tokens"] > 0:
+                self.per_token.labels(served=label).set(delta[name] / delta["tokens"])
         self.routed_tokens.inc(max(delta["tokens"], 0))
         self.bytes_streamed.inc(max(delta["bytes_streamed"], 0))
         if model.device.type == "cuda":
