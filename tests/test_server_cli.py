@@ -79,4 +79,4 @@ def test_api_key_file_and_client_settings(synth_model, tmp_path):
 def test_client_settings_name_the_model_and_context():
     text = client_settings("qwen3.6-35b", "http://127.0.0.1:8080", 65536, None)
     assert 'model = "qwen3.6-35b"' in text and "model_context_window = 65536" in text
-    assert 'base_url = "http://127.0.0.1:8080/v1"' in text and "env_key" not in text
+    assert 'base_url = "http://127.0.0.1:8080/v1"' in text and "model_auto_compact_token_limit = 55705" in text

@@ -75,16 +75,18 @@ def client_settings(name: str, base: str, ctx: int, api_key: str | None) -> str:
         f"    export OPENAI_BASE_URL={base}/v1 OPENAI_API_KEY={key}",
         "  Claude Code (and the anthropic SDK):",
         f"    export ANTHROPIC_BASE_URL={base} ANTHROPIC_AUTH_TOKEN={key} ANTHROPIC_MODEL={name} "
-        f"ANTHROPIC_DEFAULT_HAIKU_MODEL={name} CLAUDE_CODE_ATTRIBUTION_HEADER=0",
+        f"ANTHROPIC_DEFAULT_OPUS_MODEL={name} ANTHROPIC_DEFAULT_SONNET_MODEL={name} ANTHROPIC_DEFAULT_HAIKU_MODEL={name} "
+        "CLAUDE_CODE_ATTRIBUTION_HEADER=0",
         "  Codex CLI (~/.codex/config.toml):",
         f'    model = "{name}"',
         '    model_provider = "sparkpack"',
         f"    model_context_window = {ctx}",
+        f"    model_auto_compact_token_limit = {ctx * 85 // 100}",
         "    [model_providers.sparkpack]",
         '    name = "sparkpack"',
         f'    base_url = "{base}/v1"',
         '    wire_api = "responses"',
-        '    env_key = "OPENAI_API_KEY"' if api_key is not None else "",
+        '    env_key = "OPENAI_API_KEY"',
         "",
     ])
 
