@@ -5,8 +5,11 @@
 # llama-cpp-python 0.3.36 sdist, llama.cpp commit 0c1e570) holding only what CMake needs for llama-bench.
 #   bash bench/llama_bench.sh --build-only             # build only (e.g. in the background, ~5 min)
 #   bash bench/llama_bench.sh [--no-build] M.gguf ...  # build unless the binary exists, then bench
-# Builds only the llama-bench target, sm_90, into $LLAMA_BUILD (default /tmp/llama-build); needs
-# cmake >= 3.18, gcc and a CUDA toolkit with nvcc + cuBLAS (CUDA_HOME or /usr/local/cuda).
+# Builds the llama-bench and llama-server targets (the server for bench/serve_bench.py; API only, no
+# web UI: the stripped tree has no UI assets, so an empty asset table is generated), sm_90, into
+# $LLAMA_BUILD (default /tmp/llama-build); needs cmake >= 3.18, gcc and a CUDA toolkit with nvcc +
+# cuBLAS (CUDA_HOME or /usr/local/cuda). LLAMA_CUDA=OFF builds for the CPU (checks the configuration
+# on a machine without CUDA).
 # Per model: pp512/pp4096 and tg128 at KV depths 0/128/1024/4096 (this llama-bench has -d/--n-depth;
 # LLAMA_DEPTHS overrides; 128/1024/4096 are decode_bench.py's depths, bench/compare_llama.py pairs
 # them), flash attention on, 3 repetitions; markdown on stdout, json in $OUT/llama_bench_<model>.json.
@@ -15,26 +18,40 @@
 set -euo pipefail
 build_dir="${LLAMA_BUILD:-/tmp/llama-build}"
 bin="$build_dir/bin/llama-bench"
+server="$build_dir/bin/llama-server"
 build=1 build_only=0
 case "${1:-}" in
   --build-only) build_only=1; shift ;;
   --no-build) build=0; shift ;;
 esac
 
-if [ "$build" = 1 ] && [ ! -x "$bin" ]; then
+if [ "$build" = 1 ] && { [ ! -x "$bin" ] || [ ! -x "$server" ]; }; then
   cuda="${CUDA_HOME:-/usr/local/cuda}"
   command -v nvcc >/dev/null || export PATH="$cuda/bin:$PATH"
-  echo "== build llama-bench (nvcc: $(command -v nvcc || echo MISSING), $(cmake --version | head -1))"
+  echo "== build llama-bench, llama-server (nvcc: $(command -v nvcc || echo MISSING), $(cmake --version | head -1))"
   t0=$(date +%s)
+  ui=.device/llama.cpp/scripts/ui-assets.cmake
+  if [ ! -f "$ui" ]; then  # the stripped tree lacks the UI provisioning script: serve no UI
+    mkdir -p "$(dirname "$ui")"
+    cat > "$ui" <<'CMAKE'
+# Written by sparkpack's bench/llama_bench.sh: llama-server without its web UI (no assets embedded).
+set(N_ASSETS 0)
+set(ASSET_ARRAYS "")
+set(ASSET_TABLE "")
+set(USE_GZIP false)
+configure_file("${UI_SOURCE_DIR}/ui.h.in" "${UI_BINARY_DIR}/ui.h" @ONLY)
+configure_file("${UI_SOURCE_DIR}/ui.cpp.in" "${UI_BINARY_DIR}/ui.cpp" @ONLY)
+CMAKE
+  fi
   cmake -B "$build_dir" -S .device/llama.cpp -DCMAKE_BUILD_TYPE=Release \
-    -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="${LLAMA_CUDA_ARCH:-90}" -DGGML_NATIVE=OFF -DGGML_CCACHE=OFF \
-    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+    -DGGML_CUDA="${LLAMA_CUDA:-ON}" -DCMAKE_CUDA_ARCHITECTURES="${LLAMA_CUDA_ARCH:-90}" -DGGML_NATIVE=OFF \
+    -DGGML_CCACHE=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_APP=OFF \
     -DLLAMA_BUILD_COMMIT=0c1e570 -DLLAMA_BUILD_NUMBER=0 > "$build_dir.configure.log" 2>&1 \
     || { tail -30 "$build_dir.configure.log"; exit 1; }
-  cmake --build "$build_dir" --target llama-bench -j"$(nproc)" > "$build_dir.build.log" 2>&1 \
+  cmake --build "$build_dir" --target llama-bench llama-server -j"$(nproc)" > "$build_dir.build.log" 2>&1 \
     || { grep -m20 -B2 -A5 -i "error" "$build_dir.build.log"; tail -20 "$build_dir.build.log"; exit 1; }
-  echo "built $bin in $(( $(date +%s) - t0 )) s"
+  echo "built $bin and $server in $(( $(date +%s) - t0 )) s"
 fi
 [ "$build_only" = 1 ] && exit 0
 [ -x "$bin" ] || { echo "no $bin: build first (bash bench/llama_bench.sh --build-only)" >&2; exit 1; }

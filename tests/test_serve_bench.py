@@ -1,0 +1,82 @@
+"""bench/serve_bench.py's pure parts, and a dry run of the whole benchmark on a tiny CPU model
+(a real spark-run --serve and a real one-shot spark-run; no llama-server here)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+import serve_bench  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return serve_bench
+
+
+def test_arguments_and_sizes(bench, tmp_path):
+    args = bench.parse_args(["m.gguf", "--prompts", str(tmp_path), "--n-cpu-moe", "16", "--spark-arg=--hot-fraction=0.6"])
+    assert args.vram == "14GiB" and args.turn1_tokens == 17000 and args.turn2_tokens == 300 and args.n_cpu_moe == "16"
+    assert args.spark_arg == ["--hot-fraction=0.6"] and bench.placement(args) == ["--vram", "14GiB", "--hot-fraction=0.6"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["m.gguf", "--prompts", str(tmp_path), "--n-cpu-moe", "many"])
+    assert bench.parse_size("14GiB") == 14 * 1024**3 and bench.parse_size("512MB") == 512 * 1000**2
+
+
+def test_least_n_cpu_moe_that_fits(bench):
+    probed = []
+
+    def fits(n: int) -> bool:  # GPU memory falls as layers move to the CPU; 17 is the first that fits
+        probed.append(n)
+        return n >= 17
+
+    assert bench.least_that_fits(fits, 40) == 17 and len(probed) <= 6
+    assert bench.least_that_fits(lambda n: False, 40) == 40 and bench.least_that_fits(lambda n: True, 40) == 0
+
+
+def test_turns_are_cut_to_their_token_counts(bench, tmp_path):
+    (tmp_path / "a.md").write_text("alpha " * 50)
+    (tmp_path / "b.md").write_text("beta " * 70)
+    words = lambda text: len(text.split())  # noqa: E731
+    cut = lambda text, n: " ".join(text.split()[:n])  # noqa: E731
+    turns = bench.build_turns(sorted(tmp_path.glob("*.md")), words, cut, 400, 30)
+    assert words(turns.system) + words(turns.user1) == 400 and words(turns.user2) == 30
+    assert turns.system.startswith("alpha") and "beta" in turns.system
+    messages = turns.turn2("an answer")
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+
+
+def test_table(bench):
+    side = {"turn1_prompt_tokens": 17012, "turn1_ttft_s": 4.0, "turn2_prompt_tokens": 17400,
+            "turn2_cached_tokens": 16896, "turn2_ttft_s": 0.2, "turn2_over_turn1": 0.05, "decode_tok_s": 200.0,
+            "gpu_memory_bytes": 13 * 1024**3}
+    result = {"model": "m.gguf", "device": "cuda", "vram": "14GiB", "sparkpack": side, "n_cpu_moe": 16,
+              "llama": {**side, "turn2_cached_tokens": None, "turn2_over_turn1": 0.9, "decode_tok_s": 90.0},
+              "one_shot": {"decode_tok_s": 204.0}}
+    table = bench.markdown(result).splitlines()
+    assert table[0] == "| m.gguf | sparkpack --serve (14GiB) | llama-server --n-cpu-moe 16 |"
+    assert "| turn 2: prompt tokens (cached) | 17400 (16896) | 17400 (-) |" in table
+    assert "| decode tok/s, streamed (openai client) | 200.0 | 90.0 |" in table
+    assert "| served / one-shot decode (target >= 0.97) | 0.980 | |" in table
+
+
+def test_dry_run_on_a_tiny_model(bench, synth_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("LLAMA_BUILD", str(tmp_path / "no-llama"))
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "agent.md").write_text((REPO / "README.md").read_text())
+    out = tmp_path / "out"
+    result = bench.main([str(synth_model("qwen3moe")), "--prompts", str(prompts), "--device", "cpu",
+                         "--turn1-tokens", "150", "--turn2-tokens", "20", "--answer-tokens", "4",
+                         "--decode-tokens", "6", "--spark-arg=--prefill-chunk=16", "--out", str(out)])
+    s = result["sparkpack"]
+    assert s["exit"] == 0 and 140 <= s["turn1_prompt_tokens"] <= 170 and s["turn2_cached_tokens"] >= 128
+    assert s["decode_tokens"] == 6 and s["decode_tok_s"] > 0 and result["one_shot"]["decode_tok_s"] > 0
+    assert "llama" not in result and json.loads((out / "serve_bench.json").read_text()) == result
+    assert (out / "serve_bench.md").read_text().startswith("| qwen3moe")
