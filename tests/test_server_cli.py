@@ -80,3 +80,18 @@ def test_client_settings_name_the_model_and_context():
     text = client_settings("qwen3.6-35b", "http://127.0.0.1:8080", 65536, None)
     assert 'model = "qwen3.6-35b"' in text and "model_context_window = 65536" in text
     assert 'base_url = "http://127.0.0.1:8080/v1"' in text and "model_auto_compact_token_limit = 55705" in text
+
+
+def test_while_loading_health_and_routes_answer_503_in_their_dialect():
+    """Before the model is in, /health says loading and every route a retryable 503."""
+    from fastapi.testclient import TestClient
+
+    from sparkpack.runtime.server.app import create_app
+    from sparkpack.runtime.server.http import ServerConfig
+
+    client = TestClient(create_app(ServerConfig()))
+    assert client.get("/health").status_code == 503
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "server_error" and "loading" in r.json()["error"]["message"]
+    r = client.post("/v1/messages", json={"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"
