@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 import socket
-import sys
 from dataclasses import dataclass
 
 import httpx
 import pytest
 
-from sparkpack.runtime import cli
 from sparkpack.runtime.server.serve import client_settings
 from tests.serve_proc import ServerProcess
+from tests.test_generate import run_cli
 
 
 @dataclass
@@ -22,14 +21,7 @@ class Ran:
 
 def spark_run(monkeypatch, capsys, *args: str) -> Ran:
     """spark-run in this process, through its real entry point (one-line errors, exit codes)."""
-    monkeypatch.setattr(sys, "argv", ["spark-run", *args])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out = capsys.readouterr()
-    return Ran(code, out.out, out.err)
+    return Ran(*run_cli(list(args), monkeypatch, capsys))
 
 
 def test_help_shows_a_serve_example(monkeypatch, capsys):

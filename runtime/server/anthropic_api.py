@@ -9,19 +9,17 @@ message_start and every 15 s. Usage splits the prompt as Anthropic does: ``input
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import ServerSentEvent
 
-from .messages import RequestError, from_anthropic
-from .output import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 from .engine import Outcome
-from .errors import Dialect, error_body
-from .generation import Collected, collect, failed, new_id, prompt_for, request_error, sampling, start
-from .http import DialectRoute, check_api_key, read_json
-from .openai_api import served_of, sse
+from .errors import ApiError, Dialect, error_body
+from .generation import Collected, complete, conversation, new_id, prompt_for, relay, sampling, served_of, start
+from .http import DialectRoute, check_api_key, read_json, sse
+from .messages import from_anthropic
+from .output import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 from .schemas import CountTokensRequest, MessagesRequest, parse
 from .stream import Finished, Started
 
@@ -41,113 +39,99 @@ def stop_reason(f: Finished, tool_calls: bool) -> str:
     return "tool_use" if tool_calls else "end_turn"
 
 
-def conversation(body) -> object:
-    try:
-        return from_anthropic(body.model_dump(exclude_unset=False))
-    except RequestError as e:
-        raise request_error(e) from None
-
-
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> JSONResponse:
     served = served_of(request)
     body = parse(CountTokensRequest, await read_json(request))
-    return JSONResponse({"input_tokens": len(prompt_for(served, conversation(body)).ids)})
+    return JSONResponse({"input_tokens": len(prompt_for(served, conversation(from_anthropic, body)).ids)})
 
 
 @router.post("/v1/messages")
 async def messages(request: Request):
     served = served_of(request)
     body = parse(MessagesRequest, await read_json(request))
-    prompt = prompt_for(served, conversation(body))
+    prompt = prompt_for(served, conversation(from_anthropic, body))
     job, stream = start(served, prompt, body.max_tokens, sampling(served, body), body.stop_sequences or [], body)
-    mid, model = new_id("msg_"), body.model or served.name
+    events = Events(body.model or served.name)
     if not body.stream:
-        out = await collect(request.receive, job, stream)
-        served.metrics.requests.labels("messages", out.finished.outcome.finish).inc()
-        err = failed(out.finished)
-        if err:
-            raise err
-        return JSONResponse(message(mid, model, out))
+        return JSONResponse(message(events, await complete(served, "messages", request.receive, job, stream)))
+    return sse(relay(served, "messages", job, stream, events), lambda: events.event("ping", {}))
 
-    def event(kind: str, data: dict) -> ServerSentEvent:
+
+class Events:
+    """Anthropic's stream of one message (``generation.StreamFormat``): one content block open at a
+    time, opened by the first event of its kind and closed by the next kind or the end."""
+
+    def __init__(self, model: str):
+        self.id, self.model = new_id("msg_"), model
+        self.index, self.open, self.calls, self.began = -1, None, 0, False
+
+    def event(self, kind: str, data: dict) -> ServerSentEvent:
         return ServerSentEvent(data=json.dumps({"type": kind, **data}, ensure_ascii=False), event=kind)
 
-    def message_start(counts: Outcome | Started) -> ServerSentEvent:
-        return event("message_start", {"message": {
-            "id": mid, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
-            "stop_sequence": None, "usage": usage(counts)}})
+    def message_start(self, counts: Outcome | Started) -> list[ServerSentEvent]:
+        self.began = True
+        return [self.event("message_start", {"message": {
+            "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": usage(counts)}}), self.event("ping", {})]
 
-    async def events() -> AsyncIterator[ServerSentEvent]:
-        index, open_kind, calls, began = -1, None, 0, False
-        outcome = "cancelled"
+    def close(self) -> list[ServerSentEvent]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [self.event("content_block_stop", {"index": self.index})]
 
-        def close() -> list[ServerSentEvent]:
-            nonlocal open_kind
-            if open_kind is None:
-                return []
-            open_kind = None
-            return [event("content_block_stop", {"index": index})]
+    def block(self, kind: str, block: dict) -> list[ServerSentEvent]:
+        """Open a block of ``kind`` unless one is open (a tool_use block is always new)."""
+        if self.open == kind and kind != "tool_use":
+            return []
+        out = self.close()
+        self.index += 1
+        self.open = kind
+        return out + [self.event("content_block_start", {"index": self.index, "content_block": block})]
 
-        def open_block(kind: str, block: dict) -> list[ServerSentEvent]:
-            nonlocal index, open_kind
-            out = close()
-            index += 1
-            open_kind = kind
-            return out + [event("content_block_start", {"index": index, "content_block": block})]
+    def delta(self, delta: dict) -> ServerSentEvent:
+        return self.event("content_block_delta", {"index": self.index, "delta": delta})
 
-        try:
-            async for item in stream.events():
-                if isinstance(item, Started):
-                    began = True
-                    yield message_start(item)
-                    yield event("ping", {})
-                    continue
-                if isinstance(item, Finished):
-                    outcome = item.outcome.finish
-                    if not began:
-                        yield message_start(item.outcome)
-                    err = failed(item)
-                    if err:
-                        yield ServerSentEvent(data=json.dumps(error_body(Dialect.ANTHROPIC, err)), event="error")
-                        return
-                    for e in close():
-                        yield e
-                    yield event("message_delta", {
-                        "delta": {"stop_reason": stop_reason(item, calls > 0), "stop_sequence": item.stop_sequence},
-                        "usage": usage(item.outcome, item.outcome.completion_tokens)})
-                    yield event("message_stop", {})
-                    return
-                for ev in item:
-                    out = []
-                    if isinstance(ev, TextDelta):
-                        if open_kind != "text":
-                            out += open_block("text", {"type": "text", "text": ""})
-                        out.append(event("content_block_delta", {"index": index,
-                                                                 "delta": {"type": "text_delta", "text": ev.text}}))
-                    elif isinstance(ev, ReasoningDelta):
-                        if open_kind != "thinking":
-                            out += open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-                        out.append(event("content_block_delta", {
-                            "index": index, "delta": {"type": "thinking_delta", "thinking": ev.text}}))
-                    elif isinstance(ev, ToolCallStart):
-                        out += open_block("tool_use", {"type": "tool_use", "id": ev.id, "name": ev.name, "input": {}})
-                    elif isinstance(ev, ToolCallDelta):
-                        out.append(event("content_block_delta", {
-                            "index": index, "delta": {"type": "input_json_delta", "partial_json": ev.arguments}}))
-                    elif isinstance(ev, ToolCallEnd):
-                        calls += 1
-                        out += close()
-                    for e in out:
-                        yield e
-        finally:
-            job.cancel()
-            served.metrics.requests.labels("messages", outcome).inc()
+    def opening(self) -> list:
+        return []
 
-    return sse(events(), lambda: event("ping", {}))
+    def started(self, started: Started) -> list[ServerSentEvent]:
+        return self.message_start(started)
+
+    def events(self, events: list) -> list[ServerSentEvent]:
+        out: list[ServerSentEvent] = []
+        for ev in events:
+            if isinstance(ev, TextDelta):
+                out += self.block("text", {"type": "text", "text": ""})
+                out.append(self.delta({"type": "text_delta", "text": ev.text}))
+            elif isinstance(ev, ReasoningDelta):
+                out += self.block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                out.append(self.delta({"type": "thinking_delta", "thinking": ev.text}))
+            elif isinstance(ev, ToolCallStart):
+                out += self.block("tool_use", {"type": "tool_use", "id": ev.id, "name": ev.name, "input": {}})
+            elif isinstance(ev, ToolCallDelta):
+                out.append(self.delta({"type": "input_json_delta", "partial_json": ev.arguments}))
+            elif isinstance(ev, ToolCallEnd):
+                self.calls += 1
+                out += self.close()
+        return out
+
+    def finished(self, finished: Finished) -> list[ServerSentEvent]:
+        o = finished.outcome
+        out = [] if self.began else self.message_start(o)
+        return out + self.close() + [
+            self.event("message_delta", {"delta": {"stop_reason": stop_reason(finished, self.calls > 0),
+                                                   "stop_sequence": finished.stop_sequence},
+                                         "usage": usage(o, o.completion_tokens)}),
+            self.event("message_stop", {})]
+
+    def error(self, err: ApiError) -> list[ServerSentEvent]:
+        out = [] if self.began else self.message_start(Started(0, 0))
+        return out + [ServerSentEvent(data=json.dumps(error_body(Dialect.ANTHROPIC, err)), event="error")]
 
 
-def message(mid: str, model: str, out: Collected) -> dict:
+def message(events: Events, out: Collected) -> dict:
     content: list[dict] = []
     if out.reasoning:
         content.append({"type": "thinking", "thinking": out.reasoning, "signature": ""})
@@ -156,6 +140,6 @@ def message(mid: str, model: str, out: Collected) -> dict:
     for c in out.tool_calls:
         content.append({"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments})
     f = out.finished
-    return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
+    return {"id": events.id, "type": "message", "role": "assistant", "model": events.model, "content": content,
             "stop_reason": stop_reason(f, bool(out.tool_calls)), "stop_sequence": f.stop_sequence,
             "usage": usage(f.outcome, f.outcome.completion_tokens)}

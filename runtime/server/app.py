@@ -11,6 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import anthropic_api, openai_api, responses_api
 from .errors import ApiError
+from .generation import served_of
 from .http import DialectRoute, ServerConfig, check_api_key, error_response, read_json
 from .metrics import CONTENT_TYPE
 from .schemas import DetokenizeRequest, TokenizeRequest, parse
@@ -27,21 +28,21 @@ async def health(request: Request) -> JSONResponse:
 
 @local.get("/metrics")
 async def metrics(request: Request) -> Response:
-    served = openai_api.served_of(request)
+    served = served_of(request)
     return Response(served.metrics.render(served.engine.waiting), media_type=CONTENT_TYPE)
 
 
 @local.post("/tokenize", dependencies=[Depends(check_api_key)])
 async def tokenize(request: Request) -> JSONResponse:
     """llama.cpp server's shape: ``{"content", "add_special"}`` -> ``{"tokens"}``."""
-    served = openai_api.served_of(request)
+    served = served_of(request)
     body = parse(TokenizeRequest, await read_json(request))
     return JSONResponse({"tokens": served.tokenizer.encode(body.content, add_special=body.add_special)})
 
 
 @local.post("/detokenize", dependencies=[Depends(check_api_key)])
 async def detokenize(request: Request) -> JSONResponse:
-    served = openai_api.served_of(request)
+    served = served_of(request)
     body = parse(DetokenizeRequest, await read_json(request))
     n = served.tokenizer.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < n]

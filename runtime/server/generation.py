@@ -12,8 +12,9 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from sparkpack.formats.errors import SparkpackError
 
@@ -24,7 +25,7 @@ from .output import (OutputParser, ReasoningDelta, TextDelta, ToolCallEnd, ToolC
 from .engine import Engine, Job, SamplingOptions
 from .errors import ApiError, context_exceeded
 from .metrics import ServerMetrics
-from .schemas import Sampling
+from .schemas import Body, Sampling
 from .stream import EventStream, Finished, PlainText, Started
 
 # Test-only body fields, honoured with spark-run --serve's hidden --test-hooks: the text the
@@ -51,6 +52,14 @@ class Served:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+def served_of(request) -> Served:
+    """The loaded model, or a retryable 503 while it loads."""
+    served = request.app.state.served
+    if served is None:
+        raise ApiError(503, "the model is still loading; retry when GET /health answers 200")
+    return served
+
+
 @dataclass
 class Prompt:
     ids: list[int]
@@ -63,8 +72,12 @@ class Prompt:
 IMPLICIT_STOPS = {"laguna": ("</assistant>",)}
 
 
-def request_error(e: RequestError) -> ApiError:
-    return ApiError(400, e.message, e.param, e.code)
+def conversation(convert: Callable[[dict], Conversation], body: Body) -> Conversation:
+    """A validated body through one of ``messages``' dialect readers; its errors are 400s."""
+    try:
+        return convert(body.model_dump(exclude_unset=False))
+    except RequestError as e:
+        raise ApiError(400, e.message, e.param, e.code) from None
 
 
 def prompt_for(served: Served, conv: Conversation) -> Prompt:
@@ -201,6 +214,53 @@ def failed(finished: Finished) -> ApiError | None:
     if o.finish == "error":
         return ApiError(500, f"generation failed: {o.error}")
     return None
+
+
+async def complete(served: Served, route: str, receive, job: Job, stream: EventStream) -> Collected:
+    """A whole response (``collect``), counted in the metrics; a failed generation raises its 500."""
+    out = await collect(receive, job, stream)
+    served.metrics.requests.labels(route, out.finished.outcome.finish).inc()
+    err = failed(out.finished)
+    if err:
+        raise err
+    return out
+
+
+class StreamFormat(Protocol):
+    """A dialect's SSE: what to send at each point of a job's stream (``relay`` drives it)."""
+
+    def opening(self) -> list: ...
+
+    def started(self, started: Started) -> list: ...
+
+    def events(self, events: list) -> list: ...
+
+    def finished(self, finished: Finished) -> list: ...
+
+    def error(self, err: ApiError) -> list: ...
+
+
+async def relay(served: Served, route: str, job: Job, stream: EventStream, fmt: StreamFormat) -> AsyncIterator:
+    """The SSE items of a streamed job. A client that goes away (the generator is closed or
+    cancelled) cancels the job; the outcome is counted in the metrics either way."""
+    outcome = "cancelled"
+    try:
+        for item in fmt.opening():
+            yield item
+        async for item in stream.events():
+            if isinstance(item, Started):
+                out = fmt.started(item)
+            elif isinstance(item, Finished):
+                outcome = item.outcome.finish
+                err = failed(item)
+                out = fmt.error(err) if err else fmt.finished(item)
+            else:
+                out = fmt.events(item)
+            for x in out:
+                yield x
+    finally:
+        job.cancel()
+        served.metrics.requests.labels(route, outcome).inc()
 
 
 def new_id(prefix: str) -> str:

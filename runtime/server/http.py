@@ -11,19 +11,22 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from sse_starlette.sse import EventSourceResponse, ServerSentEvent
 
 from .errors import ApiError, dialect_of, error_body
 
 log = logging.getLogger("sparkpack.server")
 
 MAX_BODY_BYTES = 32 * 1024**2  # a 256k-token conversation is ~1 MB of JSON; tool results can be large
+PING_SECONDS = 15  # SSE pings keep idle proxies from closing a stream during a long prefill
+SHUTDOWN_GRACE_SECONDS = 5
 
 
 @dataclass(frozen=True)
@@ -92,3 +95,11 @@ def check_api_key(request: Request) -> None:
     if sent is None or not hmac.compare_digest(sent.encode(), key.encode()):
         raise ApiError(401, "invalid or missing API key (send Authorization: Bearer KEY or x-api-key: KEY)",
                        code="invalid_api_key")
+
+
+def sse(items: AsyncIterator, ping_event: Callable[[], ServerSentEvent] | None = None) -> EventSourceResponse:
+    """An SSE response (``ping_event``: the dialect's ping, else an SSE comment). On shutdown the
+    engine cancels the job, so a stream ends by itself with its last events within a token;
+    sse-starlette's cut comes only after a grace period."""
+    return EventSourceResponse(items, ping=PING_SECONDS, sep="\n", ping_message_factory=ping_event,
+                               shutdown_grace_period=SHUTDOWN_GRACE_SECONDS)

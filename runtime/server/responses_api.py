@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import ServerSentEvent
 
-from .messages import RequestError, from_responses
+from .errors import ApiError, Dialect, error_body
+from .generation import Collected, Served, complete, conversation, new_id, prompt_for, relay, sampling, served_of, start
+from .http import DialectRoute, check_api_key, read_json, sse
+from .messages import from_responses
 from .output import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
-from .errors import Dialect, error_body
-from .generation import Collected, Served, collect, failed, new_id, prompt_for, request_error, sampling, start
-from .http import DialectRoute, check_api_key, read_json
-from .openai_api import served_of, sse
 from .schemas import ResponsesRequest, parse
 from .stream import Finished, Started
 
@@ -57,139 +55,133 @@ def call_item(iid: str, call_id: str, name: str, arguments: str, status: str = "
 async def responses(request: Request):
     served = served_of(request)
     body = parse(ResponsesRequest, await read_json(request))
-    try:
-        conv = from_responses(body.model_dump(exclude_unset=False))
-    except RequestError as e:
-        raise request_error(e) from None
+    conv = conversation(from_responses, body)
     prompt = prompt_for(served, conv)
     job, stream = start(served, prompt, body.max_output_tokens, sampling(served, body), [], body, param="input")
-    rid, created, model = new_id("resp_"), int(time.time()), body.model or served.name
-
-    def response(status: str, output: list[dict], finished: Finished | None = None, reasoning: str = "") -> dict:
-        return {"id": rid, "object": "response", "created_at": created, "status": status, "model": model,
-                "output": output, "error": None,
-                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-                "parallel_tool_calls": True, "tool_choice": conv.tool_choice, "tools": body.tools or [],
-                "temperature": body.temperature, "top_p": body.top_p, "text": {"format": {"type": "text"}},
-                "reasoning": body.reasoning or {}, "store": False, "metadata": {},
-                "usage": usage(served, finished, reasoning) if finished is not None else None}
-
-    def status_of(finished: Finished) -> str:
-        return "incomplete" if finished.outcome.finish == "length" else "completed"
-
+    items = Items(served, body, conv.tool_choice)
     if not body.stream:
-        out = await collect(request.receive, job, stream)
-        served.metrics.requests.labels("responses", out.finished.outcome.finish).inc()
-        err = failed(out.finished)
-        if err:
-            raise err
-        return JSONResponse(response(status_of(out.finished), output_items(out), out.finished, out.reasoning))
+        out = await complete(served, "responses", request.receive, job, stream)
+        return JSONResponse(items.response(status_of(out.finished), output_items(out), out.finished, out.reasoning))
+    return sse(relay(served, "responses", job, stream, items))
 
-    async def events() -> AsyncIterator[ServerSentEvent]:
-        seq = 0
-        output: list[dict] = []  # finished items
-        current: dict | None = None  # the open item: kind, id, text, (call_id, name)
-        reasoning = ""
-        outcome = "cancelled"
 
-        def event(kind: str, **data) -> ServerSentEvent:
-            nonlocal seq
-            seq += 1
-            return ServerSentEvent(data=json.dumps({"type": kind, "sequence_number": seq, **data}, ensure_ascii=False),
-                                   event=kind)
+def status_of(finished: Finished) -> str:
+    return "incomplete" if finished.outcome.finish == "length" else "completed"
 
-        def where() -> dict:
-            return {"item_id": current["id"], "output_index": len(output)}
 
-        def close() -> list[ServerSentEvent]:
-            nonlocal current
-            if current is None:
-                return []
-            c, out = current, []
-            if c["kind"] == "message":
-                part = {"type": "output_text", "text": c["text"], "annotations": [], "logprobs": []}
-                item = message_item(c["id"], c["text"])
-                out += [event("response.output_text.done", **where(), content_index=0, text=c["text"], logprobs=[]),
-                        event("response.content_part.done", **where(), content_index=0, part=part)]
-            elif c["kind"] == "reasoning":
-                part = {"type": "reasoning_text", "text": c["text"]}
-                item = reasoning_item(c["id"], c["text"])
-                out += [event("response.reasoning_text.done", **where(), content_index=0, text=c["text"]),
-                        event("response.content_part.done", **where(), content_index=0, part=part)]
-            else:
-                item = call_item(c["id"], c["call_id"], c["name"], c["text"])
-                out.append(event("response.function_call_arguments.done", **where(), arguments=c["text"],
-                                 name=c["name"]))
-            out.append(event("response.output_item.done", output_index=len(output), item=item))
-            output.append(item)
-            current = None
-            return out
+class Items:
+    """The Responses API's stream of one response (``generation.StreamFormat``): each output
+    item announced, streamed and closed in turn, every event numbered (``sequence_number``)."""
 
-        def open_item(kind: str, **extra) -> list[ServerSentEvent]:
-            nonlocal current
-            out = close()
-            current = {"kind": kind, "id": new_id({"message": "msg_", "reasoning": "rs_"}.get(kind, "fc_")),
-                       "text": "", **extra}
-            if kind == "message":
-                item = message_item(current["id"], "", "in_progress")
-                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            elif kind == "reasoning":
-                item, part = reasoning_item(current["id"], None), {"type": "reasoning_text", "text": ""}
-            else:
-                item, part = call_item(current["id"], extra["call_id"], extra["name"], "", "in_progress"), None
-            out.append(event("response.output_item.added", output_index=len(output), item=item))
-            if part is not None:
-                out.append(event("response.content_part.added", **where(), content_index=0, part=part))
-            return out
+    def __init__(self, served: Served, body: ResponsesRequest, tool_choice: str | dict):
+        self.served, self.body, self.tool_choice = served, body, tool_choice
+        self.id, self.created = new_id("resp_"), int(time.time())
+        self.seq = 0
+        self.output: list[dict] = []  # the finished items
+        self.current: dict | None = None  # the open item: kind, id, text (and call_id, name)
+        self.reasoning = ""
 
-        try:
-            yield event("response.created", response=response("in_progress", []))
-            yield event("response.in_progress", response=response("in_progress", []))
-            async for item in stream.events():
-                if isinstance(item, Started):
-                    continue
-                if isinstance(item, Finished):
-                    outcome = item.outcome.finish
-                    err = failed(item)
-                    if err:
-                        yield ServerSentEvent(data=json.dumps({"type": "error", "sequence_number": seq + 1,
-                                                               **error_body(Dialect.OPENAI, err)["error"]}),
-                                              event="error")
-                        return
-                    for e in close():
-                        yield e
-                    status = status_of(item)
-                    yield event(f"response.{status}", response=response(status, output, item, reasoning))
-                    return
-                for ev in item:
-                    out: list[ServerSentEvent] = []
-                    if isinstance(ev, TextDelta):
-                        if current is None or current["kind"] != "message":
-                            out += open_item("message")
-                        current["text"] += ev.text
-                        out.append(event("response.output_text.delta", **where(), content_index=0, delta=ev.text,
-                                         logprobs=[]))
-                    elif isinstance(ev, ReasoningDelta):
-                        if current is None or current["kind"] != "reasoning":
-                            out += open_item("reasoning")
-                        current["text"] += ev.text
-                        reasoning += ev.text
-                        out.append(event("response.reasoning_text.delta", **where(), content_index=0, delta=ev.text))
-                    elif isinstance(ev, ToolCallStart):
-                        out += open_item("function_call", call_id=ev.id, name=ev.name)
-                    elif isinstance(ev, ToolCallDelta):
-                        current["text"] += ev.arguments
-                        out.append(event("response.function_call_arguments.delta", **where(), delta=ev.arguments))
-                    elif isinstance(ev, ToolCallEnd):
-                        out += close()
-                    for e in out:
-                        yield e
-        finally:
-            job.cancel()
-            served.metrics.requests.labels("responses", outcome).inc()
+    def response(self, status: str, output: list[dict], finished: Finished | None = None, reasoning: str = "") -> dict:
+        b = self.body
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "model": b.model or self.served.name, "output": output, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
+                "parallel_tool_calls": True, "tool_choice": self.tool_choice, "tools": b.tools or [],
+                "temperature": b.temperature, "top_p": b.top_p, "text": {"format": {"type": "text"}},
+                "reasoning": b.reasoning or {}, "store": False, "metadata": {},
+                "usage": usage(self.served, finished, reasoning) if finished is not None else None}
 
-    return sse(events())
+    def event(self, kind: str, **data) -> ServerSentEvent:
+        self.seq += 1
+        return ServerSentEvent(data=json.dumps({"type": kind, "sequence_number": self.seq, **data},
+                                               ensure_ascii=False), event=kind)
+
+    def where(self) -> dict:
+        return {"item_id": self.current["id"], "output_index": len(self.output)}
+
+    def close(self) -> list[ServerSentEvent]:
+        c = self.current
+        if c is None:
+            return []
+        out = []
+        if c["kind"] == "message":
+            part = {"type": "output_text", "text": c["text"], "annotations": [], "logprobs": []}
+            item = message_item(c["id"], c["text"])
+            out += [self.event("response.output_text.done", **self.where(), content_index=0, text=c["text"],
+                               logprobs=[]),
+                    self.event("response.content_part.done", **self.where(), content_index=0, part=part)]
+        elif c["kind"] == "reasoning":
+            part = {"type": "reasoning_text", "text": c["text"]}
+            item = reasoning_item(c["id"], c["text"])
+            out += [self.event("response.reasoning_text.done", **self.where(), content_index=0, text=c["text"]),
+                    self.event("response.content_part.done", **self.where(), content_index=0, part=part)]
+        else:
+            item = call_item(c["id"], c["call_id"], c["name"], c["text"])
+            out.append(self.event("response.function_call_arguments.done", **self.where(), arguments=c["text"],
+                                  name=c["name"]))
+        out.append(self.event("response.output_item.done", output_index=len(self.output), item=item))
+        self.output.append(item)
+        self.current = None
+        return out
+
+    def item(self, kind: str, **extra) -> list[ServerSentEvent]:
+        """Open an item of ``kind`` unless one is open (a function call is always new)."""
+        if self.current is not None and self.current["kind"] == kind and kind != "function_call":
+            return []
+        out = self.close()
+        iid = new_id({"message": "msg_", "reasoning": "rs_"}.get(kind, "fc_"))
+        self.current = {"kind": kind, "id": iid, "text": "", **extra}
+        if kind == "message":
+            item, part = message_item(iid, "", "in_progress"), {"type": "output_text", "text": "", "annotations": [],
+                                                                "logprobs": []}
+        elif kind == "reasoning":
+            item, part = reasoning_item(iid, None), {"type": "reasoning_text", "text": ""}
+        else:
+            item, part = call_item(iid, extra["call_id"], extra["name"], "", "in_progress"), None
+        out.append(self.event("response.output_item.added", output_index=len(self.output), item=item))
+        if part is not None:
+            out.append(self.event("response.content_part.added", **self.where(), content_index=0, part=part))
+        return out
+
+    def opening(self) -> list[ServerSentEvent]:
+        return [self.event(kind, response=self.response("in_progress", []))
+                for kind in ("response.created", "response.in_progress")]
+
+    def started(self, started: Started) -> list:
+        return []
+
+    def events(self, events: list) -> list[ServerSentEvent]:
+        out: list[ServerSentEvent] = []
+        for ev in events:
+            if isinstance(ev, TextDelta):
+                out += self.item("message")
+                self.current["text"] += ev.text
+                out.append(self.event("response.output_text.delta", **self.where(), content_index=0, delta=ev.text,
+                                      logprobs=[]))
+            elif isinstance(ev, ReasoningDelta):
+                out += self.item("reasoning")
+                self.current["text"] += ev.text
+                self.reasoning += ev.text
+                out.append(self.event("response.reasoning_text.delta", **self.where(), content_index=0, delta=ev.text))
+            elif isinstance(ev, ToolCallStart):
+                out += self.item("function_call", call_id=ev.id, name=ev.name)
+            elif isinstance(ev, ToolCallDelta):
+                self.current["text"] += ev.arguments
+                out.append(self.event("response.function_call_arguments.delta", **self.where(), delta=ev.arguments))
+            elif isinstance(ev, ToolCallEnd):
+                out += self.close()
+        return out
+
+    def finished(self, finished: Finished) -> list[ServerSentEvent]:
+        status = status_of(finished)
+        return self.close() + [self.event(f"response.{status}",
+                                          response=self.response(status, self.output, finished, self.reasoning))]
+
+    def error(self, err: ApiError) -> list[ServerSentEvent]:
+        self.seq += 1
+        return [ServerSentEvent(data=json.dumps({"type": "error", "sequence_number": self.seq,
+                                                 **error_body(Dialect.OPENAI, err)["error"]}), event="error")]
 
 
 def output_items(out: Collected) -> list[dict]:
