@@ -1,10 +1,11 @@
 """What every generating route shares: the served model, prompt building, starting a job, and
 collecting its events (with the client's disconnect cancelling it).
 
-A route turns its body into a ``Conversation`` (``messages``), then ``prompt_for`` renders it
-with the model's chat template, appends a forced tool-call prefix where ``tool_choice`` asks
-for one and tokenizes it; ``start`` checks the context and queues the job; the route formats
-``EventStream`` events in its dialect, streaming or collected (``collect``).
+A route turns its body into a ``Conversation`` (``conversation``: B's dialect readers), then
+``prompt_for`` renders it with the model's chat template, appends a forced tool-call prefix where
+``tool_choice`` asks for one and tokenizes it; ``start`` checks the context and queues the job;
+the route answers with the whole response (``complete``) or streams it (``relay`` driving the
+dialect's ``StreamFormat``).
 """
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ from typing import Any, Protocol
 from sparkpack.formats.errors import SparkpackError
 
 from ..chat_template import ChatTemplate
-from .messages import Conversation, RequestError
-from .output import (OutputParser, ReasoningDelta, TextDelta, ToolCallEnd, ToolCallStart, ToolSyntax, forced_prefix,
-                     prompt_opens_reasoning)
 from .engine import Engine, Job, SamplingOptions
 from .errors import ApiError, context_exceeded
+from .messages import Conversation, RequestError
 from .metrics import ServerMetrics
+from .output import (OutputParser, ReasoningDelta, TextDelta, ToolCallEnd, ToolCallStart, ToolSyntax, forced_prefix,
+                     prompt_opens_reasoning)
 from .schemas import Body, Sampling
 from .stream import EventStream, Finished, PlainText, Started
 
