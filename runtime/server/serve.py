@@ -57,9 +57,11 @@ def build_served(model, opts: ServeOptions):
     tok = GGUFTokenizer.from_metadata(model.gguf)
     source = model.gguf.get("tokenizer.chat_template")
     template = ChatTemplate.from_tokenizer(source, tok) if source else None
-    metrics = ServerMetrics(model)
     end = next((i for i in (tok.eot_id, tok.eos_id) if i is not None), min(tok.stop_ids, default=0))
     session = Session(model, ctx=opts.ctx, kv_type=opts.kv_type, prefill_chunk=opts.prefill_chunk)
+    if model.device.type == "cuda":  # kernels compiled and graphs captured before /health says ready
+        click.echo(f"sparkpack: warmed up in {session.warm_up():.2f} s", err=True)
+    metrics = ServerMetrics(model)  # (after the warm-up, which the store forgets)
     engine = Engine(session, tok.stop_ids, end, on_job=metrics.observe_job, dump_logits=opts.test_hooks)
     return Served(model_name(opts.model_path), model, tok, template, tool_syntax_for(model.spec.arch, source or ""),
                   opts.ctx, opts.defaults, engine, metrics, test_hooks=opts.test_hooks is not None)
