@@ -11,10 +11,14 @@ new tokens of a user message. For each server (a fresh ``spark-run MODEL --serve
 then llama-server with ``--n-cpu-moe N`` experts' layers on the CPU, N chosen so that its GPU
 memory fits the same budget unless given), through the openai client, streaming:
 
-* time to first token of turn 1 and of turn 2 (turn 2 / turn 1: the prefix reuse; target < 10%);
+* time to first token of turn 1 and of turn 2 (turn 2 / turn 1: the prefix reuse; target < 10%),
+  as the wall time of a one-token request (a random model's tokens may spell no text, and then no
+  stream chunk would mark them);
 * decode tok/s of ``--decode-tokens`` greedy tokens after turn 1's prompt, between the first and
-  the last token received (the client's view), next to a one-shot ``spark-run -p`` on the same
-  prompt in a fresh process (its own decode tok/s; target: the server within 3%).
+  the last token received (the client's view; llama-server sends no chunk for a token that spells
+  nothing, so also from two whole requests: N tokens and 1 token on the same cached prompt), next
+  to a one-shot ``spark-run -p`` on the same prompt in a fresh process (its own decode tok/s;
+  target: the server within 3%).
 
 Writes ``serve_bench.json`` and ``serve_bench.md`` to ``--out`` and prints the table. Without a
 llama-server binary (``$LLAMA_BUILD/bin/llama-server``, built by ``bench/llama_bench.sh
@@ -232,13 +236,10 @@ def choose_n_cpu_moe(args: argparse.Namespace, n_layer: int, budget: int, log: C
 class Stream:
     """One streamed request as the client saw it."""
 
-    ttft: float | None = None  # seconds to the first token's text
     tokens: int = 0  # completion tokens (usage, else chunks with text)
-    first: float | None = None
+    first: float | None = None  # when the first token's text arrived
     last: float | None = None
     text: str = ""
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -253,35 +254,61 @@ def chat(base: str, messages: list[dict], max_tokens: int) -> Stream:
 
     client = openai.OpenAI(base_url=base + "/v1", api_key=API_KEY, max_retries=0, timeout=3600)
     out, chunks = Stream(), 0
-    t0 = time.perf_counter()
     for chunk in client.chat.completions.create(model="bench", messages=messages, max_tokens=max_tokens,
                                                 temperature=0, stream=True, stream_options={"include_usage": True}):
         now = time.perf_counter()
         if chunk.usage is not None:
             out.tokens = chunk.usage.completion_tokens
-            out.prompt_tokens = chunk.usage.prompt_tokens
-            details = chunk.usage.prompt_tokens_details
-            out.cached_tokens = getattr(details, "cached_tokens", None) if details else None
         for choice in chunk.choices:
             delta = choice.delta
             piece = (delta.content or "") + (getattr(delta, "reasoning_content", None) or "")
             if piece or delta.tool_calls:
                 chunks += 1
                 out.text += delta.content or ""
-                if out.ttft is None:
-                    out.ttft, out.first = now - t0, now
+                out.first = out.first or now
                 out.last = now
     out.tokens = out.tokens or chunks
     return out
 
 
+@dataclass
+class Timed:
+    """One non-streamed request: its wall time and usage."""
+
+    seconds: float
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    completion_tokens: int | None
+
+
+def timed(base: str, messages: list[dict], max_tokens: int) -> Timed:
+    """A greedy request, whole: with ``max_tokens=1`` its wall time is the time to first token
+    whatever text the token spells (a random model's tokens may spell none, and a server sends
+    no chunk for them)."""
+    import openai
+
+    client = openai.OpenAI(base_url=base + "/v1", api_key=API_KEY, max_retries=0, timeout=3600)
+    t0 = time.perf_counter()
+    r = client.chat.completions.create(model="bench", messages=messages, max_tokens=max_tokens, temperature=0)
+    dt = time.perf_counter() - t0
+    details = r.usage.prompt_tokens_details if r.usage else None
+    return Timed(dt, r.usage.prompt_tokens if r.usage else None, getattr(details, "cached_tokens", None),
+                 r.usage.completion_tokens if r.usage else None)
+
+
 def measure(server: Server, turns: Turns, args: argparse.Namespace) -> dict:
-    """Turn 1, turn 2 and decode on one fresh server."""
+    """On one fresh server: turn 1's time to first token (nothing cached), turn 1's answer, turn
+    2's time to first token (turn 1's conversation cached), then decode after turn 1's prompt:
+    streamed (the client's view, when the tokens spell text) and from two whole requests, ``N``
+    tokens and 1 token on the same cached prompt: (N - 1) / (their time difference)."""
     server.start()
     try:
-        one = chat(server.base, turns.turn1(), args.answer_tokens)
-        two = chat(server.base, turns.turn2(one.text), 1)
-        decode = chat(server.base, turns.turn1(), args.decode_tokens)
+        first = timed(server.base, turns.turn1(), 1)
+        answer = chat(server.base, turns.turn1(), args.answer_tokens)
+        second = timed(server.base, turns.turn2(answer.text), 1)
+        streamed = chat(server.base, turns.turn1(), args.decode_tokens)
+        whole = timed(server.base, turns.turn1(), args.decode_tokens)
+        one = timed(server.base, turns.turn1(), 1)
         metrics = ""
         if server.name == "sparkpack":
             import httpx
@@ -291,10 +318,13 @@ def measure(server: Server, turns: Turns, args: argparse.Namespace) -> dict:
     finally:
         rc = server.stop()
     peak = re.search(r"^sparkpack_vram_peak_bytes (\S+)", metrics, re.M)
-    return {"server": server.name, "exit": rc, "turn1_prompt_tokens": one.prompt_tokens, "turn1_ttft_s": one.ttft,
-            "turn2_prompt_tokens": two.prompt_tokens, "turn2_cached_tokens": two.cached_tokens,
-            "turn2_ttft_s": two.ttft, "turn2_over_turn1": two.ttft / one.ttft if one.ttft and two.ttft else None,
-            "decode_tokens": decode.tokens, "decode_tok_s": decode.decode_tok_s,
+    n = whole.completion_tokens or 0
+    wall = (n - 1) / (whole.seconds - one.seconds) if n > 1 and whole.seconds > one.seconds else None
+    return {"server": server.name, "exit": rc, "turn1_prompt_tokens": first.prompt_tokens,
+            "turn1_ttft_s": first.seconds, "turn2_prompt_tokens": second.prompt_tokens,
+            "turn2_cached_tokens": second.cached_tokens, "turn2_ttft_s": second.seconds,
+            "turn2_over_turn1": second.seconds / first.seconds,
+            "decode_tokens": streamed.tokens, "decode_tok_s": streamed.decode_tok_s, "decode_tok_s_whole": wall,
             "gpu_memory_bytes": vram, "vram_peak_allocated": float(peak.group(1)) if peak else None}
 
 
@@ -330,12 +360,14 @@ def markdown(result: dict) -> str:
         ("turn 2: time to first token (s)", [_num(c["turn2_ttft_s"], ".3f") for c in cols]),
         ("turn 2 / turn 1 (target < 0.10)", [_num(c["turn2_over_turn1"], ".3f") for c in cols]),
         ("decode tok/s, streamed (openai client)", [_num(c["decode_tok_s"], ".1f") for c in cols]),
+        ("decode tok/s, whole requests (N - 1 tokens / time difference)",
+         [_num(c.get("decode_tok_s_whole"), ".1f") for c in cols]),
         ("GPU memory (nvidia-smi, GiB)", [_num(c["gpu_memory_bytes"] and c["gpu_memory_bytes"] / 1024**3, ".2f")
                                          for c in cols]),
     ]
     shot = result.get("one_shot") or {}
-    ratio = (result["sparkpack"]["decode_tok_s"] / shot["decode_tok_s"]
-             if shot.get("decode_tok_s") and result["sparkpack"].get("decode_tok_s") else None)
+    ours = result["sparkpack"].get("decode_tok_s") or result["sparkpack"].get("decode_tok_s_whole")
+    ratio = ours / shot["decode_tok_s"] if shot.get("decode_tok_s") and ours else None
     lines = [f"| {result['model']} | " + " | ".join(head) + " |", "| --- |" + " --- |" * len(head)]
     lines += [f"| {name} | " + " | ".join(vals) + " |" for name, vals in rows]
     lines.append(f"| one-shot spark-run -p decode tok/s | {_num(shot.get('decode_tok_s'), '.1f')} |"
