@@ -10,7 +10,7 @@ Then ``spark-run --vram`` runs in its own process to measure the peak VRAM under
         [--tokens 64] [--prompt-tokens 256] [--vram 14GiB] [--only S ...] [--skip S ...] [--json out.json]
 
 Configurations: all-GPU; calibrated placement (the profile) at hot fractions 0.8/0.6/0.4/0.2
-with zero-copy (with and without prefetch) and async misses; the naive offload (uniform placement, synchronous copies from
+with zero-copy and async misses; the naive offload (uniform placement, synchronous copies from
 the file); and exactness probes at 10% residency with and without cache slots.
 """
 from __future__ import annotations
@@ -32,7 +32,6 @@ from sparkpack.calibrate.render import ChatRenderer
 from sparkpack.runtime.chat_template import ChatTemplate
 from sparkpack.runtime.generate import Session
 from sparkpack.runtime.models import StoreOptions, load_model, open_store
-from sparkpack.runtime.residency import PREFETCH_MIN_MISSES
 from sparkpack.runtime.tokenizer import GGUFTokenizer
 
 
@@ -43,7 +42,6 @@ class Config:
     calibrated: bool
     mode: str
     cache_slots: int | None = None  # None: the default (formats.placement.default_cache_slots)
-    prefetch: float | None = None  # guess layers expecting >= this many misses per token (None: off)
 
 
 def configs(fractions: list[float], slots: list[int]) -> list[Config]:
@@ -52,17 +50,12 @@ def configs(fractions: list[float], slots: list[int]) -> list[Config]:
         out += [Config(f"calibrated {f:.0%} zero-copy, {n} slots", f, True, "zerocopy", n) for f in (0.6, 0.2)]
     for f in fractions:
         out.append(Config(f"calibrated {f:.0%} zero-copy", f, True, "zerocopy"))
-        out.append(Config(f"calibrated {f:.0%} zero-copy + prefetch", f, True, "zerocopy", prefetch=PREFETCH_MIN_MISSES))
-        if f >= 0.4:  # where the plan leaves layers unguessed: what guessing every layer would give
-            out.append(Config(f"calibrated {f:.0%} zero-copy + prefetch every layer", f, True, "zerocopy", prefetch=0.0))
         out.append(Config(f"calibrated {f:.0%} async", f, True, "async"))
     out += [Config("naive 60% (uniform, sync)", 0.6, False, "sync"),
             Config("naive 20% (uniform, sync)", 0.2, False, "sync"),
             Config("uniform 60% zero-copy", 0.6, False, "zerocopy"),
-            Config("uniform 60% zero-copy + prefetch", 0.6, False, "zerocopy", prefetch=PREFETCH_MIN_MISSES),
             Config("calibrated 60% sync", 0.6, True, "sync"),
             Config("calibrated 10% zero-copy, no slots", 0.1, True, "zerocopy", 0),
-            Config("calibrated 10% zero-copy + prefetch, no slots", 0.1, True, "zerocopy", 0, PREFETCH_MIN_MISSES),
             Config("calibrated 10% async, no slots", 0.1, True, "async", 0),
             Config("calibrated 10% async", 0.1, True, "async")]
     return out
@@ -114,8 +107,7 @@ def measure(model, cfg: Config, args: argparse.Namespace, prompt: list[int], cud
     """Swap in a fresh store for ``cfg``, warm up, then time prefill + greedy decode."""
     t0 = time.perf_counter()
     opts = StoreOptions(hot_fraction=cfg.hot_fraction, cache_slots=cfg.cache_slots, mode=cfg.mode,
-                        profile=args.profile if cfg.calibrated else None, prefetch=cfg.prefetch is not None,
-                        prefetch_min_misses=cfg.prefetch)
+                        profile=args.profile if cfg.calibrated else None)
     store, residency = open_store(model.gguf, None, model.spec, model.device, model.dtype, opts)
     if not cfg.calibrated and residency.source.find("uniform") < 0:
         raise SystemExit(f"{cfg.name}: expected uniform placement, got {residency.source}")
@@ -133,8 +125,6 @@ def measure(model, cfg: Config, args: argparse.Namespace, prompt: list[int], cud
            "decode_tok_s": t.decode_tokens / t.decode_seconds, "prefill_tok_s": t.prefill_tokens / t.prefill_seconds,
            "hot_per_token": s["hot_hits_per_token"], "cached_per_token": s["cache_hits_per_token"],
            "missed_per_token": s["misses_per_token"], "bytes_streamed": s["bytes_streamed"],
-           "prefetch_slots": d["prefetch_slots"], "prefetch_layers": d["prefetch_layers"], "prefetched_per_token": s["prefetch_hits_per_token"],
-           "prefetch_accuracy": s["prefetch_accuracy"], "prefetch_recall": s["prefetch_recall"],
            "stream_gb_s": s["bytes_streamed"] / (t.decode_seconds + t.prefill_seconds + t.capture_seconds) / 1e9,
            "capture_s": t.capture_seconds, "host_ms_per_token": 1e3 * s["step_seconds"] / max(s["tokens"], 1),
            "pool_gib": d["device_pool_bytes"] / 1024**3, "load_s": load_s,
@@ -194,10 +184,8 @@ def main() -> None:
         rows.append(row)
         load_s, same = row["load_s"], row["identical"]
         print(f"{cfg.name:38} decode {row['decode_tok_s']:7.1f} tok/s ({row['vs_all_gpu']:6.1%})  prefill "
-              f"{row['prefill_tok_s']:7.1f}  hot/cached/prefetched/missed per token {row['hot_per_token']:.1f}/"
-              f"{row['cached_per_token']:.1f}/{row['prefetched_per_token']:.1f}/{row['missed_per_token']:.2f}  "
-              f"guessed layers {row['prefetch_layers']}, right {_pct(row['prefetch_accuracy'])}, "
-              f"recall {_pct(row['prefetch_recall'])}  host {row['host_ms_per_token']:.2f} ms/token  pool {row['pool_gib']:.2f} GiB  "
+              f"{row['prefill_tok_s']:7.1f}  hot/cached/missed per token {row['hot_per_token']:.1f}/"
+              f"{row['cached_per_token']:.1f}/{row['missed_per_token']:.2f}  host {row['host_ms_per_token']:.2f} ms/token  pool {row['pool_gib']:.2f} GiB  "
               f"load {load_s:.1f} s  identical {same}", flush=True)
     model.experts = None
     del model
@@ -215,15 +203,12 @@ def main() -> None:
 
 def table(res: dict) -> str:
     lines = ["| configuration | hot | cache slots | miss path | decode tok/s | vs all-GPU | prefill tok/s | "
-             "hot / cached / prefetched / missed per token | guessed layers | guesses right | misses found | "
-             "GB/s streamed | identical |",
-             "|" + " --- |" * 13]
+             "hot / cached / missed per token | GB/s streamed | identical |",
+             "|" + " --- |" * 10]
     for r in res["rows"]:
         lines.append(f"| {r['name']} | {r['hot_fraction']:.0%} | {r['cache_slots']} | {r['mode']} | "
                      f"{r['decode_tok_s']:.1f} | {r['vs_all_gpu']:.1%} | {r['prefill_tok_s']:.1f} | "
-                     f"{r['hot_per_token']:.1f} / {r['cached_per_token']:.1f} / {r['prefetched_per_token']:.1f} / "
-                     f"{r['missed_per_token']:.2f} | {r['prefetch_layers']} | {_pct(r['prefetch_accuracy'])} | "
-                     f"{_pct(r.get('prefetch_recall'))} | "
+                     f"{r['hot_per_token']:.1f} / {r['cached_per_token']:.1f} / {r['missed_per_token']:.2f} | "
                      f"{r['stream_gb_s']:.2f} | {'yes' if r['identical'] else 'NO'} |")
     v = res["vram_run"]
     if not v:
@@ -231,14 +216,9 @@ def table(res: dict) -> str:
     st = v.get("store", {})
     lines.append("")
     lines.append(f"spark-run --vram: {st.get('hot_experts')}/{st.get('experts')} hot, {st.get('cache_slots')} slots, "
-                 f"{st.get('prefetch_slots')} prefetch slots ({_pct(st.get('prefetch_accuracy'))} of guesses right), "
                  f"decode {v.get('decode_tok_s') or 0:.1f} tok/s, peak allocated "
                  f"{v.get('vram_peak_allocated', 0) / 1024**3:.2f} GiB, reserved {v.get('vram_peak_reserved', 0) / 1024**3:.2f} GiB")
     return "\n".join(lines)
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{v:.0%}"
 
 
 if __name__ == "__main__":

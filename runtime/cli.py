@@ -181,9 +181,6 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
               help="Routing profile choosing the hot experts [MODEL.profile.json when present].")
 @click.option("--stream", "stream_mode", type=click.Choice(["auto", "zerocopy", "async", "sync"]), default="auto",
               show_default=True, help="How misses reach the GPU (see runtime/expert_store.py).")
-@click.option("--prefetch/--no-prefetch", default=False, show_default=True,
-              help="Zero-copy decode: in layers expected to miss often, copy the guessed cold experts to the GPU "
-                   "while the layer's attention runs (measured slower on an H100, see BENCHMARKS.md).")
 @click.option("--host-ram", type=SizeParam(), help="Pinned host memory for cold experts [80% of available]; "
               "less than they need reads misses from disk.")
 @click.option("--ctx", type=click.IntRange(min=1), default=4096, show_default=True,
@@ -220,7 +217,7 @@ def run_cmd(model_path: Path, prompt: str | None, prompt_file: Path | None, syst
             prompt_ids: str | None, prompt_ids_file: Path | None, logits_out: Path | None, device: str,
             threads: int | None, dtype_name: str, expert_cache: int, vram: int | None,
             hot_fraction: float | None, cache_slots: int | None, profile_path: Path | None, stream_mode: str,
-            prefetch: bool, host_ram: int | None, ctx: int, kv_type: str, prefill_chunk: int, use_store: bool | None, stats_json: Path | None, max_tokens: int,
+            host_ram: int | None, ctx: int, kv_type: str, prefill_chunk: int, use_store: bool | None, stats_json: Path | None, max_tokens: int,
             temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
             seed: int | None, serve: bool = False, host: str = "127.0.0.1", port: int = 8080,
             api_key: str | None = None, api_key_file: Path | None = None, test_hooks: Path | None = None) -> None:
@@ -247,7 +244,7 @@ def run_cmd(model_path: Path, prompt: str | None, prompt_file: Path | None, syst
         from .residency import StoreOptions
 
         store = StoreOptions(vram, hot_fraction, cache_slots, profile_path, stream_mode,
-                             host_ram if host_ram is not None else default_host_ram(), ctx, prefetch, kv_type=kv_type,
+                             host_ram if host_ram is not None else default_host_ram(), ctx, kv_type=kv_type,
                              prefill_chunk=prefill_chunk)
     import torch
 
@@ -345,9 +342,7 @@ def report_residency(model) -> None:
     if d["host_tier"] == "none":  # nothing is cold: no misses to stream, no host tier
         line += ", none cold"
     else:
-        prefetch = f" with {d['prefetch_slots']} prefetch slots" if d["prefetch_slots"] else ""
-        line += (f", {d['cache_slots']} cache slots, misses via {d['mode']}{prefetch}, "
-                 f"cold experts in {d['host_tier']} memory")
+        line += f", {d['cache_slots']} cache slots, misses via {d['mode']}, cold experts in {d['host_tier']} memory"
     if r.expected_cold_rate is not None:
         line += f", expected cold-hit rate {r.expected_cold_rate:.1%}"
     click.echo(line, err=True)
@@ -387,9 +382,7 @@ def report_stats(model, session, stats_json: Path | None) -> None:
         parts.append(f"CUDA graph captured in {s['graph_capture_seconds']:.2f} s")
     st = s.get("store")
     if st:
-        pre = (f"{st['prefetch_hits_per_token']:.1f} prefetched ({st['prefetch_recall']:.0%} of the guessing layers' "
-               f"misses), " if st["prefetched"] and st["prefetch_recall"] is not None else "")
-        parts.append(f"per token: {st['hot_hits_per_token']:.1f} hot, {st['cache_hits_per_token']:.1f} cached, {pre}"
+        parts.append(f"per token: {st['hot_hits_per_token']:.1f} hot, {st['cache_hits_per_token']:.1f} cached, "
                      f"{st['misses_per_token']:.1f} missed; {st['bytes_streamed'] / 1e9:.2f} GB streamed"
                      + (f" at {st['stream_gb_s']:.1f} GB/s" if st.get("stream_gb_s") else ""))
     if "vram_peak_reserved" in s:

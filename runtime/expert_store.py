@@ -13,8 +13,7 @@ Tiers, fastest first:
 Hot and cached experts sit in one device pool ``[n_slots, slot_bytes]`` (one expert = one
 contiguous row, so a miss is one copy) and every MoE layer has a row of one table ``expert ->
 slot`` that the fused kernel reads, so a cached expert costs exactly what a hot one does. The
-pool ends with ``k`` prefetch slots when some layer guesses its experts (below). The quantized
-bytes are never expanded in the pool; the kernels unpack them in registers.
+quantized bytes are never expanded in the pool; the kernels unpack them in registers.
 
 How a miss is served (``mode``):
   sync      the router's choice is read on the host (one sync per layer) and missing experts are
@@ -27,12 +26,6 @@ How a miss is served (``mode``):
             looks at what was routed (one small copy per token) and promotes missed experts
             that keep being routed into cache slots with async copies overlapping the next
             token, so repeat traffic is served from VRAM.
-Prefetch (zero-copy mode, decode, layers the plan expects to miss often): at the start of a
-block the model guesses the layer's experts
-(its router applied to the hidden state before attention) and, on a side stream while attention
-runs, a kernel copies the guessed cold experts into ``k`` reserved device slots and writes an
-effective table row that the layer's MoE kernel reads. Right guesses are served from VRAM; wrong
-ones cost their PCIe bytes and the routed expert is still read zero-copy.
 The arithmetic never depends on where bytes were read from, so every mode and every residency
 gives bit-identical outputs (tests check it at 100/60/10% residency).
 
@@ -47,7 +40,6 @@ import os
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -156,28 +148,18 @@ class StoreStats:
     misses: int = 0  # routings whose expert was not on the device when the layer ran
     loads: int = 0  # experts streamed into a cache slot
     zero_copy_reads: int = 0  # (layer, expert) reads served from host memory inside the kernel
-    prefetched: int = 0  # guessed cold experts copied into prefetch slots
-    prefetch_used: int = 0  # of those, experts the router then chose
-    prefetch_hits: int = 0  # routings served by a prefetch slot
-    guessed_misses: int = 0  # misses in layers that guessed: what the guesses failed to find
     bytes_streamed: int = 0  # host->device bytes, copies and zero-copy reads together
     copy_seconds: float = 0.0  # wall time the host spent issuing/waiting for copies (sync, async)
     step_seconds: float = 0.0  # host time of the per-token bookkeeping (overlaps the next replayed step)
     disk_reads: int = 0
 
     def as_json(self) -> dict:
-        routed = self.hot_hits + self.cache_hits + self.prefetch_hits + self.misses
+        routed = self.hot_hits + self.cache_hits + self.misses
         per_tok = max(self.tokens, 1)
         return {**self.__dict__,
                 "routings": routed,
                 "hot_hits_per_token": self.hot_hits / per_tok,
                 "cache_hits_per_token": self.cache_hits / per_tok,
-                "prefetch_hits_per_token": self.prefetch_hits / per_tok,
-                "prefetch_accuracy": self.prefetch_used / self.prefetched if self.prefetched else None,
-                # of the cold routings in guessing layers, the share a guess had copied in: what
-                # decides whether prefetching pays (accuracy only says what the wrong ones cost)
-                "prefetch_recall": (self.prefetch_hits / (self.prefetch_hits + self.guessed_misses)
-                                    if self.prefetch_hits + self.guessed_misses else None),
                 "misses_per_token": self.misses / per_tok,
                 "miss_rate": self.misses / routed if routed else 0.0}
 
@@ -199,14 +181,12 @@ class ExpertStore:
     ``hot``: bool ``[n_layer, n_expert]`` of experts resident from the start. ``cache_slots``:
     spare device slots shared by all layers. ``host_bytes``: pinned host memory allowed for cold
     experts (None: all of them); when they do not fit, misses are read from the file through a
-    bounded host cache (the disk tier) and a warning says so. ``prefetch``: guess the experts of
-    these layers (bool ``[n_layer]``, or True: every MoE layer) and copy cold guesses into ``k``
-    reserved device slots (zero-copy mode with fused kernels only; ignored otherwise).
+    bounded host cache (the disk tier) and a warning says so.
     """
 
     def __init__(self, source: ExpertSource, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype,
                  hot: np.ndarray, cache_slots: int = 0, mode: str = "auto", host_bytes: int | None = None,
-                 fused: bool | None = None, warn=None, prefetch: "bool | np.ndarray | None" = None):
+                 fused: bool | None = None, warn=None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         self.source, self.spec = source, spec
@@ -251,12 +231,6 @@ class ExpertStore:
                                               "raise the host RAM budget or use --stream async")
         self.mode = mode
         self.pin = on_cuda and mode != "sync"
-        guessed = np.zeros(spec.n_layer, dtype=bool)
-        if prefetch is not None and prefetch is not False and mode == "zerocopy" and self.fused_all and n_cold:
-            guessed[self.moe_layers] = True if prefetch is True else np.asarray(prefetch, dtype=bool)[self.moe_layers]
-        self.prefetch_layers = frozenset(np.flatnonzero(guessed).tolist())
-        self.n_prefetch = spec.n_expert_used if self.prefetch_layers else 0
-        self.first_prefetch = self.n_hot + self.n_cache
         # Every expert on the device: nothing can move, so the per-token count read (a wait on
         # the device, then ~20 small numpy passes with the GPU idle: ~0.2 ms a token on the H100)
         # is put off; the counts add up on the device until the stats are read (``stats``).
@@ -266,7 +240,7 @@ class ExpertStore:
         self.copy_stream = torch.cuda.Stream(self.device) if on_cuda and mode != "sync" else None
 
         # Device pool and tables.
-        self.pool = torch.empty((self.n_hot + self.n_cache + self.n_prefetch, self.slot_bytes), dtype=torch.uint8,
+        self.pool = torch.empty((self.n_hot + self.n_cache, self.slot_bytes), dtype=torch.uint8,
                                 device=self.device)
         self.table = np.full((spec.n_layer, self.n_expert), NOT_RESIDENT, dtype=np.int32)
         self.owner: list[tuple[int, int] | None] = [None] * (self.n_hot + self.n_cache)  # cache slot -> expert
@@ -284,21 +258,13 @@ class ExpertStore:
         # tokens, whose routings alone the fused kernels count (padding must not teach placement).
         self.real_tokens: torch.Tensor | None = None
         self._step_routed = False
-        # A replayed step's counts (and guesses) are copied into pinned memory behind it and
+        # A replayed step's counts are copied into pinned memory behind it and
         # learned from while the next step runs (``end_step(defer=True)``): (tokens, copy done).
         self._pending: tuple[int, torch.cuda.Event | None] | None = None
         self._table_sent: torch.cuda.Event | None = None  # the last upload from the pinned table
         self.freq = np.zeros((spec.n_layer, self.n_expert))  # decayed routing counts (zero-copy admission)
         self._promoting: tuple[list[tuple[int, int, int]], torch.cuda.Event] | None = None
-        # Prefetch: the guess of each layer this step (-1: none; reset after every step), the
-        # effective table rows the guesses produce, and per layer the event its MoE waits on.
-        self.guess_ids = torch.full((spec.n_layer, max(self.n_prefetch, 1)), -1, dtype=torch.int64, device=self.device)
         self._counts_host = torch.empty(self.step_counts.shape, dtype=torch.int32, pin_memory=self.pin)
-        self._guess_host = torch.empty(self.guess_ids.shape, dtype=torch.int64, pin_memory=self.pin)
-        self.eff_table = torch.empty_like(self.table_dev) if self.n_prefetch else None
-        self.guess_in: torch.Tensor | None = None
-        self.prefetch_stream = torch.cuda.Stream(self.device) if on_cuda and self.n_prefetch else None
-        self._guessed: dict[int, torch.cuda.Event | None] = {}
         self._bind_views()
 
     # --- loading ------------------------------------------------------------------------------
@@ -346,35 +312,6 @@ class ExpertStore:
 
     # --- the MoE-layer interface --------------------------------------------------------------
 
-    def prefetch(self, layer: int, x: torch.Tensor, guess: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
-        """Start copying the experts ``guess(layer, x)`` names (top-k ids ``[1, k]`` of the layer's
-        router on the block's input ``x [1, n_embd]``) into the prefetch slots, on a side stream,
-        so they land while the block's attention runs; ``moe`` of this layer then reads them.
-        Decode steps only (one token), and only when the store reserved prefetch slots.
-
-        The guess reads a copy of ``x`` in a buffer the main stream rewrites only after this
-        layer's MoE has waited on the side stream, so neither stream's memory is reused under
-        the other, in eager steps or in a captured graph."""
-        if x.shape[0] != 1 or layer not in self.prefetch_layers:
-            return
-        if self.guess_in is None or self.guess_in.dtype != x.dtype or self.guess_in.shape != x.shape:
-            self.guess_in = torch.empty_like(x)
-        self.guess_in.copy_(x)
-        stream = self.prefetch_stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        with _on(stream):
-            self.guess_ids[layer].copy_(guess(layer, self.guess_in).reshape(-1))
-            from .kernels.prefetch import prefetch_experts
-
-            prefetch_experts(self.guess_ids[layer], self.table_dev[layer], self.eff_table[layer], self.host_pool,
-                             self.pool, self.first_prefetch)
-            done = None
-            if stream is not None:
-                done = torch.cuda.Event()
-                done.record(stream)
-        self._guessed[layer] = done
-
     def moe(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             parts: bool = False) -> torch.Tensor:
         """Weighted sum of the chosen experts' outputs for ``x [T, n_embd]``, ``ids/weights [T, k]``;
@@ -389,13 +326,8 @@ class ExpertStore:
         self._step_routed = True
         if self.mode == "zerocopy":
             if la.fused:  # the kernel counts the routings itself
-                row = self.table_dev[layer]
-                if layer in self._guessed:  # this layer's guess was prefetched: read its effective row
-                    done = self._guessed.pop(layer)
-                    if done is not None:
-                        torch.cuda.current_stream(self.device).wait_event(done)
-                    row = self.eff_table[layer]
-                return self._fused(la, x, weights, ids, row, la.host_views, self.step_counts[layer], parts)
+                return self._fused(la, x, weights, ids, self.table_dev[layer], la.host_views, self.step_counts[layer],
+                                   parts)
             flat = ids.reshape(-1)
             one = torch.ones_like(flat, dtype=torch.int32)
             if self.real_tokens is not None:  # a padded call run eagerly off the GPU (tests): real tokens only
@@ -640,16 +572,13 @@ class ExpertStore:
 
     def _read_counts(self, n_tokens: int) -> None:
         counts = self.step_counts.to("cpu", copy=True).numpy()  # waits for the step; a copy on CPU too
-        guesses = self.guess_ids.to("cpu", copy=True).numpy() if self.n_prefetch else None
-        self._reset_counts()
-        self._timed_learn(counts, n_tokens, guesses)
+        self.step_counts.zero_()
+        self._timed_learn(counts, n_tokens)
 
     def _snapshot(self, n_tokens: int) -> None:
-        """Queue this step's counts and guesses into pinned memory behind it, then reset them."""
+        """Queue this step's counts into pinned memory behind it, then reset them."""
         self._counts_host.copy_(self.step_counts, non_blocking=self.pin)
-        if self.n_prefetch:
-            self._guess_host.copy_(self.guess_ids, non_blocking=self.pin)
-        self._reset_counts()
+        self.step_counts.zero_()
         done = None
         if self.pin:
             done = torch.cuda.Event()
@@ -666,19 +595,14 @@ class ExpertStore:
         self._pending = None
         if done is not None:
             done.synchronize()
-        self._timed_learn(self._counts_host.numpy(), n_tokens, self._guess_host.numpy() if self.n_prefetch else None)
+        self._timed_learn(self._counts_host.numpy(), n_tokens)
 
-    def _reset_counts(self) -> None:
-        self.step_counts.zero_()
-        if self.n_prefetch:
-            self.guess_ids.fill_(-1)
-
-    def _timed_learn(self, counts: np.ndarray, n_tokens: int, guesses: np.ndarray | None) -> None:
+    def _timed_learn(self, counts: np.ndarray, n_tokens: int) -> None:
         t0 = time.perf_counter()
-        self._learn_step(counts, n_tokens, guesses)
+        self._learn_step(counts, n_tokens)
         self._stats.step_seconds += time.perf_counter() - t0
 
-    def _learn_step(self, counts: np.ndarray, n_tokens: int, guesses: np.ndarray | None = None) -> None:
+    def _learn_step(self, counts: np.ndarray, n_tokens: int) -> None:
         # On the few (layer, expert) pairs routed this step (8 a layer a token), not the whole
         # [n_layer, n_expert] table: whole-table masks cost ~0.3 ms a token (40 x 256 experts)
         # against ~0.05 ms so.
@@ -694,33 +618,16 @@ class ExpertStore:
         c = counts.reshape(-1)[f].astype(np.int64)
         resident = table[f] >= 0
         hot = self.hot.reshape(-1)[f]
-        fetched = np.zeros(len(f), dtype=bool)  # routed cold experts a guess copied into a prefetch slot
-        guessing = np.zeros(counts.shape[0], dtype=bool)  # layers that guessed this step
-        if guesses is not None:
-            guessed = guesses >= 0
-            guessing = guessed.any(axis=1)
-            self._guessed.clear()
-            gl, gj = np.nonzero(guessed)
-            copied = np.unique(gl * n_expert + guesses[gl, gj])
-            copied = copied[table[copied] < 0]  # guessed and cold: copied this step
-            mark = np.zeros(counts.size, dtype=bool)
-            mark[copied] = True
-            fetched = mark[f]
-            st.prefetched += len(copied)
-            st.prefetch_used += int(fetched.sum())
-            st.prefetch_hits += int(c[fetched].sum())
-            st.bytes_streamed += len(copied) * self.slot_bytes  # the kernel copies whole slots
         st.hot_hits += int(c[hot].sum())
         st.cache_hits += int(c[resident & ~hot].sum())
-        missed = ~resident & ~fetched
+        missed = ~resident
         st.misses += int(c[missed].sum())
-        st.guessed_misses += int(c[missed & guessing[il]].sum())
         st.zero_copy_reads += int(missed.sum())
         st.bytes_streamed += int(self.layer_nbytes[il[missed]].sum())
         self.freq *= FREQ_DECAY
         freq[f] += c
         published = self._publish_promotions()
-        # routed and not resident (prefetched ones count too; published just now are resident)
+        # routed and not resident (published just now are resident)
         keep = f[(table[f] < 0) & (freq[f] >= ADMIT_MIN)]
         cand = np.stack((keep // n_expert, keep % n_expert), axis=1)
         if not self.n_cache or not len(cand):
@@ -775,7 +682,6 @@ class ExpertStore:
         n_total = len(self.moe_layers) * self.n_expert
         return {"mode": self.mode, "hot_experts": self.n_hot, "experts": n_total,
                 "hot_fraction": self.n_hot / max(n_total, 1), "cache_slots": self.n_cache,
-                "prefetch_slots": self.n_prefetch, "prefetch_layers": len(self.prefetch_layers),
                 "slot_bytes": self.slot_bytes, "device_pool_bytes": self.pool.numel(),
                 "host_tier": ("pinned" if self.host_pool is not None else "none" if not self.n_cache and self.n_hot == n_total
                               else "file" if self.host_all else "disk")}

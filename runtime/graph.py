@@ -8,8 +8,7 @@ issues the whole step at once. What makes the step capturable:
   - KV caches are preallocated buffers attended with a position mask, and recurrent states are
     updated in place (``runtime.cache``), so every step reads and writes the same addresses;
   - the expert store serves misses in zero-copy mode: cold experts are read from pinned host
-    memory inside the kernel (routings are counted there too), guessed ones are copied on a
-    side stream that forks and joins inside the graph (prefetch), and the store's per-token
+    memory inside the kernel (routings are counted there too), and the store's per-token
     bookkeeping (reading the counts, promoting missed experts into cache slots, rewriting the
     slot table in place) runs on the host while the next replay computes. Stores that copy
     misses on demand (async, sync) need the router's choice on the host mid-step and run eagerly.

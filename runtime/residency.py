@@ -18,17 +18,8 @@ import numpy as np
 from sparkpack.formats.archs import ModelSpec
 from sparkpack.formats.errors import SparkpackError
 from sparkpack.formats.memory import KV_BYTES_PER_VALUE, PREFILL_CHUNK, kv_cache_bytes, recurrent_state_bytes, runtime_bytes
-from sparkpack.formats.placement import default_cache_slots, expert_scores, make_plan
+from sparkpack.formats.placement import default_cache_slots, make_plan
 from sparkpack.formats.profile import Profile, choose_profile, model_identity
-
-
-# Prefetch a layer's guessed experts only where the plan expects at least this many misses per
-# token: a guess costs a few kernels per layer and token and PCIe bytes for its wrong guesses,
-# whether it hits or not. Measured on the full-size model with the 7 ms decode step
-# (BENCHMARKS.md): guessing cost 3 points at calibrated 60% residency (0.6 misses per layer and
-# token), gained 2-4 at 40% (1.6; within the run-to-run spread, so left out) and 2-7 at 10-20%
-# and uniform 60% (2.8-5.2).
-PREFETCH_MIN_MISSES = 2.0
 
 
 @dataclass
@@ -42,12 +33,6 @@ class StoreOptions:
     mode: str = "auto"
     host_bytes: int | None = None
     ctx: int = 4096
-    # guess layers' experts and copy cold ones ahead (zero-copy mode). Off by default: with the
-    # ~3 ms all-GPU step on the H100 it lost in every configuration measured (sessions 12-13,
-    # BENCHMARKS.md: 10% 75.0 -> 67.4 tok/s, 20% 94.0 -> 92.0, uniform 60% 115.4 -> 106.8): a
-    # layer's MoE waits for copies that have only its attention step to land.
-    prefetch: bool = False
-    prefetch_min_misses: float | None = None  # None: PREFETCH_MIN_MISSES
     kv_type: str = "auto"  # KV cache element type (runtime.cache.KV_TYPES)
     prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per forward call (their temporaries are planned for)
 
@@ -65,13 +50,10 @@ class Residency:
     hot_bytes: int = 0
     cache_bytes: int = 0
     expected_cold_rate: float | None = None
-    prefetch_slots: int = 0
-    prefetch_layers: np.ndarray | None = None  # bool [n_layer]: layers whose experts are guessed ahead
 
     def as_json(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k not in ("hot", "prefetch_layers")}
+        d = {k: v for k, v in self.__dict__.items() if k != "hot"}
         d["hot_experts"] = int(self.hot.sum())
-        d["prefetch_layers"] = [] if self.prefetch_layers is None else np.flatnonzero(self.prefetch_layers).tolist()
         return d
 
 
@@ -87,14 +69,11 @@ def load_profile(path: Path | None, model_path: Path, identity, spec: ModelSpec)
 def plan_residency(spec: ModelSpec, tensors: dict, expert_names: set[str], slot_bytes: dict[int, int],
                    dtype_bytes: int, *, pack_hot: np.ndarray | None = None, profile: Profile | None = None,
                    profile_name: str | None = None, vram: int | None = None, hot_fraction: float | None = None,
-                   cache_slots: int | None = None, ctx: int = 4096, prefetch_min_misses: float | None = None,
-                   kv_type: str = "auto", prefill_chunk: int = PREFILL_CHUNK, where: object = None,
+                   cache_slots: int | None = None, ctx: int = 4096, kv_type: str = "auto", prefill_chunk: int = PREFILL_CHUNK, where: object = None,
                    quantized_dense: bool = False) -> Residency:
     """The hot set and slot count. Precedence: ``vram`` (size everything to fit), then
     ``hot_fraction`` (that share of expert bytes), then the pack's own placement, then all hot
-    (a GGUF with no budget runs all-GPU). With ``prefetch_min_misses`` (None: no prefetch), the
-    layers expected to miss at least that many routings per token guess their experts ahead,
-    and ``k`` device slots for the guesses are counted with the cache slots. ``quantized_dense``:
+    (a GGUF with no budget runs all-GPU). ``quantized_dense``:
     the runtime holds dense matrices as their GGUF bytes (``runtime.weights.held_quantized``)."""
     shape = (spec.n_layer, spec.n_expert)
     slots = default_cache_slots(spec) if cache_slots is None else int(cache_slots)
@@ -103,12 +82,6 @@ def plan_residency(spec: ModelSpec, tensors: dict, expert_names: set[str], slot_
     counts = profile.counts if profile is not None else None
     tokens = profile.tokens if profile is not None else None
     what = f"profile {os.path.basename(profile_name)}" if profile_name else "uniform placement (no profile)"
-    prefetch_slots = spec.n_expert_used if prefetch_min_misses is not None else 0
-
-    def prefetch(hot: np.ndarray) -> dict:
-        layers = _prefetch_layers(hot, spec, slot_bytes, profile, prefetch_min_misses)
-        pf = prefetch_slots if layers is not None else 0
-        return {"cache_bytes": (slots + pf) * slot, "prefetch_slots": pf, "prefetch_layers": layers}
     if vram is not None:
         from .weights import held_quantized
 
@@ -127,49 +100,19 @@ def plan_residency(spec: ModelSpec, tensors: dict, expert_names: set[str], slot_
                                         f"{slots} cache slots {slots * slot / 1024**3:.2f} GiB need "
                                         f"{(fixed + slots * slot) / 1024**3:.2f} GiB")
         plan = make_plan(*shape, slot_bytes, left, counts, tokens)
-        extra = prefetch(plan.hot)
-        if extra["prefetch_slots"]:  # guessing pays under this plan: make room for its slots, plan again
-            if left >= prefetch_slots * slot:
-                plan = make_plan(*shape, slot_bytes, left - prefetch_slots * slot, counts, tokens)
-                extra = prefetch(plan.hot)
-            else:
-                extra = {"cache_bytes": slots * slot, "prefetch_slots": 0, "prefetch_layers": None}
         return Residency(plan.hot, slots, f"--vram budget, {what}", vram, dense, kv, state, runtime,
-                         plan.hot_bytes, expected_cold_rate=_cold_rate(plan.hot, profile), **extra)
+                         plan.hot_bytes, slots * slot, expected_cold_rate=_cold_rate(plan.hot, profile))
     if hot_fraction is not None:
         plan = make_plan(*shape, slot_bytes, int(hot_fraction * all_bytes + 0.5), counts, tokens)
         return Residency(plan.hot, slots, f"--hot-fraction {hot_fraction:g}, {what}", hot_bytes=plan.hot_bytes,
-                         expected_cold_rate=_cold_rate(plan.hot, profile), **prefetch(plan.hot))
+                         cache_bytes=slots * slot, expected_cold_rate=_cold_rate(plan.hot, profile))
     if pack_hot is not None:
         hot = np.asarray(pack_hot, dtype=bool)
         return Residency(hot, slots, "the pack's placement", hot_bytes=_hot_bytes(hot, slot_bytes),
-                         expected_cold_rate=_cold_rate(hot, profile), **prefetch(hot))
+                         cache_bytes=slots * slot, expected_cold_rate=_cold_rate(hot, profile))
     hot = np.zeros(shape, dtype=bool)
     hot[list(slot_bytes)] = True
     return Residency(hot, 0, "all experts on the device", hot_bytes=all_bytes)
-
-
-def _prefetch_layers(hot: np.ndarray, spec: ModelSpec, slot_bytes: dict[int, int], profile: Profile | None,
-                     min_misses: float | None) -> np.ndarray | None:
-    """MoE layers expected to miss at least ``min_misses`` routings per token (the profile's
-    decode-weighted routing rates, or uniform routing without one), or None when no layer does.
-    A guess costs a fixed few kernels per layer and token whether it hits or not, so layers
-    that rarely miss are better left to zero-copy reads (BENCHMARKS.md)."""
-    if min_misses is None:
-        return None
-    moe = list(slot_bytes)
-    if profile is not None:
-        c, t = profile.counts, profile.tokens
-        scores = expert_scores(c["prompt"], c["generated"], t.get("prompt", 0.0), t.get("generated", 0.0))
-    else:
-        scores = np.ones(hot.shape)
-    rows = scores[moe]
-    total = rows.sum(1)
-    rows = np.where(total[:, None] > 0, rows, 1.0)  # a layer the profile never saw: assume uniform
-    cold = np.where(hot[moe], 0.0, rows).sum(1) / rows.sum(1)
-    layers = np.zeros(spec.n_layer, dtype=bool)
-    layers[moe] = (cold > 0) & (spec.n_expert_used * cold >= min_misses)
-    return layers if layers.any() else None
 
 
 def _hot_bytes(hot: np.ndarray, slot_bytes: dict[int, int]) -> int:

@@ -65,7 +65,7 @@ def test_any_residency_gives_identical_outputs(model_path, reference, mode, hot_
     assert (store._unread_tokens > 0) == (hot_fraction == 1.0 and mode == "zerocopy")
     s = store.stats
     assert store._unread_tokens == 0 and not bool(store.step_counts.any())
-    routings = s.hot_hits + s.cache_hits + s.prefetch_hits + s.misses
+    routings = s.hot_hits + s.cache_hits + s.misses
     assert routings == s.tokens * model.spec.n_expert_used * len(model.spec.moe_layers)
     # the forward, the decode steps, generate's prompt, and 11 steps for 12 tokens (the last is not fed)
     assert s.tokens == 2 * len(IDS) + 4 + 11
@@ -107,12 +107,11 @@ def test_fused_kernel_path_is_residency_independent(model_path):
     gguf = GGUFModel(model_path)
     spec = model_spec(gguf)
 
-    def steps(hot_fraction: float, mode: str, cache: int, prefetch: bool = False) -> tuple[torch.Tensor, ExpertStore]:
+    def steps(hot_fraction: float, mode: str, cache: int) -> tuple[torch.Tensor, ExpertStore]:
         hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
         n = max(1, int(hot_fraction * spec.n_expert))
         hot[list(spec.moe_layers), :n] = True
-        store = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, torch.float32, hot, cache, mode, fused=True,
-                            prefetch=prefetch)
+        store = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, torch.float32, hot, cache, mode, fused=True)
         assert all(la.fused for la in store.layers.values())
         if store.host_pool is not None:
             assert store.host_pool.is_pinned() == (DEVICE == "cuda")
@@ -125,48 +124,8 @@ def test_fused_kernel_path_is_residency_independent(model_path):
     all_dev, _ = steps(1.0, "async", 0)
     zero, zs = steps(0.1, "zerocopy", 0)
     copied, cs = steps(0.1, "async", 8)
-    guessed, gs = steps(0.1, "zerocopy", 2, prefetch=True)
-    assert torch.equal(zero, all_dev) and torch.equal(copied, all_dev) and torch.equal(guessed, all_dev)
+    assert torch.equal(zero, all_dev) and torch.equal(copied, all_dev)
     assert zs.stats.zero_copy_reads > 0 and cs.stats.loads > 0
-    # Every decode step guessed every layer; some guesses were cold experts the router then chose.
-    g = gs.stats
-    assert gs.n_prefetch == spec.n_expert_used and zs.n_prefetch == 0
-    assert g.prefetched > 0 and 0 < g.prefetch_used <= g.prefetched and g.prefetch_hits >= g.prefetch_used
-    assert g.hot_hits + g.cache_hits + g.prefetch_hits + g.misses == g.tokens * spec.n_expert_used * len(spec.moe_layers)
-    assert bool((gs.guess_ids == -1).all())  # reset after each step: the next step's count starts clean
-
-
-def test_prefetch_accounting(model_path):
-    """A guessed cold expert is copied (bytes streamed once); if routed it is served from the
-    prefetch slot, not missed; a guessed hot expert costs nothing; an unguessed cold one is a
-    zero-copy miss."""
-    from sparkpack.formats.archs import model_spec
-    from sparkpack.formats.gguf_file import GGUFModel
-
-    gguf = GGUFModel(model_path)
-    spec = model_spec(gguf)
-    il = spec.moe_layers[0]
-    hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
-    hot[list(spec.moe_layers), :4] = True
-    store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot, 0, "zerocopy", fused=True,
-                        prefetch=True)
-    k = spec.n_expert_used
-    assert store.pool.shape[0] == store.n_hot + k
-    guess = [1, 10, 11] + [-1] * (k - 3)  # hot 1; cold 10 and 11
-    store.guess_ids[il] = torch.tensor(guess)
-    for e, n in ((1, 1), (10, 2), (12, 1)):  # 10 guessed and routed twice (two tokens); 12 not guessed
-        store.step_counts[il, e] += n
-    store.end_step(1, routed=True)
-    s, nb = store.stats, int(store.layer_nbytes[il])
-    assert (s.prefetched, s.prefetch_used, s.prefetch_hits) == (2, 1, 2)
-    assert (s.hot_hits, s.misses, s.zero_copy_reads) == (1, 1, 1)
-    assert s.bytes_streamed == 2 * store.slot_bytes + nb  # two prefetched (whole slots) + one zero-copy read
-    assert s.as_json()["prefetch_accuracy"] == 0.5
-    assert s.guessed_misses == 1 and s.as_json()["prefetch_recall"] == 2 / 3  # 12's one routing was missed
-    store.guess_ids[il] = torch.tensor(guess)  # the next step: layer il guesses again, another layer misses
-    store.step_counts[spec.moe_layers[1], 12] += 3
-    store.end_step(1, routed=True)
-    assert s.misses == 1 + 3 and s.guessed_misses == 1  # a layer that did not guess is not the guess's miss
 
 
 def test_pack_placement_and_stats_json(model_path, reference, tmp_path):
@@ -186,7 +145,7 @@ def test_pack_placement_and_stats_json(model_path, reference, tmp_path):
     assert s["decode_tokens"] >= 1 and s["prefill_tokens"] == 4 and s["decode_tok_s"] > 0
     st = s["store"]
     assert st["hot_experts"] == int(Pack.open(pack).hot.sum()) and st["cache_slots"] == 4
-    assert st["routings"] == st["hot_hits"] + st["cache_hits"] + st["prefetch_hits"] + st["misses"] > 0
+    assert st["routings"] == st["hot_hits"] + st["cache_hits"] + st["misses"] > 0
     assert "the pack's placement" in r.stderr and "decode" in r.stderr
 
 
@@ -335,112 +294,6 @@ def test_vram_plan_counts_dense_matrices_held_as_gguf_bytes(model_path):
         return plan_residency(model.spec, model.gguf.tensors, names, {il: 1 for il in model.spec.moe_layers}, 4,
                               vram=10**12, quantized_dense=quantized).dense_bytes
     assert dense(True) == sum(held.values()) < dense(False)
-
-
-def test_prefetch_only_where_misses_are_expected(model_path):
-    """The plan guesses ahead only in layers expected to miss often enough to pay for a guess."""
-    from sparkpack.formats.archs import model_spec
-    from sparkpack.formats.experts import expert_tensor_names
-    from sparkpack.formats.gguf_file import GGUFModel
-    from sparkpack.formats.profile import Profile, model_identity
-    from sparkpack.runtime.expert_store import routed_experts_bytes
-    from sparkpack.runtime.residency import plan_residency
-
-    gguf = GGUFModel(model_path)
-    spec = model_spec(gguf)
-    k, moe_layers = spec.n_expert_used, list(spec.moe_layers)
-
-    def plan(min_misses, profile=None, hot_fraction=0.5):
-        return plan_residency(spec, gguf.tensors, expert_tensor_names(spec),
-                              routed_experts_bytes(GGUFSource(gguf, spec), spec), 4, profile=profile,
-                              hot_fraction=hot_fraction, cache_slots=0, prefetch_min_misses=min_misses)
-
-    off, on = plan(None), plan(0.5)
-    assert off.prefetch_layers is None and off.prefetch_slots == 0 and off.cache_bytes == 0
-    assert on.prefetch_layers[moe_layers].all() and on.prefetch_slots == k  # uniform: half the routings miss
-    assert on.cache_bytes == k * max(routed_experts_bytes(GGUFSource(gguf, spec), spec).values())
-    assert plan(k + 1.0).prefetch_layers is None  # nobody misses more than k per token
-
-    prof = Profile.new(model_identity(gguf), spec)
-    counts = np.tile(np.arange(1.0, spec.n_expert + 1), (spec.n_layer, 1))  # the same skew in every layer
-    counts[moe_layers[0]] = 0
-    counts[moe_layers[0], 0] = 1000  # the first MoE layer always routes to one expert: it goes hot
-    prof.add(generated=counts, generated_tokens=100)
-    r = plan(0.5, prof, hot_fraction=0.2)
-    assert r.hot[moe_layers[0], 0] and not r.prefetch_layers[moe_layers[0]]
-    assert r.prefetch_layers[moe_layers[1:]].all()
-    assert r.as_json()["prefetch_layers"] == moe_layers[1:]
-
-
-@pytest.mark.parametrize("arch", ["qwen35moe", "qwen3moe", "laguna"])
-def test_guess_is_the_routers_choice_on_the_block_input(synth_model, arch):
-    """Without attention's contribution, the guess is exactly what the router picks (softmax
-    routers skip the norm's positive factor and the softmax; laguna's biased sigmoid does not)."""
-    model = load_model(synth_model(arch, "Q4_K_M", skew=1.0))
-    gen = torch.Generator().manual_seed(0)
-    for il in model.spec.moe_layers:
-        x = torch.randn(1, model.spec.n_embd, generator=gen)
-        want = model.route(il, model.norm(x, f"blk.{il}.{model.ffn_norm}.weight"))[1]
-        assert sorted(model.guess_experts(il, x)[0].tolist()) == sorted(want[0].tolist())
-
-
-def test_vram_plan_reserves_prefetch_slots_only_when_used(model_path):
-    """Under --vram the guess slots come out of the hot set only when some layer will guess;
-    otherwise the plan is the one without prefetch, and the parts always fit the budget."""
-    from sparkpack.formats.archs import model_spec
-    from sparkpack.formats.experts import expert_tensor_names
-    from sparkpack.formats.gguf_file import GGUFModel
-    from sparkpack.runtime.expert_store import routed_experts_bytes
-    from sparkpack.runtime.residency import plan_residency
-
-    gguf = GGUFModel(model_path)
-    spec = model_spec(gguf)
-    sizes = routed_experts_bytes(GGUFSource(gguf, spec), spec)
-    slot = max(sizes.values())
-
-    def plan(min_misses, vram):
-        return plan_residency(spec, gguf.tensors, expert_tensor_names(spec), sizes, 4, vram=vram, cache_slots=2,
-                              prefetch_min_misses=min_misses)
-
-    base = plan(None, 10**12)
-    fixed = base.dense_bytes + base.kv_bytes + base.state_bytes + base.overhead_bytes + base.cache_bytes
-    vram = fixed + base.hot_bytes // 2  # about half the experts fit
-    off, never, always = plan(None, vram), plan(spec.n_expert_used + 1.0, vram), plan(0.0, vram)
-    assert never.prefetch_slots == 0 and np.array_equal(never.hot, off.hot) and never.cache_bytes == off.cache_bytes
-    assert always.prefetch_slots == spec.n_expert_used and always.cache_bytes == (2 + spec.n_expert_used) * slot
-    assert always.hot_bytes < off.hot_bytes
-    for r in (off, always):
-        assert r.dense_bytes + r.kv_bytes + r.state_bytes + r.overhead_bytes + r.hot_bytes + r.cache_bytes <= vram
-
-
-def test_moe_reads_guessed_experts_from_the_prefetch_slots(model_path):
-    """After a guess, the layer's MoE reads the guessed cold experts from the device slots the
-    guess filled: with their host copies poisoned the result still equals the all-device one,
-    and without a guess the poisoned bytes are read."""
-    from sparkpack.formats.archs import model_spec
-    from sparkpack.formats.gguf_file import GGUFModel
-
-    gguf = GGUFModel(model_path)
-    spec = model_spec(gguf)
-    il, k = spec.moe_layers[0], spec.n_expert_used
-    hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
-    hot[list(spec.moe_layers), :2] = True
-    src = GGUFSource(gguf, spec)
-    store = ExpertStore(src, spec, DEVICE, torch.float32, hot, 0, "zerocopy", fused=True, prefetch=True)
-    ref = ExpertStore(src, spec, DEVICE, torch.float32, np.ones_like(hot), 0, "zerocopy", fused=True)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(1, spec.n_embd, generator=g).to(DEVICE)
-    ids = torch.tensor([[2, 3, 0, 5, 6, 7, 8, 9][:k]], device=DEVICE)
-    weights = torch.softmax(torch.randn(1, k, generator=g), -1).to(DEVICE)
-    want = ref.moe(il, x, weights, ids)
-    store.prefetch(il, x, lambda layer, h: ids)
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()  # the guess's copies run on a side stream: finish them before poisoning
-    for e in ids[0].tolist():
-        if not hot[il, e]:
-            store.host_pool[store.host_index[il, e]] = 0  # a read from host memory now gives zeros
-    assert torch.equal(store.moe(il, x, weights, ids), want)
-    assert not torch.equal(store.moe(il, x, weights, ids), want)  # no guess pending: host bytes read
 
 
 def test_experts_without_a_kernel_are_named_once(synth_model, model_path):

@@ -34,19 +34,16 @@ def greedy(model, graphs: bool, n: int = 12, ctx: int = 64, kv_type: str = "auto
 
 
 @cuda
-@pytest.mark.parametrize("hot_fraction,slots,prefetch", [(1.0, 0, False), (0.3, 0, False), (0.3, 0, True),
-                                                         (0.3, 6, True)])
-def test_graph_replay_equals_eager(model_path, hot_fraction, slots, prefetch):
+@pytest.mark.parametrize("hot_fraction,slots", [(1.0, 0), (0.3, 0), (0.3, 6)])
+def test_graph_replay_equals_eager(model_path, hot_fraction, slots):
     model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
-                       store=StoreOptions(hot_fraction=hot_fraction, cache_slots=slots, mode="zerocopy",
-                                          prefetch=prefetch))
+                       store=StoreOptions(hot_fraction=hot_fraction, cache_slots=slots, mode="zerocopy"))
     if not capturable(model):  # tiny shapes may give some layer a quant type without a fused kernel
         pytest.skip("not every expert layer has fused-kernel quant types")
     tok_g, log_g, s = greedy(model, True)
     assert s.graph is not None and s.graph.replays >= 10
     st = model.experts.stats
-    assert (model.experts.n_prefetch > 0) == prefetch and (st.prefetched > 0) == prefetch
-    assert st.hot_hits + st.cache_hits + st.prefetch_hits + st.misses == st.tokens * model.spec.n_expert_used * len(
+    assert st.hot_hits + st.cache_hits + st.misses == st.tokens * model.spec.n_expert_used * len(
         model.spec.moe_layers)
     tok_e, log_e, _ = greedy(model, False)
     assert tok_g == tok_e and torch.equal(log_g, log_e)
@@ -74,7 +71,7 @@ def test_reset_keeps_the_graph_valid(model_path):
     their own (all-attention models) or attend differently from a whole prompt (torch's fused
     attention from position 0 on qwen35moe), so the reference eager session is fed the same pieces."""
     model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
-                       store=StoreOptions(hot_fraction=0.5, mode="zerocopy", prefetch=True))
+                       store=StoreOptions(hot_fraction=0.5, mode="zerocopy"))
 
     def pieces(session: Session) -> tuple[list[int], torch.Tensor]:
         ids = list(PROMPT)
@@ -100,7 +97,7 @@ def test_decoding_past_ctx_captures_again_on_the_grown_buffers(model_path):
     """Past --ctx a step runs eagerly and the KV buffers double; the graph captured on the old
     buffers must not be replayed on stale memory."""
     model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
-                       store=StoreOptions(hot_fraction=0.5, mode="zerocopy", prefetch=True))
+                       store=StoreOptions(hot_fraction=0.5, mode="zerocopy"))
     tok_g, log_g, s = greedy(model, True, n=20, ctx=16)  # 10 prompt tokens + 20: one growth, to 32
     assert s.graph is not None and s.graph.captures == 2 and s.graph.replays > 10
     tok_e, log_e, _ = greedy(model, False, n=20, ctx=16)
@@ -118,7 +115,7 @@ def test_programmatic_dependent_launch_changes_no_bit(model_path, hot_fraction, 
         monkeypatch.setenv("SPARKPACK_PDL", flag)
         pdl.reset()
         model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
-                           store=StoreOptions(hot_fraction=hot_fraction, cache_slots=4, mode="zerocopy", prefetch=True))
+                           store=StoreOptions(hot_fraction=hot_fraction, cache_slots=4, mode="zerocopy"))
         on = pdl.enabled(torch.empty(0, device="cuda"))
         tokens, logits, _ = greedy(model, True, n=16)
         return on, tokens, logits

@@ -21,7 +21,6 @@ from gguf.constants import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
 from sparkpack.runtime.kernels.moe import GROUPED_MIN_PAIRS, group_pairs, moe_experts  # noqa: E402
-from sparkpack.runtime.kernels.prefetch import prefetch_experts  # noqa: E402
 from sparkpack.runtime.kernels.qmatvec import BLOCK_LAYOUT, qmatvec  # noqa: E402
 from sparkpack.runtime.kernels.reference import dequantize_rows, random_blocks  # noqa: E402
 
@@ -470,32 +469,6 @@ def test_moe_merged_gate_up_q8_0() -> None:
     assert rel_l2(y, ref) < 1e-5
 
 
-def test_prefetch_copies_guessed_cold_experts_only() -> None:
-    """Guessed experts in the host pool land in the prefetch slots (byte for byte) and the
-    effective row points at them; guessed device experts, other slots and the table stay as
-    they were."""
-    rng = torch.Generator().manual_seed(9)
-    n_expert, slot_bytes, first = 8, 4096 + 16 * 3, 4  # a slot size that is not a whole block of words
-    host = torch.randint(0, 256, (5, slot_bytes), dtype=torch.uint8, generator=rng)
-    if DEVICE == "cuda":
-        host = host.pin_memory()
-    pool = torch.randint(0, 256, (first + 3, slot_bytes), dtype=torch.uint8, generator=rng).to(DEVICE)
-    before = pool.clone()
-    table = torch.tensor([0, -3, 1, -1, 2, -5, 3, -2], dtype=torch.int32, device=DEVICE)  # -(h+1): host row h
-    eff = torch.full((n_expert,), 99, dtype=torch.int32, device=DEVICE)
-    ids = torch.tensor([5, 2, 1], dtype=torch.int64, device=DEVICE)  # host row 4, device slot 1, host row 2
-    prefetch_experts(ids, table, eff, host, pool, first)
-    want = table.clone()
-    want[5], want[1] = first + 0, first + 2
-    assert torch.equal(eff, want) and torch.equal(table.cpu(), torch.tensor([0, -3, 1, -1, 2, -5, 3, -2],
-                                                                             dtype=torch.int32))
-    assert torch.equal(pool[first].cpu(), host[4]) and torch.equal(pool[first + 2].cpu(), host[2])
-    assert torch.equal(pool[:first].cpu(), before[:first].cpu())  # device slots untouched
-    assert torch.equal(pool[first + 1].cpu(), before[first + 1].cpu())  # a guess already on the device: no copy
-    with pytest.raises(ValueError, match="prefetch needs"):
-        prefetch_experts(ids, table, eff, host, pool, first + 1)
-
-
 @pytest.mark.parametrize("n_k,d_k,n_v,d_v,K", [(2, 16, 4, 8, 4), (2, 12, 2, 20, 3), (1, 16, 2, 32, 4)])
 def test_deltanet_decode_matches_the_torch_form(n_k, d_k, n_v, d_v, K) -> None:
     """Conv window, l2 norms, gates, the delta rule on the state and the gated output norm,
@@ -698,7 +671,7 @@ def aot_compile_all(arch: int = 90) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from sparkpack.runtime.kernels import deltanet, dense, ffn, moe, moe_grouped, norm, prefetch, q8dot, qmatvec as qm, router
+    from sparkpack.runtime.kernels import deltanet, dense, ffn, moe, moe_grouped, norm, q8dot, qmatvec as qm, router
 
     target = GPUTarget("cuda", arch, 32)
     x_types = {"x_ptr": "*bf16", "y_ptr": "*fp32"}
@@ -766,8 +739,6 @@ def aot_compile_all(arch: int = 90) -> None:
                                             "ids_ptr": "*i64"},
                 {"K": 8, "K_P2": 8, "SIGMOID": sig, "HAS_BIAS": sig, "NORM": True, "BLOCK": 256})
                for sig in (False, True)],
-             (prefetch._prefetch_kernel, {"ids_ptr": "*i64", "table_ptr": "*i32", "eff_ptr": "*i32",
-                                          "host_ptr": "*i32", "dev_ptr": "*i32"}, {"BLOCK": 1024}),
              *[(dense._gemv_kernel, {"x": "*bf16", "y": "*bf16", "w0": "*i16", "w1": "*i32", "w2": "*fp32",
                                      "w3": "*u8", **q8_args},
                 {"QT0": int(T.Q6_K), "QT1": int(T.Q4_K), "QT2": int(T.F32), "QT3": int(T.Q8_0), "NSEG": 4, "BN": 8,
@@ -799,7 +770,7 @@ def compile_in_subprocess(call: str, count: int) -> None:
 
 
 def test_kernels_compile_for_h100() -> None:
-    compile_in_subprocess("from tests.test_kernels import aot_compile_all; aot_compile_all()", 38)
+    compile_in_subprocess("from tests.test_kernels import aot_compile_all; aot_compile_all()", 37)
 
 
 @pytest.mark.parametrize("T,d_k,d_v,chunk", [(150, 16, 24, 64), (40, 20, 16, 16), (64, 32, 32, 32)])

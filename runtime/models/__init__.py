@@ -68,11 +68,9 @@ def open_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOption
 
     from ..expert_store import ExpertStore, GGUFSource, PackSourceExperts, routed_experts_bytes
     from ..graph import short_prefill_calls
-    from ..residency import PREFETCH_MIN_MISSES, identity_of, load_profile, plan_residency
+    from ..residency import identity_of, load_profile, plan_residency
 
     experts_src = PackSourceExperts(pack, spec) if pack is not None else GGUFSource(source, spec)
-    min_misses = (PREFETCH_MIN_MISSES if opts.prefetch_min_misses is None else opts.prefetch_min_misses) \
-        if opts.prefetch else None
     profile, profile_name = load_profile(opts.profile, Path(source.path), identity_of(source), spec)
     chunk = opts.prefill_chunk  # the most tokens a prefill call of the session will hold
     if short_prefill_calls(device, dtype, spec, opts.kv_type):
@@ -81,16 +79,11 @@ def open_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOption
                                torch.empty((), dtype=dtype).element_size(),
                                pack_hot=pack.hot if pack is not None else None, profile=profile,
                                profile_name=profile_name, vram=opts.vram, hot_fraction=opts.hot_fraction,
-                               cache_slots=opts.cache_slots, ctx=opts.ctx,
-                               prefetch_min_misses=min_misses, kv_type=opts.kv_type,
+                               cache_slots=opts.cache_slots, ctx=opts.ctx, kv_type=opts.kv_type,
                                prefill_chunk=chunk, where=source.path,
                                quantized_dense=quantizes_dense(torch.device(device), dtype))
     store = ExpertStore(experts_src, spec, device, dtype, residency.hot, residency.cache_slots, opts.mode,
-                        opts.host_bytes, prefetch=residency.prefetch_layers)
-    if store.n_prefetch != residency.prefetch_slots:  # the store streams otherwise (async, disk tier)
-        residency.cache_bytes -= (residency.prefetch_slots - store.n_prefetch) * store.slot_bytes
-        residency.prefetch_slots = store.n_prefetch
-        residency.prefetch_layers = None
+                        opts.host_bytes)
     return store, residency
 
 

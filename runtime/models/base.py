@@ -70,21 +70,6 @@ class MoEModel(ABC):
         """(weights, ids) ``[T, k]`` from layer ``il``'s router logits ``[T, n_expert]`` (which a
         layer may compute in one GEMM with other projections of its MoE input)."""
 
-    def guess_experts(self, il: int, x: torch.Tensor) -> torch.Tensor:
-        """The experts layer ``il`` would route ``x`` (the block's input) to if attention added
-        nothing: its router on ``x`` normed as the MoE input is. For prefetching; a guess only
-        changes where the store reads experts from, never the result.
-
-        With a softmax router (``topk_of_logits``) the top-k of the logits is the top-k of the
-        routing, and RMSNorm's per-token factor is positive, so the guess skips both: three
-        kernels (``x * norm weight``, the router product, top-k) instead of about fifteen, each a
-        node of the captured step."""
-        norm = self.w(f"blk.{il}.{self.ffn_norm}.weight")
-        if self.topk_of_logits:
-            logits = self.w.linear(x * norm, f"blk.{il}.ffn_gate_inp.weight")
-            return torch.topk(logits, self.spec.n_expert_used, dim=-1).indices
-        return self.route(il, rms_norm(x, norm, self.eps))[1]
-
     @abstractmethod
     def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: int | torch.Tensor) -> torch.Tensor:
         """Layer ``il``'s residual block on ``x [T, n_embd]`` whose first token is at ``pos0``."""
@@ -120,14 +105,11 @@ class MoEModel(ABC):
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
         cache = cache if cache is not None else self.new_cache()
         x = self.w.embed(ids)
-        prefetch = getattr(self.experts, "prefetch", None) if ids.numel() == 1 else None
         limit = real is not None and hasattr(self.experts, "real_tokens")
         if limit:
             self.experts.real_tokens = real
         try:
             for il in range(self.spec.n_layer):
-                if prefetch is not None:
-                    prefetch(il, x, self.guess_experts)
                 x = self.block(il, x, cache, cache.pos if pos is None else pos)
         finally:
             if limit:
