@@ -71,15 +71,14 @@ def main() -> None:
     dt = time.perf_counter() - t0
     print(f"prefill {n} tokens (warm): {dt:.3f} s ({n / dt:.0f} tok/s)", flush=True)
     session.reset()
-    end_step = getattr(model.experts, "end_step", None)
+    end_step = model.experts.end_step
     model.experts.end_step = lambda n_tokens: None  # its count read waits for the device: not yet
     t0 = time.perf_counter()
     model.forward(list(range(300, 300 + n)), session.cache, last_only=True)  # host time to issue the call
     issued = time.perf_counter() - t0
     torch.cuda.synchronize()
     del model.experts.end_step
-    if end_step is not None:
-        end_step(n)
+    end_step(n)
     print(f"prefill {n} tokens: host issued the call in {issued * 1e3:.1f} ms, "
           f"done at {(time.perf_counter() - t0) * 1e3:.1f} ms", flush=True)
     session.reset()
@@ -171,7 +170,7 @@ def label_sections(model) -> "callable":
         return inner
 
     targets = [(model, n) for n in SECTIONS if hasattr(model, n)]
-    targets += [(model.experts, "moe")] if hasattr(model.experts, "moe") else []
+    targets.append((model.experts, "moe"))
     for obj, n in targets:
         setattr(obj, n, wrap(n, getattr(obj, n)))
     return lambda: [delattr(obj, n) for obj, n in targets]

@@ -1,8 +1,8 @@
 """Replay rendered conversations through the model and count which experts the router picks.
 
-Counting happens where routing decisions pass: ``runtime.experts.moe`` calls the provider's
-``observe_routing(layer, ids)`` hook before running the experts, so wrapping the model's expert
-provider is enough; the model code knows nothing about calibration. Counts accumulate on the
+Counting happens where routing decisions pass: every MoE layer asks its expert provider for
+``moe(layer, x, weights, ids)`` (the contract ``runtime.experts.ExpertProvider``), so wrapping the
+model's provider is enough; the model code knows nothing about calibration. Counts accumulate on the
 model's device and are copied out once per conversation, so they cost no per-layer sync.
 
 Each conversation starts from a fresh cache (it is an independent request), so its counts do not
@@ -30,7 +30,8 @@ class TraceSink(Protocol):
 
 
 class RoutingCounter:
-    """Expert provider wrapper: forwards expert calls, counts routings per (side, layer, expert)."""
+    """An expert provider (``runtime.experts.ExpertProvider``) around another: counts routings per
+    (side, layer, expert), then hands every call to the provider it wraps."""
 
     def __init__(self, inner: Any, n_layer: int, n_expert: int, moe_layers: list[int],
                  device: torch.device | str = "cpu", record: bool = False):
@@ -42,13 +43,26 @@ class RoutingCounter:
         self.record = record
         self.chunk_ids: dict[int, torch.Tensor] = {}
 
-    def forward(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
-        return self.inner.forward(layer, expert, x)
+    @property
+    def capturable(self) -> bool:
+        return self.inner.capturable
 
-    def __getattr__(self, name: str) -> Any:  # anything else a model asks of its provider
-        return getattr(self.inner, name)
+    def moe(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, q8: Any = None
+            ) -> torch.Tensor:
+        self.observe_routing(layer, ids)
+        return self.inner.moe(layer, x, weights, ids, q8)
+
+    def count_real_tokens(self, real: torch.Tensor | None) -> None:
+        self.inner.count_real_tokens(real)
+
+    def end_step(self, n_tokens: int, routed: bool | None = None, defer: bool = False) -> None:
+        self.inner.end_step(n_tokens, routed, defer)
+
+    def forget_traffic(self) -> None:
+        self.inner.forget_traffic()
 
     def observe_routing(self, layer: int, ids: torch.Tensor) -> None:
+        """Count one MoE layer's routings ``ids [T, k]`` on the side each token is from."""
         if self.side is None:
             raise RuntimeError("RoutingCounter.side must be set before a forward pass")
         side = self.side.to(ids.device)

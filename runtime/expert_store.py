@@ -42,7 +42,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -53,9 +53,12 @@ from sparkpack.formats.experts import ROLE_ORDER, expert_slices
 from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.formats.quants import quant_name
 
-from .experts import routed_sum
+from .experts import ExpertProvider, routed_sum
 from .layers import swiglu
 from .weights import dequantize_bytes
+
+if TYPE_CHECKING:
+    from .kernels.q8dot import Int8Rows
 
 MODES = ("auto", "zerocopy", "async", "sync")
 NOT_RESIDENT = -(2**31)  # table entry of an expert in neither pool (disk tier, sync/async modes)
@@ -175,8 +178,8 @@ class _Layer:
     n_ff: int = 0
 
 
-class ExpertStore:
-    """Tiered expert storage implementing the MoE-layer interface of ``runtime.experts``.
+class ExpertStore(ExpertProvider):
+    """Tiered expert storage implementing the expert-provider contract of ``runtime.experts``.
 
     ``hot``: bool ``[n_layer, n_expert]`` of experts resident from the start. ``cache_slots``:
     spare device slots shared by all layers. ``host_bytes``: pinned host memory allowed for cold
@@ -312,11 +315,14 @@ class ExpertStore:
 
     # --- the MoE-layer interface --------------------------------------------------------------
 
+    def count_real_tokens(self, real: torch.Tensor | None) -> None:
+        self.real_tokens = real
+
     def moe(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-            parts: bool = False) -> torch.Tensor:
-        """Weighted sum of the chosen experts' outputs for ``x [T, n_embd]``, ``ids/weights [T, k]``;
-        with ``parts``, where the fused kernel runs, the k weighted outputs ``[T, k, n_embd]``
-        float32 unsummed (``runtime.experts.moe`` says who sums them).
+            q8: "Int8Rows | None" = None, parts: bool = True) -> torch.Tensor:
+        """The contract's ``moe`` (``runtime.experts.ExpertProvider``): where the fused kernel runs,
+        the k weighted outputs ``[T, k, n_embd]`` float32 unsummed (``parts=False``: summed, in
+        float32); elsewhere their sum in x's dtype.
 
         A layer whose quant types have a fused kernel always runs it, whatever the token count and
         wherever the experts are: experts that could not be brought into device slots (more misses
@@ -327,7 +333,7 @@ class ExpertStore:
         if self.mode == "zerocopy":
             if la.fused:  # the kernel counts the routings itself
                 return self._fused(la, x, weights, ids, self.table_dev[layer], la.host_views, self.step_counts[layer],
-                                   parts)
+                                   parts, q8)
             flat = ids.reshape(-1)
             one = torch.ones_like(flat, dtype=torch.int32)
             if self.real_tokens is not None:  # a padded call run eagerly off the GPU (tests): real tokens only
@@ -338,24 +344,24 @@ class ExpertStore:
             left = self._make_resident(layer, ids)
             if la.fused:
                 if len(left):
-                    return self._fused_overflow(layer, la, x, weights, ids, left, parts)
-                return self._fused(la, x, weights, ids, self.table_dev[layer], None, parts=parts)
+                    return self._fused_overflow(layer, la, x, weights, ids, left, parts, q8)
+                return self._fused(la, x, weights, ids, self.table_dev[layer], None, parts=parts, q8=q8)
         return routed_sum(x, weights, ids, lambda e, rows: self._expert_forward(layer, e, rows))
 
     def _fused(self, la: "_Layer", x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                table_row: torch.Tensor, host_views: tuple | None, counts: torch.Tensor | None = None,
-               parts: bool = False) -> torch.Tensor:
-        from .kernels import q8dot
+               parts: bool = False, q8: "Int8Rows | None" = None) -> torch.Tensor:
         from .kernels.moe import moe_experts
 
         # router ids (int64) and weights (float32) go in as they are: the kernels read either
         # float32 out: the block's residual epilogue (layers.ffn_residual) rounds it, no launch of its own
         return moe_experts(x, ids, weights.float(), table_row, *la.views, *la.qtypes, la.n_ff,
-                           host=host_views, counts=counts, act_q8=q8dot.enabled(), reduce=not parts,
+                           host=host_views, counts=counts, act_q8=True, x_q8=q8, reduce=not parts,
                            count_tokens=self.real_tokens if counts is not None else None)
 
     def _fused_overflow(self, layer: int, la: "_Layer", x: torch.Tensor, weights: torch.Tensor,
-                        ids: torch.Tensor, left: np.ndarray, parts: bool = False) -> torch.Tensor:
+                        ids: torch.Tensor, left: np.ndarray, parts: bool = False,
+                        q8: "Int8Rows | None" = None) -> torch.Tensor:
         """The fused kernel with experts ``left`` read from host memory: the pinned host pool when
         it holds every cold expert, else a pinned staging buffer filled from the file."""
         row = self.table[layer].copy()
@@ -371,7 +377,7 @@ class ExpertStore:
             row[left] = -(np.arange(len(left)) + 1)
             host_views = _kernel_views(staging, la.parts)
         self.stats.zero_copy_reads += len(left)
-        y = self._fused(la, x, weights, ids, torch.from_numpy(row).to(self.device), host_views, parts=parts)
+        y = self._fused(la, x, weights, ids, torch.from_numpy(row).to(self.device), host_views, parts=parts, q8=q8)
         if staging is not None and staging.is_pinned():
             torch.cuda.current_stream(self.device).synchronize()  # the kernel reads staging: keep it alive
         return y

@@ -1,10 +1,12 @@
-"""The one door through which MoE layers reach their experts.
+"""The one door through which MoE layers reach their experts: the ``ExpertProvider`` contract.
 
-A MoE block asks ``provider.forward(layer, expert, x)``: "the SwiGLU output of expert ``expert`` of
-``layer`` for these rows". Where the weights live (GPU hot set, host cache, disk) is the provider's
-business, so a tiered expert store replaces only this class. The quantized GGUF bytes stay the
-source of truth: the plain provider below reads one expert's byte ranges (``formats.experts``)
-and dequantizes them on first use, keeping the result; ``max_bytes`` bounds how much stays
+A MoE block asks ``provider.moe(layer, x, weights, ids)``: "the routed experts' weighted outputs
+for these rows". Where the weights live (GPU hot set, host cache, disk) is the provider's
+business, so the tiered expert store (``runtime.expert_store``) and calibration's routing counter
+(``calibrate.replay``) are providers like the plain ones here; the model and the CUDA-graph code
+(``runtime.graph``) call only the methods the contract names. The quantized GGUF bytes stay the
+source of truth: the plain providers below read one expert's byte ranges (``formats.experts``)
+and dequantize them on first use, keeping the result; ``max_bytes`` bounds how much stays
 expanded (least recently used experts are dropped and re-expanded from the bytes when needed
 again), which matters for real models: Qwen3-30B's experts are ~115 GiB in float32.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -24,10 +26,39 @@ from sparkpack.formats.gguf_file import GGUFModel
 from .layers import swiglu
 from .weights import PackSource, dequantize_bytes
 
+if TYPE_CHECKING:
+    from .kernels.q8dot import Int8Rows
+
 
 class ExpertProvider(Protocol):
-    def forward(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """SwiGLU output ``[n, n_embd]`` of one expert for rows ``x [n, n_embd]``."""
+    """Everything a model (``runtime.models``) and the graph code (``runtime.graph``) ask of the
+    experts. A Protocol, not a base class, so a provider outside the runtime (calibration's
+    counter wraps one) implements it without importing the runtime."""
+
+    @property
+    def capturable(self) -> bool:
+        """Whether a decode step through this provider can be captured in a CUDA graph: ``moe``
+        needs no host round trip (and ``count_real_tokens`` holds for replays)."""
+        ...
+
+    def moe(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+            q8: "Int8Rows | None" = None) -> torch.Tensor:
+        """The chosen experts' weighted outputs for ``x [T, n_embd]``, ``weights/ids [T, k]``, for
+        ``layers.ffn_residual`` to add: ``[T, n_embd]`` summed in x's dtype, or, where a fused
+        kernel runs, the k outputs of each token unsummed in float32 ``[T, k, n_embd]``. ``q8``:
+        x's int8 form when the launch that wrote x made it (``kernels/q8dot.py``)."""
+        ...
+
+    def count_real_tokens(self, real: torch.Tensor | None) -> None:
+        """A padded call (``runtime.graph.PrefillGraphs``) begins: until it ends (None), only the
+        routings of its first ``real`` tokens (a device scalar) count, padding must not teach
+        placement."""
+        ...
+
+    def end_step(self, n_tokens: int, routed: bool | None = None, defer: bool = False) -> None:
+        """After a forward call of ``n_tokens`` tokens (``routed``: whether MoE layers ran, which a
+        replayed graph cannot tell the provider; ``defer``: a replayed call, learn from it at the
+        next ``end_step``, while the device computes)."""
         ...
 
     def forget_traffic(self) -> None:
@@ -35,7 +66,32 @@ class ExpertProvider(Protocol):
         ...
 
 
-class GGUFExperts:
+class PlainProvider(ExpertProvider):
+    """The contract for providers that compute experts one by one through their ``forward``: the
+    weighted sum in routing order (``routed_sum``), in x's dtype. Nothing to capture, count, learn
+    between tokens or forget."""
+
+    capturable = False
+
+    def forward(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU output ``[n, n_embd]`` of one expert for rows ``x [n, n_embd]``."""
+        raise NotImplementedError
+
+    def moe(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+            q8: "Int8Rows | None" = None) -> torch.Tensor:
+        return routed_sum(x, weights, ids, lambda e, rows: self.forward(layer, e, rows))
+
+    def count_real_tokens(self, real: torch.Tensor | None) -> None:
+        pass
+
+    def end_step(self, n_tokens: int, routed: bool | None = None, defer: bool = False) -> None:
+        pass
+
+    def forget_traffic(self) -> None:
+        pass
+
+
+class GGUFExperts(PlainProvider):
     """Experts dequantized per (layer, expert) from the GGUF bytes, on first use."""
 
     def __init__(self, gguf: GGUFModel, spec: ModelSpec, device: torch.device | str = "cpu",
@@ -76,9 +132,6 @@ class GGUFExperts:
     def forward(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
         return swiglu(x, *self.weights(layer, expert))
 
-    def forget_traffic(self) -> None:
-        """Nothing to forget: this provider keeps no routing statistics."""
-
 
 class PackExperts(GGUFExperts):
     """The same provider over a ``.sparkpack``: each expert is one range of its hot or cold shard
@@ -96,24 +149,6 @@ class PackExperts(GGUFExperts):
 
 def _nbytes(tensors: tuple[torch.Tensor, ...]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider: ExpertProvider,
-        layer: int) -> torch.Tensor:
-    """The chosen experts' weighted outputs: ``x [T, n_embd]``, ``weights/ids [T, k]``, for
-    ``layers.ffn_residual`` to add into the residual stream.
-
-    A provider with its own ``moe`` (the tiered store: fused kernel, residency bookkeeping) serves
-    the whole layer, in float32, and where its fused kernel runs leaves the k outputs of each
-    token unsummed (``[T, k, n_embd]``): ffn_residual sums them in its own launch. Otherwise
-    experts are computed one by one through ``forward`` and summed here, in x's dtype."""
-    observe = getattr(provider, "observe_routing", None)  # calibration counts routings here
-    if observe is not None:
-        observe(layer, ids)
-    whole = getattr(provider, "moe", None)
-    if whole is not None:
-        return whole(layer, x, weights, ids, parts=True)
-    return routed_sum(x, weights, ids, lambda e, rows: provider.forward(layer, e, rows))
 
 
 def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

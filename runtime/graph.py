@@ -68,7 +68,7 @@ def capturable(model: MoEModel) -> bool:
     round trip inside the step. ``SPARKPACK_CUDA_GRAPHS=0`` turns capture off (debugging)."""
     if os.environ.get("SPARKPACK_CUDA_GRAPHS", "1") == "0":
         return False
-    return model.device.type == "cuda" and bool(getattr(model.experts, "capturable", False))
+    return model.device.type == "cuda" and model.experts.capturable
 
 
 class DecodeGraph:
@@ -109,9 +109,7 @@ class DecodeGraph:
             self.replays += 1
             logits = self.logits
         self.cache.pos += 1
-        end_step = getattr(self.model.experts, "end_step", None)
-        if end_step is not None:  # the store learns from the previous step while this one runs
-            end_step(1, routed=True, defer=True)
+        self.model.experts.end_step(1, routed=True, defer=True)  # learns from the previous step meanwhile
         return logits[-1].clone()  # the graph's output buffer is rewritten by the next replay
 
     def _capture(self) -> torch.Tensor:
@@ -145,7 +143,7 @@ def prefill_is_padded(model: MoEModel, cache: Cache) -> bool:
     (``feeds_short_calls``) and experts that need no host round trip. This does not depend on
     whether graphs are captured: an eager session computes the same padded calls, so turning
     capture off never changes a result."""
-    return feeds_short_calls(model, cache) and bool(getattr(model.experts, "capturable", False))
+    return feeds_short_calls(model, cache) and model.experts.capturable
 
 
 class PrefillGraphs:
@@ -211,9 +209,7 @@ class PrefillGraphs:
         else:
             logits = self._run(size)
         self.cache.pos += n
-        end_step = getattr(self.model.experts, "end_step", None)
-        if end_step is not None:  # learned from while the next call runs
-            end_step(n, routed=True, defer=True)
+        self.model.experts.end_step(n, routed=True, defer=True)  # learned from while the next call runs
         return logits[-1].clone()  # the graph's output buffer is rewritten by the next replay
 
     def _stage(self, ids: list[int], size: int) -> None:

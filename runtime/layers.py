@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,9 @@ import torch.nn.functional as F
 from sparkpack.formats.memory import ATTN_SCORES_MAX
 
 from .cache import KVCache, prefill_rows
+
+if TYPE_CHECKING:
+    from .kernels.q8dot import Int8Rows
 
 
 HALF = (torch.bfloat16, torch.float16)
@@ -29,15 +33,44 @@ def wide(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in HALF else x
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None,
-             q8: bool = False) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
+class Rows(NamedTuple):
+    """Activation rows that feed quantized products, with their int8 form (``kernels/q8dot.py``)
+    when the launch that wrote them made it too (one decode row on a GPU): the products then skip
+    their own quantize launch. Elsewhere ``q8`` is None."""
+
+    x: torch.Tensor
+    q8: "Int8Rows | None" = None
+
+
+class Normed(NamedTuple):
+    """A block-opening RMSNorm that the previous block's epilogue computed in its own launch
+    (``ffn_residual_and_norm``): which norm (its weight) and its output."""
+
+    weight: torch.Tensor
+    rows: Rows
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
+             ) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
     """RMSNorm over the last axis; ``weight`` None means no scale. On a GPU one Triton launch
     (``kernels/norm.py``, same rounding points) instead of seven small kernels.
 
     ``residual``: normalise ``x + residual`` and return ``(x + residual, norm)`` (the new residual
-    stream and the block input, one launch on a GPU). ``q8``: the output feeds int8-activation
-    products; for one GPU row (decode) its int8 form comes from the same launch
-    (``q8dot.attach``), elsewhere this flag changes nothing."""
+    stream and the block input, one launch on a GPU)."""
+    s, y, _ = _rms_norm(x, weight, eps, residual, False)
+    return y if residual is None else (s, y)
+
+
+def norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
+              ) -> "Rows | tuple[torch.Tensor, Rows]":
+    """``rms_norm`` of rows that feed quantized products: for one GPU row (decode) their int8
+    form comes from the same launch."""
+    s, y, q8 = _rms_norm(x, weight, eps, residual, True)
+    return Rows(y, q8) if residual is None else (s, Rows(y, q8))
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None,
+              q8: bool) -> "tuple[torch.Tensor | None, torch.Tensor, Int8Rows | None]":
     if x.is_cuda and x.dim() in (2, 3) and x.stride(-1) == 1 and x.dtype != torch.float64 \
             and (weight is None or (weight.dtype == x.dtype and weight.is_contiguous() and weight.numel() == x.shape[-1])) \
             and (residual is None or (x.dim() == 2 and residual.is_contiguous() and residual.dtype == x.dtype)):
@@ -45,13 +78,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual:
         from .kernels.norm import rms_norm_rows
 
         q8 = q8 and x.dim() == 2 and q8dot.wanted(x.shape[0], x.shape[1])
-        return rms_norm_rows(x, weight, eps, residual, q8)
+        out = rms_norm_rows(x, weight, eps, residual, q8)
+        out = out if isinstance(out, tuple) else (out,)
+        s = out[0] if residual is not None else None
+        return s, out[1 if residual is not None else 0], out[-1] if q8 else None
+    s = None
     if residual is not None:
-        x = x + residual
-        return x, rms_norm(x, weight, eps)
+        x = s = x + residual
     xw = wide(x)
     y = (xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return y if weight is None else y * weight
+    return s, (y if weight is None else y * weight), None
 
 
 def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -60,41 +96,30 @@ def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (xw * torch.rsqrt((xw * xw).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, q8: bool = False) -> torch.Tensor:
-    """``silu(gate) * up``, the SwiGLU activation; one launch on a GPU (``kernels/ffn.py``), which
-    with ``q8`` (the result feeds int8-activation products) also attaches its int8 form to one
-    decode row."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> Rows:
+    """``silu(gate) * up``, the SwiGLU activation, as rows for the down projection; one launch on a
+    GPU (``kernels/ffn.py``), which also writes one decode row's int8 form."""
     if gate.is_cuda and gate.dim() == 2 and gate.dtype != torch.float64:
         from .kernels import q8dot
         from .kernels.ffn import silu_mul_rows
 
-        q8 = q8 and q8dot.wanted(gate.shape[0], gate.shape[1])
-        return silu_mul_rows(gate, up, q8)
-    return F.silu(gate) * up
+        if q8dot.wanted(gate.shape[0], gate.shape[1]):
+            return Rows(*silu_mul_rows(gate, up, True))
+        return Rows(silu_mul_rows(gate, up))
+    return Rows(F.silu(gate) * up)
 
 
 def ffn_residual(x: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor | None = None,
-                 shared_gate: torch.Tensor | None = None,
-                 next_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                 shared_gate: torch.Tensor | None = None) -> torch.Tensor:
     """The residual stream after a MoE block: ``x + routed + sigmoid(shared_gate) * shared`` (no
     gate: the shared expert always counts; no shared expert: ``x + routed``). ``routed`` may be
     float32 (the fused MoE kernels' output) and is rounded to x's dtype first; it may also be
     ``[T, k, n]``, the k weighted expert outputs of each token, summed here in choice order in
     float32 (as the MoE kernels sum them). One launch on a GPU (``kernels/ffn.py``) instead of up
-    to six.
-
-    ``next_norm`` = (weight, eps) of the RMSNorm that opens the next block: on a GPU the same
-    launch computes it (and its int8 form, as ``rms_norm(..., q8=True)`` would), and it rides on
-    the result for ``normed`` to find; elsewhere the next block computes it as usual."""
+    to six."""
     if x.is_cuda and x.dim() == 2 and x.dtype != torch.float64:
-        from .kernels import q8dot
         from .kernels.ffn import ffn_residual_rows
 
-        if next_norm is not None and next_norm[0].dtype == x.dtype:
-            y, h = ffn_residual_rows(x.contiguous(), routed.contiguous(), shared, shared_gate, next_norm,
-                                     q8=q8dot.wanted(x.shape[0], x.shape[1]))
-            y._sparkpack_normed = (next_norm[0], h)
-            return y
         return ffn_residual_rows(x.contiguous(), routed.contiguous(), shared, shared_gate)
     if routed.dim() == x.dim() + 1:
         parts, routed = routed.unbind(-2), torch.zeros_like(routed[..., 0, :])
@@ -108,11 +133,20 @@ def ffn_residual(x: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor | N
     return x + out
 
 
-def normed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """The RMSNorm of ``x`` with ``weight`` if the launch that made ``x`` computed it already
-    (``ffn_residual``'s ``next_norm``), else None."""
-    pre = getattr(x, "_sparkpack_normed", None)
-    return pre[1] if pre is not None and pre[0] is weight else None
+def ffn_residual_and_norm(x: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor | None,
+                          shared_gate: torch.Tensor | None, norm: tuple[torch.Tensor, float]
+                          ) -> tuple[torch.Tensor, Normed | None]:
+    """``ffn_residual``, and on a GPU in the same launch the RMSNorm that opens the next block
+    (``norm`` = (weight, eps)) with one decode row's int8 form; elsewhere that norm is left to
+    the next block (None)."""
+    if not (x.is_cuda and x.dim() == 2 and x.dtype != torch.float64 and norm[0].dtype == x.dtype):
+        return ffn_residual(x, routed, shared, shared_gate), None
+    from .kernels import q8dot
+    from .kernels.ffn import ffn_residual_rows
+
+    q8 = q8dot.wanted(x.shape[0], x.shape[1])
+    y, h, *codes = ffn_residual_rows(x.contiguous(), routed.contiguous(), shared, shared_gate, norm, q8=q8)
+    return y, Normed(norm[0], Rows(h, codes[0] if codes else None))
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -47,12 +47,17 @@ class QuantLinear:
             at += raw.shape[0]
         raise ValueError(f"rows {r0}:{r1} cross a type boundary")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, K]`` -> ``[T, rows]`` in x's dtype."""
+    def __call__(self, x: torch.Tensor, q8: q8dot.Int8Rows | None = None, int8: bool = True) -> torch.Tensor:
+        """``x [T, K]`` -> ``[T, rows]`` in x's dtype. One token (``int8``) goes through the int8
+        products where a band has them, on ``q8`` (x's int8 form, when the launch that wrote x
+        made it) or on x quantized here."""
         x = x.contiguous()
         if x.shape[0] == 1:
             out = torch.empty(1, self.rows, dtype=x.dtype, device=x.device)
-            q8 = q8dot.quantized(x) if self.int8_bands and q8dot.enabled() else None
+            if not (self.int8_bands and int8):
+                q8 = None
+            elif q8 is None:
+                q8 = q8dot.quantize(x)
             for i in range(0, len(self.segments), MAX_SEGMENTS):
                 part = self.segments[i:i + MAX_SEGMENTS]
                 c0 = sum(r.shape[0] for r, _ in self.segments[:i])
@@ -109,6 +114,7 @@ def stack(parts: list[tuple[int, int, object]], K: int, device: torch.device) ->
     return QuantLinear(segments, [r for r, _, _ in parts], K)
 
 
-def linear(x: torch.Tensor, w: "torch.Tensor | QuantLinear") -> torch.Tensor:
-    """``F.linear`` for a dense weight or a ``QuantLinear``."""
-    return w(x) if isinstance(w, QuantLinear) else F.linear(x, w)
+def linear(x: torch.Tensor, w: "torch.Tensor | QuantLinear", q8: q8dot.Int8Rows | None = None,
+           int8: bool = True) -> torch.Tensor:
+    """``F.linear`` for a dense weight or a ``QuantLinear`` (``q8``, ``int8``: as it takes them)."""
+    return w(x, q8, int8) if isinstance(w, QuantLinear) else F.linear(x, w)

@@ -8,6 +8,7 @@ becomes the ``[n_out, n_in]`` weight ``F.linear`` expects).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,6 +18,9 @@ from sparkpack.formats.gguf_file import GGUFModel
 
 from .dequant import dequantize
 from .quant_linear import QuantLinear, has_kernel, linear, stack
+
+if TYPE_CHECKING:
+    from .kernels.q8dot import Int8Rows
 
 
 CHUNK_ELEMENTS = 1 << 24  # dequantize large matrices this many weights at a time
@@ -66,14 +70,17 @@ def quantizes_dense(device: torch.device, dtype: torch.dtype) -> bool:
 class Weights:
     """Dense (non-expert) tensors of a model, loaded once on first use and kept: expanded to the
     compute dtype, or with ``quantized`` (the GPU default) the matrices as their GGUF bytes
-    (``runtime.quant_linear``), which ``linear``, ``stacked`` and ``embed`` serve."""
+    (``runtime.quant_linear``), which ``linear``, ``stacked`` and ``embed`` serve.
+    ``int8_activations`` (held matrices, one token): the products take the activation as int8,
+    the runtime's choice; False keeps it in float (slower, no activation rounding; comparisons)."""
 
     def __init__(self, gguf: "GGUFModel | PackSource", device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 quantized: bool = False):
+                 quantized: bool = False, int8_activations: bool = True):
         self.gguf = gguf
         self.device = torch.device(device)
         self.dtype = dtype
         self.quantized = quantized
+        self.int8_activations = int8_activations
         self._cache: dict[str, torch.Tensor] = {}
         self._lin: dict[str, QuantLinear] = {}
 
@@ -95,9 +102,9 @@ class Weights:
         q = self._lin[name] = stack([(info.shape[1], info.qtype, self.gguf.raw(name))], info.shape[0], self.device)
         return q
 
-    def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """``x @ W^T`` for the weight ``name``."""
-        return linear(x, self.matrix(name))
+    def linear(self, x: torch.Tensor, name: str, q8: "Int8Rows | None" = None) -> torch.Tensor:
+        """``x @ W^T`` for the weight ``name`` (``q8``: x's int8 form, when its launch made it)."""
+        return linear(x, self.matrix(name), q8, self.int8_activations)
 
     def embed(self, ids: torch.Tensor, name: str = "token_embd.weight") -> torch.Tensor:
         """Rows ``ids`` of an embedding matrix, in the compute dtype."""

@@ -198,9 +198,9 @@ def test_attend_decode_int8_form(dtype) -> None:
     kc, vc = (torch.randn(2, 48, 64, generator=g).to(DEVICE, dtype) for _ in range(2))
     gate = torch.randn(4, 64, generator=g).to(DEVICE, dtype)
     plain = attend_decode(q, kc, vc, 30, gate=gate, gate_kind="sigmoid", split=16)
-    out = attend_decode(q, kc, vc, 30, gate=gate, gate_kind="sigmoid", split=16, q8=True)
-    assert torch.equal(out, plain) and q8dot.attached(plain) is None
-    for fused, own in zip(q8dot.attached(out), q8dot.quantize(out)):
+    out, out_q8 = attend_decode(q, kc, vc, 30, gate=gate, gate_kind="sigmoid", split=16, q8=True)
+    assert torch.equal(out, plain) and isinstance(plain, torch.Tensor)
+    for fused, own in zip(out_q8, q8dot.quantize(out)):
         assert torch.equal(fused.cpu(), own.cpu())
     with pytest.raises(ValueError, match="multiple of 32"):
         attend_decode(q[:, :48].contiguous(), kc[..., :48].contiguous(), vc[..., :48].contiguous(), 30, q8=True)

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from sparkpack.runtime.experts import GGUFExperts
+from sparkpack.runtime.experts import GGUFExperts, PlainProvider
 from sparkpack.runtime.generate import generate
-from sparkpack.runtime.layers import Rope, rope_inv_freq, yarn_rope
+from sparkpack.runtime.layers import Normed, Rope, Rows, rope_inv_freq, yarn_rope
 from sparkpack.runtime.models import load_model
 
 ARCHS = ("qwen3moe", "laguna", "qwen35moe")
@@ -163,9 +163,9 @@ def test_each_block_epilogue_names_the_norm_that_opens_the_next(arch, synth_mode
         assert w is model.w(f"blk.{il + 1}.attn_norm.weight" if il + 1 < n else "output_norm.weight")
         assert eps == model.eps
     x, done = torch.randn(1, model.spec.n_embd, device=dev), torch.randn(1, model.spec.n_embd, device=dev)
-    x._sparkpack_normed = (model.w("blk.1.attn_norm.weight"), done)
-    assert model.norm(x, "blk.1.attn_norm.weight") is done
-    assert model.norm(x, "blk.2.attn_norm.weight") is not done
+    pre = Normed(model.w("blk.1.attn_norm.weight"), Rows(done))
+    assert model.norm(x, "blk.1.attn_norm.weight", pre).x is done
+    assert model.norm(x, "blk.2.attn_norm.weight", pre).x is not done
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -187,7 +187,7 @@ def test_q8_0_float32_matches_float64_reference(arch, tiny_hf_gguf):
     assert 0 < float(per_row[0]) < 0.1
 
 
-class CountingExperts:
+class CountingExperts(PlainProvider):
     """An expert provider that records every call, proving MoE layers go only through it."""
 
     def __init__(self, inner):
@@ -390,14 +390,13 @@ def test_attention_in_query_pieces_equals_one_pass(monkeypatch, window):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_dense_matrices_held_as_gguf_bytes_give_the_expanded_forward(arch, synth_model, monkeypatch):
+def test_dense_matrices_held_as_gguf_bytes_give_the_expanded_forward(arch, synth_model):
     """The GPU keeps dense matrices as their GGUF bytes (``Weights(quantized=True)``): one token
     goes through the dense GEMV kernel, several through expanded bands and cuBLAS. Here (CPU, the
     kernels in Triton's interpreter) both must give the logits of the expanded weights, and no
     matrix may be held expanded as well. With float activations the one-token steps agree to fp32
     round-off; with int8 activations (the runtime's default, ``kernels/q8dot.py``) to the
     activations' rounding."""
-    from sparkpack.runtime.kernels import q8dot
     from sparkpack.runtime.quant_linear import QuantLinear
     from sparkpack.runtime.weights import Weights
 
@@ -410,7 +409,7 @@ def test_dense_matrices_held_as_gguf_bytes_give_the_expanded_forward(arch, synth
     ids = token_ids(ref.spec.n_vocab, 8)
     caches = ref.new_cache(), quant.new_cache()
     for chunk, q8 in ((ids[:5], False), (ids[5:6], False), (ids[6:7], True), (ids[7:8], True)):
-        monkeypatch.setattr(q8dot, "ENABLED", q8)  # a prefill, two float steps, two int8 steps
+        quant.w.int8_activations = q8  # a prefill, two float steps, two int8 steps
         want, got = (m.forward(chunk, c) for m, c in zip((ref, quant), caches))
         if q8:
             err = float((got - want).norm() / want.norm())

@@ -67,7 +67,7 @@ import triton.language as tl
 
 from . import pdl
 from .pdl import prefetch_l2, wait_prior
-from .q8dot import QBLOCK, attach, new_q8, store_q8
+from .q8dot import QBLOCK, Int8Rows, as_rows, new_q8, store_q8
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GATE_KINDS = {"none": 0, "sigmoid": 1, "softplus_head": 2, "softplus": 3}
@@ -388,7 +388,7 @@ def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, xq, xd, xs,
 def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: "int | torch.Tensor",
                   window: int = 0, gate: torch.Tensor | None = None, gate_kind: str = "none",
                   split: int = 64, q8: bool = False, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  v_scale: torch.Tensor | None = None) -> "torch.Tensor | tuple[torch.Tensor, Int8Rows]":
     """One query token's GQA attention over the cache rows ``j <= pos`` (and ``pos - j < window``
     when ``window > 0``), times the optional output gate, in two launches.
 
@@ -399,8 +399,8 @@ def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ``"softplus_head"`` (``gate [H]``, out *= softplus per head); ``"softplus"`` (``gate [H, d]``
     per channel). A ``[H, d]`` gate needs a contiguous last axis, any row stride. ``split``:
     positions per program of the first kernel, a multiple of 16. Returns one row ``[1, H * d]`` in
-    q's dtype (``attn_output``'s input); ``q8`` (d a multiple of 32) attaches its int8 form
-    (``q8dot.attach``), computed by the combine kernel: one block of 32 channels per program.
+    q's dtype (``attn_output``'s input); ``q8`` (d a multiple of 32): also its int8 form,
+    ``(out, Int8Rows)``, computed by the combine kernel: one block of 32 channels per program.
     With ``k_scale``/``v_scale`` the caches are a Q8_0 cache's int8 codes and f16 scales, read as
     such (each tile expanded in registers, no expanded copy of the cache).
     """
@@ -461,7 +461,7 @@ def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         gate.stride(0) if gate is not None else 0,
         POS_PTR=pos_ptr, SPLIT=split, GATE=GATE_KINDS[gate_kind], BLOCK_SP=COMBINE_SPLITS,
         BLOCK_C=block_c, Q8=q8, num_warps=4, **pdl.flags(m))
-    return attach(out, codes) if q8 else out
+    return (out, as_rows(codes)) if q8 else out
 
 
 @triton.jit(do_not_specialize=["pos", "T"])

@@ -48,7 +48,7 @@ import triton.language as tl
 
 from . import pdl
 from .pdl import wait_prior
-from .q8dot import QBLOCK, attach, new_q8, store_q8
+from .q8dot import QBLOCK, Int8Rows, as_rows, new_q8, store_q8
 
 
 @triton.jit
@@ -121,7 +121,7 @@ def _recurrence_kernel(act_ptr, z_ptr, beta_ptr, alpha_ptr, dt_ptr, a_ptr, state
 def deltanet_decode(qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alpha: torch.Tensor,
                     dt_bias: torch.Tensor, a: torch.Tensor, conv_w: torch.Tensor, conv_win: torch.Tensor,
                     state: torch.Tensor, norm_w: torch.Tensor, n_k: int, d_k: int, eps: float,
-                    q8: bool = False) -> torch.Tensor:
+                    q8: bool = False) -> "torch.Tensor | tuple[torch.Tensor, Int8Rows]":
     """One token through a Gated DeltaNet layer, from its projections to ``ssm_out``'s input.
 
     qkv: ``[C]`` conv input (q | k | v channels, ``C = 2 n_k d_k + n_v d_v``); z: ``[n_v * d_v]``;
@@ -129,7 +129,8 @@ def deltanet_decode(qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alph
     (``a`` = -exp(A_log), as the GGUF stores it); conv_w ``[C, K]``; conv_win ``[K-1, C]`` the
     last K-1 conv inputs (shifted in place); state ``[n_v, d_k, d_v]`` float32 (updated in place);
     norm_w ``[d_v]``. Returns one row ``[1, n_v * d_v]`` in ``z``'s dtype (``ssm_out``'s input);
-    ``q8`` (d_v a power of two >= 32) attaches its int8 form, computed per head in the same launch.
+    ``q8`` (d_v a power of two >= 32): also its int8 form, ``(out, Int8Rows)``, computed per head in
+    the same launch.
     """
     C = qkv.numel()
     n_v, dk, d_v = state.shape
@@ -152,7 +153,7 @@ def deltanet_decode(qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alph
     _recurrence_kernel[(n_v,)](act, z, beta, alpha, dt_bias, a, state, norm_w, out, *codes, n_k, d_k, d_v,
                                d_k ** -0.5, eps, BLOCK_K=triton.next_power_of_2(d_k),
                                BLOCK_V=triton.next_power_of_2(d_v), Q8=q8, num_warps=8, **pdl.flags(act))
-    return attach(out, codes) if q8 else out
+    return (out, as_rows(codes)) if q8 else out
 
 
 @triton.jit

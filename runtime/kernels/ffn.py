@@ -24,7 +24,7 @@ import triton.language as tl
 from . import pdl
 from .pdl import wait_prior
 from .norm import normed_row, row_launch
-from .q8dot import QBLOCK, attach, new_q8, store_q8
+from .q8dot import QBLOCK, Int8Rows, as_rows, new_q8, store_q8
 
 
 @triton.jit
@@ -71,9 +71,11 @@ def _ffn_residual_kernel(x_ptr, r_ptr, s_ptr, g_ptr, y_ptr, w_ptr, h_ptr, hq, hd
         normed_row(tl.where(m, y.to(tl.float32), 0.0), w_ptr, h_ptr, hq, hd, hs, t, n, m, N, eps, True, Q8, BLOCK)
 
 
-def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, q8: bool = False) -> torch.Tensor:
+def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, q8: bool = False
+                  ) -> "torch.Tensor | tuple[torch.Tensor, Int8Rows]":
     """``silu(gate) * up`` for ``[T, N]`` rows with unit inner stride (e.g. column bands of one
-    stacked projection's output); ``q8`` (N a multiple of 32) attaches the result's int8 form."""
+    stacked projection's output); ``q8`` (N a multiple of 32): also the result's int8 form,
+    ``(y, Int8Rows)``."""
     if gate.shape != up.shape or gate.dim() != 2 or gate.stride(-1) != 1 or up.stride(-1) != 1 \
             or gate.dtype != up.dtype:
         raise ValueError(f"silu_mul takes two [T, N] row sets of one dtype, got {tuple(gate.shape)} and {tuple(up.shape)}")
@@ -86,20 +88,20 @@ def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, q8: bool = False) -> tor
     if T:
         _silu_mul_kernel[(T, triton.cdiv(N, block))](gate, up, y, *codes, N, gate.stride(0), up.stride(0), Q8=q8,
                                                     BLOCK=block, num_warps=4, **pdl.flags(gate))
-    return attach(y, codes) if q8 else y
+    return (y, as_rows(codes)) if q8 else y
 
 
 def ffn_residual_rows(x: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor | None = None,
                       shared_gate: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
-                      q8: bool = False) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
+                      q8: bool = False) -> "torch.Tensor | tuple[torch.Tensor, ...]":
     """``x + routed + sigmoid(shared_gate) * shared`` for ``x [T, N]`` (contiguous, the residual
     stream's dtype); ``routed`` contiguous, any float dtype: ``[T, N]``, or ``[T, k, N]`` (the
     weighted expert outputs, summed here in choice order), rounded to x's dtype once summed;
     ``shared [T, N]`` unit inner stride or None; ``shared_gate [T, 1]`` (one logit per token) or None.
 
     ``norm`` = (weight, eps): also the RMSNorm of the result that opens the next block (bit for bit
-    ``norm.rms_norm_rows(y, weight, eps, q8=q8)``, with ``q8`` its int8 form attached); returns
-    ``(y, normed)``. One launch instead of two, for one-token steps."""
+    ``norm.rms_norm_rows(y, weight, eps, q8=q8)``); returns ``(y, normed)``, with ``q8``
+    ``(y, normed, Int8Rows)``. One launch instead of two, for one-token steps."""
     T, N = x.shape
     topk = routed.shape[1] if routed.dim() == 3 else 1
     if not x.is_contiguous() or routed.shape not in ((T, N), (T, topk, N)) or not routed.is_contiguous():
@@ -127,4 +129,4 @@ def ffn_residual_rows(x: torch.Tensor, routed: torch.Tensor, shared: torch.Tenso
                                                         Q8=q8, BLOCK=block, num_warps=warps, **pdl.flags(x))
     if norm is None:
         return y
-    return y, (attach(h, codes) if q8 else h)
+    return (y, h, as_rows(codes)) if q8 else (y, h)

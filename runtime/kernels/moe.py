@@ -22,9 +22,9 @@ Three launches:
    (``reduce=False``): their residual epilogue (``kernels/ffn.py``) makes the same sum.
 
 The first two reuse the per-family unpacking of ``qmatvec`` (one compiled variant per quant type),
-or, with ``act_q8`` (the runtime's default), ``q8dot``'s int8 dot products for Q4_K/Q6_K experts:
-x's int8 form comes from the norm that wrote it (``q8dot.attach``; else one small launch) and h
-is quantized once per pair (one small launch).
+or, with ``act_q8`` (the runtime's choice), ``q8dot``'s int8 dot products for Q4_K/Q6_K experts:
+x's int8 form comes from the norm that wrote it (``x_q8``; else one small launch) and h is
+quantized once per pair (one small launch).
 
 Prefill (many tokens) takes the grouped kernels of ``moe_grouped.py`` instead of launches 1 and
 2: pairs sorted by expert, each expert's weights unpacked once per block of its pairs.
@@ -37,7 +37,7 @@ import triton.language as tl
 
 from sparkpack.runtime.kernels import pdl
 from sparkpack.runtime.kernels.pdl import prefetch_l2, wait_prior
-from sparkpack.runtime.kernels.q8dot import chunks_per_iteration, quantize, quantized, readable, row_dot_q8, use_asm
+from sparkpack.runtime.kernels.q8dot import Int8Rows, chunks_per_iteration, quantize, readable, row_dot_q8, use_asm
 from sparkpack.runtime.kernels.moe_grouped import GROUPED_MIN_PAIRS, group_pairs, grouped_experts
 from sparkpack.runtime.kernels.qmatvec import _output, _row_dot, rows_per_program
 from sparkpack.runtime.kernels.slots import check_pool, slot_base
@@ -145,8 +145,8 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                 host: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None,
                 counts: torch.Tensor | None = None, num_warps: int | None = None,
                 grouped: bool | None = None, tiles: tuple[int, int, int] | None = None,
-                act_q8: bool = False, cpi: int = 8, reduce: bool = True, sub: bool | None = None,
-                count_tokens: torch.Tensor | None = None) -> torch.Tensor:
+                act_q8: bool = False, cpi: int = 8, reduce: bool = True, sub: bool = True,
+                count_tokens: torch.Tensor | None = None, x_q8: Int8Rows | None = None) -> torch.Tensor:
     """Routed-expert output ``sum_j w[t,j] * down_e(silu(gate_e x_t) * up_e x_t)`` -> [T, n_embd] fp32.
 
     x: [T, n_embd] (f32/f16/bf16); topk_ids/topk_weights: [T, k]; slot_table: int32 [n_expert]
@@ -166,7 +166,8 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     that the grouped one multiplies half-precision activations in half precision, as cuBLAS does
     for the dense layers. ``act_q8``: the per-pair (decode) kernels quantize their inputs to int8 and
     multiply Q4_K/Q6_K experts with int8 dot products (``q8dot``; a kernel whose types are
-    others keeps the float input), loading up to ``cpi`` chunks of 256 per row at once.
+    others keeps the float input), loading up to ``cpi`` chunks of 256 per row at once; ``x_q8``
+    is x's int8 form when the kernel that wrote x made it (else it is made here).
     ``reduce=False`` returns the weighted expert outputs unsummed, ``[T, k, n_embd]`` fp32, for a
     consumer that sums them in choice order itself (``layers.ffn_residual``: one launch fewer).
     ``count_tokens`` (a padded prefill call: a one-element integer device tensor) counts the routings of
@@ -222,7 +223,7 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         num_warps = num_warps or warps
         q8_gu = act_q8 and readable(gate_qtype, gate_raw, gate_h) and readable(up_qtype, up_raw, up_h)
         q8_down = act_q8 and readable(down_qtype, down_raw, down_h)
-        xq, xd, xs = quantized(x) if q8_gu else (x, x, x)  # the norm that wrote x may have attached it
+        xq, xd, xs = (x_q8 if x_q8 is not None else quantize(x)) if q8_gu else (x, x, x)
         _gate_up_kernel[(T_ * topk, triton.cdiv(n_ff, bn))](
             x, xq, xd, xs, topk_ids, slot_table, gate_raw, up_raw, gate_h, up_h, h, counts if counts is not None else slot_table,
             down_raw, topk, n_ff, n_embd, gate_raw.stride(0), up_raw.stride(0), up_row0,

@@ -29,8 +29,6 @@ slot (``slots.py``) or pool they are read from.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -41,8 +39,6 @@ from .qmatvec import Q4_K, Q5_K, Q6_K, _f16, _k_scale_min, _tile_dot, _u8
 from .slots import slot_base
 
 SUB_TYPES = (Q4_K, Q5_K, Q6_K)  # types with a sub-block kernel; others take the ``_tile_*`` kernels
-# SPARKPACK_GROUPED_SUB=0 runs the expanded-tile kernels for every type (for comparisons)
-SUB_ON = os.environ.get("SPARKPACK_GROUPED_SUB", "1") != "0"
 GROUPED_MIN_PAIRS = 64  # (token, choice) pairs from which the grouped (prefill) kernels run
 # dot operand kinds of the sub-block kernels: fp32 (exact ``ieee`` products: fp32 activations and
 # Triton's interpreter, which gets bf16 tl.dot wrong), bf16, f16
@@ -383,12 +379,12 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
                     host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
                     qtypes: tuple[int, int, int], n_ff: int, up_row0: int, part: torch.Tensor,
                     counts: torch.Tensor | None = None, tiles: tuple[int, int, int] | None = None,
-                    sub: bool | None = None, count_tokens: torch.Tensor | None = None) -> None:
+                    sub: bool = True, count_tokens: torch.Tensor | None = None) -> None:
     """Weighted expert outputs of every (token, choice) pair into ``part [T*k, n_embd]`` (fp32),
     in two launches after ``group_pairs``. Arguments as ``moe.moe_experts`` has checked them:
     ``pools`` = (gate, up, down) device views (up may be gate's view with ``up_row0 = n_ff``),
     ``host`` the same over the host pool or None. ``sub``: the sub-block kernels where the types
-    have them (default: unless ``SPARKPACK_GROUPED_SUB=0``), False the expanded-tile kernels. ``tiles`` =
+    have them; False the expanded-tile kernels for every type (comparisons). ``tiles`` =
     (BLOCK_M, BLOCK_N, warps) overrides the tile shape, for tuning. ``count_tokens``: see ``group_pairs``."""
     (gate, up, down), (gq, uq, dq) = pools, (int(q) for q in qtypes)
     gate_h, up_h, down_h = host if host is not None else pools
@@ -396,7 +392,6 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     topk = topk_ids.shape[1]
     n_expert = slot_table.numel()
     half = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-    sub = SUB_ON if sub is None else sub
     sub_gu = sub and gq in SUB_TYPES and uq in SUB_TYPES
     sub_down = sub and dq in SUB_TYPES
     per_expert = T_ * topk / n_expert

@@ -9,7 +9,7 @@ Two more jobs ride in the same launch for one-token decode, where each saved lau
 rounds, written out as the new residual stream), and the int8 form of the normed row
 (``q8dot.store_q8``), which the projections and the MoE kernels that read the row would
 otherwise each compute in a launch of their own. The int8 form is computed from the rounded
-output, so it is bit for bit ``q8dot.quantize`` of it.
+output, so it is bit for bit ``q8dot.quantize`` of it; the kernel returns it beside the output.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import triton.language as tl
 
 from . import pdl
 from .pdl import wait_prior
-from .q8dot import QBLOCK, attach, new_q8, store_q8
+from .q8dot import QBLOCK, Int8Rows, as_rows, new_q8, store_q8
 
 
 @triton.jit
@@ -63,14 +63,14 @@ def row_launch(N: int) -> tuple[int, int]:
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None,
-                  q8: bool = False) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
+                  q8: bool = False) -> "torch.Tensor | tuple[torch.Tensor, ...]":
     """RMSNorm over the last axis of a 2-D or 3-D ``x`` whose last axis is contiguous (strided
     rows, e.g. the query half of a fused query|gate projection, are read in place); returns a
     contiguous tensor of ``x``'s shape and dtype.
 
     ``residual`` (2-D ``x`` only, same shape and dtype, contiguous): normalise ``x + residual``
-    and return ``(x + residual, norm)``. ``q8`` (2-D, rows a multiple of 32): attach the int8
-    form of the output (``q8dot.attach``)."""
+    and return ``(x + residual, norm)``. ``q8`` (2-D, rows a multiple of 32): the int8 form of
+    the output (``q8dot.Int8Rows``) comes from the same launch and is returned last."""
     if x.dim() not in (2, 3) or x.stride(-1) != 1:
         raise ValueError(f"rms_norm_rows takes [R, N] or [A, B, N] with a contiguous last axis, got {tuple(x.shape)}")
     N = x.shape[-1]
@@ -93,6 +93,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, resi
         _rms_norm_kernel[(A * B,)](x, residual if residual is not None else x, weight if weight is not None else x,
                                    y, s, *codes, N, B, stride_a, stride_b, eps, HAS_W=weight is not None,
                                    HAS_RES=residual is not None, Q8=q8, BLOCK=block, num_warps=warps, **pdl.flags(x))
+    out: tuple[torch.Tensor | Int8Rows, ...] = (s, y) if residual is not None else (y,)
     if q8:
-        attach(y, codes)
-    return (s, y) if residual is not None else y
+        out += (as_rows(codes),)
+    return out if len(out) > 1 else y

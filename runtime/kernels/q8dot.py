@@ -23,6 +23,7 @@ xd * (sum of xq over each 16 elements): the sub-block sums the K-quant offsets n
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -34,21 +35,23 @@ from .qmatvec import Q4_K, Q6_K
 
 QBLOCK = 32  # activation elements per int8 scale
 Q8_TYPES = (Q4_K, Q6_K)  # weight types with an int8-activation kernel
-# The runtime's one-token products use int8 activations unless SPARKPACK_FLOAT_ACTIVATIONS=1
-# (float activations: slower, no activation rounding; for comparisons and debugging).
-ENABLED = os.environ.get("SPARKPACK_FLOAT_ACTIVATIONS", "") != "1"
 
 
-def enabled() -> bool:
-    """Whether the runtime quantizes one-token activations (read at each call: tests flip it)."""
-    return ENABLED
+class Int8Rows(NamedTuple):
+    """Rows ``[T, K]`` quantized for the int8 products (see the module docstring). A kernel that
+    writes an activation row can return this beside it (``new_q8`` / ``store_q8``), and the
+    products that read the row then skip their own ``quantize`` launch."""
+
+    q: torch.Tensor  # int32 [T, K/4]: the int8 codes, four to a word
+    d: torch.Tensor  # fp32 [T, K/32]: block scales (x ~ d * code)
+    s: torch.Tensor  # fp32 [T, K/16]: d times the sum of the codes of each 16 elements
 
 
 def wanted(rows: int, unit: int) -> bool:
     """Whether a kernel writing ``rows`` activation rows should also write their int8 form: one
     row (only one-token products read it), in whole blocks of 32 (``unit``: the width, or the
-    piece of it one program writes), int8 activations on."""
-    return rows == 1 and unit % QBLOCK == 0 and enabled()
+    piece of it one program writes)."""
+    return rows == 1 and unit % QBLOCK == 0
 
 
 def use_asm(t: torch.Tensor) -> bool:
@@ -108,15 +111,21 @@ def _quantize_kernel(x, xq, xd, xs, K, stride_x, BLOCKS: tl.constexpr, PDL: tl.c
 
 
 def new_q8(T: int, K: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Empty ``(codes int8 [T, K], xd [T, K/32], xs [T, K/16])`` for a kernel's ``store_q8``."""
+    """Empty ``(codes int8 [T, K], xd [T, K/32], xs [T, K/16])`` for a kernel's ``store_q8``
+    (``as_rows`` turns them into the ``Int8Rows`` the kernel returns)."""
     return (torch.empty(T, K, dtype=torch.int8, device=device),
             torch.empty(T, K // 32, dtype=torch.float32, device=device),
             torch.empty(T, K // 16, dtype=torch.float32, device=device))
 
 
-def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows of ``x [T, K]`` (K a multiple of 32, any float dtype, unit inner stride) as
-    ``(xq int32 [T, K/4], xd fp32 [T, K/32], xs fp32 [T, K/16])``: see the module docstring."""
+def as_rows(codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> Int8Rows:
+    """``new_q8``'s buffers, once a kernel has written them, as the products read them."""
+    return Int8Rows(codes[0].view(torch.int32), codes[1], codes[2])
+
+
+def quantize(x: torch.Tensor) -> Int8Rows:
+    """Rows of ``x [T, K]`` (K a multiple of 32, any float dtype, unit inner stride) in their
+    int8 form: see the module docstring."""
     T, K = x.shape
     if K % QBLOCK or x.stride(-1) != 1:
         raise ValueError(f"int8 activations need rows of a multiple of {QBLOCK} contiguous elements, got {tuple(x.shape)}")
@@ -125,27 +134,7 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     if T:
         _quantize_kernel[(T, triton.cdiv(K // 32, blocks))](x, xq, xd, xs, K, x.stride(0), BLOCKS=blocks,
                                                              num_warps=2, **pdl.flags(x))
-    return xq.view(torch.int32), xd, xs
-
-
-def attach(y: torch.Tensor, q8: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Give ``y`` its int8 form (codes int8 or int32 words, xd, xs), computed by the kernel that
-    wrote ``y``: the products that read ``y`` (``QuantLinear``, the MoE kernels) then skip their
-    own ``quantize`` launch. The form lives and dies with the tensor object; ``y`` must not be
-    changed in place afterwards (no caller does: norms and activations are fresh tensors)."""
-    y._sparkpack_q8 = (q8[0].view(torch.int32), q8[1], q8[2])
-    return y
-
-
-def attached(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The int8 form ``attach`` gave ``x``, if any."""
-    return getattr(x, "_sparkpack_q8", None)
-
-
-def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x``'s int8 form: the attached one, or ``quantize(x)``."""
-    q8 = attached(x)
-    return q8 if q8 is not None else quantize(x)
+    return as_rows((xq, xd, xs))
 
 
 # ----------------------------------------------------------------------------- per-type row dots

@@ -1,7 +1,7 @@
 """What every model file shares: loading, the embedding -> blocks -> norm -> head loop, caches.
 
-A model file subclasses ``MoEModel`` and writes ``block(il, x, cache, pos0)``: the residual block
-of layer ``il`` on hidden states ``x [T, n_embd]``. Batch size is one sequence; prefill is a call
+A model file subclasses ``MoEModel`` and writes ``block(il, x, cache, pos0, pre)``: the residual
+block of layer ``il`` on hidden states ``x [T, n_embd]``. Batch size is one sequence; prefill is a call
 with many tokens, decode a call with one, and both go through the same code.
 """
 from __future__ import annotations
@@ -15,9 +15,9 @@ from sparkpack.formats.errors import SparkpackError
 from sparkpack.formats.gguf_file import GGUFModel
 
 from ..cache import Q8_BLOCK, Cache, KVCache, RecurrentState, prefill_rows
-from ..experts import ExpertProvider, GGUFExperts, moe
-from ..layers import (Rope, attend_buffers, causal_sdpa_after, ffn_residual, fused_sdpa_runs, normed, output_gate,
-                      rms_norm, silu_mul)
+from ..experts import ExpertProvider, GGUFExperts
+from ..layers import (Normed, Rope, Rows, attend_buffers, causal_sdpa_after, ffn_residual, ffn_residual_and_norm,
+                      fused_sdpa_runs, norm_rows, output_gate, silu_mul)
 from ..quant_linear import QuantLinear, linear
 from ..weights import Weights, quantizes_dense
 
@@ -71,8 +71,11 @@ class MoEModel(ABC):
         layer may compute in one GEMM with other projections of its MoE input)."""
 
     @abstractmethod
-    def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: int | torch.Tensor) -> torch.Tensor:
-        """Layer ``il``'s residual block on ``x [T, n_embd]`` whose first token is at ``pos0``."""
+    def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: int | torch.Tensor, pre: Normed | None
+              ) -> tuple[torch.Tensor, Normed | None]:
+        """Layer ``il``'s residual block on ``x [T, n_embd]`` whose first token is at ``pos0``: the
+        new residual stream, and the next block's input norm when this block's epilogue computed
+        it (``epilogue``), which comes back as ``pre`` of the next call (``norm`` takes it)."""
 
     def reserve_kv(self, cache: Cache, n: int) -> None:
         """Make every KV cache of ``cache`` hold ``n`` positions before a call that reads its
@@ -105,61 +108,72 @@ class MoEModel(ABC):
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
         cache = cache if cache is not None else self.new_cache()
         x = self.w.embed(ids)
-        limit = real is not None and hasattr(self.experts, "real_tokens")
-        if limit:
-            self.experts.real_tokens = real
+        pre = None
+        if real is not None:
+            self.experts.count_real_tokens(real)
         try:
             for il in range(self.spec.n_layer):
-                x = self.block(il, x, cache, cache.pos if pos is None else pos)
+                x, pre = self.block(il, x, cache, cache.pos if pos is None else pos, pre)
         finally:
-            if limit:
-                self.experts.real_tokens = None
-        if real is not None:
+            if real is not None:
+                self.experts.count_real_tokens(None)
+        if real is not None:  # (a padded call has several rows: no norm was computed ahead)
             x = x.index_select(0, (real - 1).reshape(1))
         if pos is None:
             cache.pos += ids.numel()
-            end_step = getattr(self.experts, "end_step", None)  # the store learns between tokens
-            if end_step is not None:
-                end_step(ids.numel())
-        if last_only and x.shape[0] > 1:  # (one row stays the same tensor: its output norm may be done)
+            self.experts.end_step(ids.numel())  # the store learns between tokens
+        if last_only and x.shape[0] > 1:  # (one row: ``pre`` is its output norm, when computed)
             x = x[-1:]
-        x = self.norm(x, "output_norm.weight")
-        return self.w.linear(x, "output.weight" if self.w.has("output.weight") else "token_embd.weight")
+        h = self.norm(x, "output_norm.weight", pre)
+        return self.linear(h, "output.weight" if self.w.has("output.weight") else "token_embd.weight")
 
-    def project(self, h: torch.Tensor, prefix: str, *names: str) -> list[torch.Tensor]:
+    def linear(self, h: Rows, name: str) -> torch.Tensor:
+        """``h @ W^T`` for the weight ``name``, on h's int8 form where its launch made it."""
+        return self.w.linear(h.x, name, h.q8)
+
+    def project(self, h: Rows, prefix: str, *names: str) -> list[torch.Tensor]:
         """The projections ``prefix + name + ".weight"`` of ``h``, as one GEMM over their stacked
         matrices (``Weights.stacked``; ``names`` one of ``STACKS``), split back into one output
         per name."""
         full = tuple(f"{prefix}{n}.weight" for n in names)
         stacked = self.w.stacked(full)
         sizes = stacked.sizes if isinstance(stacked, QuantLinear) else [self.w(n).shape[0] for n in full]
-        return list(linear(h, stacked).split(sizes, dim=-1))
+        return list(linear(h.x, stacked, h.q8, self.w.int8_activations).split(sizes, dim=-1))
 
-    def project_present(self, h: torch.Tensor, prefix: str, group: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    def project_present(self, h: Rows, prefix: str, group: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """``project`` over the members of ``group`` (one of ``STACKS``) this layer has, by name."""
         names = [n for n in group if self.w.has(f"{prefix}{n}.weight")]
         if len(names) == 1:
-            return {names[0]: self.w.linear(h, f"{prefix}{names[0]}.weight")}
+            return {names[0]: self.linear(h, f"{prefix}{names[0]}.weight")}
         return dict(zip(names, self.project(h, prefix, *names)))
 
-    def mlp(self, h: torch.Tensor, prefix: str) -> torch.Tensor:
+    def mlp(self, h: Rows, prefix: str) -> torch.Tensor:
         """A dense layer's SwiGLU MLP ``ffn_{gate,up,down}``, gate and up as one GEMM
         (``(ffn_gate, ffn_up)`` must be one of ``STACKS``)."""
         gate, up = self.project(h, prefix, "ffn_gate", "ffn_up")
-        return self.w.linear(silu_mul(gate, up, q8=True), f"{prefix}ffn_down.weight")
+        return self.linear(silu_mul(gate, up), f"{prefix}ffn_down.weight")
 
-    def ffn(self, il: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def ffn(self, il: int, h: Rows, x: torch.Tensor) -> tuple[torch.Tensor, Normed | None]:
         """The residual stream ``x`` after layer ``il``'s MoE block on its normed input ``h``: the
         routed experts, a shared expert where the file has one (behind a sigmoid gate where it has
-        that too), added in one epilogue launch (which also norms the next block's input)."""
+        that too), added in one epilogue launch (``epilogue``)."""
         p = f"blk.{il}."
         y = self.project_present(h, p, self.FFN_IN)
-        routed = moe(h, *self.route_logits(il, y["ffn_gate_inp"]), self.experts, il)
+        routed = self.experts.moe(il, h.x, *self.route_logits(il, y["ffn_gate_inp"]), h.q8)
         shared = gate = None
         if "ffn_up_shexp" in y:
-            shared = self.w.linear(silu_mul(y["ffn_gate_shexp"], y["ffn_up_shexp"], q8=True), p + "ffn_down_shexp.weight")
+            shared = self.linear(silu_mul(y["ffn_gate_shexp"], y["ffn_up_shexp"]), p + "ffn_down_shexp.weight")
             gate = y.get("ffn_gate_inp_shexp")
-        return ffn_residual(x, routed, shared, gate, self.next_norm(il, x))
+        return self.epilogue(il, x, routed, shared, gate)
+
+    def epilogue(self, il: int, x: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor | None = None,
+                 gate: torch.Tensor | None = None) -> tuple[torch.Tensor, Normed | None]:
+        """Layer ``il``'s FFN output added into the residual stream (``layers.ffn_residual``); a
+        one-token GPU step also norms the next block's input in the same launch (``next_norm``)."""
+        nxt = self.next_norm(il, x)
+        if nxt is None:
+            return ffn_residual(x, routed, shared, gate), None
+        return ffn_residual_and_norm(x, routed, shared, gate, nxt)
 
     def stack_groups(self) -> list[tuple[str, ...]]:
         """Every layer's ``STACKS`` groups as stacked: the members the file has, two or more
@@ -174,10 +188,10 @@ class MoEModel(ABC):
 
     def attend_step(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Cache,
                     pos0: "int | torch.Tensor", rope: Rope, window: int = 0, gate: torch.Tensor | None = None,
-                    gate_kind: str = "none") -> torch.Tensor | None:
+                    gate_kind: str = "none") -> Rows | None:
         """Attention from the raw projections (``q [T, H, d]``, k and v ``[T, H_kv, d]``) with the
-        Triton kernels of ``kernels/attention.py``, returning ``attn_output``'s input ``[T, H * d]``,
-        or None where the model file's torch form runs instead (CPU without ``kernels``, float64).
+        Triton kernels of ``kernels/attention.py``, returning ``attn_output``'s input ``[T, H * d]``
+        (with one decode row's int8 form), or None where the model file's torch form runs instead (CPU without ``kernels``, float64).
         The q/k RMSNorms, rope and the KV append are one launch for any T; one token then attends
         in two more (split and combine, the output gate included); several tokens (prefill)
         attend and take the gate in torch: from position 0 with torch's fused causal attention
@@ -211,19 +225,22 @@ class MoEModel(ABC):
                 o = attend_prefill(qr, *kv.buffers(pos0 + T), pos0, window)
             else:
                 o = attend_buffers(qr, *kv.buffers(prefill_rows(pos0, T)), pos0, window)
-            return output_gate(o, gate, gate_kind).reshape(T, H * d)
+            return Rows(output_gate(o, gate, gate_kind).reshape(T, H * d))
         S = kv.k.shape[1]
         split = 64 if S <= 8192 else 256 if S <= 65536 else 512  # kernels/attention.py: best per buffer size
-        return attend_decode(qr[0], kv.k, kv.v, pos0, window, None if gate is None else gate[0], gate_kind, split,
-                             q8=q8dot.wanted(1, d), k_scale=scales[0], v_scale=scales[1])
+        q8 = q8dot.wanted(1, d)
+        o = attend_decode(qr[0], kv.k, kv.v, pos0, window, None if gate is None else gate[0], gate_kind, split,
+                          q8=q8, k_scale=scales[0], v_scale=scales[1])
+        return Rows(*o) if q8 else Rows(o)
 
-    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+    def norm(self, x: torch.Tensor, name: str, pre: Normed | None = None) -> Rows:
         """A block input or the output norm: it feeds projections, which read one decode row in
-        its int8 form, so on a GPU that form comes from the norm's launch (or from the previous
-        block's epilogue, which computed both: ``next_norm``)."""
+        its int8 form, so on a GPU that form comes from the norm's launch, or from the previous
+        block's epilogue, which computed both (``pre``, taken when it is this norm)."""
         w = self.w(name)
-        done = normed(x, w)
-        return done if done is not None else rms_norm(x, w, self.eps, q8=True)
+        if pre is not None and pre.weight is w:
+            return pre.rows
+        return norm_rows(x, w, self.eps)
 
     def next_norm(self, il: int, x: torch.Tensor) -> tuple[torch.Tensor, float] | None:
         """For layer ``il``'s epilogue on ``x``: the norm that opens the next block (the output norm
@@ -232,6 +249,6 @@ class MoEModel(ABC):
             return None
         return self.w(f"blk.{il + 1}.attn_norm.weight" if il + 1 < self.spec.n_layer else "output_norm.weight"), self.eps
 
-    def add_norm(self, x: torch.Tensor, delta: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor, name: str) -> tuple[torch.Tensor, Rows]:
         """``(x + delta, norm(x + delta))``: the residual add and the next norm, one launch on a GPU."""
-        return rms_norm(delta, self.w(name), self.eps, residual=x, q8=True)
+        return norm_rows(delta, self.w(name), self.eps, residual=x)

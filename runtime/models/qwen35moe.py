@@ -18,8 +18,8 @@ from sparkpack.formats.archs import LINEAR
 from sparkpack.formats.memory import DELTANET_CHUNK
 
 from ..cache import Cache, RecurrentState
-from ..layers import (Rope, attention, l2_norm, output_gate, positions, rms_norm, rope_inv_freq, route_softmax,
-                      wide)
+from ..layers import (Normed, Rope, Rows, attention, l2_norm, output_gate, positions, rms_norm, rope_inv_freq,
+                      route_softmax, wide)
 from .base import MoEModel
 
 
@@ -110,8 +110,9 @@ class Qwen35MoE(MoEModel):
         self.d_v = int(hp["ssm_inner_size"]) // self.n_v
         self.norm_topk = bool(self.meta("expert_weights_norm", hp.get("norm_topk", True)))
 
-    def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: "int | torch.Tensor") -> torch.Tensor:
-        h = self.norm(x, f"blk.{il}.attn_norm.weight")
+    def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: "int | torch.Tensor", pre: Normed | None
+              ) -> tuple[torch.Tensor, Normed | None]:
+        h = self.norm(x, f"blk.{il}.attn_norm.weight", pre)
         if self.spec.layers[il].attention == LINEAR:
             a = self.delta_net(il, h, cache.layers[il])
         else:
@@ -119,31 +120,31 @@ class Qwen35MoE(MoEModel):
         x, h = self.add_norm(x, a, f"blk.{il}.post_attention_norm.weight")
         return self.ffn(il, h, x)
 
-    def attn(self, il: int, h: torch.Tensor, cache: Cache, pos0: "int | torch.Tensor") -> torch.Tensor:
-        p, w, d, T = f"blk.{il}.", self.w, self.spec.head_dim, h.shape[0]
+    def attn(self, il: int, h: Rows, cache: Cache, pos0: "int | torch.Tensor") -> torch.Tensor:
+        p, w, d, T = f"blk.{il}.", self.w, self.spec.head_dim, h.x.shape[0]
         qg, k, v = self.project(h, p, "attn_q", "attn_k", "attn_v")
         qg = qg.view(T, -1, 2 * d)  # per head: [query | gate]
         q, gate = qg[..., :d], qg[..., d:]
         k, v = k.view(T, -1, d), v.view(T, -1, d)
         o = self.attend_step(il, q, k, v, cache, pos0, self.rope, gate=gate, gate_kind="sigmoid")
         if o is not None:
-            return self.w.linear(o, p + "attn_output.weight")
+            return self.linear(o, p + "attn_output.weight")
         q = rms_norm(q, w(p + "attn_q_norm.weight"), self.eps)
         k = rms_norm(k, w(p + "attn_k_norm.weight"), self.eps)
-        cos, sin = self.rope.cos_sin(positions(pos0, T, h.device), h.dtype)
+        cos, sin = self.rope.cos_sin(positions(pos0, T, h.x.device), h.x.dtype)
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         o = output_gate(attention(q, k, v, cache.layers[il], pos0), gate, "sigmoid")
         return self.w.linear(o.reshape(T, -1), p + "attn_output.weight")
 
-    def delta_net(self, il: int, h: torch.Tensor, st: RecurrentState) -> torch.Tensor:
-        p, w, T = f"blk.{il}.", self.w, h.shape[0]
+    def delta_net(self, il: int, h: Rows, st: RecurrentState) -> torch.Tensor:
+        p, w, T = f"blk.{il}.", self.w, h.x.shape[0]
         qkv, z, beta, alpha = self.project(h, p, "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")  # qkv [T, C]
         z = z.view(T, self.n_v, self.d_v)
         if st.conv is None:  # allocated once, then updated in place: see RecurrentState
             st.conv = qkv.new_zeros(self.kernel - 1, qkv.shape[1])
             # the recurrent state accumulates over the whole sequence: keep it in >= float32
-            st.ssm = wide(h.new_zeros(self.n_v, self.d_k, self.d_v))
-        if self.kernels and h.dtype != torch.float64:
+            st.ssm = wide(h.x.new_zeros(self.n_v, self.d_k, self.d_v))
+        if self.kernels and h.x.dtype != torch.float64:
             if T == 1:
                 return self.delta_net_step(il, qkv, z, beta, alpha, st)
             return self.delta_net_prefill(il, qkv, z, beta, alpha, st)
@@ -170,7 +171,7 @@ class Qwen35MoE(MoEModel):
         else:
             o, state = gated_delta_rule(q, k, v, g, beta, st.ssm)
         st.ssm.copy_(state)
-        o = rms_norm(o.to(h.dtype), w(p + "ssm_norm.weight"), self.eps) * F.silu(z)
+        o = rms_norm(o.to(h.x.dtype), w(p + "ssm_norm.weight"), self.eps) * F.silu(z)
         return self.w.linear(o.reshape(T, -1), p + "ssm_out.weight")
 
     def route_logits(self, il: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,7 +189,7 @@ class Qwen35MoE(MoEModel):
         o = deltanet_decode(qkv[0], z.reshape(-1), beta[0], alpha[0], w(p + "ssm_dt.bias"), w(p + "ssm_a"),
                             w(p + "ssm_conv1d.weight"), st.conv, st.ssm, w(p + "ssm_norm.weight"),
                             self.n_k, self.d_k, self.eps, q8=q8)
-        return self.w.linear(o, p + "ssm_out.weight")
+        return self.linear(Rows(*o) if q8 else Rows(o), p + "ssm_out.weight")
 
     def delta_net_prefill(self, il: int, qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor,
                           alpha: torch.Tensor, st: RecurrentState) -> torch.Tensor:
