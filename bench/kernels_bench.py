@@ -5,9 +5,8 @@ Decode is bound by the weight bytes each token reads, so the figure of merit is 
 the same timer. Every case is also checked against dequantize-then-matmul in fp32 at the same
 shape, so a fast wrong kernel cannot pass.
 
-    python bench/kernels_bench.py                    # all kernel types, B = 1, 4, 16, 64
-    python bench/kernels_bench.py --qtypes Q4_K Q6_K --batches 1 --dtype float32
-    python bench/kernels_bench.py --block-n 0 4 8 16 32   # sweep rows per program (0 = default)
+    python bench/kernels_bench.py                    # everything below at its defaults
+    python bench/kernels_bench.py --only moe --block-n 0 2 4 8   # sweep rows per program (0 = default)
     python bench/kernels_bench.py --only prefill --moe-tiles 16,32,4 64,64,8   # grouped MoE tiles
     python bench/kernels_bench.py --only dense --gemv-tiles 4,4 8,4 2,2   # one-token dense GEMV
     python bench/kernels_bench.py --only moe dense --act float q8   # float vs int8 activations
@@ -15,30 +14,34 @@ shape, so a fast wrong kernel cannot pass.
     python bench/kernels_bench.py --only prefill-attention --prefill-tokens 2048 --prefill-past 0 16384 32768
     python bench/kernels_bench.py --only deltanet --prefill-tokens 2048   # DeltaNet prefill kernels
 
-Needs only torch and triton (no gguf): blocks are generated and dequantized by
-``runtime.kernels.reference``. Run from anywhere; the repository root is put on sys.path.
-Exits 1 if any case is outside its error bound.
+Blocks come from ``formats.quant_blocks.random_blocks`` (every scale pattern occurs) and the
+references from ``runtime.dequant`` (gguf's arithmetic, on the GPU). Exits 1 if any case is
+outside its error bound.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
-from sparkpack.runtime.kernels import dense
-from sparkpack.runtime.kernels import qmatvec as qmv
+from sparkpack.formats.quant_blocks import make_rng, random_blocks
+from sparkpack.formats.quants import block_size
+from sparkpack.runtime.dequant import FLOAT_DTYPES, dequantize_rows
+from sparkpack.runtime.kernels import blocks, dense
 from sparkpack.runtime.kernels.moe import moe_experts
 from sparkpack.runtime.kernels.q8dot import quantize
-from sparkpack.runtime.kernels.reference import dequantize_rows, random_blocks
 
-QTYPES = {"Q4_K": qmv.Q4_K, "Q6_K": qmv.Q6_K, "Q8_0": qmv.Q8_0, "Q5_K": qmv.Q5_K, "Q5_0": qmv.Q5_0,
-          "Q4_0": qmv.Q4_0, "IQ4_XS": qmv.IQ4_XS, "MXFP4": qmv.MXFP4}
-# (name, K, N): expert gate/up, expert down, output head (Qwen3.5/3.6 vocabulary)
-SHAPES = [("expert_gate_up", 2048, 512), ("expert_down", 512, 2048), ("output_head", 2048, 248320)]
+_SEEDS = itertools.count()
+
+
+def random_rows(qtype: int, rows: int, K: int) -> torch.Tensor:
+    """uint8 ``[rows, row_bytes]`` of random valid blocks (weights of RMS ~0.02) on the GPU."""
+    raw = random_blocks(qtype, rows * K // block_size(qtype), 0.02, make_rng(next(_SEEDS)), any_scales=True)
+    return torch.from_numpy(raw.reshape(rows, -1)).cuda()
 
 
 def median_ms(fn) -> float:
@@ -62,43 +65,13 @@ def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.double() - ref.double()).norm() / ref.double().norm())
 
 
-def bench_qmatvec(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator) -> bool:
-    ok = True
-    dtype = getattr(torch, args.dtype)
-    print(f"{'shape':16} {'qtype':5} {'B':>3} {'bn':>3} {'us':>9} {'GB/s':>7} {'%copy':>6} {'bf16 us':>9} {'rel-L2':>9}")
-    for name, K, N in SHAPES:
-        for qname in args.qtypes:
-            qtype = QTYPES[qname]
-            w = random_blocks(qtype, N, K, gen)
-            w_ref = dequantize_rows(w, qtype, K)  # fp32 [N, K]: reference only, never used by the kernel
-            w_bf16 = w_ref.to(torch.bfloat16)
-            for B, bn in [(B, bn) for B in args.batches for bn in args.block_n]:
-                x = torch.randn(B, K, device="cuda", generator=gen).to(dtype)
-                y = torch.empty(B, N, device="cuda")
-                ms = median_ms(lambda: qmv.qmatvec(x, w, qtype, K, out=y, block_n=bn or None))
-                dense_ms = median_ms(lambda: x.to(torch.bfloat16) @ w_bf16.T)
-                y.fill_(float("nan"))
-                qmv.qmatvec(x, w, qtype, K, out=y, block_n=bn or None)
-                err = rel_l2(y, x.float() @ w_ref.T)
-                bound = 1e-4 if (B <= qmv.SMALL_B_MAX or dtype == torch.float32) else 2e-2
-                nbytes = w.numel() + x.numel() * x.element_size() + y.numel() * 4
-                gbs = nbytes / ms / 1e6
-                flag = "" if err < bound else f"  FAIL (bound {bound:g})"
-                ok &= err < bound
-                print(f"{name:16} {qname:5} {B:3d} {bn:3d} {ms * 1e3:9.1f} {gbs:7.0f} {100 * gbs / copy_gbs:5.0f}% "
-                      f"{dense_ms * 1e3:9.1f} {err:9.2e}{flag}")
-            del w, w_ref, w_bf16
-            torch.cuda.empty_cache()
-    return ok
-
-
 def bench_moe(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator) -> bool:
     """One decode token (T=1, top-8) through pools of 128 slots: Q4_K gate/up, Q6_K down."""
     n_embd, n_ff, n_slots, topk = 2048, args.moe_ff, 128, 8
-    gq, dq = qmv.Q4_K, qmv.Q6_K
-    gate = random_blocks(gq, n_slots * n_ff, n_embd, gen).reshape(n_slots, n_ff, -1)
-    up = random_blocks(gq, n_slots * n_ff, n_embd, gen).reshape(n_slots, n_ff, -1)
-    down = random_blocks(dq, n_slots * n_embd, n_ff, gen).reshape(n_slots, n_embd, -1)
+    gq, dq = blocks.Q4_K, blocks.Q6_K
+    gate = random_rows(gq, n_slots * n_ff, n_embd).reshape(n_slots, n_ff, -1)
+    up = random_rows(gq, n_slots * n_ff, n_embd).reshape(n_slots, n_ff, -1)
+    down = random_rows(dq, n_slots * n_embd, n_ff).reshape(n_slots, n_embd, -1)
     ok = True
     for T, bn, nw, act, cpi in [(T, bn, nw, a, c) for T in args.moe_tokens for bn in args.block_n
                                 for nw in args.warps for a in args.act
@@ -144,10 +117,10 @@ def bench_moe_prefill(args: argparse.Namespace, gen: torch.Generator) -> bool:
     against the grouped kernels: the expanded-tile ones and the sub-block ones (and their tile
     shapes)."""
     n_embd, n_ff, n_exp, topk = 2048, args.moe_ff, args.moe_experts, 8
-    gq, dq = qmv.Q4_K, qmv.Q6_K
-    gate = random_blocks(gq, n_exp * n_ff, n_embd, gen).reshape(n_exp, n_ff, -1)
-    up = random_blocks(gq, n_exp * n_ff, n_embd, gen).reshape(n_exp, n_ff, -1)
-    down = random_blocks(dq, n_exp * n_embd, n_ff, gen).reshape(n_exp, n_embd, -1)
+    gq, dq = blocks.Q4_K, blocks.Q6_K
+    gate = random_rows(gq, n_exp * n_ff, n_embd).reshape(n_exp, n_ff, -1)
+    up = random_rows(gq, n_exp * n_ff, n_embd).reshape(n_exp, n_ff, -1)
+    down = random_rows(dq, n_exp * n_embd, n_ff).reshape(n_exp, n_embd, -1)
     slots = torch.arange(n_exp, dtype=torch.int32, device="cuda")
     tiles = [None] + [tuple(int(v) for v in t.split(",")) for t in args.moe_tiles]
     ok = True
@@ -182,34 +155,33 @@ def bench_moe_prefill(args: argparse.Namespace, gen: torch.Generator) -> bool:
 # (name, K, [(rows, qtype), ...]): a decode step's dense projections in the Qwen3.6-35B-A3B Q4_K_M
 # file (its layers' stacked groups as one launch each; Q6_K where llama.cpp's *_M mix bumps them)
 DENSE_SHAPES = [
-    ("deltanet_in", 2048, [(8192, qmv.Q4_K), (4096 + 64, qmv.Q4_K)]),
-    ("deltanet_in_q6", 2048, [(8192, qmv.Q6_K), (4096 + 64, qmv.Q4_K)]),
-    ("ssm_out", 4096, [(2048, qmv.Q4_K)]),
-    ("ffn_in", 2048, [(257, dense.F32), (1024, qmv.Q4_K)]),
-    ("shexp_down_q6", 512, [(2048, qmv.Q6_K)]),
-    ("attn_qkv", 2048, [(8192 + 512, qmv.Q4_K), (512, qmv.Q6_K)]),
-    ("output_head", 2048, [(248320, qmv.Q6_K)]),
+    ("deltanet_in", 2048, [(8192, blocks.Q4_K), (4096 + 64, blocks.Q4_K)]),
+    ("deltanet_in_q6", 2048, [(8192, blocks.Q6_K), (4096 + 64, blocks.Q4_K)]),
+    ("ssm_out", 4096, [(2048, blocks.Q4_K)]),
+    ("ffn_in", 2048, [(257, 0), (1024, blocks.Q4_K)]),  # 0: the F32 router
+    ("shexp_down_q6", 512, [(2048, blocks.Q6_K)]),
+    ("attn_qkv", 2048, [(8192 + 512, blocks.Q4_K), (512, blocks.Q6_K)]),
+    ("output_head", 2048, [(248320, blocks.Q6_K)]),
 ]
 
 
 def _dense_weight(rows: int, qtype: int, K: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(raw bytes, fp32 reference) of one segment."""
-    if qtype in dense.FLOAT_TYPES:
-        w = torch.randn(rows, K, generator=gen, device="cuda").mul_(0.02).to(dense.FLOAT_TYPES[qtype])
+    if qtype in FLOAT_DTYPES:
+        w = torch.randn(rows, K, generator=gen, device="cuda").mul_(0.02).to(FLOAT_DTYPES[qtype])
         return w.view(torch.uint8).reshape(rows, -1), w.float()
-    raw = random_blocks(qtype, rows, K, gen)
+    raw = random_rows(qtype, rows, K)
     return raw, dequantize_rows(raw, qtype, K)
 
 
 def bench_dense(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator) -> bool:
     """The one-token GEMV over a layer's stacked projections against cuBLAS on the same weights
-    held in bf16 (what the runtime kept before) and qmatvec's byte-wise kernel, one launch per
-    segment."""
+    held in bf16 (what the runtime kept before)."""
     ok = True
     # ROWS,WARPS[,CHUNKS]: chunks of 256 per loop iteration, 0 or left out = the default
     tiles = [tuple(int(v) for v in (t + ",0").split(",")[:3]) for t in args.gemv_tiles] or [None]
     tiles = [t if t and t[0] else None for t in tiles]  # 0,0: the default
-    print(f"{'shape':16} {'tile':10} {'us':>8} {'GB/s':>7} {'%copy':>6} {'bf16 us':>8} {'qmatvec us':>10} {'rel-L2':>9}")
+    print(f"{'shape':16} {'tile':10} {'us':>8} {'GB/s':>7} {'%copy':>6} {'bf16 us':>8} {'rel-L2':>9}")
     for name, K, parts in DENSE_SHAPES:
         segs = [_dense_weight(rows, qt, K, gen) for rows, qt in parts]
         x = torch.randn(1, K, generator=gen, device="cuda").to(torch.bfloat16)
@@ -219,9 +191,6 @@ def bench_dense(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator)
         bf16_ms = median_ms(lambda: torch.nn.functional.linear(x, w16))
         del w16
         qs = [(raw, qt) for (raw, _), (_, qt) in zip(segs, parts)]
-        old = [qmv.qmatvec(x, raw, qt, K) for raw, qt in qs if qt not in dense.FLOAT_TYPES]
-        old_ms = median_ms(lambda: [qmv.qmatvec(x, raw, qt, K) for raw, qt in qs if qt not in dense.FLOAT_TYPES])
-        del old
         nbytes = sum(raw.numel() for raw, _ in qs) + x.numel() * 2 + out.numel() * 2
         for tile, act in [(t, a) for t in tiles for a in args.act]:
             # int8 activations: the time includes quantizing x (one launch, as the runtime pays it)
@@ -235,7 +204,7 @@ def bench_dense(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator)
             gbs = nbytes / ms / 1e6
             label = ("auto" if tile is None else "x".join(map(str, tile))) + ("/q8" if act == "q8" else "")
             print(f"{name:16} {label:10} {ms * 1e3:8.1f} {gbs:7.0f} {100 * gbs / copy_gbs:5.0f}% {bf16_ms * 1e3:8.1f} "
-                  f"{old_ms * 1e3:10.1f} {err:9.2e}{'' if good else '  FAIL'}")
+                  f"{err:9.2e}{'' if good else '  FAIL'}")
         del segs, qs
     return ok
 
@@ -398,9 +367,6 @@ def bench_deltanet_prefill(args: argparse.Namespace, gen: torch.Generator) -> bo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--qtypes", nargs="+", default=list(QTYPES), choices=list(QTYPES))
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 64])
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--moe-ff", type=int, default=768, help="expert ffn width (Qwen3-30B-A3B: 768, Laguna: 512)")
     ap.add_argument("--moe-experts", type=int, default=256, help="experts of the prefill MoE (Qwen3-30B-A3B: 128)")
     ap.add_argument("--moe-tokens", nargs="+", type=int, default=[1, 4])
@@ -416,7 +382,7 @@ def main() -> None:
                     help="KV buffer sizes (positions) for the attention kernels")
     ap.add_argument("--prefill-past", nargs="+", type=int, default=[0, 2048, 16384],
                     help="prefill attention: earlier tokens before the call")
-    kinds = ["qmatvec", "moe", "prefill", "dense", "attention", "prefill-attention", "deltanet"]
+    kinds = ["moe", "prefill", "dense", "attention", "prefill-attention", "deltanet"]
     ap.add_argument("--only", choices=kinds, nargs="+", default=kinds)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -426,8 +392,6 @@ def main() -> None:
     copy_gbs = copy_bandwidth_gbs()
     print(f"{torch.cuda.get_device_name()}: device copy {copy_gbs:.0f} GB/s (read + write)")
     ok = True
-    if "qmatvec" in args.only:
-        ok &= bench_qmatvec(args, copy_gbs, gen)
     if "moe" in args.only:
         ok &= bench_moe(args, copy_gbs, gen)
     if "prefill" in args.only:

@@ -13,11 +13,18 @@ Byte layouts follow ggml's block structs (``ggml-common.h``): the field offsets 
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
+from gguf import quants as gq
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-FLOAT_TYPES = (T.F32, T.F16, T.BF16)
+from .quants import FLOAT_QTYPES
+
+FLOAT_TYPES = tuple(T(q) for q in FLOAT_QTYPES)
 SUPPORTED = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K) + FLOAT_TYPES
+# With ``any_scales`` (kernel tests) also the lookup-table types the kernels read.
+ANY_SCALES_TYPES = SUPPORTED + (T.IQ4_XS, T.MXFP4)
 
 
 def _rms_uniform_int(lo: int, hi: int, centre: float) -> float:
@@ -49,6 +56,18 @@ _Q6_TABLE = _PATTERNS.integers(64, 128, size=(256, 16)).astype(np.uint8)
 _K_SC_RMS = float(np.sqrt(np.mean(_K_SC.astype(np.float64) ** 2)))
 _Q6_SC_RMS = float(np.sqrt(np.mean(_Q6_TABLE.astype(np.float64) ** 2)))
 
+def _rms(values) -> float:
+    v = np.asarray(values, dtype=np.float64)
+    return float(np.sqrt(np.mean(v**2)))
+
+
+def _k_any_rms(q_max: int) -> float:
+    """RMS of ``sc * q - mn`` (per unit of ``d = dmin``) with random 6-bit scales and mins and codes
+    0..q_max: the K-quants' weights when every scale byte is random (``any_scales``)."""
+    sc, q = np.arange(64, dtype=np.float64), np.arange(q_max + 1, dtype=np.float64)
+    return float(np.sqrt(np.mean(sc**2) * np.mean(q**2) - 2 * np.mean(sc) ** 2 * np.mean(q) + np.mean(sc**2)))
+
+
 # RMS of one dequantized weight divided by the block's f16 ``d`` (before jitter).
 _CODE_RMS = {
     T.Q8_0: _rms_uniform_int(-128, 127, 0.0),
@@ -60,6 +79,12 @@ _CODE_RMS = {
     T.Q5_K: _rms_uniform_int(0, 31, 15.5) * _K_SC_RMS,
     T.Q6_K: _rms_uniform_int(0, 63, 32.0) * _Q6_SC_RMS,
 }
+# The same with every sub-block scale (and min) byte random: ``any_scales``.
+_ANY_CODE_RMS = {**_CODE_RMS,
+                 T.Q4_K: _k_any_rms(15), T.Q5_K: _k_any_rms(31),
+                 T.Q6_K: _rms_uniform_int(0, 63, 32.0) * _rms_uniform_int(-128, 127, 0.0),
+                 T.IQ4_XS: _rms(gq.IQ4_NL.kvalues) * _rms_uniform_int(0, 63, 32.0)}
+_MXFP4_RMS = _rms(gq.MXFP4.kvalues)  # a weight is kvalues[code] * 2^(e - 128) (ggml_e8m0_to_fp32_half)
 
 
 def make_rng(*seed: int) -> np.random.Generator:
@@ -83,27 +108,39 @@ def _block_d(blocks: np.ndarray, jitter_col: int, base: float) -> np.ndarray:
     return base * (0.8 + 0.4 * blocks[:, jitter_col].astype(np.float32) / 255.0)
 
 
-def random_blocks(qtype: int, n_blocks: int, scale: float, rng: np.random.Generator) -> np.ndarray:
+def random_blocks(qtype: int, n_blocks: int, scale: float, rng: np.random.Generator,
+                  any_scales: bool = False) -> np.ndarray:
     """``n_blocks`` valid blocks of ``qtype`` whose weights have RMS ~= ``scale``, as uint8 rows.
 
-    For float types a "block" is one element (Gaussian values of std ``scale``).
+    For float types a "block" is one element (Gaussian values of std ``scale``). ``any_scales``:
+    the sub-block scales and mins stay random bytes like the codes, so every bit pattern of the
+    packed scales occurs (what the kernel tests need); only the blocks' f16 (or e8m0) scales are
+    set, to finite values around ``scale``, and the weights are not centred.
     """
     qtype = T(qtype)
     ts = GGML_QUANT_SIZES[qtype][1]
     if qtype in FLOAT_TYPES:
         vals = rng.standard_normal(n_blocks, dtype=np.float32) * np.float32(scale)
         return float_bytes(vals, qtype).reshape(n_blocks, ts)
-    if qtype not in _CODE_RMS:
-        raise ValueError(f"no random block generator for {qtype.name}")
+    code_rms = _ANY_CODE_RMS if any_scales else _CODE_RMS
+    if qtype not in code_rms and not (any_scales and qtype == T.MXFP4):
+        raise ValueError(f"no random block generator for {qtype.name}" + ("" if any_scales else " (any_scales=False)"))
     blocks = random_bytes(rng, n_blocks * ts).reshape(n_blocks, ts)
-    base = scale / (_CODE_RMS[qtype] * _JITTER_RMS)
-    if qtype in (T.Q8_0, T.Q4_0, T.Q5_0):
+    if qtype == T.MXFP4:  # the e8m0 exponent byte e (d = 2^(e - 128)): the target's, or one off
+        e = round(math.log2(scale / _MXFP4_RMS)) + 128
+        blocks[:, 0] = e - 1 + blocks[:, 0] % 3
+        return blocks
+    base = scale / (code_rms[qtype] * _JITTER_RMS)
+    if qtype in (T.Q8_0, T.Q4_0, T.Q5_0, T.IQ4_XS):
         blocks[:, 0:2] = _f16_bytes(_block_d(blocks, 0, base))
     elif qtype in (T.Q4_1, T.Q5_1):
         d = _block_d(blocks, 0, base).astype(np.float16)
         centre = 7.5 if qtype == T.Q4_1 else 15.5
         blocks[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
         blocks[:, 2:4] = _f16_bytes(-centre * d.astype(np.float32))
+    elif qtype in (T.Q4_K, T.Q5_K) and any_scales:  # d and dmin each jittered around the target
+        blocks[:, 0:2] = _f16_bytes(_block_d(blocks, 0, base))
+        blocks[:, 2:4] = _f16_bytes(_block_d(blocks, 2, base))
     elif qtype in (T.Q4_K, T.Q5_K):
         d = _block_d(blocks, 0, base).astype(np.float16)
         centre = 7.5 if qtype == T.Q4_K else 15.5
@@ -114,9 +151,9 @@ def random_blocks(qtype: int, n_blocks: int, scale: float, rng: np.random.Genera
         blocks[:, 4:16] = pattern
     elif qtype == T.Q6_K:
         # layout: ql[128] qh[64] scales[16] (int8) d (f16)
-        pattern = _Q6_TABLE[blocks[:, 192]]
+        if not any_scales:
+            blocks[:, 192:208] = _Q6_TABLE[blocks[:, 192]]
         blocks[:, 208:210] = _f16_bytes(_block_d(blocks, 208, base))
-        blocks[:, 192:208] = pattern
     return blocks
 
 

@@ -9,6 +9,14 @@ from collections.abc import Sequence
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+_T = GGMLQuantizationType
+# The block types the runtime's Triton kernels read as stored (each has an unpacking helper in
+# runtime/kernels/blocks.py), and the plain float types its dense kernels read as they are:
+# dense matrices of these types stay GGUF bytes on a GPU, which the VRAM plan counts.
+KERNEL_QTYPES: tuple[int, ...] = tuple(int(q) for q in (_T.Q4_0, _T.Q5_0, _T.Q8_0, _T.Q4_K, _T.Q5_K, _T.Q6_K,
+                                                        _T.IQ4_XS, _T.MXFP4))
+FLOAT_QTYPES: tuple[int, ...] = tuple(int(q) for q in (_T.F32, _T.F16, _T.BF16))
+
 
 def quant_name(qtype: int) -> str:
     try:

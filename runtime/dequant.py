@@ -213,8 +213,11 @@ _BLOCK_FNS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
     T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
     T.IQ4_NL: _iq4_nl, T.IQ4_XS: _iq4_xs, T.MXFP4: _mxfp4, T.IQ2_XXS: _iq2_xxs, T.IQ3_S: _iq3_s,
 }
-_FLOAT_VIEWS = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
-SUPPORTED: frozenset[int] = frozenset(_BLOCK_FNS) | frozenset(_FLOAT_VIEWS)
+# The plain float types as torch dtypes (their bytes are viewed, not expanded; the dense kernels
+# read them the same way).
+FLOAT_DTYPES: dict[int, torch.dtype] = {int(T.F32): torch.float32, int(T.F16): torch.float16,
+                                        int(T.BF16): torch.bfloat16}
+SUPPORTED: frozenset[int] = frozenset(_BLOCK_FNS) | frozenset(FLOAT_DTYPES)
 _fallback_noted: set[int] = set()
 
 
@@ -241,6 +244,13 @@ def _fallback(flat: torch.Tensor, qtype: int, shape: tuple[int, ...]) -> torch.T
     return torch.from_numpy(np.ascontiguousarray(gq.dequantize(rows, T(qtype)), dtype=np.float32))
 
 
+def dequantize_rows(raw: torch.Tensor | np.ndarray, qtype: int, K: int) -> torch.Tensor:
+    """uint8 rows ``[..., row_bytes]`` of ``K`` elements each -> float32 ``[..., K]``, on the
+    device the bytes are on (references of kernel tests and benchmarks)."""
+    lead = tuple(raw.shape[:-1])
+    return dequantize(raw, qtype, (K, prod(lead))).reshape(*lead, K)
+
+
 def dequantize(raw: np.ndarray | torch.Tensor | bytes, qtype: int, shape: tuple[int, ...],
                device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Expand one tensor's GGML bytes; ``shape`` is GGUF order (ne[0] first), the result is the
@@ -263,8 +273,8 @@ def dequantize(raw: np.ndarray | torch.Tensor | bytes, qtype: int, shape: tuple[
         raise ValueError(f"{T(qtype).name} tensor of shape {shape} needs {expected} bytes, got {flat.numel()}")
     dev = torch.device(device) if device is not None else flat.device
     out_shape = tuple(reversed(shape))
-    if qtype in _FLOAT_VIEWS:
-        vals = flat.to(dev).view(_FLOAT_VIEWS[T(qtype)])
+    if qtype in FLOAT_DTYPES:
+        vals = flat.to(dev).view(FLOAT_DTYPES[qtype])
         return vals.to(dtype).reshape(out_shape)
     fn = _BLOCK_FNS.get(qtype)
     if fn is None:

@@ -726,7 +726,7 @@ def _role_view(pool: torch.Tensor, p: Part) -> torch.Tensor:
 
 
 def _fused_qtypes() -> tuple[int, ...]:
-    from .kernels.qmatvec import SUPPORTED_QTYPES  # noqa: PLC0415 - triton import only when used
+    from .kernels.blocks import SUPPORTED_QTYPES  # noqa: PLC0415 - triton import only when used
 
     return SUPPORTED_QTYPES
 

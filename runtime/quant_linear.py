@@ -19,13 +19,14 @@ import torch.nn.functional as F
 from sparkpack.formats.memory import DEQUANT_SCRATCH_ELEMENTS
 
 from .kernels import q8dot
-from .kernels.dense import FLOAT_TYPES, MAX_SEGMENTS, dequantize_into, gemv, row_bytes
-from .kernels.qmatvec import BLOCK_LAYOUT
+from .dequant import FLOAT_DTYPES
+from .kernels.dense import MAX_SEGMENTS, dequantize_into, gemv, row_bytes
+from .kernels.blocks import BLOCK_LAYOUT
 
 
 def has_kernel(qtype: int) -> bool:
     """Whether the dense kernels read this GGML type as stored."""
-    return int(qtype) in BLOCK_LAYOUT or int(qtype) in FLOAT_TYPES
+    return int(qtype) in BLOCK_LAYOUT or int(qtype) in FLOAT_DTYPES
 
 
 class QuantLinear:

@@ -1,9 +1,10 @@
 """Triton kernels against a float64 reference built from ``gguf.quants.dequantize`` of the same bytes.
 
 Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before triton is
-imported), on tiny shapes. Blocks are random bytes with only the f16 scale fields made finite, so
-every bit pattern of the packed codes and sub-block scales (negative Q6_K scales, the high bits of
-the 6-bit K-quant scales) is exercised. The interpreter does not see GPU code generation, so one
+imported), on tiny shapes. Blocks are random bytes with only the f16 scale fields made finite
+(``formats.quant_blocks.random_blocks(any_scales=True)``), so every bit pattern of the packed
+codes and sub-block scales (negative Q6_K scales, the high bits of the 6-bit K-quant scales) is
+exercised. The interpreter does not see GPU code generation, so one
 test also compiles every kernel family for sm_90 with the ptxas bundled in the triton wheel.
 """
 from __future__ import annotations
@@ -20,18 +21,19 @@ import pytest  # noqa: E402
 from gguf.constants import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
+from sparkpack.formats.quant_blocks import make_rng, random_blocks  # noqa: E402
+from sparkpack.runtime.kernels.blocks import BLOCK_LAYOUT  # noqa: E402
+from sparkpack.runtime.kernels.dense import gemv  # noqa: E402
 from sparkpack.runtime.kernels.moe import GROUPED_MIN_PAIRS, group_pairs, moe_experts  # noqa: E402
-from sparkpack.runtime.kernels.qmatvec import BLOCK_LAYOUT, qmatvec  # noqa: E402
-from sparkpack.runtime.kernels.reference import dequantize_rows, random_blocks  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def random_weight(qtype: T, rows: int, K: int, seed: int, *lead: int) -> np.ndarray:
-    """uint8 ``[*lead, rows, row_bytes]`` of random valid blocks."""
+    """uint8 ``[*lead, rows, row_bytes]`` of random valid blocks, every scale pattern occurring."""
     n_rows = int(np.prod(lead, dtype=np.int64)) * rows
-    raw = random_blocks(qtype, n_rows, K, torch.Generator().manual_seed(seed))
-    return raw.numpy().reshape(*lead, rows, raw.shape[1])
+    raw = random_blocks(qtype, n_rows * K // BLOCK_LAYOUT[int(qtype)][0], 0.02, make_rng(seed), any_scales=True)
+    return raw.reshape(*lead, rows, -1)
 
 
 def dequant64(raw: np.ndarray, qtype: T, K: int) -> torch.Tensor:
@@ -46,77 +48,61 @@ def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got - ref).norm() / ref.norm())
 
 
-def run_qmatvec(x: torch.Tensor, raw: np.ndarray, qtype: T, K: int) -> torch.Tensor:
-    out = torch.full((x.shape[0], raw.shape[0]), float("nan"), dtype=torch.float32, device=DEVICE)
-    y = qmatvec(x.to(DEVICE), torch.from_numpy(raw).to(DEVICE), qtype, K, out=out)
-    assert y is out
-    return y
-
-
 QTYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_K, T.Q5_0, T.Q4_0, T.IQ4_XS, T.MXFP4]
 
 
-def test_block_table_matches_gguf() -> None:
-    """qmatvec repeats the type ids and block sizes so the GPU machine needs no gguf."""
+def test_block_table_is_ggufs() -> None:
+    """The kernels' types and block sizes are gguf's (one table, ``formats.quants``)."""
     from gguf.constants import GGML_QUANT_SIZES
 
     assert BLOCK_LAYOUT == {int(q): GGML_QUANT_SIZES[q] for q in QTYPES}
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
-def test_torch_reference_dequantizer_is_bit_exact(qtype: T) -> None:
-    """The bench's gguf-free reference (runtime.kernels.reference) equals gguf's dequantizer."""
-    raw = random_weight(qtype, 6, 512, seed=int(qtype))
-    ours = dequantize_rows(torch.from_numpy(raw), qtype, 512).numpy()
-    assert np.array_equal(ours, dequantize(raw, qtype).reshape(6, 512))
-
-
-@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
-def test_qmatvec_fp32_decode_and_dot_paths(qtype: T) -> None:
-    """B=1 and 3 take the decode kernel, B=17 the tl.dot kernel; 32-block types also get a K that
-    ends mid-chunk (K=288: one full 256 chunk plus one block)."""
+def test_every_kernel_type_unpacks_as_gguf_in_the_row_and_tile_dots(qtype: T) -> None:
+    """Each type's unpacking through both dots that use it: the one-token dense GEMV (the
+    byte-wise ``_row_dot`` for the types without a word kernel) and the grouped MoE's expanded
+    tiles (``_tile_dot``), fp32 activations against gguf's dequantizer; 32-block types also get a
+    K that ends mid-chunk (one full 256 chunk plus one block)."""
     Ks = (512, 288) if BLOCK_LAYOUT[int(qtype)][0] == 32 else (512,)
     for K in Ks:
         N = 13  # not a multiple of any rows-per-program block
         raw = random_weight(qtype, N, K, seed=int(qtype) * 7 + K)
-        w = dequant64(raw, qtype, K)
-        for B in (1, 3, 17):
-            x = torch.randn(B, K, generator=torch.Generator().manual_seed(B), dtype=torch.float32)
-            err = rel_l2(run_qmatvec(x, raw, qtype, K), x.double() @ w.T)
-            assert err < 1e-5, (qtype.name, K, B, err)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda q: q.name)
-def test_qmatvec_half_inputs(qtype: T, dtype: torch.dtype) -> None:
-    K, N = 256, 16
-    raw = random_weight(qtype, N, K, seed=99)
-    w = dequant64(raw, qtype, K)
-    # The interpreter's tl.dot on bf16 operands returns garbage (triton 3.9, checked on a bare
-    # 16x16 product), so the bf16 tensor-core path is only checked on a GPU.
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    for B in (2,) if dtype == torch.bfloat16 and interpreted else (2, 20):
-        x = torch.randn(B, K, generator=torch.Generator().manual_seed(B)).to(dtype)
-        # Reference on the rounded inputs: what is left is fp32 accumulation (decode path) or the
-        # weights rounded to the input dtype for tensor cores (tl.dot path).
-        err = rel_l2(run_qmatvec(x, raw, qtype, K), x.double() @ w.T)
-        assert err < (1e-5 if B <= 8 else 1e-2), (B, err)
+        x = torch.randn(1, K, generator=torch.Generator().manual_seed(K), dtype=torch.float32)
+        out = torch.full((1, N), float("nan"), dtype=torch.float32, device=DEVICE)
+        gemv(x.to(DEVICE), [(torch.from_numpy(raw).to(DEVICE), int(qtype))], out)
+        assert rel_l2(out, x.double() @ dequant64(raw, qtype, K).T) < 1e-5, (qtype.name, K)
+    n_ff, n_exp, n_tok = 256, 2, 3  # the tile dots: gate/up read K = 288 or 512 wide, down n_ff
+    K = Ks[-1]
+    gate, up = random_weight(qtype, n_ff, K, 61, n_exp), random_weight(qtype, n_ff, K, 62, n_exp)
+    down = random_weight(qtype, K, n_ff, 63, n_exp)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n_tok, K, generator=g)
+    ids = torch.tensor([[0], [1], [1]])
+    wts = torch.rand(n_tok, 1, generator=g)
+    slots = [0, 1]
+    y = moe_experts(x.to(DEVICE), ids.to(DEVICE), wts.to(DEVICE), torch.tensor(slots, dtype=torch.int32, device=DEVICE),
+                    pools(gate, slots, n_exp), pools(up, slots, n_exp), pools(down, slots, n_exp), qtype, qtype,
+                    qtype, n_ff, grouped=True, sub=False, tiles=(16, 64, 4) if DEVICE == "cpu" else None)
+    ref = moe_reference(x.double(), ids, wts, dequant64(gate, qtype, K), dequant64(up, qtype, K),
+                        dequant64(down, qtype, n_ff))
+    assert rel_l2(y, ref) < 1e-5, qtype.name
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="real shapes: GPU only (minutes in the interpreter)")
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
 def test_kernels_at_real_shapes_against_gguf(qtype: T) -> None:
     """The qwen3.6 expert shapes (gate/up 2048 -> 512, down 512 -> 2048) and a dense 2048 -> 4096
-    matrix through the matvec (B=1), dot (B=16) and both MoE paths, bf16 activations as at run
+    matrix through the dense GEMV (one token) and both MoE paths, bf16 activations as at run
     time, against gguf.quants' dequantization in float64. Bounds: 1e-4 where products accumulate
     the exact weights in fp32, 1e-2 where tl.dot takes bf16 operands."""
     g = torch.Generator().manual_seed(int(qtype))
     for K, N in ((2048, 512), (512, 2048), (2048, 4096)):
         raw = random_weight(qtype, N, K, seed=int(qtype) + K)
-        w = dequant64(raw, qtype, K)
-        for B, bound in ((1, 1e-4), (16, 1e-2)):
-            x = torch.randn(B, K, generator=g).to(torch.bfloat16)
-            assert rel_l2(run_qmatvec(x, raw, qtype, K), x.double() @ w.T) < bound, (K, N, B)
+        x = torch.randn(1, K, generator=g).to(torch.bfloat16)
+        out = torch.empty(1, N, dtype=torch.float32, device=DEVICE)
+        gemv(x.to(DEVICE), [(torch.from_numpy(raw).to(DEVICE), int(qtype))], out)
+        assert rel_l2(out, x.double() @ dequant64(raw, qtype, K).T) < 1e-4, (K, N)
     n_embd, n_ff, n_exp, topk = 2048, 512, 16, 8
     gate, up = random_weight(qtype, n_ff, n_embd, 51, n_exp), random_weight(qtype, n_ff, n_embd, 52, n_exp)
     down = random_weight(qtype, n_embd, n_ff, 53, n_exp)
@@ -130,29 +116,6 @@ def test_kernels_at_real_shapes_against_gguf(qtype: T) -> None:
                         device=DEVICE), pools(gate, slots, n_exp), pools(up, slots, n_exp), pools(down, slots, n_exp),
                         qtype, qtype, qtype, n_ff, grouped=grouped)
         assert rel_l2(y, moe_reference(x.double(), ids, wts, *dq)) < bound, (n_tok, grouped)
-
-
-def test_qmatvec_batches_beyond_one_dot_tile() -> None:
-    """B > 64 is cut into slices of 64 rows; every slice must land in its own rows of y."""
-    K, N, B = 64, 5, 70
-    raw = random_weight(T.Q4_0, N, K, seed=3)
-    x = torch.randn(B, K, generator=torch.Generator().manual_seed(4))
-    assert rel_l2(run_qmatvec(x, raw, T.Q4_0, K), x.double() @ dequant64(raw, T.Q4_0, K).T) < 1e-5
-
-
-def test_qmatvec_rejects_bad_layouts() -> None:
-    raw = torch.from_numpy(random_weight(T.Q4_K, 4, 256, seed=1)).to(DEVICE)
-    x = torch.zeros(1, 256, device=DEVICE)
-    with pytest.raises(ValueError, match="weight rows are 144 bytes; 512 elements need 288"):
-        qmatvec(torch.zeros(1, 512, device=DEVICE), raw, T.Q4_K, 512)
-    with pytest.raises(ValueError, match="no Triton kernel"):
-        qmatvec(x, raw, T.Q2_K, 256)
-    with pytest.raises(ValueError, match="must be uint8"):
-        qmatvec(x, raw.view(torch.int8), T.Q4_K, 256)
-    with pytest.raises(ValueError, match=r"x must be \[B, 256\]"):
-        qmatvec(torch.zeros(1, 128, device=DEVICE), raw, T.Q4_K, 256)
-    with pytest.raises(ValueError, match="x must be f32/f16/bf16"):
-        qmatvec(x.double(), raw, T.Q4_K, 256)
 
 
 # ----------------------------------------------------------------------------- MoE
@@ -672,13 +635,11 @@ def aot_compile_all(arch: int = 90) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from sparkpack.runtime.kernels import deltanet, dense, ffn, moe, moe_grouped, norm, q8dot, qmatvec as qm, router
+    from sparkpack.runtime.kernels import deltanet, dense, ffn, moe, moe_grouped, norm, q8dot, router
 
     target = GPUTarget("cuda", arch, 32)
-    x_types = {"x_ptr": "*bf16", "y_ptr": "*fp32"}
-    jobs = [(qm._qmv_kernel, x_types, {"QTYPE": int(q), "BLOCK_B": 2, "BLOCK_N": 16}) for q in QTYPES]
-    jobs += [(qm._qmm_kernel, x_types, {"QTYPE": int(q), "BLOCK_B": 16, "BLOCK_N": 32, "DOT_FP32": f})
-             for q, f in ((T.Q4_K, False), (T.Q6_K, True))]
+    jobs = [(dense._dequant_kernel, {"w": "*u8", "ids": "*i64", "out": "*bf16"},
+             {"QT": int(q), "HAS_IDS": False, "BR": 4}) for q in QTYPES]  # every type's unpacking
     q8_args = {n: "*i32" if n.endswith("q") else "*fp32" for n in ("xq", "xd", "xs", "hq", "hd", "hs")}
     codes = {"xq": "*i8", "xd": "*fp32", "xs": "*fp32"}  # what q8dot.store_q8 writes
     jobs += [(moe._gate_up_kernel, {"x_ptr": "*fp32", "ids_ptr": "*i64", "slot_ptr": "*i32", "h_ptr": "*fp32",
@@ -771,7 +732,7 @@ def compile_in_subprocess(call: str, count: int) -> None:
 
 
 def test_kernels_compile_for_h100() -> None:
-    compile_in_subprocess("from tests.test_kernels import aot_compile_all; aot_compile_all()", 37)
+    compile_in_subprocess("from tests.test_kernels import aot_compile_all; aot_compile_all()", 35)
 
 
 @pytest.mark.parametrize("T,d_k,d_v,chunk", [(150, 16, 24, 64), (40, 20, 16, 16), (64, 32, 32, 32)])

@@ -7,7 +7,8 @@ import pytest
 from gguf import quants
 from gguf.constants import GGMLQuantizationType as T
 
-from sparkpack.formats.quant_blocks import SUPPORTED, float_bytes, make_rng, random_blocks, random_tensor_bytes
+from sparkpack.formats.quant_blocks import (ANY_SCALES_TYPES, SUPPORTED, float_bytes, make_rng, random_blocks,
+                                           random_tensor_bytes)
 from sparkpack.formats.quant_mix import tensor_qtype, use_more_bits
 from sparkpack.formats.routing_skew import REFERENCE_TOP_SHARE, reference_skew, top_share
 
@@ -21,6 +22,23 @@ def test_blocks_dequantize_to_target_rms(qtype: T, scale: float) -> None:
     rms = float(np.sqrt(np.mean(values**2)))
     assert scale / 1.15 < rms < scale * 1.15, (qtype.name, rms)
     assert abs(values.mean()) < 0.15 * rms  # centred like real weights (Q4_0/Q5_0 codes are -8..7)
+
+
+# the packed sub-block scale bytes of each type (``any_scales`` leaves them random)
+SCALE_BYTES = {T.Q4_K: (4, 16), T.Q5_K: (4, 16), T.Q6_K: (192, 208), T.IQ4_XS: (2, 8)}
+
+
+@pytest.mark.parametrize("qtype", ANY_SCALES_TYPES, ids=lambda q: q.name)
+def test_any_scales_blocks_are_finite_near_the_target_and_keep_every_scale_pattern(qtype: T) -> None:
+    """The kernel tests' blocks: finite weights of roughly the asked RMS, and every byte value in
+    the packed sub-block scales (negative Q6_K scales, the K-quants' high scale bits)."""
+    blocks = random_blocks(qtype, 3000, 0.02, make_rng(9, int(qtype)), any_scales=True)
+    values = np.asarray(quants.dequantize(blocks.reshape(-1), qtype), dtype=np.float64).reshape(-1)
+    assert np.isfinite(values).all()
+    assert 0.01 < float(np.sqrt(np.mean(values**2))) < 0.04, qtype.name
+    if qtype in SCALE_BYTES:
+        lo, hi = SCALE_BYTES[qtype]
+        assert len(np.unique(blocks[:, lo:hi])) == 256
 
 
 def test_same_seed_same_bytes_other_seed_other_bytes() -> None:

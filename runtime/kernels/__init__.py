@@ -1,2 +1,3 @@
-"""Triton kernels of the runtime: quantized products that read GGUF blocks as stored
-(``qmatvec``) and the fused mixture-of-experts decode path (``moe_experts``)."""
+"""Triton kernels of the runtime: quant blocks read as stored (``blocks``), the dense projections
+(``dense``), the fused mixture-of-experts paths (``moe``, ``moe_grouped``) and the fused steps
+around them (norms, attention, DeltaNet, routers)."""

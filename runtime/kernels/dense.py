@@ -8,11 +8,11 @@ and expands each word with constant shifts in registers. With a float activation
 cuBLAS on the bf16 copy at a third of the bytes; with the activation quantized to int8
 (``q8dot``, the runtime's default) the Q4_K/Q6_K bands use int8 dot products on the packed
 words and run 1.2-1.8x faster on the larger groups (BENCHMARKS.md, session 9). Byte-per-weight
-loads (``qmatvec``) were ~2x slower than either.
+loads (``blocks._row_dot``) were ~2x slower than either.
 
 One launch computes the projections of one input that a layer stacks (q/k/v, DeltaNet qkv/z/beta/
 alpha, router + shared expert): up to ``MAX_SEGMENTS`` row bands, each with its own type, write
-adjacent column bands of one output. Types without a word kernel here take ``qmatvec``'s
+adjacent column bands of one output. Types without a word kernel here take ``blocks``'
 per-byte unpacking in the same launch, so every GGUF type the runtime reads works.
 
 For more than one token (prefill), ``dequantize_into`` expands a band of rows into a scratch
@@ -25,14 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ..dequant import FLOAT_DTYPES
 from . import pdl
+from .blocks import Q4_K, Q6_K, _row_dot, _unpack, row_bytes_of
 from .pdl import prefetch_l2, wait_prior
 from .q8dot import chunks_per_iteration, q4_k_rows_q8, q4_k_scales, q6_k_rows_q8, q6_k_scales, use_asm
-from .qmatvec import Q4_K, Q6_K, _row_dot, _unpack, row_bytes_of
 
-# Plain float matrices (the routers stay F32 in GGUF files) use the GGML type ids of their dtype.
-F32, F16, BF16 = 0, 1, 30
-FLOAT_TYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
+# Plain float matrices (the routers stay F32 in GGUF files) are read as their dtype
+# (``dequant.FLOAT_DTYPES``); the kernels below name them by GGML id (F32 0, F16 1, BF16 30).
 MAX_SEGMENTS = 4
 # Float activations: rows per program (8 from ``WIDE_ROWS`` output rows, 4 below) and warps of the
 # one-token kernel, and Q4_K chunks per loop iteration (Q6_K takes one: two spill). Int8
@@ -159,7 +159,7 @@ def _segment(QT: tl.constexpr, w, row_stride, N, blk, x, xq, xd, xs, y, col, K, 
     elif QT == 0 or QT == 1 or QT == 30:
         n2 = n[:, None]
         acc = _float_rows(w, n2.to(tl.int64) * row_stride, n2 < N, x, K, BN)
-    else:  # any other quant type: qmatvec's byte-wise unpacking
+    else:  # any other quant type: the byte-wise unpacking of ``blocks``
         n3 = n[:, None, None]
         acc = _row_dot(QT, w + n3.to(tl.int64) * row_stride, n3 < N, x, K, BN)
     tl.store(y + col + n, acc, mask=n < N)
@@ -224,14 +224,14 @@ def load_view(raw: torch.Tensor, qtype: int) -> torch.Tensor:
         return raw.view(torch.int32)
     if qtype == Q6_K:
         return raw.view(torch.int16)
-    if qtype in FLOAT_TYPES:
-        return raw.view(FLOAT_TYPES[qtype])
+    if qtype in FLOAT_DTYPES:
+        return raw.view(FLOAT_DTYPES[qtype])
     return raw
 
 
 def row_bytes(qtype: int, K: int) -> int:
-    """``qmatvec.row_bytes_of``, plus the float types."""
-    return K * FLOAT_TYPES[qtype].itemsize if qtype in FLOAT_TYPES else row_bytes_of(qtype, K)
+    """``blocks.row_bytes_of``, plus the float types."""
+    return K * FLOAT_DTYPES[qtype].itemsize if qtype in FLOAT_DTYPES else row_bytes_of(qtype, K)
 
 
 def gemv(x: torch.Tensor, segments: list[tuple[torch.Tensor, int]], out: torch.Tensor,
@@ -279,7 +279,7 @@ def dequantize_into(raw: torch.Tensor, qtype: int, K: int, out: torch.Tensor,
                     ids: torch.Tensor | None = None) -> torch.Tensor:
     """Expand rows of ``raw [N, row_bytes]`` into ``out [n, K]`` (its dtype): all rows, or rows
     ``ids`` (an embedding lookup). Float matrices are cast copies."""
-    if qtype in FLOAT_TYPES:
+    if qtype in FLOAT_DTYPES:
         src = load_view(raw, qtype)
         return out.copy_(src if ids is None else src[ids])
     n = raw.shape[0] if ids is None else ids.numel()

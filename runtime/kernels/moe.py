@@ -21,7 +21,7 @@ Three launches:
    unlike atomics; the scratch is only T*k*n_embd*4 bytes). The runtime's MoE blocks skip it
    (``reduce=False``): their residual epilogue (``kernels/ffn.py``) makes the same sum.
 
-The first two reuse the per-family unpacking of ``qmatvec`` (one compiled variant per quant type),
+The first two reuse the per-family unpacking of ``blocks`` (one compiled variant per quant type),
 or, with ``act_q8`` (the runtime's choice), ``q8dot``'s int8 dot products for Q4_K/Q6_K experts:
 x's int8 form comes from the norm that wrote it (``x_q8``; else one small launch) and h is
 quantized once per pair (one small launch).
@@ -39,7 +39,7 @@ from sparkpack.runtime.kernels import pdl
 from sparkpack.runtime.kernels.pdl import prefetch_l2, wait_prior
 from sparkpack.runtime.kernels.q8dot import Int8Rows, chunks_per_iteration, quantize, readable, row_dot_q8, use_asm
 from sparkpack.runtime.kernels.moe_grouped import GROUPED_MIN_PAIRS, group_pairs, grouped_experts
-from sparkpack.runtime.kernels.qmatvec import _output, _row_dot, rows_per_program
+from sparkpack.runtime.kernels.blocks import _output, _row_dot, rows_per_program
 from sparkpack.runtime.kernels.slots import check_pool, slot_base
 
 __all__ = ["GROUPED_MIN_PAIRS", "group_pairs", "moe_experts"]

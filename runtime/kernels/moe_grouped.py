@@ -35,7 +35,7 @@ import triton.language as tl
 
 from . import pdl
 from .pdl import wait_prior
-from .qmatvec import Q4_K, Q5_K, Q6_K, _f16, _k_scale_min, _tile_dot, _u8
+from .blocks import Q4_K, Q5_K, Q6_K, _f16, _k_scale_min, _tile_dot, _u8
 from .slots import slot_base
 
 SUB_TYPES = (Q4_K, Q5_K, Q6_K)  # types with a sub-block kernel; others take the ``_tile_*`` kernels

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from . import pdl
 from .pdl import wait_prior
-from .qmatvec import Q4_K, Q6_K
+from .blocks import Q4_K, Q6_K, k_scale_min
 
 QBLOCK = 32  # activation elements per int8 scale
 Q8_TYPES = (Q4_K, Q6_K)  # weight types with an int8-activation kernel
@@ -143,15 +143,12 @@ def quantize(x: torch.Tensor) -> Int8Rows:
 # row (``xq`` int32 words, ``xd``, ``xs`` as ``quantize`` writes them) over all of K.
 
 @triton.jit
-def _k_scale(s0, s1, s2, s, IS_MIN: tl.constexpr):
-    """6-bit scale (or min) of sub-block ``s`` from the three 32-bit words of a Q4_K block's 12
-    scale bytes: bytes 0-3 scales 0-3 (low 6 bits) and the top 2 bits of 4-7, bytes 4-7 the same
-    for mins, bytes 8-11 low nibble = low 4 bits of scales 4-7, high nibble = mins 4-7."""
-    a = s1 if IS_MIN else s0
-    lo = (a >> (8 * tl.minimum(s, 3))) & 63
-    j = 8 * tl.maximum(s - 4, 0)
-    hi = ((s2 >> (j + (4 if IS_MIN else 0))) & 15) | (((a >> (j + 6)) & 3) << 4)
-    return tl.where(s < 4, lo, hi).to(tl.float32)
+def _k_scale_min_words(s0, s1, s2, s):
+    """``blocks.k_scale_min`` of sub-block ``s`` from the three 32-bit words of a Q4_K block's 12
+    scale bytes (byte ``s % 4`` of each), as fp32."""
+    sh = 8 * (s % 4)
+    sc, mn = k_scale_min((s0 >> sh) & 255, (s1 >> sh) & 255, (s2 >> sh) & 255, s)
+    return sc.to(tl.float32), mn.to(tl.float32)
 
 
 @triton.jit
@@ -164,8 +161,9 @@ def q4_k_scales(b3, ok3, i3):
     s2 = tl.load(b3 + 3, mask=ok3, other=0)
     d = (hdr & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     dmin = ((hdr >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    return (d * _k_scale(s0, s1, s2, 2 * i3, False), d * _k_scale(s0, s1, s2, 2 * i3 + 1, False),
-            dmin * _k_scale(s0, s1, s2, 2 * i3, True), dmin * _k_scale(s0, s1, s2, 2 * i3 + 1, True))
+    sc_lo, mn_lo = _k_scale_min_words(s0, s1, s2, 2 * i3)
+    sc_hi, mn_hi = _k_scale_min_words(s0, s1, s2, 2 * i3 + 1)
+    return d * sc_lo, d * sc_hi, dmin * mn_lo, dmin * mn_hi
 
 
 @triton.jit

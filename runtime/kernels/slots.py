@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .qmatvec import SUPPORTED_QTYPES, row_bytes_of
+from .blocks import SUPPORTED_QTYPES, row_bytes_of
 
 
 @triton.jit

@@ -1,50 +1,38 @@
-"""Quantized matrix-vector / small-batch products that read GGUF quant blocks as stored.
+"""GGUF quant blocks unpacked in registers, and the dot products built on them.
 
 Why: decode at batch 1 is bound by the bytes of weights read per token, so the runtime never keeps
-a dequantized copy of a weight in VRAM. The weight is a uint8 tensor ``[N, row_bytes]`` (row n =
-the GGUF blocks of output row n) and each kernel expands the blocks in registers.
+a dequantized copy of a weight in VRAM. A weight is a uint8 tensor ``[N, row_bytes]`` (row n =
+the GGUF blocks of output row n) and the kernels expand the blocks in registers.
 
-Structure. Every quant family has one ``@triton.jit`` unpacking helper that turns a 256-element
-chunk of ``BLOCK_N`` rows into integer codes ``q`` shaped ``[BLOCK_N, NSUB, SUB]`` plus one scale
-(and, for the K-quants with mins, one offset) per sub-block, so that ``w = scale * q - offset``.
-The sub-block structure is kept because the scale math then runs once per sub-block instead of
-once per weight (llama.cpp's mmvq does the same): per weight the kernels only load a byte, shift,
-mask and multiply-add. Two kernels consume those helpers:
+Every quant family has one ``@triton.jit`` unpacking helper that turns a 256-element chunk of
+``BLOCK_N`` rows into integer codes ``q`` shaped ``[BLOCK_N, NSUB, SUB]`` plus one scale (and,
+for the K-quants with mins, one offset) per sub-block, so that ``w = scale * q - offset``. The
+sub-block structure is kept because the scale math then runs once per sub-block instead of once
+per weight (llama.cpp's mmvq does the same): per weight the kernels only load a byte, shift, mask
+and multiply-add. Two dots consume the helpers: ``_row_dot`` (one activation row: the per-pair
+MoE decode kernels of ``moe.py`` and, for the types without a word kernel, the dense GEMV of
+``dense.py``) and ``_tile_dot`` (a ``tl.dot`` tile: the grouped prefill kernels of
+``moe_grouped.py``). ``k_scale_min`` is the one place the K-quants' packed 6-bit scales are
+unpacked; ``q8dot.py`` reads them through it too.
 
-* ``_qmv_kernel`` (B <= 8, decode): for each batch row, sum(q * x) per sub-block, then scale.
-  The unpacked codes are shared by all batch rows.
-* ``_qmm_kernel`` (8 < B <= 64): expands ``w`` to ``[BLOCK_N, 256]`` and uses ``tl.dot``.
-
-The MoE kernels (``moe.py``) reuse both: ``_row_dot`` per (token, expert) pair for decode and
-``_tile_dot`` (the ``tl.dot`` step of ``_qmm_kernel``) for the grouped prefill kernels; the
-dense projections (``dense.py``) use ``_row_dot`` for the types they have no word kernel for.
-
-Block layouts follow ggml-common.h and are checked against ``gguf.quants.dequantize`` by the
-tests; the byte offsets are written next to each helper.
+The types and their block sizes are gguf's (``formats.quants``); the byte offsets are written
+next to each helper (ggml-common.h) and checked against ``gguf.quants.dequantize`` by the tests.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from . import pdl
-from .pdl import wait_prior
+from sparkpack.formats.quants import KERNEL_QTYPES
 
-# GGML type ids (gguf.constants.GGMLQuantizationType), repeated here so the GPU machine needs no gguf.
-Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, MXFP4 = 2, 6, 8, 12, 13, 14, 23, 39
-
-# qtype -> (elements per block, bytes per block)
-BLOCK_LAYOUT: dict[int, tuple[int, int]] = {
-    Q4_0: (32, 18), Q5_0: (32, 22), Q8_0: (32, 34),
-    Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
-    IQ4_XS: (256, 136), MXFP4: (32, 17),
-}
+Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, MXFP4 = (int(q) for q in (T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K,
+                                                                    T.IQ4_XS, T.MXFP4))
+# qtype -> (elements per block, bytes per block) of the types the kernels read
+BLOCK_LAYOUT: dict[int, tuple[int, int]] = {int(q): GGML_QUANT_SIZES[T(q)] for q in KERNEL_QTYPES}
 SUPPORTED_QTYPES = tuple(BLOCK_LAYOUT)
-
 # Every kernel walks K in chunks of 256 elements (one K-quant super-block, eight 32-blocks).
-SMALL_B_MAX = 8  # batch rows up to which the decode kernel is used
-DOT_B_MAX = 64  # batch rows per tl.dot launch
 
 
 # ----------------------------------------------------------------------------- byte helpers
@@ -70,19 +58,23 @@ def _nibble(qs, l, mask):
 
 
 @triton.jit
-def _k_scale_min(base, s, mask):
-    """6-bit scale and min of sub-block ``s`` (0..7) from the 12 packed bytes at ``base``.
-
-    Bytes 0-3: low 6 bits = scales 0-3, top 2 bits = high bits of scales 4-7; bytes 4-7: same for
-    mins; bytes 8-11: low nibble = low 4 bits of scales 4-7, high nibble = mins 4-7.
-    """
-    j = s % 4
-    b0 = _u8(base + j, mask)
-    b1 = _u8(base + 4 + j, mask)
-    b2 = _u8(base + 8 + j, mask)
+def k_scale_min(b0, b1, b2, s):
+    """6-bit scale and min (int32) of sub-block ``s`` (0..7) of a Q4_K/Q5_K block, from byte
+    ``s % 4`` of each of its three groups of four packed scale bytes: ``b0`` of bytes 0-3 (low 6
+    bits: scales 0-3; top 2 bits: the high bits of scales 4-7), ``b1`` of bytes 4-7 (the same
+    for the mins), ``b2`` of bytes 8-11 (low nibble: low 4 bits of scales 4-7, high nibble: of
+    mins 4-7)."""
     low = s < 4
     sc = tl.where(low, b0 & 63, (b2 & 15) | ((b0 >> 6) << 4))
     mn = tl.where(low, b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4))
+    return sc, mn
+
+
+@triton.jit
+def _k_scale_min(base, s, mask):
+    """``k_scale_min`` of sub-block ``s`` from the 12 packed bytes at ``base``, as fp32."""
+    j = s % 4
+    sc, mn = k_scale_min(_u8(base + j, mask), _u8(base + 4 + j, mask), _u8(base + 8 + j, mask), s)
     return sc.to(tl.float32), mn.to(tl.float32)
 
 
@@ -284,47 +276,6 @@ def _tile_dot(QTYPE: tl.constexpr, w_rows, rmask, a_rows, amask, c, K, acc,
     return acc
 
 
-# ----------------------------------------------------------------------------- kernels
-
-@triton.jit
-def _qmv_kernel(x_ptr, w_ptr, y_ptr, B, N, K, row_bytes, stride_xb, stride_yb,
-                QTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    wait_prior(PDL)
-    pid_n = tl.program_id(0)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n3 = n[:, None, None]
-    rmask = n3 < N
-    w_rows = w_ptr + n3.to(tl.int64) * row_bytes
-    bidx = tl.arange(0, BLOCK_B)[:, None]
-    acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
-    for c in range(0, tl.cdiv(K, 256)):
-        q, scale, offset = _unpack(QTYPE, w_rows, c, K, rmask)
-        for b in tl.static_range(BLOCK_B):
-            if b < B:
-                part = _chunk_dot(QTYPE, q, scale, offset, x_ptr + b * stride_xb, c, K)
-                acc += tl.where(bidx == b, part[None, :], 0.0)
-    tl.store(y_ptr + bidx * stride_yb + n[None, :], acc, mask=(bidx < B) & (n[None, :] < N))
-
-
-@triton.jit
-def _qmm_kernel(x_ptr, w_ptr, y_ptr, B, N, K, row_bytes, stride_xb, stride_yb,
-                QTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
-                DOT_FP32: tl.constexpr, PDL: tl.constexpr):
-    wait_prior(PDL)
-    pid_n = tl.program_id(0)
-    pid_b = tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n3 = n[:, None, None]
-    rmask = n3 < N
-    w_rows = w_ptr + n3.to(tl.int64) * row_bytes
-    b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-    acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
-    for c in range(0, tl.cdiv(K, 256)):
-        acc = _tile_dot(QTYPE, w_rows, rmask, x_ptr + b[:, None] * stride_xb, b[:, None] < B, c, K, acc,
-                        DOT_FP32, BLOCK_N)
-    tl.store(y_ptr + b[:, None] * stride_yb + n[None, :], acc, mask=(b[:, None] < B) & (n[None, :] < N))
-
-
 # ----------------------------------------------------------------------------- Python wrappers
 
 def row_bytes_of(qtype: int, K: int) -> int:
@@ -333,21 +284,6 @@ def row_bytes_of(qtype: int, K: int) -> int:
     if K % qk:
         raise ValueError(f"K={K} is not a whole number of {qk}-element blocks")
     return K // qk * ts
-
-
-def check_weight(w_raw: torch.Tensor, qtype: int, K: int) -> None:
-    """Shared argument checks: the kernels index bytes blindly, so a wrong layout must fail here."""
-    if int(qtype) not in BLOCK_LAYOUT:
-        raise ValueError(f"quant type {int(qtype)} has no Triton kernel (supported: {SUPPORTED_QTYPES})")
-    if w_raw.dtype != torch.uint8:
-        raise ValueError(f"quantized weights must be uint8 bytes, got {w_raw.dtype}")
-    if w_raw.shape[-1] != row_bytes_of(qtype, K) or not w_raw.is_contiguous():
-        raise ValueError(f"weight rows are {w_raw.shape[-1]} bytes; {K} elements need "
-                         f"{row_bytes_of(qtype, K)} (contiguous)")
-
-
-def _next_pow2(v: int) -> int:
-    return 1 << max(0, (v - 1).bit_length())
 
 
 def rows_per_program(device: torch.device, gpu_rows: int) -> int:
@@ -363,41 +299,3 @@ def _output(out: torch.Tensor | None, shape: tuple[int, int], device: torch.devi
     if tuple(out.shape) != shape or out.dtype != torch.float32 or out.stride(-1) != 1:
         raise ValueError(f"out must be float32 {shape} with unit inner stride, got {out.dtype} {tuple(out.shape)}")
     return out
-
-
-def qmatvec(x: torch.Tensor, w_raw: torch.Tensor, qtype: int, K: int,
-            out: torch.Tensor | None = None, block_n: int | None = None) -> torch.Tensor:
-    """``y = x @ W^T`` in fp32, W given as GGUF blocks ``[N, row_bytes]`` uint8; x ``[B, K]``.
-
-    B <= 8 uses the decode kernel (one pass over the weights for all rows); larger B up to 64 the
-    ``tl.dot`` kernel; beyond that the call is split into slices of 64 rows (correct but not the
-    prefill kernel this runtime will want). ``out``: a float32 ``[B, N]`` buffer to write into;
-    ``block_n`` (a power of two) overrides the rows per program, for tuning.
-    """
-    check_weight(w_raw, qtype, K)
-    if x.dim() != 2 or x.shape[1] != K:
-        raise ValueError(f"x must be [B, {K}], got {tuple(x.shape)}")
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or x.device != w_raw.device:
-        raise ValueError(f"x must be f32/f16/bf16 on {w_raw.device}, got {x.dtype} on {x.device}")
-    x = x.contiguous()
-    B, N = x.shape[0], w_raw.shape[0]
-    y = _output(out, (B, N), x.device)
-    if B == 0 or N == 0:
-        return y
-    qtype = int(qtype)
-    if B <= SMALL_B_MAX:
-        block_n = block_n or rows_per_program(x.device, 16 if N >= 8192 else 4)
-        _qmv_kernel[(triton.cdiv(N, block_n),)](
-            x, w_raw, y, B, N, K, w_raw.shape[1], x.stride(0), y.stride(0),
-            QTYPE=qtype, BLOCK_B=_next_pow2(B), BLOCK_N=block_n, num_warps=4, **pdl.flags(x))
-        return y
-    for b0 in range(0, B, DOT_B_MAX):
-        xs, ys = x[b0:b0 + DOT_B_MAX], y[b0:b0 + DOT_B_MAX]
-        bs = xs.shape[0]
-        block_b = max(16, _next_pow2(bs))
-        bn = max(16, block_n or 32)  # tl.dot needs 16 or more
-        _qmm_kernel[(triton.cdiv(N, bn), triton.cdiv(bs, block_b))](
-            xs, w_raw, ys, bs, N, K, w_raw.shape[1], xs.stride(0), ys.stride(0),
-            QTYPE=qtype, BLOCK_B=block_b, BLOCK_N=bn, DOT_FP32=x.dtype == torch.float32,
-            num_warps=4, **pdl.flags(xs))
-    return y
