@@ -11,9 +11,9 @@ from sparkpack.formats.archs import model_spec
 from sparkpack.formats.errors import SparkpackError
 from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.formats.profile import choose_profile, model_identity
+from sparkpack.formats.units import SIZE, fmt_size
 
 from .llama_cpp_args import DEFAULT_RESERVE, KV_TYPES, plan_llama_cpp
-from .units import SIZE, fmt_size
 
 
 @click.command("export")

@@ -13,8 +13,9 @@ from sparkpack.formats.experts import expert_nbytes, expert_tensor_names
 from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.formats.memory import kv_cache_bytes, recurrent_state_bytes, runtime_bytes
 
+from sparkpack.formats.units import fmt_size
+
 from .profile_info import is_profile_file, print_profile_report, profile_report
-from .units import fmt_size
 
 GROUPS = ("routed experts", "shared expert", "router", "attention", "dense ffn", "embeddings", "output", "norms")
 

@@ -8,7 +8,7 @@ import click
 
 from sparkpack.formats.sparkpack import Pack
 
-from .units import fmt_size
+from sparkpack.formats.units import fmt_size
 
 
 def pack_report(path: Path) -> dict[str, Any]:

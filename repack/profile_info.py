@@ -16,8 +16,7 @@ from sparkpack.calibrate.evaluate import FRACTIONS, top_share, too_few_tokens
 from sparkpack.formats.errors import SparkpackError
 from sparkpack.formats.placement import make_plan
 from sparkpack.formats.profile import PROFILE_VERSION, SIDES, Profile, model_identity
-
-from .units import fmt_size
+from sparkpack.formats.units import fmt_size
 
 PROFILE_SUFFIX = ".profile.json"
 

@@ -16,9 +16,9 @@ from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.formats.placement import default_cache_slots, make_plan
 from sparkpack.formats.profile import Profile, default_profile_path, model_identity
 from sparkpack.formats.sparkpack import Pack, is_pack
+from sparkpack.formats.units import SIZE
 
 from .report_data import Report, hit_timeline
-from .units import SIZE
 
 
 @click.command("report")

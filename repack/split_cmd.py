@@ -15,8 +15,9 @@ from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.formats.memory import kv_cache_bytes, recurrent_state_bytes, runtime_bytes
 
 from sparkpack.formats.placement import Plan, default_cache_slots, make_plan
+from sparkpack.formats.units import SIZE, fmt_size
+
 from .outputs import check_output, reported_as
-from .units import SIZE, fmt_size
 
 DEFAULT_HOT_FRACTION = 0.5
 

@@ -8,10 +8,10 @@ import click
 
 from sparkpack.formats.errors import SparkpackError
 from sparkpack.formats.quant_mix import MIXES
+from sparkpack.formats.units import fmt_size
 
 from .synth.presets import ARCH_NAMES, PRESET_NAMES
 from .outputs import check_output, reported_as
-from .units import fmt_size
 
 
 class SkewParam(click.ParamType):

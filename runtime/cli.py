@@ -28,7 +28,7 @@ import click
 
 from sparkpack.formats.errors import SparkpackError, Terminated, cli_entry
 from sparkpack.formats.memory import KV_BYTES_PER_VALUE, PREFILL_CHUNK
-from sparkpack.repack.units import SizeParam
+from sparkpack.formats.units import SizeParam
 
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
 

@@ -1,4 +1,4 @@
-"""Human byte sizes both ways ("14GiB" <-> 15032385536), shared by every command."""
+"""Human byte sizes both ways ("14GiB" <-> 15032385536), shared by every command (repack's and spark-run)."""
 from __future__ import annotations
 
 import re
