@@ -10,8 +10,9 @@ Then ``spark-run --vram`` runs in its own process to measure the peak VRAM under
         [--tokens 64] [--prompt-tokens 256] [--vram 14GiB] [--only S ...] [--skip S ...] [--json out.json]
 
 Configurations: all-GPU; calibrated placement (the profile) at hot fractions 0.8/0.6/0.4/0.2
-with zero-copy and async misses; the naive offload (uniform placement, synchronous copies from
-the file); and exactness probes at 10% residency with and without cache slots.
+with zero-copy and async misses; the naive offload (uniform placement, blocking copies from
+the file: ``bench/naive_store.py``); and exactness probes at 10% residency with and without
+cache slots.
 """
 from __future__ import annotations
 
@@ -31,8 +32,11 @@ from sparkpack.calibrate.readers import read_corpus
 from sparkpack.calibrate.render import ChatRenderer
 from sparkpack.runtime.chat_template import ChatTemplate
 from sparkpack.runtime.generate import Session
-from sparkpack.runtime.models import StoreOptions, load_model, open_store
+from sparkpack.runtime.models import StoreOptions, load_model, open_store, plan_store
 from sparkpack.runtime.tokenizer import GGUFTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench/ importable
+from bench.naive_store import NaiveStore  # noqa: E402
 
 
 @dataclass
@@ -40,7 +44,7 @@ class Config:
     name: str
     hot_fraction: float
     calibrated: bool
-    mode: str
+    mode: str  # the store's, or "naive" (bench/naive_store.py)
     cache_slots: int | None = None  # None: the default (formats.placement.default_cache_slots)
 
 
@@ -51,10 +55,10 @@ def configs(fractions: list[float], slots: list[int]) -> list[Config]:
     for f in fractions:
         out.append(Config(f"calibrated {f:.0%} zero-copy", f, True, "zerocopy"))
         out.append(Config(f"calibrated {f:.0%} async", f, True, "async"))
-    out += [Config("naive 60% (uniform, sync)", 0.6, False, "sync"),
-            Config("naive 20% (uniform, sync)", 0.2, False, "sync"),
+    out += [Config("naive 60% (uniform, blocking copies)", 0.6, False, "naive"),
+            Config("naive 20% (uniform, blocking copies)", 0.2, False, "naive"),
             Config("uniform 60% zero-copy", 0.6, False, "zerocopy"),
-            Config("calibrated 60% sync", 0.6, True, "sync"),
+            Config("calibrated 60% naive", 0.6, True, "naive"),
             Config("calibrated 10% zero-copy, no slots", 0.1, True, "zerocopy", 0),
             Config("calibrated 10% async, no slots", 0.1, True, "async", 0),
             Config("calibrated 10% async", 0.1, True, "async")]
@@ -106,22 +110,29 @@ def vram_run(model_path: Path, profile: Path, vram: str, prompt: list[int], n_to
 def measure(model, cfg: Config, args: argparse.Namespace, prompt: list[int], cuda: bool) -> dict:
     """Swap in a fresh store for ``cfg``, warm up, then time prefill + greedy decode."""
     t0 = time.perf_counter()
-    opts = StoreOptions(hot_fraction=cfg.hot_fraction, cache_slots=cfg.cache_slots, mode=cfg.mode,
+    naive = cfg.mode == "naive"
+    opts = StoreOptions(hot_fraction=cfg.hot_fraction, cache_slots=cfg.cache_slots, mode="async" if naive else cfg.mode,
                         profile=args.profile if cfg.calibrated else None)
-    store, residency = open_store(model.gguf, None, model.spec, model.device, model.dtype, opts)
+    if naive:
+        src, residency = plan_store(model.gguf, None, model.spec, model.device, model.dtype, opts)
+        store = NaiveStore(src, model.spec, model.device, model.dtype, residency.hot, residency.cache_slots)
+    else:
+        store, residency = open_store(model.gguf, None, model.spec, model.device, model.dtype, opts)
     if not cfg.calibrated and residency.source.find("uniform") < 0:
         raise SystemExit(f"{cfg.name}: expected uniform placement, got {residency.source}")
     model.experts, model.residency = store, residency
     load_s = time.perf_counter() - t0
     run(model, prompt[:16], 4)  # warm-up: Triton compiles, allocator settles (not timed)
-    store.stats = type(store.stats)()
+    store.reset_stats()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     tokens, logits, session = run(model, prompt, args.tokens)
     t = session.timing
+    store.flush()
     s = store.stats.as_json()
     d = store.describe()
-    row = {"name": cfg.name, "hot_fraction": d["hot_fraction"], "mode": d["mode"], "cache_slots": d["cache_slots"],
+    row = {"name": cfg.name, "hot_fraction": d["hot_fraction"], "mode": "naive" if naive else d["mode"],
+           "cache_slots": d["cache_slots"],
            "decode_tok_s": t.decode_tokens / t.decode_seconds, "prefill_tok_s": t.prefill_tokens / t.prefill_seconds,
            "hot_per_token": s["hot_hits_per_token"], "cached_per_token": s["cache_hits_per_token"],
            "missed_per_token": s["misses_per_token"], "bytes_streamed": s["bytes_streamed"],

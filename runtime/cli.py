@@ -179,7 +179,7 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
 @click.option("--cache-slots", type=click.IntRange(min=0), help="GPU slots caching cold experts [half of one token's routings over all layers].")
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Routing profile choosing the hot experts [MODEL.profile.json when present].")
-@click.option("--stream", "stream_mode", type=click.Choice(["auto", "zerocopy", "async", "sync"]), default="auto",
+@click.option("--stream", "stream_mode", type=click.Choice(["auto", "zerocopy", "async"]), default="auto",
               show_default=True, help="How misses reach the GPU (see runtime/expert_store.py).")
 @click.option("--host-ram", type=SizeParam(), help="Pinned host memory for cold experts [80% of available]; "
               "less than they need reads misses from disk.")
@@ -360,6 +360,7 @@ def collect_stats(model, session) -> dict:
            "graph_capture_seconds": t.capture_seconds, "cpu_threads": torch.get_num_threads()}
     store = model.experts if model.residency is not None else None
     if store is not None:
+        store.flush()  # counts still on the device, or a deferred step's
         s = store.stats.as_json()
         out["store"] = {**store.describe(), **s}
         busy = t.prefill_seconds + t.decode_seconds + t.capture_seconds

@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 import torch
 
+from bench.naive_store import NaiveStore
 from sparkpack.formats.sparkpack import Pack
-from sparkpack.runtime.expert_store import ExpertStore, GGUFSource, StoreStats
+from sparkpack.runtime.expert_pools import DiskTier, HostPool
+from sparkpack.runtime.expert_store import ExpertStore, GGUFSource
 from sparkpack.runtime.generate import Session, generate
-from sparkpack.runtime.models import StoreOptions, load_model
+from sparkpack.runtime.models import StoreOptions, load_model, plan_store
 
 REPO = Path(__file__).resolve().parents[1]
 IDS = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]
@@ -49,22 +51,37 @@ def run_cli(args: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600, **kw)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async", "zerocopy"])
+def load_with_store(model_path, mode: str, **opts):
+    """The model with its tiered store in ``mode``, or ("naive") the benchmarks' baseline store
+    (bench/naive_store.py) planned the same way."""
+    if mode != "naive":
+        return load_model(model_path, store=StoreOptions(mode=mode, **opts))
+    model = load_model(model_path, store=StoreOptions(mode="async", **opts))
+    src, plan = plan_store(model.gguf, None, model.spec, model.device, model.dtype, StoreOptions(mode="async", **opts))
+    model.experts = NaiveStore(src, model.spec, model.device, model.dtype, plan.hot, plan.cache_slots)
+    return model
+
+
+@pytest.mark.parametrize("mode", ["naive", "async", "zerocopy"])
 @pytest.mark.parametrize("hot_fraction", [1.0, 0.6, 0.1])
 @pytest.mark.parametrize("cache_slots", [0, 6])
 def test_any_residency_gives_identical_outputs(model_path, reference, mode, hot_fraction, cache_slots):
     full, steps, greedy = reference
-    model = load_model(model_path, store=StoreOptions(hot_fraction=hot_fraction, cache_slots=cache_slots, mode=mode))
+    model = load_with_store(model_path, mode, hot_fraction=hot_fraction, cache_slots=cache_slots)
     store = model.experts
-    assert isinstance(store, ExpertStore) and store.mode == mode
+    assert isinstance(store, ExpertStore) and store.mode == ("async" if mode == "naive" else mode)
+    assert isinstance(store, NaiveStore) == (mode == "naive")
     assert torch.equal(model.forward(IDS), full)
     assert torch.equal(decode_steps(model), steps)
     assert list(generate(model, None, IDS[:4], None, 12, stop_ids=())) == greedy
     # an all-hot zero-copy store leaves the counts on the device between tokens (nothing can
-    # move): reading the stats reads them, and they are whole
-    assert (store._unread_tokens > 0) == (hot_fraction == 1.0 and mode == "zerocopy")
+    # move): flushing reads them, and they are whole
+    assert (store.counts.unread > 0) == (hot_fraction == 1.0 and mode == "zerocopy")
+    before = store.stats.tokens
+    store.flush()
     s = store.stats
-    assert store._unread_tokens == 0 and not bool(store.step_counts.any())
+    assert store.counts.unread == 0 and not bool(store.counts.step.any())
+    assert (s.tokens > before) == (hot_fraction == 1.0 and mode == "zerocopy")  # reading alone learns nothing
     routings = s.hot_hits + s.cache_hits + s.misses
     assert routings == s.tokens * model.spec.n_expert_used * len(model.spec.moe_layers)
     # the forward, the decode steps, generate's prompt, and 11 steps for 12 tokens (the last is not fed)
@@ -79,21 +96,21 @@ def test_any_residency_gives_identical_outputs(model_path, reference, mode, hot_
         assert s.cache_hits == 0
 
 
-def test_all_hot_store_counts_when_its_stats_are_read(model_path):
-    """An all-hot zero-copy store reads no counts between tokens; replacing its stats drops the
+def test_all_hot_store_counts_when_flushed(model_path):
+    """An all-hot zero-copy store reads no counts between tokens; resetting its stats drops the
     counts not read yet, so the new stats hold only what came after."""
-    from sparkpack.runtime.expert_store import StoreStats
-
     model = load_model(model_path, store=StoreOptions(hot_fraction=1.0, mode="zerocopy"))
     store = model.experts
     assert store.all_hot
     session = Session(model)
     session.feed(IDS[:6])
-    assert store._unread_tokens == 6
-    store.stats = StoreStats()
-    assert store._unread_tokens == 0 and not bool(store.step_counts.any())
+    assert store.counts.unread == 6
+    store.reset_stats()
+    assert store.counts.unread == 0 and not bool(store.counts.step.any())
     session.feed(IDS[:7])
     session.feed(IDS[:8])
+    assert store.stats.tokens == 0  # not flushed yet: the counts are still on the device
+    store.flush()
     s = store.stats
     assert s.tokens == 2 and s.hot_hits == 2 * model.spec.n_expert_used * len(model.spec.moe_layers)
 
@@ -113,8 +130,8 @@ def test_fused_kernel_path_is_residency_independent(model_path):
         hot[list(spec.moe_layers), :n] = True
         store = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, torch.float32, hot, cache, mode, fused=True)
         assert all(la.fused for la in store.layers.values())
-        if store.host_pool is not None:
-            assert store.host_pool.is_pinned() == (DEVICE == "cuda")
+        if isinstance(store.cold, HostPool):
+            assert store.cold.tensor.is_pinned() == (DEVICE == "cuda")
         model = load_model(gguf, device=DEVICE)
         model.experts = store
         session = Session(model)
@@ -185,22 +202,22 @@ def test_zero_copy_cache_admits_repeat_traffic_only(model_path):
 
     def step(*experts: int) -> None:
         for e in experts:
-            store.step_counts[il, e] += 1
+            store.counts.step[il, e] += 1
         store.end_step(1, routed=True)
 
+    table = store.slots.table
     step(10)
-    assert store.table[il, 10] < 0 and store.stats.loads == 0  # once: read from host, not copied
+    assert table[il, 10] < 0 and store.stats.loads == 0  # once: read from host, not copied
     step(10, 10, 10)
-    assert store.table[il, 10] >= 0 and store.stats.loads == 1  # again and again: copied into a slot
+    assert table[il, 10] >= 0 and store.stats.loads == 1  # again and again: copied into a slot
     step(11, 11, 11, 11)
     step(13)
-    assert store.table[il, 11] >= 0 and store.table[il, 13] < 0 and store.stats.loads == 2
+    assert table[il, 11] >= 0 and table[il, 13] < 0 and store.stats.loads == 2
     step(*[12] * 5)  # routed more often than expert 10 lately: takes its slot
-    assert store.table[il, 12] >= 0 and store.table[il, 10] < 0 and store.table[il, 11] >= 0
-    assert store.table[il, 10] == -(store.host_index[il, 10] + 1)  # back to zero-copy reads
+    assert table[il, 12] >= 0 and table[il, 10] < 0 and table[il, 11] >= 0
+    assert table[il, 10] == -(store.cold.layout.offset[il, 10] + 1)  # back to zero-copy reads
     assert store.stats.misses == 1 + 3 + 4 + 1 + 5 and store.stats.cache_hits == 0
-    slot = int(store.table[il, 12])
-    assert torch.equal(store.pool[slot], store.host_pool[store.host_index[il, 12]])
+    assert torch.equal(store.device_bytes(il, 12), store.cold.bytes(il, 12)[0])
 
 
 def test_small_host_budget_falls_back_to_disk_tier(model_path, reference):
@@ -214,12 +231,12 @@ def test_small_host_budget_falls_back_to_disk_tier(model_path, reference):
     hot[list(spec.moe_layers), :2] = True
     store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot, 4, "auto",
                         host_bytes=3 * 200_000, warn=warnings.append)
-    assert store.host_pool is None and store.host_cache_cap >= 1
+    assert isinstance(store.cold, DiskTier) and store.cold.cap >= 1
     assert len(warnings) == 1 and "disk tier" in warnings[0] and model_path.name in warnings[0]
     model = load_model(gguf)
     model.experts = store
     assert torch.equal(model.forward(IDS), reference[0])
-    assert store.stats.disk_reads > 0 and len(store.host_cache) <= store.host_cache_cap
+    assert store.stats.disk_reads > 0 and len(store.cold.cache) <= store.cold.cap
 
 
 def corrupt_one_cold_shard(pack: Path) -> str:
@@ -322,8 +339,8 @@ def test_experts_without_a_kernel_are_named_once(synth_model, model_path):
 def test_deferred_bookkeeping_is_the_same_one_step_later(model_path):
     """A replayed decode step's bookkeeping (``end_step(defer=True)``) runs at the next
     ``end_step``, while that step computes: the same counts, promotions and table as learning at
-    once, one step later. Reading the stats or an eager step learns a pending step first, and
-    replacing the stats drops it."""
+    once, one step later. ``flush`` or an eager step learns a pending step first, and resetting
+    the stats drops it."""
     from sparkpack.formats.archs import model_spec
     from sparkpack.formats.gguf_file import GGUFModel
 
@@ -339,12 +356,13 @@ def test_deferred_bookkeeping_is_the_same_one_step_later(model_path):
         tables = []
         for experts in steps:
             for e in experts:
-                store.step_counts[il, e] += 1
+                store.counts.step[il, e] += 1
             store.end_step(1, routed=True, defer=defer)
-            tables.append(store.table.copy())
+            tables.append(store.slots.table.copy())
         return store, tables
 
     def counts(store: ExpertStore) -> dict:
+        store.flush()
         return {k: v for k, v in store.stats.as_json().items() if k != "step_seconds"}
 
     now, now_tables = run(False)
@@ -353,14 +371,15 @@ def test_deferred_bookkeeping_is_the_same_one_step_later(model_path):
     for a, b in zip(now_tables[:-1], later_tables[1:]):
         assert np.array_equal(a, b)
     assert counts(later) == counts(now) and counts(now)["tokens"] == len(steps)
-    assert int(later.step_counts.sum()) == 0  # the device counts were reset behind each step
+    assert int(later.counts.step.sum()) == 0  # the device counts were reset behind each step
 
-    later.step_counts[il, 10] += 1
+    later.counts.step[il, 10] += 1
     later.end_step(1, routed=True, defer=True)
-    later.step_counts[il, 11] += 2
+    later.counts.step[il, 11] += 2
     later.end_step(1, routed=True)  # eager: the pending step first, then its own counts
-    assert later._pending is None and counts(later)["tokens"] == len(steps) + 2
-    later.step_counts[il, 11] += 1
+    assert later.counts.pending is None and counts(later)["tokens"] == len(steps) + 2
+    later.counts.step[il, 11] += 1
     later.end_step(1, routed=True, defer=True)
-    later.stats = StoreStats()
+    later.reset_stats()
+    later.flush()
     assert later.stats.tokens == 0  # the pending step belonged to the stats replaced

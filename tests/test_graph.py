@@ -42,6 +42,7 @@ def test_graph_replay_equals_eager(model_path, hot_fraction, slots):
         pytest.skip("not every expert layer has fused-kernel quant types")
     tok_g, log_g, s = greedy(model, True)
     assert s.graph is not None and s.graph.replays >= 10
+    model.experts.flush()
     st = model.experts.stats
     assert st.hot_hits + st.cache_hits + st.misses == st.tokens * model.spec.n_expert_used * len(
         model.spec.moe_layers)
@@ -195,6 +196,8 @@ def test_a_prefill_is_padded_call_computes_the_real_tokens_alone(synth_model, ar
         assert g.shape == w.shape and torch.allclose(g, w, rtol=1e-4, atol=1e-4)
     for la, lb in zip(pad.cache.layers, ref.cache.layers):
         assert torch.allclose(la.k[:, :547], lb.k[:, :547], rtol=1e-4, atol=1e-4)
+    pad_model.experts.flush()
+    ref_model.experts.flush()
     a, b = pad_model.experts.stats, ref_model.experts.stats
     # (cache hits and misses split differently: the store promotes experts between calls, and the
     # padded session makes one call more)
@@ -248,6 +251,7 @@ def test_captured_prefill_replays_the_eager_padded_calls(model_path, hot_fractio
 
     got, s = run(True)
     assert (s.prefill.captures, s.prefill.replays) == (4, 2)  # 16, 32, then 64 and 16 on the grown buffers
+    model.experts.flush()
     st = model.experts.stats
     assert st.tokens == sum(len(p[-1]) + 4 for p in seqs)
     assert st.hot_hits + st.cache_hits + st.misses == st.tokens * model.spec.n_expert_used * len(model.spec.moe_layers)

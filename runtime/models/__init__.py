@@ -63,10 +63,21 @@ def load_model(path: str | os.PathLike[str] | GGUFModel, device: torch.device | 
 def open_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOptions):
     """The tiered expert store and its residency plan for an opened model file (``pack`` the
     ``.sparkpack`` or None for a GGUF). Benchmarks use it to swap stores under one loaded model."""
+    from ..expert_store import ExpertStore
+
+    experts_src, residency = plan_store(source, pack, spec, device, dtype, opts)
+    store = ExpertStore(experts_src, spec, device, dtype, residency.hot, residency.cache_slots, opts.mode,
+                        opts.host_bytes)
+    return store, residency
+
+
+def plan_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOptions):
+    """Where an opened model file's experts come from and the residency plan ``opts`` asks for
+    (what ``open_store`` builds its store from)."""
     from sparkpack.formats.experts import expert_tensor_names
     from sparkpack.formats.memory import PREFILL_GRAPH_TOKENS
 
-    from ..expert_store import ExpertStore, GGUFSource, PackSourceExperts, routed_experts_bytes
+    from ..expert_store import GGUFSource, PackSourceExperts, routed_experts_bytes
     from ..graph import short_prefill_calls
     from ..residency import identity_of, load_profile, plan_residency
 
@@ -82,9 +93,7 @@ def open_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOption
                                cache_slots=opts.cache_slots, ctx=opts.ctx, kv_type=opts.kv_type,
                                prefill_chunk=chunk, where=source.path,
                                quantized_dense=quantizes_dense(torch.device(device), dtype))
-    store = ExpertStore(experts_src, spec, device, dtype, residency.hot, residency.cache_slots, opts.mode,
-                        opts.host_bytes)
-    return store, residency
+    return experts_src, residency
 
 
 def _model_class(source, spec) -> type[MoEModel]:
@@ -95,4 +104,4 @@ def _model_class(source, spec) -> type[MoEModel]:
     return cls
 
 
-__all__ = ["MODELS", "MoEModel", "StoreOptions", "load_model", "open_store"]
+__all__ = ["MODELS", "MoEModel", "StoreOptions", "load_model", "open_store", "plan_store"]
