@@ -1,11 +1,23 @@
-"""Device memory a model needs besides its weights: KV cache, recurrent state, runtime overhead.
+"""The runtime's memory model: what a model takes on the device, counted without the runtime.
 
-Both ``repack inspect`` (VRAM for all-GPU) and ``repack split`` (what is left for experts under a
-budget) count these the same way, so they live here, next to the spec they read.
+``repack split --vram`` must place exactly as many hot experts as ``spark-run --vram`` will then
+hold, so both plan with one planner (``formats.placement.plan_residency``) over this one model of
+what the runtime allocates: dense weights as it holds them (GGUF bytes where its kernels read the
+type, else expanded), the KV cache and recurrent state, a prefill call's temporaries at their
+peak, its fixed overhead, and the expert pool (each expert's slot at its own size, aligned; cache
+slots at the largest). That is why the runtime's sizing knobs live here rather than in
+``runtime/``: split may not import the runtime (data flows one way: formats, then repack and the
+runtime) and formats may not import torch, so the runtime imports its chunk sizes and limits from
+this module and the tests hold both to it (``tests/test_placement.py``: split's plan is what the
+store allocates; ``tests/test_generate.py``: the KV cache and prefill temporaries).
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 from .archs import DENSE, FULL, LINEAR, MOE, SLIDING, ModelSpec
+from .quants import kernels_read
 
 # CUDA context, cuBLAS/Triton workspaces and the allocator's slack. Measured on the GPU machine
 # as the reserved-minus-tensors gap of a decode run; see BENCHMARKS.md.
@@ -32,9 +44,70 @@ ATTN_SCORES_MAX = 1 << 25
 DEQUANT_SCRATCH_ELEMENTS = 1 << 25
 
 
+# Every expert's slot in the store's pools starts at a multiple of this many bytes (so its rows
+# keep the alignment the int8 kernels load them with); a slot is its expert's bytes rounded up.
+SLOT_ALIGN = 256
+
 # Bytes per cached key/value element by KV cache type ("auto": the activations' 2-byte dtype;
 # q8_0: an int8 code plus an f16 scale per 32 values).
 KV_BYTES_PER_VALUE = {"auto": 2.0, "q8_0": 34 / 32}
+# 2-D weights the model does not multiply by (the DeltaNet conv kernel is applied elementwise)
+NOT_LINEAR = ("ssm_conv1d",)
+
+
+@dataclass(frozen=True)
+class MemoryTarget:
+    """How the runtime will hold a model, as far as its memory goes: the bytes of an expanded
+    element (its compute dtype), whether the dense matrices its kernels read stay GGUF bytes (on
+    a GPU), the KV cache type, the context, and the most tokens one prefill call holds."""
+
+    dtype_bytes: int = 2
+    quantized_dense: bool = True
+    kv_type: str = "auto"
+    ctx: int = 4096
+    prefill_chunk: int = PREFILL_CHUNK
+
+    @classmethod
+    def gpu(cls, spec: ModelSpec, ctx: int = 4096, kv_type: str = "auto",
+            prefill_chunk: int = PREFILL_CHUNK) -> "MemoryTarget":
+        """spark-run on a GPU with bf16 activations (what ``repack split --vram`` plans for)."""
+        chunk = min(prefill_chunk, PREFILL_GRAPH_TOKENS) if short_calls(spec, kv_type) else prefill_chunk
+        return cls(2, True, kv_type, ctx, chunk)
+
+    @property
+    def kv_bytes_per_value(self) -> float:
+        return float(self.dtype_bytes) if self.kv_type == "auto" else KV_BYTES_PER_VALUE[self.kv_type]
+
+
+def short_calls(spec: ModelSpec, kv_type: str) -> bool:
+    """Whether a GPU session in half precision feeds prompts in calls of at most
+    ``PREFILL_GRAPH_TOKENS`` tokens (``runtime.graph.short_prefill_calls``): every layer is
+    attention (a DeltaNet state would take padding in), over a 16-bit KV cache."""
+    return kv_type != "q8_0" and bool(spec.layers) and all(k.attention != LINEAR for k in spec.layers)
+
+
+def held_as_bytes(name: str, shape: tuple[int, ...], qtype: int) -> bool:
+    """Whether the runtime keeps this tensor as its GGUF bytes where it keeps dense matrices so
+    (``runtime.weights.Weights(quantized=True)``): the matrices the model multiplies by (or
+    gathers rows of), when its kernels read their type."""
+    return name.endswith(".weight") and len(shape) == 2 and kernels_read(qtype) and not any(k in name for k in NOT_LINEAR)
+
+
+def dense_bytes(tensors: dict, expert_names: set[str], target: MemoryTarget) -> int:
+    """Device bytes of the non-expert tensors (``tensors``: name -> info with ``shape``, ``qtype``,
+    ``nbytes``) as the runtime holds them."""
+    return sum(t.nbytes if target.quantized_dense and held_as_bytes(t.name, t.shape, t.qtype)
+               else math.prod(t.shape) * target.dtype_bytes for t in tensors.values() if t.name not in expert_names)
+
+
+def expert_slot_bytes(spec: ModelSpec, tensors: dict) -> dict[int, int]:
+    """Device bytes one expert of each MoE layer takes in the store's pools: its bytes (all its
+    tensors), rounded up to ``SLOT_ALIGN``."""
+    out = {}
+    for il in spec.moe_layers:
+        nbytes = sum(tensors[n].nbytes for n in spec.expert_tensors[il].values()) // spec.n_expert
+        out[il] = -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+    return out
 
 
 def kv_cache_bytes(spec: ModelSpec, ctx: int, bytes_per_value: float = 2.0) -> int:

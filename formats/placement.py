@@ -1,6 +1,10 @@
-"""Which experts go to the GPU (hot) under a byte budget. Pure: numbers in, a plan out.
+"""Which experts go to the GPU (hot) under a byte budget, and the one VRAM plan around it. Pure:
+numbers in, a plan out.
 
-With a profile the choice is one greedy ranking across all layers by expected hits per byte, not a
+``plan_residency`` is what both ``repack split`` and the runtime's store (``runtime.models
+.plan_store``) plan with: the dense weights, KV cache, state and runtime temporaries the runtime
+will hold (``formats.memory``), then the cache slots, then hot experts in what is left; the store
+then allocates exactly its ``pool_bytes``. With a profile the choice is one greedy ranking across all layers by expected hits per byte, not a
 fixed share per layer: a layer whose routing is concentrated needs few hot experts, a flat one
 many. Hits are per-token routing rates, generated side weighted ``GEN_WEIGHT`` and prompt side
 ``1 - GEN_WEIGHT``: during decode every cold miss stalls a token, while prompt processing copies an
@@ -8,11 +12,17 @@ expert once for a whole batch, so decode traffic is what placement must serve fi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .archs import ModelSpec
+from .errors import SparkpackError
+from .experts import expert_tensor_names
+from .memory import MemoryTarget, dense_bytes, expert_slot_bytes, kv_cache_bytes, recurrent_state_bytes, runtime_bytes
+from .profile import Profile
+from .units import fmt_size
 
 GEN_WEIGHT = 0.8
 # Re-placement hysteresis: a cold expert replaces hot ones only when it earns SWAP_MARGIN more
@@ -190,3 +200,110 @@ def default_cache_slots(spec: ModelSpec) -> int:
     traffic a calibrated hot set still misses a few experts per layer per token, and those
     repeat across tokens, so the cache must hold several tokens' misses (BENCHMARKS.md)."""
     return max(4 * spec.n_expert_used, len(spec.moe_layers) * spec.n_expert_used // 2)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What the user asked to fit: ``vram`` (size everything to it) or ``hot_fraction`` (that share
+    of the expert bytes hot), and ``cache_slots`` (None: ``default_cache_slots``)."""
+
+    vram: int | None = None
+    hot_fraction: float | None = None
+    cache_slots: int | None = None
+
+
+@dataclass
+class ResidencyPlan:
+    """Which experts start on the GPU and how many cache slots there are, with where a ``--vram``
+    budget goes: what ``repack split`` writes into a pack and the store allocates (its device
+    pool is ``pool_bytes``: each hot expert at its layer's slot size, each cache slot at the
+    largest)."""
+
+    hot: np.ndarray  # bool [n_layer, n_expert]
+    cache_slots: int
+    source: str  # where the hot set came from, for the user
+    slot_bytes: dict[int, int]  # MoE layer -> device bytes of one of its experts
+    vram: int | None = None
+    dense_bytes: int = 0
+    kv_bytes: int = 0
+    state_bytes: int = 0
+    overhead_bytes: int = 0  # the runtime's: fixed overhead and prefill temporaries
+    expert_budget: int | None = None  # bytes a budget left for hot experts
+    hot_bytes: int = 0
+    cold_hit_rate: dict[str, float] = field(default_factory=dict)  # side -> share of routings on cold experts
+    expected_cold_rate: float | None = None  # of decode-side routings (prompt-side without them)
+    uniform: bool = True  # placed without a profile
+
+    @property
+    def cache_slot_bytes(self) -> int:
+        return max(self.slot_bytes.values(), default=0)
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.cache_slots * self.cache_slot_bytes
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.hot_bytes + self.cache_bytes
+
+    def as_json(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k not in ("hot", "slot_bytes")}
+        return {**d, "hot_experts": int(self.hot.sum()), "cache_slot_bytes": self.cache_slot_bytes,
+                "cache_bytes": self.cache_bytes, "pool_bytes": self.pool_bytes}
+
+
+def plan_residency(spec: ModelSpec, tensors: dict, budget: Budget, target: MemoryTarget, *,
+                   profile: Profile | None = None, profile_name: str | None = None,
+                   pack_hot: np.ndarray | None = None, where: object = None) -> ResidencyPlan:
+    """The hot set and cache slots for a model (``tensors``: its tensor index) run as ``target``.
+    Precedence: ``budget.vram`` (size everything to fit; a budget that cannot hold the rest is
+    one error naming what needs what), then ``budget.hot_fraction``, then the pack's own
+    placement ``pack_hot``, then all hot (a GGUF with no budget runs all-GPU). Cache slots are
+    as many as asked but never more than there are cold experts, as the store allocates them."""
+    shape = (spec.n_layer, spec.n_expert)
+    sizes = expert_slot_bytes(spec, tensors)
+    slot = max(sizes.values(), default=0)
+    slots = default_cache_slots(spec) if budget.cache_slots is None else int(budget.cache_slots)
+    counts = profile.counts if profile is not None else None
+    tokens = profile.tokens if profile is not None else None
+    what = f"profile {os.path.basename(profile_name)}" if profile_name else "uniform placement (no profile)"
+
+    def done(hot: np.ndarray, source: str, **kw) -> ResidencyPlan:
+        n_cold = sum(int((~hot[il]).sum()) for il in sizes)
+        hot_bytes = sum(int(hot[il].sum()) * nb for il, nb in sizes.items())
+        return ResidencyPlan(hot, min(slots, n_cold), source, sizes, hot_bytes=hot_bytes,
+                             cold_hit_rate=cold_hit_rates(hot, counts) if counts is not None else {},
+                             expected_cold_rate=_expected_cold_rate(hot, profile), uniform=profile is None, **kw)
+
+    if budget.vram is not None:
+        dense = dense_bytes(tensors, expert_tensor_names(spec), target)
+        kv, state = kv_cache_bytes(spec, target.ctx, target.kv_bytes_per_value), recurrent_state_bytes(spec)
+        runtime = runtime_bytes(spec, target.ctx, target.prefill_chunk)
+        fixed = dense + kv + state + runtime + slots * slot
+        if budget.vram < fixed:
+            raise SparkpackError(where, f"VRAM budget {fmt_size(budget.vram)} is too small: non-expert weights "
+                                        f"{fmt_size(dense)}, KV cache {fmt_size(kv)} at ctx {target.ctx}, recurrent "
+                                        f"state {fmt_size(state)}, runtime (prefill chunks of {target.prefill_chunk}) "
+                                        f"{fmt_size(runtime)} and {slots} cache slots {fmt_size(slots * slot)} need "
+                                        f"{fmt_size(fixed)}")
+        left = budget.vram - fixed
+        plan = make_plan(*shape, sizes, left, counts, tokens)
+        return done(plan.hot, f"--vram budget, {what}", vram=budget.vram, dense_bytes=dense, kv_bytes=kv,
+                    state_bytes=state, overhead_bytes=runtime, expert_budget=left)
+    if budget.hot_fraction is not None:
+        left = int(budget.hot_fraction * sum(sizes.values()) * spec.n_expert + 0.5)
+        plan = make_plan(*shape, sizes, left, counts, tokens)
+        return done(plan.hot, f"--hot-fraction {budget.hot_fraction:g}, {what}", expert_budget=left)
+    if pack_hot is not None:
+        return done(np.asarray(pack_hot, dtype=bool), "the pack's placement")
+    hot = np.zeros(shape, dtype=bool)
+    hot[list(sizes)] = True
+    return done(hot, "all experts on the device")
+
+
+def _expected_cold_rate(hot: np.ndarray, profile: Profile | None) -> float | None:
+    """Share of the profile's decode-side routings (prompt-side when it has none) on cold experts."""
+    if profile is None:
+        return None
+    side = "generated" if profile.counts["generated"].sum() > 0 else "prompt"
+    return cold_hit_rates(hot, {side: profile.counts[side]})[side] if profile.counts[side].sum() > 0 else None

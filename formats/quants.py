@@ -18,6 +18,11 @@ KERNEL_QTYPES: tuple[int, ...] = tuple(int(q) for q in (_T.Q4_0, _T.Q5_0, _T.Q8_
 FLOAT_QTYPES: tuple[int, ...] = tuple(int(q) for q in (_T.F32, _T.F16, _T.BF16))
 
 
+def kernels_read(qtype: int) -> bool:
+    """Whether the runtime's kernels read this type as stored."""
+    return int(qtype) in KERNEL_QTYPES or int(qtype) in FLOAT_QTYPES
+
+
 def quant_name(qtype: int) -> str:
     try:
         return GGMLQuantizationType(qtype).name

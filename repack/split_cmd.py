@@ -2,19 +2,16 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import click
 
-from sparkpack.formats.archs import ModelSpec, model_spec
+from sparkpack.formats.archs import model_spec
 from sparkpack.formats.errors import SparkpackError
-from sparkpack.formats.experts import expert_nbytes, expert_tensor_names
 from sparkpack.formats.gguf_file import GGUFModel
-from sparkpack.formats.memory import kv_cache_bytes, recurrent_state_bytes, runtime_bytes
-
-from sparkpack.formats.placement import Plan, default_cache_slots, make_plan
+from sparkpack.formats.memory import MemoryTarget
+from sparkpack.formats.placement import Budget, ResidencyPlan, plan_residency
 from sparkpack.formats.units import SIZE, fmt_size
 
 from .outputs import check_output, reported_as
@@ -22,45 +19,7 @@ from .outputs import check_output, reported_as
 DEFAULT_HOT_FRACTION = 0.5
 
 
-@dataclass
-class Budget:
-    """Where the VRAM goes; ``experts`` is what is left for hot experts."""
-
-    vram: int | None
-    non_expert: int
-    kv_cache: int
-    recurrent_state: int
-    cache_slots: int
-    cache_slot_bytes: int
-    runtime: int
-    experts: int
-
-    def as_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-def compute_budget(model: GGUFModel, spec: ModelSpec, vram: int | None, hot_fraction: float | None, ctx: int,
-                   cache_slots: int) -> Budget:
-    experts = expert_tensor_names(spec)
-    per_expert = {il: expert_nbytes(model, spec, il) for il in spec.moe_layers}
-    non_expert = sum(t.nbytes for t in model.tensors.values() if t.name not in experts)
-    kv, state, runtime = kv_cache_bytes(spec, ctx), recurrent_state_bytes(spec), runtime_bytes(spec, ctx)
-    slot = max(per_expert.values(), default=0)
-    fixed = non_expert + kv + state + cache_slots * slot + runtime
-    if vram is not None:
-        if vram < fixed:
-            raise SparkpackError(model.path, f"VRAM budget {fmt_size(vram)} is too small: non-expert weights "
-                                             f"{fmt_size(non_expert)}, KV cache {fmt_size(kv)}, recurrent state "
-                                             f"{fmt_size(state)}, {cache_slots} cache slots {fmt_size(cache_slots * slot)} "
-                                             f"and runtime (prefill included) {fmt_size(runtime)} need {fmt_size(fixed)}")
-        left = vram - fixed
-    else:
-        frac = DEFAULT_HOT_FRACTION if hot_fraction is None else hot_fraction
-        left = int(frac * sum(per_expert.values()) * spec.n_expert + 0.5)
-    return Budget(vram, non_expert, kv, state, cache_slots, slot, runtime, left)
-
-
-def print_plan(plan: Plan, budget: Budget, n_experts: int, profile_name: str | None, found: bool = False) -> None:
+def print_plan(plan: ResidencyPlan, n_experts: int, profile_name: str | None, found: bool = False) -> None:
     echo = lambda s="": click.echo(s, err=True)  # noqa: E731 - stdout stays clean for scripts
     if plan.uniform:
         echo("no profile: placing experts uniformly (the same number per layer, arbitrary experts); "
@@ -68,24 +27,31 @@ def print_plan(plan: Plan, budget: Budget, n_experts: int, profile_name: str | N
     else:
         echo(f"placement from profile {profile_name}" + (" (found beside the model)" if found else "")
              + ": experts ranked by expected hits per byte, decode-weighted")
-    echo(f"  hot experts     {plan.n_hot} of {n_experts} ({plan.n_hot / max(n_experts, 1):.1%}), "
-         f"{fmt_size(plan.hot_bytes)}")
-    if budget.vram is not None:
-        used = (budget.non_expert + budget.kv_cache + budget.recurrent_state + budget.cache_slots * budget.cache_slot_bytes
-                + budget.runtime + plan.hot_bytes)
-        echo(f"  VRAM budget     {fmt_size(budget.vram)}, planned {fmt_size(used)}:")
-        echo(f"    non-expert weights {fmt_size(budget.non_expert)}")
+    n_hot = int(plan.hot.sum())
+    echo(f"  hot experts     {n_hot} of {n_experts} ({n_hot / max(n_experts, 1):.1%}), {fmt_size(plan.hot_bytes)}")
+    if plan.vram is not None:
+        used = plan.dense_bytes + plan.kv_bytes + plan.state_bytes + plan.overhead_bytes + plan.pool_bytes
+        echo(f"  VRAM budget     {fmt_size(plan.vram)}, planned {fmt_size(used)}:")
+        echo(f"    non-expert weights {fmt_size(plan.dense_bytes)}")
         echo(f"    hot experts        {fmt_size(plan.hot_bytes)}")
-        echo(f"    KV cache           {fmt_size(budget.kv_cache)}")
-        if budget.recurrent_state:
-            echo(f"    recurrent state    {fmt_size(budget.recurrent_state)}")
-        echo(f"    cache slots        {budget.cache_slots} x {fmt_size(budget.cache_slot_bytes)}")
-        echo(f"    runtime overhead   {fmt_size(budget.runtime)}")
+        echo(f"    KV cache           {fmt_size(plan.kv_bytes)}")
+        if plan.state_bytes:
+            echo(f"    recurrent state    {fmt_size(plan.state_bytes)}")
+        echo(f"    cache slots        {plan.cache_slots} x {fmt_size(plan.cache_slot_bytes)}")
+        echo(f"    runtime overhead   {fmt_size(plan.overhead_bytes)}")
     else:
-        echo(f"  expert budget   {fmt_size(budget.experts)} (hot fraction; VRAM not checked)")
+        echo(f"  expert budget   {fmt_size(plan.expert_budget or 0)} (hot fraction; VRAM not checked)")
     if plan.cold_hit_rate:
         echo(f"  expected cold-hit rate  generated {plan.cold_hit_rate['generated']:.1%}, "
              f"prompt {plan.cold_hit_rate['prompt']:.1%} of routings")
+
+
+def budget_json(plan: ResidencyPlan) -> dict[str, Any]:
+    """Where the VRAM goes, as the pack's manifest records it; ``experts`` is what was left for
+    hot experts."""
+    return {"vram": plan.vram, "non_expert": plan.dense_bytes, "kv_cache": plan.kv_bytes,
+            "recurrent_state": plan.state_bytes, "cache_slots": plan.cache_slots,
+            "cache_slot_bytes": plan.cache_slot_bytes, "runtime": plan.overhead_bytes, "experts": plan.expert_budget}
 
 
 def compression_line(pack_path: Path) -> str:
@@ -135,15 +101,15 @@ def split_cmd(model_path: Path, profile_path: Path | None, vram: int | None, hot
     if choice.warning:
         click.echo(f"warning: {choice.warning}", err=True)
     profile = choice.profile
-    slots = default_cache_slots(spec) if cache_slots is None else cache_slots
-    budget = compute_budget(model, spec, vram, hot_fraction, ctx, slots)
-    per_expert = {il: expert_nbytes(model, spec, il) for il in spec.moe_layers}
-    plan = make_plan(spec.n_layer, spec.n_expert, per_expert, budget.experts,
-                     profile.counts if profile else None, profile.tokens if profile else None)
-    print_plan(plan, budget, len(spec.moe_layers) * spec.n_expert, str(choice.path) if profile else None,
+    # what spark-run on a GPU will hold at this context (bf16, its default prefill calls)
+    budget = Budget(vram, None if vram is not None else DEFAULT_HOT_FRACTION if hot_fraction is None else hot_fraction,
+                    cache_slots)
+    plan = plan_residency(spec, model.tensors, budget, MemoryTarget.gpu(spec, ctx), profile=profile,
+                          profile_name=str(choice.path) if profile else None, where=model.path)
+    print_plan(plan, len(spec.moe_layers) * spec.n_expert, str(choice.path) if profile else None,
                found=profile is not None and profile_path is None)
     info = {"uniform": plan.uniform, "profile": choice.path.name if choice.path else None,
-            "budget": budget.as_json(), "ctx": ctx, "hot_bytes": plan.hot_bytes,
+            "budget": budget_json(plan), "ctx": ctx, "hot_bytes": plan.hot_bytes,
             "expected_cold_hit_rate": plan.cold_hit_rate}
     total = sum(t.nbytes for t in model.tensors.values())
     from tqdm import tqdm

@@ -50,6 +50,7 @@ import torch
 
 from sparkpack.formats.archs import ModelSpec
 from sparkpack.formats.errors import SparkpackError
+from sparkpack.formats.memory import SLOT_ALIGN
 from sparkpack.formats.placement import ADMIT_MIN, FREQ_DECAY
 from sparkpack.formats.quants import KERNEL_QTYPES, quant_name
 
@@ -65,11 +66,9 @@ from .weights import dequantize_bytes
 if TYPE_CHECKING:
     from .kernels.q8dot import Int8Rows
 
-__all__ = ["ExpertStore", "ExpertSource", "GGUFSource", "PackSourceExperts", "Part", "StoreStats",
-           "routed_experts_bytes"]
+__all__ = ["ExpertStore", "ExpertSource", "GGUFSource", "PackSourceExperts", "Part", "StoreStats"]
 
 MODES = ("auto", "zerocopy", "async")
-SLOT_ALIGN = 256
 
 
 class ExpertStore(ExpertProvider):
@@ -106,9 +105,11 @@ class ExpertStore(ExpertProvider):
         self.layer_nbytes = np.zeros(spec.n_layer, dtype=np.int64)  # one expert's bytes per layer
         self.layer_nbytes[list(nbytes)] = list(nbytes.values())
 
-        # Where the bytes live: the device pool (hot experts, then the cache slots) and the cold tier.
-        self.unit = _round_up(max(nbytes.values(), default=0), SLOT_ALIGN)
-        units = {il: 1 for il in self.moe_layers}
+        # Where the bytes live: the device pool (hot experts, each at its layer's size, then the
+        # cache slots at the largest) and the cold tier. Slots start at multiples of SLOT_ALIGN,
+        # the pools' unit: the plan (formats.placement) counts exactly these bytes.
+        self.unit = SLOT_ALIGN
+        units = {il: -(-nb // SLOT_ALIGN) for il, nb in nbytes.items()}
         n_cold = int((moe & ~hot).sum())
         self.n_hot = int(hot.sum())
         self.device_layout = layout_pool(hot, units, self.unit, max(0, min(int(cache_slots), n_cold)))
@@ -469,18 +470,6 @@ class ExpertStore(ExpertProvider):
 def _on(stream: "torch.cuda.Stream | None"):
     """``torch.cuda.stream(stream)``, or nothing to do without one (CPU, pageable copies)."""
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-def routed_experts_bytes(source: ExpertSource, spec: ModelSpec) -> dict[int, int]:
-    """Device bytes one expert of each MoE layer costs in the store: every slot of the one pool
-    has the largest layer's (aligned) size, so that is the cost whatever the layer. Planning
-    with per-layer sizes undercounted a Q4_K_M model's pool by 7% and broke --vram budgets."""
-    slot = _round_up(max((sum(p.nbytes for p in source.layout(il)) for il in spec.moe_layers), default=0), SLOT_ALIGN)
-    return {il: slot for il in spec.moe_layers}
-
-
-def _round_up(v: int, a: int) -> int:
-    return (v + a - 1) // a * a
 
 
 def _gib(n: int | None) -> str:

@@ -28,8 +28,8 @@ import os
 
 import torch
 
-from sparkpack.formats.archs import LINEAR, ModelSpec
-from sparkpack.formats.memory import PREFILL_GRAPH_TOKENS
+from sparkpack.formats.archs import ModelSpec
+from sparkpack.formats.memory import PREFILL_GRAPH_TOKENS, short_calls
 
 from .cache import Cache, KVCache
 from .models.base import MoEModel
@@ -124,12 +124,12 @@ class DecodeGraph:
 def short_prefill_calls(device: torch.device | str, dtype: torch.dtype, spec: ModelSpec, kv_type: str) -> bool:
     """Whether sessions feed prompts in calls of at most ``PREFILL_GRAPH_TOKENS`` tokens: on CUDA
     (where the runtime's kernels run) in half precision, for a model whose every layer is
-    attention over a bf16/f16 KV cache (a DeltaNet state would take padding in). These are the
-    calls ``PrefillGraphs`` pads and captures. It depends on nothing the expert store decides,
-    so the ``--vram`` plan (``runtime.models.open_store``) knows before the store exists that no
+    attention over a bf16/f16 KV cache (``formats.memory.short_calls``). These are the calls
+    ``PrefillGraphs`` pads and captures. It depends on nothing the expert store decides, so the
+    ``--vram`` plan (``runtime.residency.memory_target``) knows before the store exists that no
     prefill call's temporaries exceed a short call's."""
     return (torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-            and kv_type != "q8_0" and bool(spec.layers) and all(k.attention != LINEAR for k in spec.layers))
+            and short_calls(spec, kv_type))
 
 
 def feeds_short_calls(model: MoEModel, cache: Cache) -> bool:

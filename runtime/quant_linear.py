@@ -19,14 +19,7 @@ import torch.nn.functional as F
 from sparkpack.formats.memory import DEQUANT_SCRATCH_ELEMENTS
 
 from .kernels import q8dot
-from .dequant import FLOAT_DTYPES
 from .kernels.dense import MAX_SEGMENTS, dequantize_into, gemv, row_bytes
-from .kernels.blocks import BLOCK_LAYOUT
-
-
-def has_kernel(qtype: int) -> bool:
-    """Whether the dense kernels read this GGML type as stored."""
-    return int(qtype) in BLOCK_LAYOUT or int(qtype) in FLOAT_DTYPES
 
 
 class QuantLinear:

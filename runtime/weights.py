@@ -15,9 +15,11 @@ import torch
 
 from sparkpack.formats.errors import FormatError
 from sparkpack.formats.gguf_file import GGUFModel
+from sparkpack.formats.memory import held_as_bytes
+from sparkpack.formats.quants import kernels_read
 
 from .dequant import dequantize
-from .quant_linear import QuantLinear, has_kernel, linear, stack
+from .quant_linear import QuantLinear, linear, stack
 
 if TYPE_CHECKING:
     from .kernels.q8dot import Int8Rows
@@ -51,16 +53,6 @@ def dequantize_bytes(raw: np.ndarray, qtype: int, shape: tuple[int, ...], device
     return out.reshape(out_shape) if whole is None else whole
 
 
-# 2-D weights the model does not multiply by (the DeltaNet conv kernel is applied elementwise)
-NOT_LINEAR = ("ssm_conv1d",)
-
-
-def held_quantized(name: str, shape: tuple[int, ...], qtype: int) -> bool:
-    """Whether ``Weights(quantized=True)`` keeps this tensor as its GGUF bytes: the matrices the
-    model multiplies by (or gathers rows of), when the dense kernels read their type."""
-    return name.endswith(".weight") and len(shape) == 2 and has_kernel(qtype) and not any(k in name for k in NOT_LINEAR)
-
-
 def quantizes_dense(device: torch.device, dtype: torch.dtype) -> bool:
     """Where the runtime keeps dense matrices as bytes: on a GPU (the kernels' home); the CPU
     path and float64 references expand them."""
@@ -89,7 +81,7 @@ class Weights:
 
     def is_quantized(self, name: str) -> bool:
         info = self.gguf.tensor(name)
-        return self.quantized and held_quantized(name, info.shape, info.qtype)
+        return self.quantized and held_as_bytes(name, info.shape, info.qtype)
 
     def matrix(self, name: str) -> "torch.Tensor | QuantLinear":
         """A weight to multiply by: its bytes (``QuantLinear``) or the expanded tensor."""
@@ -139,7 +131,7 @@ class Weights:
         shapes = [(1, *s) if len(s) == 1 else s for s in shapes]
         if any(len(s) != 2 or s[1] != shapes[0][1] for s in shapes):
             raise FormatError(self.gguf.path, f"cannot stack {', '.join(names)}: shapes {[list(s) for s in shapes]}")
-        if self.quantized and all(has_kernel(i.qtype) and n not in self._cache for n, i in zip(names, infos)):
+        if self.quantized and all(kernels_read(i.qtype) and n not in self._cache for n, i in zip(names, infos)):
             q = self._lin[key] = stack([(s[0], i.qtype, self.gguf.raw(n)) for n, s, i in zip(names, shapes, infos)],
                                        shapes[0][1], self.device)
             row = 0

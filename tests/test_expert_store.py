@@ -273,9 +273,12 @@ def test_vram_budget_too_small_is_one_line(model_path):
 
 def test_vram_budget_sizes_the_hot_set(model_path):
     """A budget that leaves room for half the experts' bytes gets a partial hot set that fits."""
+    from sparkpack.formats.placement import default_cache_slots
+
     model = load_model(model_path, store=StoreOptions(vram=10**12))
     big = model.residency
-    fixed = big.dense_bytes + big.kv_bytes + big.state_bytes + big.overhead_bytes + big.cache_bytes
+    slots = default_cache_slots(model.spec) * big.cache_slot_bytes  # planned for, if any expert stays cold
+    fixed = big.dense_bytes + big.kv_bytes + big.state_bytes + big.overhead_bytes + slots
     assert big.hot[list(model.spec.moe_layers)].all()
     mid = load_model(model_path, store=StoreOptions(vram=fixed + big.hot_bytes // 2))
     r = mid.residency
@@ -294,7 +297,8 @@ def test_vram_plan_counts_dense_matrices_held_as_gguf_bytes(model_path):
     exactly what such weights hold once loaded as at load (stacks first, then the rest), and
     less than the expanded weights need."""
     from sparkpack.formats.experts import expert_tensor_names
-    from sparkpack.runtime.residency import plan_residency
+    from sparkpack.formats.memory import MemoryTarget
+    from sparkpack.formats.placement import Budget, plan_residency
     from sparkpack.runtime.weights import Weights
 
     model = load_model(model_path)
@@ -308,8 +312,8 @@ def test_vram_plan_counts_dense_matrices_held_as_gguf_bytes(model_path):
                  for q in w._lin.values() for raw, _ in q.segments})
 
     def dense(quantized: bool) -> int:
-        return plan_residency(model.spec, model.gguf.tensors, names, {il: 1 for il in model.spec.moe_layers}, 4,
-                              vram=10**12, quantized_dense=quantized).dense_bytes
+        return plan_residency(model.spec, model.gguf.tensors, Budget(vram=10**12),
+                              MemoryTarget(4, quantized)).dense_bytes
     assert dense(True) == sum(held.values()) < dense(False)
 
 

@@ -1,15 +1,22 @@
-"""The greedy planner: honours the budget, prefers frequent experts, ranks across layers."""
+"""The greedy planner: honours the budget, prefers frequent experts, ranks across layers; and the
+one VRAM plan split and the runtime share."""
 from __future__ import annotations
+
+import json
+import sys
 
 import numpy as np
 import pytest
+import torch
 
 from sparkpack.formats.archs import model_spec
 from sparkpack.formats.decayed_routing import DecayedRouting
 from sparkpack.formats.gguf_file import GGUFModel
-from sparkpack.formats.placement import (SWAP_MARGIN, Swaps, cold_hit_rates, expert_scores, make_plan, plan_swaps,
-                                         plan_uniform)
+from sparkpack.formats.memory import MemoryTarget
+from sparkpack.formats.placement import (SWAP_MARGIN, Budget, Swaps, cold_hit_rates, default_cache_slots, expert_scores,
+                                         make_plan, plan_residency, plan_swaps, plan_uniform)
 from sparkpack.formats.profile import Profile, model_identity
+from sparkpack.formats.sparkpack import Pack
 
 
 def counts(n_layer: int, n_expert: int, seed: int = 0) -> np.ndarray:
@@ -147,3 +154,43 @@ def test_the_hot_set_does_not_flap_on_stationary_traffic(synth_model):
     settled = run(SWAP_MARGIN)
     assert sum(settled[:100]) > 0 and sum(settled[100:]) == 0
     assert sum(run(0.0)[100:]) > 10  # what the margin prevents
+
+
+@pytest.mark.parametrize("arch, quant", [("qwen35moe", "Q4_K_M"), ("qwen3moe", "Q4_K_M"), ("laguna", "Q5_K_M"),
+                                         ("qwen3moe", "Q8_0")])
+def test_split_plans_what_the_runtime_allocates(synth_model, tmp_path, monkeypatch, capsys, arch, quant):
+    """``repack split --vram`` and ``spark-run --vram`` on a GPU plan the same hot set and cache
+    slots for the same budget, and the store's device pool is exactly what split planned for
+    experts: each hot expert at its own layer's size (Q4_K_M mixes Q4_K and Q6_K down matrices
+    across layers), each cache slot at the largest. The runtime's plan for a GPU is computed
+    here on the CPU; the store is built on the CPU from it."""
+    from sparkpack.repack.cli import main
+    from sparkpack.runtime.expert_store import ExpertStore
+    from sparkpack.runtime.models import StoreOptions, plan_store
+    from sparkpack.runtime.weights import PackSource
+
+    path = synth_model(arch, quant)
+    gguf = GGUFModel(path)
+    spec = model_spec(gguf)
+    full = plan_residency(spec, gguf.tensors, Budget(vram=2**40), MemoryTarget.gpu(spec, 512))
+    assert full.hot[list(spec.moe_layers)].all() and len(set(full.slot_bytes.values())) == (1 if quant == "Q8_0" else 2)
+    fixed = full.dense_bytes + full.kv_bytes + full.state_bytes + full.overhead_bytes
+    vram = fixed + default_cache_slots(spec) * full.cache_slot_bytes + full.hot_bytes // 2  # about half fits
+    out = tmp_path / "m.sparkpack"
+    monkeypatch.setattr(sys, "argv", ["repack", "split", str(path), "--vram", str(vram), "--ctx", "512", "-o", str(out)])
+    try:
+        main()
+    except SystemExit as e:  # (only on errors)
+        pytest.fail(f"repack split exited {e.code}: {capsys.readouterr().err}")
+    placement = json.loads((out / "manifest.json").read_text())["placement"]
+    split = placement["budget"]
+    pack = Pack.open(out)
+    opts = StoreOptions(vram=vram, ctx=512)
+    src, plan = plan_store(PackSource(pack), pack, spec, "cuda", torch.bfloat16, opts)
+    assert np.array_equal(plan.hot, pack.hot) and 0 < plan.hot.sum() < len(spec.moe_layers) * spec.n_expert
+    assert (plan.hot_bytes, plan.cache_slots, plan.cache_slot_bytes, plan.dense_bytes, plan.expert_budget) == \
+        (placement["hot_bytes"], split["cache_slots"], split["cache_slot_bytes"], split["non_expert"], split["experts"])
+    assert np.array_equal(plan_store(gguf, None, spec, "cuda", torch.bfloat16, opts)[1].hot, pack.hot)  # from the GGUF too
+    store = ExpertStore(src, spec, "cpu", torch.float32, plan.hot, plan.cache_slots, "async")
+    assert store.pool.numel() == plan.pool_bytes == placement["hot_bytes"] + split["cache_slots"] * split["cache_slot_bytes"]
+    assert (store.n_hot, store.n_cache) == (int(pack.hot.sum()), split["cache_slots"])

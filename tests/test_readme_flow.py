@@ -24,12 +24,11 @@ def readme_commands() -> list[list[str]]:
 
 def test_readme_walkthrough_places_experts_by_the_calibration(tmp_path):
     from sparkpack.formats.archs import model_spec
-    from sparkpack.formats.experts import expert_nbytes
     from sparkpack.formats.gguf_file import GGUFModel
-    from sparkpack.formats.placement import default_cache_slots, make_plan
+    from sparkpack.formats.memory import MemoryTarget
+    from sparkpack.formats.placement import Budget, plan_residency
     from sparkpack.formats.profile import Profile
     from sparkpack.formats.sparkpack import Pack
-    from sparkpack.repack.split_cmd import compute_budget
 
     os.symlink(REPO / "corpora", tmp_path / "corpora")
     commands = readme_commands()
@@ -49,10 +48,9 @@ def test_readme_walkthrough_places_experts_by_the_calibration(tmp_path):
     gguf = GGUFModel(tmp_path / "model.gguf")
     spec = model_spec(gguf)
     prof = Profile.load(tmp_path / "model.profile.json")
-    per_expert = {il: expert_nbytes(gguf, spec, il) for il in spec.moe_layers}
-    budget = compute_budget(gguf, spec, None, 0.5, 4096, default_cache_slots(spec))
-    want = make_plan(spec.n_layer, spec.n_expert, per_expert, budget.experts, prof.counts, prof.tokens)
-    uniform = make_plan(spec.n_layer, spec.n_expert, per_expert, budget.experts)
+    budget, target = Budget(hot_fraction=0.5), MemoryTarget.gpu(spec, 4096)  # split's default
+    want = plan_residency(spec, gguf.tensors, budget, target, profile=prof)
+    uniform = plan_residency(spec, gguf.tensors, budget, target)
     pack = Pack.open(tmp_path / "model.sparkpack")
     assert np.array_equal(pack.hot, want.hot) and not np.array_equal(pack.hot, uniform.hot)
     assert pack.manifest["placement"]["profile"] == "model.profile.json"

@@ -12,7 +12,7 @@ from sparkpack.formats.gguf_file import GGUFModel
 
 from ..experts import ExpertProvider, GGUFExperts, PackExperts
 from ..residency import StoreOptions
-from ..weights import PackSource, quantizes_dense
+from ..weights import PackSource
 from .base import MoEModel
 from .laguna import Laguna
 from .qwen3moe import Qwen3MoE
@@ -73,26 +73,18 @@ def open_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOption
 
 def plan_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOptions):
     """Where an opened model file's experts come from and the residency plan ``opts`` asks for
-    (what ``open_store`` builds its store from)."""
-    from sparkpack.formats.experts import expert_tensor_names
-    from sparkpack.formats.memory import PREFILL_GRAPH_TOKENS
+    (what ``open_store`` builds its store from): ``formats.placement.plan_residency``, the plan
+    ``repack split`` makes, for this device and dtype."""
+    from sparkpack.formats.placement import plan_residency
 
-    from ..expert_store import GGUFSource, PackSourceExperts, routed_experts_bytes
-    from ..graph import short_prefill_calls
-    from ..residency import identity_of, load_profile, plan_residency
+    from ..expert_store import GGUFSource, PackSourceExperts
+    from ..residency import identity_of, load_profile, memory_target
 
     experts_src = PackSourceExperts(pack, spec) if pack is not None else GGUFSource(source, spec)
     profile, profile_name = load_profile(opts.profile, Path(source.path), identity_of(source), spec)
-    chunk = opts.prefill_chunk  # the most tokens a prefill call of the session will hold
-    if short_prefill_calls(device, dtype, spec, opts.kv_type):
-        chunk = min(chunk, PREFILL_GRAPH_TOKENS)
-    residency = plan_residency(spec, source.tensors, expert_tensor_names(spec), routed_experts_bytes(experts_src, spec),
-                               torch.empty((), dtype=dtype).element_size(),
-                               pack_hot=pack.hot if pack is not None else None, profile=profile,
-                               profile_name=profile_name, vram=opts.vram, hot_fraction=opts.hot_fraction,
-                               cache_slots=opts.cache_slots, ctx=opts.ctx, kv_type=opts.kv_type,
-                               prefill_chunk=chunk, where=source.path,
-                               quantized_dense=quantizes_dense(torch.device(device), dtype))
+    residency = plan_residency(spec, source.tensors, opts.budget, memory_target(device, dtype, spec, opts),
+                               profile=profile, profile_name=profile_name,
+                               pack_hot=pack.hot if pack is not None else None, where=source.path)
     return experts_src, residency
 
 

@@ -24,7 +24,7 @@ from ..weights import Weights, quantizes_dense
 
 class MoEModel(ABC):
     arch = ""
-    residency = None  # the expert store's plan (runtime.residency.Residency) when one is used
+    residency = None  # the expert store's plan (formats.placement.ResidencyPlan) when one is used
     ffn_norm = "ffn_norm"  # the norm in front of a block's MoE (``blk.N.<ffn_norm>.weight``)
     # Projections of one input that run as one GEMM (``project``): per layer, the members of a
     # group that the file has, when at least two do.
