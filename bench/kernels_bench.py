@@ -32,7 +32,7 @@ from sparkpack.formats.quant_blocks import make_rng, random_blocks
 from sparkpack.formats.quants import block_size
 from sparkpack.runtime.dequant import FLOAT_DTYPES, dequantize_rows
 from sparkpack.runtime.kernels import blocks, dense
-from sparkpack.runtime.kernels.moe import moe_experts
+from sparkpack.runtime.kernels.moe import ExpertPools, MoELaunch, moe_experts
 from sparkpack.runtime.kernels.q8dot import quantize
 
 _SEEDS = itertools.count()
@@ -83,8 +83,9 @@ def bench_moe(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator) -
         wts = torch.softmax(torch.randn(T, topk, device="cuda", generator=gen), dim=-1)
         slots = torch.arange(n_slots, dtype=torch.int32, device="cuda")
         y = torch.empty(T, n_embd, device="cuda")
-        run = lambda: moe_experts(x, ids, wts, slots, gate, up, down, gq, gq, dq, n_ff, out=y,  # noqa: E731
-                                  block_n=bn or None, num_warps=nw or None, act_q8=q8, cpi=cpi)
+        launch = MoELaunch(block_n=bn or None, num_warps=nw or None, cpi=cpi)
+        run = lambda: moe_experts(x, ids, wts, slots, ExpertPools(gate, up, down, gq, gq, dq, n_ff),  # noqa: E731
+                                  act_q8=q8, out=y, launch=launch)
         ms = median_ms(run)
         run()
         ref = torch.zeros(T, n_embd, device="cuda", dtype=torch.float64)
@@ -97,9 +98,9 @@ def bench_moe(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator) -
         err = rel_l2(y, ref)
         # residency must not change results: move every expert to another slot, expect equal bits
         perm = torch.randperm(n_slots, device="cuda", generator=gen)
-        moved = moe_experts(x, ids, wts, perm.to(torch.int32), gate[perm.argsort()], up[perm.argsort()],
-                            down[perm.argsort()], gq, gq, dq, n_ff, block_n=bn or None, num_warps=nw or None,
-                            act_q8=q8, cpi=cpi)
+        moved = moe_experts(x, ids, wts, perm.to(torch.int32),
+                            ExpertPools(gate[perm.argsort()], up[perm.argsort()], down[perm.argsort()], gq, gq, dq, n_ff),
+                            act_q8=q8, launch=launch)
         same = torch.equal(moved, y)
         used = torch.unique(ids).numel()
         nbytes = used * (gate[0].numel() + up[0].numel() + down[0].numel())
@@ -135,11 +136,11 @@ def bench_moe_prefill(args: argparse.Namespace, gen: torch.Generator) -> bool:
             g = xe @ dequantize_rows(gate[e], gq, n_embd).T
             u = xe @ dequantize_rows(up[e], gq, n_embd).T
             ref.index_add_(0, rows, wts[rows, j, None] * ((torch.nn.functional.silu(g) * u) @ dequantize_rows(down[e], dq, n_ff).T))
-        cases = [("per-pair", False, None, None), ("expanded", True, None, False)] + \
+        cases = [("per-pair", False, None, True), ("expanded", True, None, False)] + \
             [("sub", True, t, True) for t in tiles]
         for name, grouped, t, sub in cases:
-            run = lambda: moe_experts(x, ids, wts, slots, gate, up, down, gq, gq, dq, n_ff,  # noqa: E731
-                                      grouped=grouped, tiles=t, sub=sub)
+            run = lambda: moe_experts(x, ids, wts, slots, ExpertPools(gate, up, down, gq, gq, dq, n_ff),  # noqa: E731
+                                      launch=MoELaunch(grouped=grouped, tiles=t, sub=sub))
             if not grouped and T > 512:
                 continue  # minutes per call
             ms = median_ms(run)

@@ -58,12 +58,13 @@ from .expert_pools import ColdTier, DiskTier, HostPool, PoolLayout, fill_device_
 from .expert_slots import ExpertSlots
 from .expert_source import ExpertSource, GGUFSource, PackSourceExperts, Part
 from .expert_stats import RoutingCounts, StoreStats
-from .expert_tables import ExpertLayer, KernelTables, kernel_views
+from .expert_tables import ExpertLayer, KernelTables
 from .experts import ExpertProvider, routed_sum
 from .layers import swiglu
 from .weights import dequantize_bytes
 
 if TYPE_CHECKING:
+    from .kernels.moe import ExpertPools
     from .kernels.q8dot import Int8Rows
 
 __all__ = ["ExpertStore", "ExpertSource", "GGUFSource", "PackSourceExperts", "Part", "StoreStats"]
@@ -204,7 +205,7 @@ class ExpertStore(ExpertProvider):
         self._step_routed = True
         if self.mode == "zerocopy":
             if la.fused:  # the kernel counts the routings itself
-                return self._fused(la, x, weights, ids, self.tables.device[layer], la.host_views,
+                return self._fused(la.host_pools, x, weights, ids, self.tables.device[layer],
                                    self.counts.step[layer], parts, q8)
             flat = ids.reshape(-1)
             one = torch.ones_like(flat, dtype=torch.int32)
@@ -217,19 +218,18 @@ class ExpertStore(ExpertProvider):
             if la.fused:
                 if len(left):
                     return self._fused_overflow(layer, la, x, weights, ids, left, parts, q8)
-                return self._fused(la, x, weights, ids, self.tables.device[layer], None, parts=parts, q8=q8)
+                return self._fused(la.pools, x, weights, ids, self.tables.device[layer], parts=parts, q8=q8)
         return routed_sum(x, weights, ids, lambda e, rows: self._expert_forward(layer, e, rows))
 
-    def _fused(self, la: ExpertLayer, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-               table_row: torch.Tensor, host_views: tuple | None, counts: torch.Tensor | None = None,
-               parts: bool = False, q8: "Int8Rows | None" = None) -> torch.Tensor:
+    def _fused(self, pools: "ExpertPools", x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+               table_row: torch.Tensor, counts: torch.Tensor | None = None, parts: bool = False,
+               q8: "Int8Rows | None" = None) -> torch.Tensor:
         from .kernels.moe import moe_experts
 
         # router ids (int64) and weights (float32) go in as they are: the kernels read either
         # float32 out: the block's residual epilogue (layers.ffn_residual) rounds it, no launch of its own
-        return moe_experts(x, ids, weights.float(), table_row, *la.views, *la.qtypes, la.n_ff,
-                           host=host_views, counts=counts, act_q8=True, x_q8=q8, reduce=not parts,
-                           count_tokens=self.real_tokens if counts is not None else None)
+        return moe_experts(x, ids, weights.float(), table_row, pools, act_q8=True, x_q8=q8, counts=counts,
+                           count_tokens=self.real_tokens if counts is not None else None, reduce=not parts)
 
     def _fused_overflow(self, layer: int, la: ExpertLayer, x: torch.Tensor, weights: torch.Tensor,
                         ids: torch.Tensor, left: np.ndarray, parts: bool = False,
@@ -240,7 +240,7 @@ class ExpertStore(ExpertProvider):
         staging = None
         if isinstance(self.cold, HostPool):
             row[left] = -(self.cold.layout.offset[layer, left] + 1)
-            host_views = la.host_views
+            pools = la.host_pools
         else:
             slot_units = self.device_layout.slot_units
             staging = torch.empty(len(left) * self.slot_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
@@ -249,9 +249,9 @@ class ExpertStore(ExpertProvider):
                 self._stats.disk_reads += read
                 staging[i * self.slot_bytes: (i + 1) * self.slot_bytes].copy_(buf[: self.slot_bytes])
             row[left] = -(slot_units * np.arange(len(left)) + 1)
-            host_views = kernel_views(staging, la.parts, self.unit)
+            pools = la.with_host(staging, self.unit)
         self._stats.zero_copy_reads += len(left)
-        y = self._fused(la, x, weights, ids, torch.from_numpy(row).to(self.device), host_views, parts=parts, q8=q8)
+        y = self._fused(pools, x, weights, ids, torch.from_numpy(row).to(self.device), parts=parts, q8=q8)
         if staging is not None and staging.is_pinned():
             torch.cuda.current_stream(self.device).synchronize()  # the kernel reads staging: keep it alive
         return y

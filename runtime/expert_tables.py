@@ -8,7 +8,8 @@ stride: the kernel finds expert ``e`` at ``table[e] * unit`` bytes, whatever its
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from sparkpack.formats.experts import ROLE_ORDER
 
 from .expert_slots import NOT_RESIDENT
 from .expert_source import Part
+
+if TYPE_CHECKING:
+    from .kernels.moe import ExpertPools
 
 
 @dataclass
@@ -25,19 +29,23 @@ class ExpertLayer:
     parts: list[Part]
     nbytes: int  # one expert's bytes
     fused: bool  # every part has a fused-kernel quant type
-    views: tuple = field(default=())  # (gate or gate_up, up or None, down) device pool views for the kernel
-    host_views: tuple | None = None  # the same over the host pool
-    qtypes: tuple = field(default=())  # (gate or gate_up, up or None, down) quant types
-    n_ff: int = 0
+    pools: "ExpertPools | None" = None  # the device pool as the fused kernel reads it
+    host_pools: "ExpertPools | None" = None  # the same, with the host pool beside it
 
     def bind(self, pool: torch.Tensor, host: torch.Tensor | None, unit: int) -> None:
         """Views of the pools for the fused kernel (its quant types and width too)."""
+        from .kernels.moe import ExpertPools  # noqa: PLC0415 - triton import only when used
+
         q = {p.role: int(p.qtype) for p in self.parts}
-        self.qtypes = (q.get("gate", q.get("gate_up")), q.get("up"), q["down"])
-        self.n_ff = (self.parts[0].shape[1] // 2) if "gate_up" in q else self.parts[0].shape[1]
-        self.views = kernel_views(pool, self.parts, unit)
+        n_ff = (self.parts[0].shape[1] // 2) if "gate_up" in q else self.parts[0].shape[1]
+        self.pools = ExpertPools(*kernel_views(pool, self.parts, unit), q.get("gate", q.get("gate_up")), q.get("up"),
+                                 q["down"], n_ff)
         if host is not None:
-            self.host_views = kernel_views(host, self.parts, unit)
+            self.host_pools = self.with_host(host, unit)
+
+    def with_host(self, host: torch.Tensor, unit: int) -> "ExpertPools":
+        """The device pools with ``host`` (a flat host buffer laid out in ``unit`` slots) beside them."""
+        return replace(self.pools, host=kernel_views(host, self.parts, unit))
 
 
 def kernel_views(pool: torch.Tensor, parts: list[Part], unit: int) -> tuple:

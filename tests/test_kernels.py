@@ -10,6 +10,7 @@ test also compiles every kernel family for sm_90 with the ptxas bundled in the t
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -24,7 +25,7 @@ from gguf.quants import dequantize  # noqa: E402
 from sparkpack.formats.quant_blocks import make_rng, random_blocks  # noqa: E402
 from sparkpack.runtime.kernels.blocks import BLOCK_LAYOUT  # noqa: E402
 from sparkpack.runtime.kernels.dense import gemv  # noqa: E402
-from sparkpack.runtime.kernels.moe import GROUPED_MIN_PAIRS, group_pairs, moe_experts  # noqa: E402
+from sparkpack.runtime.kernels.moe import GROUPED_MIN_PAIRS, ExpertPools, MoELaunch, group_pairs, moe_experts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -82,8 +83,9 @@ def test_every_kernel_type_unpacks_as_gguf_in_the_row_and_tile_dots(qtype: T) ->
     wts = torch.rand(n_tok, 1, generator=g)
     slots = [0, 1]
     y = moe_experts(x.to(DEVICE), ids.to(DEVICE), wts.to(DEVICE), torch.tensor(slots, dtype=torch.int32, device=DEVICE),
-                    pools(gate, slots, n_exp), pools(up, slots, n_exp), pools(down, slots, n_exp), qtype, qtype,
-                    qtype, n_ff, grouped=True, sub=False, tiles=(16, 64, 4) if DEVICE == "cpu" else None)
+                    ExpertPools(pools(gate, slots, n_exp), pools(up, slots, n_exp), pools(down, slots, n_exp), qtype,
+                                qtype, qtype, n_ff),
+                    launch=MoELaunch(grouped=True, sub=False, tiles=(16, 64, 4) if DEVICE == "cpu" else None))
     ref = moe_reference(x.double(), ids, wts, dequant64(gate, qtype, K), dequant64(up, qtype, K),
                         dequant64(down, qtype, n_ff))
     assert rel_l2(y, ref) < 1e-5, qtype.name
@@ -113,8 +115,9 @@ def test_kernels_at_real_shapes_against_gguf(qtype: T) -> None:
         ids = torch.stack([torch.randperm(n_exp, generator=g)[:topk] for _ in range(n_tok)])
         wts = torch.softmax(torch.randn(n_tok, topk, generator=g), -1)
         y = moe_experts(x.to(DEVICE), ids.to(DEVICE), wts.to(DEVICE), torch.tensor(slots, dtype=torch.int32,
-                        device=DEVICE), pools(gate, slots, n_exp), pools(up, slots, n_exp), pools(down, slots, n_exp),
-                        qtype, qtype, qtype, n_ff, grouped=grouped)
+                        device=DEVICE), ExpertPools(pools(gate, slots, n_exp), pools(up, slots, n_exp),
+                                                    pools(down, slots, n_exp), qtype, qtype, qtype, n_ff),
+                        launch=MoELaunch(grouped=grouped))
         assert rel_l2(y, moe_reference(x.double(), ids, wts, *dq)) < bound, (n_tok, grouped)
 
 
@@ -164,11 +167,12 @@ def run_moe(case: dict, slot_of: list[int], n_slots: int, validate: bool = False
     out = torch.full((N_TOK, N_EMBD), float("nan"), device=DEVICE)
     return moe_experts(case["x"].to(DEVICE), case["ids"].to(DEVICE), case["wts"].to(DEVICE),
                        torch.tensor(slot_of, dtype=torch.int32, device=DEVICE),
-                       pools(case["gate"], slot_of, n_slots), pools(case["up"], slot_of, n_slots),
-                       pools(case["down"], slot_of, n_slots), T.Q4_K, T.Q5_K, T.Q6_K, N_FF,
-                       validate=validate, out=out, grouped=grouped, host=host,
+                       ExpertPools(pools(case["gate"], slot_of, n_slots), pools(case["up"], slot_of, n_slots),
+                                   pools(case["down"], slot_of, n_slots), T.Q4_K, T.Q5_K, T.Q6_K, N_FF, host=host),
+                       validate=validate, out=out,
                        # few programs: the interpreter is slow (a GPU takes the default tiles)
-                       block_n=64, tiles=(16, 128, 4) if grouped and DEVICE == "cpu" else None)
+                       launch=MoELaunch(grouped=grouped, block_n=64,
+                                        tiles=(16, 128, 4) if grouped and DEVICE == "cpu" else None))
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["per-pair", "grouped"])
@@ -198,16 +202,16 @@ def test_grouped_sub_block_kernels_match_the_expanded_ones(types: tuple) -> None
                         dequant64(down, dq, n_ff))
     slots = [1, 2, 0]
     args = (x.to(DEVICE), ids.to(DEVICE), wts.to(DEVICE), torch.tensor(slots, dtype=torch.int32, device=DEVICE),
-            pools(gate, slots, n_exp), pools(up, slots, n_exp), pools(down, slots, n_exp), gq, uq, dq, n_ff)
+            ExpertPools(pools(gate, slots, n_exp), pools(up, slots, n_exp), pools(down, slots, n_exp), gq, uq, dq, n_ff))
     tiles = (16, 64, 4) if DEVICE == "cpu" else None
-    sub = moe_experts(*args, grouped=True, tiles=tiles)
-    tile = moe_experts(*args, grouped=True, tiles=tiles, sub=False)
+    sub = moe_experts(*args, launch=MoELaunch(grouped=True, tiles=tiles))
+    tile = moe_experts(*args, launch=MoELaunch(grouped=True, tiles=tiles, sub=False))
     assert rel_l2(sub, ref) < 1e-5 and rel_l2(tile, ref) < 1e-5
     # residency never changes the sub-block kernels' bits
     moved = [0, 3, 1]
     again = moe_experts(args[0], args[1], args[2], torch.tensor(moved, dtype=torch.int32, device=DEVICE),
-                        pools(gate, moved, 4), pools(up, moved, 4), pools(down, moved, 4), gq, uq, dq, n_ff,
-                        grouped=True, tiles=tiles)
+                        ExpertPools(pools(gate, moved, 4), pools(up, moved, 4), pools(down, moved, 4), gq, uq, dq, n_ff),
+                        launch=MoELaunch(grouped=True, tiles=tiles))
     assert torch.equal(again, sub)
 
 
@@ -224,16 +228,16 @@ def test_moe_switches_to_the_grouped_kernels_from_grouped_min_pairs() -> None:
         ids = torch.stack([torch.randperm(n_exp, generator=rng)[:topk] for _ in range(n_tok)])
         wts = torch.rand(n_tok, topk, generator=rng)
         args = (x.to(DEVICE), ids.to(DEVICE), wts.to(DEVICE), torch.tensor(slots, dtype=torch.int32, device=DEVICE),
-                pools(gate, slots, n_exp), pools(up, slots, n_exp), pools(down, slots, n_exp), T.Q4_K, T.Q4_K,
-                T.Q8_0, N_FF)
+                ExpertPools(pools(gate, slots, n_exp), pools(up, slots, n_exp), pools(down, slots, n_exp), T.Q4_K,
+                            T.Q4_K, T.Q8_0, N_FF))
         y = moe_experts(*args)
         grouped = n_tok * topk >= GROUPED_MIN_PAIRS
-        assert torch.equal(y, moe_experts(*args, grouped=grouped, block_n=None if grouped else 256))
+        assert torch.equal(y, moe_experts(*args, launch=MoELaunch(grouped=grouped, block_n=None if grouped else 256)))
         ref = moe_reference(x.double(), ids, wts, dequant64(gate, T.Q4_K, N_EMBD), dequant64(up, T.Q4_K, N_EMBD),
                             dequant64(down, T.Q8_0, N_FF))
         assert rel_l2(y, ref) < 1e-5
     with pytest.raises(ValueError, match="powers of two"):
-        moe_experts(*args, grouped=True, tiles=(8, 32, 4))
+        moe_experts(*args, launch=MoELaunch(grouped=True, tiles=(8, 32, 4)))
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 tl.dot is wrong in Triton's interpreter")
@@ -242,9 +246,10 @@ def test_grouped_moe_half_activations(moe_case: dict, dtype: torch.dtype) -> Non
     """What prefill runs on the GPU: half-precision activations, bf16 tensor-core products."""
     c, slots = moe_case, list(range(N_EXPERT))
     y = moe_experts(c["x"].to(DEVICE, dtype), c["ids"].to(DEVICE), c["wts"].to(DEVICE),
-                    torch.tensor(slots, dtype=torch.int32, device=DEVICE), pools(c["gate"], slots, N_EXPERT),
-                    pools(c["up"], slots, N_EXPERT), pools(c["down"], slots, N_EXPERT), T.Q4_K, T.Q5_K, T.Q6_K,
-                    N_FF, grouped=True)
+                    torch.tensor(slots, dtype=torch.int32, device=DEVICE),
+                    ExpertPools(pools(c["gate"], slots, N_EXPERT), pools(c["up"], slots, N_EXPERT),
+                                pools(c["down"], slots, N_EXPERT), T.Q4_K, T.Q5_K, T.Q6_K, N_FF),
+                    launch=MoELaunch(grouped=True))
     ref = moe_reference(c["x"].to(dtype).double(), c["ids"], c["wts"], dequant64(c["gate"], T.Q4_K, N_EMBD),
                         dequant64(c["up"], T.Q5_K, N_EMBD), dequant64(c["down"], T.Q6_K, N_FF))
     assert rel_l2(y, ref) < 1e-2
@@ -265,9 +270,9 @@ def test_moe_iq4_xs_and_mxfp4_experts(grouped: bool) -> None:
                         dequant64(down, T.MXFP4, n_ff))
     slots = [2, 0, 1]
     y = moe_experts(x.to(DEVICE), ids.to(DEVICE), wts.to(DEVICE), torch.tensor(slots, dtype=torch.int32, device=DEVICE),
-                    pools(gate, slots, n_exp), pools(up, slots, n_exp), pools(down, slots, n_exp),
-                    T.IQ4_XS, T.IQ4_XS, T.MXFP4, n_ff, grouped=grouped, block_n=64,
-                    tiles=(16, 64, 4) if grouped and DEVICE == "cpu" else None)
+                    ExpertPools(pools(gate, slots, n_exp), pools(up, slots, n_exp), pools(down, slots, n_exp),
+                                T.IQ4_XS, T.IQ4_XS, T.MXFP4, n_ff),
+                    launch=MoELaunch(grouped=grouped, block_n=64, tiles=(16, 64, 4) if grouped and DEVICE == "cpu" else None))
     assert rel_l2(y, ref) < 1e-5
 
 
@@ -334,10 +339,10 @@ def test_grouped_moe_over_many_tokens_and_a_host_pool() -> None:
         host = None if host_of is None else (pools(gate_up, host_of, 2), None, pools(down, host_of, 2))
         counts = torch.zeros(n_exp, dtype=torch.int32, device=DEVICE)
         y = moe_experts(x.to(DEVICE), ids.to(DEVICE), wts.to(DEVICE), torch.tensor(table, dtype=torch.int32,
-                        device=DEVICE), pools(gate_up, dev_of, n_exp), None, pools(down, dev_of, n_exp),
-                        T.Q4_K, None, T.Q8_0, n_ff, grouped=True, tiles=(16, 64, 4) if DEVICE == "cpu" else None,
-                        host=host, counts=counts,
-                        validate=True)
+                        device=DEVICE), ExpertPools(pools(gate_up, dev_of, n_exp), None, pools(down, dev_of, n_exp),
+                                                    T.Q4_K, None, T.Q8_0, n_ff, host=host),
+                        counts=counts, validate=True,
+                        launch=MoELaunch(grouped=True, tiles=(16, 64, 4) if DEVICE == "cpu" else None))
         assert torch.equal(counts.cpu(), torch.bincount(ids.reshape(-1), minlength=n_exp).to(torch.int32))
         return y
 
@@ -354,9 +359,10 @@ def test_moe_counts_routings(moe_case: dict) -> None:
     counts = torch.full((N_EXPERT,), 5, dtype=torch.int32, device=DEVICE)
     slot_of = list(range(N_EXPERT))
     y = moe_experts(c["x"].to(DEVICE), c["ids"].to(DEVICE), c["wts"].to(DEVICE),
-                    torch.tensor(slot_of, dtype=torch.int32, device=DEVICE), pools(c["gate"], slot_of, N_EXPERT),
-                    pools(c["up"], slot_of, N_EXPERT), pools(c["down"], slot_of, N_EXPERT), T.Q4_K, T.Q5_K, T.Q6_K,
-                    N_FF, block_n=16, counts=counts)
+                    torch.tensor(slot_of, dtype=torch.int32, device=DEVICE),
+                    ExpertPools(pools(c["gate"], slot_of, N_EXPERT), pools(c["up"], slot_of, N_EXPERT),
+                                pools(c["down"], slot_of, N_EXPERT), T.Q4_K, T.Q5_K, T.Q6_K, N_FF),
+                    counts=counts, launch=MoELaunch(block_n=16))
     want = 5 + torch.bincount(c["ids"].reshape(-1), minlength=N_EXPERT)
     assert torch.equal(counts.cpu(), want.to(torch.int32))
     assert torch.equal(y, run_moe(c, slot_of, N_EXPERT))
@@ -373,9 +379,11 @@ def test_moe_host_pool_gives_identical_bits(moe_case: dict) -> None:
     c = moe_case
     out = moe_experts(c["x"].to(DEVICE), c["ids"].to(DEVICE), c["wts"].to(DEVICE),
                       torch.tensor(table, dtype=torch.int32, device=DEVICE),
-                      pools(c["gate"], dev_slot, 3), pools(c["up"], dev_slot, 3), pools(c["down"], dev_slot, 3),
-                      T.Q4_K, T.Q5_K, T.Q6_K, N_FF, validate=True, block_n=64,
-                      host=(pools(c["gate"], host_of, 2), pools(c["up"], host_of, 2), pools(c["down"], host_of, 2)))
+                      ExpertPools(pools(c["gate"], dev_slot, 3), pools(c["up"], dev_slot, 3),
+                                  pools(c["down"], dev_slot, 3), T.Q4_K, T.Q5_K, T.Q6_K, N_FF,
+                                  host=(pools(c["gate"], host_of, 2), pools(c["up"], host_of, 2),
+                                        pools(c["down"], host_of, 2))),
+                      validate=True, launch=MoELaunch(block_n=64))
     assert torch.equal(out, all_dev)
 
 
@@ -398,9 +406,9 @@ def test_moe_decode_host_pool_gives_identical_bits_at_real_widths(n_ff: int, act
     table = torch.arange(n_expert, dtype=torch.int32, device=DEVICE)
     host = tuple(p.cpu().pin_memory() if gpu else p.clone() for p in (gate, up, down))
     on_host = torch.tensor([-(e + 1) if e % 2 else e for e in range(n_expert)], dtype=torch.int32, device=DEVICE)
-    args = (T.Q4_K, T.Q4_K, T.Q6_K, n_ff)
-    dev = moe_experts(x, ids, wts, table, gate, up, down, *args, act_q8=act_q8)
-    mixed = moe_experts(x, ids, wts, on_host, gate, up, down, *args, act_q8=act_q8, host=host)
+    on_device = ExpertPools(gate, up, down, T.Q4_K, T.Q4_K, T.Q6_K, n_ff)
+    dev = moe_experts(x, ids, wts, table, on_device, act_q8=act_q8)
+    mixed = moe_experts(x, ids, wts, on_host, replace(on_device, host=host), act_q8=act_q8)
     ref = moe_reference(x.double().cpu(), ids.cpu(), wts.cpu(), dequant64(gate.cpu().numpy(), T.Q4_K, n_embd),
                         dequant64(up.cpu().numpy(), T.Q4_K, n_embd), dequant64(down.cpu().numpy(), T.Q6_K, n_ff))
     assert rel_l2(dev, ref) < (2e-2 if act_q8 else 1e-5)
@@ -427,8 +435,8 @@ def test_moe_merged_gate_up_q8_0() -> None:
     ref = moe_reference(x.double(), ids, wts, gu[:, :n_ff], gu[:, n_ff:], dequant64(down, T.Q8_0, n_ff))
     slot_of = [1, 2, 0]
     y = moe_experts(x.to(DEVICE), ids.to(DEVICE), wts.to(DEVICE), torch.tensor(slot_of, dtype=torch.int32,
-                    device=DEVICE), pools(gate_up, slot_of, 3), None, pools(down, slot_of, 3),
-                    T.Q8_0, None, T.Q8_0, n_ff)
+                    device=DEVICE), ExpertPools(pools(gate_up, slot_of, 3), None, pools(down, slot_of, 3),
+                                                T.Q8_0, None, T.Q8_0, n_ff))
     assert rel_l2(y, ref) < 1e-5
 
 

@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 from gguf.constants import GGMLQuantizationType as T  # noqa: E402
 
 from sparkpack.runtime.kernels.dense import gemv  # noqa: E402
-from sparkpack.runtime.kernels.moe import moe_experts  # noqa: E402
+from sparkpack.runtime.kernels.moe import ExpertPools, MoELaunch, moe_experts  # noqa: E402
 from sparkpack.runtime.kernels.q8dot import quantize  # noqa: E402
 from tests.test_dense_kernels import segment  # noqa: E402
 from tests.test_kernels import DEVICE, dequant64, pools, random_weight, rel_l2  # noqa: E402
@@ -112,16 +112,19 @@ def test_moe_decode_on_int8_activations(merged: bool) -> None:
             host = (hv[0], hv[1], hv[2])
             table = torch.tensor([-(h + 1) if h >= 0 else s for s, h in zip(slot_of, host_slots)], dtype=torch.int32,
                                  device=DEVICE)
-        return moe_experts(x.to(DEVICE), ids.to(DEVICE), wts.to(DEVICE), table, *views, T.Q4_K,
-                           None if merged else T.Q4_K, T.Q6_K, n_ff, host=host, block_n=256, act_q8=True)
+        return moe_experts(x.to(DEVICE), ids.to(DEVICE), wts.to(DEVICE), table,
+                           ExpertPools(*views, T.Q4_K, None if merged else T.Q4_K, T.Q6_K, n_ff, host=host),
+                           act_q8=True, launch=MoELaunch(block_n=256))
 
     y = run([0, 1, 2, 3, 4], 5)
     assert rel_l2(y, q8_moe_reference(x, ids, wts, g64, u64, d64)) < 1e-5
     assert torch.equal(run([6, 2, 0, 5, 3], 7), y)
     assert torch.equal(run([0, -1, 2, -1, -1], 5, host_slots=[-1, 3, -1, 0, 1]), y)
     float_y = moe_experts(x.to(DEVICE), ids.to(DEVICE), wts.to(DEVICE), torch.arange(n_exp, dtype=torch.int32,
-                          device=DEVICE), pools(gate, list(range(n_exp)), n_exp), pools(up, list(range(n_exp)), n_exp),
-                          pools(down, list(range(n_exp)), n_exp), T.Q4_K, T.Q4_K, T.Q6_K, n_ff, block_n=256)
+                          device=DEVICE), ExpertPools(pools(gate, list(range(n_exp)), n_exp),
+                                                      pools(up, list(range(n_exp)), n_exp),
+                                                      pools(down, list(range(n_exp)), n_exp), T.Q4_K, T.Q4_K, T.Q6_K,
+                                                      n_ff), launch=MoELaunch(block_n=256))
     assert 0 < rel_l2(y, float_y.double().cpu()) < 2e-2  # int8 rounding, and only that
 
 
@@ -144,5 +147,6 @@ def test_misaligned_pools_fall_back_to_float_activations() -> None:
     assert readable(T.Q4_K, torch.from_numpy(gate)) and not readable(T.Q8_0, torch.from_numpy(gate))
     x = torch.randn(1, n_embd, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     args = (x, torch.tensor([[2, 0]], device=DEVICE), torch.tensor([[0.7, 0.3]], device=DEVICE),
-            torch.arange(n_exp, dtype=torch.int32, device=DEVICE), *views, T.Q4_K, T.Q4_K, T.Q6_K, n_ff)
-    assert torch.equal(moe_experts(*args, block_n=256, act_q8=True), moe_experts(*args, block_n=256))
+            torch.arange(n_exp, dtype=torch.int32, device=DEVICE), ExpertPools(*views, T.Q4_K, T.Q4_K, T.Q6_K, n_ff))
+    launch = MoELaunch(block_n=256)
+    assert torch.equal(moe_experts(*args, act_q8=True, launch=launch), moe_experts(*args, launch=launch))

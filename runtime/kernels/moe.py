@@ -31,6 +31,8 @@ Prefill (many tokens) takes the grouped kernels of ``moe_grouped.py`` instead of
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -42,7 +44,7 @@ from sparkpack.runtime.kernels.moe_grouped import GROUPED_MIN_PAIRS, group_pairs
 from sparkpack.runtime.kernels.blocks import _output, _row_dot, rows_per_program
 from sparkpack.runtime.kernels.slots import check_pool, slot_base
 
-__all__ = ["GROUPED_MIN_PAIRS", "group_pairs", "moe_experts"]
+__all__ = ["GROUPED_MIN_PAIRS", "ExpertPools", "MoELaunch", "group_pairs", "moe_experts"]
 
 
 @triton.jit
@@ -137,43 +139,70 @@ def _launch(pairs: int) -> tuple[int, int]:
     return (2, 1) if pairs < 64 else (8, 4)
 
 
-def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                slot_table: torch.Tensor, gate_raw: torch.Tensor, up_raw: torch.Tensor | None,
-                down_raw: torch.Tensor, gate_qtype: int, up_qtype: int | None, down_qtype: int,
-                n_ff: int, validate: bool = False, out: torch.Tensor | None = None,
-                block_n: int | None = None,
-                host: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None,
-                counts: torch.Tensor | None = None, num_warps: int | None = None,
-                grouped: bool | None = None, tiles: tuple[int, int, int] | None = None,
-                act_q8: bool = False, cpi: int = 8, reduce: bool = True, sub: bool = True,
-                count_tokens: torch.Tensor | None = None, x_q8: Int8Rows | None = None) -> torch.Tensor:
+@dataclass(frozen=True)
+class ExpertPools:
+    """One layer's experts as the kernels read them: uint8 views ``[n_slots, rows, row_bytes]`` of
+    the device pool, one per role (gate/up ``n_ff`` rows of n_embd elements, down ``n_embd`` rows
+    of n_ff; ``up`` None means one merged gate_up pool of ``2*n_ff`` rows, gate rows first, as
+    in ``ffn_gate_up_exps``), their GGML types, and ``host``: the same three views over a host
+    pool the GPU can address (pinned memory, same slot spacing) when slot table entries may
+    point there."""
+
+    gate: torch.Tensor
+    up: torch.Tensor | None
+    down: torch.Tensor
+    gate_qtype: int
+    up_qtype: int | None
+    down_qtype: int
+    n_ff: int
+    host: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class MoELaunch:
+    """Launch shapes, for tuning and comparisons (the defaults are the runtime's): ``block_n``
+    (a power of two) rows and ``num_warps`` warps per program of the per-pair kernels, ``cpi``
+    chunks of 256 each of their int8 programs loads at once; ``grouped`` the prefill kernels
+    (``moe_grouped``: pairs sorted by expert, tensor-core tiles; by default from
+    ``GROUPED_MIN_PAIRS`` pairs up), their tile shape ``tiles`` = (BLOCK_M, BLOCK_N, warps), and
+    ``sub=False`` their expanded-tile kernels over the sub-block ones. Both paths are exact up to
+    fp32 round-off except that the grouped one multiplies half-precision activations in half
+    precision, as cuBLAS does for the dense layers."""
+
+    block_n: int | None = None
+    num_warps: int | None = None
+    cpi: int = 8
+    grouped: bool | None = None
+    tiles: tuple[int, int, int] | None = None
+    sub: bool = True
+
+
+def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, slot_table: torch.Tensor,
+                pools: ExpertPools, *, act_q8: bool = False, x_q8: Int8Rows | None = None,
+                counts: torch.Tensor | None = None, count_tokens: torch.Tensor | None = None, reduce: bool = True,
+                out: torch.Tensor | None = None, validate: bool = False, launch: MoELaunch = MoELaunch()
+                ) -> torch.Tensor:
     """Routed-expert output ``sum_j w[t,j] * down_e(silu(gate_e x_t) * up_e x_t)`` -> [T, n_embd] fp32.
 
     x: [T, n_embd] (f32/f16/bf16); topk_ids/topk_weights: [T, k]; slot_table: int32 [n_expert]
-    (expert id -> slot in the pools; negative: in the host pool at ``-(slot+1)`` when ``host`` is
-    given, else not resident). Pools are uint8 ``[n_slots, rows, row_bytes]``: gate/up have
-    ``n_ff`` rows of n_embd elements, down ``n_embd`` rows of n_ff. ``up_raw=None`` means a merged
-    gate_up pool of ``2*n_ff`` rows (gate rows first, then up), as in ``ffn_gate_up_exps``.
-    ``host``: the same three views over a host pool the GPU can address (pinned memory), with the
-    same slot spacing as the device pools. ``counts``: int32 ``[n_expert]`` incremented once per
-    (token, choice) routed to each expert (integer atomics: exact in any order). ``validate=True`` checks residency on the host (a
-    device sync: for tests and debugging, not the decode loop). ``block_n`` (a power of two)
-    overrides the rows per program and ``num_warps`` the warps per program, for tuning.
-    ``grouped``: the prefill kernels (``moe_grouped``: pairs sorted by expert, tensor-core tiles); by
-    default used from ``GROUPED_MIN_PAIRS`` pairs up. ``tiles`` = (BLOCK_M, BLOCK_N, warps)
-    overrides their tile shape and ``sub=False`` picks their expanded-tile kernels over the
-    sub-block ones, for tuning and comparisons. Both paths are exact up to fp32 round-off except
-    that the grouped one multiplies half-precision activations in half precision, as cuBLAS does
-    for the dense layers. ``act_q8``: the per-pair (decode) kernels quantize their inputs to int8 and
-    multiply Q4_K/Q6_K experts with int8 dot products (``q8dot``; a kernel whose types are
-    others keeps the float input), loading up to ``cpi`` chunks of 256 per row at once; ``x_q8``
-    is x's int8 form when the kernel that wrote x made it (else it is made here).
-    ``reduce=False`` returns the weighted expert outputs unsummed, ``[T, k, n_embd]`` fp32, for a
-    consumer that sums them in choice order itself (``layers.ffn_residual``: one launch fewer).
-    ``count_tokens`` (a padded prefill call: a one-element integer device tensor) counts the routings of
-    only that many leading tokens; such a call always takes the grouped kernels, whose grouping
-    launch is where the limit is applied (the per-pair kernels count every pair they compute).
+    (expert id -> slot in ``pools``; negative: in the host pool at ``-(slot+1)`` when the pools
+    have one, else not resident). ``act_q8``: the per-pair (decode) kernels quantize their
+    inputs to int8 and multiply Q4_K/Q6_K experts with int8 dot products (``q8dot``; a kernel
+    whose types are others keeps the float input); ``x_q8`` is x's int8 form when the kernel
+    that wrote x made it (else it is made here). ``counts``: int32 ``[n_expert]`` incremented
+    once per (token, choice) routed to each expert (integer atomics: exact in any order);
+    ``count_tokens`` (a padded prefill call: a one-element integer device tensor) counts the
+    routings of only that many leading tokens; such a call always takes the grouped kernels,
+    whose grouping launch is where the limit is applied (the per-pair kernels count every pair
+    they compute). ``reduce=False`` returns the weighted expert outputs unsummed,
+    ``[T, k, n_embd]`` fp32, for a consumer that sums them in choice order itself
+    (``layers.ffn_residual``: one launch fewer); ``out``: a float32 ``[T, n_embd]`` to write the
+    sum into. ``validate=True`` checks residency on the host (a device sync: for tests and
+    debugging, not the decode loop).
     """
+    gate_raw, up_raw, down_raw = pools.gate, pools.up, pools.down
+    gate_qtype, up_qtype, down_qtype, n_ff = pools.gate_qtype, pools.up_qtype, pools.down_qtype, pools.n_ff
+    host = pools.host
     T_, n_embd = x.shape
     topk = topk_ids.shape[1]
     merged = up_raw is None
@@ -212,15 +241,17 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if T_ == 0 or topk == 0:
         return y.zero_()
     has_host = host is not None
-    if count_tokens is not None or (grouped if grouped is not None else T_ * topk >= GROUPED_MIN_PAIRS):
+    grouped = launch.grouped if launch.grouped is not None else T_ * topk >= GROUPED_MIN_PAIRS
+    if count_tokens is not None or grouped:
         grouped_experts(x, topk_ids, topk_weights, slot_table, (gate_raw, up_raw, down_raw),
                         (gate_h, up_h, down_h) if has_host else None, (gate_qtype, up_qtype, down_qtype), n_ff,
-                        up_row0, part, counts, tiles, sub, count_tokens)
+                        up_row0, part, counts, launch.tiles, launch.sub, count_tokens)
     else:
         rows, warps = _launch(T_ * topk)
         h = torch.empty((T_ * topk, n_ff), dtype=torch.float32, device=x.device)
-        bn = block_n or rows_per_program(x.device, rows)
-        num_warps = num_warps or warps
+        bn = launch.block_n or rows_per_program(x.device, rows)
+        num_warps = launch.num_warps or warps
+        cpi = launch.cpi
         q8_gu = act_q8 and readable(gate_qtype, gate_raw, gate_h) and readable(up_qtype, up_raw, up_h)
         q8_down = act_q8 and readable(down_qtype, down_raw, down_h)
         xq, xd, xs = (x_q8 if x_q8 is not None else quantize(x)) if q8_gu else (x, x, x)
