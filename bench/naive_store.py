@@ -23,7 +23,7 @@ class NaiveStore(ExpertStore):
         kwargs.pop("mode", None)
         super().__init__(*args, mode="async", **kwargs)
 
-    def _cold_tier(self, layout: PoolLayout, nbytes: dict[int, int], host_bytes: int | None, n_cold: int) -> ColdTier:
+    def _cold_tier(self, layout: PoolLayout, nbytes: dict[int, int], host_bytes: int | None) -> ColdTier:
         """The file itself: a fresh pageable buffer per miss (the bounded cache of the disk tier
         only when even the store would not hold every cold expert)."""
         cap = 0 if self.host_all else max(1, int(host_bytes or 0) // max(self.slot_bytes, 1))

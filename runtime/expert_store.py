@@ -130,8 +130,8 @@ class ExpertStore(ExpertProvider):
         self.copy_stream = torch.cuda.Stream(self.device) if self.pin else None
         self.pool = torch.empty(self.device_layout.nbytes, dtype=torch.uint8, device=self.device)
         fill_device_pool(source, self.device_layout, self.pool, nbytes, self.pin)
-        self.cold = self._cold_tier(cold_layout, nbytes, host_bytes, n_cold)
-        host_pool = self.cold if isinstance(self.cold, HostPool) else None
+        self.cold = self._cold_tier(cold_layout, nbytes, host_bytes)
+        host_pool = self.cold.tensor if isinstance(self.cold, HostPool) and cold_layout.n_units else None
 
         # Which expert sits where, as the host writes it and as the kernels read it.
         self.tables = KernelTables((spec.n_layer, self.n_expert), self.device, self.pin)
@@ -141,7 +141,7 @@ class ExpertStore(ExpertProvider):
         self.tables.to_device()
         for la in self.layers.values():
             if la.fused:
-                la.bind(self.pool, host_pool.tensor if host_pool is not None else None, self.unit)
+                la.bind(self.pool, host_pool, self.unit)
 
         # What is counted. Every expert on the device: nothing can move, so the per-token count
         # read (a wait on the device, then ~20 small numpy passes with the GPU idle: ~0.2 ms a
@@ -169,7 +169,7 @@ class ExpertStore(ExpertProvider):
                       f"layers dequantize each expert on use (slower, and decode steps are not captured in CUDA graphs)")
         return layers
 
-    def _cold_tier(self, layout: PoolLayout, nbytes: dict[int, int], host_bytes: int | None, n_cold: int) -> ColdTier:
+    def _cold_tier(self, layout: PoolLayout, nbytes: dict[int, int], host_bytes: int | None) -> ColdTier:
         """Every cold expert in (pinned) host memory when host RAM allows, else the disk tier."""
         if self.host_all:
             return HostPool(self.source, layout, nbytes, self.pin)
@@ -462,7 +462,7 @@ class ExpertStore(ExpertProvider):
         return {"mode": self.mode, "hot_experts": self.n_hot, "experts": n_total,
                 "hot_fraction": self.n_hot / max(n_total, 1), "cache_slots": self.n_cache,
                 "slot_bytes": self.slot_bytes, "device_pool_bytes": self.pool.numel(),
-                "host_tier": ("pinned" if isinstance(self.cold, HostPool)
+                "host_tier": ("pinned" if isinstance(self.cold, HostPool) and self.cold.layout.n_units
                               else "none" if not self.n_cache and self.n_hot == n_total
                               else "file" if self.host_all else "disk")}
 

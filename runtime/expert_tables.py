@@ -30,7 +30,7 @@ class ExpertLayer:
     nbytes: int  # one expert's bytes
     fused: bool  # every part has a fused-kernel quant type
     pools: "ExpertPools | None" = None  # the device pool as the fused kernel reads it
-    host_pools: "ExpertPools | None" = None  # the same, with the host pool beside it
+    host_pools: "ExpertPools | None" = None  # the same, with the host pool beside it when there is one
 
     def bind(self, pool: torch.Tensor, host: torch.Tensor | None, unit: int) -> None:
         """Views of the pools for the fused kernel (its quant types and width too)."""
@@ -40,8 +40,7 @@ class ExpertLayer:
         n_ff = (self.parts[0].shape[1] // 2) if "gate_up" in q else self.parts[0].shape[1]
         self.pools = ExpertPools(*kernel_views(pool, self.parts, unit), q.get("gate", q.get("gate_up")), q.get("up"),
                                  q["down"], n_ff)
-        if host is not None:
-            self.host_pools = self.with_host(host, unit)
+        self.host_pools = self.with_host(host, unit) if host is not None else self.pools
 
     def with_host(self, host: torch.Tensor, unit: int) -> "ExpertPools":
         """The device pools with ``host`` (a flat host buffer laid out in ``unit`` slots) beside them."""
@@ -74,12 +73,12 @@ class KernelTables:
         self.pinned = torch.full(shape, NOT_RESIDENT, dtype=torch.int32, pin_memory=pin)
         self.host = self.pinned.numpy()
         self.device: torch.Tensor | None = None
-        self._device_type = device
+        self._on = device
         self._sent: torch.cuda.Event | None = None  # the last tracked upload from the pinned table
 
     def to_device(self) -> None:
         """The first copy on the device, once the slots have filled the host table."""
-        self.device = self.pinned.to(self._device_type, copy=True)
+        self.device = self.pinned.to(self._on, copy=True)
 
     def upload(self, layer: int | None = None, track: bool = False) -> None:
         """Send the host table (or one layer's row) to the device without a host sync. ``track``:
