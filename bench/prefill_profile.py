@@ -43,15 +43,20 @@ def main() -> None:
     torch.cuda.synchronize()
     print(f"load {time.perf_counter() - t0:.1f} s; hot_fraction={a.hot_fraction}", flush=True)
     st = model.experts
+
+    def streamed() -> int:
+        st.flush()  # learn the deferred calls' counts first
+        return st.stats.bytes_streamed
+
     for n in a.tokens:
         s = Session(model, ctx=n + 64, prefill_chunk=a.chunk)
         ids = ids_of(n, model.spec.n_vocab, n)
-        b0 = st.stats.bytes_streamed
+        b0 = streamed()
         first = timed_feed(s, ids)
-        b1 = st.stats.bytes_streamed
+        b1 = streamed()
         s.reset()
         warm = timed_feed(s, ids)
-        b2 = st.stats.bytes_streamed
+        b2 = streamed()
         print(f"n={n} chunk={a.chunk}: first {n / first:.0f} tok/s ({first:.2f} s, {(b1 - b0) / 1e9:.1f} GB streamed), "
               f"warm {n / warm:.0f} tok/s ({warm:.2f} s, {(b2 - b1) / 1e9:.1f} GB)", flush=True)
     if a.profile_chunk:
