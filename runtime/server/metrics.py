@@ -17,7 +17,7 @@ PREFIX = "sparkpack_"
 RATE_BUCKETS = (1, 5, 10, 25, 50, 100, 200, 300, 500, 1000, 2000, 4000, 8000, 16000)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
 # the expert store's counters exported as routings by where they were served
-STORE_ROUTINGS = {"hot": "hot_hits", "cached": "cache_hits", "prefetched": "prefetch_hits", "missed": "misses"}
+STORE_ROUTINGS = {"hot": "hot_hits", "cached": "cache_hits", "missed": "misses"}
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 disable_created_metrics()  # the *_created series say when the process started, for every metric
@@ -74,6 +74,7 @@ class ServerMetrics:
         model = self.model
         if model is None or model.residency is None:
             return {}
+        model.experts.flush()  # counts still on the device, or a deferred step's (the engine's thread)
         stats = model.experts.stats
         return {name: int(getattr(stats, name)) for name in (*STORE_ROUTINGS.values(), "tokens", "bytes_streamed")}
 
