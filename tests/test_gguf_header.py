@@ -1,0 +1,112 @@
+"""The bounded GGUF header walk: equal to gguf-py's reader on real files, one clear line (and no
+hang) on hostile ones."""
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from sparkpack.formats.errors import FormatError
+from sparkpack.formats.gguf_file import GGUFModel
+from sparkpack.formats.gguf_header import scan_header
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("arch, quant", [("qwen3moe", "Q8_0"), ("qwen35moe", "Q4_K_M"), ("laguna", "Q6_K")])
+def test_walk_equals_gguf_py(synth_model, arch, quant):
+    path = synth_model(arch, quant=quant)
+    ref = gguf.GGUFReader(path)
+    model = GGUFModel(path)
+    assert model.metadata_keys == [k for k in ref.fields if not k.startswith("GGUF.")]
+    for key in model.metadata_keys:
+        assert model.get(key) == ref.fields[key].contents(), key
+    assert model.data_offset == ref.data_offset
+    assert [(t.name, t.shape, t.qtype, t.offset, t.nbytes) for t in model.tensors.values()] == [
+        (t.name, tuple(int(d) for d in t.shape), int(t.tensor_type), int(t.data_offset), int(t.n_bytes))
+        for t in ref.tensors]
+    for t in ref.tensors:
+        assert np.array_equal(model.raw(t.name), ref.data[t.data_offset: t.data_offset + t.n_bytes])
+
+
+def test_converted_model_values_equal_gguf_py(tiny_hf_gguf):
+    path = tiny_hf_gguf("qwen3moe")[1]
+    ref = gguf.GGUFReader(path)
+    model = GGUFModel(path)
+    for key in model.metadata_keys:
+        assert model.get(key) == ref.fields[key].contents(), key
+
+
+# --- hostile headers --------------------------------------------------------------------------
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.write_bytes(src.read_bytes())
+    return dst
+
+
+def _field_pos(path: Path, key: str) -> int:
+    data = path.read_bytes()
+    return scan_header(data, path).fields[key][1]
+
+
+def _patch(path: Path, offset: int, fmt: str, value) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(struct.pack(fmt, value))
+
+
+def _tensor_info_pos(path: Path, name: str) -> int:
+    """Byte offset of the tensor info record of ``name`` (its name length field)."""
+    data = path.read_bytes()
+    needle = struct.pack("<Q", len(name)) + name.encode()
+    return data.index(needle)
+
+
+def _open_in_child(path: Path) -> subprocess.CompletedProcess:
+    """``repack inspect`` in a real process with a time and memory bound."""
+    code = ("import resource,sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); "
+            "from sparkpack.repack.cli import main; sys.argv=['repack','inspect',sys.argv[1]]; main()")
+    return subprocess.run([sys.executable, "-c", code, str(path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+
+
+HOSTILE = {
+    "huge string array count": lambda p: _patch(p, _field_pos(p, "tokenizer.ggml.tokens") + 4, "<Q", 2**62),
+    "huge number array count": lambda p: _patch(p, _field_pos(p, "tokenizer.ggml.token_type") + 4, "<Q", 2**40),
+    "huge string length": lambda p: _patch(p, _field_pos(p, "general.architecture"), "<Q", 2**63),
+    "nested array": lambda p: _patch(p, _field_pos(p, "tokenizer.ggml.token_type"), "<I", 9),
+    "unknown value type": lambda p: _patch(p, _field_pos(p, "general.architecture") - 4, "<I", 77),
+    "huge kv count": lambda p: _patch(p, 16, "<Q", 2**50),
+    "huge tensor count": lambda p: _patch(p, 8, "<Q", 2**50),
+    "five dimensions": lambda p: _patch(p, _tensor_info_pos(p, "token_embd.weight") + 8 + 17, "<I", 5),
+    "unknown tensor type": lambda p: _patch(p, _tensor_info_pos(p, "output_norm.weight") + 8 + 18 + 4 + 8, "<I", 99),
+    "tensor past the end": lambda p: _patch(p, _tensor_info_pos(p, "output_norm.weight") + 8 + 18 + 4 + 8 + 4,
+                                             "<Q", 2**40),
+    "truncated header": lambda p: p.write_bytes(p.read_bytes()[:4000]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_header_is_one_line(synth_model, tmp_path, case):
+    path = _copy(synth_model("qwen3moe"), tmp_path / "bad.gguf")
+    HOSTILE[case](path)
+    with pytest.raises(FormatError):
+        GGUFModel(path)
+    r = _open_in_child(path)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 1 and "Traceback" not in r.stderr and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"repack: error: {path}:"), lines[0]
+
+
+def test_fifo_is_refused_without_blocking(tmp_path):
+    import os
+
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    r = _open_in_child(fifo)
+    assert r.returncode == 1 and "is a FIFO" in r.stderr and "Traceback" not in r.stderr
