@@ -1,4 +1,7 @@
-"""Arch specs and expert byte ranges on hand-built GGUFs whose bytes we control exactly."""
+"""Arch specs and expert byte ranges on hand-built GGUFs whose bytes we control exactly.
+
+The files hold only expert tensors and the embeddings, so specs are built without the shape check
+of the full tensor table (``build_spec``; tests/test_hardening.py checks shapes)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 
-from sparkpack.formats.archs import DENSE, FULL, LINEAR, MOE, SLIDING, model_spec
+from sparkpack.formats.archs import DENSE, FULL, LINEAR, MOE, SLIDING, build_spec as model_spec
 from sparkpack.formats.errors import FormatError, UnsupportedError
 from sparkpack.formats.experts import expert_bytes, expert_nbytes, expert_slices
 from sparkpack.formats.gguf_file import GGUFModel

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 from ..errors import UnsupportedError
 from . import laguna, olmoe, qwen2moe, qwen3moe, qwen35moe
 from .base import DENSE, FULL, LINEAR, MOE, SLIDING, ArchModule, LayerKind, ModelSpec
+from .shapes import check_shapes
 
 if TYPE_CHECKING:
     from ..gguf_file import GGUFModel
@@ -14,7 +15,16 @@ ARCHS: dict[str, ArchModule] = {a.ARCH.name: a.ARCH for a in (qwen35moe, laguna,
 
 
 def model_spec(model: "GGUFModel") -> ModelSpec:
-    """The spec of an opened GGUF; unknown or non-MoE architectures are a clear error."""
+    """``build_spec``, then every tensor the arch reads checked against the shape the spec implies."""
+    spec = build_spec(model)
+    check_shapes(spec, model.tensors, ARCHS[spec.arch].tensors(spec), model.path)
+    return spec
+
+
+def build_spec(model: "GGUFModel") -> ModelSpec:
+    """The spec of an opened GGUF (or anything with its ``path``, ``arch``, ``get`` and
+    ``tensors``) from its metadata and expert tensors; unknown or non-MoE architectures and bad
+    hyperparameters are each one clear error."""
     arch = model.arch
     entry = ARCHS.get(arch)
     if entry is None:
@@ -26,4 +36,4 @@ def model_spec(model: "GGUFModel") -> ModelSpec:
     return entry.build(model)
 
 
-__all__ = ["ARCHS", "model_spec", "ModelSpec", "LayerKind", "FULL", "SLIDING", "LINEAR", "MOE", "DENSE"]
+__all__ = ["ARCHS", "model_spec", "build_spec", "ModelSpec", "LayerKind", "FULL", "SLIDING", "LINEAR", "MOE", "DENSE"]

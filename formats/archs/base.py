@@ -6,6 +6,7 @@ hyperparameters a forward pass needs. Architecture modules only translate metada
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -13,6 +14,7 @@ from ..errors import FormatError
 
 if TYPE_CHECKING:
     from ..gguf_file import GGUFModel
+    from .shapes import Expected
 
 FULL, SLIDING, LINEAR = "full", "sliding", "linear"
 MOE, DENSE = "moe", "dense"
@@ -61,15 +63,24 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class ArchModule:
-    """Registry entry: the GGUF arch name and how to build its spec from metadata."""
+    """Registry entry: the GGUF arch name, how to build its spec from metadata, and the tensor
+    shapes that spec implies (``shapes.py``; checked whenever a spec is built)."""
 
     name: str
     description: str
     build: Callable[["GGUFModel"], ModelSpec]
+    tensors: Callable[[ModelSpec], list["Expected"]]
+
+
+# Largest hyperparameter accepted: ggml dimensions are int64, but no model dimension comes near
+# 2**31 and larger values only serve to allocate absurd lists or overflow int32 kernel indices.
+MAX_DIM = 2**31 - 1
 
 
 class MetaReader:
-    """Typed access to ``{arch}.*`` keys with errors that name the file and key."""
+    """Typed, range-checked access to ``{arch}.*`` keys: a value of the wrong type (a string, an
+    array, a bool, NaN where a number belongs) or out of range is one ``FormatError`` naming the
+    file and key, never an exception in the code that uses it."""
 
     def __init__(self, model: "GGUFModel"):
         self.model = model
@@ -78,58 +89,117 @@ class MetaReader:
     def key(self, suffix: str) -> str:
         return f"{self.arch}.{suffix}"
 
-    def int(self, suffix: str, default: int | None = None) -> int:
+    def _bad(self, suffix: str, problem: str) -> FormatError:
+        return FormatError(self.model.path, f"metadata key {self.key(suffix)} {problem}")
+
+    def _get(self, suffix: str, default: Any) -> Any:
         v = self.model.get(self.key(suffix))
         if v is None:
             if default is None:
                 raise FormatError(self.model.path, f"missing metadata key {self.key(suffix)}")
             return default
-        if isinstance(v, list):
-            raise FormatError(self.model.path, f"metadata key {self.key(suffix)} is an array, expected a number")
-        return int(v)
+        return v
 
-    def float(self, suffix: str, default: float | None = None) -> float:
-        v = self.model.get(self.key(suffix))
-        if v is None:
-            if default is None:
-                raise FormatError(self.model.path, f"missing metadata key {self.key(suffix)}")
-            return default
-        return float(v)
+    def _check_int(self, suffix: str, v: Any, lo: int, hi: int) -> int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self._bad(suffix, f"is {_kind(v)}, expected an integer")
+        if not lo <= v <= hi:
+            raise self._bad(suffix, f"is {v}, expected {lo}..{hi}")
+        return v
 
-    def per_layer(self, suffix: str, n_layer: int, default: int | None = None) -> list[int]:
+    def int(self, suffix: str, default: int | None = None, lo: int = 0, hi: int = MAX_DIM) -> int:
+        return self._check_int(suffix, self._get(suffix, default), lo, hi)
+
+    def float(self, suffix: str, default: float | None = None, lo: float = -math.inf, hi: float = math.inf,
+              lo_open: bool = False) -> float:
+        v = self._get(suffix, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise self._bad(suffix, f"is {_kind(v)}, expected a number")
+        v = float(v)
+        if not math.isfinite(v) or not lo <= v <= hi or (lo_open and v == lo):
+            raise self._bad(suffix, f"is {v}, expected a finite number {'>' if lo_open else '>='} {lo}"
+                                    + (f" and <= {hi}" if hi != math.inf else ""))
+        return v
+
+    def bool(self, suffix: str, default: bool) -> bool:
+        v = self._get(suffix, default)
+        if not isinstance(v, bool):
+            raise self._bad(suffix, f"is {_kind(v)}, expected true or false")
+        return v
+
+    def str(self, suffix: str, default: str) -> str:
+        v = self._get(suffix, default)
+        if not isinstance(v, str):
+            raise self._bad(suffix, f"is {_kind(v)}, expected a string")
+        return v
+
+    def int_list(self, suffix: str, default: list[int] | None = None, lo: int = 0, hi: int = MAX_DIM) -> list[int]:
+        v = self._get(suffix, default)
+        if not isinstance(v, list):
+            raise self._bad(suffix, f"is {_kind(v)}, expected an array of integers")
+        return [self._check_int(suffix, x, lo, hi) for x in v]
+
+    def per_layer(self, suffix: str, n_layer: int, default: int | None = None, lo: int = 1,
+                  hi: int = MAX_DIM) -> list[int]:
         """A key that is either one number for all layers or an array with one per layer."""
-        v = self.model.get(self.key(suffix))
-        if v is None:
-            if default is None:
-                raise FormatError(self.model.path, f"missing metadata key {self.key(suffix)}")
-            return [default] * n_layer
+        v = self._get(suffix, default)
         if isinstance(v, list):
             if len(v) < n_layer:
-                raise FormatError(
-                    self.model.path, f"metadata key {self.key(suffix)} has {len(v)} entries for {n_layer} layers"
-                )
-            return [int(x) for x in v[:n_layer]]
-        return [int(v)] * n_layer
+                raise self._bad(suffix, f"has {len(v)} entries for {n_layer} layers")
+            return [self._check_int(suffix, x, lo, hi) for x in v[:n_layer]]
+        return [self._check_int(suffix, v, lo, hi)] * n_layer
+
+    def layer_count(self, suffix: str = "block_count", minus: int = 0) -> int:
+        """The number of layers, bounded by the tensor index: every layer has tensors, so a count
+        larger than the index is corrupt (and would allocate per-layer lists for nothing)."""
+        n = self.int(suffix, lo=1) - minus
+        if not 1 <= n <= len(self.model.tensors):
+            raise self._bad(suffix, f"gives {n} layers, but the file's tensor index ({len(self.model.tensors)} "
+                                    "tensors) cannot hold them")
+        return n
+
+    def head_dim(self, n_layer: int) -> int:
+        """``attention.key_length``, by default the embedding width over the first layer's heads
+        (llama.cpp's ``n_embd_head_k``)."""
+        default = self.int("embedding_length", lo=1) // self.per_layer("attention.head_count", n_layer)[0]
+        return self.int("attention.key_length", default=max(default, 1), lo=1)
 
     def optional(self, suffix: str, default: Any = None) -> Any:
         v = self.model.get(self.key(suffix))
         return default if v is None else v
 
 
+def _kind(v: Any) -> str:
+    if isinstance(v, list):
+        return "an array"
+    if isinstance(v, bool):
+        return "a bool"
+    if isinstance(v, str):
+        return f"the string {v[:40]!r}"
+    return f"{v!r}" if isinstance(v, (int, float)) else type(v).__name__
+
+
 def common_spec(model: "GGUFModel", *, router: str, layers: list[LayerKind], n_layer: int,
                 n_ff_shexp: int = 0, hparams: dict[str, Any] | None = None) -> ModelSpec:
-    """Read the hyperparameters every supported MoE arch shares and attach expert tensors."""
+    """Read the hyperparameters every supported MoE arch shares, check that they agree with each
+    other, and attach the expert tensors."""
     m = MetaReader(model)
-    n_embd = m.int("embedding_length")
+    n_embd = m.int("embedding_length", lo=1)
     n_head = m.per_layer("attention.head_count", n_layer)
     n_head_kv = m.per_layer("attention.head_count_kv", n_layer, default=n_head[0])
-    head_dim = m.int("attention.key_length", default=n_embd // max(n_head[0], 1))
+    for il, (h, kv) in enumerate(zip(n_head, n_head_kv)):
+        if h % kv:
+            raise FormatError(model.path, f"layer {il} has {h} attention heads for {kv} KV heads "
+                                          f"({m.key('attention.head_count_kv')}): not a whole number per KV head")
+    head_dim = m.head_dim(n_layer)
     vocab = m.optional("vocab_size")
-    if vocab is None:
+    if vocab is not None:
+        vocab = m.int("vocab_size", lo=1)
+    else:
         tokens = model.get("tokenizer.ggml.tokens")
-        if tokens is not None:
+        if isinstance(tokens, list) and tokens:
             vocab = len(tokens)
-        elif "token_embd.weight" in model.tensors:
+        elif "token_embd.weight" in model.tensors and len(model.tensors["token_embd.weight"].shape) == 2:
             vocab = model.tensors["token_embd.weight"].shape[1]
         else:
             raise FormatError(model.path, "cannot tell the vocabulary size (no vocab_size, tokens or token_embd)")
@@ -138,24 +208,34 @@ def common_spec(model: "GGUFModel", *, router: str, layers: list[LayerKind], n_l
         n_layer=n_layer,
         n_embd=n_embd,
         n_vocab=int(vocab),
-        n_ctx_train=m.int("context_length", default=4096),
+        n_ctx_train=m.int("context_length", default=4096, lo=1),
         n_head=n_head,
         n_head_kv=n_head_kv,
         head_dim=head_dim,
-        n_expert=m.int("expert_count"),
-        n_expert_used=m.int("expert_used_count"),
+        n_expert=m.int("expert_count", lo=1),
+        n_expert_used=m.int("expert_used_count", lo=1),
         n_ff_exp=m.int("expert_feed_forward_length", default=0),
         n_ff_shexp=n_ff_shexp,
         n_ff_dense=m.int("feed_forward_length", default=0),
-        rms_eps=m.float("attention.layer_norm_rms_epsilon", default=1e-6),
+        rms_eps=m.float("attention.layer_norm_rms_epsilon", default=1e-6, lo=0.0, hi=1.0, lo_open=True),
         router=router,
         layers=layers,
         hparams=hparams or {},
     )
-    if spec.n_expert <= 0 or not 0 < spec.n_expert_used <= spec.n_expert:
+    if spec.n_expert_used > spec.n_expert:
         raise FormatError(model.path, f"bad expert counts: {spec.n_expert} experts, {spec.n_expert_used} used")
     attach_expert_tensors(model, spec)
+    check_rope(model, spec)
     return spec
+
+
+def check_rope(model: "GGUFModel", spec: ModelSpec) -> None:
+    """Rotary widths the runtime can apply: even, and no wider than a head."""
+    for key in ("rope_dim", "rope_dim_swa"):
+        dim = spec.hparams.get(key)
+        if dim is not None and not (0 < dim <= spec.head_dim and dim % 2 == 0):
+            raise FormatError(model.path, f"rotary width {dim} ({key}) must be even and at most the head size "
+                                          f"{spec.head_dim}")
 
 
 def attach_expert_tensors(model: "GGUFModel", spec: ModelSpec) -> None:
@@ -181,3 +261,5 @@ def attach_expert_tensors(model: "GGUFModel", spec: ModelSpec) -> None:
             if len(shape) != 3 or shape[2] != spec.n_expert:
                 raise FormatError(model.path, f"expert tensor {name} has shape {list(shape)}, "
                                               f"expected 3 dimensions with {spec.n_expert} experts last")
+        if not spec.n_ff_exp:  # the file gives no expert width: take the first layer's
+            spec.n_ff_exp = model.tensors[spec.expert_tensors[il]["down"]].shape[0]

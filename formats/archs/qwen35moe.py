@@ -7,36 +7,67 @@ Trailing multi-token-prediction layers (``nextn_predict_layers``) are not part o
 """
 from __future__ import annotations
 
+from ..errors import FormatError
 from .base import FULL, LINEAR, MOE, ArchModule, LayerKind, MetaReader, ModelSpec, common_spec
+from .shapes import Expected, attention, globals_, one, routed_experts, shared_expert
 
 
 def build(model) -> ModelSpec:
     m = MetaReader(model)
-    n_layer = m.int("block_count") - m.int("nextn_predict_layers", default=0)
+    n_layer = m.layer_count(minus=m.int("nextn_predict_layers", default=0))
     recurrent = m.optional("attention.recurrent_layers")
     if isinstance(recurrent, list) and len(recurrent) >= n_layer:
+        if not all(isinstance(x, (bool, int)) for x in recurrent[:n_layer]):
+            raise FormatError(model.path, f"metadata key {m.key('attention.recurrent_layers')} must hold booleans")
         is_linear = [bool(x) for x in recurrent[:n_layer]]
     else:
-        interval = m.int("full_attention_interval", default=4)
+        interval = m.int("full_attention_interval", default=4, lo=1)
         is_linear = [(i + 1) % interval != 0 for i in range(n_layer)]
     layers = [LayerKind(LINEAR if lin else FULL, MOE) for lin in is_linear]
-    head_dim = m.int("attention.key_length", default=256)
+    head_dim = m.head_dim(n_layer)
+    ssm = {k: m.int(k, lo=1) for k in ("ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank",
+                                         "ssm.group_count")}
+    if ssm["ssm.time_step_rank"] % ssm["ssm.group_count"] or \
+            ssm["ssm.inner_size"] != ssm["ssm.state_size"] * ssm["ssm.time_step_rank"]:
+        raise FormatError(model.path, f"DeltaNet sizes disagree: inner size {ssm['ssm.inner_size']} must be state "
+                                      f"size {ssm['ssm.state_size']} x value heads {ssm['ssm.time_step_rank']}, and "
+                                      f"the value heads a multiple of the {ssm['ssm.group_count']} key heads")
     return common_spec(
         model, router="softmax", n_layer=n_layer, layers=layers,
         n_ff_shexp=m.int("expert_shared_feed_forward_length", default=0),
         hparams={
-            "rope_freq_base": m.float("rope.freq_base", default=1e7),
-            "rope_dim": m.int("rope.dimension_count", default=head_dim // 4),
-            "rope_sections": list(m.optional("rope.dimension_sections", [])),
-            "ssm_conv_kernel": m.int("ssm.conv_kernel"),
-            "ssm_inner_size": m.int("ssm.inner_size"),
-            "ssm_state_size": m.int("ssm.state_size"),
-            "ssm_time_step_rank": m.int("ssm.time_step_rank"),
-            "ssm_group_count": m.int("ssm.group_count"),
-            "full_attention_interval": m.int("full_attention_interval", default=4),
-            "norm_topk": True,
+            "rope_freq_base": m.float("rope.freq_base", default=1e7, lo=1.0, lo_open=True),
+            "rope_dim": m.int("rope.dimension_count", default=head_dim // 4, lo=1),
+            "rope_sections": m.int_list("rope.dimension_sections", default=[]),
+            "ssm_conv_kernel": ssm["ssm.conv_kernel"],
+            "ssm_inner_size": ssm["ssm.inner_size"],
+            "ssm_state_size": ssm["ssm.state_size"],
+            "ssm_time_step_rank": ssm["ssm.time_step_rank"],
+            "ssm_group_count": ssm["ssm.group_count"],
+            "full_attention_interval": m.int("full_attention_interval", default=4, lo=1),
+            "norm_topk": m.bool("expert_weights_norm", True),
         },
     )
 
 
-ARCH = ArchModule("qwen35moe", "Qwen3.5/3.6 MoE (Qwen3.6-35B-A3B)", build)
+def tensors(spec: ModelSpec) -> list[Expected]:
+    hp, e = spec.hparams, spec.n_embd
+    n_v, d_state = hp["ssm_time_step_rank"], hp["ssm_state_size"]
+    key_dim, value_dim = d_state * hp["ssm_group_count"], d_state * n_v
+    out = globals_(spec)
+    for il, kind in enumerate(spec.layers):
+        p = f"blk.{il}."
+        out += [one(p + "attn_norm.weight", e), one(p + "post_attention_norm.weight", e)]
+        if kind.attention == LINEAR:
+            out += [one(p + "attn_qkv.weight", e, 2 * key_dim + value_dim), one(p + "attn_gate.weight", e, value_dim),
+                    one(p + "ssm_conv1d.weight", hp["ssm_conv_kernel"], 2 * key_dim + value_dim),
+                    one(p + "ssm_dt.bias", n_v), one(p + "ssm_a", n_v), one(p + "ssm_beta.weight", e, n_v),
+                    one(p + "ssm_alpha.weight", e, n_v), one(p + "ssm_norm.weight", d_state),
+                    one(p + "ssm_out.weight", value_dim, e)]
+        else:
+            out += attention(spec, il, q_per_head=2)
+        out += routed_experts(spec, il) + shared_expert(spec, il, gated=True)
+    return out
+
+
+ARCH = ArchModule("qwen35moe", "Qwen3.5/3.6 MoE (Qwen3.6-35B-A3B)", build, tensors)

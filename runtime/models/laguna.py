@@ -27,13 +27,11 @@ class Laguna(MoEModel):
         hp = self.spec.hparams
         self.window = int(hp["sliding_window"])
         self.rope_swa = Rope(hp["rope_dim_swa"], rope_inv_freq(hp["rope_freq_base_swa"], hp["rope_dim_swa"]))
-        if str(self.meta("rope.scaling.type", "none")) == "yarn":
-            self.rope_full = yarn_rope(
-                hp["rope_freq_base"], hp["rope_dim"], float(self.meta("rope.scaling.factor")),
-                int(self.meta("rope.scaling.original_context_length")),
-                float(self.meta("rope.scaling.yarn_beta_fast", 32.0)),
-                float(self.meta("rope.scaling.yarn_beta_slow", 1.0)),
-                self.meta("rope.scaling.yarn_attn_factor"))
+        yarn = hp.get("rope_scaling")  # read and checked by the spec (formats/archs/laguna.py)
+        if yarn:
+            self.rope_full = yarn_rope(hp["rope_freq_base"], hp["rope_dim"], yarn["factor"],
+                                       yarn["original_context_length"], yarn["beta_fast"], yarn["beta_slow"],
+                                       yarn["attn_factor"])
         else:
             self.rope_full = Rope(hp["rope_dim"], rope_inv_freq(hp["rope_freq_base"], hp["rope_dim"]))
         self.scale = float(hp["expert_weights_scale"])

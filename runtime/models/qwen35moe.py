@@ -108,7 +108,7 @@ class Qwen35MoE(MoEModel):
         self.d_k = int(hp["ssm_state_size"])
         self.n_v = int(hp["ssm_time_step_rank"])
         self.d_v = int(hp["ssm_inner_size"]) // self.n_v
-        self.norm_topk = bool(self.meta("expert_weights_norm", hp.get("norm_topk", True)))
+        self.norm_topk = bool(hp["norm_topk"])  # expert_weights_norm, read and checked by the spec
 
     def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: "int | torch.Tensor", pre: Normed | None
               ) -> tuple[torch.Tensor, Normed | None]:

@@ -18,7 +18,7 @@ class Qwen3MoE(MoEModel):
         super().__init__(*args, **kwargs)
         hp = self.spec.hparams
         self.rope = Rope(hp["rope_dim"], rope_inv_freq(hp["rope_freq_base"], hp["rope_dim"]))
-        self.norm_topk = bool(self.meta("expert_weights_norm", hp.get("norm_topk", True)))
+        self.norm_topk = bool(hp["norm_topk"])  # expert_weights_norm, read and checked by the spec
 
     def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: "int | torch.Tensor", pre: Normed | None
               ) -> tuple[torch.Tensor, Normed | None]:
