@@ -10,8 +10,6 @@ fsync policy: docs/FORMAT.md.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import json
 import os
 import shutil
 import threading
@@ -24,12 +22,13 @@ import numpy as np
 
 from .archs import ModelSpec
 from .atomic_file import pid_alive
+from .checksums import PACK_ALGORITHM, checksum, hash_file_range, new_hasher
 from .errors import FormatError, SparkpackError
 from .experts import expert_slices, expert_tensor_names
 from .gguf_file import GGUFModel
-from .profile import HASH_NAME, hash_file_range, model_identity
-from .sparkpack import (ALIGNMENT, COLD_DIR, HEADER_SHARD, HOT_SHARD, MANIFEST, PACK_FORMAT, PACK_VERSION,
-                        PART_ALIGNMENT, cold_shard_name)
+from .pack_manifest import (ALIGNMENT, COLD_DIR, HEADER_SHARD, HOT_SHARD, MANIFEST, PACK_FORMAT, PACK_VERSION,
+                            PART_ALIGNMENT, cold_shard_name, manifest_bytes)
+from .profile import model_identity
 
 CHUNK = 8 << 20
 DEFAULT_JOBS = min(8, os.cpu_count() or 1)
@@ -139,6 +138,7 @@ def write_pack(model: GGUFModel, spec: ModelSpec, out: Path, hot: np.ndarray, *,
         raise SparkpackError(out, "already exists (use --force to replace it)")
     if not out.parent.is_dir():
         raise SparkpackError(out.parent, "output directory does not exist")
+    check_packable(model, spec)
     remove_stale_tmp(out)
     tmp = tmp_dir_for(out)
     if tmp.exists():
@@ -146,16 +146,27 @@ def write_pack(model: GGUFModel, spec: ModelSpec, out: Path, hot: np.ndarray, *,
     tmp.mkdir()
     try:
         manifest = _write_contents(model, spec, tmp, hot, compress, plan_info or {}, progress, jobs)
-        mpath = tmp / MANIFEST
-        with open(mpath, "w") as f:
-            json.dump(manifest, f, separators=(",", ":"))
-            f.write("\n")
+        (tmp / MANIFEST).write_bytes(manifest_bytes(manifest, PACK_ALGORITHM))
         _sync_dir_tree(tmp)
         _swap_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def check_packable(model: GGUFModel, spec: ModelSpec) -> None:
+    """Refuse what a pack cannot hold before any byte is written, so that every pack split
+    writes is one its reader accepts: tensors of 1 to 4 dimensions, none of them zero, and
+    expert tensors that divide into whole experts."""
+    for t in model.tensors.values():
+        if not t.shape or 0 in t.shape:
+            raise FormatError(model.path, f"tensor {t.name} has shape {list(t.shape)}: a dimension of size 0 "
+                                          "(or none at all) holds no weights; cannot pack this file")
+    for il, roles in spec.expert_tensors.items():
+        for name in roles.values():
+            if model.tensors[name].nbytes % spec.n_expert:
+                raise FormatError(model.path, f"expert tensor {name} does not divide into {spec.n_expert} experts")
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:
@@ -205,7 +216,7 @@ def _write_contents(model: GGUFModel, spec: ModelSpec, tmp: Path, hot: np.ndarra
     except BaseException:
         os.close(src_fd)
         raise
-    hdr_sum = hash_file_range(tmp / HEADER_SHARD, 0, hdr_pos)
+    hdr_sum = hash_file_range(tmp / HEADER_SHARD, 0, hdr_pos, PACK_ALGORITHM)
 
     # --- layout -----------------------------------------------------------------------------
     pos = 0
@@ -265,7 +276,7 @@ def _write_contents(model: GGUFModel, spec: ModelSpec, tmp: Path, hot: np.ndarra
         "format": PACK_FORMAT,
         "version": PACK_VERSION,
         "alignment": ALIGNMENT,
-        "checksum": HASH_NAME,
+        "checksum": PACK_ALGORITHM,
         "compression": "zstd" if compress else None,
         "arch": spec.arch,
         "source": {"file_name": model.path.name, "identity": identity.to_json(), "data_offset": model.data_offset,
@@ -320,7 +331,7 @@ def _run_tasks(tasks: list[tuple[Any, ...]], src_fd: int, hot_fd: int, tmp: Path
 
     def run(task: tuple[Any, ...]) -> int:
         kind, rec, pieces, dst_off, nbytes = task
-        h = hashlib.new(HASH_NAME)
+        h = new_hasher(PACK_ALGORITHM)
         if kind == "tensor":  # possibly huge: stream it in chunks
             (src_off, _, n), = pieces
             buf = bufs.get(CHUNK)
@@ -331,7 +342,7 @@ def _run_tasks(tasks: list[tuple[Any, ...]], src_fd: int, hot_fd: int, tmp: Path
                 h.update(buf[:k])
                 _pwrite_all(hot_fd, buf[:k], dst_off + done)
                 done += k
-            rec["checksum"] = f"{HASH_NAME}:{h.hexdigest()}"
+            rec["checksum"] = f"{PACK_ALGORITHM}:{h.hexdigest()}"
             return n
         # one expert: a few MB, assembled in the buffer with zeroed padding, then one write
         buf = bufs.get(nbytes)[:nbytes]
@@ -342,7 +353,7 @@ def _run_tasks(tasks: list[tuple[Any, ...]], src_fd: int, hot_fd: int, tmp: Path
             cursor = rel + n
         buf[cursor:] = bytes(nbytes - cursor)
         h.update(buf)
-        rec["checksum"] = f"{HASH_NAME}:{h.hexdigest()}"
+        rec["checksum"] = f"{PACK_ALGORITHM}:{h.hexdigest()}"
         if kind == "hot_expert":
             _pwrite_all(hot_fd, buf, dst_off)
             return nbytes
@@ -354,7 +365,7 @@ def _run_tasks(tasks: list[tuple[Any, ...]], src_fd: int, hot_fd: int, tmp: Path
             os.close(fd)
         rec["stored_nbytes"] = len(data)
         if compress:
-            rec["shard_checksum"] = f"{HASH_NAME}:{hashlib.new(HASH_NAME, data).hexdigest()}"
+            rec["shard_checksum"] = checksum(PACK_ALGORITHM, data)
         return nbytes
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:

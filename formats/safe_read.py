@@ -50,12 +50,13 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
-def parse_json(text: str | bytes, where: object, what: str, max_depth: int | None = None) -> Any:
+def parse_json(text: str | bytes, where: object, what: str, max_depth: int | None = None,
+               constants: bool = False) -> Any:
     """``json.loads`` with every failure as one ``FormatError``: bad syntax, invalid UTF-8, NaN
-    or Infinity, integers too long to convert, nesting deeper than the interpreter's stack or
-    than ``max_depth``."""
+    or Infinity (unless ``constants``: a GGUF's metadata may hold them), integers too long to
+    convert, nesting deeper than the interpreter's stack or than ``max_depth``."""
     try:
-        value = json.loads(text, parse_constant=_no_constant)
+        value = json.loads(text, parse_constant=None if constants else _no_constant)
     except RecursionError:
         raise FormatError(where, f"{what} is nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
@@ -66,6 +67,7 @@ def parse_json(text: str | bytes, where: object, what: str, max_depth: int | Non
 
 
 def load_json(path: str | os.PathLike[str], what: str, max_bytes: int, max_depth: int | None = None) -> Any:
+    """A JSON file of at most ``max_bytes`` (``parse_json``'s checks, no NaN or Infinity)."""
     return parse_json(read_bounded(path, what, max_bytes), path, what, max_depth)
 
 

@@ -1,15 +1,24 @@
-"""Reading ``.sparkpack`` directories: the manifest, zero-copy hot tensors, expert bytes.
+"""Reading ``.sparkpack`` directories: checked manifest, checked hot tensors, checked expert bytes.
 
-A pack is only trusted after ``Pack.open`` has checked the manifest against the directory: every
-shard path stays inside the pack, every (offset, size) lies inside its shard, and the placement
-covers every expert. The runtime's expert store then reads experts with ``expert_bytes`` (one
-contiguous range per expert, so streaming one is one copy). Format: docs/FORMAT.md.
+``Pack.open`` trusts nothing it has not checked: the manifest is read with bounded size and
+nesting, checked against its own checksum (version 2), parsed into typed values whose layout is
+recomputed and compared (``pack_manifest``), and checked against the directory (every shard a
+regular file inside the pack with its recorded size) and against the model spec its metadata
+builds (tensor shapes included). Version-1 manifests, which carry no checksum, are also compared
+with the GGUF header kept in ``header.bin``.
+
+Then every byte handed out is checked before it is used: a hot tensor against its checksum the
+first time it is asked for, an expert range every time it is read (cold experts stream in long
+after load, and a compressed frame is checked before it is decompressed, with its output bounded
+by the manifest's size). ``check_source_header`` is what ``repack verify`` and ``join`` add: the
+header bytes against the model identity, and the manifest against the header.
+Format: docs/FORMAT.md.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -17,21 +26,16 @@ from typing import Any
 
 import numpy as np
 
+from .checksums import IDENTITY_ALGORITHM, checksum, hash_file_range
 from .errors import FormatError, SparkpackError
-from .profile import ModelIdentity
+from .gguf_header import scan_header
+from .pack_manifest import (ALIGNMENT, COLD_DIR, HEADER_SHARD, HOT_SHARD, MANIFEST, MAX_MANIFEST_BYTES,
+                            MAX_MANIFEST_DEPTH, PACK_FORMAT, PACK_VERSION, PART_ALIGNMENT, ExpertPart, ExpertRecord,
+                            Manifest, TensorRecord, cold_shard_name, parse_manifest)
+from .safe_read import parse_json, read_bounded
 
-PACK_FORMAT = "sparkpack"
-PACK_VERSION = 1
-MANIFEST = "manifest.json"
-HEADER_SHARD = "header.bin"
-HOT_SHARD = "hot.bin"
-COLD_DIR = "cold"
-ALIGNMENT = 4096  # start of every tensor and expert in the hot shard
-PART_ALIGNMENT = 64  # start of gate/up/down inside one expert's range
-
-
-def cold_shard_name(layer: int, expert: int, compressed: bool = False) -> str:
-    return f"{COLD_DIR}/L{layer:03d}/E{expert:04d}.bin" + (".zst" if compressed else "")
+__all__ = ["ALIGNMENT", "COLD_DIR", "HEADER_SHARD", "HOT_SHARD", "MANIFEST", "PACK_FORMAT", "PACK_VERSION",
+           "PART_ALIGNMENT", "ExpertPart", "ExpertRecord", "Pack", "TensorRecord", "cold_shard_name", "is_pack"]
 
 
 def is_pack(path: str | os.PathLike[str]) -> bool:
@@ -40,54 +44,43 @@ def is_pack(path: str | os.PathLike[str]) -> bool:
 
 
 @dataclass(frozen=True)
-class ExpertRecord:
-    layer: int
-    expert: int
-    hot: bool
-    shard: str  # path relative to the pack
-    offset: int  # of the expert's range inside the shard (0 for cold shards)
-    nbytes: int  # uncompressed bytes of the expert's range
-    stored_nbytes: int  # bytes in the shard (differs from nbytes when compressed)
-    compression: str | None
-    checksum: str  # of the uncompressed range
-    shard_checksum: str | None  # of the stored bytes, when compressed
+class _SpecTensor:
+    shape: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class ExpertPart:
-    role: str  # gate | up | gate_up | down
-    tensor: str
-    offset: int  # inside the expert's range
-    nbytes: int
+class _SpecSource:
+    """The manifest seen as the few GGUF members ``formats.archs.model_spec`` reads."""
+
+    def __init__(self, path: Path, m: Manifest):
+        self.path, self.arch, self._meta = path, m.arch, m.metadata
+        self.tensors = {n: _SpecTensor(t.shape) for n, t in m.tensors.items()}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._meta.get(key, default)
 
 
 class Pack:
-    """An opened, structurally validated pack. Use ``Pack.open``."""
+    """An opened, checked pack. Use ``Pack.open``."""
 
-    def __init__(self, path: Path, manifest: dict[str, Any]):
+    def __init__(self, path: Path, m: Manifest):
         self.path = path
-        self.manifest = manifest
-        self.arch: str = manifest["arch"]
-        self.spec: dict[str, Any] = manifest["spec"]
-        self.n_layer: int = int(self.spec["n_layer"])
-        self.n_expert: int = int(self.spec["n_expert"])
-        self.identity = ModelIdentity.from_json(manifest["source"]["identity"], path / MANIFEST)
-        self.compression: str | None = manifest.get("compression")
-        self.tensors: dict[str, dict[str, Any]] = {t["name"]: t for t in manifest["tensors"]}
-        self.parts: dict[int, list[ExpertPart]] = {}
-        self.records: dict[tuple[int, int], ExpertRecord] = {}
+        self.manifest = m
+        self.arch = m.arch
+        self.version = m.version
+        self.algorithm = m.algorithm
+        self.identity = m.source.identity
+        self.compression = m.compression
+        self.metadata = m.metadata
+        self.tensors: dict[str, TensorRecord] = m.tensors
+        self.parts: dict[int, tuple[ExpertPart, ...]] = m.parts
+        self.records: dict[tuple[int, int], ExpertRecord] = m.records
+        self.n_layer, self.n_expert = m.spec.n_layer, m.spec.n_expert
         self.hot = np.zeros((self.n_layer, self.n_expert), dtype=bool)
-        for lay in manifest["experts"]:
-            il = int(lay["layer"])
-            self.parts[il] = [ExpertPart(p["role"], p["tensor"], int(p["offset"]), int(p["nbytes"]))
-                              for p in lay["parts"]]
-            for e, r in enumerate(lay["experts"]):
-                rec = ExpertRecord(il, e, bool(r["hot"]), str(r["shard"]), int(r["offset"]), int(lay["expert_nbytes"]),
-                                   int(r["stored_nbytes"]), r.get("compression"), str(r["checksum"]),
-                                   r.get("shard_checksum"))
-                self.records[(il, e)] = rec
-                self.hot[il, e] = rec.hot
+        for (il, e), rec in self.records.items():
+            self.hot[il, e] = rec.hot
         self._hot_map: np.ndarray | None = None
+        self._checked: set[str] = set()  # hot tensors whose bytes matched their checksum
+        self._lock = threading.Lock()
         self._local = threading.local()  # zstd decompressors are not thread-safe: one per thread
 
     # --- opening and validation ---------------------------------------------------------------
@@ -98,24 +91,15 @@ class Pack:
         mpath = path / MANIFEST
         if not path.exists():
             raise SparkpackError(path, "no such pack")
-        if not path.is_dir() or not mpath.is_file():
+        if not path.is_dir() or not mpath.exists():
             raise FormatError(path, f"not a sparkpack (expected a directory with {MANIFEST})")
-        try:
-            manifest = json.loads(mpath.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise FormatError(mpath, f"unreadable manifest ({str(e)[:100]})") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != PACK_FORMAT:
-            raise FormatError(mpath, f"not a sparkpack manifest (format is not {PACK_FORMAT!r})")
-        if manifest.get("version") != PACK_VERSION:
-            raise FormatError(mpath, f"pack format version {manifest.get('version')} is not supported "
-                                     f"(expected {PACK_VERSION})")
-        try:
-            pack = cls(path, manifest)
-        except SparkpackError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise FormatError(mpath, f"malformed manifest ({type(e).__name__}: {str(e)[:80]})") from None
-        pack._validate()
+        raw = read_bounded(mpath, "a pack manifest", MAX_MANIFEST_BYTES)
+        d = parse_json(raw, mpath, "manifest", MAX_MANIFEST_DEPTH, constants=True)
+        pack = cls(path, parse_manifest(d, raw, mpath))
+        pack._check_directory()
+        pack._check_spec()
+        if pack.version == 1:  # no manifest checksum: the header it was written from vouches for it
+            pack.check_source_header()
         return pack
 
     def shard_path(self, rel: str) -> Path:
@@ -130,70 +114,97 @@ class Pack:
             raise FormatError(self.path / MANIFEST, f"shard path {rel!r} points outside the pack") from None
         return full
 
-    def _shard_size(self, rel: str, cache: dict[str, int]) -> int:
-        if rel not in cache:
-            p = self.shard_path(rel)
-            try:
-                cache[rel] = p.stat().st_size
-            except FileNotFoundError:
-                raise FormatError(self.path, f"shard {rel} is missing") from None
-        return cache[rel]
+    def _shard_size(self, rel: str) -> int:
+        """Size of a shard, which must be a regular file: a FIFO or device would block or stream
+        without end."""
+        p = self.shard_path(rel)
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            raise FormatError(self.path, f"shard {rel} is missing") from None
+        except OSError as e:
+            raise FormatError(self.path, f"shard {rel} cannot be read ({e.strerror or e})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError(self.path, f"shard {rel} is not a regular file")
+        return st.st_size
 
-    def _validate(self) -> None:
-        mpath = self.path / MANIFEST
-        sizes: dict[str, int] = {}
-        for s in self.manifest["shards"]:
-            have = self._shard_size(s["path"], sizes)
-            if have != int(s["nbytes"]):
-                raise FormatError(self.path, f"shard {s['path']} has {have} bytes, the manifest says {s['nbytes']}")
-        for t in self.tensors.values():
-            if t["shard"] is None:
+    def _check_directory(self) -> None:
+        for s in self.manifest.shards.values():
+            have = self._shard_size(s.path)
+            if have != s.nbytes:
+                raise FormatError(self.path, f"shard {s.path} has {have} bytes, the manifest says {s.nbytes}")
+        for rec in self.records.values():
+            if rec.hot:
                 continue
-            off, n = int(t["offset"]), int(t["nbytes"])
-            if off < 0 or n < 0 or off + n > self._shard_size(t["shard"], sizes):
-                raise FormatError(mpath, f"tensor {t['name']}: range {off}+{n} is outside shard {t['shard']}")
-        for il, parts in self.parts.items():
-            if not 0 <= il < self.n_layer:
-                raise FormatError(mpath, f"expert layer {il} out of range (model has {self.n_layer} layers)")
-            for p in parts:
-                if p.offset < 0 or p.nbytes < 0:
-                    raise FormatError(mpath, f"layer {il}: expert part {p.role} has a negative range")
-            for e in range(self.n_expert):
-                rec = self.records.get((il, e))
-                if rec is None:
-                    raise FormatError(mpath, f"placement is missing layer {il} expert {e}")
-                if parts and parts[-1].offset + parts[-1].nbytes > rec.nbytes:
-                    raise FormatError(mpath, f"layer {il}: expert parts run past the expert's {rec.nbytes} bytes")
-                size = self._shard_size(rec.shard, sizes)
-                if rec.offset < 0 or rec.stored_nbytes < 0 or rec.offset + rec.stored_nbytes > size:
-                    raise FormatError(mpath, f"layer {il} expert {e}: range {rec.offset}+{rec.stored_nbytes} is "
-                                             f"outside shard {rec.shard} ({size} bytes)")
-                if rec.compression not in (None, "zstd"):
-                    raise FormatError(mpath, f"layer {il} expert {e}: unknown compression {rec.compression!r}")
-                if rec.compression is None and rec.stored_nbytes != rec.nbytes:
-                    raise FormatError(mpath, f"layer {il} expert {e}: stored size {rec.stored_nbytes} differs "
-                                             f"from the expert size {rec.nbytes}")
+            size = self._shard_size(rec.shard)
+            if size != rec.stored_nbytes:
+                raise FormatError(self.path, f"shard {rec.shard} has {size} bytes, the manifest says "
+                                             f"{rec.stored_nbytes} (truncated or replaced)")
+
+    def _check_spec(self) -> None:
+        """The spec the metadata builds (tensor shapes checked) must agree with the layout."""
+        from .archs import model_spec
+
+        spec = model_spec(_SpecSource(self.path / MANIFEST, self.manifest))  # type: ignore[arg-type]
+        s = self.manifest.spec
+        if (spec.n_layer, spec.n_expert, tuple(spec.moe_layers), spec.expert_tensors) != \
+                (s.n_layer, s.n_expert, s.moe_layers, s.expert_tensors):
+            raise FormatError(self.path / MANIFEST, "spec (layers, experts, expert tensors) differs from the one "
+                                                    "the metadata gives")
+
+    def check_source_header(self) -> None:
+        """``header.bin`` holds the source GGUF's header (its hash is the model identity) and the
+        manifest's tensor index, data offset and metadata are the ones that header holds: what
+        ``join`` relies on to rebuild the original file."""
+        src = self.manifest.source
+        hdr = self.shard_path(HEADER_SHARD)
+        if hash_file_range(hdr, 0, src.data_offset, IDENTITY_ALGORITHM) != self.identity.header_hash:
+            raise FormatError(self.path, f"shard {HEADER_SHARD} does not match the source identity (corrupt)")
+        with open(hdr, "rb") as f:
+            buf = f.read(src.data_offset)
+        where = f"{self.path}/{HEADER_SHARD}"
+        index = scan_header(buf, where, file_size=self.identity.file_size)
+        mpath = self.path / MANIFEST
+        if (index.data_offset, index.alignment) != (src.data_offset, src.gguf_alignment):
+            raise FormatError(mpath, "source.data_offset or gguf_alignment differs from the source header")
+        header_tensors = {t.name: (t.shape, t.qtype, index.data_offset + t.offset, t.nbytes) for t in index.tensors}
+        manifest_tensors = {n: (t.shape, t.qtype, t.source_offset, t.nbytes) for n, t in self.tensors.items()}
+        if header_tensors != manifest_tensors:
+            bad = sorted(set(header_tensors.items()) ^ set(manifest_tensors.items()))[0][0]
+            raise FormatError(mpath, f"tensor {bad} differs from the source header's tensor index")
+        if list(index.fields) != list(self.metadata):
+            raise FormatError(mpath, "metadata keys differ from the source header's")
+        for key in index.fields:
+            if _json(index.value(buf, key, where)) != _json(self.metadata[key]):
+                raise FormatError(mpath, f"metadata {key} differs from the source header's value")
 
     # --- data ---------------------------------------------------------------------------------
 
     def _hot(self) -> np.ndarray:
         if self._hot_map is None:
             p = self.shard_path(HOT_SHARD)
-            self._hot_map = (np.memmap(p, dtype=np.uint8, mode="r") if p.stat().st_size
+            self._hot_map = (np.memmap(p, dtype=np.uint8, mode="r") if self._shard_size(HOT_SHARD)
                              else np.zeros(0, dtype=np.uint8))
         return self._hot_map
 
     def tensor(self, name: str) -> np.ndarray:
-        """A non-expert tensor's bytes: a zero-copy uint8 view of the mmapped hot shard."""
+        """A non-expert tensor's bytes: a zero-copy view of the mmapped hot shard, checked against
+        its checksum the first time it is asked for."""
         t = self.tensors.get(name)
         if t is None:
             raise KeyError(f"no tensor {name} in {self.path}")
-        if t["shard"] is None:
+        if t.shard is None or t.offset is None or t.checksum is None:
             raise KeyError(f"{name} is an expert tensor; read it per expert with expert_bytes()")
-        return self._hot()[int(t["offset"]): int(t["offset"]) + int(t["nbytes"])]
+        view = self._hot()[t.offset: t.offset + t.nbytes]
+        if name not in self._checked:
+            if checksum(self.algorithm, view) != t.checksum:
+                raise FormatError(self.path, f"shard {HOT_SHARD} fails its checksum at tensor {name} (corrupt)")
+            with self._lock:
+                self._checked.add(name)
+        return view
 
     def non_expert_tensors(self) -> list[str]:
-        return [n for n, t in self.tensors.items() if t["shard"] is not None]
+        return [n for n, t in self.tensors.items() if t.shard is not None]
 
     def is_hot(self, layer: int, expert: int) -> bool:
         return bool(self.hot[layer, expert])
@@ -205,56 +216,88 @@ class Pack:
             raise KeyError(f"layer {layer} expert {expert} is not in the pack") from None
 
     def read_stored(self, rec: ExpertRecord) -> bytes:
-        """The expert's bytes as stored in its cold shard (compressed when the pack is)."""
-        with open(self.shard_path(rec.shard), "rb") as f:
-            f.seek(rec.offset)
-            data = f.read(rec.stored_nbytes)
+        """The expert's bytes as stored in its cold shard (compressed when the pack is), checked
+        against the stored bytes' checksum when the manifest has one."""
+        try:
+            with open(self.shard_path(rec.shard), "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise FormatError(self.path, f"shard {rec.shard} is not a regular file")
+                f.seek(rec.offset)
+                data = f.read(rec.stored_nbytes)
+        except OSError as e:
+            raise FormatError(self.path, f"shard {rec.shard} cannot be read ({e.strerror or e})") from None
         if len(data) != rec.stored_nbytes:
             raise FormatError(self.path, f"shard {rec.shard} is truncated")
+        if rec.shard_checksum is not None and checksum(self.algorithm, data) != rec.shard_checksum:
+            raise FormatError(self.path, f"shard {rec.shard} fails its checksum (corrupt)")
         return data
 
-    def expert_bytes(self, layer: int, expert: int, verify: bool = False) -> np.ndarray:
-        """The expert's contiguous range (gate/up/down at ``parts`` offsets).
+    def expert_bytes(self, layer: int, expert: int) -> np.ndarray:
+        """The expert's contiguous range (gate/up/down at ``parts`` offsets), checked against its
+        checksum on every read (``FormatError`` naming the shard).
 
         Hot experts are zero-copy views of the hot shard; cold ones are read (and decompressed)
-        from their shard. ``verify`` checks the checksum and raises ``FormatError`` naming the shard.
+        from their shard.
         """
         rec = self.expert_record(layer, expert)
-        if rec.hot:
-            out = self._hot()[rec.offset: rec.offset + rec.nbytes]
-        else:
-            data = self.read_stored(rec)
-            if rec.compression == "zstd":
-                data = self._decompress(rec, data)
-            out = np.frombuffer(data, dtype=np.uint8)
-        if verify and checksum(out) != rec.checksum:
-            raise FormatError(self.path, f"shard {rec.shard}: layer {layer} expert {expert} fails its checksum")
+        if not rec.hot:
+            return self.read_expert(layer, expert)
+        out = self._hot()[rec.offset: rec.offset + rec.nbytes]
+        self._check_expert(rec, out)
         return out
 
+    def read_expert(self, layer: int, expert: int) -> np.ndarray:
+        """The expert's checked range read from its shard, never through the hot shard's map:
+        tools that read a whole pack (verify, join) keep their memory flat."""
+        rec = self.expert_record(layer, expert)
+        data = self.read_stored(rec)
+        if rec.compression == "zstd":
+            data = self._decompress(rec, data)
+        out = np.frombuffer(data, dtype=np.uint8)
+        self._check_expert(rec, out)
+        return out
+
+    def _check_expert(self, rec: ExpertRecord, data: np.ndarray) -> None:
+        if checksum(self.algorithm, data) != rec.checksum:
+            where = f" at layer {rec.layer} expert {rec.expert}" if rec.hot else ""
+            raise FormatError(self.path, f"shard {rec.shard} fails its checksum{where} (corrupt)")
+
     def _decompress(self, rec: ExpertRecord, data: bytes) -> bytes:
+        """One zstd frame to exactly ``rec.nbytes`` bytes; never more is produced, whatever size
+        the frame claims (a corrupt header claiming 1 TiB made zstd allocate it)."""
         import zstandard
 
         dctx = getattr(self._local, "dctx", None)
         if dctx is None:
             dctx = self._local.dctx = zstandard.ZstdDecompressor()
         try:
-            out = dctx.decompress(data, max_output_size=rec.nbytes)
+            claimed = zstandard.frame_content_size(data)
+            if claimed not in (-1, rec.nbytes):
+                raise FormatError(self.path, f"shard {rec.shard} claims {claimed} bytes, expected {rec.nbytes}")
+            chunks, have = [], 0
+            with dctx.stream_reader(data, read_across_frames=False) as reader:
+                while have <= rec.nbytes:
+                    chunk = reader.read(rec.nbytes + 1 - have)
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    have += len(chunk)
+            out = b"".join(chunks)
         except zstandard.ZstdError as e:
             raise FormatError(self.path, f"shard {rec.shard} does not decompress ({e})") from None
         if len(out) != rec.nbytes:
             raise FormatError(self.path, f"shard {rec.shard} decompresses to {len(out)} bytes, expected {rec.nbytes}")
         return out
 
-    def expert_parts(self, layer: int, expert: int, verify: bool = False) -> dict[str, np.ndarray]:
-        """role -> bytes of that role's block, exactly as the GGUF stores it."""
-        data = self.expert_bytes(layer, expert, verify)
+    def expert_parts(self, layer: int, expert: int) -> dict[str, np.ndarray]:
+        """role -> bytes of that role's block, exactly as the GGUF stores it (checked)."""
+        data = self.expert_bytes(layer, expert)
         return {p.role: data[p.offset: p.offset + p.nbytes] for p in self.parts[layer]}
 
     def close(self) -> None:
         self._hot_map = None
 
 
-def checksum(data: np.ndarray | bytes | memoryview) -> str:
-    from .profile import HASH_NAME
-
-    return f"{HASH_NAME}:{hashlib.new(HASH_NAME, memoryview(data)).hexdigest()}"
+def _json(v: Any) -> str:
+    """A value in the manifest's JSON spelling (NaN included), for comparing with the header."""
+    return json.dumps(v, sort_keys=True)

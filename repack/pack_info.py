@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from sparkpack.formats.sparkpack import Pack
+from sparkpack.formats.sparkpack import HEADER_SHARD, HOT_SHARD, Pack
 
 from sparkpack.formats.units import fmt_size
 
@@ -14,16 +14,16 @@ from sparkpack.formats.units import fmt_size
 def pack_report(path: Path) -> dict[str, Any]:
     pack = Pack.open(path)
     m = pack.manifest
-    shard_bytes = {s["kind"]: int(s["nbytes"]) for s in m["shards"]}
     cold = [r for r in pack.records.values() if not r.hot]
     per_layer = {str(il): int(pack.hot[il].sum()) for il in sorted(pack.parts)}
-    placement = m.get("placement", {})
+    name = pack.metadata.get("general.name")
     return {
         "pack": str(path),
-        "format_version": m["version"],
+        "format_version": pack.version,
+        "checksum": pack.algorithm,
         "arch": pack.arch,
-        "name": m.get("metadata", {}).get("general.name"),
-        "source_file": m["source"]["file_name"],
+        "name": name if isinstance(name, str) else None,
+        "source_file": m.source.file_name,
         "source_bytes": pack.identity.file_size,
         "layers": pack.n_layer,
         "experts_per_layer": pack.n_expert,
@@ -31,11 +31,11 @@ def pack_report(path: Path) -> dict[str, Any]:
         "hot_experts": int(pack.hot.sum()),
         "total_experts": len(pack.records),
         "hot_per_layer": per_layer,
-        "uniform_placement": placement.get("uniform"),
-        "profile": placement.get("profile"),
-        "expected_cold_hit_rate": placement.get("expected_cold_hit_rate"),
-        "hot_shard_bytes": shard_bytes.get("hot", 0),
-        "header_bytes": shard_bytes.get("header", 0),
+        "uniform_placement": m.placement.uniform,
+        "profile": m.placement.profile,
+        "expected_cold_hit_rate": m.placement.expected_cold_hit_rate,
+        "hot_shard_bytes": m.shards[HOT_SHARD].nbytes,
+        "header_bytes": m.shards[HEADER_SHARD].nbytes,
         "cold_shards": len(cold),
         "cold_stored_bytes": sum(r.stored_nbytes for r in cold),
         "cold_raw_bytes": sum(r.nbytes for r in cold),
@@ -45,7 +45,8 @@ def pack_report(path: Path) -> dict[str, Any]:
 
 def print_pack_report(r: dict[str, Any]) -> None:
     echo = click.echo
-    echo(f"{r['pack']}  (sparkpack v{r['format_version']}, from {r['source_file']}, {fmt_size(r['source_bytes'])})")
+    echo(f"{r['pack']}  (sparkpack v{r['format_version']}, {r['checksum']} checksums, from {r['source_file']}, "
+         f"{fmt_size(r['source_bytes'])})")
     echo(f"  arch            {r['arch']}" + (f"  ({r['name']})" if r.get("name") else ""))
     echo(f"  layers          {r['layers']} ({r['moe_layers']} MoE, {r['experts_per_layer']} experts each)")
     share = r["hot_experts"] / max(r["total_experts"], 1)

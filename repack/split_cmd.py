@@ -88,7 +88,7 @@ def split_cmd(model_path: Path, profile_path: Path | None, vram: int | None, hot
 
     Experts are placed with --profile, else with MODEL.profile.json beside the model when it
     belongs to this model (`repack calibrate` writes it there), else uniformly."""
-    from sparkpack.formats.pack_writer import write_pack
+    from sparkpack.formats.pack_writer import check_packable, write_pack
     from sparkpack.formats.profile import choose_profile, model_identity
 
     if vram is not None and hot_fraction is not None:
@@ -97,6 +97,7 @@ def split_cmd(model_path: Path, profile_path: Path | None, vram: int | None, hot
     check_output(out, force)
     model = GGUFModel(model_path)
     spec = model_spec(model)
+    check_packable(model, spec)  # before the plan is printed: nothing is said about a file we refuse
     choice = choose_profile(profile_path, model_path, model_identity(model), spec)
     if choice.warning:
         click.echo(f"warning: {choice.warning}", err=True)

@@ -1,14 +1,20 @@
-"""``repack verify``: every checksum and size in a pack's manifest, checked against its shards."""
+"""``repack verify``: everything ``join`` and ``spark-run`` rely on, checked against the shards.
+
+A pack that verifies joins to its source GGUF byte for byte and loads: ``Pack.open`` checks the
+manifest (its checksum, types, the layout it recomputes: tensor offsets, expert parts, gaps) and
+that the metadata builds a spec the tensor shapes agree with; verify then checks the header
+shard (its checksum, the model identity's header hash, and that the manifest's tensor index,
+data offset and metadata are the header's) and every checksum of every tensor and expert.
+"""
 from __future__ import annotations
 
-import hashlib
 import sys
 from pathlib import Path
 
 import click
+from sparkpack.formats.checksums import hash_file_range
 from sparkpack.formats.errors import FormatError
-from sparkpack.formats.profile import HASH_NAME, hash_file_range
-from sparkpack.formats.sparkpack import HEADER_SHARD, HOT_SHARD, Pack, checksum
+from sparkpack.formats.sparkpack import HEADER_SHARD, HOT_SHARD, Pack
 
 
 def verify_pack(path: Path, progress=lambda n: None) -> Pack:
@@ -17,32 +23,22 @@ def verify_pack(path: Path, progress=lambda n: None) -> Pack:
     Order: header shard, hot shard (tensors in file order, then hot experts), cold shards by
     (layer, expert), so "first" is reproducible.
     """
-    pack = Pack.open(path)  # sizes, ranges, paths
+    pack = Pack.open(path)
+    header = pack.manifest.shards[HEADER_SHARD]
+    if hash_file_range(pack.shard_path(HEADER_SHARD), 0, header.nbytes, pack.algorithm) != header.checksum:
+        raise FormatError(path, f"shard {HEADER_SHARD} fails its checksum (corrupt)")
+    pack.check_source_header()
     # Hot bytes are hashed through pread, not the mmap: touching a 10 GB map would count it all
     # as resident memory.
     hot_file = pack.shard_path(HOT_SHARD)
-    for s in pack.manifest["shards"]:
-        if s["path"] == HEADER_SHARD and hash_file_range(pack.shard_path(HEADER_SHARD), 0, int(s["nbytes"])) != s["checksum"]:
-            raise FormatError(path, f"shard {HEADER_SHARD} fails its checksum (corrupt)")
-    for t in pack.manifest["tensors"]:
-        if t["shard"] is None:
+    for t in pack.tensors.values():
+        if t.shard is None:
             continue
-        if hash_file_range(hot_file, int(t["offset"]), int(t["nbytes"])) != t["checksum"]:
-            raise FormatError(path, f"shard {t['shard']} fails its checksum at tensor {t['name']} (corrupt)")
-        progress(int(t["nbytes"]))
-    order = sorted(pack.records.values(), key=lambda r: (not r.hot, r.layer, r.expert))
-    for rec in order:
-        if rec.compression is not None and rec.shard_checksum is not None:
-            stored = pack.read_stored(rec)
-            if f"{HASH_NAME}:{hashlib.new(HASH_NAME, stored).hexdigest()}" != rec.shard_checksum:
-                raise FormatError(path, f"shard {rec.shard} fails its checksum (corrupt)")
-        if rec.hot:
-            ok = hash_file_range(hot_file, rec.offset, rec.nbytes) == rec.checksum
-        else:
-            ok = checksum(pack.expert_bytes(rec.layer, rec.expert)) == rec.checksum
-        if not ok:
-            what = f"at layer {rec.layer} expert {rec.expert} " if rec.hot else ""
-            raise FormatError(path, f"shard {rec.shard} fails its checksum {what}(corrupt)")
+        if hash_file_range(hot_file, t.offset or 0, t.nbytes, pack.algorithm) != t.checksum:
+            raise FormatError(path, f"shard {t.shard} fails its checksum at tensor {t.name} (corrupt)")
+        progress(t.nbytes)
+    for rec in sorted(pack.records.values(), key=lambda r: (not r.hot, r.layer, r.expert)):
+        pack.read_expert(rec.layer, rec.expert)
         progress(rec.nbytes)
     return pack
 
@@ -54,10 +50,10 @@ def verify_cmd(pack: Path) -> None:
     from tqdm import tqdm
 
     p = Pack.open(pack)
-    total = sum(int(t["nbytes"]) for t in p.manifest["tensors"])
+    total = sum(t.nbytes for t in p.tensors.values())
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", file=sys.stderr,
               disable=None) as bar:
         verify_pack(pack, bar.update)
     n_cold = sum(1 for r in p.records.values() if not r.hot)
-    click.echo(f"{pack}: OK ({len(p.manifest['tensors'])} tensors, {int(p.hot.sum())} hot experts, "
-               f"{n_cold} cold shards)")
+    click.echo(f"{pack}: OK ({len(p.tensors)} tensors, {int(p.hot.sum())} hot experts, {n_cold} cold shards, "
+               f"{p.algorithm} checksums)")

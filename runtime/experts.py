@@ -135,7 +135,7 @@ class GGUFExperts(PlainProvider):
 
 class PackExperts(GGUFExperts):
     """The same provider over a ``.sparkpack``: each expert is one range of its hot or cold shard
-    (read, and decompressed when the pack is compressed, on first use)."""
+    (read, and decompressed when the pack is compressed, on first use), checked against its checksum."""
 
     def __init__(self, source: PackSource, spec: ModelSpec, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, max_bytes: int | None = None):

@@ -175,9 +175,8 @@ class PackSource:
         self.pack = pack
         self.path = pack.path
         self.arch = pack.arch
-        self._meta = pack.manifest.get("metadata", {})
-        self.tensors = {n: TensorInfo(n, tuple(int(d) for d in t["shape"]), int(t["qtype"]), -1, int(t["nbytes"]))
-                        for n, t in pack.tensors.items()}
+        self._meta = pack.metadata
+        self.tensors = {n: TensorInfo(n, t.shape, t.qtype, -1, t.nbytes) for n, t in pack.tensors.items()}
 
     def get(self, key: str, default=None):
         return self._meta.get(key, default)
@@ -189,4 +188,5 @@ class PackSource:
             raise FormatError(self.path, f"missing tensor {name}") from None
 
     def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes, checked against the pack's checksum on first use."""
         return self.pack.tensor(name)

@@ -25,9 +25,10 @@ def field_types(model: GGUFModel, key: str) -> tuple[gguf.GGUFValueType, gguf.GG
     return gguf.GGUFValueType(vtype), sub
 
 
-def rewrite(src: Path, dst: Path, edits: dict[str, Any]) -> Path:
+def rewrite(src: Path, dst: Path, edits: dict[str, Any], add_tensors: dict[str, np.ndarray] | None = None) -> Path:
     """Copy ``src`` to ``dst`` with ``edits`` applied: key -> value (written with the key's old
-    type, or ``(value, GGUFValueType[, sub type])`` to choose one), or ``DROP``."""
+    type, or ``(value, GGUFValueType[, sub type])`` to choose one), or ``DROP``; ``add_tensors``
+    are appended (float32 arrays, numpy order)."""
     model = GGUFModel(src)
     arch = edits.get("general.architecture", model.arch)
     arch = arch[0] if isinstance(arch, tuple) else arch
@@ -52,6 +53,8 @@ def rewrite(src: Path, dst: Path, edits: dict[str, Any]) -> Path:
             w.add_tensor(t.name, raw.view(PLAIN[qtype]).reshape(dims))
         else:  # rows of blocks, as bytes
             w.add_tensor(t.name, raw.reshape(*dims[:-1], -1), raw_dtype=qtype)
+    for name, array in (add_tensors or {}).items():
+        w.add_tensor(name, array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
