@@ -3,7 +3,7 @@
 Data goes to a hidden temporary name beside the target (``.NAME.tmp-PID``, one per process), is
 fsynced, renamed over the target, and the folder is fsynced so the rename itself survives a power
 cut. A failed write removes its temporary file; one left by a process killed mid-write carries
-its pid, so the next writer can tell it is stale (``formats.profile_file``).
+its pid, so the next writer can tell it is stale and remove it (``formats.leftovers``).
 """
 from __future__ import annotations
 
@@ -54,4 +54,6 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:  # another user's process
         return True
+    except OverflowError:  # not a pid this system can have
+        return False
     return True

@@ -21,11 +21,12 @@ from typing import Any, Callable
 import numpy as np
 
 from .archs import ModelSpec
-from .atomic_file import pid_alive
+from .atomic_file import temp_name
 from .checksums import PACK_ALGORITHM, checksum, hash_file_range, new_hasher
 from .errors import FormatError, SparkpackError
 from .experts import expert_slices, expert_tensor_names
 from .gguf_file import GGUFModel
+from .leftovers import clean_leftovers, old_name
 from .pack_manifest import (ALIGNMENT, COLD_DIR, HEADER_SHARD, HOT_SHARD, MANIFEST, PACK_FORMAT, PACK_VERSION,
                             PART_ALIGNMENT, cold_shard_name, manifest_bytes)
 from .profile import model_identity
@@ -83,22 +84,6 @@ def spec_json(spec: ModelSpec) -> dict[str, Any]:
     return _jsonable(d)
 
 
-def tmp_dir_for(out: Path) -> Path:
-    return out.parent / f".{out.name}.tmp-{os.getpid()}"
-
-
-def remove_stale_tmp(out: Path) -> None:
-    """Delete temporary directories left by splits that were killed (their process is gone)."""
-    for p in out.parent.glob(f".{out.name}.tmp-*"):
-        try:
-            pid = int(p.name.rsplit("-", 1)[1])
-        except ValueError:
-            continue
-        if pid == os.getpid() or pid_alive(pid):
-            continue
-        shutil.rmtree(p, ignore_errors=True)
-
-
 def _sync_dir_tree(path: Path) -> None:
     """Flush the new pack to disk once, before it is renamed into place.
 
@@ -139,8 +124,8 @@ def write_pack(model: GGUFModel, spec: ModelSpec, out: Path, hot: np.ndarray, *,
     if not out.parent.is_dir():
         raise SparkpackError(out.parent, "output directory does not exist")
     check_packable(model, spec)
-    remove_stale_tmp(out)
-    tmp = tmp_dir_for(out)
+    clean_leftovers(out)  # (split reports them; this covers other callers)
+    tmp = temp_name(out)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -173,7 +158,7 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
     """Rename the finished pack in; an old pack is moved aside first and deleted only after."""
     old = None
     if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        old = old_name(out)
         if old.exists():
             shutil.rmtree(old)
         os.rename(out, old)

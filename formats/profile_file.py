@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .archs import ModelSpec
-from .atomic_file import pid_alive
 from .errors import SparkpackError
+from .leftovers import clean_leftovers
 from .profile import ModelIdentity, Profile
 
 SAVE_EVERY_S = 60.0  # at most this much learning is lost to a crash; a write costs milliseconds
@@ -73,15 +73,10 @@ class ProfileFile:
         self.save(snapshot())
         return True
 
-    def remove_stale_temps(self) -> list[Path]:
-        """Temporary files of writers that died mid-write (their process is gone)."""
-        removed = []
-        for tmp in self.path.parent.glob(f".{self.path.name}.tmp-*"):
-            pid = tmp.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and not pid_alive(int(pid)):
-                tmp.unlink(missing_ok=True)
-                removed.append(tmp)
-        return removed
+    def remove_stale_temps(self) -> list[str]:
+        """Remove temporary files of writers that died mid-write (their process is gone), as
+        every command does for its output (``formats.leftovers``); one line per file removed."""
+        return clean_leftovers(self.path)
 
 
 @contextlib.contextmanager

@@ -58,11 +58,11 @@ def parse_json(text: str | bytes, where: object, what: str, max_depth: int | Non
     try:
         value = json.loads(text, parse_constant=None if constants else _no_constant)
     except RecursionError:
-        raise FormatError(where, f"{what} is nested too deeply") from None
+        raise FormatError(where, f"not {what}: nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
-        raise FormatError(where, f"{what} is not valid JSON ({str(e)[:100]})") from None
+        raise FormatError(where, f"not {what}: invalid JSON ({str(e)[:100]})") from None
     if max_depth is not None and nesting_depth(value, max_depth) > max_depth:
-        raise FormatError(where, f"{what} is nested more than {max_depth} levels deep")
+        raise FormatError(where, f"not {what}: nested more than {max_depth} levels deep")
     return value
 
 

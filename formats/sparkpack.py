@@ -94,7 +94,7 @@ class Pack:
         if not path.is_dir() or not mpath.exists():
             raise FormatError(path, f"not a sparkpack (expected a directory with {MANIFEST})")
         raw = read_bounded(mpath, "a pack manifest", MAX_MANIFEST_BYTES)
-        d = parse_json(raw, mpath, "manifest", MAX_MANIFEST_DEPTH, constants=True)
+        d = parse_json(raw, mpath, "a pack manifest", MAX_MANIFEST_DEPTH, constants=True)
         pack = cls(path, parse_manifest(d, raw, mpath))
         pack._check_directory()
         pack._check_spec()

@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from sparkpack.formats.errors import SparkpackError
+from sparkpack.formats.leftovers import clean_leftovers
 from sparkpack.formats.profile import default_profile_path
 
 from .outputs import check_output, reported_as
@@ -78,6 +79,8 @@ def calibrate_cmd(model_path: Path, corpus: Path | None, output: Path | None, ma
     if corpus is None:
         raise SparkpackError(None, "--corpus is required (a file or folder of traffic to replay), or use --eval")
     output = output or default_profile_path(model_path)
+    for line in clean_leftovers(output) + clean_leftovers(checkpoint_path(output)):  # a killed run's temporaries
+        click.echo(f"repack: {line}", err=True)
     run_calibrate(gguf, spec, identity, corpus, output, max_tokens, ctx, chunk, device, resume, merge, force, decay,
                   trace_path, strict, quiet, stop_after)
 

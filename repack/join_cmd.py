@@ -8,8 +8,10 @@ from pathlib import Path
 
 import click
 
+from sparkpack.formats.atomic_file import temp_name
 from sparkpack.formats.checksums import hash_file_range, new_hasher
 from sparkpack.formats.errors import FormatError, SparkpackError
+from sparkpack.formats.leftovers import clean_leftovers
 from sparkpack.formats.pack_manifest import Gap, TensorRecord
 from sparkpack.formats.sparkpack import HEADER_SHARD, Pack
 
@@ -54,7 +56,7 @@ def join_pack(pack_path: Path, out: Path, force: bool = False, progress=lambda n
     items.sort(key=lambda x: x[0])
     roles = {p.tensor: (il, p) for il, parts in pack.parts.items() for p in parts}
     buf = memoryview(bytearray(CHUNK))
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp = temp_name(out)
     fds: dict[str, int] = {}
     checked: set[tuple[int, int]] = set()  # experts whose whole range matched its checksum
 
@@ -135,6 +137,8 @@ def join_cmd(pack: Path, output: Path, force: bool) -> None:
     """Rebuild the original GGUF (byte-identical) from a .sparkpack."""
     from tqdm import tqdm
 
+    for line in clean_leftovers(output):  # a killed join's partial output
+        click.echo(f"repack: {line}", err=True)
     p = Pack.open(pack)
     check_output(output, force)
     total = sum(t.nbytes for t in p.tensors.values())

@@ -79,7 +79,7 @@ def test_merge_and_check_refuse_other_models(model, synth_model):
     (lambda d: d.update(version=99), "version 99"),
     (lambda d: d["counts"].update(prompt=[[1, 2]]), "shape"),
     (lambda d: d["counts"]["generated"][0].__setitem__(0, -1), ">= 0"),
-    (lambda d: d.pop("identity"), "malformed"),
+    (lambda d: d.pop("identity"), "model identity must have"),
 ])
 def test_load_rejects_bad_files(model, tmp_path, edit, message):
     p = Profile.new(model_identity(model), model_spec(model))

@@ -258,7 +258,7 @@ def test_not_a_pack(cli, tmp_path):
     assert_one_line_error(*cli("verify", tmp_path / "empty")[::2], "not a sparkpack")
     (tmp_path / "junk" / "x").mkdir(parents=True)
     (tmp_path / "junk" / "manifest.json").write_text("[1, 2")
-    assert_one_line_error(*cli("join", tmp_path / "junk", "-o", tmp_path / "o.gguf")[::2], "manifest is not valid JSON")
+    assert_one_line_error(*cli("join", tmp_path / "junk", "-o", tmp_path / "o.gguf")[::2], "not a pack manifest: invalid JSON")
     assert_one_line_error(*cli("verify", tmp_path / "nope")[::2], "no such pack")
 
 
