@@ -21,6 +21,8 @@ from gguf.vocab import bytes_to_unicode
 
 from sparkpack.formats.errors import SparkpackError
 
+MAX_ENCODE_CHARS = 4 << 20  # twice a corpus record's cap (calibrate/readers/base.py), for its template
+
 # gguf.TokenType values
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -146,18 +148,21 @@ class GGUFTokenizer:
         if model != "gpt2":
             raise SparkpackError(where, f"tokenizer model {model!r} is not supported (only byte-level BPE, "
                                         "tokenizer.ggml.model = 'gpt2')")
-        tokens = list(get("tokenizer.ggml.tokens") or [])
-        merges = list(get("tokenizer.ggml.merges") or [])
+        tokens, merges = get("tokenizer.ggml.tokens"), get("tokenizer.ggml.merges")
         if not tokens or not merges:
             raise SparkpackError(where, "tokenizer.ggml.tokens or tokenizer.ggml.merges is missing or empty")
         types = get("tokenizer.ggml.token_type")
-        types = [int(t) for t in types] if types is not None else [NORMAL] * len(tokens)
+        types = [NORMAL] * len(tokens) if types is None else types
+        for key, value, kind in (("tokens", tokens, str), ("merges", merges, str), ("token_type", types, int)):
+            if not isinstance(value, list) or not all(isinstance(x, kind) and not isinstance(x, bool) for x in value):
+                raise SparkpackError(where, f"tokenizer.ggml.{key} must be an array of "
+                                            f"{'strings' if kind is str else 'integers'}")
         if len(types) != len(tokens):
             raise SparkpackError(where, f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
 
         def tid(name: str) -> int | None:
             v = get(f"tokenizer.ggml.{name}_token_id")
-            return int(v) if v is not None and 0 <= int(v) < len(tokens) else None
+            return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < len(tokens) else None
 
         ids = {n: tid(n) for n in ("bos", "eos", "eot", "eom", "pad")}
         return cls(tokens, merges, types, str(get("tokenizer.ggml.pre") or "default"), ids,
@@ -166,7 +171,14 @@ class GGUFTokenizer:
 
     def encode(self, text: str, add_special: bool = False) -> list[int]:
         """Special-token texts in ``text`` always become their single ids; ``add_special`` adds
-        the BOS/EOS the model asks for (tokenizer.ggml.add_bos_token / add_eos_token)."""
+        the BOS/EOS the model asks for (tokenizer.ggml.add_bos_token / add_eos_token).
+
+        At most ``MAX_ENCODE_CHARS`` characters at once: the tokenizer needs ~200-400 bytes per
+        character while it works (4M characters took +1.5 GB here; a 64 MB line aborted the
+        process), so longer text is refused with a ``SparkpackError`` before it starts."""
+        if len(text) > MAX_ENCODE_CHARS:
+            raise SparkpackError(None, f"text of {len(text)} characters is more than the {MAX_ENCODE_CHARS} the "
+                                       "tokenizer takes at once")
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if add_special:
             if self.add_bos:

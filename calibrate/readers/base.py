@@ -9,6 +9,8 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import re
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ from typing import IO, Any
 import zstandard
 
 from sparkpack.formats.errors import SparkpackError
+from sparkpack.formats.safe_read import nesting_depth
 
 
 @dataclass
@@ -71,6 +74,11 @@ class FileContext:
         self.stats.images_skipped += 1
 
 
+# What reading a record whose fields have unexpected types can raise (a number where a list
+# belongs, an object where a string does): the record is skipped as "wrong types", not a crash.
+WRONG_TYPES = (TypeError, AttributeError, KeyError, IndexError, ValueError)
+
+
 class RecordError(ValueError):
     """A record that parsed as JSON but is not a usable conversation; the message is the skip reason."""
 
@@ -83,8 +91,9 @@ class RecordError(ValueError):
 # Logs are often rotated into compressed files (``session.jsonl.gz``, ``*.zst``): they are read
 # through a decompressor, and their format is that of the name without the compression suffix.
 COMPRESSED_SUFFIXES = (".gz", ".zst", ".zstd")
-# What a damaged compressed file raises while it is read (a truncated gzip stream: EOFError).
-DECOMPRESS_ERRORS = (OSError, EOFError, zstandard.ZstdError)
+# What a damaged compressed file raises while it is read (a truncated gzip stream: EOFError; a
+# damaged deflate block: zlib.error).
+DECOMPRESS_ERRORS = (OSError, EOFError, zlib.error, zstandard.ZstdError)
 
 
 def format_suffix(path: Path) -> str:
@@ -106,14 +115,103 @@ def open_text(path: Path) -> IO[str]:
     return io.TextIOWrapper(open_bytes(path), encoding="utf-8", errors="replace")
 
 
-def iter_jsonl(ctx: FileContext) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed value) for each non-blank line; bad JSON is skipped and counted."""
-    with open_text(ctx.path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as e:
-                ctx.skip("bad json", lineno, e.msg)
+# Caps on what one record may hold. Tokenizing costs ~200-400 bytes of memory per character (a
+# 4M-character line took +1.5 GB here), and a 16-64 MB line ran the tokenizer past 4 GB; real
+# records are far smaller (a long agent session is a few hundred thousand characters).
+MAX_LINE_CHARS = 8 << 20  # one JSONL line; longer ones are skipped without being read whole
+MAX_RECORD_CHARS = 2 << 20  # all text of one conversation or document: ~500k tokens, twice the longest context
+MAX_RECORD_DEPTH = 64  # nesting of one JSON record
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]", re.ASCII)
 
+
+def tag(value: Any) -> str | None:
+    """A record's type or role field as a string, None otherwise: a list or object there (which
+    a hostile record may put) cannot be looked up in a set of names."""
+    return value if isinstance(value, str) else None
+
+
+def iter_lines(path: Path, limit: int = MAX_LINE_CHARS) -> Iterator[tuple[int, str | None]]:
+    """(line number, line) for each line of a (maybe compressed) text file; a line longer than
+    ``limit`` characters is streamed past in ``limit``-sized pieces and given as None, so no
+    line is ever held whole."""
+    with open_text(path) as f:
+        lineno = 0
+        while True:
+            line = f.readline(limit)
+            if not line:
+                return
+            lineno += 1
+            if len(line) < limit or line.endswith("\n"):
+                yield lineno, line
+                continue
+            while line and not line.endswith("\n"):  # the rest of an over-long line
+                line = f.readline(limit)
+            yield lineno, None
+
+
+def read_text(path: Path, limit: int) -> str | None:
+    """The whole (maybe compressed) file as text, or None when it holds more than ``limit``
+    characters: only ``limit + 1`` are ever read, so a file that decompresses to gigabytes costs
+    no more than one that does not."""
+    with open_text(path) as f:
+        text = f.read(limit + 1)
+    return None if len(text) > limit else text
+
+
+def parse_record(line: str, ctx: FileContext, loc: int | str | None, sep: str = ":") -> tuple[bool, Any]:
+    """(ok, value) of one JSON record; a bad one (syntax, nesting, a lone UTF-16 surrogate that
+    no text can hold) is counted under its reason (or raises in strict mode)."""
+    try:
+        value = json.loads(line)
+    except RecursionError:
+        ctx.skip("nested too deeply", loc, "", sep)
+        return False, None
+    except ValueError as e:  # JSONDecodeError, or an integer too long to convert
+        ctx.skip("bad json", loc, getattr(e, "msg", str(e))[:80], sep)
+        return False, None
+    return check_record(line, value, ctx, loc, sep), value
+
+
+def check_record(text: str, value: Any, ctx: FileContext, loc: int | str | None, sep: str = ":") -> bool:
+    """Whether ``value`` (parsed from ``text``) is safe to read: nested at most
+    ``MAX_RECORD_DEPTH`` levels and free of lone surrogates; if not, it is counted."""
+    if nesting_depth(value, MAX_RECORD_DEPTH) > MAX_RECORD_DEPTH:
+        ctx.skip("nested too deeply", loc, f"more than {MAX_RECORD_DEPTH} levels", sep)
+        return False
+    if _SURROGATE_ESCAPE.search(text):  # only then can a string hold a lone surrogate
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            ctx.skip("invalid unicode", loc, "a lone UTF-16 surrogate", sep)
+            return False
+    return True
+
+
+def iter_jsonl(ctx: FileContext) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value) for each non-blank line; bad JSON and over-long lines are
+    skipped and counted."""
+    for lineno, line in iter_lines(ctx.path):
+        if line is None:
+            ctx.skip("record too large", lineno, f"line longer than {MAX_LINE_CHARS} characters")
+            continue
+        if not line.strip():
+            continue
+        ok, value = parse_record(line, ctx, lineno)
+        if ok:
+            yield lineno, value
+
+
+def text_size(value: Any) -> int:
+    """Characters of text in a conversation's messages, tools or document (keys included),
+    counted without recursion."""
+    n, todo = 0, [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            n += len(v)
+        elif isinstance(v, dict):
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            todo.extend(v)
+    return n

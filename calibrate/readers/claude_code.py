@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..conversation import Conversation
-from .base import FileContext, RecordError, iter_jsonl
+from .base import WRONG_TYPES, FileContext, RecordError, iter_jsonl
 from .messages import ConversationBuilder
 
 MESSAGE_EVENTS = ("user", "assistant")
@@ -44,6 +44,8 @@ def read_file(ctx: FileContext) -> Iterator[Conversation]:
             b.anthropic_message(msg.get("role", event["type"]), msg.get("content"))
         except RecordError as e:
             ctx.skip(e.reason, lineno, e.detail)
+        except WRONG_TYPES as e:
+            ctx.skip("wrong types", lineno, f"{type(e).__name__}: {str(e)[:60]}")
     if b.messages:
         yield Conversation(messages=b.finish(), source=ctx.where())
     else:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..conversation import Conversation
-from .base import FileContext, RecordError, iter_jsonl
+from .base import WRONG_TYPES, FileContext, RecordError, iter_jsonl, tag
 from .messages import ConversationBuilder, text_of
 
 ENVELOPES = {"session_meta", "response_item", "turn_context", "event_msg", "compacted"}
@@ -26,8 +26,8 @@ ITEMS = {"message", "function_call", "function_call_output", "reasoning", "custo
 
 
 def looks_like(records: list[dict[str, Any]]) -> bool:
-    return any(r.get("type") in ENVELOPES and isinstance(r.get("payload"), dict) for r in records) or \
-        any(r.get("type") in ITEMS - {"message"} and ("call_id" in r or "summary" in r) for r in records) or \
+    return any(tag(r.get("type")) in ENVELOPES and isinstance(r.get("payload"), dict) for r in records) or \
+        any(tag(r.get("type")) in ITEMS - {"message"} and ("call_id" in r or "summary" in r) for r in records) or \
         any(r.get("record_type") == "state" for r in records)
 
 
@@ -80,7 +80,7 @@ def read_file(ctx: FileContext) -> Iterator[Conversation]:
             continue
         if rec.get("type") == "response_item":
             item = rec.get("payload")
-        elif rec.get("type") in ITEMS:
+        elif tag(rec.get("type")) in ITEMS:
             item = rec
         else:
             continue
@@ -91,6 +91,8 @@ def read_file(ctx: FileContext) -> Iterator[Conversation]:
             add_item(b, item, ctx)
         except RecordError as e:
             ctx.skip(e.reason, lineno, e.detail)
+        except WRONG_TYPES as e:
+            ctx.skip("wrong types", lineno, f"{type(e).__name__}: {str(e)[:60]}")
     if b.messages:
         yield Conversation(messages=b.finish(), source=ctx.where())
     else:

@@ -10,39 +10,41 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from . import claude_code, codex
-from .base import format_suffix, open_text
+from .base import format_suffix, iter_lines
 from .datasets_reader import is_saved_dataset
 from .text import is_binary
 
 SNIFF_RECORDS = 20
+SNIFF_LINES = 200  # a log of a million lines that are not records is not read to its end to say so
 JSON_LINES = {".jsonl", ".ndjson"}
 DATASET_FILES = {".parquet", ".arrow"}
 SNIFFED_TEXT = {".log", ".txt", ""}
 
 
 def sniff_records(path: Path, limit: int = SNIFF_RECORDS) -> list[dict]:
-    """Up to ``limit`` leading lines that parse as JSON objects (bad lines ignored here)."""
+    """Up to ``limit`` of the first ``SNIFF_LINES`` lines that parse as JSON objects (bad or
+    over-long lines ignored here)."""
     out: list[dict] = []
-    with open_text(path) as f:
-        for line in f:
-            if len(out) >= limit:
-                break
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(value, dict):
-                out.append(value)
+    for lineno, line in iter_lines(path):
+        if len(out) >= limit or lineno > SNIFF_LINES:
+            break
+        value = _object(line)
+        if value is not None:
+            out.append(value)
     return out
 
 
-def _starts_with_object(path: Path) -> bool:
-    with open_text(path) as f:
-        first = next((line for line in f if line.strip()), "")
+def _object(line: str | None) -> dict | None:
     try:
-        return isinstance(json.loads(first), dict)
-    except json.JSONDecodeError:
-        return False
+        value = json.loads(line) if line is not None else None
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _starts_with_object(path: Path) -> bool:
+    first = next((line for _, line in iter_lines(path) if line is None or line.strip()), None)
+    return _object(first) is not None
 
 
 def detect_file(path: Path) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .base import FileContext, RecordError
+from .base import FileContext, RecordError, tag
 
 TEXT_PARTS = {"text", "input_text", "output_text", "summary_text", "reasoning_text"}
 IMAGE_PARTS = {"image", "image_url", "input_image", "image_file", "input_audio", "audio", "file",
@@ -44,7 +44,7 @@ def text_of(content: Any, ctx: FileContext) -> str:
             texts.append(part)
         elif not isinstance(part, dict):
             raise RecordError("wrong types", f"content part is {type(part).__name__}")
-        elif part.get("type") in IMAGE_PARTS:
+        elif tag(part.get("type")) in IMAGE_PARTS:
             ctx.image()
         elif isinstance(part.get("text"), str):
             texts.append(part["text"])
@@ -120,7 +120,7 @@ class ConversationBuilder:
             raise RecordError("wrong types", "message is not an object with a role")
         role = m["role"]
         content = m.get("content")
-        if isinstance(content, list) and any(isinstance(b, dict) and b.get("type") in ANTHROPIC_BLOCKS
+        if isinstance(content, list) and any(isinstance(b, dict) and tag(b.get("type")) in ANTHROPIC_BLOCKS
                                              for b in content):
             self.anthropic_message(role, content)
             return
@@ -168,7 +168,7 @@ class ConversationBuilder:
         for block in content:
             if not isinstance(block, dict):
                 raise RecordError("wrong types", f"content block is {type(block).__name__}")
-            kind = block.get("type")
+            kind = tag(block.get("type"))
             if kind == "text":
                 (user_text.append if role == "user" else self.assistant_text)(str(block.get("text", "")))
             elif kind == "thinking":

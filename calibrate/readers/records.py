@@ -10,7 +10,7 @@ from typing import Any
 
 from ..conversation import Conversation
 from . import anthropic, openai_chat, prompts, sharegpt
-from .base import FileContext, RecordError
+from .base import WRONG_TYPES, FileContext, RecordError
 
 
 def record_format(record: Any) -> str | None:
@@ -34,15 +34,17 @@ READERS = {"openai": openai_chat.read_record, "anthropic": anthropic.read_record
 
 def read_record(record: Any, ctx: FileContext, loc: int | str, sep: str = ":") -> Conversation | None:
     """The conversation of one record, or None after counting (or, strict, raising) why not."""
-    fmt = record_format(record)
-    if fmt is None:
-        ctx.skip("unknown format" if isinstance(record, dict) else "wrong types", loc,
-                 "" if isinstance(record, dict) else f"record is {type(record).__name__}", sep)
-        return None
-    if fmt == "openai" and "messages" not in record and "request" not in record:
-        record = {**record, "messages": record["prompt"]}  # a prompt column holding a message list
     try:
+        fmt = record_format(record)
+        if fmt is None:
+            ctx.skip("unknown format" if isinstance(record, dict) else "wrong types", loc,
+                     "" if isinstance(record, dict) else f"record is {type(record).__name__}", sep)
+            return None
+        if fmt == "openai" and "messages" not in record and "request" not in record:
+            record = {**record, "messages": record["prompt"]}  # a prompt column holding a message list
         return READERS[fmt](record, ctx, ctx.where(loc, sep))
     except RecordError as e:
         ctx.skip(e.reason, loc, e.detail, sep)
-        return None
+    except WRONG_TYPES as e:  # a field of a type the readers do not expect somewhere inside
+        ctx.skip("wrong types", loc, f"{type(e).__name__}: {str(e)[:60]}", sep)
+    return None

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..conversation import Conversation, document
-from .base import FileContext, open_bytes, open_text
+from .base import MAX_RECORD_CHARS, FileContext, open_bytes, read_text
 
 SNIFF_BYTES = 8192
 
@@ -28,8 +28,10 @@ def is_binary(path: Path) -> bool:
 
 
 def read_file(ctx: FileContext) -> Iterator[Conversation]:
-    with open_text(ctx.path) as f:
-        text = f.read()
+    text = read_text(ctx.path, MAX_RECORD_CHARS)
+    if text is None:  # more than a record may hold (a document is one record)
+        ctx.skip("record too large", None, f"more than {MAX_RECORD_CHARS} characters")
+        return
     if not text.strip():
         ctx.skip("empty file")
         return
