@@ -39,8 +39,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("gguf", "manifest", "shard", "profile", "corpus")
 IDS = "1,7,300,42"
-INTERESTING_INTS = [0, 1, -1, 2, 3, 7, 63, 64, 4095, 4096, 2**16, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**53 + 1,
-                    2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**1100, -2**63]
+INTERESTING_INTS = [0, 1, -1, 2, 3, 7, 63, 64, 4095, 4096, 2**16, 16_000_000, 2**31 - 1, 2**31, 2**32 - 1, 2**32,
+                    2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**1100, -2**63]
 
 
 @dataclass
@@ -268,10 +268,10 @@ def gguf_case(bench: Bench, rng: random.Random, d: Path) -> Result:
         import gguf
 
         T = gguf.GGUFValueType
-        value = rng.choice([("x", T.STRING), (rng.choice(INTERESTING_INTS[:19]) % 2**32, T.UINT32),
+        value = rng.choice([("x", T.STRING), (rng.choice(INTERESTING_INTS[:20]) % 2**32, T.UINT32),
                             (float("nan"), T.FLOAT32), (float("inf"), T.FLOAT64), (True, T.BOOL), DROP,
                             ([1, 2, 3], T.ARRAY, T.INT32), (["a", "b"], T.ARRAY, T.STRING), (-5, T.INT32),
-                            (rng.choice(INTERESTING_INTS[:19]) % 2**63, T.UINT64)])
+                            (rng.choice(INTERESTING_INTS[:20]) % 2**63, T.UINT64)])
         rewrite(src, path, {key: value})
         what = f"{key} := {str(value)[:40]}"
     elif r < 0.65:  # a count, length, type or dimension in the header overwritten
@@ -399,7 +399,9 @@ def shard_case(bench: Bench, rng: random.Random, d: Path) -> Result:
         data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
         (pack / rec.shard).write_bytes(zstandard.ZstdCompressor(level=3).compress(bytes(data)))
         what = f"{rec.shard} re-compressed with a byte changed"
-    elif r < 0.95 and cold:
+    elif r < 0.93 and p.compression:
+        what = _claim_content_size(pack, rng.choice(cold), rng)
+    elif r < 0.97 and cold:
         rec = rng.choice(cold)
         (pack / rec.shard).unlink()
         if rng.random() < 0.5:
@@ -411,6 +413,27 @@ def shard_case(bench: Bench, rng: random.Random, d: Path) -> Result:
     else:
         what = f"{target.name} " + flip_bytes(target, rng, n=64)
     return _judge_pack(bench, rng, d, "shard", name, pack, src, what, False)
+
+
+def _claim_content_size(pack: Path, rec, rng: random.Random) -> str:
+    """A zstd frame whose header claims another content size (1 TiB, say), its shard checksum
+    and the manifest re-sealed around it: only the decompression bound can catch it."""
+    from sparkpack.formats.checksums import checksum
+    from tests.pack_edit import edit_manifest
+
+    raw = (pack / rec.shard).read_bytes()
+    fhd = raw[4]
+    single = (fhd >> 5) & 1
+    old_header = 5 + (0 if single else 1) + (fhd & 3 and [0, 1, 2, 4][fhd & 3]) + {0: single, 1: 2, 2: 4, 3: 8}[fhd >> 6]
+    claim = rng.choice([1 << 40, 2**64 - 2, rec.nbytes + 1, rec.nbytes - 1, 0])
+    new = raw[:4] + bytes([0xE0 | (fhd & 4)]) + claim.to_bytes(8, "little") + raw[old_header:]
+    (pack / rec.shard).write_bytes(new)
+
+    def fix(m):
+        lay = next(lay for lay in m["experts"] if lay["layer"] == rec.layer)
+        lay["experts"][rec.expert].update(stored_nbytes=len(new), shard_checksum=checksum(m["checksum"], new))
+    edit_manifest(pack, fix)
+    return f"{rec.shard} frame claims {claim} bytes (checksums re-sealed)"
 
 
 def profile_case(bench: Bench, rng: random.Random, d: Path) -> Result:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sparkpack.formats.checksums import ALGORITHMS
 from sparkpack.formats.pack_manifest import MANIFEST_CHECKSUM_KEY, manifest_bytes
 
 
@@ -23,7 +24,7 @@ def read_manifest(pack: Path) -> dict[str, Any]:
 def write_manifest(pack: Path, m: dict[str, Any], reseal: bool = True, old_checksum: str | None = None) -> None:
     """Write ``m``; a version-2 manifest gets a fresh checksum (``reseal``) or keeps
     ``old_checksum``, as a corruption would leave it."""
-    if reseal and m.get("version", 2) >= 2:
+    if reseal and m.get("version", 2) >= 2 and m.get("checksum") in ALGORITHMS:
         (pack / "manifest.json").write_bytes(manifest_bytes(m, m["checksum"]))
     elif old_checksum is not None:
         (pack / "manifest.json").write_text(json.dumps({**m, MANIFEST_CHECKSUM_KEY: old_checksum}))
