@@ -17,6 +17,9 @@ from tests.pack_edit import edit_manifest, read_manifest, to_version_1, write_ma
 
 REPO = Path(__file__).resolve().parents[1]
 IDS = "1,5,9,200,31"
+# CI runs spark-run on the CPU; on the GPU machine SPARKPACK_TEST_DEVICE=cuda runs the same checks
+# through the GPU load path (hot experts to VRAM, cold ones to pinned host memory).
+DEVICE = os.environ.get("SPARKPACK_TEST_DEVICE", "cpu")
 
 
 def run(monkeypatch, capsys, prog: str, *args) -> tuple[int, str]:
@@ -72,17 +75,17 @@ def cli(monkeypatch, capsys):
 
 
 def logits(cli, pack: Path, out: Path, *store: str) -> tuple[int, str, np.ndarray | None]:
-    code, err = cli("spark-run", pack, "--device", "cpu", "--prompt-ids", IDS, "--logits-out", out, *store)
+    code, err = cli("spark-run", pack, "--device", DEVICE, "--prompt-ids", IDS, "--logits-out", out, *store)
     return code, err, np.load(out) if code == 0 else None
 
 
 @pytest.fixture(scope="module")
 def reference(clean, tmp_path_factory):
-    """Logits of the clean pack through the plain path (the store path gives the same bits)."""
+    """Logits of the clean pack (every residency gives the same bits)."""
     from sparkpack.runtime.cli import main
 
     out = tmp_path_factory.mktemp("ref") / "ref.npy"
-    sys.argv = ["spark-run", str(clean["root"] / "plain.sparkpack"), "--device", "cpu", "--prompt-ids", IDS,
+    sys.argv = ["spark-run", str(clean["root"] / "plain.sparkpack"), "--device", DEVICE, "--prompt-ids", IDS,
                 "--logits-out", str(out)]
     try:
         main()
@@ -273,7 +276,7 @@ def test_fifo_in_place_of_a_shard_does_not_block(pack, tmp_path, command):
     os.mkfifo(p / rec.shard)
     args = {"verify": ["-m", "sparkpack.repack.cli", "verify", str(p)],
             "join": ["-m", "sparkpack.repack.cli", "join", str(p), "-o", str(tmp_path / "x.gguf")],
-            "spark-run": ["-m", "sparkpack.runtime.cli", str(p), "--device", "cpu", "--prompt-ids", IDS,
+            "spark-run": ["-m", "sparkpack.runtime.cli", str(p), "--device", DEVICE, "--prompt-ids", IDS,
                           "--max-tokens", "1", "--hot-fraction", "0.5"]}[command]
     r = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr
