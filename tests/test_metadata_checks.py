@@ -45,16 +45,18 @@ BAD = [
 
 
 @pytest.mark.parametrize("arch, edits, needle", BAD, ids=[f"{a}-{'+'.join(e)}" for a, e, _ in BAD])
-def test_bad_hyperparameter_is_one_line(synth_model, tmp_path, arch, edits, needle):
+def test_bad_hyperparameter_is_one_line(synth_model, tmp_path, monkeypatch, capsys, arch, edits, needle):
+    from sparkpack.repack.cli import main
+
     bad = rewrite(synth_model(arch), tmp_path / "bad.gguf", edits)
     with pytest.raises(FormatError, match=None) as e, GGUFModel(bad) as m:
         model_spec(m)
     assert needle in str(e.value), str(e.value)
-    r = subprocess.run([sys.executable, "-m", "sparkpack.repack.cli", "inspect", str(bad)], cwd=REPO,
-                       capture_output=True, text=True, timeout=120)
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    assert needle in lines[0]
+    monkeypatch.setattr(sys, "argv", ["repack", "inspect", str(bad)])  # the real entry point, in-process
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert exit_.value.code == 1 and len(lines) == 1 and needle in lines[0], lines
 
 
 def test_inconsistent_shapes_stop_spark_run_at_load(synth_model, tmp_path):
