@@ -53,7 +53,7 @@ def test_readme_walkthrough_places_experts_by_the_calibration(tmp_path):
     uniform = plan_residency(spec, gguf.tensors, budget, target)
     pack = Pack.open(tmp_path / "model.sparkpack")
     assert np.array_equal(pack.hot, want.hot) and not np.array_equal(pack.hot, uniform.hot)
-    assert pack.manifest["placement"]["profile"] == "model.profile.json"
+    assert pack.manifest.placement.profile == "model.profile.json"
     # spark-run finds the profile beside the pack too: it reports the expected cold-hit rate
     run_line = shown["spark-run model.sparkpack"].stderr
     assert "the pack's placement" in run_line and "expected cold-hit rate" in run_line
