@@ -17,6 +17,14 @@ class SparkpackError(Exception):
         super().__init__(f"{self.where}: {problem}" if self.where else problem)
 
 
+def shown(text: str, limit: int = 80) -> str:
+    """``text`` from a file (a metadata key, a tensor name) as it may appear in a message: control
+    characters escaped and at most ``limit`` characters, so a hostile name cannot break the one
+    line a command prints or make it megabytes long."""
+    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[: limit + 1])
+    return out if len(text) <= limit and len(out) <= limit else out[:limit] + "..."
+
+
 class FormatError(SparkpackError):
     """A file is not what it claims to be (truncated, wrong magic, offsets out of range...)."""
 
@@ -70,7 +78,7 @@ def cli_entry(command, prog: str) -> None:
     try:
         command.main(prog_name=prog, standalone_mode=False)
     except SparkpackError as e:
-        click.echo(f"{prog}: error: {e}", err=True)
+        click.echo(f"{prog}: error: {shown(str(e), 2000)}", err=True)
         sys.exit(1)
     except click.exceptions.NoArgsIsHelpError as e:  # bare `repack`: asking for help is no error
         click.echo(e.ctx.get_help() if e.ctx is not None else command.get_help(click.Context(command)))

@@ -21,7 +21,7 @@ from typing import Any
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .errors import FormatError
+from .errors import FormatError, shown
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -140,11 +140,12 @@ def scan_header(buf: memoryview | bytes, where: object, *, file_size: int | None
     for i in range(n_kv):
         key = cur.string(f"metadata key {i}")
         assert key is not None
+        label = shown(key)  # the key as messages name it
         if key in fields:
-            raise FormatError(where, f"metadata key {key} appears twice")
-        vtype = cur.unpack("<I", f"type of metadata key {key}")
+            raise FormatError(where, f"metadata key {label} appears twice")
+        vtype = cur.unpack("<I", f"type of metadata key {label}")
         fields[key] = (vtype, cur.pos)
-        value = _value(cur, vtype, key, key == "general.alignment")
+        value = _value(cur, vtype, label, key == "general.alignment")
         if key == "general.alignment":
             if vtype != 4 or value == 0 or value & (value - 1):
                 raise FormatError(where, f"general.alignment must be a power of two stored as uint32, got {value!r}")
@@ -156,17 +157,18 @@ def scan_header(buf: memoryview | bytes, where: object, *, file_size: int | None
     for i in range(n_tensors):
         name = cur.string(f"name of tensor {i}")
         assert name is not None
+        label = shown(name)
         if name in names:
-            raise FormatError(where, f"tensor {name} appears twice in the tensor index")
+            raise FormatError(where, f"tensor {label} appears twice in the tensor index")
         names.add(name)
-        n_dims = cur.unpack("<I", f"tensor {name} dimension count")
+        n_dims = cur.unpack("<I", f"tensor {label} dimension count")
         if n_dims > MAX_DIMS:
-            raise FormatError(where, f"tensor {name} has {n_dims} dimensions; ggml tensors have at most {MAX_DIMS}")
-        cur.need(8 * n_dims, f"tensor {name} shape")
+            raise FormatError(where, f"tensor {label} has {n_dims} dimensions; ggml tensors have at most {MAX_DIMS}")
+        cur.need(8 * n_dims, f"tensor {label} shape")
         shape = struct.unpack_from(f"<{n_dims}Q", cur.buf, cur.pos)
         cur.pos += 8 * n_dims
-        qtype = cur.unpack("<I", f"tensor {name} type")
-        offset = cur.unpack("<Q", f"tensor {name} offset")
+        qtype = cur.unpack("<I", f"tensor {label} type")
+        offset = cur.unpack("<Q", f"tensor {label} offset")
         raw.append((name, tuple(int(d) for d in shape), qtype, offset))
     data_offset = -(-cur.pos // alignment) * alignment
     if data_offset > size:
@@ -217,22 +219,23 @@ def _value(cur: _Cursor, vtype: int, key: str, decode: bool) -> Any:
 
 def _tensor(where: object, name: str, shape: tuple[int, ...], qtype: int, offset: int, alignment: int,
             data_offset: int, size: int) -> TensorEntry:
+    label = shown(name)
     try:
         kind = GGMLQuantizationType(qtype)
         block, type_size = GGML_QUANT_SIZES[kind]
     except (ValueError, KeyError):
-        raise FormatError(where, f"tensor {name} has unknown type id {qtype}") from None
+        raise FormatError(where, f"tensor {label} has unknown type id {qtype}") from None
     if any(d > _INT64_MAX for d in shape) or math.prod(shape) > _INT64_MAX:
-        raise FormatError(where, f"tensor {name} has an impossible shape {list(shape)}")
+        raise FormatError(where, f"tensor {label} has an impossible shape {list(shape)}")
     if shape and shape[0] % block:
-        raise FormatError(where, f"tensor {name}: a row of {shape[0]} elements is not a whole number of "
+        raise FormatError(where, f"tensor {label}: a row of {shape[0]} elements is not a whole number of "
                                  f"{kind.name} blocks ({block})")
     nbytes = math.prod(shape) // block * type_size
     if offset % alignment:
-        raise FormatError(where, f"tensor {name} starts at data offset {offset}, not a multiple of the "
+        raise FormatError(where, f"tensor {label} starts at data offset {offset}, not a multiple of the "
                                  f"alignment {alignment}")
     end = data_offset + offset + nbytes
     if end > size:
-        raise FormatError(where, f"tensor {name} ends at byte {end}, past the end of the file ({size} bytes): "
+        raise FormatError(where, f"tensor {label} ends at byte {end}, past the end of the file ({size} bytes): "
                                  "the file is truncated or its tensor index is corrupt")
     return TensorEntry(name, shape, qtype, offset, nbytes)

@@ -88,7 +88,16 @@ HOSTILE = {
     "tensor past the end": lambda p: _patch(p, _tensor_info_pos(p, "output_norm.weight") + 8 + 18 + 4 + 8 + 4,
                                              "<Q", 2**40),
     "truncated header": lambda p: p.write_bytes(p.read_bytes()[:4000]),
+    "control characters in a key": lambda p: _rename_key(p, "general.architecture", "general\narch\x00tecture", 77),
 }
+
+
+def _rename_key(path: Path, key: str, new: str, vtype: int) -> None:
+    """Overwrite ``key``'s bytes with ``new`` (same length) and its value type with ``vtype``."""
+    assert len(new.encode()) == len(key)
+    pos = _field_pos(path, key)
+    _patch(path, pos - 4 - len(key), f"{len(key)}s", new.encode())
+    _patch(path, pos - 4, "<I", vtype)
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
@@ -101,6 +110,7 @@ def test_hostile_header_is_one_line(synth_model, tmp_path, case):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 1 and "Traceback" not in r.stderr and len(lines) == 1, r.stderr
     assert lines[0].startswith(f"repack: error: {path}:"), lines[0]
+    assert lines[0].isprintable() and len(lines[0]) < 400, lines[0]
 
 
 def test_fifo_is_refused_without_blocking(tmp_path):
