@@ -161,3 +161,54 @@ def test_calibrate_on_a_hostile_corpus_under_a_memory_bound(synth_model, tmp_pat
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert "1 record too large" in r.stdout and "1 nested too deeply" in r.stdout and "1 invalid unicode" in r.stdout
     Profile.load(tmp_path / "p.json")
+
+
+# --- compressed logs (.gz, .zst) ------------------------------------------------------------------
+
+def _deflate_damaged(data: bytes) -> bytes:
+    """A gzip file whose deflate stream is damaged in the middle (zlib.error, not OSError)."""
+    import gzip
+    import io
+    import zlib
+
+    raw = bytearray(gzip.compress(data))
+    for i in range(20, len(raw) - 8):
+        bad = bytearray(raw)
+        bad[i] ^= 0xFF
+        try:
+            with gzip.open(io.BytesIO(bytes(bad))) as f:  # streamed, as the readers read it
+                f.read()
+        except zlib.error:
+            return bytes(bad)
+        except (OSError, EOFError):
+            continue
+    raise AssertionError("no flip gave a zlib.error")
+
+
+def test_damaged_gzip_stream_is_counted(tmp_path):
+    lines = "".join(json.dumps({"prompt": f"record {i} " + "x" * (i % 50)}) + "\n" for i in range(2000))
+    (tmp_path / "a.jsonl.gz").write_bytes(_deflate_damaged(lines.encode()))
+    (tmp_path / "b.jsonl").write_text(json.dumps(CHAT) + "\n")
+    convs, stats = read_all(tmp_path)
+    assert stats.skipped["unreadable file"] == 1 and stats.per_file[str(tmp_path / "b.jsonl")] == 1, stats.skipped
+
+
+@pytest.mark.parametrize("name", ["big.jsonl.zst", "big.json.zst", "big.md.gz"])
+def test_decompression_bomb_is_bounded(tmp_path, name):
+    """A few kilobytes that decompress to 64M characters of one line (or one document): read
+    only up to the caps, counted as too large, under a memory bound in a real process."""
+    import gzip
+
+    import zstandard
+
+    body = b'{"prompt": "' + b"a" * (64 << 20) + b'"}\n'
+    packed = gzip.compress(body) if name.endswith(".gz") else zstandard.ZstdCompressor(level=19).compress(body)
+    assert len(packed) < (1 << 20)
+    (tmp_path / name).write_bytes(packed)
+    code = ("import resource,sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); "
+            "from sparkpack.calibrate.readers import read_corpus; from pathlib import Path; "
+            "c, s = read_corpus(Path(sys.argv[1])); n = len(list(c)); print(n, dict(s.skipped))")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / name)], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout.startswith("0 ") and ("too large" in r.stdout), r.stdout
