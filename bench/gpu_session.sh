@@ -3,7 +3,7 @@
 # Q4_K_M GGUF (~20 GB), split it into a pack, verify, join back (byte-compared), and measure zstd
 # on a layer-cut copy; then run the forward and dequant tests on CUDA.
 #   usage (repo root, on the GPU machine, wheels from .whl/ carried): bash bench/gpu_session.sh [steps]
-# steps: any of synth split compress tests kernels calib store decode llama side presets (default: synth split compress tests)
+# steps: any of synth split compress tests kernels calib store decode llama side presets serve long (default: synth split compress tests)
 # calib replays BENCH_CORPUS (default: corpora/) through the synthetic model on CUDA.
 # store: the expert store at partial residency (bench/store_bench.py) on a --skew reference model,
 #   calibrated on .device/corpus/bench_agent.jsonl, measured on .device/corpus/mt_bench_questions.jsonl.
@@ -16,6 +16,10 @@
 #   cut off after SIDE_TESTS_TIMEOUT seconds (180); their log goes to $OUT/tests.log.
 # presets: side-by-side on the laguna-xs2 and qwen3-30b-a3b shapes (llama-bench built in the background
 #   while the first model is written, unless already built on a machine still warm).
+# serve: served agent session next to llama-server at --vram 14GiB (bench/serve_bench.py, prompts from
+#   .device/corpus/agent_prompts); SERVE_ARGS adds options.
+# long: long prompts and long context, fresh spark-run per length next to llama-bench (bench/long_context.py);
+#   LONG_ARGS adds options (e.g. "--lengths 8192 32768 131072 --kv auto q8_0").
 # build: only build llama-bench (then side/presets on the same warm machine skip the build).
 #   PRESETS="qwen3moe:qwen3-30b-a3b" runs one (each takes ~4-5 minutes: one per call fits the limit).
 set -euo pipefail
@@ -110,6 +114,12 @@ for step in $steps; do
         fi
         rm -f "$m"
       done ;;
+    serve)
+      [ -f "$model" ] || python3 -m sparkpack.repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 16 --skew reference -o "$model" >/dev/null
+      python3 bench/serve_bench.py "$model" --prompts .device/corpus/agent_prompts --out "${OUT:-$work}" ${SERVE_ARGS:-} ;;
+    long)
+      [ -f "$model" ] || python3 -m sparkpack.repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 16 --skew reference -o "$model" >/dev/null
+      python3 bench/long_context.py "$model" --out "${OUT:-$work}" ${LONG_ARGS:-} ;;
     build)
       bash bench/llama_bench.sh --build-only ;;
     kernels)
