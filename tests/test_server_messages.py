@@ -25,9 +25,9 @@ from tests.server_outputs import CASES, TOOLS, Case
 
 # --- where the real templates come from --------------------------------------------------------
 
-SDIST_HINT = ("llama.cpp's real chat templates not found: set SPARKPACK_LLAMA_CPP_SDIST to llama-cpp-python "
-              "0.3.36's source package (pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36) "
-              "or to its unpacked folder")
+SDIST_HINT = ("llama.cpp's real chat templates not found: the README's test command downloads llama-cpp-python "
+              "0.3.36's source package into .cache/ (pip download --no-deps --no-binary :all: -d .cache "
+              "llama-cpp-python==0.3.36); or set SPARKPACK_LLAMA_CPP_SDIST to it or to its unpacked folder")
 REAL = {"qwen3.5": "Qwen3.5-4B.jinja", "qwen3-coder": "Qwen3-Coder.jinja", "qwen3": "Qwen-Qwen3-0.6B.jinja",
         "laguna-xs.2": "poolside-Laguna-XS.2.jinja", "laguna-xs-2.1": "poolside-Laguna-XS-2.1.jinja",
         "laguna-s-2.1": "poolside-Laguna-S-2.1.jinja"}
@@ -35,6 +35,7 @@ REAL = {"qwen3.5": "Qwen3.5-4B.jinja", "qwen3-coder": "Qwen3-Coder.jinja", "qwen
 
 def _sdist_candidates() -> list[Path]:
     found = [Path(os.environ["SPARKPACK_LLAMA_CPP_SDIST"])] if os.environ.get("SPARKPACK_LLAMA_CPP_SDIST") else []
+    found += sorted((Path(__file__).resolve().parents[1] / ".cache").glob("llama_cpp_python-*.tar.gz"))  # README's test command
     cache = Path(os.environ.get("PIP_CACHE_DIR") or Path.home() / ".cache" / "pip")
     if cache.is_dir():
         found += sorted(cache.rglob("llama_cpp_python-*.tar.gz"))
