@@ -23,6 +23,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -30,37 +31,8 @@ from sparkpack.formats.errors import SparkpackError, Terminated, cli_entry
 from sparkpack.formats.memory import KV_BYTES_PER_VALUE, PREFILL_CHUNK
 from sparkpack.formats.units import SizeParam
 
-DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
-
-
-def resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SparkpackError(None, "--device cuda: no CUDA device is available (use --device cpu)")
-    return device
-
-
-def open_model(path: Path, device: str, dtype_name: str, expert_cache: int | None = None, store=None):
-    """Build the runtime model from a .gguf file or a .sparkpack directory (``store``: a
-    ``runtime.residency.StoreOptions`` for the tiered expert store, None for the plain path)."""
-    import torch
-
-    from .models import load_model
-
-    device = resolve_device(device)
-    if dtype_name == "auto":
-        dtype_name = "bfloat16" if device == "cuda" else "float32"
-    if store is not None and store.vram is not None and device == "cuda":
-        total = torch.cuda.get_device_properties(0).total_memory
-        if store.vram > total:
-            raise SparkpackError(None, f"--vram {store.vram / 1024**3:.2f} GiB is more than the GPU has "
-                                       f"({total / 1024**3:.2f} GiB)")
-        torch.cuda.set_per_process_memory_fraction(store.vram / total)  # the allocator enforces the budget
-    return load_model(path, device=device, dtype=getattr(torch, dtype_name), expert_cache_bytes=expert_cache,
-                      store=store)
+from .options import (DEVICES, DTYPES, STREAM_MODES, RunOptions, SamplingOptions, open_model, open_session,
+                      run_options)
 
 
 def load_tokenizer(model):
@@ -96,15 +68,10 @@ def save_npy_atomic(path: Path, array) -> None:
         raise
 
 
-def make_sampler(temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
-                 seed: int | None):
-    """None (greedy) for temperature 0, else the project's sampler."""
-    if temperature <= 0:
-        return None
-    from .sampling import Sampler
-
-    return Sampler(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                   repetition_penalty=repeat_penalty, seed=seed)
+def one_shot_sampler(sampling: SamplingOptions):
+    """None (greedy) for temperature 0, else the project's sampler: spark-run's own runs take
+    ``--temperature 0`` as greedy whatever the penalties (the server applies them)."""
+    return None if sampling.temperature <= 0 else sampling.sampler(0)
 
 
 def check_prompt(n_prompt: int, ctx: int, reply: bool = True) -> None:
@@ -167,19 +134,19 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
               help="Read --prompt-ids from this file (comma- or whitespace-separated).")
 @click.option("--logits-out", type=click.Path(dir_okay=False, path_type=Path),
               help="With --prompt-ids: write float32 logits [n_ids, vocab] to this .npy and exit.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
               help="auto: cuda when a GPU is present.")
 @click.option("--threads", type=click.IntRange(min=1), help="CPU threads for torch [torch's default: one per core].")
-@click.option("--dtype", "dtype_name", type=click.Choice(DTYPES), default="auto", show_default=True,
+@click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
               help="Compute dtype (auto: float32 on cpu, bfloat16 on cuda).")
 @click.option("--expert-cache", type=SizeParam(), default="8GiB", show_default=True,
               help="Without the store (CPU): memory for dequantized experts (LRU, re-expanded when needed).")
 @click.option("--vram", type=SizeParam(), help="GPU memory budget: hot experts, cache slots and KV cache sized to fit.")
 @click.option("--hot-fraction", type=click.FloatRange(0, 1), help="Share of expert bytes kept on the GPU.")
 @click.option("--cache-slots", type=click.IntRange(min=0), help="GPU slots caching cold experts [half of one token's routings over all layers].")
-@click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--profile", type=click.Path(dir_okay=False, path_type=Path),
               help="Routing profile choosing the hot experts [MODEL.profile.json when present].")
-@click.option("--stream", "stream_mode", type=click.Choice(["auto", "zerocopy", "async"]), default="auto",
+@click.option("--stream", "stream_mode", type=click.Choice(STREAM_MODES), default="auto",
               show_default=True, help="How misses reach the GPU (see runtime/expert_store.py).")
 @click.option("--host-ram", type=SizeParam(), help="Pinned host memory for cold experts [80% of available]; "
               "less than they need reads misses from disk.")
@@ -201,7 +168,7 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
 @click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True)
 @click.option("--top-p", type=click.FloatRange(0, 1), default=0.95, show_default=True)
 @click.option("--min-p", type=click.FloatRange(0, 1), default=0.05, show_default=True)
-@click.option("--repeat-penalty", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True)
+@click.option("--repeat-penalty", "repetition_penalty", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None, help="Sampling seed (default: random).")
 @click.option("--serve", is_flag=True, help="Serve the model over HTTP (OpenAI and Anthropic APIs) instead of "
               "running a prompt; the sampling options become the requests' defaults.")
@@ -214,13 +181,11 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
 @click.option("--test-hooks", type=click.Path(file_okay=False, path_type=Path), hidden=True,
               help="Tests only: honour forced outputs in requests and dump each prompt's logits here.")
 def run_cmd(model_path: Path, prompt: str | None, prompt_file: Path | None, system: str | None, raw: bool,
-            prompt_ids: str | None, prompt_ids_file: Path | None, logits_out: Path | None, device: str,
-            threads: int | None, dtype_name: str, expert_cache: int, vram: int | None,
-            hot_fraction: float | None, cache_slots: int | None, profile_path: Path | None, stream_mode: str,
-            host_ram: int | None, ctx: int, kv_type: str, prefill_chunk: int, use_store: bool | None, stats_json: Path | None, max_tokens: int,
-            temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
-            seed: int | None, serve: bool = False, host: str = "127.0.0.1", port: int = 8080,
-            api_key: str | None = None, api_key_file: Path | None = None, test_hooks: Path | None = None) -> None:
+            prompt_ids: str | None, prompt_ids_file: Path | None, logits_out: Path | None, serve: bool,
+            host: str, port: int, api_key: str | None, api_key_file: Path | None, test_hooks: Path | None,
+            **options: Any) -> None:
+    """The prompt's and the server's flags are handled here; every other flag (``options``) goes
+    into the one ``RunOptions`` the run, the chat and the server share."""
     prompt = _from_file(prompt, prompt_file, "-p/--prompt", "--prompt-file")
     prompt_ids = _from_file(prompt_ids, prompt_ids_file, "--prompt-ids", "--prompt-ids-file")
     if prompt_ids is not None:
@@ -231,39 +196,19 @@ def run_cmd(model_path: Path, prompt: str | None, prompt_file: Path | None, syst
         raise SparkpackError(None, "--logits-out needs --prompt-ids")
     if prompt_ids is not None and prompt is not None:
         raise SparkpackError(None, "give either -p/--prompt or --prompt-ids, not both")
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
-    device = resolve_device(device)
-    asked = (vram, hot_fraction, cache_slots, profile_path, host_ram) != (None,) * 5 or stream_mode != "auto"
-    if use_store is False and asked:
-        raise SparkpackError(None, "--no-store cannot be combined with the store's options")
-    store = None
-    if use_store or (use_store is None and (device == "cuda" or asked)):
-        from .residency import StoreOptions
-
-        store = StoreOptions(vram, hot_fraction, cache_slots, profile_path, stream_mode,
-                             host_ram if host_ram is not None else default_host_ram(), ctx, kv_type=kv_type,
-                             prefill_chunk=prefill_chunk)
+    opts = run_options(model_path, **options)
     import torch
 
     try:
         if serve:
-            from .server.serve import serve_from_cli
+            from .server.serve import serve_from_cli, serve_options
 
-            serve_from_cli(model_path, lambda: open_model(model_path, device, dtype_name, expert_cache, store),
-                           report_residency, host=host, port=port, api_key=api_key, api_key_file=api_key_file,
-                           ctx=ctx, kv_type=kv_type, prefill_chunk=prefill_chunk, temperature=temperature,
-                           top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed,
-                           test_hooks=test_hooks)
+            serve_from_cli(opts, serve_options(host, port, api_key, api_key_file, test_hooks), report_residency)
             return
-        model = open_model(model_path, device, dtype_name, expert_cache, store)
+        model = open_model(opts)
         if model.residency is not None:
             report_residency(model)
-        session = run_session(model, prompt, system, raw, prompt_ids, logits_out, max_tokens,
-                              make_sampler(temperature, top_k, top_p, min_p, repeat_penalty, seed), ctx, kv_type,
-                              prefill_chunk)
+        session = run_session(model, opts, prompt, system, raw, prompt_ids, logits_out)
     except torch.cuda.OutOfMemoryError as e:
         if os.environ.get("SPARKPACK_DEBUG"):
             raise
@@ -273,7 +218,7 @@ def run_cmd(model_path: Path, prompt: str | None, prompt_file: Path | None, syst
                                          f"{torch.cuda.memory_reserved() / 1024**3:.2f} GiB reserved): lower "
                                          "--vram's share for experts (--hot-fraction, --cache-slots) or --ctx") from None
     if session is not None:
-        report_stats(model, session, stats_json)
+        report_stats(model, session, opts.stats_json)
 
 
 def _from_file(value: str | None, path: Path | None, flag: str, file_flag: str) -> str | None:
@@ -288,12 +233,11 @@ def _from_file(value: str | None, path: Path | None, flag: str, file_flag: str) 
         raise SparkpackError(path, "is not UTF-8 text") from None
 
 
-def run_session(model, prompt, system, raw, prompt_ids, logits_out, max_tokens, sampler, ctx: int,
-                kv_type: str = "auto", prefill_chunk: int = PREFILL_CHUNK):
+def run_session(model, opts: RunOptions, prompt: str | None, system: str | None, raw: bool,
+                prompt_ids: str | None, logits_out: Path | None):
     """The run itself; returns the generation session (for statistics) or None."""
-    from .generate import Session
-
-    session = Session(model, ctx=ctx, kv_type=kv_type, prefill_chunk=prefill_chunk)
+    session = open_session(model, opts)
+    sampler = one_shot_sampler(opts.sampling)
     if model.device.type == "cuda" and logits_out is None:  # kernels and graphs ready before the prompt
         click.echo(f"warmed up in {session.warm_up():.2f} s", err=True)
     if prompt_ids is not None:
@@ -301,11 +245,12 @@ def run_session(model, prompt, system, raw, prompt_ids, logits_out, max_tokens, 
         if logits_out is not None:
             import numpy as np
 
-            check_prompt(len(ids), ctx, reply=False)
-            logits = model.forward(ids, model.new_cache(kv_type=kv_type)).float().cpu().numpy().astype(np.float32)
+            check_prompt(len(ids), opts.ctx, reply=False)
+            cache = model.new_cache(kv_type=opts.kv_type)
+            logits = model.forward(ids, cache).float().cpu().numpy().astype(np.float32)
             save_npy_atomic(logits_out, logits)
             return None
-        stream(model, load_tokenizer(model), ids, sampler, max_tokens, session, ctx)
+        stream(model, load_tokenizer(model), ids, sampler, opts.max_tokens, session, opts.ctx)
         return session
 
     tok = load_tokenizer(model)
@@ -317,22 +262,10 @@ def run_session(model, prompt, system, raw, prompt_ids, logits_out, max_tokens, 
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}]
             ids = chat_ids(tok, template, messages)
-        stream(model, tok, ids, sampler, max_tokens, session, ctx)
+        stream(model, tok, ids, sampler, opts.max_tokens, session, opts.ctx)
         return session
-    chat(model, tok, chat_template(model, False), system, sampler, max_tokens, session, ctx)
+    chat(model, tok, chat_template(model, False), system, sampler, opts.max_tokens, session, opts.ctx)
     return session
-
-
-def default_host_ram() -> int | None:
-    """80% of the memory the OS reports available (None where it does not say)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(int(line.split()[1]) * 1024 * 0.8)
-    except OSError:
-        pass
-    return None
 
 
 def report_residency(model) -> None:

@@ -111,7 +111,8 @@ def test_sigterm_during_a_reply_ends_the_program(synth_model):
 def test_chat_commands_are_not_sent_to_the_model(synth_model, tmp_path):
     """Through a pipe: /system, /reset, /help and unknown commands are handled locally, empty
     lines are skipped, /exit ends the chat (what follows it is never read)."""
-    from sparkpack.runtime.cli import chat_ids, open_model, load_tokenizer
+    from sparkpack.runtime.cli import chat_ids, load_tokenizer
+    from sparkpack.runtime.options import RunOptions, open_model
 
     model_path = synth_model("qwen3moe")
     lines = ["hello", "", "/system be brief", "/bogus", "/help", "/reset", "again", "/exit", "never sent"]
@@ -122,7 +123,7 @@ def test_chat_commands_are_not_sent_to_the_model(synth_model, tmp_path):
     assert "[unknown command /bogus" in res.stderr and "/system TEXT" in res.stderr
     assert len(res.stdout.splitlines()) == 2  # two replies: "hello" and "again"
     # the second reply saw the system message and not the cleared turn, and no command text
-    model = open_model(model_path, "cpu", "float32")
+    model = open_model(RunOptions(model_path, device="cpu", dtype="float32"))
     tok = load_tokenizer(model)
     import json
 

@@ -26,33 +26,10 @@ from typing import Protocol
 import torch
 
 from ..generate import Session, continue_tokens
-from ..sampling import Sampler
+from ..options import SamplingOptions
 from .errors import ApiError
 
 log = logging.getLogger("sparkpack.server")
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    """One request's sampling; the server's defaults are spark-run's options."""
-
-    temperature: float = 0.7
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-
-    def sampler(self, prompt_len: int) -> Sampler | None:
-        """None (argmax on the device, spark-run's greedy path) for temperature 0 without penalties."""
-        penalties = (self.repetition_penalty, self.presence_penalty, self.frequency_penalty) != (1.0, 0.0, 0.0)
-        if self.temperature <= 0 and not penalties:
-            return None
-        return Sampler(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                       repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-                       frequency_penalty=self.frequency_penalty, seed=self.seed, prompt_len=prompt_len)
 
 
 @dataclass

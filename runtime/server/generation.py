@@ -10,6 +10,7 @@ dialect's ``StreamFormat``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -20,7 +21,8 @@ from typing import Any, Protocol
 from sparkpack.formats.errors import SparkpackError
 
 from ..chat_template import ChatTemplate
-from .engine import Engine, Job, SamplingOptions
+from ..options import SamplingOptions
+from .engine import Engine, Job
 from .errors import ApiError, context_exceeded
 from .messages import Conversation, RequestError
 from .metrics import ServerMetrics
@@ -115,10 +117,8 @@ def raw_prompt(served: Served, prompt: str | list[int]) -> Prompt:
 
 def sampling(served: Served, body: Sampling) -> SamplingOptions:
     """The request's fields over the server's defaults."""
-    d = served.defaults
-    pick = {name: getattr(body, name) for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                                                   "presence_penalty", "frequency_penalty", "seed")}
-    return SamplingOptions(**{k: (v if v is not None else getattr(d, k)) for k, v in pick.items()})
+    given = body.model_dump(include=set(Sampling.model_fields), exclude_none=True)
+    return dataclasses.replace(served.defaults, **given)
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

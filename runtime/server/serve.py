@@ -21,23 +21,34 @@ import click
 
 from sparkpack.formats.errors import SparkpackError
 
-from .engine import Engine, SamplingOptions
+from ..options import RunOptions, open_model, open_session
+from .engine import Engine
 from .http import ServerConfig
 
 log = logging.getLogger("sparkpack.server")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServeOptions:
-    model_path: Path
+    """What serving adds to the run's options (``RunOptions``: the model, its store, the sessions,
+    the sampling defaults)."""
+
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
-    ctx: int = 4096
-    kv_type: str = "auto"
-    prefill_chunk: int = 2048
-    defaults: SamplingOptions = SamplingOptions()
     test_hooks: Path | None = None  # test-only: forced outputs honoured, prompt logits dumped here
+
+
+def serve_options(host: str, port: int, api_key: str | None, api_key_file: Path | None,
+                  test_hooks: Path | None) -> ServeOptions:
+    """spark-run's --serve flags as ``ServeOptions`` (the key read from its file)."""
+    if api_key is not None and api_key_file is not None:
+        raise SparkpackError(None, "give either --api-key or --api-key-file, not both")
+    if api_key_file is not None:
+        api_key = api_key_file.read_text(encoding="utf-8").strip()
+        if not api_key:
+            raise SparkpackError(api_key_file, "is empty: it should hold the API key")
+    return ServeOptions(host, port, api_key, test_hooks)
 
 
 def model_name(path: Path) -> str:
@@ -45,10 +56,9 @@ def model_name(path: Path) -> str:
     return name[:-5] if name.endswith(".gguf") else name
 
 
-def build_served(model, opts: ServeOptions):
+def build_served(model, opts: RunOptions, serve: ServeOptions):
     """The engine and everything routes need around a loaded model."""
     from ..chat_template import ChatTemplate
-    from ..generate import Session
     from ..tokenizer import GGUFTokenizer
     from .output import tool_syntax_for
     from .generation import Served
@@ -58,13 +68,13 @@ def build_served(model, opts: ServeOptions):
     source = model.gguf.get("tokenizer.chat_template")
     template = ChatTemplate.from_tokenizer(source, tok) if source else None
     end = next((i for i in (tok.eot_id, tok.eos_id) if i is not None), min(tok.stop_ids, default=0))
-    session = Session(model, ctx=opts.ctx, kv_type=opts.kv_type, prefill_chunk=opts.prefill_chunk)
+    session = open_session(model, opts)
     if model.device.type == "cuda":  # kernels compiled and graphs captured before /health says ready
         click.echo(f"sparkpack: warmed up in {session.warm_up():.2f} s", err=True)
     metrics = ServerMetrics(model)  # (after the warm-up, which the store forgets)
-    engine = Engine(session, tok.stop_ids, end, on_job=metrics.observe_job, dump_logits=opts.test_hooks)
+    engine = Engine(session, tok.stop_ids, end, on_job=metrics.observe_job, dump_logits=serve.test_hooks)
     return Served(model_name(opts.model_path), model, tok, template, tool_syntax_for(model.spec.arch, source or ""),
-                  opts.ctx, opts.defaults, engine, metrics, test_hooks=opts.test_hooks is not None)
+                  opts.ctx, opts.sampling, engine, metrics, test_hooks=serve.test_hooks is not None)
 
 
 def client_settings(name: str, base: str, ctx: int, api_key: str | None) -> str:
@@ -107,7 +117,8 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(opts: ServeOptions, load: Callable[[], object], on_loaded: Callable[[object], None] | None = None) -> None:
+def run_server(opts: RunOptions, serve: ServeOptions, load: Callable[[], object],
+               on_loaded: Callable[[object], None] | None = None) -> None:
     """Serve until Ctrl-C/SIGTERM. ``load`` opens the model (in a thread, while /health says
     503); a load failure ends the server with that error."""
     import uvicorn
@@ -115,11 +126,11 @@ def run_server(opts: ServeOptions, load: Callable[[], object], on_loaded: Callab
     from .app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
-    sock = bind(opts.host, opts.port)
+    sock = bind(serve.host, serve.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     base = f"http://{shown}:{port}"
-    app = create_app(ServerConfig(api_key=opts.api_key))
+    app = create_app(ServerConfig(api_key=serve.api_key))
     click.echo(f"sparkpack: loading {opts.model_path} (listening on {base}, /health answers 503 until ready)", err=True)
 
     class Server(uvicorn.Server):
@@ -137,12 +148,12 @@ def run_server(opts: ServeOptions, load: Callable[[], object], on_loaded: Callab
             model = load()
             if on_loaded is not None:
                 on_loaded(model)
-            app.state.served = build_served(model, opts)
+            app.state.served = build_served(model, opts, serve)
         except BaseException as e:  # reported by the main thread after the server stops
             failure.append(e)
             server.should_exit = True
             return
-        click.echo(client_settings(app.state.served.name, base, opts.ctx, opts.api_key))
+        click.echo(client_settings(app.state.served.name, base, opts.ctx, serve.api_key))
         sys.stdout.flush()
 
     thread = threading.Thread(target=loader, name="sparkpack-load", daemon=True)
@@ -176,26 +187,14 @@ def release(device) -> None:
         torch.cuda.empty_cache()
 
 
-def serve_from_cli(model_path: Path, load: Callable[[], object], report_residency: Callable[[object], None], *,
-                   host: str, port: int, api_key: str | None, api_key_file: Path | None, ctx: int, kv_type: str,
-                   prefill_chunk: int, temperature: float, top_k: int, top_p: float, min_p: float,
-                   repeat_penalty: float, seed: int | None, test_hooks: Path | None) -> None:
-    """spark-run's --serve branch: its options as ``ServeOptions``, its sampling as the defaults."""
-    if api_key is not None and api_key_file is not None:
-        raise SparkpackError(None, "give either --api-key or --api-key-file, not both")
-    if api_key_file is not None:
-        api_key = api_key_file.read_text(encoding="utf-8").strip()
-        if not api_key:
-            raise SparkpackError(api_key_file, "is empty: it should hold the API key")
-    defaults = SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                               repetition_penalty=repeat_penalty, seed=seed)
-    defaults.sampler(0)  # a bad setting is a one-line error now, not a 500 on every request
-    if test_hooks is not None:
-        test_hooks.mkdir(parents=True, exist_ok=True)
+def serve_from_cli(opts: RunOptions, serve: ServeOptions, report_residency: Callable[[object], None]) -> None:
+    """spark-run's --serve branch: the run's sampling options become the requests' defaults."""
+    opts.sampling.sampler(0)  # a bad setting is a one-line error now, not a 500 on every request
+    if serve.test_hooks is not None:
+        serve.test_hooks.mkdir(parents=True, exist_ok=True)
 
     def loaded(model) -> None:
         if model.residency is not None:
             report_residency(model)
 
-    run_server(ServeOptions(model_path, host, port, api_key, ctx, kv_type, prefill_chunk, defaults, test_hooks),
-               load, loaded)
+    run_server(opts, serve, lambda: open_model(opts), loaded)
