@@ -15,6 +15,7 @@ reader, which stays the referee.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -55,9 +56,11 @@ class GGUFModel:
         self.path = Path(path)
         self.file_size = self._check_preamble()
         try:
-            self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
+            with open(self.path, "rb") as f:
+                self._map: mmap.mmap | None = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError) as e:
             raise SparkpackError(self.path, f"cannot map the file ({_short(e)})") from None
+        self._data = np.frombuffer(self._map, dtype=np.uint8)
         self._index = scan_header(self._data, self.path)
         self._values: dict[str, Any] = {}
         self.alignment = self._index.alignment
@@ -141,7 +144,7 @@ class GGUFModel:
         return self._data[: self.data_offset]
 
     def close(self) -> None:
-        mm = getattr(self._data, "_mmap", None)
+        mm, self._map = self._map, None
         self._data = None  # type: ignore[assignment]
         if mm is not None:
             try:

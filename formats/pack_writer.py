@@ -58,11 +58,28 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 class _Buffers(threading.local):
     """One copy buffer per worker thread, allocated on first use."""
 
+    def __init__(self) -> None:  # threading.local runs it once in each thread
+        self.buf: memoryview | None = None
+
     def get(self, n: int) -> memoryview:
-        buf = getattr(self, "buf", None)
+        buf = self.buf
         if buf is None or len(buf) < n:
             self.buf = buf = memoryview(bytearray(max(n, CHUNK)))
         return buf
+
+
+class _Compressors(threading.local):
+    """zstd compressors are not thread-safe: one per worker thread, made on first use."""
+
+    def __init__(self) -> None:
+        self.zc: Any = None
+
+    def get(self) -> Any:
+        if self.zc is None:
+            import zstandard
+
+            self.zc = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        return self.zc
 
 
 def _jsonable(v: Any) -> Any:
@@ -304,15 +321,7 @@ def _write_header(model: GGUFModel, src_fd: int, tmp: Path) -> tuple[int, list[l
 def _run_tasks(tasks: list[tuple[Any, ...]], src_fd: int, hot_fd: int, tmp: Path, compress: bool,
                progress: Callable[[int], None], jobs: int) -> None:
     bufs = _Buffers()
-    zlocal = threading.local()
-
-    def compressor():
-        zc = getattr(zlocal, "zc", None)
-        if zc is None:
-            import zstandard
-
-            zc = zlocal.zc = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-        return zc
+    compressors = _Compressors()
 
     def run(task: tuple[Any, ...]) -> int:
         kind, rec, pieces, dst_off, nbytes = task
@@ -342,7 +351,7 @@ def _run_tasks(tasks: list[tuple[Any, ...]], src_fd: int, hot_fd: int, tmp: Path
         if kind == "hot_expert":
             _pwrite_all(hot_fd, buf, dst_off)
             return nbytes
-        data: memoryview | bytes = compressor().compress(buf) if compress else buf
+        data: memoryview | bytes = compressors.get().compress(buf) if compress else buf
         fd = os.open(tmp / rec["shard"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             _pwrite_all(fd, memoryview(data), 0)

@@ -59,6 +59,20 @@ class _SpecSource:
         return self._meta.get(key, default)
 
 
+class _Decompressors(threading.local):
+    """zstd decompressors are not thread-safe: one per reading thread, made on first use."""
+
+    def __init__(self) -> None:  # threading.local runs it once in each thread
+        self.dctx: Any = None
+
+    def get(self) -> Any:
+        if self.dctx is None:
+            import zstandard
+
+            self.dctx = zstandard.ZstdDecompressor()
+        return self.dctx
+
+
 class Pack:
     """An opened, checked pack. Use ``Pack.open``."""
 
@@ -81,7 +95,7 @@ class Pack:
         self._hot_map: np.ndarray | None = None
         self._checked: set[str] = set()  # hot tensors whose bytes matched their checksum
         self._lock = threading.Lock()
-        self._local = threading.local()  # zstd decompressors are not thread-safe: one per thread
+        self._dctx = _Decompressors()
 
     # --- opening and validation ---------------------------------------------------------------
 
@@ -267,9 +281,7 @@ class Pack:
         the frame claims (a corrupt header claiming 1 TiB made zstd allocate it)."""
         import zstandard
 
-        dctx = getattr(self._local, "dctx", None)
-        if dctx is None:
-            dctx = self._local.dctx = zstandard.ZstdDecompressor()
+        dctx = self._dctx.get()
         try:
             claimed = zstandard.frame_content_size(data)
             if claimed not in (-1, rec.nbytes):

@@ -17,9 +17,12 @@ import copy
 import json
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkpack.formats.errors import SparkpackError
+
+if TYPE_CHECKING:
+    from .tokenizer import GGUFTokenizer
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -123,13 +126,13 @@ class ChatTemplate:
         self.special = {"bos_token": bos_token, "eos_token": eos_token, **special_tokens}
 
     @classmethod
-    def from_tokenizer(cls, template: str, tokenizer: Any) -> "ChatTemplate":
+    def from_tokenizer(cls, template: str, tokenizer: GGUFTokenizer) -> "ChatTemplate":
         """Special tokens named by a GGUFTokenizer's ids (the GGUF has no tokenizer_config.json)."""
         def text(i: int | None) -> str | None:
             return tokenizer.tokens[i] if i is not None else None
 
         return cls(template, bos_token=text(tokenizer.bos_id), eos_token=text(tokenizer.eos_id),
-                   pad_token=text(getattr(tokenizer, "pad_id", None)))
+                   pad_token=text(tokenizer.pad_id))
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                add_generation_prompt: bool = True, **extra: Any) -> str:
@@ -148,7 +151,7 @@ class ChatTemplate:
 
 
 def render_chat(template: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                add_generation_prompt: bool = True, tokenizer: Any = None, **extra: Any) -> str:
+                add_generation_prompt: bool = True, tokenizer: GGUFTokenizer | None = None, **extra: Any) -> str:
     """Render once; the compiled template is cached, so repeated calls are cheap. Pass the
     GGUFTokenizer as ``tokenizer`` so ``bos_token``/``eos_token`` have their values: templates
     such as Laguna's start with ``{{ bos_token }}``, which would otherwise render empty."""

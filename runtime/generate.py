@@ -26,11 +26,25 @@ from .models.base import MoEModel
 
 
 class TokenSampler(Protocol):
-    """A sampler may also offer ``history_free`` (True) and ``pick(logits) -> tensor`` (the
-    token id on the device, nothing read back): ``generate`` then decodes one step ahead of the
-    host (``Session.decode``)."""
+    """How ``generate`` draws a token other than greedily (``runtime.sampling.Sampler``).
+
+    ``history_free``: the draw needs no token history, so ``pick(logits)`` (the token id on the
+    device, nothing read back; called only then) lets ``Session.decode`` run one step ahead of the
+    host. Otherwise ``sample`` is shown the history, one host round trip a token."""
+
+    @property
+    def history_free(self) -> bool: ...
 
     def sample(self, logits: torch.Tensor, history: list[int]) -> int: ...
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+
+class StopTokens(Protocol):
+    """What ``generate`` reads of a tokenizer (``runtime.tokenizer.GGUFTokenizer``): the ids that
+    end a reply."""
+
+    stop_ids: frozenset[int]
 
 
 @dataclass
@@ -279,7 +293,7 @@ class Session:
                 logits = ahead
 
 
-def generate(model: MoEModel, tokenizer: object | None, prompt_ids: list[int], sampler: TokenSampler | None,
+def generate(model: MoEModel, tokenizer: StopTokens | None, prompt_ids: list[int], sampler: TokenSampler | None,
              max_new_tokens: int, stop_ids: Iterable[int] | None = None,
              session: Session | None = None) -> Iterator[int]:
     """Yield up to ``max_new_tokens`` tokens after ``prompt_ids``; a stop token ends the stream
@@ -288,7 +302,7 @@ def generate(model: MoEModel, tokenizer: object | None, prompt_ids: list[int], s
     Greedy and history-free samplers pick on the device and run one step ahead of the host
     (``Session.decode``); a sampler that needs the history gets it, one host round trip a token."""
     if stop_ids is None:
-        stop_ids = getattr(tokenizer, "stop_ids", ()) if tokenizer is not None else ()
+        stop_ids = tokenizer.stop_ids if tokenizer is not None else ()
     session = session if session is not None else Session(model)
     logits = session.feed(list(prompt_ids))
     yield from continue_tokens(session, logits, sampler, max_new_tokens, stop_ids)
@@ -300,7 +314,7 @@ def continue_tokens(session: Session, logits: torch.Tensor, sampler: TokenSample
     callers that fed it themselves (the server's ``Session.prompt``)."""
     stops = set(int(s) for s in stop_ids)
     history = list(session.fed)
-    if sampler is None or getattr(sampler, "history_free", False):
+    if sampler is None or sampler.history_free:
         pick = torch.argmax if sampler is None else sampler.pick
         for tok in session.decode(logits, max_new_tokens, pick):
             if tok in stops:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import codecs
 import os
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
 from gguf.vocab import bytes_to_unicode
 
@@ -59,18 +59,12 @@ _EOG_TEXTS = frozenset({
 # byte-level BPE tokens spell bytes in GPT-2's printable stand-ins (gguf-py has the map)
 _UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
 
-MetadataSource = Mapping[str, Any] | Callable[[str], Any] | Any
+class ModelMetadata(Protocol):
+    """A model file's metadata by key: ``formats.gguf_file.GGUFModel``, ``runtime.weights.PackSource``."""
 
+    path: os.PathLike[str]
 
-def _getter(source: MetadataSource) -> Callable[[str], Any]:
-    if isinstance(source, Mapping):
-        return source.get
-    get = getattr(source, "get", None)
-    if callable(get):
-        return lambda key: get(key, None)
-    if callable(source):
-        return source
-    raise TypeError(f"cannot read metadata from {type(source).__name__}")
+    def get(self, key: str, default: Any = None) -> Any: ...
 
 
 class StreamDecoder:
@@ -137,11 +131,10 @@ class GGUFTokenizer:
         self.stop_ids: frozenset[int] = frozenset(stops)
 
     @classmethod
-    def from_metadata(cls, source: MetadataSource) -> "GGUFTokenizer":
-        """From a GGUFModel, a dict of metadata (a .sparkpack manifest) or a ``get(key)`` callable."""
-        get = _getter(source)
-        path = getattr(source, "path", None)
-        where = os.fspath(path) if path is not None else None
+    def from_metadata(cls, source: ModelMetadata | Mapping[str, Any]) -> "GGUFTokenizer":
+        """From a model file (errors name it) or a dict of its metadata."""
+        get = source.get
+        where = None if isinstance(source, Mapping) else os.fspath(source.path)
         model = get("tokenizer.ggml.model")
         if model is None:
             raise SparkpackError(where, "has no tokenizer (tokenizer.ggml.model is missing)")

@@ -43,6 +43,8 @@ def run_cli(args: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
 class ScriptedSampler:
     """Returns a fixed token sequence and records the history it was shown."""
 
+    history_free = False
+
     def __init__(self, tokens: list[int]):
         self.tokens, self.histories = list(tokens), []
 
@@ -61,6 +63,8 @@ def test_stop_token_ends_generation_and_is_not_yielded(qwen):
 
 class ScriptedTokens:
     """A sampler's draws, made one token at a time with the history shown (the read-first loop)."""
+
+    history_free = False
 
     def __init__(self, sampler):
         self.sampler = sampler

@@ -7,6 +7,8 @@ since the last request, so they cover exactly the served traffic.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -75,8 +77,8 @@ class ServerMetrics:
         if model is None or model.residency is None:
             return {}
         model.experts.flush()  # counts still on the device, or a deferred step's (the engine's thread)
-        stats = model.experts.stats
-        return {name: int(getattr(stats, name)) for name in (*STORE_ROUTINGS.values(), "tokens", "bytes_streamed")}
+        counts = dataclasses.asdict(model.experts.stats)  # a runtime.expert_stats.StoreStats
+        return {name: int(counts[name]) for name in (*STORE_ROUTINGS.values(), "tokens", "bytes_streamed")}
 
     def observe_store(self) -> None:
         """Add what the expert store counted since the last call."""
