@@ -30,3 +30,76 @@ def test_generic_top_level_names_are_not_importable(tmp_path):
     assert out == "[]"
     code = "import sparkpack.runtime.cli, sparkpack.repack.cli, sparkpack.formats.gguf_file; print('ok')"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path).stdout.strip() == "ok"
+
+
+# Which of our packages each may import: data flows formats -> calibrate -> repack and formats ->
+# runtime; runtime may read calibrate's logs (bootstrap); the repack CLI composes the runtime to
+# replay a corpus. Nothing imports against this (runtime never imports repack).
+ALLOWED = {
+    "formats": set(),
+    "calibrate": {"formats"},
+    "runtime": {"formats", "calibrate"},
+    "repack": {"formats", "calibrate", "runtime"},
+}
+# formats is read by every stage, on machines without a GPU stack: no torch, no Triton
+TORCH_FREE = {"formats"}
+
+
+def _imports(path: Path, module: str) -> list[tuple[int, str]]:
+    """Every module ``path`` imports (at any depth, lazy imports too), relative ones resolved."""
+    import ast
+
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            # `from sparkpack import runtime` names the subpackage
+            out += [(node.lineno, f"{base}.{a.name}" if base == "sparkpack" else base) for a in node.names]
+    return out
+
+
+def test_imports_follow_the_data_flow():
+    cfg = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    wrong = []
+    for name, folder in cfg.items():
+        stage = name.removeprefix("sparkpack.")
+        if stage not in ALLOWED:
+            continue
+        for path in sorted((REPO / folder).rglob("*.py")):
+            module = ".".join([name, *path.relative_to(REPO / folder).with_suffix("").parts]).removesuffix(".__init__")
+            for line, target in _imports(path, module):
+                top = target.split(".")
+                if top[0] == "sparkpack" and len(top) > 1 and top[1] != stage and top[1] not in ALLOWED[stage]:
+                    wrong.append(f"{path.relative_to(REPO)}:{line} imports {target}")
+                if stage in TORCH_FREE and top[0] in ("torch", "triton"):
+                    wrong.append(f"{path.relative_to(REPO)}:{line} imports {target} ({stage} is torch-free)")
+    assert not wrong, "imports against the data flow:\n" + "\n".join(wrong)
+    assert set(ALLOWED) == {n.removeprefix("sparkpack.") for n in cfg if n.count(".") == 1}, "a new stage needs its row"
+
+
+def test_the_import_check_sees_what_it_checks(tmp_path):
+    """The walker finds lazy, relative and `from sparkpack import x` imports (or the test above
+    could pass by seeing nothing)."""
+    f = tmp_path / "m.py"
+    f.write_text("import torch\nfrom .. import repack\nfrom ..repack.cli import main\n"
+                 "def f():\n    from sparkpack import runtime\n    import sparkpack.repack.outputs\n")
+    found = {t for _, t in _imports(f, "sparkpack.formats.m")}
+    assert found == {"torch", "sparkpack.repack", "sparkpack.repack.cli", "sparkpack.runtime", "sparkpack.repack.outputs"}
+
+
+def test_repack_commands_table_loads_each_command():
+    """repack's lazily imported commands: each row of the table names a click command of that name."""
+    import click
+
+    from sparkpack.repack.cli import COMMANDS, cli
+
+    ctx = click.Context(cli)
+    for name in COMMANDS:
+        cmd = cli.get_command(ctx, name)
+        assert isinstance(cmd, click.Command) and cmd.name == name
