@@ -18,6 +18,7 @@ from sparkpack.formats.profile import Profile, default_profile_path, model_ident
 from sparkpack.formats.sparkpack import Pack, is_pack
 from sparkpack.formats.units import SIZE
 
+from .outputs import check_output, reported_as
 from .report_data import Report, hit_timeline
 
 
@@ -33,9 +34,11 @@ from .report_data import Report, hit_timeline
               help="A routing trace (repack calibrate --trace) to draw the hot set's hit rate over time.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="HTML file to write [NAME.report.html beside the input].")
+@click.option("--force", is_flag=True, help="Replace the HTML file if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the numbers as JSON instead of writing the page.")
 def report_cmd(path: Path, profile_path: Path | None, vram: int | None, hot_fraction: float | None, ctx: int,
-               cache_slots: int | None, trace_path: Path | None, output: Path | None, as_json: bool) -> None:
+               cache_slots: int | None, trace_path: Path | None, output: Path | None, force: bool,
+               as_json: bool) -> None:
     """Routing heatmap, hot set, coverage curve and prompt/generated skew of a profile.
 
     \b
@@ -53,12 +56,14 @@ def report_cmd(path: Path, profile_path: Path | None, vram: int | None, hot_frac
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=1))
         return
+    out = output or path.with_name(path.name.removesuffix(".json").removesuffix(".profile").removesuffix(".gguf")
+                                   .removesuffix(".sparkpack") + ".report.html")
+    check_output(out, force)  # before the figures are drawn
     from .report_page import render
 
     html, _ = render(report, note)
-    out = output or path.with_name(path.name.removesuffix(".json").removesuffix(".profile").removesuffix(".gguf")
-                                   .removesuffix(".sparkpack") + ".report.html")
-    write_atomic(out, html)
+    with reported_as(out):
+        write_atomic(out, html)
     click.echo(f"wrote {out}")
 
 

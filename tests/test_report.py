@@ -111,6 +111,18 @@ def test_pack_and_bare_profile(learned, tmp_path):
     assert d["expert_bytes"] is None and d["hot_set"]["byte_fraction"] == pytest.approx(0.25)
 
 
+def test_existing_page_needs_force(learned, tmp_path):
+    """The one output rule of every repack command: an existing page is refused (and kept) unless
+    --force replaces it."""
+    model, _ = learned
+    page = tmp_path / "r.html"
+    page.write_text("mine")
+    assert "already exists (use --force to replace it)" in one_error_line(model, "--hot-fraction", "0.5", "-o", page)
+    assert page.read_text() == "mine"
+    assert "wrote" in run(model, "--hot-fraction", "0.5", "-o", page, "--force")
+    assert sorted(pngs(page.read_text())) == sorted(FIGURES[:3])
+
+
 def one_error_line(*args: object) -> str:
     res = subprocess.run([sys.executable, "-m", "sparkpack.repack.cli", "report", *map(str, args)],
                          capture_output=True, text=True, cwd=REPO)
