@@ -1,3 +1,3 @@
-"""Pure data and format code: GGUF reading/writing, architecture specs, quant block math,
+"""Pure data and format code: GGUF reading, architecture specs, quant block math,
 the .sparkpack format and routing profiles. Nothing here imports torch, so the formats can be
 inspected, split and verified on machines without it."""

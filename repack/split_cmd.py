@@ -79,7 +79,7 @@ def compression_line(pack_path: Path) -> str:
               f"(instead of --vram; default {DEFAULT_HOT_FRACTION} when neither is given).")
 @click.option("--ctx", type=click.IntRange(min=1), default=4096, show_default=True,
               help="Context length the KV cache is sized for.")
-@click.option("--cache-slots", type=click.IntRange(0), help="VRAM slots for streamed experts (default 2 x top-k).")
+@click.option("--cache-slots", type=click.IntRange(0), help="VRAM slots for streamed experts [max(4 x top-k, half of one token's routings over all MoE layers)].")
 @click.option("--compress", is_flag=True, help="zstd-compress cold shards (decompressed on load).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (the old pack stays until the new one is done).")
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Output directory (default MODEL.sparkpack).")

@@ -143,7 +143,8 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
               help="Without the store (CPU): memory for dequantized experts (LRU, re-expanded when needed).")
 @click.option("--vram", type=SizeParam(), help="GPU memory budget: hot experts, cache slots and KV cache sized to fit.")
 @click.option("--hot-fraction", type=click.FloatRange(0, 1), help="Share of expert bytes kept on the GPU.")
-@click.option("--cache-slots", type=click.IntRange(min=0), help="GPU slots caching cold experts [half of one token's routings over all layers].")
+@click.option("--cache-slots", type=click.IntRange(min=0), help="GPU slots caching cold experts [max(4 x top-k, half of one token's "
+              "routings over all MoE layers)].")
 @click.option("--profile", type=click.Path(dir_okay=False, path_type=Path),
               help="Routing profile choosing the hot experts [MODEL.profile.json when present].")
 @click.option("--stream", "stream_mode", type=click.Choice(STREAM_MODES), default="auto",
