@@ -91,7 +91,7 @@ class Session:
         self.short_calls = feeds_short_calls(model, self.cache)
         # Models whose prefill calls are captured take every prompt in captured calls: on the
         # GPU machine a 4096-token Qwen3-30B prompt went 1.7x faster in replayed 512-token
-        # calls than in eager 2048-token ones (BENCHMARKS.md, session 15).
+        # calls than in eager 2048-token ones (docs/benchmarks-history.md, session 15).
         self.call_tokens = min(prefill_chunk, PREFILL_GRAPH_TOKENS) if self.short_calls else prefill_chunk
         recurrent = any(isinstance(la, RecurrentState) for la in self.cache.layers)
         self.checkpoints = StateCheckpoints(checkpoints) if recurrent else None

@@ -336,7 +336,7 @@ def deltanet_prefill_inputs(qkv: torch.Tensor, beta: torch.Tensor, alpha: torch.
                             a: torch.Tensor, conv_w: torch.Tensor, conv_win: torch.Tensor, n_k: int, d_k: int,
                             n_v: int) -> tuple[torch.Tensor, ...]:
     """What the chunked delta rule takes, for ``T`` tokens, in one launch instead of ~35 torch
-    kernels (a prefill call is host-bound: BENCHMARKS.md): the causal conv over the window and the
+    kernels (a prefill call is host-bound: docs/benchmarks-history.md): the causal conv over the window and the
     new inputs with SiLU, q and k l2-normalised (q scaled by ``d_k ** -0.5``) and tiled to the
     value heads (value head ``h`` reads key head ``h % n_k``), beta = sigmoid, g = softplus(alpha +
     dt_bias) * a. ``qkv [T, C]``, ``beta``/``alpha [T, n_v]``: unit inner stride, any row stride

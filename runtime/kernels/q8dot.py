@@ -8,7 +8,7 @@ copy bandwidth. With the activation as int8 in blocks of 32 (one fp32 scale each
 instructions. The block scales and the activation's per-block sums turn the integer dots back
 into ``sum w x`` once per sub-block. With fewer instructions a program can also hold a row's
 whole K in flight (``chunks_per_iteration``), which these latency-bound kernels need as much:
-together 1.2-1.8x faster GEMVs and a one-token MoE layer in 19 us instead of 30 (BENCHMARKS.md).
+together 1.2-1.8x faster GEMVs and a one-token MoE layer in 19 us instead of 30 (docs/benchmarks-history.md).
 
 The price is the activation's rounding (relative error ~0.5% per element, the same as llama.cpp's
 quantized matmuls); the weights are used exactly as stored. The result depends only on the
