@@ -118,22 +118,22 @@ def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
+def _k_sub_block_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K blocks' per-sub-block scale ``d * sc`` and offset ``dmin * mn``, ``[n, 8, 1]``."""
+    sc, mn = _k_scale_min(b[:, 4:16])
+    return (_f16(b, 0) * sc.float()).unsqueeze(-1), (_f16(b, 2) * mn.float()).unsqueeze(-1)
+
+
 def _q4_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
-    d, dmin = _f16(b, 0), _f16(b, 2)
-    sc, mn = _k_scale_min(b[:, 4:16])
-    d = (d * sc.float()).unsqueeze(-1)
-    dm = (dmin * mn.float()).unsqueeze(-1)
+    d, dm = _k_sub_block_scales(b)
     q = _nibbles(b[:, 16:144].reshape(n, 4, 32)).reshape(n, 8, 32).float()
     return (d * q - dm).reshape(n, _QK_K)
 
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
-    d, dmin = _f16(b, 0), _f16(b, 2)
-    sc, mn = _k_scale_min(b[:, 4:16])
-    d = (d * sc.float()).unsqueeze(-1)
-    dm = (dmin * mn.float()).unsqueeze(-1)
+    d, dm = _k_sub_block_scales(b)
     ql = _nibbles(b[:, 48:176].reshape(n, 4, 32)).reshape(n, 8, 32)
     shifts = torch.arange(8, device=b.device, dtype=torch.uint8).view(1, 8, 1)
     qh = (b[:, 16:48].reshape(n, 1, 32) >> shifts) & 1  # sub-block i takes bit i of qh[j]
