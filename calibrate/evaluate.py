@@ -3,7 +3,7 @@
 This is the number the product lives by. A routing is *cold* when its expert is neither resident
 (hot) nor, with a cache, in the layer's spare slots: an LRU ring, or the LFU and
 frequency-aware policies of ``calibrate.cache_policies`` (profile placement only). Placements are built the way
-``repack split`` builds them (``repack.placement``: one greedy ranking across layers by expected
+``repack split`` builds them (``formats.placement``: one greedy ranking across layers by expected
 hits per byte) under the same byte budget as the uniform placement they are compared with, so the
 comparison is between choices, not between budgets. Everything is numpy on the trace: no model.
 """

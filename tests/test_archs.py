@@ -1,7 +1,7 @@
 """Arch specs and expert byte ranges on hand-built GGUFs whose bytes we control exactly.
 
 The files hold only expert tensors and the embeddings, so specs are built without the shape check
-of the full tensor table (``build_spec``; tests/test_hardening.py checks shapes)."""
+of the full tensor table (``build_spec``; tests/test_metadata_checks.py checks shapes)."""
 from __future__ import annotations
 
 from pathlib import Path
