@@ -200,6 +200,9 @@ def run_cmd(model_path: Path, prompt: str | None, prompt_file: Path | None, syst
     opts = run_options(model_path, **options)
     import torch
 
+    if opts.threads is not None:  # here, in the main thread: the server loads and runs in others
+        torch.set_num_threads(opts.threads)
+
     try:
         if serve:
             from .server.serve import serve_from_cli, serve_options

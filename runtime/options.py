@@ -67,7 +67,7 @@ class RunOptions:
     model_path: Path
     device: str = "cpu"
     dtype: str = "auto"
-    threads: int | None = None  # torch's CPU threads (None: its default)
+    threads: int | None = None  # torch's CPU threads (None: its default), set by the CLI's main thread
     expert_cache: int = DEFAULT_EXPERT_CACHE  # without the store: bytes of dequantized experts kept
     use_store: bool | None = None  # None: the store on a GPU or when a placement option is given
     vram: int | None = None
@@ -166,8 +166,6 @@ def open_model(opts: RunOptions) -> MoEModel:
 
     from .models import load_model
 
-    if opts.threads is not None:
-        torch.set_num_threads(opts.threads)
     store = store_options(opts)
     if store is not None and store.vram is not None and opts.device == "cuda":
         total = torch.cuda.get_device_properties(0).total_memory
