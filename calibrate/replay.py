@@ -52,6 +52,9 @@ class RoutingCounter:
         self.observe_routing(layer, ids)
         return self.inner.moe(layer, x, weights, ids, q8)
 
+    def staged_prefill(self, n_tokens: int) -> bool:
+        return self.inner.staged_prefill(n_tokens)
+
     def count_real_tokens(self, real: torch.Tensor | None) -> None:
         self.inner.count_real_tokens(real)
 

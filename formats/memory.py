@@ -35,8 +35,13 @@ DELTANET_CHUNK = 64
 # attention, on a GPU in half precision, 16-bit KV cache: runtime.graph.short_prefill_calls) feed
 # every prompt in calls of at most this many tokens, whether or not their expert store can be
 # captured, so the --vram plan counts this many tokens' temporaries for them (others use
-# PREFILL_CHUNK).
+# PREFILL_CHUNK), unless their store stages long calls (MemoryTarget.staged_chunk).
 PREFILL_GRAPH_TOKENS = 512
+# Prompt calls of at least this many tokens stage their cold experts in bulk, one copy per layer
+# into one of two device buffers, instead of reading them zero-copy tile by tile
+# (runtime.expert_staging; the plan reserves the buffers: formats.placement). Provisional: the
+# crossover is measured with bench/staged_prefill.py.
+STAGE_TOKENS = 1024
 # Attention scores held at once: a long chunk's queries go in pieces (runtime.layers.attention).
 ATTN_SCORES_MAX = 1 << 25
 # Weights a multi-token projection expands at once from quantized bytes (runtime.quant_linear):
@@ -59,24 +64,38 @@ NOT_LINEAR = ("ssm_conv1d",)
 class MemoryTarget:
     """How the runtime will hold a model, as far as its memory goes: the bytes of an expanded
     element (its compute dtype), whether the dense matrices its kernels read stay GGUF bytes (on
-    a GPU), the KV cache type, the context, and the most tokens one prefill call holds."""
+    a GPU), the KV cache type, the context, and the most tokens one prefill call holds.
+
+    ``staged_chunk``: the tokens of a prefill call when the expert store stages long calls (0:
+    it never does); a session whose store stages feeds prompts in calls that long even where
+    it would otherwise make short captured ones (``runtime.generate.Session``), so the plan counts
+    their temporaries then. ``host_bytes``: the pinned host memory allowed for cold experts
+    (None: all of them); only a store that holds every cold expert there stages."""
 
     dtype_bytes: int = 2
     quantized_dense: bool = True
     kv_type: str = "auto"
     ctx: int = 4096
     prefill_chunk: int = PREFILL_CHUNK
+    staged_chunk: int = 0
+    host_bytes: int | None = None
 
     @classmethod
     def gpu(cls, spec: ModelSpec, ctx: int = 4096, kv_type: str = "auto",
-            prefill_chunk: int = PREFILL_CHUNK) -> "MemoryTarget":
+            prefill_chunk: int = PREFILL_CHUNK, stage_tokens: int | None = STAGE_TOKENS) -> "MemoryTarget":
         """spark-run on a GPU with bf16 activations (what ``repack split --vram`` plans for)."""
         chunk = min(prefill_chunk, PREFILL_GRAPH_TOKENS) if short_calls(spec, kv_type) else prefill_chunk
-        return cls(2, True, kv_type, ctx, chunk)
+        return cls(2, True, kv_type, ctx, chunk, staged_call_tokens(prefill_chunk, stage_tokens))
 
     @property
     def kv_bytes_per_value(self) -> float:
         return float(self.dtype_bytes) if self.kv_type == "auto" else KV_BYTES_PER_VALUE[self.kv_type]
+
+
+def staged_call_tokens(prefill_chunk: int, stage_tokens: int | None) -> int:
+    """A session's prompt calls when its store stages calls of ``stage_tokens`` tokens or more:
+    ``prefill_chunk`` tokens, or 0 when no call that long stages."""
+    return prefill_chunk if stage_tokens is not None and stage_tokens <= prefill_chunk else 0
 
 
 def short_calls(spec: ModelSpec, kv_type: str) -> bool:

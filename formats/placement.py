@@ -4,15 +4,17 @@ numbers in, a plan out.
 ``plan_residency`` is what both ``repack split`` and the runtime's store (``runtime.models
 .plan_store``) plan with: the dense weights, KV cache, state and runtime temporaries the runtime
 will hold (``formats.memory``), then the cache slots, then hot experts in what is left; the store
-then allocates exactly its ``pool_bytes``. With a profile the choice is one greedy ranking across all layers by expected hits per byte, not a
-fixed share per layer: a layer whose routing is concentrated needs few hot experts, a flat one
-many. Hits are per-token routing rates, generated side weighted ``GEN_WEIGHT`` and prompt side
+then allocates exactly its ``pool_bytes``, and its two staging buffers for long prompts
+(``staging_bytes``) where it will stage them. With a profile the choice is one greedy ranking
+across all layers by expected hits per byte, not a fixed share per layer: a layer whose routing
+is concentrated needs few hot experts, a flat one many. Hits are per-token routing rates, generated side weighted ``GEN_WEIGHT`` and prompt side
 ``1 - GEN_WEIGHT``: during decode every cold miss stalls a token, while prompt processing copies an
 expert once for a whole batch, so decode traffic is what placement must serve first.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,6 +24,7 @@ from .errors import SparkpackError
 from .experts import expert_tensor_names
 from .memory import MemoryTarget, dense_bytes, expert_slot_bytes, kv_cache_bytes, recurrent_state_bytes, runtime_bytes
 from .profile import Profile
+from .quants import KERNEL_QTYPES
 from .units import fmt_size
 
 GEN_WEIGHT = 0.8
@@ -228,6 +231,7 @@ class ResidencyPlan:
     kv_bytes: int = 0
     state_bytes: int = 0
     overhead_bytes: int = 0  # the runtime's: fixed overhead and prefill temporaries
+    staging_bytes: int = 0  # the store's two staging buffers for long prompts (0: it does not stage)
     expert_budget: int | None = None  # bytes a budget left for hot experts
     hot_bytes: int = 0
     cold_hit_rate: dict[str, float] = field(default_factory=dict)  # side -> share of routings on cold experts
@@ -268,10 +272,14 @@ def plan_residency(spec: ModelSpec, tensors: dict, budget: Budget, target: Memor
     tokens = profile.tokens if profile is not None else None
     what = f"profile {os.path.basename(profile_name)}" if profile_name else "uniform placement (no profile)"
 
-    def done(hot: np.ndarray, source: str, **kw) -> ResidencyPlan:
+    stages = target.staged_chunk > 0 and all(int(tensors[n].qtype) in KERNEL_QTYPES
+                                             for il in sizes for n in spec.expert_tensors[il].values())
+
+    def done(hot: np.ndarray, source: str, stage: bool = True, **kw) -> ResidencyPlan:
         n_cold = sum(int((~hot[il]).sum()) for il in sizes)
         hot_bytes = sum(int(hot[il].sum()) * nb for il, nb in sizes.items())
         return ResidencyPlan(hot, min(slots, n_cold), source, sizes, hot_bytes=hot_bytes,
+                             staging_bytes=staging_bytes(hot, sizes, target.host_bytes) if stage and stages else 0,
                              cold_hit_rate=cold_hit_rates(hot, counts) if counts is not None else {},
                              expected_cold_rate=_expected_cold_rate(hot, profile), uniform=profile is None, **kw)
 
@@ -287,9 +295,14 @@ def plan_residency(spec: ModelSpec, tensors: dict, budget: Budget, target: Memor
                                         f"{fmt_size(runtime)} and {slots} cache slots {fmt_size(slots * slot)} need "
                                         f"{fmt_size(fixed)}")
         left = budget.vram - fixed
-        plan = make_plan(*shape, sizes, left, counts, tokens)
-        return done(plan.hot, f"--vram budget, {what}", vram=budget.vram, dense_bytes=dense, kv_bytes=kv,
-                    state_bytes=state, overhead_bytes=runtime, expert_budget=left)
+        hot = make_plan(*shape, sizes, left, counts, tokens).hot
+        staged = _staged_plan(hot, lambda b: make_plan(*shape, sizes, b, counts, tokens).hot, left, sizes,
+                              target.host_bytes,
+                              runtime_bytes(spec, target.ctx, target.staged_chunk) - runtime if stages else None)
+        if staged is not None:
+            hot, left, runtime = staged[0], staged[1], runtime + staged[2]
+        return done(hot, f"--vram budget, {what}", stage=staged is not None, vram=budget.vram, dense_bytes=dense,
+                    kv_bytes=kv, state_bytes=state, overhead_bytes=runtime, expert_budget=left)
     if budget.hot_fraction is not None:
         left = int(budget.hot_fraction * sum(sizes.values()) * spec.n_expert + 0.5)
         plan = make_plan(*shape, sizes, left, counts, tokens)
@@ -299,6 +312,51 @@ def plan_residency(spec: ModelSpec, tensors: dict, budget: Budget, target: Memor
     hot = np.zeros(shape, dtype=bool)
     hot[list(sizes)] = True
     return done(hot, "all experts on the device")
+
+
+def staging_bytes(hot: np.ndarray, sizes: dict[int, int], host_bytes: int | None = None) -> int:
+    """The store's two staging buffers (``runtime.expert_staging``) for hot set ``hot``: each the
+    largest layer's cold experts, laid out as the host pool lays them (``sizes``: device bytes of
+    one expert per MoE layer). 0 when nothing is cold or the cold experts do not fit in
+    ``host_bytes`` of pinned host memory (the disk tier stages nothing)."""
+    cold = {il: int((~hot[il]).sum()) * nb for il, nb in sizes.items()}
+    total = sum(cold.values())
+    if not total or (host_bytes is not None and total > host_bytes):
+        return 0
+    return 2 * max(cold.values())
+
+
+def _staged_plan(hot: np.ndarray, plan: Callable[[int], np.ndarray], left: int, sizes: dict[int, int],
+                 host_bytes: int | None, extra: int | None, rounds: int = 16) -> tuple[np.ndarray, int, int] | None:
+    """A hot set that leaves room for staging: ``(hot, bytes left for hot experts, extra runtime
+    bytes)``, or None when the store will not stage: ``extra`` None (it cannot), nothing cold,
+    cold experts beyond the host RAM, or buffers that do not fit (long prompts are then read
+    zero-copy). ``plan(budget)`` is the hot set for a budget; ``host_bytes`` the pinned host
+    memory for cold experts; ``extra`` what the staged calls' temporaries take beyond the
+    unstaged calls'.
+
+    The buffers' size depends on the hot set (the largest layer's cold experts), which depends
+    on what the buffers leave: plan, reserve what that hot set needs, plan again within the
+    rest, until a plan fits in what was reserved before it. The reserve only grows and is
+    bounded by the all-cold need; after ``rounds`` the bound is reserved."""
+    if extra is None:
+        return None
+    reserve = 0
+    for _ in range(rounds):
+        need = staging_bytes(hot, sizes, host_bytes)
+        if not need:
+            return None
+        if need + extra <= reserve:
+            return hot, left - reserve, extra
+        reserve = need + extra
+        if reserve > left:
+            return None
+        hot = plan(left - reserve)
+    reserve = 2 * max(sizes.values()) * hot.shape[1] + extra
+    if reserve > left:
+        return None
+    hot = plan(left - reserve)
+    return (hot, left - reserve, extra) if staging_bytes(hot, sizes, host_bytes) else None
 
 
 def _expected_cold_rate(hot: np.ndarray, profile: Profile | None) -> float | None:

@@ -31,7 +31,8 @@ def print_plan(plan: ResidencyPlan, n_experts: int, profile_name: str | None, fo
     n_hot = int(plan.hot.sum())
     echo(f"  hot experts     {n_hot} of {n_experts} ({n_hot / max(n_experts, 1):.1%}), {fmt_size(plan.hot_bytes)}")
     if plan.vram is not None:
-        used = plan.dense_bytes + plan.kv_bytes + plan.state_bytes + plan.overhead_bytes + plan.pool_bytes
+        used = plan.dense_bytes + plan.kv_bytes + plan.state_bytes + plan.overhead_bytes + plan.pool_bytes \
+            + plan.staging_bytes
         echo(f"  VRAM budget     {fmt_size(plan.vram)}, planned {fmt_size(used)}:")
         echo(f"    non-expert weights {fmt_size(plan.dense_bytes)}")
         echo(f"    hot experts        {fmt_size(plan.hot_bytes)}")
@@ -40,6 +41,8 @@ def print_plan(plan: ResidencyPlan, n_experts: int, profile_name: str | None, fo
             echo(f"    recurrent state    {fmt_size(plan.state_bytes)}")
         echo(f"    cache slots        {plan.cache_slots} x {fmt_size(plan.cache_slot_bytes)}")
         echo(f"    runtime overhead   {fmt_size(plan.overhead_bytes)}")
+        if plan.staging_bytes:
+            echo(f"    prompt staging     2 x {fmt_size(plan.staging_bytes // 2)}")
     else:
         echo(f"  expert budget   {fmt_size(plan.expert_budget or 0)} (hot fraction; VRAM not checked)")
     if plan.cold_hit_rate:
@@ -52,7 +55,8 @@ def budget_json(plan: ResidencyPlan) -> dict[str, Any]:
     hot experts."""
     return {"vram": plan.vram, "non_expert": plan.dense_bytes, "kv_cache": plan.kv_bytes,
             "recurrent_state": plan.state_bytes, "cache_slots": plan.cache_slots,
-            "cache_slot_bytes": plan.cache_slot_bytes, "runtime": plan.overhead_bytes, "experts": plan.expert_budget}
+            "cache_slot_bytes": plan.cache_slot_bytes, "runtime": plan.overhead_bytes, "staging": plan.staging_bytes,
+            "experts": plan.expert_budget}
 
 
 def compression_line(pack_path: Path) -> str:

@@ -280,6 +280,8 @@ def report_residency(model) -> None:
         line += ", none cold"
     else:
         line += f", {d['cache_slots']} cache slots, misses via {d['mode']}, cold experts in {d['host_tier']} memory"
+        if d["staging_bytes"]:  # runtime.expert_staging
+            line += f", calls of {d['stage_tokens']}+ tokens staged (2 x {d['staging_bytes'] / 2 / 1024**2:.0f} MiB)"
     if r.expected_cold_rate is not None:
         line += f", expected cold-hit rate {r.expected_cold_rate:.1%}"
     click.echo(line, err=True)

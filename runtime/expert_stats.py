@@ -22,10 +22,12 @@ class StoreStats:
     tokens: int = 0
     hot_hits: int = 0  # routings served by a hot expert
     cache_hits: int = 0  # routings served by a cache slot
-    misses: int = 0  # routings whose expert was not on the device when the layer ran
+    misses: int = 0  # routings whose expert was neither hot nor cached when the layer ran
     loads: int = 0  # experts streamed into a cache slot
     zero_copy_reads: int = 0  # (layer, expert) reads served from host memory inside the kernel
-    bytes_streamed: int = 0  # host->device bytes, copies and zero-copy reads together
+    staged_layers: int = 0  # layers of long calls whose cold experts were copied in bulk (expert_staging)
+    staged_bytes: int = 0  # the bytes of those copies
+    bytes_streamed: int = 0  # host->device bytes: copies, staged copies and zero-copy reads together
     copy_seconds: float = 0.0  # wall time the host spent issuing/waiting for copies (async)
     step_seconds: float = 0.0  # host time of the per-token bookkeeping (overlaps the next replayed step)
     disk_reads: int = 0

@@ -29,6 +29,9 @@ How a miss is served (``mode``):
             looks at what was routed (one small copy per token) and promotes missed experts
             that keep being routed into cache slots with async copies overlapping the next
             token, so repeat traffic is served from VRAM.
+A long eager call in zero-copy mode (``stage_tokens`` tokens or more: a prompt) stages instead:
+each layer's cold experts are copied from the host pool to a device buffer in one bulk copy that
+overlaps the previous layer's compute, and the kernel reads them there (``runtime.expert_staging``).
 The arithmetic never depends on where bytes were read from, so every mode and every residency
 gives bit-identical outputs (tests check it at 100/60/10% residency). The naive offload the
 benchmarks compare against (blocking copies from the file) is ``bench/naive_store.py``.
@@ -57,6 +60,7 @@ from sparkpack.formats.quants import KERNEL_QTYPES, quant_name
 from .expert_pools import ColdTier, DiskTier, HostPool, PoolLayout, fill_device_pool, layout_pool
 from .expert_slots import ExpertSlots
 from .expert_source import ExpertSource, GGUFSource, PackSourceExperts, Part
+from .expert_staging import StagedPrefill
 from .expert_stats import RoutingCounts, StoreStats
 from .expert_tables import ExpertLayer, KernelTables
 from .experts import ExpertProvider, routed_sum
@@ -78,14 +82,15 @@ class ExpertStore(ExpertProvider):
     ``hot``: bool ``[n_layer, n_expert]`` of experts resident from the start. ``cache_slots``:
     spare device slots shared by all layers. ``host_bytes``: pinned host memory allowed for cold
     experts (None: all of them); when they do not fit, misses are read from the file through a
-    bounded host cache (the disk tier) and a warning says so.
+    bounded host cache (the disk tier) and a warning says so. ``stage_tokens``: eager calls of at
+    least that many tokens stage the host pool's cold experts (zero-copy mode; None: never).
     """
 
     PINNED = True  # host buffers in pinned memory on a GPU (copies overlap compute)
 
     def __init__(self, source: ExpertSource, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype,
                  hot: np.ndarray, cache_slots: int = 0, mode: str = "auto", host_bytes: int | None = None,
-                 fused: bool | None = None, warn=None):
+                 fused: bool | None = None, warn=None, stage_tokens: int | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         self.source, self.spec = source, spec
@@ -142,6 +147,11 @@ class ExpertStore(ExpertProvider):
         for la in self.layers.values():
             if la.fused:
                 la.bind(self.pool, host_pool, self.unit)
+        self.staging = None  # long calls' bulk copies (runtime.expert_staging)
+        if stage_tokens is not None and zero_copy and self.fused_all and host_pool is not None:
+            self.staging = StagedPrefill(host_pool, cold_layout, self.layers, stage_tokens, self.device,
+                                         self.copy_stream)
+        self._staged_call = False  # the call being run stages (its counts are no zero-copy reads)
 
         # What is counted. Every expert on the device: nothing can move, so the per-token count
         # read (a wait on the device, then ~20 small numpy passes with the GPU idle: ~0.2 ms a
@@ -191,6 +201,17 @@ class ExpertStore(ExpertProvider):
     def count_real_tokens(self, real: torch.Tensor | None) -> None:
         self.real_tokens = real
 
+    def staged_prefill(self, n_tokens: int) -> bool:
+        """Whether an eager call of ``n_tokens`` tokens stages the cold experts (one bulk copy per
+        layer: ``runtime.expert_staging``) instead of reading them zero-copy."""
+        return self.staging is not None and self.staging.wants(n_tokens)
+
+    def _stages(self, n_tokens: int) -> bool:
+        """This call stages: long enough, eager (not padded, not being captured)."""
+        if not self.staged_prefill(n_tokens) or self.real_tokens is not None:
+            return False
+        return not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
     def moe(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             q8: "Int8Rows | None" = None, parts: bool = True) -> torch.Tensor:
         """The contract's ``moe`` (``runtime.experts.ExpertProvider``): where the fused kernel runs,
@@ -205,6 +226,8 @@ class ExpertStore(ExpertProvider):
         self._step_routed = True
         if self.mode == "zerocopy":
             if la.fused:  # the kernel counts the routings itself
+                if self.staging is not None and layer in self.staging.spans and self._stages(x.shape[0]):
+                    return self._fused_staged(layer, x, weights, ids, parts, q8)
                 return self._fused(la.host_pools, x, weights, ids, self.tables.device[layer],
                                    self.counts.step[layer], parts, q8)
             flat = ids.reshape(-1)
@@ -230,6 +253,21 @@ class ExpertStore(ExpertProvider):
         # float32 out: the block's residual epilogue (layers.ffn_residual) rounds it, no launch of its own
         return moe_experts(x, ids, weights.float(), table_row, pools, act_q8=True, x_q8=q8, counts=counts,
                            count_tokens=self.real_tokens if counts is not None else None, reduce=not parts)
+
+    def _fused_staged(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                      parts: bool, q8: "Int8Rows | None") -> torch.Tensor:
+        """The fused kernel over the layer's cold experts staged in a device buffer."""
+        staging = self.staging
+        assert staging is not None
+        pools, row = staging.serve(layer, self.tables.device[layer])
+        y = self._fused(pools, x, weights, ids, row, self.counts.step[layer], parts, q8)
+        staging.done(layer)
+        nbytes = staging.span_bytes(layer)
+        self._stats.staged_layers += 1
+        self._stats.staged_bytes += nbytes
+        self._stats.bytes_streamed += nbytes
+        self._staged_call = True
+        return y
 
     def _fused_overflow(self, layer: int, la: ExpertLayer, x: torch.Tensor, weights: torch.Tensor,
                         ids: torch.Tensor, left: np.ndarray, parts: bool = False,
@@ -363,10 +401,11 @@ class ExpertStore(ExpertProvider):
             self.counts.unread += n_tokens
             return
         self._learn_pending()
+        staged, self._staged_call = self._staged_call, False
         if defer:
             self.counts.snapshot(n_tokens)
         else:
-            self._timed_learn(self.counts.read(), n_tokens)
+            self._timed_learn(self.counts.read(), n_tokens, staged)
 
     def forget_traffic(self) -> None:
         """Drop what the store learned from the tokens so far (statistics, decayed routing counts
@@ -397,12 +436,14 @@ class ExpertStore(ExpertProvider):
         if pending is not None:
             self._timed_learn(*pending)
 
-    def _timed_learn(self, counts: np.ndarray, n_tokens: int) -> None:
+    def _timed_learn(self, counts: np.ndarray, n_tokens: int, staged: bool = False) -> None:
         t0 = time.perf_counter()
-        self._learn_step(counts, n_tokens)
+        self._learn_step(counts, n_tokens, staged)
         self._stats.step_seconds += time.perf_counter() - t0
 
-    def _learn_step(self, counts: np.ndarray, n_tokens: int) -> None:
+    def _learn_step(self, counts: np.ndarray, n_tokens: int, staged: bool = False) -> None:
+        """``staged``: the counts are a staged call's, whose cold experts were copied in bulk
+        (counted when staged), not read zero-copy."""
         # On the few (layer, expert) pairs routed this step (8 a layer a token), not the whole
         # [n_layer, n_expert] table: whole-table masks cost ~0.3 ms a token (40 x 256 experts)
         # against ~0.05 ms so.
@@ -420,8 +461,9 @@ class ExpertStore(ExpertProvider):
         st.cache_hits += int(c[resident & ~hot].sum())
         missed = ~resident
         st.misses += int(c[missed].sum())
-        st.zero_copy_reads += int(missed.sum())
-        st.bytes_streamed += int(self.layer_nbytes[il[missed]].sum())
+        if not staged:
+            st.zero_copy_reads += int(missed.sum())
+            st.bytes_streamed += int(self.layer_nbytes[il[missed]].sum())
         slots.freq *= FREQ_DECAY
         freq[f] += c
         published = self._publish_promotions()
@@ -462,6 +504,8 @@ class ExpertStore(ExpertProvider):
         return {"mode": self.mode, "hot_experts": self.n_hot, "experts": n_total,
                 "hot_fraction": self.n_hot / max(n_total, 1), "cache_slots": self.n_cache,
                 "slot_bytes": self.slot_bytes, "device_pool_bytes": self.pool.numel(),
+                "staging_bytes": self.staging.nbytes if self.staging is not None else 0,
+                "stage_tokens": self.staging.min_tokens if self.staging is not None else None,
                 "host_tier": ("pinned" if isinstance(self.cold, HostPool) and self.cold.layout.n_units
                               else "none" if not self.n_cache and self.n_hot == n_total
                               else "file" if self.host_all else "disk")}

@@ -49,6 +49,12 @@ class ExpertProvider(Protocol):
         x's int8 form when the launch that wrote x made it (``kernels/q8dot.py``)."""
         ...
 
+    def staged_prefill(self, n_tokens: int) -> bool:
+        """Whether an eager call of ``n_tokens`` tokens copies each layer's cold experts to the
+        device in bulk (``runtime.expert_staging``): then a session should feed long prompts in
+        calls that long, not in short captured ones (``runtime.generate.Session``)."""
+        ...
+
     def count_real_tokens(self, real: torch.Tensor | None) -> None:
         """A padded call (``runtime.graph.PrefillGraphs``) begins: until it ends (None), only the
         routings of its first ``real`` tokens (a device scalar) count, padding must not teach
@@ -72,6 +78,9 @@ class PlainProvider(ExpertProvider):
     between tokens or forget."""
 
     capturable = False
+
+    def staged_prefill(self, n_tokens: int) -> bool:
+        return False
 
     def forward(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU output ``[n, n_embd]`` of one expert for rows ``x [n, n_embd]``."""

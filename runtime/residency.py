@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from sparkpack.formats.archs import ModelSpec
-from sparkpack.formats.memory import PREFILL_CHUNK, PREFILL_GRAPH_TOKENS, MemoryTarget
+from sparkpack.formats.memory import PREFILL_CHUNK, PREFILL_GRAPH_TOKENS, STAGE_TOKENS, MemoryTarget, staged_call_tokens
 from sparkpack.formats.placement import Budget
 from sparkpack.formats.profile import Profile, choose_profile, model_identity
 
@@ -31,6 +31,9 @@ class StoreOptions:
     ctx: int = 4096
     kv_type: str = "auto"  # KV cache element type (runtime.cache.KV_TYPES)
     prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per forward call (their temporaries are planned for)
+    # calls of at least this many tokens stage their cold experts in bulk (runtime.expert_staging);
+    # None: never (every call reads them zero-copy)
+    stage_tokens: int | None = STAGE_TOKENS
 
     @property
     def budget(self) -> Budget:
@@ -55,13 +58,17 @@ def identity_of(source) -> object:
 
 def memory_target(device: torch.device | str, dtype: torch.dtype, spec: ModelSpec, opts: StoreOptions) -> MemoryTarget:
     """How a model of ``spec`` will be held on ``device`` in ``dtype`` with ``opts``' session
-    options: on a GPU the dense matrices stay GGUF bytes, and sessions of the models that capture
-    prefill calls never make one longer than ``PREFILL_GRAPH_TOKENS`` (``runtime.graph``)."""
+    options: on a GPU the dense matrices stay GGUF bytes, sessions of the models that capture
+    prefill calls make none longer than ``PREFILL_GRAPH_TOKENS`` (``runtime.graph``) unless
+    their store stages long calls, which a zero-copy store on a GPU may (``staged_chunk``: the
+    plan decides whether it fits, ``formats.placement``)."""
     from .graph import short_prefill_calls
     from .weights import quantizes_dense
 
     chunk = opts.prefill_chunk
     if short_prefill_calls(device, dtype, spec, opts.kv_type):
         chunk = min(chunk, PREFILL_GRAPH_TOKENS)
+    can_stage = torch.device(device).type == "cuda" and opts.mode != "async"
     return MemoryTarget(torch.empty((), dtype=dtype).element_size(), quantizes_dense(torch.device(device), dtype),
-                        opts.kv_type, opts.ctx, chunk)
+                        opts.kv_type, opts.ctx, chunk,
+                        staged_call_tokens(opts.prefill_chunk, opts.stage_tokens) if can_stage else 0, opts.host_bytes)

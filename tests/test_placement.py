@@ -12,7 +12,7 @@ import torch
 from sparkpack.formats.archs import model_spec
 from sparkpack.formats.decayed_routing import DecayedRouting
 from sparkpack.formats.gguf_file import GGUFModel
-from sparkpack.formats.memory import MemoryTarget
+from sparkpack.formats.memory import PREFILL_CHUNK, MemoryTarget, runtime_bytes
 from sparkpack.formats.placement import (SWAP_MARGIN, Budget, Swaps, cold_hit_rates, default_cache_slots, expert_scores,
                                          make_plan, plan_residency, plan_swaps, plan_uniform)
 from sparkpack.formats.profile import Profile, model_identity
@@ -162,8 +162,9 @@ def test_split_plans_what_the_runtime_allocates(synth_model, tmp_path, monkeypat
     """``repack split --vram`` and ``spark-run --vram`` on a GPU plan the same hot set and cache
     slots for the same budget, and the store's device pool is exactly what split planned for
     experts: each hot expert at its own layer's size (Q4_K_M mixes Q4_K and Q6_K down matrices
-    across layers), each cache slot at the largest. The runtime's plan for a GPU is computed
-    here on the CPU; the store is built on the CPU from it."""
+    across layers), each cache slot at the largest; a zero-copy store allocates the two staging
+    buffers for long prompts the plan reserved. The runtime's plan for a GPU is computed here on
+    the CPU; the stores are built on the CPU from it."""
     from sparkpack.repack.cli import main
     from sparkpack.runtime.expert_store import ExpertStore
     from sparkpack.runtime.models import StoreOptions, plan_store
@@ -175,7 +176,8 @@ def test_split_plans_what_the_runtime_allocates(synth_model, tmp_path, monkeypat
     full = plan_residency(spec, gguf.tensors, Budget(vram=2**40), MemoryTarget.gpu(spec, 512))
     assert full.hot[list(spec.moe_layers)].all() and len(set(full.slot_bytes.values())) == (1 if quant == "Q8_0" else 2)
     fixed = full.dense_bytes + full.kv_bytes + full.state_bytes + full.overhead_bytes
-    vram = fixed + default_cache_slots(spec) * full.cache_slot_bytes + full.hot_bytes // 2  # about half fits
+    # about half fits, with room for staging buffers
+    vram = fixed + default_cache_slots(spec) * full.cache_slot_bytes + full.hot_bytes // 2 + full.hot_bytes // 4
     out = tmp_path / "m.sparkpack"
     monkeypatch.setattr(sys, "argv", ["repack", "split", str(path), "--vram", str(vram), "--ctx", "512", "-o", str(out)])
     try:
@@ -188,9 +190,22 @@ def test_split_plans_what_the_runtime_allocates(synth_model, tmp_path, monkeypat
     opts = StoreOptions(vram=vram, ctx=512)
     src, plan = plan_store(PackSource(pack), pack, spec, "cuda", torch.bfloat16, opts)
     assert np.array_equal(plan.hot, pack.hot) and 0 < plan.hot.sum() < len(spec.moe_layers) * spec.n_expert
-    assert (plan.hot_bytes, plan.cache_slots, plan.cache_slot_bytes, plan.dense_bytes, plan.expert_budget) == \
-        (placement["hot_bytes"], split["cache_slots"], split["cache_slot_bytes"], split["non_expert"], split["experts"])
+    assert (plan.hot_bytes, plan.cache_slots, plan.cache_slot_bytes, plan.dense_bytes, plan.expert_budget,
+            plan.overhead_bytes, plan.staging_bytes) == \
+        (placement["hot_bytes"], split["cache_slots"], split["cache_slot_bytes"], split["non_expert"], split["experts"],
+         split["runtime"], split["staging"])
+    # The all-attention models stage in longer calls than they otherwise make (2048 tokens, not
+    # 512), whose temporaries (attention scores) outweigh these tiny models' experts: their
+    # plans keep short calls and more experts hot. A full-size model's do not (tested below).
+    longer_calls = runtime_bytes(spec, 512, PREFILL_CHUNK) - plan.overhead_bytes
+    assert (plan.staging_bytes > 0) == (longer_calls == 0) == ("prompt staging" in capsys.readouterr().err)
+    assert plan.hot_bytes + plan.staging_bytes + plan.overhead_bytes + plan.dense_bytes + plan.kv_bytes + \
+        plan.state_bytes + plan.cache_bytes <= vram
     assert np.array_equal(plan_store(gguf, None, spec, "cuda", torch.bfloat16, opts)[1].hot, pack.hot)  # from the GGUF too
     store = ExpertStore(src, spec, "cpu", torch.float32, plan.hot, plan.cache_slots, "async")
     assert store.pool.numel() == plan.pool_bytes == placement["hot_bytes"] + split["cache_slots"] * split["cache_slot_bytes"]
     assert (store.n_hot, store.n_cache) == (int(pack.hot.sum()), split["cache_slots"])
+    assert store.staging is None  # (async: nothing staged)
+    staged = ExpertStore(src, spec, "cpu", torch.float32, plan.hot, plan.cache_slots, "zerocopy", fused=True,
+                         stage_tokens=opts.stage_tokens if plan.staging_bytes else None)  # (as open_store passes it)
+    assert staged.describe()["staging_bytes"] == plan.staging_bytes

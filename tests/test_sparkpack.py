@@ -152,7 +152,7 @@ def test_vram_budget_counts_fixed_costs(synth_model, tmp_path, cli):
     manifest = json.loads((tmp_path / "a.sparkpack" / "manifest.json").read_text())
     b = manifest["placement"]["budget"]
     assert b["experts"] == 2 * 1024**3 - (b["non_expert"] + b["kv_cache"] + b["recurrent_state"]
-                                          + 4 * b["cache_slot_bytes"] + b["runtime"])
+                                          + 4 * b["cache_slot_bytes"] + b["runtime"] + b["staging"])
     assert manifest["placement"]["hot_bytes"] <= b["experts"]
 
 

@@ -67,7 +67,7 @@ def open_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOption
 
     experts_src, residency = plan_store(source, pack, spec, device, dtype, opts)
     store = ExpertStore(experts_src, spec, device, dtype, residency.hot, residency.cache_slots, opts.mode,
-                        opts.host_bytes)
+                        opts.host_bytes, stage_tokens=opts.stage_tokens if residency.staging_bytes else None)
     return store, residency
 
 

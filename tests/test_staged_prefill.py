@@ -1,0 +1,280 @@
+"""Staged prefill (``runtime.expert_staging``): a long call's cold experts copied to the device
+in one bulk copy per layer give the bits of every other residency; the plan reserves the two
+staging buffers (and the longer calls staging makes) inside a ``--vram`` budget, and the store
+allocates what it reserved.
+
+On the CPU: the spans, the table remap, the staged bytes, one staged call through the fused
+kernel (interpreted) and the planner. On the GPU machine (``SPARKPACK_TEST_DEVICE=cuda``): whole
+models at 100/60/10% residency, calls below and above the threshold, and sessions that feed
+long prompts in staged calls; skipped elsewhere."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sparkpack.formats.archs import model_spec
+from sparkpack.formats.gguf_file import GGUFModel
+from sparkpack.formats.memory import PREFILL_CHUNK, SLOT_ALIGN, MemoryTarget, expert_slot_bytes, runtime_bytes
+from sparkpack.formats.placement import Budget, default_cache_slots, plan_residency, staging_bytes
+from sparkpack.runtime.expert_pools import layout_pool
+from sparkpack.runtime.expert_slots import NOT_RESIDENT
+from sparkpack.runtime.expert_staging import cold_spans, staged_row, staging_units
+from sparkpack.runtime.expert_store import ExpertStore, GGUFSource
+from sparkpack.runtime.models import StoreOptions, load_model
+
+DEVICE = os.environ.get("SPARKPACK_TEST_DEVICE", "cpu")
+cuda = pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(),
+                          reason="needs CUDA (SPARKPACK_TEST_DEVICE=cuda)")
+
+
+def hot_mask(spec, fraction: float) -> np.ndarray:
+    """The first ``fraction`` of every MoE layer's experts hot (at least one)."""
+    hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
+    hot[list(spec.moe_layers), : max(1, int(fraction * spec.n_expert))] = True
+    return hot
+
+
+def opened(path: Path):
+    gguf = GGUFModel(path)
+    return gguf, model_spec(gguf)
+
+
+# --- the parts, on the CPU ---------------------------------------------------------------------
+
+def test_each_layers_cold_experts_are_one_span():
+    """The host pool (sizes mixed across layers, the larger packed first) holds each layer's
+    experts in one range and nothing else there; a layer with none has no span."""
+    rng = np.random.default_rng(0)
+    units = {0: 3, 1: 2, 2: 3, 4: 2}
+    place = np.zeros((5, 8), dtype=bool)
+    place[list(units)] = rng.random((4, 8)) < 0.5
+    place[4] = False
+    layout = layout_pool(place, units, SLOT_ALIGN, n_slots=2)
+    spans = cold_spans(layout)
+    assert sorted(spans) == [0, 1, 2]
+    taken = set()
+    for il, s in spans.items():
+        at = layout.offset[il][place[il]]
+        assert s.units == units[il] * int(place[il].sum())
+        assert at.min() == s.first and at.max() + units[il] == s.first + s.units
+        rng_units = set(range(s.first, s.first + s.units))
+        assert not (rng_units & taken)
+        taken |= rng_units
+    assert staging_units(spans) == max(s.units for s in spans.values())
+    assert max(s.first + s.units for s in spans.values()) <= layout.slots[0]  # spare slots come after
+
+
+def test_staged_row_sends_host_entries_into_the_buffer():
+    row = torch.tensor([5, -(10 + 1), NOT_RESIDENT, -(12 + 1), 0], dtype=torch.int32)
+    assert staged_row(row, 10).tolist() == [5, -1, NOT_RESIDENT, -3, 0]
+
+
+@pytest.mark.parametrize("arch, fraction", [("qwen35moe", 0.6), ("laguna", 0.1)])
+def test_staged_bytes_are_the_bytes_each_expert_has_on_the_device(synth_model, arch, fraction):
+    """Through the remapped row, every cold expert's bytes in a layer's staging buffer are its
+    bytes in an all-hot store's device pool; consecutive staged layers take turns in the two
+    buffers, and hot or cached experts keep their device slots."""
+    gguf, spec = opened(synth_model(arch, "Q4_K_M", skew=1.0))
+    ref = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot_mask(spec, 1.0), fused=True)
+    store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot_mask(spec, fraction), cache_slots=2,
+                        mode="zerocopy", fused=True, stage_tokens=8)
+    staging = store.staging
+    assert staging is not None and staging.order == list(spec.moe_layers)
+    assert store.staged_prefill(8) and not store.staged_prefill(7)
+    for i, il in enumerate(spec.moe_layers):
+        pools, row = staging.serve(il, store.tables.device[il])
+        assert pools.host[0].data_ptr() == staging.buffers[i % 2].data_ptr() + store.layers[il].parts[0].offset
+        table = store.tables.device[il]
+        buf = staging.buffers[i % 2]
+        nb = store.layers[il].nbytes
+        for e in range(spec.n_expert):
+            entry = int(row[e])
+            if int(table[e]) >= 0:
+                assert entry == int(table[e])
+                continue
+            h = -(entry + 1)
+            assert torch.equal(buf[h * store.unit: h * store.unit + nb], ref.device_bytes(il, e))
+        staging.done(il)
+    assert staging.ahead is None  # the last layer issues nothing ahead
+    assert staging.nbytes == staging_bytes(store.hot, expert_slot_bytes(spec, gguf.tensors))
+
+
+def test_a_staged_call_through_the_fused_kernel_gives_the_same_bits(synth_model):
+    """Two MoE layers (two buffers, the second copied ahead) through the Triton kernel
+    (interpreted): a call of ``stage_tokens`` tokens stages, a shorter one reads zero-copy, and
+    both give the all-hot store's bits at 60% and 10% residency. The staged call's cold experts
+    are counted as staged bytes, not as zero-copy reads."""
+    gguf, spec = opened(synth_model("qwen35moe", "Q4_K_M", skew=1.0))
+    layers = list(spec.moe_layers)[:2]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, spec.n_embd, generator=g)
+    ids = torch.stack([torch.randperm(spec.n_expert, generator=g)[: spec.n_expert_used] for _ in range(2)])
+    w = torch.rand(2, spec.n_expert_used, generator=g)
+
+    def run(store: ExpertStore, n: int) -> torch.Tensor:
+        return torch.stack([store.moe(il, x[:n], w[:n], ids[:n]) for il in layers])
+
+    ref = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot_mask(spec, 1.0), mode="zerocopy",
+                      fused=True, stage_tokens=2)
+    assert ref.staging is None  # nothing cold: nothing to stage
+    want = {n: run(ref, n) for n in (2, 1)}
+    for fraction in (0.6, 0.1):
+        store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot_mask(spec, fraction),
+                            mode="zerocopy", fused=True, stage_tokens=2)
+        assert torch.equal(run(store, 2), want[2])
+        store.end_step(2)
+        s = store.stats
+        assert s.staged_layers == 2 and s.staged_bytes == sum(store.staging.span_bytes(il) for il in layers)
+        assert s.zero_copy_reads == 0 and s.misses > 0 and s.bytes_streamed == s.staged_bytes
+        assert torch.equal(run(store, 1), want[1])  # below the threshold: zero-copy
+        store.end_step(1)
+        assert store.stats.staged_layers == 2 and store.stats.zero_copy_reads > 0
+
+
+# --- the plan ------------------------------------------------------------------------------
+
+def test_the_plan_reserves_staging_until_it_fits(synth_model):
+    """Under ``--vram`` the buffers' size follows the hot set and the hot set what they leave:
+    the plan reserves the buffers of its own hot set, and the whole fits the budget. Without
+    room for them, or without the host RAM to hold the cold experts, or with staging off, the
+    plan is the one without staging."""
+    gguf, spec = opened(synth_model("qwen35moe", "Q4_K_M", skew=1.0))
+    sizes = expert_slot_bytes(spec, gguf.tensors)
+    target = MemoryTarget.gpu(spec, 512)
+    off = MemoryTarget.gpu(spec, 512, stage_tokens=None)
+    assert target.staged_chunk == PREFILL_CHUNK and off.staged_chunk == 0
+    full = plan_residency(spec, gguf.tensors, Budget(vram=2**40), target)
+    assert full.staging_bytes == 0  # all hot
+    fixed = full.dense_bytes + full.kv_bytes + full.state_bytes + full.overhead_bytes \
+        + default_cache_slots(spec) * full.cache_slot_bytes
+
+    def used(p) -> int:
+        return p.dense_bytes + p.kv_bytes + p.state_bytes + p.overhead_bytes + p.cache_bytes + p.hot_bytes + p.staging_bytes
+
+    vram = fixed + full.hot_bytes * 3 // 4
+    plan = plan_residency(spec, gguf.tensors, Budget(vram=vram), target)
+    unstaged = plan_residency(spec, gguf.tensors, Budget(vram=vram), off)
+    assert plan.staging_bytes == staging_bytes(plan.hot, sizes) > 0 and unstaged.staging_bytes == 0
+    assert used(plan) <= vram and plan.hot_bytes + plan.staging_bytes <= vram - fixed
+    assert plan.expert_budget + plan.staging_bytes <= unstaged.expert_budget
+    assert 0 < plan.hot.sum() < unstaged.hot.sum()
+    assert plan.overhead_bytes == unstaged.overhead_bytes  # (qwen35moe's calls are that long anyway)
+    cold = sum(int((~plan.hot[il]).sum()) * nb for il, nb in sizes.items())
+    small_host = plan_residency(spec, gguf.tensors, Budget(vram=vram),
+                                MemoryTarget(2, True, "auto", 512, PREFILL_CHUNK, PREFILL_CHUNK, cold // 2))
+    assert small_host.staging_bytes == 0 and np.array_equal(small_host.hot, unstaged.hot)
+    fraction = plan_residency(spec, gguf.tensors, Budget(hot_fraction=0.5), target)  # no budget to fit: reported
+    assert fraction.staging_bytes == staging_bytes(fraction.hot, sizes) > 0
+
+
+def test_no_room_for_staging_keeps_the_unstaged_plan(synth_model):
+    gguf, spec = opened(synth_model("qwen35moe", "Q4_K_M", skew=1.0))
+    sizes = expert_slot_bytes(spec, gguf.tensors)
+    target, off = MemoryTarget.gpu(spec, 512), MemoryTarget.gpu(spec, 512, stage_tokens=None)
+    full = plan_residency(spec, gguf.tensors, Budget(vram=2**40), target)
+    fixed = full.dense_bytes + full.kv_bytes + full.state_bytes + full.overhead_bytes \
+        + default_cache_slots(spec) * full.cache_slot_bytes
+    vram = fixed + sum(sizes.values())  # one expert a layer: no room for two buffers
+    plan, unstaged = (plan_residency(spec, gguf.tensors, Budget(vram=vram), t) for t in (target, off))
+    assert plan.staging_bytes == 0 and np.array_equal(plan.hot, unstaged.hot) and plan.hot.any()
+
+
+def header_only(path: Path, arch: str, preset: str, monkeypatch) -> Path:
+    """A full-size synthetic GGUF's header over a sparse file: the planner reads no weights."""
+    from sparkpack.repack.synth import write_synthetic, writer
+
+    with monkeypatch.context() as m:
+        m.setattr(writer, "write_data", lambda *a, **k: None)
+        return write_synthetic(path, arch, preset, "Q4_K_M")
+
+
+@pytest.mark.parametrize("arch, preset", [("qwen3moe", "qwen3-30b-a3b"), ("qwen35moe", "qwen3.6-35b-a3b")])
+def test_a_full_size_plan_at_14gib_stages_within_the_budget(tmp_path, monkeypatch, arch, preset):
+    """At the shapes users run, a 14 GiB plan holds the two buffers and (all-attention models)
+    the 2048-token calls' temporaries, and the buffers are those of its own hot set."""
+    gguf, spec = opened(header_only(tmp_path / "m.gguf", arch, preset, monkeypatch))
+    sizes = expert_slot_bytes(spec, gguf.tensors)
+    vram = 14 * 1024**3
+    target = MemoryTarget.gpu(spec, 4096)
+    plan = plan_residency(spec, gguf.tensors, Budget(vram=vram), target)
+    assert 0 < plan.hot.sum() < len(sizes) * spec.n_expert
+    assert plan.staging_bytes == staging_bytes(plan.hot, sizes) > 0
+    assert plan.overhead_bytes == runtime_bytes(spec, 4096, PREFILL_CHUNK)
+    assert plan.dense_bytes + plan.kv_bytes + plan.state_bytes + plan.overhead_bytes + plan.cache_bytes \
+        + plan.hot_bytes + plan.staging_bytes <= vram
+    unstaged = plan_residency(spec, gguf.tensors, Budget(vram=vram), MemoryTarget.gpu(spec, 4096, stage_tokens=None))
+    assert unstaged.hot_bytes > plan.hot_bytes  # what staging costs in hot experts
+
+
+# --- whole models on the GPU ---------------------------------------------------------------
+
+ARCHS = ["qwen35moe", "qwen3moe", "laguna"]
+
+
+def gpu_model(path: Path, fraction: float, stage_tokens: int | None, **kw):
+    model = load_model(path, device="cuda", dtype=torch.bfloat16,
+                       store=StoreOptions(hot_fraction=fraction, mode="zerocopy", stage_tokens=stage_tokens, **kw))
+    if not model.experts.fused_all:  # tiny shapes may give a layer a quant type without a fused kernel
+        pytest.skip("not every expert layer has fused-kernel quant types")
+    return model
+
+
+def prompt(n: int, n_vocab: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, n_vocab, (n,), generator=g).tolist()
+
+
+def forward_calls(model, ids: list[int], calls: list[int]) -> list[torch.Tensor]:
+    """The logits of each eager call of ``calls`` tokens, one after another into one cache."""
+    cache, out, at = model.new_cache(sum(calls) + 8), [], 0
+    for n in calls:
+        out.append(model.forward(ids[at: at + n], cache))
+        at += n
+    return out
+
+
+@cuda
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fraction", [1.0, 0.6, 0.1])
+def test_staged_calls_give_the_all_gpu_bits(synth_model, arch, fraction):
+    """Calls below the threshold (zero-copy), above it (staged) and below again into one cache:
+    every call's logits are the all-GPU store's, and the zero-copy store's at that residency."""
+    path = synth_model(arch, "Q4_K_M", skew=1.0)
+    calls = [40, 300, 20, 100]
+    ids = prompt(sum(calls), 2000)
+    want = forward_calls(gpu_model(path, 1.0, None), ids, calls)
+    zero_copy = forward_calls(gpu_model(path, fraction, None), ids, calls)
+    model = gpu_model(path, fraction, 64)
+    store = model.experts
+    assert (store.staging is None) == (fraction == 1.0)
+    got = forward_calls(model, ids, calls)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and all(torch.equal(a, b) for a, b in zip(zero_copy, want))
+    store.flush()
+    s = store.stats
+    if fraction < 1.0:
+        n_staged = len(store.staging.order)
+        assert s.staged_layers == 2 * n_staged  # the 300- and 100-token calls
+        assert s.staged_bytes == 2 * sum(store.staging.span_bytes(il) for il in store.staging.order)
+        assert s.zero_copy_reads > 0  # the 40- and 20-token calls
+    else:
+        assert s.staged_layers == s.staged_bytes == s.bytes_streamed == 0
+
+
+@cuda
+def test_a_vram_budget_allocates_the_planned_staging(synth_model):
+    """``--vram`` on the GPU: the store allocates the buffers the plan reserved, and describes them."""
+    path = synth_model("qwen35moe", "Q4_K_M", skew=1.0)
+    gguf, spec = opened(path)
+    full = plan_residency(spec, gguf.tensors, Budget(vram=2**40), MemoryTarget.gpu(spec, 512))
+    fixed = full.dense_bytes + full.kv_bytes + full.state_bytes + full.overhead_bytes \
+        + default_cache_slots(spec) * full.cache_slot_bytes
+    model = load_model(path, device="cuda", dtype=torch.bfloat16,
+                       store=StoreOptions(vram=fixed + full.hot_bytes * 3 // 4, ctx=512))
+    plan, store = model.residency, model.experts
+    assert plan.staging_bytes > 0 and store.staging is not None and store.staging.nbytes == plan.staging_bytes
+    d = store.describe()
+    assert d["staging_bytes"] == plan.staging_bytes and d["stage_tokens"] == StoreOptions().stage_tokens
