@@ -3,10 +3,11 @@
 # Q4_K_M GGUF (~20 GB), split it into a pack, verify, join back (byte-compared), and measure zstd
 # on a layer-cut copy; then run the forward and dequant tests on CUDA.
 #   usage (repo root, on the GPU machine, wheels from .whl/ carried): bash bench/gpu_session.sh [steps]
-# steps: any of synth split compress tests kernels calib store decode llama side presets serve long (default: synth split compress tests)
+# steps: any of synth split compress tests kernels calib store staged decode llama side presets serve long (default: synth split compress tests)
 # calib replays BENCH_CORPUS (default: corpora/) through the synthetic model on CUDA.
 # store: the expert store at partial residency (bench/store_bench.py) on a --skew reference model,
 #   calibrated on .device/corpus/bench_agent.jsonl, measured on .device/corpus/mt_bench_questions.jsonl.
+# staged: prefill at partial residency with staged calls off/on (bench/staged_prefill.py), the threshold's crossover.
 # decode: all-GPU decode (CUDA graph vs eager) and prefill speed (bench/decode_bench.py).
 # llama: llama.cpp's llama-bench on the same model (bench/llama_bench.sh; .device/llama.cpp carried).
 # side: issue 7's side-by-side in one call: llama.cpp builds (niced, in the background) while the
@@ -30,6 +31,14 @@ mkdir -p "$work"
 echo "== machine"; nproc; free -g | head -2; df -h "$work" /dev/shm | tail -2
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 model="$work/qwen36-q4km.gguf"
+ensure_model() {  # PATH ARCH PRESET: the Q4_K_M synthetic model with reference skew, unless PATH exists
+  [ -f "$1" ] || python3 -m sparkpack.repack.cli synth --arch "$2" --preset "$3" --quant Q4_K_M -j 16 --skew reference -o "$1" >/dev/null
+}
+ensure_profile() {  # MODEL PROFILE: calibrated on the agent corpus, unless PROFILE exists
+  # (not MODEL.profile.json: uniform runs must not pick it up)
+  [ -f "$2" ] || /usr/bin/time -f "calibrate: %e s, peak RSS %M KiB" python3 -m sparkpack.repack.cli calibrate "$1" \
+    --corpus .device/corpus/bench_agent.jsonl --device cuda --max-tokens "${CALIB_TOKENS:-8192}" -o "$2" --quiet
+}
 for step in $steps; do
   case "$step" in
     synth)
@@ -51,23 +60,35 @@ for step in $steps; do
       tail -15 "${OUT:-$work}/tests.log" ;;
     calib)
       echo "== calibration throughput (full-size synthetic model, CUDA)"
-      [ -f "$model" ] || python3 -m sparkpack.repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 16 --skew reference -o "$model" >/dev/null
+      ensure_model "$model" qwen35moe qwen3.6-35b-a3b
       /usr/bin/time -v python3 -m sparkpack.repack.cli calibrate "$model" --corpus "${BENCH_CORPUS:-corpora}" --device cuda \
         --max-tokens "${CALIB_TOKENS:-4096}" -o "$work/calib.profile.json" --quiet 2> "$work/calib.err" || { tail -5 "$work/calib.err"; exit 1; }
       grep -E "Elapsed|Maximum resident" "$work/calib.err" ;;
     store)
       echo "== expert store at partial residency (full-size model, skewed routing)"
-      [ -f "$model" ] || python3 -m sparkpack.repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 16 --skew reference -o "$model" >/dev/null
-      prof="$work/agent.profile.json"  # not MODEL.profile.json: uniform runs must not pick it up
-      [ -f "$prof" ] || /usr/bin/time -f "calibrate: %e s, peak RSS %M KiB" python3 -m sparkpack.repack.cli calibrate "$model" \
-        --corpus .device/corpus/bench_agent.jsonl --device cuda --max-tokens "${CALIB_TOKENS:-8192}" -o "$prof" --quiet
+      ensure_model "$model" qwen35moe qwen3.6-35b-a3b
+      prof="$work/agent.profile.json"
+      ensure_profile "$model" "$prof"
       python3 bench/store_bench.py "$model" --profile "$prof" --prompts .device/corpus/mt_bench_questions.jsonl \
         --tokens "${STORE_TOKENS:-48}" --json "${OUT:-$work}/store_bench.json" ${STORE_ARGS:-} ;;
+    staged)
+      # prefill at partial residency, staging off/on (bench/staged_prefill.py), calibrated placement;
+      # STAGED_PRESETS (default qwen35moe:qwen3.6-35b-a3b), STAGED_ARGS (default --hot-fraction 0.6 --all-gpu)
+      for preset in ${STAGED_PRESETS:-qwen35moe:qwen3.6-35b-a3b}; do
+        arch="${preset%%:*}" name="${preset#*:}"
+        m="$work/$name-q4km.gguf" p="$work/$name.agent.profile.json"
+        if [ "$name" = qwen3.6-35b-a3b ]; then m="$model" p="$work/agent.profile.json"; fi  # the store step's
+        echo "== staged prefill: $name"
+        ensure_model "$m" "$arch" "$name"
+        ensure_profile "$m" "$p"
+        python3 bench/staged_prefill.py "$m" --profile "$p" ${STAGED_ARGS:---hot-fraction 0.6 --all-gpu} \
+          --md "${OUT:-$work}/staged_prefill_$name.md" --json "${OUT:-$work}/staged_prefill_$name.json"
+      done ;;
     decode)
-      [ -f "$model" ] || python3 -m sparkpack.repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 16 --skew reference -o "$model" >/dev/null
+      ensure_model "$model" qwen35moe qwen3.6-35b-a3b
       python3 bench/decode_bench.py "$model" --json "${OUT:-$work}/decode_bench.json" ;;
     llama)
-      [ -f "$model" ] || python3 -m sparkpack.repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 16 --skew reference -o "$model" >/dev/null
+      ensure_model "$model" qwen35moe qwen3.6-35b-a3b
       bash bench/llama_bench.sh "$model" ;;
     side)
       echo "== side by side with llama.cpp (build in the background)"
@@ -115,10 +136,10 @@ for step in $steps; do
         rm -f "$m"
       done ;;
     serve)
-      [ -f "$model" ] || python3 -m sparkpack.repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 16 --skew reference -o "$model" >/dev/null
+      ensure_model "$model" qwen35moe qwen3.6-35b-a3b
       python3 bench/serve_bench.py "$model" --prompts .device/corpus/agent_prompts --out "${OUT:-$work}" ${SERVE_ARGS:-} ;;
     long)
-      [ -f "$model" ] || python3 -m sparkpack.repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 16 --skew reference -o "$model" >/dev/null
+      ensure_model "$model" qwen35moe qwen3.6-35b-a3b
       python3 bench/long_context.py "$model" --out "${OUT:-$work}" ${LONG_ARGS:-} ;;
     build)
       bash bench/llama_bench.sh --build-only ;;

@@ -91,8 +91,16 @@ class Session:
         self.short_calls = feeds_short_calls(model, self.cache)
         # Models whose prefill calls are captured take every prompt in captured calls: on the
         # GPU machine a 4096-token Qwen3-30B prompt went 1.7x faster in replayed 512-token
-        # calls than in eager 2048-token ones (docs/benchmarks-history.md, session 15).
-        self.call_tokens = min(prefill_chunk, PREFILL_GRAPH_TOKENS) if self.short_calls else prefill_chunk
+        # calls than in eager 2048-token ones (docs/benchmarks-history.md, session 15). Unless the expert
+        # store stages calls of prefill_chunk tokens (partial residency: runtime.expert_staging):
+        # a staged call copies every cold expert once, so short calls would copy them once per
+        # 512 tokens; long prompts then go in eager calls of prefill_chunk (a short prompt and a
+        # long one's last piece still take captured calls), which the --vram plan counts
+        # (formats.memory.MemoryTarget.staged_chunk). Those calls give the bits an all-GPU store
+        # gives for the same calls, not those of an all-GPU session's 512-token calls.
+        self.staged = model.experts.staged_prefill(prefill_chunk)
+        short = self.short_calls and not self.staged
+        self.call_tokens = min(prefill_chunk, PREFILL_GRAPH_TOKENS) if short else prefill_chunk
         recurrent = any(isinstance(la, RecurrentState) for la in self.cache.layers)
         self.checkpoints = StateCheckpoints(checkpoints) if recurrent else None
         self.fed: list[int] = []
@@ -109,9 +117,11 @@ class Session:
         prefilled at ~4000 tok/s against ~10000 warm (BENCHMARKS.md). Shapes: a full prefill
         chunk, another after it (attention over a past: with a q8_0 KV cache a one-shot 8192-token
         prompt ran at 4606 tok/s when only the first was warmed, BENCHMARKS.md) and a short one
-        (eager sessions; a count that is not a multiple of 16 is another kernel variant), or every padded call size (``PrefillGraphs``), then two decode
-        steps (capture, replay). The expert store's counts and cache admission forget the dummy
-        traffic; results never depend on any of it."""
+        (eager sessions, and sessions whose store stages long calls: their long calls compile and
+        stage here; a count that is not a multiple of 16 is another kernel variant), or every
+        padded call size (``PrefillGraphs``), then two decode steps (capture, replay). The expert
+        store's counts and cache admission forget the dummy traffic; results never depend on any
+        of it."""
         t0 = time.perf_counter()
         n_vocab = self.model.spec.n_vocab
         room = max(2, self.cache_ctx - 2)
@@ -121,6 +131,7 @@ class Session:
                 if size + 1 <= room:
                     self.reset()
                     self.feed(dummy[:size])
+        if self.prefill is not None and not self.staged:
             sizes = [min(room - 1, 37)]
         else:  # a whole chunk, a whole chunk after a past (the long-prompt attention variants), a short one
             chunk = self.prefill_chunk

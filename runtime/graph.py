@@ -127,7 +127,9 @@ def short_prefill_calls(device: torch.device | str, dtype: torch.dtype, spec: Mo
     attention over a bf16/f16 KV cache (``formats.memory.short_calls``). These are the calls
     ``PrefillGraphs`` pads and captures. It depends on nothing the expert store decides, so the
     ``--vram`` plan (``runtime.residency.memory_target``) knows before the store exists that no
-    prefill call's temporaries exceed a short call's."""
+    prefill call's temporaries exceed a short call's, except where the store stages long calls:
+    such a session feeds long prompts in longer calls (``runtime.generate.Session``), which the
+    plan counts where it reserves the staging buffers."""
     return (torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
             and short_calls(spec, kv_type))
 

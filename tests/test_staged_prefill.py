@@ -24,6 +24,7 @@ from sparkpack.runtime.expert_pools import layout_pool
 from sparkpack.runtime.expert_slots import NOT_RESIDENT
 from sparkpack.runtime.expert_staging import cold_spans, staged_row, staging_units
 from sparkpack.runtime.expert_store import ExpertStore, GGUFSource
+from sparkpack.runtime.generate import Session
 from sparkpack.runtime.models import StoreOptions, load_model
 
 DEVICE = os.environ.get("SPARKPACK_TEST_DEVICE", "cpu")
@@ -133,6 +134,24 @@ def test_a_staged_call_through_the_fused_kernel_gives_the_same_bits(synth_model)
         assert torch.equal(run(store, 1), want[1])  # below the threshold: zero-copy
         store.end_step(1)
         assert store.stats.staged_layers == 2 and store.stats.zero_copy_reads > 0
+
+
+def test_a_session_over_a_staging_store_makes_long_calls(synth_model, monkeypatch):
+    """Where sessions would feed prompts in short captured calls (all-attention models on a GPU,
+    taken as given here), a store that stages calls of ``prefill_chunk`` tokens gets calls that
+    long instead; a store that does not (staging off, or a threshold above the chunk) keeps the
+    short ones. (Nothing is computed.)"""
+    from sparkpack.runtime import generate
+
+    monkeypatch.setattr(generate, "feeds_short_calls", lambda model, cache: True)
+    path = synth_model("laguna", "Q4_K_M", skew=1.0)
+    gguf, spec = opened(path)
+    model = load_model(gguf)
+    for stage_tokens, chunk, staged in ((1024, 2048, True), (None, 2048, False), (4096, 2048, False)):
+        model.experts = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot_mask(spec, 0.6),
+                                    mode="zerocopy", fused=True, stage_tokens=stage_tokens)
+        session = Session(model, prefill_chunk=chunk)
+        assert session.staged == staged and session.call_tokens == (chunk if staged else 512)
 
 
 # --- the plan ------------------------------------------------------------------------------
@@ -262,6 +281,34 @@ def test_staged_calls_give_the_all_gpu_bits(synth_model, arch, fraction):
         assert s.zero_copy_reads > 0  # the 40- and 20-token calls
     else:
         assert s.staged_layers == s.staged_bytes == s.bytes_streamed == 0
+
+
+@cuda
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_staged_session_feeds_long_prompts_in_long_calls(synth_model, arch):
+    """A session over a staging store takes long prompts in eager calls of ``prefill_chunk``
+    (the all-attention models too, which otherwise take captured 512-token calls); its prompt
+    logits are what an all-GPU store computes in those calls. Where a session over the
+    zero-copy store makes the same calls (qwen35moe), it gives the same logits and tokens."""
+    path = synth_model(arch, "Q4_K_M", skew=1.0)
+    chunk = 640
+    ids = prompt(2 * chunk, 2000, seed=1)
+    model = gpu_model(path, 0.6, 256, prefill_chunk=chunk, ctx=4 * chunk)
+    session = Session(model, prefill_chunk=chunk, ctx=4 * chunk)
+    assert session.staged and session.call_tokens == chunk
+    session.warm_up()
+    logits = session.feed(ids)
+    want = forward_calls(gpu_model(path, 1.0, None), ids, [chunk, chunk])[-1][-1]
+    assert torch.equal(logits, want)
+    model.experts.flush()
+    assert model.experts.stats.staged_layers == 2 * len(model.experts.staging.order)
+    tokens = list(session.decode(logits, 8, torch.argmax))
+    plain = gpu_model(path, 0.6, None, prefill_chunk=chunk, ctx=4 * chunk)
+    ref = Session(plain, prefill_chunk=chunk, ctx=4 * chunk)
+    assert not ref.staged and ref.call_tokens == (chunk if arch == "qwen35moe" else 512)
+    if arch == "qwen35moe":
+        ref_logits = ref.feed(ids)
+        assert torch.equal(ref_logits, logits) and list(ref.decode(ref_logits, 8, torch.argmax)) == tokens
 
 
 @cuda
