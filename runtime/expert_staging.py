@@ -81,7 +81,10 @@ class StagedPrefill:
     launched. ``serve`` makes sure this layer's copy was issued (the first staged layer of a call
     issues its own), issues the next staged layer's copy into the other buffer once the kernel
     that last read that buffer is done (``free``), and has the compute stream wait for this
-    layer's copy (``ready``). On the CPU the copies are plain copies and nothing waits."""
+    layer's copy (``ready``). On the CPU the copies are plain copies and nothing waits.
+
+    The spans are the host pool's layout at load: a re-placement that moves experts into or out
+    of the host pool builds a new one (and the plan sizes the buffers for the hot set it has)."""
 
     def __init__(self, host: torch.Tensor, layout: PoolLayout, layers: dict[int, ExpertLayer], min_tokens: int,
                  device: torch.device, copy_stream: "torch.cuda.Stream | None"):
@@ -91,8 +94,7 @@ class StagedPrefill:
         self.index = {il: i for i, il in enumerate(self.order)}
         size = staging_units(self.spans) * self.unit
         self.buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
-        self.pools: dict[int, list[ExpertPools]] = {il: [layers[il].with_host(b, self.unit) for b in self.buffers]
-                                                    for il in self.order}
+        self.layers = layers  # their device pool views are taken at each call (re-placement may rebind them)
         self.stream = copy_stream
         self.ready: list[torch.cuda.Event | None] = [None, None]  # buffer's last copy landed
         self.free: list[torch.cuda.Event | None] = [None, None]  # buffer's last reader finished
@@ -121,7 +123,7 @@ class StagedPrefill:
         b = i % 2
         if self.ready[b] is not None:
             torch.cuda.current_stream(self.buffers[b].device).wait_event(self.ready[b])
-        return self.pools[layer][b], staged_row(row, self.spans[layer].first)
+        return self.layers[layer].with_host(self.buffers[b], self.unit), staged_row(row, self.spans[layer].first)
 
     def done(self, layer: int) -> None:
         """The layer's kernel is launched: its buffer may be refilled once the kernel finishes."""
