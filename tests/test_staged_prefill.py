@@ -4,7 +4,7 @@ staging buffers (and the longer calls staging makes) inside a ``--vram`` budget,
 allocates what it reserved.
 
 On the CPU: the spans, the table remap, the staged bytes, one staged call through the fused
-kernel (interpreted) and the planner. On the GPU machine (``SPARKPACK_TEST_DEVICE=cuda``): whole
+kernel (interpreted in CI, compiled with ``SPARKPACK_TEST_DEVICE=cuda``) and the planner. On the GPU machine (``SPARKPACK_TEST_DEVICE=cuda``): whole
 models at 100/60/10% residency, calls below and above the threshold, and sessions that feed
 long prompts in staged calls; skipped elsewhere."""
 from __future__ import annotations
@@ -80,8 +80,8 @@ def test_staged_bytes_are_the_bytes_each_expert_has_on_the_device(synth_model, a
     bytes in an all-hot store's device pool; consecutive staged layers take turns in the two
     buffers, and hot or cached experts keep their device slots."""
     gguf, spec = opened(synth_model(arch, "Q4_K_M", skew=1.0))
-    ref = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot_mask(spec, 1.0), fused=True)
-    store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot_mask(spec, fraction), cache_slots=2,
+    ref = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, torch.float32, hot_mask(spec, 1.0), fused=True)
+    store = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, torch.float32, hot_mask(spec, fraction), cache_slots=2,
                         mode="zerocopy", fused=True, stage_tokens=8)
     staging = store.staging
     assert staging is not None and staging.order == list(spec.moe_layers)
@@ -112,19 +112,19 @@ def test_a_staged_call_through_the_fused_kernel_gives_the_same_bits(synth_model)
     gguf, spec = opened(synth_model("qwen35moe", "Q4_K_M", skew=1.0))
     layers = list(spec.moe_layers)[:2]
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, spec.n_embd, generator=g)
-    ids = torch.stack([torch.randperm(spec.n_expert, generator=g)[: spec.n_expert_used] for _ in range(2)])
-    w = torch.rand(2, spec.n_expert_used, generator=g)
+    x = torch.randn(2, spec.n_embd, generator=g).to(DEVICE)
+    ids = torch.stack([torch.randperm(spec.n_expert, generator=g)[: spec.n_expert_used] for _ in range(2)]).to(DEVICE)
+    w = torch.rand(2, spec.n_expert_used, generator=g).to(DEVICE)
 
     def run(store: ExpertStore, n: int) -> torch.Tensor:
         return torch.stack([store.moe(il, x[:n], w[:n], ids[:n]) for il in layers])
 
-    ref = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot_mask(spec, 1.0), mode="zerocopy",
+    ref = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, torch.float32, hot_mask(spec, 1.0), mode="zerocopy",
                       fused=True, stage_tokens=2)
     assert ref.staging is None  # nothing cold: nothing to stage
     want = {n: run(ref, n) for n in (2, 1)}
     for fraction in (0.6, 0.1):
-        store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot_mask(spec, fraction),
+        store = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, torch.float32, hot_mask(spec, fraction),
                             mode="zerocopy", fused=True, stage_tokens=2)
         assert torch.equal(run(store, 2), want[2])
         store.end_step(2)
