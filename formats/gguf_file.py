@@ -58,6 +58,7 @@ class GGUFModel:
         try:
             with open(self.path, "rb") as f:
                 self._map: mmap.mmap | None = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._file = open(self.path, "rb", buffering=0)  # for ``read_into`` (threads share it)
         except (OSError, ValueError) as e:
             raise SparkpackError(self.path, f"cannot map the file ({_short(e)})") from None
         self._data = np.frombuffer(self._map, dtype=np.uint8)
@@ -139,11 +140,36 @@ class GGUFModel:
             raise FormatError(self.path, f"byte range {offset}+{nbytes} outside the file")
         return self._data[offset : offset + nbytes]
 
+    def read_into(self, offset: int, out: np.ndarray) -> None:
+        """Fill ``out`` (contiguous uint8) with the bytes at ``offset`` by reading the file, not
+        through the map. Why: pages touched through the map stay in the process's resident set
+        (file-backed) while it runs, so loading a model's experts through it shows the whole file
+        as resident memory; read into a buffer, they stay in the page cache only, and the
+        buffer (a device pool's staging, the pinned host pool) is the memory the process holds."""
+        n = out.nbytes
+        if offset < 0 or offset + n > self.file_size:
+            raise FormatError(self.path, f"byte range {offset}+{n} outside the file")
+        view = memoryview(out).cast("B")
+        done = 0
+        if self._file is None:
+            raise SparkpackError(self.path, "read after close")
+        try:
+            while done < n:
+                got = os.preadv(self._file.fileno(), [view[done:]], offset + done)
+                if got == 0:
+                    raise FormatError(self.path, f"file ends inside byte range {offset}+{n} (truncated while open?)")
+                done += got
+        except OSError as e:
+            raise SparkpackError(self.path, f"cannot read ({e.strerror or e})") from None
+
     def header_bytes(self) -> np.ndarray:
         """Everything before the tensor data: magic, metadata, tensor index (identifies the model)."""
         return self._data[: self.data_offset]
 
     def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
         mm, self._map = self._map, None
         self._data = None  # type: ignore[assignment]
         if mm is not None:

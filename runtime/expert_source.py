@@ -58,7 +58,7 @@ class GGUFSource:
     def read(self, layer: int, expert: int, out: np.ndarray) -> None:
         off = 0
         for s in expert_slices(self.gguf, self.spec, layer, expert):
-            out[off: off + s.nbytes] = self.gguf.bytes_at(s.offset, s.nbytes)
+            self.gguf.read_into(s.offset, out[off: off + s.nbytes])  # not through the map: see read_into
             off += s.nbytes
 
 
