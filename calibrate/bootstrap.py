@@ -108,8 +108,9 @@ def bootstrap(learner: DecayedRouting, replayer: Replayer, paths: Iterable[Path]
 
     ``stop`` (set from another thread: a request arriving, Ctrl-C) ends it after the conversation
     being replayed; a later call with ``skip=result.done`` goes on from there, so a server can
-    bootstrap in the background between requests. The replayer wraps the model's expert provider while it runs;
-    the wrapper is removed before returning, so a model used afterwards is the model as it was."""
+    bootstrap in the background between requests. The replayer's router runs a session of its
+    own and puts its routing tap in front of the model's expert provider only while it routes, so
+    nothing else may run the model meanwhile: between requests, not beside them."""
     result = BootstrapResult()
     skip = list(skip)
     stats: list[ReadStats] = []
@@ -126,14 +127,11 @@ def bootstrap(learner: DecayedRouting, replayer: Replayer, paths: Iterable[Path]
         if stop is not None and stop.is_set():
             raise _Stopped
 
-    replayer.model.experts = replayer.counter  # (again: an earlier bootstrap with this replayer unwrapped it)
     try:
         replayer.replay(_conversations(paths, stats), state, max_tokens=max_tokens, after_each=after_each,
                         skip=skip)
     except _Stopped:
         result.stopped = True
-    finally:
-        replayer.model.experts = replayer.counter.inner
     result.sessions, result.documents, result.tokens = state.conversations, state.documents, state.total_tokens
     result.stopped |= state.truncated
     result.done = skip + state.done

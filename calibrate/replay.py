@@ -1,11 +1,17 @@
-"""Replay rendered conversations through the model and count which experts the router picks.
+"""Replay rendered conversations through a model and count which experts the router picks.
 
-Counting happens where routing decisions pass: every MoE layer asks its expert provider for
-``moe(layer, x, weights, ids)`` (the contract ``runtime.experts.ExpertProvider``), so wrapping the
-model's provider is enough; the model code knows nothing about calibration. Counts accumulate on the
-model's device and are copied out once per conversation, so they cost no per-layer sync.
+The model sits behind ``Router``: a window of token ids and their sides in, per-side routing
+counts out. The runtime implements it (``runtime.calibration.ModelRouter``: the prefill path
+spark-run uses for a prompt of the same tokens), so this package needs neither torch nor the
+runtime.
 
-Each conversation starts from a fresh cache (it is an independent request), so its counts do not
+What is counted: every token of a conversation once, on its side (prompt, or generated for the
+tokens of assistant turns: ``calibrate.render``). A conversation is one sequence, cut into windows
+of ``ctx`` tokens that start from a fresh state; a window is one pass, whatever its turns, so a
+multi-turn agent log is prefilled once and in the longest calls (a call per turn would cost a
+call's fixed price per turn: most of a prefill call's time on the GPU's eager paths).
+
+Each conversation starts from a fresh state (it is an independent request), so its counts do not
 depend on what was replayed before it. That is what makes ``--resume`` exact: skipping the
 conversations a checkpoint already counted and adding the rest gives the uninterrupted totals.
 """
@@ -17,7 +23,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
-import torch
+
+from sparkpack.formats.archs import ModelSpec
 
 from .conversation import Conversation
 from .render import ChatRenderer, Rendered, RenderError
@@ -25,66 +32,26 @@ from .render import ChatRenderer, Rendered, RenderError
 PROMPT, GENERATED = 0, 1
 
 
+class Router(Protocol):
+    """Something that routes token ids through a model and reports which experts each layer chose
+    for them (``runtime.calibration.ModelRouter``)."""
+
+    spec: ModelSpec
+
+    def route(self, ids: list[int], generated: np.ndarray) -> np.ndarray:
+        """Run ``ids`` as one sequence from a fresh state; the routings of its tokens, int64
+        ``[2, n_layer, n_expert]``: every token's top-k in every MoE layer, counted on its side
+        (``generated[t]``: GENERATED, else PROMPT)."""
+        ...
+
+    def take_trace(self) -> np.ndarray:
+        """The experts of every token of the last ``route``, ``[T, n_moe, k]`` (MoE layers in
+        order); only for a router opened to record them."""
+        ...
+
+
 class TraceSink(Protocol):
     def append(self, ids: np.ndarray, generated: np.ndarray) -> None: ...
-
-
-class RoutingCounter:
-    """An expert provider (``runtime.experts.ExpertProvider``) around another: counts routings per
-    (side, layer, expert), then hands every call to the provider it wraps."""
-
-    def __init__(self, inner: Any, n_layer: int, n_expert: int, moe_layers: list[int],
-                 device: torch.device | str = "cpu", record: bool = False):
-        self.inner = inner
-        self.n_layer, self.n_expert = n_layer, n_expert
-        self.moe_index = {il: j for j, il in enumerate(moe_layers)}
-        self.counts = torch.zeros(2 * n_layer * n_expert, dtype=torch.int64, device=device)
-        self.side: torch.Tensor | None = None  # int64 [T] of the chunk being run: PROMPT / GENERATED
-        self.record = record
-        self.chunk_ids: dict[int, torch.Tensor] = {}
-
-    @property
-    def capturable(self) -> bool:
-        return self.inner.capturable
-
-    def moe(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, q8: Any = None
-            ) -> torch.Tensor:
-        self.observe_routing(layer, ids)
-        return self.inner.moe(layer, x, weights, ids, q8)
-
-    def staged_prefill(self, n_tokens: int) -> bool:
-        return self.inner.staged_prefill(n_tokens)
-
-    def count_real_tokens(self, real: torch.Tensor | None) -> None:
-        self.inner.count_real_tokens(real)
-
-    def end_step(self, n_tokens: int, routed: bool | None = None, defer: bool = False) -> None:
-        self.inner.end_step(n_tokens, routed, defer)
-
-    def forget_traffic(self) -> None:
-        self.inner.forget_traffic()
-
-    def observe_routing(self, layer: int, ids: torch.Tensor) -> None:
-        """Count one MoE layer's routings ``ids [T, k]`` on the side each token is from."""
-        if self.side is None:
-            raise RuntimeError("RoutingCounter.side must be set before a forward pass")
-        side = self.side.to(ids.device)
-        flat = (side[:, None] * self.n_layer + layer) * self.n_expert + ids
-        self.counts.index_add_(0, flat.reshape(-1), torch.ones(flat.numel(), dtype=torch.int64,
-                                                                device=self.counts.device))
-        if self.record:
-            self.chunk_ids[layer] = ids.detach()
-
-    def totals(self) -> np.ndarray:
-        """Counts so far as int64 ``[2, n_layer, n_expert]`` (PROMPT, GENERATED)."""
-        return self.counts.view(2, self.n_layer, self.n_expert).cpu().numpy().copy()
-
-    def take_chunk(self) -> np.ndarray:
-        """The recorded ids of the last chunk as ``[T, n_moe, k]`` (MoE layers in order)."""
-        layers = sorted(self.chunk_ids, key=self.moe_index.__getitem__)
-        out = torch.stack([self.chunk_ids[il] for il in layers], dim=1).cpu().numpy()
-        self.chunk_ids = {}
-        return out
 
 
 @dataclass
@@ -128,36 +95,36 @@ class ReplayState:
                    split_windows=int(d["split_windows"]), skipped=Counter(d["skipped"]),
                    truncated=bool(d["truncated"]), trace_tokens=int(d["trace_tokens"]))
 
+    @classmethod
+    def empty(cls, spec: ModelSpec) -> "ReplayState":
+        return cls(counts=np.zeros((2, spec.n_layer, spec.n_expert), dtype=np.int64))
+
 
 class Replayer:
-    """Runs conversations through ``model`` in windows of ``ctx`` tokens and prefill chunks of ``chunk``."""
+    """Runs conversations through ``router`` in windows of ``ctx`` tokens."""
 
-    def __init__(self, model: Any, renderer: ChatRenderer, ctx: int, chunk: int, record: bool = False):
-        if ctx <= 0 or chunk <= 0:
-            raise ValueError("ctx and chunk must be positive")
-        spec = model.spec
-        self.model, self.renderer = model, renderer
-        self.ctx, self.chunk = ctx, chunk
-        self.counter = RoutingCounter(model.experts, spec.n_layer, spec.n_expert, spec.moe_layers,
-                                      model.device, record=record)
-        model.experts = self.counter
+    def __init__(self, router: Router, renderer: ChatRenderer, ctx: int):
+        if ctx <= 0:
+            raise ValueError("ctx must be positive")
+        self.router, self.renderer, self.ctx = router, renderer, ctx
+        spec = router.spec
+        self.shape = (2, spec.n_layer, spec.n_expert)
 
-    def run_one(self, r: Rendered, trace: TraceSink | None) -> int:
-        """Forward one rendered conversation; returns how many windows it took."""
-        ids = torch.tensor(r.ids, dtype=torch.long)
-        side = torch.as_tensor(r.generated.astype(np.int64))
+    def run_one(self, r: Rendered, trace: TraceSink | None,
+                on_tokens: Callable[[int], None] | None = None) -> tuple[np.ndarray, int]:
+        """Route one rendered conversation: its counts ``[2, n_layer, n_expert]`` and how many
+        windows it took."""
+        counts = np.zeros(self.shape, dtype=np.int64)
         windows = 0
         for w0 in range(0, len(r.ids), self.ctx):
             windows += 1
-            cache = self.model.new_cache()
-            w1 = min(w0 + self.ctx, len(r.ids))
-            for c0 in range(w0, w1, self.chunk):
-                c1 = min(c0 + self.chunk, w1)
-                self.counter.side = side[c0:c1].to(self.model.device)
-                self.model.forward(ids[c0:c1], cache)
-                if trace is not None:
-                    trace.append(self.counter.take_chunk(), r.generated[c0:c1])
-        return windows
+            w = slice(w0, min(w0 + self.ctx, len(r.ids)))
+            counts += self.router.route(r.ids[w], r.generated[w])
+            if trace is not None:
+                trace.append(self.router.take_trace(), r.generated[w])
+            if on_tokens is not None:
+                on_tokens(w.stop - w.start)
+        return counts, windows
 
     def render(self, conv: Conversation) -> Rendered | str:
         """The conversation's tokens, or why it cannot be replayed."""
@@ -194,7 +161,6 @@ class Replayer:
         is replaced, never modified in place, so a snapshot may share it.
         """
         skip = Counter(skip)
-        self.counter.counts.copy_(torch.from_numpy(state.counts.reshape(-1)))
         for conv in _budgeted(convs, state, max_tokens):
             if skip.get(conv.id, 0) > 0:
                 skip[conv.id] -= 1
@@ -207,12 +173,12 @@ class Replayer:
                 keep = max_tokens - state.total_tokens
                 r = Rendered(r.ids[:keep], r.generated[:keep], r.text)
                 state.truncated = True
-            windows = self.run_one(r, trace)
+            counts, windows = self.run_one(r, trace, on_tokens)
             state.split_windows += windows > 1
             n_gen = int(r.generated.sum())
             state.tokens[GENERATED] += n_gen
             state.tokens[PROMPT] += len(r.ids) - n_gen
-            state.counts = self.counter.totals()
+            state.counts = state.counts + counts
             state.done.append(conv.id)
             if conv.kind == "document":
                 state.documents += 1
@@ -220,12 +186,9 @@ class Replayer:
                 state.conversations += 1
             if trace is not None:
                 state.trace_tokens += len(r.ids)
-            if on_tokens is not None:
-                on_tokens(len(r.ids))
             if after_each is not None:
                 after_each(state)
         return state
-
 
     @staticmethod
     def _refuse(state: ReplayState, conv: Conversation, reason: str,

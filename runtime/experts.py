@@ -2,8 +2,8 @@
 
 A MoE block asks ``provider.moe(layer, x, weights, ids)``: "the routed experts' weighted outputs
 for these rows". Where the weights live (GPU hot set, host cache, disk) is the provider's
-business, so the tiered expert store (``runtime.expert_store``) and calibration's routing counter
-(``calibrate.replay``) are providers like the plain ones here; the model and the CUDA-graph code
+business, so the tiered expert store (``runtime.expert_store``) and calibration's routing tap
+(``runtime.calibration``) are providers like the plain ones here; the model and the CUDA-graph code
 (``runtime.graph``) call only the methods the contract names. The quantized GGUF bytes stay the
 source of truth: the plain providers below read one expert's byte ranges (``formats.experts``)
 and dequantize them on first use, keeping the result; ``max_bytes`` bounds how much stays
@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
 class ExpertProvider(Protocol):
     """Everything a model (``runtime.models``) and the graph code (``runtime.graph``) ask of the
-    experts. A Protocol, not a base class, so a provider outside the runtime (calibration's
-    counter wraps one) implements it without importing the runtime."""
+    experts. A Protocol, not a base class: a provider that wraps another (calibration's routing
+    tap) implements it without inheriting an implementation."""
 
     @property
     def capturable(self) -> bool:

@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 from sparkpack.calibrate.bootstrap import bootstrap, bootstrap_files, bootstrap_hint, find_agent_logs
+from sparkpack.calibrate.render import ChatRenderer
 from sparkpack.calibrate.replay import Replayer
 from sparkpack.formats.archs import model_spec
 from sparkpack.formats.decayed_routing import DecayedRouting
 from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.formats.profile import Profile, model_identity
-from sparkpack.repack.calibrate_cmd import load_for_replay
+from sparkpack.runtime.calibration import open_router
 from tests.test_calibrate import SHARED_CORPORA, invoke
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,17 +65,15 @@ def test_finds_the_session_logs_oldest_first(home, tmp_path):
 def fresh(model: Path, half_life: float) -> tuple[DecayedRouting, Replayer]:
     g = GGUFModel(model)
     learner = DecayedRouting(Profile.new(model_identity(g), model_spec(g)), half_life)
-    m, renderer = load_for_replay(g, "cpu")
-    return learner, Replayer(m, renderer, ctx=4096, chunk=512)
+    router = open_router(model, "cpu", ctx=4096, prefill_chunk=512)
+    return learner, Replayer(router, ChatRenderer(router.tokenizer, router.render_chat), ctx=4096)
 
 
 def test_bootstrap_learns_what_calibrate_counts(home, model, tmp_path):
     """With decay out of the picture (an enormous half-life) the learner holds exactly the counts
-    `repack calibrate` gets from the same session files; the model's provider is unwrapped after."""
+    `repack calibrate` gets from the same session files."""
     learner, replayer = fresh(model, 1e15)
-    provider = replayer.counter.inner
     res = bootstrap(learner, replayer, bootstrap_files("auto", home))
-    assert replayer.model.experts is provider
     assert res.sessions == 2 and res.files == 2 and not res.stopped
     assert res.tokens == learner.tokens_seen > 0
     assert "learned from 2 sessions" in res.summary()
@@ -124,7 +123,7 @@ def test_stop_and_resume_learn_what_one_run_learns(home, model):
     stop = threading.Event()
     stop.set()
     first = bootstrap(learner, replayer, files, stop=stop)
-    assert first.stopped and first.sessions == 1 and replayer.model.experts is replayer.counter.inner
+    assert first.stopped and first.sessions == 1
     rest = bootstrap(learner, replayer, files, skip=first.done)  # the replayer serves again
     assert rest.sessions == 1 and not rest.stopped and len(rest.done) == 2
     whole, r2 = fresh(model, 1e15)

@@ -19,7 +19,8 @@ from sparkpack.calibrate.readers import read_corpus
 from sparkpack.calibrate.trace import MAGIC, TraceWriter, read_trace
 from sparkpack.formats.archs import model_spec
 from sparkpack.formats.gguf_file import GGUFModel
-from sparkpack.repack.calibrate_cmd import calibrate_cmd, load_for_replay
+from sparkpack.repack.calibrate_cmd import calibrate_cmd
+from sparkpack.runtime.calibration import open_router
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_CORPORA = REPO / ".." / "shared" / "corpora"
@@ -54,6 +55,14 @@ def calibrate(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, cwd=REPO, env=env)
 
 
+def renderer_of(path: Path):
+    """The renderer calibrate uses for this model: its template and tokenizer."""
+    from sparkpack.calibrate.render import ChatRenderer
+
+    router = open_router(path, "cpu", ctx=512, prefill_chunk=512)
+    return ChatRenderer(router.tokenizer, router.render_chat)
+
+
 def invoke(*args: str) -> str:
     """In-process run (fast: torch is already imported); fails the test on any error."""
     res = CliRunner().invoke(calibrate_cmd, [*map(str, args), "--quiet"], catch_exceptions=False)
@@ -72,7 +81,7 @@ def test_rendering_uses_the_model_template(tiny_hf_gguf):
 
     hf_dir, path = tiny_hf_gguf("qwen3moe")
     gguf = GGUFModel(path)
-    _, renderer = load_for_replay(gguf, "cpu")
+    renderer = renderer_of(path)
     r = renderer.render(CHAT)
     assert r.text == render_chat(gguf.get("tokenizer.chat_template"), CHAT.messages, add_generation_prompt=False)
     hf_tok = AutoTokenizer.from_pretrained(hf_dir)
@@ -92,7 +101,7 @@ def test_rendering_uses_the_model_template(tiny_hf_gguf):
 
 def test_prompt_list_gets_generation_prompt_and_no_generated_side(tiny_hf_gguf):
     _, path = tiny_hf_gguf("qwen3moe")
-    _, renderer = load_for_replay(GGUFModel(path), "cpu")
+    renderer = renderer_of(path)
     r = renderer.render(Conversation(messages=[{"role": "user", "content": "hi"}], source="t"))
     assert r.text.endswith("<|im_start|>assistant\n")
     assert not r.generated.any()
@@ -109,14 +118,14 @@ def test_counts_equal_transformers_router_choices(tiny_hf_gguf, tmp_path):
     corpus.write_text(json.dumps({"messages": CHAT.messages}) + "\n"
                       + json.dumps({"prompt": "def main():\n    print('hello world')"}) + "\n")
     out = tmp_path / "p.json"
-    invoke(path, "--corpus", corpus, "-o", out, "--chunk", "7", "--ctx", "512")
+    invoke(path, "--corpus", corpus, "-o", out, "--prefill-chunk", "7", "--ctx", "512")
     prof = json.loads(out.read_text())
 
     hf = load_tiny_hf(hf_dir)
     chosen: list[torch.Tensor] = []
     hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: chosen.append(o[2]))
              for layer in hf.model.layers]
-    _, renderer = load_for_replay(GGUFModel(path), "cpu")
+    renderer = renderer_of(path)
     n_layer, n_expert = len(hf.model.layers), hf.config.num_experts
     ref = {"prompt": np.zeros((n_layer, n_expert)), "generated": np.zeros((n_layer, n_expert))}
     convs, _ = read_corpus(corpus)
@@ -144,10 +153,10 @@ def test_resume_gives_the_uninterrupted_profile_and_trace(synth_model, tmp_path)
     corpus = write_prompts(tmp_path / "c.jsonl", texts)  # "alpha beta" twice: skipped only once on resume
     whole, part = tmp_path / "whole.json", tmp_path / "part.json"
     out = invoke(model, "--corpus", corpus, "-o", whole, "--trace", tmp_path / "whole.trace", "--ctx", "9",
-                 "--chunk", "4")
+                 "--prefill-chunk", "4")
     assert "split into windows" in out  # the chats are longer than 9 tokens
 
-    common = ["--corpus", corpus, "-o", part, "--trace", tmp_path / "part.trace", "--ctx", "9", "--chunk", "4"]
+    common = ["--corpus", corpus, "-o", part, "--trace", tmp_path / "part.trace", "--ctx", "9", "--prefill-chunk", "4"]
     invoke(model, *common, "--stop-after", "3")
     assert not part.exists() and (tmp_path / "part.json.checkpoint.json").exists()
     invoke(model, *common, "--resume")
@@ -171,19 +180,20 @@ def test_refused_conversations_are_reported_and_not_recounted_on_resume(synth_mo
     from sparkpack.formats.errors import SparkpackError
     from sparkpack.runtime.chat_template import ChatTemplate
 
-    gguf = GGUFModel(synth_model("qwen3moe", skew="reference"))
+    path = synth_model("qwen3moe", skew="reference")
+    gguf = GGUFModel(path)
     convs = [Conversation(messages=[{"role": "user", "content": t}], source="t") for t in ("a b", "REFUSE", "c d")]
 
     def replayer() -> Replayer:
-        model, base = load_for_replay(gguf, "cpu")
-        tmpl = ChatTemplate.from_tokenizer(gguf.get("tokenizer.chat_template"), base.tokenizer)
+        router = open_router(path, "cpu", ctx=64, prefill_chunk=16)
+        tmpl = ChatTemplate.from_tokenizer(gguf.get("tokenizer.chat_template"), router.tokenizer)
 
         def render(messages, **kw):
             if messages and messages[0]["content"] == "REFUSE":
                 raise SparkpackError("tokenizer.chat_template", "template failed to render: no")
             return tmpl.render(messages, **kw)
 
-        return Replayer(model, ChatRenderer(base.tokenizer, render), ctx=64, chunk=16)
+        return Replayer(router, ChatRenderer(router.tokenizer, render), ctx=64)
 
     spec = model_spec(gguf)
     shape = (2, spec.n_layer, spec.n_expert)

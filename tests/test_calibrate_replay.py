@@ -1,13 +1,15 @@
 """Calibration's replay on the prefill path: the profile counts are the router's own choices, each
-token counted once on its side, whatever the call sizes, the residency or the prefix reuse.
+token counted once on its side, whatever the residency, the captured calls or the tracing.
 
-The reference here is the plain definition, written apart from the code it checks: every
+The reference is the plain definition, written apart from the code it checks (and checked
+against the replay that came before the prefill path, which it matched exactly): every
 conversation rendered as served, cut into windows of ``--ctx`` tokens, each window run through
-the model in one forward call on a fresh cache, and every token's top-k ids counted on its side.
+the model in one forward call on a fresh cache, every token's top-k counted on its side.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ from click.testing import CliRunner
 
 from sparkpack.calibrate.readers import read_corpus
 from sparkpack.calibrate.render import ChatRenderer
+from sparkpack.calibrate.trace import read_trace
 from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.repack.calibrate_cmd import calibrate_cmd
 from sparkpack.runtime.chat_template import ChatTemplate
@@ -36,65 +39,75 @@ def _one_thread():
         yield
 
 
-class RouterTap:
-    """An expert provider around the model's own: remembers each MoE layer's router choice of the
-    last call, then hands the call on."""
+@dataclass
+class Reference:
+    """Every token in replay order: its experts per MoE layer, sorted ``[T, n_moe, k]``, and its side."""
 
-    def __init__(self, inner):
-        self.inner = inner
-        self.ids: dict[int, torch.Tensor] = {}
+    ids: np.ndarray
+    generated: np.ndarray
 
-    @property
-    def capturable(self) -> bool:
-        return False
-
-    def moe(self, layer, x, weights, ids, q8=None):
-        self.ids[layer] = ids.clone()
-        return self.inner.moe(layer, x, weights, ids, q8)
-
-    def __getattr__(self, name):  # the rest of the contract, unchanged
-        return getattr(self.inner, name)
+    def counts(self, n_layer: int, n_expert: int, moe_layers: list[int]) -> np.ndarray:
+        out = np.zeros((2, n_layer, n_expert), dtype=np.int64)
+        for j, il in enumerate(moe_layers):
+            for side in (0, 1):
+                out[side, il] = np.bincount(self.ids[self.generated == side, j].ravel(), minlength=n_expert)
+        return out
 
 
-def reference_counts(model_path: Path, corpus: Path, ctx: int) -> tuple[np.ndarray, list[int]]:
-    """Counts ``[2 (prompt, generated), n_layer, n_expert]`` and tokens per side, by the definition."""
+def reference(model_path: Path, corpus: Path, ctx: int) -> Reference:
+    """The definition: one forward call per window on a fresh cache; each MoE layer's choice taken
+    where the model makes it (``route_logits``)."""
     gguf = GGUFModel(model_path)
     model = load_model(gguf)
     tok = GGUFTokenizer.from_metadata(gguf)
     renderer = ChatRenderer(tok, ChatTemplate.from_tokenizer(gguf.get("tokenizer.chat_template"), tok).render)
-    tap = RouterTap(model.experts)
-    model.experts = tap
-    spec = model.spec
-    counts = np.zeros((2, spec.n_layer, spec.n_expert), dtype=np.int64)
-    tokens = [0, 0]
-    convs, _ = read_corpus(corpus)
-    for conv in convs:
+    route, seen = model.route_logits, {}
+
+    def tapped(il: int, logits: torch.Tensor):
+        weights, ids = route(il, logits)
+        seen[il] = ids.sort(1).values
+        return weights, ids
+
+    model.route_logits = tapped
+    ids, gen = [], []
+    for conv in read_corpus(corpus)[0]:
         r = renderer.render(conv)
-        side = r.generated.astype(np.int64)
-        tokens[1] += int(side.sum())
-        tokens[0] += len(r.ids) - int(side.sum())
         for w0 in range(0, len(r.ids), ctx):
             w = slice(w0, min(w0 + ctx, len(r.ids)))
-            tap.ids.clear()
+            seen.clear()
             model.forward(r.ids[w], model.new_cache())
-            for il, ids in tap.ids.items():
-                np.add.at(counts, (side[w][:, None], il, ids.numpy()), 1)
-    return counts, tokens
+            ids.append(torch.stack([seen[il] for il in model.spec.moe_layers], 1).numpy())
+            gen.append(r.generated[w])
+    return Reference(np.concatenate(ids), np.concatenate(gen))
+
+
+def calibrate(*args) -> str:
+    res = CliRunner().invoke(calibrate_cmd, [*map(str, args), "--quiet"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+def profile_counts(path: Path) -> tuple[np.ndarray, list[int]]:
+    d = json.loads(path.read_text())
+    return (np.stack([np.array(d["counts"]["prompt"]), np.array(d["counts"]["generated"])]).astype(np.int64),
+            [d["tokens"]["prompt"], d["tokens"]["generated"]])
 
 
 @pytest.mark.parametrize("arch, ctx", [("qwen35moe", 4096), ("qwen35moe", 200), ("qwen3moe", 4096),
                                        ("laguna", 300)])
 def test_profile_counts_are_the_reference_counts(synth_model, tmp_path, arch, ctx):
     """The sample corpora (chats with assistant turns, agent sessions, documents; ``ctx`` 200 and
-    300 cut the longer ones into windows): the profile holds exactly the reference's counts."""
+    300 cut the longer ones into windows): the profile holds exactly the reference's counts and
+    tokens, with or without a trace, and the trace holds every token's reference experts."""
     model = synth_model(arch, skew="reference")
-    out = tmp_path / "p.json"
-    res = CliRunner().invoke(calibrate_cmd, [str(model), "--corpus", str(CORPORA), "-o", str(out), "--ctx", str(ctx),
-                                             "--quiet"], catch_exceptions=False)
-    assert res.exit_code == 0, res.output
-    prof = json.loads(out.read_text())
-    counts, tokens = reference_counts(model, CORPORA, ctx)
-    assert tokens[1] > 0 and counts[1].sum() > 0  # assistant turns are there, on the generated side
-    assert [prof["tokens"]["prompt"], prof["tokens"]["generated"]] == tokens
-    assert np.array_equal(np.array(prof["counts"]["prompt"]), counts[0])
-    assert np.array_equal(np.array(prof["counts"]["generated"]), counts[1])
+    spec = load_model(model).spec
+    calibrate(model, "--corpus", CORPORA, "-o", tmp_path / "p.json", "--ctx", ctx)
+    calibrate(model, "--corpus", CORPORA, "-o", tmp_path / "t.json", "--ctx", ctx, "--trace", tmp_path / "t.trace")
+    ref = reference(model, CORPORA, ctx)
+    assert ref.generated.any()  # assistant turns are there, on the generated side
+    counts, tokens = profile_counts(tmp_path / "p.json")
+    assert tokens == [int((~ref.generated).sum()), int(ref.generated.sum())]
+    assert np.array_equal(counts, ref.counts(spec.n_layer, spec.n_expert, spec.moe_layers))
+    assert np.array_equal(profile_counts(tmp_path / "t.json")[0], counts)
+    trace = read_trace(tmp_path / "t.trace")
+    assert np.array_equal(trace.generated, ref.generated) and np.array_equal(np.sort(trace.ids, axis=2), ref.ids)
