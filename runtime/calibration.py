@@ -12,8 +12,8 @@ The counts come from ``RoutingTap``, a provider around the model's own that adds
 routings into a device tensor, on the side each row belongs to: a few small launches per layer,
 replayed inside the captured calls, read once per window. Counting per token keeps a window one
 pass in long calls whatever its turns (calls split at every turn would pay a call's fixed cost,
-most of an eager prefill call's time, per turn), and the store's own counts could not tell the
-sides apart within a call.
+a large part of an eager prefill call's time on the GPU, once per turn), and the store's own
+counts cannot tell the sides apart within a call.
 """
 from __future__ import annotations
 
@@ -71,7 +71,9 @@ class ModelRouter:
     def __init__(self, model: MoEModel, ctx: int, prefill_chunk: int, record: bool = False):
         self.model = model
         self.spec: ModelSpec = model.spec
-        self.session = Session(model, prefill_chunk=prefill_chunk, ctx=ctx)
+        # no state checkpoints: a window is never gone back into (each would hold ~66 MB of
+        # pinned host memory for a Qwen3.6 shape, copied after every call)
+        self.session = Session(model, prefill_chunk=prefill_chunk, ctx=ctx, checkpoints=0)
         rows = max(self.session.call_tokens, PREFILL_GRAPH_TOKENS)  # the most rows one call has (padded calls too)
         self.tap = RoutingTap(model.experts, model.spec, model.device, rows, record)
         self.tokenizer = GGUFTokenizer.from_metadata(model.gguf)
@@ -97,9 +99,9 @@ class ModelRouter:
             return self.session.warm_up()
 
     def route(self, ids: list[int], generated: np.ndarray) -> np.ndarray:
-        """``calibrate.replay.Router.route``. Each call is ``Session.prompt`` of the window so far:
-        the calls (and bits) of a fresh session's prompt of the whole window, one at a time so
-        that the tap knows each call's sides."""
+        """``calibrate.replay.Router.route``. The window goes in the calls a session makes for a
+        prompt of it (ending at multiples of its call size), one ``feed`` a call so that the tap
+        knows each call's sides (a lone token after them runs as a decode step)."""
         if not ids:
             raise ValueError("nothing to route")
         with self._tapped():
@@ -109,7 +111,7 @@ class ModelRouter:
             for a in range(0, len(ids), step):
                 b = min(len(ids), a + step)
                 self.tap.sides(generated[a:b])
-                self.session.prompt(ids[:b])  # keeps [0, a), computes [a, b) in one call
+                self.session.feed(ids[:b])  # an extension: computes [a, b) in one call
                 self.tap.keep(b - a)
             return self.tap.counts()
 

@@ -9,6 +9,9 @@ the model in one forward call on a fresh cache, every token's top-k counted on i
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +31,9 @@ from sparkpack.runtime.tokenizer import GGUFTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 CORPORA = REPO / "corpora"
+# CI runs these on the CPU; on the GPU machine SPARKPACK_TEST_DEVICE=cuda runs the residency and
+# capture checks on CUDA (the store's fused kernels, pinned host memory, captured calls).
+DEVICE = os.environ.get("SPARKPACK_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(autouse=True)
@@ -82,9 +88,10 @@ def reference(model_path: Path, corpus: Path, ctx: int) -> Reference:
 
 
 def calibrate(*args) -> str:
+    """The command in this process; returns what it wrote to stderr."""
     res = CliRunner().invoke(calibrate_cmd, [*map(str, args), "--quiet"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
-    return res.output
+    return res.stderr
 
 
 def profile_counts(path: Path) -> tuple[np.ndarray, list[int]]:
@@ -101,8 +108,9 @@ def test_profile_counts_are_the_reference_counts(synth_model, tmp_path, arch, ct
     tokens, with or without a trace, and the trace holds every token's reference experts."""
     model = synth_model(arch, skew="reference")
     spec = load_model(model).spec
-    calibrate(model, "--corpus", CORPORA, "-o", tmp_path / "p.json", "--ctx", ctx)
-    calibrate(model, "--corpus", CORPORA, "-o", tmp_path / "t.json", "--ctx", ctx, "--trace", tmp_path / "t.trace")
+    calibrate(model, "--corpus", CORPORA, "-o", tmp_path / "p.json", "--ctx", ctx, "--device", "cpu")
+    calibrate(model, "--corpus", CORPORA, "-o", tmp_path / "t.json", "--ctx", ctx, "--device", "cpu",
+              "--trace", tmp_path / "t.trace")
     ref = reference(model, CORPORA, ctx)
     assert ref.generated.any()  # assistant turns are there, on the generated side
     counts, tokens = profile_counts(tmp_path / "p.json")
@@ -111,3 +119,119 @@ def test_profile_counts_are_the_reference_counts(synth_model, tmp_path, arch, ct
     assert np.array_equal(profile_counts(tmp_path / "t.json")[0], counts)
     trace = read_trace(tmp_path / "t.trace")
     assert np.array_equal(trace.generated, ref.generated) and np.array_equal(np.sort(trace.ids, axis=2), ref.ids)
+
+
+def device_or_skip() -> str:
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return DEVICE
+
+
+def calibrate_in_child(*args) -> subprocess.CompletedProcess:
+    """The CLI in its own process (``--vram`` caps the process's GPU allocator: not in the test's)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "sparkpack.repack.cli", "calibrate", *map(str, args), "--quiet"],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+
+
+@pytest.mark.parametrize("arch, residencies", [
+    ("qwen35moe", (["--hot-fraction", "0.25"], ["--hot-fraction", "0.25", "--host-ram", "64KiB"])),
+    ("qwen3moe", (["--hot-fraction", "0.25"],)),
+])
+def test_the_store_at_any_residency_counts_what_all_device_counts(synth_model, tmp_path, monkeypatch, arch,
+                                                                  residencies):
+    """Cold experts in host memory (read zero-copy on a GPU) or on disk behind a 64 KiB cache: the
+    same counts as with every expert on the device. On CUDA also: the calls run eagerly instead of
+    replayed from CUDA graphs, a trace recorded inside the captured calls, and a --vram budget
+    (in a child process). Bits are the store's
+    promise for the same calls; padded (captured) and unpadded calls are not the same calls, so
+    the disk tier (no zero-copy, no padding) is checked on the DeltaNet model, whose calls are
+    never padded."""
+    device = device_or_skip()
+    model = synth_model(arch, "Q4_K_M", skew="reference")
+    corpus = CORPORA / "openai_chat.jsonl"
+
+    def counts(*opts: str, name: str, placed: str | None = None) -> np.ndarray:
+        err = calibrate(model, "--corpus", corpus, "-o", tmp_path / f"{name}.json", "--device", device, *opts)
+        if placed is not None:  # the store's line: what it holds where
+            assert placed in err, err
+        return profile_counts(tmp_path / f"{name}.json")[0]
+
+    whole = counts(name="whole")
+    assert whole.sum() > 0
+    for i, opts in enumerate(residencies):
+        where = "disk" if "--host-ram" in opts else "pinned"
+        assert np.array_equal(counts(*opts, name=f"r{i}", placed=f"cold experts in {where} memory"), whole), opts
+    if device == "cuda":
+        monkeypatch.setenv("SPARKPACK_CUDA_GRAPHS", "0")
+        assert np.array_equal(counts(name="eager"), whole)
+        monkeypatch.delenv("SPARKPACK_CUDA_GRAPHS")
+        assert np.array_equal(counts("--trace", tmp_path / "t.trace", name="traced"), whole)
+        trace = read_trace(tmp_path / "t.trace")  # recorded inside the captured calls
+        spec = load_model(model).spec
+        assert np.array_equal(Reference(np.sort(trace.ids, axis=2), trace.generated).counts(
+            spec.n_layer, spec.n_expert, spec.moe_layers), whole)
+        res = calibrate_in_child(model, "--corpus", corpus, "-o", tmp_path / "vram.json", "--device", "cuda",
+                                 "--vram", "1.5GiB", "--hot-fraction", "0.25")
+        assert res.returncode == 0, res.stderr
+        assert np.array_equal(profile_counts(tmp_path / "vram.json")[0], whole)
+
+
+PEAK_RSS = """
+import json, sys
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+import sparkpack.runtime.calibration  # torch and the runtime: what every run holds before the model
+from sparkpack.repack.cli import main
+base = status("VmRSS:")
+sys.argv = ["repack", *sys.argv[1:]]
+try:
+    main()
+finally:
+    print("RSS", json.dumps({"base": base, "peak": status("VmHWM:")}), file=sys.stderr)
+"""
+
+
+@pytest.mark.slow
+def test_peak_rss_through_the_store_is_well_under_the_model(tmp_path):
+    """A 412 MiB model calibrated on the CPU through the store with 10% of its experts hot and a
+    16 MiB host cache: the process's peak resident set grows by less than half the model over
+    what torch and the runtime take before it (/proc/self/status, the peak counts file-backed pages
+    too). Expert bytes are read into the pools, not through the file's map, whose touched pages
+    would stay resident: that way the same run grew by 538 MiB."""
+    from dataclasses import replace
+
+    from sparkpack.repack.synth import get_preset, write_synthetic
+
+    shape = replace(get_preset("qwen3moe", "tiny"), n_layer=8, n_head=(4,) * 8, n_expert=128, n_ff_exp=512)
+    model = write_synthetic(tmp_path / "m.gguf", "qwen3moe", shape, "Q8_0")
+    size = model.stat().st_size
+    assert size > 400 * 2**20
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-c", PEAK_RSS, "calibrate", str(model), "--corpus",
+                          str(CORPORA / "openai_chat.jsonl"), "-o", str(tmp_path / "p.json"), "--device", "cpu",
+                          "--hot-fraction", "0.1", "--host-ram", "16MiB", "--ctx", "1024", "--quiet"],
+                         capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert "cold experts in disk memory" in res.stderr
+    rss = json.loads(res.stderr.split("RSS ", 1)[1])
+    assert rss["peak"] - rss["base"] < size / 2, (rss, size)
+
+
+def test_the_calibrate_stage_needs_no_torch_and_the_runtime_never_reaches_back():
+    """calibrate/ imports only formats (its modules load without torch or the runtime); no
+    runtime module imports repack or calibrate: repack's calibrate command connects them."""
+    import ast
+
+    code = ("import pkgutil, importlib, sys, sparkpack.calibrate as c\n"
+            "for m in pkgutil.walk_packages(c.__path__, 'sparkpack.calibrate.'): importlib.import_module(m.name)\n"
+            "print(sorted(n for n in sys.modules if n == 'torch' or n.startswith(('sparkpack.runtime', 'sparkpack.repack'))))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
+    for path in (REPO / "runtime").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            assert not [n for n in names if n.startswith(("sparkpack.repack", "sparkpack.calibrate"))], path
