@@ -4,7 +4,8 @@
 # on a layer-cut copy; then run the forward and dequant tests on CUDA.
 #   usage (repo root, on the GPU machine, wheels from .whl/ carried): bash bench/gpu_session.sh [steps]
 # steps: any of synth split compress tests kernels calib store staged decode llama side presets serve long (default: synth split compress tests)
-# calib replays BENCH_CORPUS (default: corpora/) through the synthetic model on CUDA.
+# calib: bench/calibrate_speed.py on BENCH_CORPUS (default: corpora/): repack calibrate's tok/s and peak
+#   RSS all-GPU and at --vram 14GiB next to the all-GPU prefill of the same windows.
 # store: the expert store at partial residency (bench/store_bench.py) on a --skew reference model,
 #   calibrated on .device/corpus/bench_agent.jsonl, measured on .device/corpus/mt_bench_questions.jsonl.
 # staged: prefill at partial residency with staged calls off/on (bench/staged_prefill.py), the threshold's crossover.
@@ -61,9 +62,8 @@ for step in $steps; do
     calib)
       echo "== calibration throughput (full-size synthetic model, CUDA)"
       ensure_model "$model" qwen35moe qwen3.6-35b-a3b
-      /usr/bin/time -v python3 -m sparkpack.repack.cli calibrate "$model" --corpus "${BENCH_CORPUS:-corpora}" --device cuda \
-        --max-tokens "${CALIB_TOKENS:-4096}" -o "$work/calib.profile.json" --quiet 2> "$work/calib.err" || { tail -5 "$work/calib.err"; exit 1; }
-      grep -E "Elapsed|Maximum resident" "$work/calib.err" ;;
+      python3 bench/calibrate_speed.py --model "$model" --corpus "${BENCH_CORPUS:-corpora}" \
+        --max-tokens "${CALIB_TOKENS:-8192}" --md "${OUT:-$work}/calibrate_speed.md" ;;
     store)
       echo "== expert store at partial residency (full-size model, skewed routing)"
       ensure_model "$model" qwen35moe qwen3.6-35b-a3b
