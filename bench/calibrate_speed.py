@@ -32,8 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = {"all-GPU": 0.7, "vram": 0.5}
 
-# A child running a command in its own process, reporting the resident set it started from (torch
-# and the runtime imported) and its peak (/proc/self/status) on stderr.
+# A child running a repack command in its own process, reporting the resident set it started from
+# (torch and the runtime imported) and its peak (/proc/self/status) on stderr; the RSS test's too.
 PEAK_RSS = """
 import json, sys
 def status(key):

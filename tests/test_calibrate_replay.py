@@ -177,22 +177,6 @@ def test_the_store_at_any_residency_counts_what_all_device_counts(synth_model, t
         assert np.array_equal(profile_counts(tmp_path / "vram.json")[0], whole)
 
 
-PEAK_RSS = """
-import json, sys
-def status(key):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-import sparkpack.runtime.calibration  # torch and the runtime: what every run holds before the model
-from sparkpack.repack.cli import main
-base = status("VmRSS:")
-sys.argv = ["repack", *sys.argv[1:]]
-try:
-    main()
-finally:
-    print("RSS", json.dumps({"base": base, "peak": status("VmHWM:")}), file=sys.stderr)
-"""
-
-
 @pytest.mark.slow
 def test_peak_rss_through_the_store_is_well_under_the_model(tmp_path):
     """A 412 MiB model calibrated on the CPU through the store with 10% of its experts hot and a
@@ -202,6 +186,7 @@ def test_peak_rss_through_the_store_is_well_under_the_model(tmp_path):
     would stay resident: that way the same run grew by 538 MiB."""
     from dataclasses import replace
 
+    from bench.calibrate_speed import PEAK_RSS
     from sparkpack.repack.synth import get_preset, write_synthetic
 
     shape = replace(get_preset("qwen3moe", "tiny"), n_layer=8, n_head=(4,) * 8, n_expert=128, n_ff_exp=512)
