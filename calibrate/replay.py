@@ -8,8 +8,8 @@ runtime.
 What is counted: every token of a conversation once, on its side (prompt, or generated for the
 tokens of assistant turns: ``calibrate.render``). A conversation is one sequence, cut into windows
 of ``ctx`` tokens that start from a fresh state; a window is one pass, whatever its turns, so a
-multi-turn agent log is prefilled once and in the longest calls (a call per turn would cost a
-call's fixed price per turn: most of a prefill call's time on the GPU's eager paths).
+multi-turn agent log is prefilled once and in the longest calls (a call per turn would pay a
+call's fixed cost per turn, a large part of a prefill call's time on the GPU's eager paths).
 
 Each conversation starts from a fresh state (it is an independent request), so its counts do not
 depend on what was replayed before it. That is what makes ``--resume`` exact: skipping the

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -22,6 +24,13 @@ from sparkpack.formats.profile import default_profile_path
 from sparkpack.formats.units import SizeParam
 
 from .outputs import check_output, reported_as
+
+if TYPE_CHECKING:
+    from sparkpack.calibrate.job import CalibrationJob
+    from sparkpack.formats.archs import ModelSpec
+    from sparkpack.formats.gguf_file import GGUFModel
+    from sparkpack.formats.profile import ModelIdentity
+    from sparkpack.runtime.calibration import ModelRouter
 
 
 @click.command("calibrate")
@@ -78,7 +87,7 @@ def calibrate_cmd(model_path: Path, corpus: Path | None, output: Path | None, ma
     spec = model_spec(gguf)
     identity = model_identity(gguf)
 
-    def router(record: bool):
+    def router(record: bool) -> "ModelRouter":
         """The model, opened to route (the one place the runtime is reached)."""
         from sparkpack.runtime.calibration import open_router
 
@@ -105,7 +114,8 @@ def calibrate_cmd(model_path: Path, corpus: Path | None, output: Path | None, ma
     run_calibrate(job, spec, identity, lambda: router(trace_path is not None), merge, force, decay, quiet)
 
 
-def run_calibrate(job, spec, identity, open_router, merge: bool, force: bool, decay: float, quiet: bool) -> None:
+def run_calibrate(job: "CalibrationJob", spec: "ModelSpec", identity: "ModelIdentity", connect: Callable[[], "ModelRouter"],
+                  merge: bool, force: bool, decay: float, quiet: bool) -> None:
     from sparkpack.calibrate.evaluate import top_share
     from sparkpack.calibrate.job import calibrate
     from sparkpack.calibrate.render import ChatRenderer
@@ -122,7 +132,7 @@ def run_calibrate(job, spec, identity, open_router, merge: bool, force: bool, de
     check_output(job.output, force or merge, "use --merge to add this corpus to it, or --force to replace it")
     if job.trace_path is not None:
         check_output(job.trace_path, force or job.resume)
-    router = open_router()
+    router = connect()  # after every check: loading a model takes a while
 
     def save(prof: Profile) -> None:
         with reported_as(job.output):
@@ -152,8 +162,9 @@ def run_calibrate(job, spec, identity, open_router, merge: bool, force: bool, de
         click.echo(f"trace: {job.trace_path} ({state.trace_tokens} tokens)")
 
 
-def run_eval(gguf, spec, identity, eval_path: Path, profile_path: Path, ctx: int, open_router, slots: int,
-             as_json: bool, quiet: bool, strict: bool, max_tokens: int | None) -> None:
+def run_eval(gguf: "GGUFModel", spec: "ModelSpec", identity: "ModelIdentity", eval_path: Path, profile_path: Path,
+             ctx: int, connect: Callable[[], "ModelRouter"], slots: int, as_json: bool, quiet: bool, strict: bool,
+             max_tokens: int | None) -> None:
     import numpy as np
 
     from sparkpack.calibrate.evaluate import evaluate, format_table, rows_json
@@ -180,7 +191,7 @@ def run_eval(gguf, spec, identity, eval_path: Path, profile_path: Path, ctx: int
             ids, generated = ids[:max_tokens], generated[:max_tokens]
         source = "trace"
     else:
-        router = open_router()
+        router = connect()
         ids, generated = heldout_routings(router, ChatRenderer(router.tokenizer, router.render_chat), eval_path, ctx,
                                           _Bars(quiet), strict, max_tokens)
         source = "corpus"
