@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from sparkpack.formats.archs import ModelSpec
 from sparkpack.formats.errors import SparkpackError
 from sparkpack.formats.profile import ModelIdentity, Profile
 
@@ -23,7 +24,7 @@ from .evaluate import too_few_tokens
 from .readers import ReadStats, read_corpus
 from .render import ChatRenderer
 from .replay import GENERATED, PROMPT, Replayer, ReplayState, Router
-from .trace import TraceWriter
+from .trace import TraceWriter, is_trace, read_trace
 
 
 class Progress(Protocol):
@@ -174,6 +175,36 @@ class _Recorded:
         self.generated.append(generated)
 
 
+@dataclass
+class Heldout:
+    """Held-out traffic as ``--eval`` judges placements on it: every token's experts ``[T, n_moe,
+    k]`` and side ``[T]`` (True: generated), from a trace file or replayed from a corpus."""
+
+    ids: np.ndarray
+    generated: np.ndarray
+    source: str  # "trace" | "corpus"
+
+
+def heldout(path: Path, identity: ModelIdentity, spec: ModelSpec, replay: Callable[[], tuple[np.ndarray, np.ndarray]],
+            max_tokens: int | None = None) -> Heldout:
+    """``path`` as held-out traffic: a routing trace (recorded on this model) read as it is, any
+    other file or folder a corpus that ``replay`` routes (``heldout_routings``)."""
+    if not path.exists():
+        raise SparkpackError(path, "no such file or folder")
+    if path.is_file() and is_trace(path):
+        tr = read_trace(path)
+        if tr.meta.get("identity") != identity.to_json():
+            raise SparkpackError(path, "trace was recorded on another model")
+        if tr.moe_layers != spec.moe_layers or tr.n_expert != spec.n_expert:
+            raise SparkpackError(path, "trace does not match the model's MoE layers or expert count")
+        out = Heldout(tr.ids[:max_tokens], tr.generated[:max_tokens], "trace")
+    else:
+        out = Heldout(*replay(), "corpus")
+    if len(out.ids) == 0:
+        raise SparkpackError(path, "no tokens to evaluate on")
+    return out
+
+
 def heldout_routings(router: Router, renderer: ChatRenderer, corpus: Path, ctx: int, progress: Progress,
                      strict: bool = False, max_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Every token's experts ``[T, n_moe, k]`` and side ``[T]`` (True: generated) of a held-out
@@ -190,3 +221,12 @@ def heldout_routings(router: Router, renderer: ChatRenderer, corpus: Path, ctx: 
     if not sink.ids:
         return np.zeros((0, len(spec.moe_layers), spec.n_expert_used), np.int64), np.zeros(0, bool)
     return np.concatenate(sink.ids), np.concatenate(sink.generated)
+
+
+def profile_to_judge(path: Path, identity: ModelIdentity, spec: ModelSpec) -> Profile:
+    """The profile ``--eval`` judges: it must exist and be this model's."""
+    if not path.exists():
+        raise SparkpackError(path, "no such profile (give --profile, or calibrate first)")
+    prof = Profile.load(path)
+    prof.check_model(identity, spec, path)
+    return prof

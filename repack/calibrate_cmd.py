@@ -165,48 +165,29 @@ def run_calibrate(job: "CalibrationJob", spec: "ModelSpec", identity: "ModelIden
 def run_eval(gguf: "GGUFModel", spec: "ModelSpec", identity: "ModelIdentity", eval_path: Path, profile_path: Path,
              ctx: int, connect: Callable[[], "ModelRouter"], slots: int, as_json: bool, quiet: bool, strict: bool,
              max_tokens: int | None) -> None:
-    import numpy as np
-
     from sparkpack.calibrate.evaluate import evaluate, format_table, rows_json
-    from sparkpack.calibrate.job import heldout_routings
+    from sparkpack.calibrate.job import heldout, heldout_routings, profile_to_judge
     from sparkpack.calibrate.render import ChatRenderer
-    from sparkpack.calibrate.trace import is_trace, read_trace
     from sparkpack.formats.experts import expert_nbytes
-    from sparkpack.formats.profile import Profile
 
-    if not profile_path.exists():
-        raise SparkpackError(profile_path, "no such profile (give --profile, or calibrate first)")
-    prof = Profile.load(profile_path)
-    prof.check_model(identity, spec, profile_path)
-    if not eval_path.exists():
-        raise SparkpackError(eval_path, "no such file or folder")
-    if eval_path.is_file() and is_trace(eval_path):
-        tr = read_trace(eval_path)
-        if tr.meta.get("identity") != identity.to_json():
-            raise SparkpackError(eval_path, "trace was recorded on another model")
-        if tr.moe_layers != spec.moe_layers or tr.n_expert != spec.n_expert:
-            raise SparkpackError(eval_path, "trace does not match the model's MoE layers or expert count")
-        ids, generated = tr.ids, tr.generated
-        if max_tokens is not None:
-            ids, generated = ids[:max_tokens], generated[:max_tokens]
-        source = "trace"
-    else:
+    prof = profile_to_judge(profile_path, identity, spec)
+
+    def replay():
         router = connect()
-        ids, generated = heldout_routings(router, ChatRenderer(router.tokenizer, router.render_chat), eval_path, ctx,
-                                          _Bars(quiet), strict, max_tokens)
-        source = "corpus"
-    if len(ids) == 0:
-        raise SparkpackError(eval_path, "no tokens to evaluate on")
+        return heldout_routings(router, ChatRenderer(router.tokenizer, router.render_chat), eval_path, ctx,
+                                _Bars(quiet), strict, max_tokens)
+
+    held = heldout(eval_path, identity, spec, replay, max_tokens)
     nbytes = {il: expert_nbytes(gguf, spec, il) for il in spec.moe_layers}
-    rows = evaluate(np.asarray(ids), generated, spec.n_expert, spec.moe_layers, prof.counts, prof.tokens, nbytes,
+    rows = evaluate(held.ids, held.generated, spec.n_expert, spec.moe_layers, prof.counts, prof.tokens, nbytes,
                     slots=slots)
     if as_json:
         click.echo(json.dumps({"model": str(gguf.path), "profile": str(profile_path), "heldout": str(eval_path),
-                               "source": source, "tokens": int(len(ids)),
-                               "generated_tokens": int(np.asarray(generated).sum()), "cache_slots": slots,
+                               "source": held.source, "tokens": int(len(held.ids)),
+                               "generated_tokens": int(held.generated.sum()), "cache_slots": slots,
                                "rows": rows_json(rows)}, indent=2))
     else:
-        click.echo(format_table(rows, slots, len(ids)))
+        click.echo(format_table(rows, slots, len(held.ids)))
         click.echo("uniform: expectation over arbitrary sets of the same size per layer"
                    + (" (with LRU: one set drawn with a fixed seed)" if slots else "")
                    + "; profile: the hot set repack split picks for the same bytes")

@@ -42,9 +42,13 @@ DISCARD = 2  # the side of rows not to count: a padded call's padding, a warm-up
 def store_options(device: str, ctx: int, prefill_chunk: int, vram: int | None = None, host_ram: int | None = None,
                   hot_fraction: float | None = None) -> StoreOptions | None:
     """The expert store calibration asks for, by spark-run's rule: on a GPU, or on any device
-    when a store option is given (None: the plain provider). All of the option plumbing is here."""
+    when a store option is given (None: the plain provider). Without a budget on a GPU, 90% of
+    its free memory: calibration must run where the model does not fit, and a uniform placement
+    under that budget routes exactly as all-GPU. All of the option plumbing is here."""
     if device != "cuda" and (vram, host_ram, hot_fraction) == (None, None, None):
         return None
+    if device == "cuda" and vram is None and hot_fraction is None:
+        vram = int(torch.cuda.mem_get_info()[0] * 0.9)
     return StoreOptions(vram=vram, hot_fraction=hot_fraction, host_bytes=host_ram if host_ram is not None
                         else default_host_ram(), ctx=ctx, prefill_chunk=prefill_chunk)
 
