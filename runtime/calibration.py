@@ -21,6 +21,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -35,6 +36,9 @@ from .generate import Session
 from .models.base import MoEModel
 from .residency import StoreOptions
 from .tokenizer import GGUFTokenizer
+
+if TYPE_CHECKING:
+    from .kernels.q8dot import Int8Rows
 
 DISCARD = 2  # the side of rows not to count: a padded call's padding, a warm-up's dummy tokens
 
@@ -175,7 +179,8 @@ class RoutingTap(ExpertProvider):
     def capturable(self) -> bool:
         return self.inner.capturable  # nothing here leaves the device
 
-    def moe(self, layer, x, weights, ids, q8=None):
+    def moe(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+            q8: "Int8Rows | None" = None) -> torch.Tensor:
         T, k = ids.shape
         if T > self.rows:
             raise ValueError(f"a call of {T} tokens is longer than the {self.rows} the routing tap holds")
