@@ -220,3 +220,29 @@ def test_the_calibrate_stage_needs_no_torch_and_the_runtime_never_reaches_back()
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
             assert not [n for n in names if n.startswith(("sparkpack.repack", "sparkpack.calibrate"))], path
+
+
+def test_a_padded_call_counts_its_real_tokens_alone(synth_model):
+    """Calls padded to a captured size (run eagerly here, on the CPU: the calls a GPU session
+    replays from CUDA graphs): the padding rows are counted on no side, the real rows route as
+    in unpadded calls, and each counts on its side."""
+    from sparkpack.runtime.calibration import ModelRouter
+    from sparkpack.runtime.graph import PrefillGraphs
+    from sparkpack.runtime.models import StoreOptions
+
+    path = synth_model("qwen3moe", "Q4_K_M", skew=1.0)
+    opts = StoreOptions(hot_fraction=0.5, mode="zerocopy")
+    padded = ModelRouter(load_model(path, store=opts), ctx=128, prefill_chunk=16, record=True)
+    graphs = padded.session.prefill = PrefillGraphs(padded.model, padded.session.cache, capture=False)
+    sizes, call = [], graphs._call
+    graphs._call = lambda size: (sizes.append(size), call(size))[1]
+    plain = ModelRouter(load_model(path, store=opts), ctx=128, prefill_chunk=16, record=True)
+    ids = [3 + (7 * i) % 97 for i in range(41)]
+    generated = np.arange(41) % 5 == 0
+    got, want = padded.route(ids, generated), plain.route(ids, generated)
+    assert sizes == [16, 16, 16]  # the last 9 tokens padded to 16
+    spec = padded.spec
+    per_token = len(spec.moe_layers) * spec.n_expert_used
+    assert got[1].sum() == generated.sum() * per_token and got[0].sum() == (~generated).sum() * per_token
+    assert np.array_equal(got, want)
+    assert np.array_equal(np.sort(padded.take_trace(), 2), np.sort(plain.take_trace(), 2))
