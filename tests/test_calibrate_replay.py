@@ -246,3 +246,33 @@ def test_a_padded_call_counts_its_real_tokens_alone(synth_model):
     assert got[1].sum() == generated.sum() * per_token and got[0].sum() == (~generated).sum() * per_token
     assert np.array_equal(got, want)
     assert np.array_equal(np.sort(padded.take_trace(), 2), np.sort(plain.take_trace(), 2))
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen3moe"])
+def test_one_pass_over_the_turns_counts_what_replaying_each_turn_from_scratch_counts(synth_model, arch):
+    """An agent conversation of four turns (prompt, generated, prompt, generated) is one pass: its
+    cache (KV and DeltaNet state) carries each turn into the next. Replaying every turn from a
+    fresh state, prefix first, and keeping the turn's own routings (the difference from the
+    prefix alone) counts the same, each turn on its side. The turns end at call boundaries, so
+    both make the same calls."""
+    from sparkpack.runtime.calibration import ModelRouter
+    from sparkpack.runtime.models import StoreOptions
+
+    device = device_or_skip()
+    path = synth_model(arch, "Q4_K_M", skew=1.0)
+    model = load_model(path) if device == "cpu" else load_model(
+        path, device="cuda", dtype=torch.bfloat16, store=StoreOptions(hot_fraction=0.5, mode="zerocopy"))
+    router = ModelRouter(model, ctx=128, prefill_chunk=16)
+    ids = [3 + (11 * i) % 199 for i in range(64)]
+    generated = (np.arange(64) // 16) % 2 == 1
+    one_pass = router.route(ids, generated)
+    turns = np.zeros_like(one_pass)
+    before = np.zeros_like(one_pass)
+    for end in (16, 32, 48, 64):
+        upto = router.route(ids[:end], generated[:end])
+        turn = upto - before
+        side = int(generated[end - 1])
+        assert turn[1 - side].sum() == 0 and turn[side].sum() == 16 * len(model.spec.moe_layers) * model.spec.n_expert_used
+        turns += turn
+        before = upto
+    assert np.array_equal(turns, one_pass)
