@@ -1,5 +1,6 @@
 """Calibration's replay on the prefill path: the profile counts are the router's own choices, each
-token counted once on its side, whatever the residency, the captured calls or the tracing.
+token counted once on its side, whatever the residency, the padded or captured calls, the turns
+or the tracing; and through the store its peak RSS stays well under the model's size.
 
 The reference is the plain definition, written apart from the code it checks (and checked
 against the replay that came before the prefill path, which it matched exactly): every
