@@ -160,6 +160,33 @@ def plan_swaps(hot: np.ndarray, scores: np.ndarray, expert_nbytes: dict[int, int
     return Swaps(promote, demote, gain)
 
 
+def plan_swaps_in_place(hot: np.ndarray, scores: np.ndarray, slot_units: dict[int, int], margin: float = SWAP_MARGIN,
+                        max_promote: int | None = None) -> Swaps:
+    """``plan_swaps`` for a running store, whose device pool cannot be laid out again: an
+    expert is promoted only into the slot a demoted expert of the same slot size frees
+    (``slot_units``: MoE layer -> units one of its experts takes in the pool), so the pool, and
+    the byte budget it was planned for, stay exactly as they are. Experts of one size trade
+    places among themselves, across layers (Q4_K_M files hold two sizes: layers whose
+    ``ffn_down`` is Q6_K and the rest); the budget does not move between sizes.
+
+    ``promote[i]`` takes the slot of ``demote[i]``; the strongest moves of all sizes come first,
+    so a capped call (``max_promote``) makes the moves an uncapped one would start with."""
+    moves: list[tuple[float, tuple[int, int], tuple[int, int], float]] = []
+    for size in sorted(set(slot_units.values())):
+        layers = [il for il, u in slot_units.items() if u == size]
+        mine = np.zeros_like(hot, dtype=bool)
+        mine[layers] = np.asarray(hot, dtype=bool)[layers]
+        held = int(mine.sum()) * size
+        s = plan_swaps(mine, scores, {il: size for il in layers}, held, margin, max_promote)
+        # equal sizes and a full budget: every promotion took exactly one slot (plan_swaps)
+        assert len(s.promote) == len(s.demote)
+        for p, d in zip(s.promote, s.demote):
+            moves.append((-float(scores[p]) / size, p, d, float(scores[p] - scores[d])))
+    moves.sort()
+    moves = moves[:max_promote] if max_promote is not None else moves
+    return Swaps([p for _, p, _, _ in moves], [d for _, _, d, _ in moves], sum(g for *_, g in moves))
+
+
 def plan_uniform(shape: tuple[int, int], expert_nbytes: dict[int, int], budget: int) -> np.ndarray:
     """Without routing data: the same number of experts in every MoE layer (the first k)."""
     hot = np.zeros(shape, dtype=bool)
@@ -181,7 +208,7 @@ def cold_hit_rates(hot: np.ndarray, counts: dict[str, np.ndarray]) -> dict[str, 
 
 def make_plan(n_layer: int, n_expert: int, expert_nbytes: dict[int, int], budget: int,
               profile_counts: dict[str, np.ndarray] | None = None,
-              profile_tokens: dict[str, float] | None = None) -> Plan:
+              profile_tokens: dict[str, float] | None = None, gen_weight: float = GEN_WEIGHT) -> Plan:
     """The plan for ``budget`` bytes of hot experts; greedy when counts are given, else uniform."""
     shape = (n_layer, n_expert)
     budget = max(0, int(budget))
@@ -191,7 +218,7 @@ def make_plan(n_layer: int, n_expert: int, expert_nbytes: dict[int, int], budget
     else:
         tokens = profile_tokens or {}
         scores = expert_scores(profile_counts["prompt"], profile_counts["generated"],
-                               tokens.get("prompt", 0.0), tokens.get("generated", 0.0))
+                               tokens.get("prompt", 0.0), tokens.get("generated", 0.0), gen_weight)
         hot = plan_greedy(scores, expert_nbytes, budget)
         rates = cold_hit_rates(hot, profile_counts)
     hot_bytes = sum(int(hot[il].sum()) * nb for il, nb in expert_nbytes.items())
@@ -258,12 +285,14 @@ class ResidencyPlan:
 
 def plan_residency(spec: ModelSpec, tensors: dict, budget: Budget, target: MemoryTarget, *,
                    profile: Profile | None = None, profile_name: str | None = None,
-                   pack_hot: np.ndarray | None = None, where: object = None) -> ResidencyPlan:
+                   pack_hot: np.ndarray | None = None, where: object = None,
+                   gen_weight: float = GEN_WEIGHT) -> ResidencyPlan:
     """The hot set and cache slots for a model (``tensors``: its tensor index) run as ``target``.
     Precedence: ``budget.vram`` (size everything to fit; a budget that cannot hold the rest is
     one error naming what needs what), then ``budget.hot_fraction``, then the pack's own
     placement ``pack_hot``, then all hot (a GGUF with no budget runs all-GPU). Cache slots are
-    as many as asked but never more than there are cold experts, as the store allocates them."""
+    as many as asked but never more than there are cold experts, as the store allocates them.
+    ``gen_weight``: the weight of generated-side routings in a profile's scores (``expert_scores``)."""
     shape = (spec.n_layer, spec.n_expert)
     sizes = expert_slot_bytes(spec, tensors)
     slot = max(sizes.values(), default=0)
@@ -295,8 +324,8 @@ def plan_residency(spec: ModelSpec, tensors: dict, budget: Budget, target: Memor
                                         f"{fmt_size(runtime)} and {slots} cache slots {fmt_size(slots * slot)} need "
                                         f"{fmt_size(fixed)}")
         left = budget.vram - fixed
-        hot = make_plan(*shape, sizes, left, counts, tokens).hot
-        staged = _staged_plan(hot, lambda b: make_plan(*shape, sizes, b, counts, tokens).hot, left, sizes,
+        hot = make_plan(*shape, sizes, left, counts, tokens, gen_weight).hot
+        staged = _staged_plan(hot, lambda b: make_plan(*shape, sizes, b, counts, tokens, gen_weight).hot, left, sizes,
                               target.host_bytes,
                               runtime_bytes(spec, target.ctx, target.staged_chunk) - runtime if stages else None)
         if staged is not None:
@@ -305,7 +334,7 @@ def plan_residency(spec: ModelSpec, tensors: dict, budget: Budget, target: Memor
                     kv_bytes=kv, state_bytes=state, overhead_bytes=runtime, expert_budget=left)
     if budget.hot_fraction is not None:
         left = int(budget.hot_fraction * sum(sizes.values()) * spec.n_expert + 0.5)
-        plan = make_plan(*shape, sizes, left, counts, tokens)
+        plan = make_plan(*shape, sizes, left, counts, tokens, gen_weight)
         return done(plan.hot, f"--hot-fraction {budget.hot_fraction:g}, {what}", expert_budget=left)
     if pack_hot is not None:
         return done(np.asarray(pack_hot, dtype=bool), "the pack's placement")
