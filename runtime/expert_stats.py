@@ -6,13 +6,48 @@ learns from those counts between tokens. Reading them waits for the device, so a
 counts are copied into pinned memory behind it and read at the next ``end_step`` (a deferred
 snapshot), and a store whose experts are all hot (nothing can move) leaves them on the device
 until the caller asks (``ExpertStore.flush``). Reading ``stats`` never triggers either.
+
+Each call's counts also reach the store's ``observer`` (a live learner, ``runtime.learning``) as
+the store reads them, tagged with the side of the call's tokens (prompt or generated, which the
+session says through ``routing_side``): learning costs no device sync of its own.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
+
+
+class RoutingObserver(Protocol):
+    """Learns each forward call's routings as the store reads them."""
+
+    def observe(self, counts: np.ndarray, tokens: int, side: str) -> None:
+        """``counts [n_layer, n_expert]`` routings of ``tokens`` tokens of ``side`` ("prompt" or
+        "generated"). The array is the store's buffer: read it now, keep no reference."""
+        ...
+
+
+class RoutingRecorder(Protocol):
+    """Records which experts every token was routed to (``runtime.routing_trace``)."""
+
+    def record(self, layer: int, ids: torch.Tensor) -> None:
+        """A MoE layer's routing ``ids [T, k]`` (inside a captured graph too)."""
+        ...
+
+    def end_step(self, n_tokens: int, side: str, defer: bool) -> None:
+        """The call ended: its first ``n_tokens`` rows are tokens of ``side``; ``defer``: a
+        replayed call whose ids are read at the next ``end_step`` or ``flush``."""
+        ...
+
+    def flush(self) -> None:
+        """Write what a deferred call left."""
+        ...
+
+    def drop(self) -> None:
+        """Forget what is not written yet (a session's warm-up)."""
+        ...
 
 
 @dataclass
@@ -52,7 +87,7 @@ class RoutingCounts:
         self.step = torch.zeros(shape, dtype=torch.int32, device=device)
         self._host = torch.empty(shape, dtype=torch.int32, pin_memory=pin)
         self.pin = pin
-        self.pending: tuple[int, torch.cuda.Event | None] | None = None  # (tokens, copy done)
+        self.pending: tuple[int, str, torch.cuda.Event | None] | None = None  # (tokens, side, copy done)
         self.unread = 0  # tokens whose counts are still on the device only (all-hot stores)
 
     def read(self) -> np.ndarray:
@@ -61,27 +96,28 @@ class RoutingCounts:
         self.step.zero_()
         return counts
 
-    def snapshot(self, n_tokens: int) -> None:
-        """Queue this step's counts into pinned memory behind it, then zero them."""
+    def snapshot(self, n_tokens: int, side: str) -> None:
+        """Queue this step's counts (its tokens of ``side``) into pinned memory behind it, then
+        zero them."""
         self._host.copy_(self.step, non_blocking=self.pin)
         self.step.zero_()
         done = None
         if self.pin:
             done = torch.cuda.Event()
             done.record()
-        self.pending = (n_tokens, done)
+        self.pending = (n_tokens, side, done)
 
-    def take_pending(self) -> tuple[np.ndarray, int] | None:
-        """A deferred step's counts and tokens (its copy has long landed: the caller read the
+    def take_pending(self) -> tuple[np.ndarray, int, str] | None:
+        """A deferred step's counts, tokens and side (its copy has long landed: the caller read the
         step's logits). The next snapshot is queued only after the caller is done with them, so
         the pinned buffer is never rewritten while read."""
         if self.pending is None:
             return None
-        n_tokens, done = self.pending
+        n_tokens, side, done = self.pending
         self.pending = None
         if done is not None:
             done.synchronize()
-        return self._host.numpy(), n_tokens
+        return self._host.numpy(), n_tokens, side
 
     def drop(self) -> None:
         """Forget counts not learned yet (they belong to statistics being replaced)."""

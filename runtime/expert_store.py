@@ -33,7 +33,14 @@ A long eager call in zero-copy mode (``stage_tokens`` tokens or more: a prompt) 
 each layer's cold experts are copied from the host pool to a device buffer in one bulk copy that
 overlaps the previous layer's compute, and the kernel reads them there (``runtime.expert_staging``).
 The arithmetic never depends on where bytes were read from, so every mode and every residency
-gives bit-identical outputs (tests check it at 100/60/10% residency). The naive offload the
+gives bit-identical outputs (tests check it at 100/60/10% residency).
+
+Re-placement (``apply_swaps``, between requests): the hot set moves toward what a live learner
+(``runtime.learning``) says the traffic uses. A promoted expert is copied into the device slot of
+a demoted one of the same size, and the demoted expert's bytes go to the host-pool range the
+promoted one leaves, so both pools keep their size and layout; then the table rows change (the
+same table tensor: captured CUDA graphs stay valid). Each call's routing counts reach the learner
+as the store reads them (``observer``), tagged with the side the session set (``routing_side``). The naive offload the
 benchmarks compare against (blocking copies from the file) is ``bench/naive_store.py``.
 
 On a CPU device the same bookkeeping runs over CPU tensors (CI exercises the store that way) and
@@ -54,14 +61,15 @@ import torch
 from sparkpack.formats.archs import ModelSpec
 from sparkpack.formats.errors import SparkpackError
 from sparkpack.formats.memory import SLOT_ALIGN
-from sparkpack.formats.placement import ADMIT_MIN, FREQ_DECAY
+from sparkpack.formats.placement import ADMIT_MIN, FREQ_DECAY, Swaps
+from sparkpack.formats.profile import SIDES
 from sparkpack.formats.quants import KERNEL_QTYPES, quant_name
 
 from .expert_pools import ColdTier, DiskTier, HostPool, PoolLayout, fill_device_pool, layout_pool
 from .expert_slots import ExpertSlots
 from .expert_source import ExpertSource, GGUFSource, PackSourceExperts, Part
 from .expert_staging import StagedPrefill
-from .expert_stats import RoutingCounts, StoreStats
+from .expert_stats import RoutingCounts, RoutingObserver, RoutingRecorder, StoreStats
 from .expert_tables import ExpertLayer, KernelTables
 from .experts import ExpertProvider, routed_sum
 from .layers import swiglu
@@ -165,6 +173,14 @@ class ExpertStore(ExpertProvider):
         self._step_routed = False
         self._promoting: tuple[list[tuple[int, int, int]], torch.cuda.Event] | None = None
 
+        # Who else learns from the traffic (``runtime.learning``, ``runtime.routing_trace``),
+        # the side of the tokens being run, and the async mode's counts (read on the host there).
+        self.observer: RoutingObserver | None = None
+        self.recorder: RoutingRecorder | None = None
+        self.side = SIDES[0]
+        self._routed = np.zeros((spec.n_layer, self.n_expert), dtype=np.int64)
+        self._swap_staging: torch.Tensor | None = None
+
     def _expert_layers(self, want_fused: bool) -> dict[int, ExpertLayer]:
         """Each MoE layer's parts and whether the fused kernel reads them; one warning names the
         expert types it does not read."""
@@ -212,6 +228,16 @@ class ExpertStore(ExpertProvider):
             return False
         return not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
+    def routing_side(self, side: str) -> None:
+        """The calls from now on run tokens of ``side``. An all-hot store's counts of the other
+        side, still on the device, are read first (only when a learner needs them apart: the
+        session has just read a result of theirs, so the device is idle)."""
+        if side not in SIDES:
+            raise ValueError(f"side must be one of {SIDES}, got {side!r}")
+        if side != self.side and self.counts.unread and self.observer is not None:
+            self.flush()
+        self.side = side
+
     def moe(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             q8: "Int8Rows | None" = None, parts: bool = True) -> torch.Tensor:
         """The contract's ``moe`` (``runtime.experts.ExpertProvider``): where the fused kernel runs,
@@ -224,6 +250,8 @@ class ExpertStore(ExpertProvider):
         one-off table row. So the arithmetic, and the result, never depend on residency."""
         la = self.layers[layer]
         self._step_routed = True
+        if self.recorder is not None:
+            self.recorder.record(layer, ids)
         if self.mode == "zerocopy":
             if la.fused:  # the kernel counts the routings itself
                 if self.staging is not None and layer in self.staging.spans and self._stages(x.shape[0]):
@@ -328,6 +356,7 @@ class ExpertStore(ExpertProvider):
         before the layer computes. Returns the experts left in host memory (more misses
         than cache slots): the caller reads those from there."""
         chosen, counts = np.unique(ids.reshape(-1).cpu().numpy(), return_counts=True)  # the one sync
+        self._routed[layer, chosen] += counts
         st, slots = self._stats, self.slots
         st.tokens += ids.shape[0] if layer == self.moe_layers[0] else 0
         resident = slots.table[layer, chosen] >= 0
@@ -395,7 +424,12 @@ class ExpertStore(ExpertProvider):
         if not (self._step_routed if routed is None else routed):
             return
         self._step_routed = False
+        if self.recorder is not None:
+            self.recorder.end_step(n_tokens, self.side, defer)
         if self.mode != "zerocopy":
+            if self.observer is not None:
+                self.observer.observe(self._routed, n_tokens, self.side)
+            self._routed[:] = 0
             return
         if self.all_hot:
             self.counts.unread += n_tokens
@@ -403,15 +437,18 @@ class ExpertStore(ExpertProvider):
         self._learn_pending()
         staged, self._staged_call = self._staged_call, False
         if defer:
-            self.counts.snapshot(n_tokens)
+            self.counts.snapshot(n_tokens, self.side)
         else:
-            self._timed_learn(self.counts.read(), n_tokens, staged)
+            self._timed_learn(self.counts.read(), n_tokens, self.side, staged)
 
     def forget_traffic(self) -> None:
         """Drop what the store learned from the tokens so far (statistics, decayed routing counts
         for cache admission): a session's warm-up runs dummy tokens that must teach nothing."""
         self.reset_stats()  # counts not learned yet (on the device, or a deferred step's) go too
         self.slots.freq[:] = 0
+        self._routed[:] = 0
+        if self.recorder is not None:
+            self.recorder.drop()
 
     @property
     def stats(self) -> StoreStats:
@@ -423,8 +460,10 @@ class ExpertStore(ExpertProvider):
         store leaves on the device. Waits for the device."""
         if self.counts.unread:
             n, self.counts.unread = self.counts.unread, 0
-            self._timed_learn(self.counts.read(), n)
+            self._timed_learn(self.counts.read(), n, self.side)
         self._learn_pending()
+        if self.recorder is not None:
+            self.recorder.flush()
 
     def reset_stats(self) -> None:
         """Start counting afresh; counts not learned yet belong to the statistics replaced."""
@@ -436,7 +475,9 @@ class ExpertStore(ExpertProvider):
         if pending is not None:
             self._timed_learn(*pending)
 
-    def _timed_learn(self, counts: np.ndarray, n_tokens: int, staged: bool = False) -> None:
+    def _timed_learn(self, counts: np.ndarray, n_tokens: int, side: str, staged: bool = False) -> None:
+        if self.observer is not None:
+            self.observer.observe(counts, n_tokens, side)
         t0 = time.perf_counter()
         self._learn_step(counts, n_tokens, staged)
         self._stats.step_seconds += time.perf_counter() - t0
@@ -496,6 +537,89 @@ class ExpertStore(ExpertProvider):
         for il, e, slot in moves:
             self.slots.publish(il, e, slot)
         return True
+
+    # --- re-placement (between requests) ---------------------------------------------------
+
+    def apply_swaps(self, swaps: Swaps) -> int:
+        """Move the hot set: ``swaps.promote[i]`` (a cold expert) takes the device slot of
+        ``swaps.demote[i]`` (a hot one whose layer's experts take as many pool units:
+        ``formats.placement.plan_swaps_in_place``). Returns the bytes copied.
+
+        For between requests: whatever the device still runs is waited for on the copy stream,
+        the copies run there and are waited for, then the table rows change and are uploaded
+        behind them. The demoted experts' bytes go from the device to the host-pool ranges the
+        promoted experts leave (through a pinned staging buffer: the two ranges swap contents),
+        so every cold expert stays readable from host memory (zero-copy reads, cache copies)
+        and no pool changes size; with the disk tier they are read from the file again when
+        needed. Results never change: the kernels read the same bytes wherever they are."""
+        pairs = list(zip(swaps.promote, swaps.demote))
+        if len(swaps.promote) != len(swaps.demote):
+            raise ValueError("each promoted expert needs the slot of one demoted expert")
+        units = self.device_layout.units
+        for (pl, pe), (dl, de) in pairs:
+            if pl not in units or dl not in units or units[pl] != units[dl]:
+                raise ValueError(f"expert {pe} of layer {pl} does not fit the slot of expert {de} of layer {dl}")
+            if self.hot[pl, pe] or not self.hot[dl, de]:
+                raise ValueError(f"cannot promote expert {pe} of layer {pl} (hot: {bool(self.hot[pl, pe])}) over "
+                                 f"expert {de} of layer {dl} (hot: {bool(self.hot[dl, de])})")
+        if len({p for p, _ in pairs}) != len(pairs) or len({d for _, d in pairs}) != len(pairs):
+            raise ValueError("an expert appears twice in one set of swaps")
+        if not pairs:
+            return 0
+        self.flush()  # counts read so far were served by the hot set as it was
+        self._publish_promotions()
+        self.tables.wait_sent()
+        slots, U = self.slots, self.unit
+        for p, _ in pairs:  # a promoted expert held in a cache slot leaves it
+            if slots.slot_of[p] >= 0:
+                slots.evict(int(slots.slot_of[p]))
+        host = self.cold if isinstance(self.cold, HostPool) else None
+        at_dev = [int(self.device_layout.offset[d]) * U for _, d in pairs]
+        at_host = [int(host.layout.offset[p]) * U for p, _ in pairs] if host is not None else []
+        sizes = [(self.layers[p[0]].nbytes, self.layers[d[0]].nbytes) for p, d in pairs]
+        staging = self._staging(sum(nd for _, nd in sizes)) if host is not None else None
+        stream = self.copy_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        moved = 0
+        with _on(stream):
+            k = 0
+            for i, (p, _) in enumerate(pairs):
+                n_p, n_d = sizes[i]
+                if staging is not None:  # the demoted expert's bytes out first: its slot is overwritten next
+                    staging[k: k + n_d].copy_(self.pool[at_dev[i]: at_dev[i] + n_d], non_blocking=self.pin)
+                    src = host.tensor[at_host[i]: at_host[i] + n_p]
+                    k += n_d
+                else:
+                    src, read = self.cold.bytes(*p)
+                    self._stats.disk_reads += read
+                self.pool[at_dev[i]: at_dev[i] + n_p].copy_(src[:n_p], non_blocking=self.cold.pinned)
+                moved += n_p + (n_d if staging is not None else 0)
+        if stream is not None:
+            stream.synchronize()
+        if staging is not None:
+            k = 0
+            for i in range(len(pairs)):
+                n_d = sizes[i][1]
+                host.tensor[at_host[i]: at_host[i] + n_d].copy_(staging[k: k + n_d])
+                k += n_d
+        for i, (p, d) in enumerate(pairs):
+            if host is not None:
+                host.layout.offset[d], host.layout.offset[p] = host.layout.offset[p], -1
+            self.device_layout.offset[p], self.device_layout.offset[d] = self.device_layout.offset[d], -1
+            self.hot[p], self.hot[d] = True, False
+            slots.hot[p], slots.hot[d] = True, False
+            slots.table[p] = at_dev[i] // U
+            slots.table[d] = slots.cold_entry(*d)
+        self.tables.upload(track=True)
+        return moved
+
+    def _staging(self, nbytes: int) -> torch.Tensor:
+        """A (pinned) host buffer of at least ``nbytes`` for the demoted experts' bytes, kept for the
+        next re-placement (pinning memory costs milliseconds)."""
+        if self._swap_staging is None or self._swap_staging.numel() < nbytes:
+            self._swap_staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        return self._swap_staging
 
     # --- reporting ----------------------------------------------------------------------------
 

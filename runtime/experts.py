@@ -61,6 +61,12 @@ class ExpertProvider(Protocol):
         placement."""
         ...
 
+    def routing_side(self, side: str) -> None:
+        """The next calls run tokens of ``side``: "prompt" (what a request sends) or "generated"
+        (what the model writes). A provider that learns placement keeps the two apart
+        (``formats.profile``); ``runtime.generate.Session`` says which before each call."""
+        ...
+
     def end_step(self, n_tokens: int, routed: bool | None = None, defer: bool = False) -> None:
         """After a forward call of ``n_tokens`` tokens (``routed``: whether MoE layers ran, which a
         replayed graph cannot tell the provider; ``defer``: a replayed call, learn from it at the
@@ -91,6 +97,9 @@ class PlainProvider(ExpertProvider):
         return routed_sum(x, weights, ids, lambda e, rows: self.forward(layer, e, rows))
 
     def count_real_tokens(self, real: torch.Tensor | None) -> None:
+        pass
+
+    def routing_side(self, side: str) -> None:
         pass
 
     def end_step(self, n_tokens: int, routed: bool | None = None, defer: bool = False) -> None:

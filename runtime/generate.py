@@ -19,10 +19,13 @@ from typing import Protocol
 import torch
 
 from sparkpack.formats.memory import PREFILL_CHUNK, PREFILL_GRAPH_TOKENS
+from sparkpack.formats.profile import SIDES
 
 from .cache import STATE_CHECKPOINTS, RecurrentState, StateCheckpoints
 from .graph import PREFILL_SIZES, DecodeGraph, PrefillGraphs, capturable, feeds_short_calls, prefill_is_padded
 from .models.base import MoEModel
+
+PROMPT, GENERATED = SIDES  # the side of a call's tokens, for placement learning (ExpertProvider.routing_side)
 
 
 class TokenSampler(Protocol):
@@ -159,18 +162,19 @@ class Session:
         if self.checkpoints is not None:
             self.checkpoints.discard_after(0)
 
-    def feed(self, ids: list[int]) -> torch.Tensor:
+    def feed(self, ids: list[int], side: str = PROMPT) -> torch.Tensor:
         """Make the cache hold exactly ``ids`` and return the logits of the last one ``[n_vocab]``.
         An extension of the fed tokens computes only the new ones (a decode step, a chat turn);
-        anything else goes through ``prompt``."""
+        anything else goes through ``prompt``. ``side``: whose tokens the new ones are (the
+        expert store learns the two sides apart); a decode step feeds ``GENERATED``."""
         if not ids:
             raise ValueError("nothing to feed: empty token list")
         n = len(self.fed)
         if len(ids) > n and ids[:n] == self.fed:
-            return self._run(ids, n, graph=True)
-        return self.prompt(ids)
+            return self._run(ids, n, graph=True, side=side)
+        return self.prompt(ids, side)
 
-    def prompt(self, ids: list[int]) -> torch.Tensor:
+    def prompt(self, ids: list[int], side: str = PROMPT) -> torch.Tensor:
         """``feed`` for a new request: the logits are the bits of a fresh session's ``feed(ids)``.
         Keeps the longest prefix of the cache that a fresh session would have computed the same
         way (see the module docstring) and computes the rest; ``reused`` says how many tokens."""
@@ -188,7 +192,7 @@ class Session:
         self.exact = keep
         self.reused = keep
         # A fresh session's lone first token is a decode step (captured); any later call is not.
-        return self._run(ids, keep, graph=keep == 0)
+        return self._run(ids, keep, graph=keep == 0, side=side)
 
     def _restorable(self, limit: int) -> int:
         """The last position at most ``limit`` that ``prompt`` can go back to: a call boundary
@@ -198,8 +202,9 @@ class Session:
             return best
         return max((p for p in self.checkpoints.positions if p <= best), default=0)
 
-    def _run(self, ids: list[int], n: int, graph: bool) -> torch.Tensor:
-        """Feed ``ids[n:]`` after the ``n`` tokens in the cache; the logits of the last."""
+    def _run(self, ids: list[int], n: int, graph: bool, side: str) -> torch.Tensor:
+        """Feed ``ids[n:]`` (tokens of ``side``) after the ``n`` tokens in the cache; the logits of the last."""
+        self.model.experts.routing_side(side)
         t0 = time.perf_counter()
         logits = None
         capturing = False
@@ -253,6 +258,7 @@ class Session:
         cache does, so a later ``feed`` reuses or resets them as usual. The tokens and logits are
         the bits ``feed`` gives one token at a time (same captured step, same inputs)."""
         on_cuda = logits.is_cuda
+        self.model.experts.routing_side(GENERATED)  # the steps launched ahead below too
         host = torch.empty(1, dtype=torch.long, pin_memory=on_cuda)
         stream = torch.cuda.current_stream(logits.device) if on_cuda else None
         last = time.perf_counter()  # when the previous token was read (or a feed returned)
@@ -298,7 +304,7 @@ class Session:
             if i + 1 == n:
                 return
             if ahead is None:
-                logits = self.feed(self.fed + [tok])
+                logits = self.feed(self.fed + [tok], GENERATED)
                 last = time.perf_counter()
             else:
                 logits = ahead
@@ -339,4 +345,4 @@ def continue_tokens(session: Session, logits: torch.Tensor, sampler: TokenSample
         yield tok
         history.append(tok)
         if i + 1 < max_new_tokens:
-            logits = session.feed(history)
+            logits = session.feed(history, GENERATED)
