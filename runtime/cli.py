@@ -14,14 +14,18 @@
                                             APIs on 127.0.0.1:8080); prints the client settings
 
 On a GPU the experts live in the tiered store (hot set, cache slots, pinned host memory);
-a .sparkpack brings its placement, a .gguf uses MODEL.profile.json when present.
+a .sparkpack brings its placement, a .gguf uses MODEL.profile.json when present. With the
+store every run learns which experts its traffic uses into MODEL.profile.json (--no-learn:
+not), and a server moves the hot set toward them between requests.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,7 @@ from sparkpack.formats.errors import SparkpackError, Terminated, cli_entry
 from sparkpack.formats.memory import KV_BYTES_PER_VALUE, PREFILL_CHUNK
 from sparkpack.formats.units import SizeParam
 
+from .learn_flags import LearningFlags, learning_options
 from .options import (DEVICES, DTYPES, STREAM_MODES, RunOptions, SamplingOptions, open_model, open_session,
                       run_options)
 
@@ -181,6 +186,7 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
               help="With --serve: read the key from this file (keeps it out of the process list).")
 @click.option("--test-hooks", type=click.Path(file_okay=False, path_type=Path), hidden=True,
               help="Tests only: honour forced outputs in requests and dump each prompt's logits here.")
+@learning_options  # --no-learn --force --half-life --generated-weight --profile-save-every --bootstrap --trace-out
 def run_cmd(model_path: Path, prompt: str | None, prompt_file: Path | None, system: str | None, raw: bool,
             prompt_ids: str | None, prompt_ids_file: Path | None, logits_out: Path | None, serve: bool,
             host: str, port: int, api_key: str | None, api_key_file: Path | None, test_hooks: Path | None,
@@ -198,6 +204,7 @@ def run_cmd(model_path: Path, prompt: str | None, prompt_file: Path | None, syst
     if prompt_ids is not None and prompt is not None:
         raise SparkpackError(None, "give either -p/--prompt or --prompt-ids, not both")
     opts = run_options(model_path, **options)
+    opts.learning.check(serve)
     import torch
 
     if opts.threads is not None:  # here, in the main thread: the server loads and runs in others
@@ -212,7 +219,8 @@ def run_cmd(model_path: Path, prompt: str | None, prompt_file: Path | None, syst
         model = open_model(opts)
         if model.residency is not None:
             report_residency(model)
-        session = run_session(model, opts, prompt, system, raw, prompt_ids, logits_out)
+        with learning_run(model, opts.learning) as ready:
+            session = run_session(model, opts, prompt, system, raw, prompt_ids, logits_out, ready)
     except torch.cuda.OutOfMemoryError as e:
         if os.environ.get("SPARKPACK_DEBUG"):
             raise
@@ -238,12 +246,14 @@ def _from_file(value: str | None, path: Path | None, flag: str, file_flag: str) 
 
 
 def run_session(model, opts: RunOptions, prompt: str | None, system: str | None, raw: bool,
-                prompt_ids: str | None, logits_out: Path | None):
-    """The run itself; returns the generation session (for statistics) or None."""
+                prompt_ids: str | None, logits_out: Path | None, ready: Callable[[], None] = lambda: None):
+    """The run itself; returns the generation session (for statistics) or None. ``ready()`` is
+    called once the warm-up is done and the real tokens follow."""
     session = open_session(model, opts)
     sampler = one_shot_sampler(opts.sampling)
     if model.device.type == "cuda" and logits_out is None:  # kernels and graphs ready before the prompt
         click.echo(f"warmed up in {session.warm_up():.2f} s", err=True)
+    ready()
     if prompt_ids is not None:
         ids = parse_ids(prompt_ids, model.spec.n_vocab)
         if logits_out is not None:
@@ -270,6 +280,41 @@ def run_session(model, opts: RunOptions, prompt: str | None, system: str | None,
         return session
     chat(model, tok, chat_template(model, False), system, sampler, opts.max_tokens, session, opts.ctx)
     return session
+
+
+@contextlib.contextmanager
+def learning_run(model, flags: LearningFlags):
+    """A one-shot run (prompt, chat, logits) that learns: the trace is attached before any CUDA
+    graph is captured, the learner once the warm-up is over (the ``ready`` this yields); however
+    the run ends (normally, an error, Ctrl-C, SIGTERM) the profile is written and the trace sealed."""
+    from .learning import LiveLearning, start_learning
+    from .routing_trace import attach_trace
+
+    trace = attach_trace(model, flags.trace_out) if flags.trace_out is not None else None
+    learner: list[LiveLearning] = []
+    new = model.start_profile is not None and model.start_profile.file is not None \
+        and not model.start_profile.file.path.exists()
+
+    def ready() -> None:
+        if trace is not None:
+            trace.active = True
+        started = start_learning(model, flags.learn, flags.gen_weight)
+        if started is not None:
+            if model.start_profile.profile is not None:
+                started.replace_all()  # a pack's placement moves to where the profile says
+            learner.append(started)
+
+    try:
+        yield ready
+    finally:
+        for done in learner:
+            if not done.close():
+                click.echo(f"warning: could not write the profile {done.file.path}", err=True)
+            elif new:  # a file appears beside the model: say what it is, once
+                click.echo(f"learned placement saved to {done.file.path} (the next run places experts from it; "
+                           "--no-learn: not)", err=True)
+        if trace is not None:
+            click.echo(f"trace: {trace.close()} ({trace.tokens} tokens)", err=True)
 
 
 def report_residency(model) -> None:

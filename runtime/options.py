@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 from sparkpack.formats.errors import SparkpackError
 from sparkpack.formats.memory import PREFILL_CHUNK
 
+from .learn_flags import LearningFlags
+
 if TYPE_CHECKING:
     import torch
 
@@ -82,6 +84,7 @@ class RunOptions:
     max_tokens: int = 256
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     stats_json: Path | None = None
+    learning: LearningFlags = field(default_factory=LearningFlags)  # learn the placement, bootstrap, trace
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -92,7 +95,7 @@ class RunOptions:
     def placement_asked(self) -> bool:
         """Whether any of the store's own options was given."""
         return ((self.vram, self.hot_fraction, self.cache_slots, self.profile, self.host_ram) != (None,) * 5
-                or self.stream_mode != "auto")
+                or self.stream_mode != "auto" or self.learning.needs_store)
 
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingOptions))
@@ -144,7 +147,8 @@ def store_options(opts: RunOptions) -> StoreOptions | None:
 
     host = opts.host_ram if opts.host_ram is not None else default_host_ram()
     return StoreOptions(opts.vram, opts.hot_fraction, opts.cache_slots, opts.profile, opts.stream_mode, host,
-                        opts.ctx, kv_type=opts.kv_type, prefill_chunk=opts.prefill_chunk)
+                        opts.ctx, kv_type=opts.kv_type, prefill_chunk=opts.prefill_chunk,
+                        gen_weight=opts.learning.gen_weight, learn=opts.learning.learn)
 
 
 def default_host_ram() -> int | None:

@@ -1,8 +1,10 @@
-"""What the user asks of the expert store, and the memory target the runtime plans it for.
+"""What the user asks of the expert store, the profile it starts from, and the memory target the
+runtime plans it for.
 
 The plan itself is ``formats.placement.plan_residency``, the one ``repack split`` uses: here the
 runtime only says how it will hold the model (``memory_target``: its dtype, whether dense
-matrices stay GGUF bytes, the KV cache type and the prefill calls its sessions make).
+matrices stay GGUF bytes, the KV cache type and the prefill calls its sessions make) and which
+profile places the experts (``start_profile``).
 """
 from __future__ import annotations
 
@@ -14,8 +16,11 @@ import torch
 
 from sparkpack.formats.archs import ModelSpec
 from sparkpack.formats.memory import PREFILL_CHUNK, PREFILL_GRAPH_TOKENS, STAGE_TOKENS, MemoryTarget, staged_call_tokens
-from sparkpack.formats.placement import Budget
-from sparkpack.formats.profile import Profile, choose_profile, model_identity
+from sparkpack.formats.placement import GEN_WEIGHT, Budget
+from sparkpack.formats.profile import Profile, choose_profile, default_profile_path, model_identity
+from sparkpack.formats.profile_file import ProfileFile
+
+from .learning import LearnOptions
 
 
 @dataclass
@@ -34,19 +39,44 @@ class StoreOptions:
     # calls of at least this many tokens stage their cold experts in bulk (runtime.expert_staging);
     # None: never (every call reads them zero-copy)
     stage_tokens: int | None = STAGE_TOKENS
+    gen_weight: float = GEN_WEIGHT  # weight of generated-side routings when placing from a profile
+    learn: LearnOptions | None = None  # learn into the profile file (None: read it only)
 
     @property
     def budget(self) -> Budget:
         return Budget(self.vram, self.hot_fraction, self.cache_slots)
 
 
-def load_profile(path: Path | None, model_path: Path, identity, spec: ModelSpec) -> tuple[Profile | None, str | None]:
-    """An explicit profile (must match the model), else ``MODEL.profile.json`` when it exists and
-    matches, else none; a default that is there but does not match is named in one line."""
-    choice = choose_profile(path, model_path, identity, spec)
-    if choice.warning:
-        print(f"warning: {choice.warning}", file=sys.stderr)
-    return choice.profile, str(choice.path) if choice.path is not None else None
+@dataclass
+class StartProfile:
+    """The profile a run places its experts with: ``profile`` (None: uniform placement, there
+    are no counts yet), ``name`` its file for messages; with learning on, ``file`` is the profile
+    file the run learns into and ``loaded`` what it held (``Profile.new`` when it did not exist)."""
+
+    profile: Profile | None
+    name: str | None
+    file: ProfileFile | None = None
+    loaded: Profile | None = None
+
+
+def start_profile(opts: StoreOptions, model_path: Path, identity, spec: ModelSpec) -> StartProfile:
+    """Learning on: the profile file is ``--profile`` or ``MODEL.profile.json`` beside the model (or
+    the pack), loaded through ``ProfileFile``: a file that is not this model's profile stops the
+    run with one line and is never overwritten unless ``--force`` (``LearnOptions.force``); no
+    file means uniform placement and a new profile there. Learning off: an explicit profile
+    must load and match, the default is used when it matches and named in one line when not."""
+    if opts.learn is None:
+        choice = choose_profile(opts.profile, model_path, identity, spec)
+        if choice.warning:
+            print(f"warning: {choice.warning}", file=sys.stderr)
+        return StartProfile(choice.profile, str(choice.path) if choice.path is not None else None)
+    path = opts.profile if opts.profile is not None else default_profile_path(model_path)
+    file = ProfileFile(path, identity, spec, force=opts.learn.force, every_s=opts.learn.save_every_s)
+    for line in file.remove_stale_temps():
+        print(f"note: {line}", file=sys.stderr)
+    loaded = file.load()
+    learned = any(loaded.counts[s].any() for s in loaded.counts)
+    return StartProfile(loaded if learned else None, str(path) if learned else None, file, loaded)
 
 
 def identity_of(source) -> object:

@@ -38,7 +38,7 @@ def one_thread():
 
 class ServerProcess:
     def __init__(self, model: Path, *args: str, hooks: Path | None = None, api_key: str | None = API_KEY,
-                 device: str = "cpu"):
+                 device: str = "cpu", env: dict[str, str] | None = None):
         cmd = [sys.executable, "-m", "sparkpack.runtime.cli", str(model), "--serve", "--port", "0", "--device", device,
                "--temperature", "0", *args]
         if api_key is not None:
@@ -47,7 +47,8 @@ class ServerProcess:
             cmd += ["--test-hooks", str(hooks)]
         self.api_key = api_key
         self.hooks = hooks
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**ENV, **(env or {})})
         self.stdout: list[str] = []
         self.stderr: list[str] = []
         self._readers = [threading.Thread(target=self._drain, args=(s, out), daemon=True)

@@ -101,7 +101,8 @@ def test_generation_stops_at_the_end_of_the_context(synth_model, tmp_path):
 def test_threads_and_the_plan_line_of_an_all_hot_store(synth_model, tmp_path):
     stats = tmp_path / "s.json"
     res = run([*SPARK_RUN, str(synth_model("qwen3moe")), "--store", "-p", "hi", "--max-tokens", "2",
-               "--threads", "1", "--device", "cpu", "--stats-json", str(stats)])
+               "--threads", "1", "--device", "cpu", "--stats-json", str(stats),
+               "--no-learn"])  # (a model the session's tests share: no profile written beside it)
     assert res.returncode == 0, res.stderr
     assert json.loads(stats.read_text())["cpu_threads"] == 1
     line = next(ln for ln in res.stderr.splitlines() if ln.startswith("experts:"))

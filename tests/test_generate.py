@@ -213,7 +213,8 @@ def test_spark_run_on_the_gpu_gives_all_gpu_logits_at_partial_residency(synth_mo
     for frac in ("1.0", "0.3"):
         out = tmp_path / f"{frac}.npy"
         code, _, err = run_cli([str(gguf), "--device", "cuda", "--hot-fraction", frac, "--cache-slots", "4",
-                                "--prompt-ids", ids, "--logits-out", str(out)], monkeypatch, capsys)
+                                "--prompt-ids", ids, "--logits-out", str(out), "--no-learn"],  # (a shared model)
+                               monkeypatch, capsys)
         assert code == 0, err
         got.append(np.load(out))
     assert got[0].shape == (57, model_spec(GGUFModel(gguf)).n_vocab) and np.array_equal(got[0], got[1])
@@ -361,7 +362,8 @@ def test_kv_type_flag_reaches_the_cache_and_the_vram_plan(synth_model, qwen, tmp
     want = model.forward(ids, model.new_cache(kv_type="q8_0")).numpy()
     assert np.allclose(np.load(out), want, rtol=0, atol=1e-5) and not np.allclose(np.load(out), model.forward(ids).numpy())
     code, _, err = run_cli([str(qwen), "--prompt-ids", "4,5", "--max-tokens", "3", "--temperature", "0",
-                            "--kv-type", "q8_0", "--vram", "1GiB", "--ctx", "512"], monkeypatch, capsys)
+                            "--kv-type", "q8_0", "--vram", "1GiB", "--ctx", "512", "--no-learn"],  # (a shared model)
+                           monkeypatch, capsys)
     assert code == 0, err
     spec = model_spec(GGUFModel(qwen))
     q8 = load_model(qwen, store=StoreOptions(vram=2**30, ctx=512, kv_type="q8_0")).residency.kv_bytes

@@ -41,13 +41,14 @@ def test_readme_walkthrough_places_experts_by_the_calibration(tmp_path):
         res = run([*PROGRAMS[argv[0]], *argv[1:]], cwd=tmp_path, input="hello\n/exit\n" if chat else None)
         assert res.returncode == 0, (argv, res.stderr)
         shown[" ".join(argv[:2]) + (" chat" if chat else "")] = res
+        if argv[:2] == ["repack", "split"]:  # the profile split placed with (spark-run learns on into it)
+            prof = Profile.load(tmp_path / "model.profile.json")
 
     split = shown["repack split"].stderr
     assert "placement from profile model.profile.json (found beside the model)" in split
     # the pack's hot set is the one the profile gives under split's budget, not the uniform one
     gguf = GGUFModel(tmp_path / "model.gguf")
     spec = model_spec(gguf)
-    prof = Profile.load(tmp_path / "model.profile.json")
     budget, target = Budget(hot_fraction=0.5), MemoryTarget.gpu(spec, 4096)  # split's default
     want = plan_residency(spec, gguf.tensors, budget, target, profile=prof)
     uniform = plan_residency(spec, gguf.tensors, budget, target)
@@ -57,6 +58,8 @@ def test_readme_walkthrough_places_experts_by_the_calibration(tmp_path):
     # spark-run finds the profile beside the pack too: it reports the expected cold-hit rate
     run_line = shown["spark-run model.sparkpack"].stderr
     assert "the pack's placement" in run_line and "expected cold-hit rate" in run_line
+    learned = Profile.load(tmp_path / "model.profile.json")  # the runs learned on from the calibration
+    assert learned.decay is not None and learned.decay.tokens_seen > sum(prof.tokens.values())
     assert len(shown["spark-run model.sparkpack chat"].stdout.splitlines()) == 1  # one reply, then /exit
     assert "skew" in shown["repack inspect"].stdout and "this model" in shown["repack inspect"].stdout
     # calibrate's progress bar ended at its total
@@ -64,8 +67,9 @@ def test_readme_walkthrough_places_experts_by_the_calibration(tmp_path):
 
 
 def test_a_profile_of_another_model_is_named_not_dropped(synth_model, tmp_path):
-    """MODEL.profile.json beside MODEL but recorded on another model: split, spark-run and export
-    say so in one line and place experts without it."""
+    """MODEL.profile.json beside MODEL but recorded on another model: split, export and a
+    spark-run that does not learn say so in one line and place experts without it; a spark-run
+    that learns (the default) would write there, so it refuses in one line and leaves it be."""
     model = tmp_path / "model.gguf"
     os.link(synth_model("qwen3moe"), model)  # a private name: the profile beside it is this test's
     other = synth_model("qwen3moe", seed=1)
@@ -85,7 +89,14 @@ def test_a_profile_of_another_model_is_named_not_dropped(synth_model, tmp_path):
     assert len(warnings) == 1 and "model.profile.json" in warnings[0] and "another model" in warnings[0]
     assert "no profile: placing experts uniformly" in split.stderr
 
-    spark = run([*SPARK_RUN, str(model), "--hot-fraction", "0.5", "-p", "hi", "--max-tokens", "2", "--threads", "1", "--device", "cpu"])
+    before = (tmp_path / "model.profile.json").read_bytes()
+    spark_args = [*SPARK_RUN, str(model), "--hot-fraction", "0.5", "-p", "hi", "--max-tokens", "2", "--threads", "1",
+                  "--device", "cpu"]
+    spark = run(spark_args)
+    assert spark.returncode == 1 and len(spark.stderr.strip().splitlines()) == 1, spark.stderr
+    assert "another model" in spark.stderr and "--force" in spark.stderr
+    assert (tmp_path / "model.profile.json").read_bytes() == before
+    spark = run([*spark_args, "--no-learn"])
     assert spark.returncode == 0, spark.stderr
     warnings = [ln for ln in spark.stderr.splitlines() if ln.startswith("warning:")]
     assert len(warnings) == 1 and "another model" in warnings[0], spark.stderr

@@ -20,7 +20,8 @@ from sparkpack.runtime.tokenizer import GGUFTokenizer
 from tests.serve_proc import API_KEY, ENV, ServerProcess
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-ARGS = ["--hot-fraction", "0.5", "--cache-slots", "4", "--ctx", "1024", "--prefill-chunk", "64"]
+# --no-learn: the models are the session's shared ones, no profile is written beside them
+ARGS = ["--hot-fraction", "0.5", "--cache-slots", "4", "--ctx", "1024", "--prefill-chunk", "64", "--no-learn"]
 SYSTEM = "You are a coding agent. " * 20
 TURN1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Fix the failing test in utils.py."}]
 

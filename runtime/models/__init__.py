@@ -30,7 +30,8 @@ def load_model(path: str | os.PathLike[str] | GGUFModel, device: torch.device | 
     Without ``store`` experts are expanded on first use (``expert_cache_bytes`` bounds what stays
     expanded; None keeps all): the simple path, used on CPU. With ``store`` the tiered expert store
     holds them quantized (hot set, cache slots, host tier) as ``store`` asks; the plan is kept on
-    the model as ``model.residency``."""
+    the model as ``model.residency`` and the profile it was placed with (and, learning, the
+    profile file to learn into) as ``model.start_profile``."""
     from sparkpack.formats.sparkpack import Pack, is_pack
 
     pack = None
@@ -42,15 +43,19 @@ def load_model(path: str | os.PathLike[str] | GGUFModel, device: torch.device | 
     spec = model_spec(source)  # type: ignore[arg-type]
     cls = _model_class(source, spec)
     experts: ExpertProvider
-    residency = None
+    residency = start = None
     if store is not None:
-        experts, residency = open_store(source, pack, spec, device, dtype, store)
+        from ..residency import identity_of, start_profile
+
+        start = start_profile(store, Path(source.path), identity_of(source), spec)
+        experts, residency = open_store(source, pack, spec, device, dtype, store, start)
     elif pack is not None:
         experts = PackExperts(source, spec, device, dtype, max_bytes=expert_cache_bytes)  # type: ignore[arg-type]
     else:
         experts = GGUFExperts(source, spec, device, dtype, max_bytes=expert_cache_bytes)  # type: ignore[arg-type]
     model = cls(source, spec, device=device, dtype=dtype, experts=experts)  # type: ignore[arg-type]
     model.residency = residency
+    model.start_profile = start
     if store is not None:  # a budget must fail (or hold) at load, not in the middle of a reply
         from sparkpack.formats.experts import expert_tensor_names
 
@@ -60,31 +65,34 @@ def load_model(path: str | os.PathLike[str] | GGUFModel, device: torch.device | 
     return model
 
 
-def open_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOptions):
+def open_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOptions, start=None):
     """The tiered expert store and its residency plan for an opened model file (``pack`` the
     ``.sparkpack`` or None for a GGUF). Benchmarks use it to swap stores under one loaded model."""
     from ..expert_store import ExpertStore
 
-    experts_src, residency = plan_store(source, pack, spec, device, dtype, opts)
+    experts_src, residency = plan_store(source, pack, spec, device, dtype, opts, start)
     store = ExpertStore(experts_src, spec, device, dtype, residency.hot, residency.cache_slots, opts.mode,
                         opts.host_bytes, stage_tokens=opts.stage_tokens if residency.staging_bytes else None)
     return store, residency
 
 
-def plan_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOptions):
+def plan_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOptions, start=None):
     """Where an opened model file's experts come from and the residency plan ``opts`` asks for
     (what ``open_store`` builds its store from): ``formats.placement.plan_residency``, the plan
-    ``repack split`` makes, for this device and dtype."""
+    ``repack split`` makes, for this device and dtype, with the profile ``start``
+    (``runtime.residency.StartProfile``; None: the one ``opts`` names or finds)."""
     from sparkpack.formats.placement import plan_residency
 
     from ..expert_store import GGUFSource, PackSourceExperts
-    from ..residency import identity_of, load_profile, memory_target
+    from ..residency import identity_of, memory_target, start_profile
 
     experts_src = PackSourceExperts(pack, spec) if pack is not None else GGUFSource(source, spec)
-    profile, profile_name = load_profile(opts.profile, Path(source.path), identity_of(source), spec)
+    if start is None:
+        start = start_profile(opts, Path(source.path), identity_of(source), spec)
     residency = plan_residency(spec, source.tensors, opts.budget, memory_target(device, dtype, spec, opts),
-                               profile=profile, profile_name=profile_name,
-                               pack_hot=pack.hot if pack is not None else None, where=source.path)
+                               profile=start.profile, profile_name=start.name,
+                               pack_hot=pack.hot if pack is not None else None, where=source.path,
+                               gen_weight=opts.gen_weight)
     return experts_src, residency
 
 

@@ -25,6 +25,7 @@ from ..weights import Weights, quantizes_dense
 class MoEModel(ABC):
     arch = ""
     residency = None  # the expert store's plan (formats.placement.ResidencyPlan) when one is used
+    start_profile = None  # the profile it was placed with / learns into (runtime.residency.StartProfile)
     ffn_norm = "ffn_norm"  # the norm in front of a block's MoE (``blk.N.<ffn_norm>.weight``)
     # Projections of one input that run as one GEMM (``project``): per layer, the members of a
     # group that the file has, when at least two do.

@@ -9,6 +9,10 @@ the token that completes it, and cancelling (a client gone) stops it within a to
 
 Every request's prompt goes through ``Session.prompt``: the prefix shared with the previous
 request is kept (KV rows, DeltaNet checkpoints) wherever that gives a fresh run's bits.
+
+Between requests the same thread does the placement learning's work (``BetweenRequests``:
+saving the profile, moving experts, a background bootstrap), never while a request runs; a
+request that arrives meanwhile waits for the step in progress only.
 """
 from __future__ import annotations
 
@@ -90,16 +94,29 @@ class ForcedTokens:
         return self.tokens.pop(0) if self.tokens else self.stop
 
 
+class BetweenRequests(Protocol):
+    """Work the engine thread does when no request runs (``runtime.learning.LiveLearning``).
+    ``busy()`` says whether a request is waiting: long work checks it and yields."""
+
+    def after_request(self, busy: Callable[[], bool]) -> None:
+        """After each request (one short step even when another is waiting)."""
+
+    def idle(self, busy: Callable[[], bool]) -> bool:
+        """When the queue is empty; returns whether work is left (it is called again)."""
+
+
 class Engine:
     """``submit`` queues a job (503 past ``max_queue`` waiting); one thread computes them in
     order. ``on_job`` (metrics) sees each finished job's outcome in that thread. ``dump_logits``:
     test-only, a folder receiving, per computed request N (from 1), its last prompt token's logits
     (``N.npy``, to compare with a fresh run bit for bit) and its prompt and generated token ids
-    (``N.json``)."""
+    (``N.json``). ``between``: the work done between requests."""
 
     def __init__(self, session: Session, stop_ids: frozenset[int], end_id: int, max_queue: int = 64,
-                 on_job: Callable[[Job, Outcome], None] | None = None, dump_logits: Path | None = None):
+                 on_job: Callable[[Job, Outcome], None] | None = None, dump_logits: Path | None = None,
+                 between: BetweenRequests | None = None):
         self.session = session
+        self.between = between
         self.stop_ids = stop_ids
         self.end_id = end_id  # what a forced output ends with (the template's end of turn)
         self.max_queue = max_queue
@@ -136,9 +153,24 @@ class Engine:
         self._queue.put(None)
         self._thread.join(timeout)
 
+    def busy(self) -> bool:
+        """A request (or the stop) is waiting."""
+        return not self._queue.empty()
+
+    def _next(self) -> Job | None:
+        """The next job; while there is none, the work between requests."""
+        while self.between is not None and not self.busy():
+            try:
+                if not self.between.idle(self.busy):
+                    break
+            except Exception:  # learning must never take the server down
+                log.exception("work between requests failed")
+                break
+        return self._queue.get()
+
     def _loop(self) -> None:
         while True:
-            job = self._queue.get()
+            job = self._next()
             if job is None:
                 return
             outcome = Outcome(prompt_tokens=len(job.ids), queued_seconds=time.perf_counter() - job.arrived)
@@ -162,6 +194,11 @@ class Engine:
                 log.exception("a request's sink failed")
             if self.on_job is not None:
                 self.on_job(job, outcome)
+            if self.between is not None:
+                try:
+                    self.between.after_request(self.busy)
+                except Exception:
+                    log.exception("work after a request failed")
 
     def _run(self, job: Job, outcome: Outcome) -> None:
         session = self.session

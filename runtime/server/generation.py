@@ -52,6 +52,8 @@ class Served:
     engine: Engine
     metrics: ServerMetrics
     test_hooks: bool = False
+    learning: Any = None  # runtime.learning.LiveLearning: learns the placement (None without the store)
+    trace: Any = None  # runtime.routing_trace.TraceRecorder (--trace-out)
     created: int = field(default_factory=lambda: int(time.time()))
 
 

@@ -3,15 +3,20 @@
 One registry per server (tests start several in one process), every metric declared once in
 ``ServerMetrics``: a new one is a line there plus the line that updates it. The engine thread
 calls ``observe_job`` after each request; the expert store's counters are read as differences
-since the last request, so they cover exactly the served traffic.
+since the last request, so they cover exactly the served traffic. What the placement learning
+did (``runtime.learning.LearningStats``: routings on hot and cold experts per side, re-placements,
+profile writes) is read when /metrics is asked, by ``LearningCollector``.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ..learning import LearningStats
 from .engine import Job, Outcome
 
 PREFIX = "sparkpack_"
@@ -26,9 +31,11 @@ disable_created_metrics()  # the *_created series say when the process started, 
 
 
 class ServerMetrics:
-    def __init__(self, model=None):
+    def __init__(self, model=None, learning: LearningStats | None = None):
         self.model = model
         r = self.registry = CollectorRegistry()
+        if learning is not None:
+            r.register(LearningCollector(learning))
         self.requests = Counter(PREFIX + "requests", "Requests by route and outcome", ["route", "outcome"], registry=r)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of generation requests", registry=r)
         self.cached_tokens = Counter(PREFIX + "prefix_cache_hit_tokens",
@@ -49,6 +56,8 @@ class ServerMetrics:
                                      "Tokens through the MoE layers (routings / this = per token)", registry=r)
         self.per_token = Gauge(PREFIX + "expert_routings_per_token", "The last request's routings per token, by "
                                "where the expert was served", ["served"], registry=r)
+        self.share = Gauge(PREFIX + "expert_routing_share", "The last request's share of routings by where the "
+                           "expert was served (missed: the miss rate)", ["served"], registry=r)
         self.bytes_streamed = Counter(PREFIX + "expert_bytes_streamed", "Host-to-GPU expert bytes", registry=r)
         self.vram_peak = Gauge(PREFIX + "vram_peak_bytes", "Peak GPU memory allocated by the process", registry=r)
         self._store_seen: dict[str, int] = self._store_counts()  # loading's own reads are not traffic
@@ -88,10 +97,13 @@ class ServerMetrics:
         model = self.model
         delta = {k: v - self._store_seen.get(k, 0) for k, v in now.items()}
         self._store_seen = now
+        routed = sum(max(delta[name], 0) for name in STORE_ROUTINGS.values())
         for label, name in STORE_ROUTINGS.items():
             self.routings.labels(served=label).inc(max(delta[name], 0))
             if delta["tokens"] > 0:
                 self.per_token.labels(served=label).set(delta[name] / delta["tokens"])
+            if routed > 0:
+                self.share.labels(served=label).set(delta[name] / routed)
         self.routed_tokens.inc(max(delta["tokens"], 0))
         self.bytes_streamed.inc(max(delta["bytes_streamed"], 0))
         if model.device.type == "cuda":
@@ -99,6 +111,49 @@ class ServerMetrics:
 
             self.vram_peak.set(torch.cuda.max_memory_allocated(model.device))
 
+    def forget_store_traffic(self) -> None:
+        """What the store counted since the last request was no served traffic (a background
+        bootstrap): the next request's differences start from now."""
+        self._store_seen = self._store_counts()
+
     def render(self, waiting: int) -> bytes:
         self.waiting.set(waiting)
         return generate_latest(self.registry)
+
+
+class LearningCollector:
+    """The placement learning's numbers at scrape time (they change in the engine thread)."""
+
+    def __init__(self, stats: LearningStats):
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.stats
+        tokens = CounterMetricFamily(PREFIX + "learned_tokens", "Tokens the placement learned from, by side",
+                                     labels=["side"])
+        routings = CounterMetricFamily(PREFIX + "learned_routings", "Routings the placement learned from, by side "
+                                       "and whether the expert was in the hot set then", labels=["side", "placement"])
+        cold = GaugeMetricFamily(PREFIX + "cold_hit_rate", "The last request's share of routings on experts outside "
+                                 "the hot set (cache slots not counted), by side", labels=["side"])
+        for side in st.tokens:
+            tokens.add_metric([side], st.tokens[side])
+            routings.add_metric([side, "hot"], st.hot_routings[side])
+            routings.add_metric([side, "cold"], st.routings[side] - st.hot_routings[side])
+            if st.last_cold_rate[side] is not None:
+                cold.add_metric([side], st.last_cold_rate[side])
+        yield from (tokens, routings, cold)
+        yield _counter("learned_requests", "Requests the placement learned from", st.requests)
+        yield _counter("replacements", "Re-placement steps applied between requests", st.replacements)
+        yield _counter("replaced_experts", "Experts moved into the hot set by re-placement (as many moved out)",
+                       st.experts_moved)
+        yield _counter("replaced_bytes", "Bytes copied by re-placement (device and host)", st.bytes_moved)
+        yield _counter("profile_writes", "Profile files written", st.profile_writes)
+        yield _counter("profile_write_failures", "Profile writes that failed (the old file stays)",
+                       st.profile_write_failures)
+        if st.last_write is not None:
+            yield GaugeMetricFamily(PREFIX + "profile_last_write_timestamp_seconds", "When the profile was last written "
+                                    "(Unix time)", value=st.last_write)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, doc, value=value)

@@ -3,12 +3,18 @@
 The socket is bound first (``--port 0`` picks a free port, which is printed), so clients and
 tests can wait on /health while the model loads in a thread. Once loaded, the base URLs and
 client settings are printed to stdout. Ctrl-C or SIGTERM cancels the running and queued requests
-(their streams end within a token), stops the engine thread, frees the GPU and returns (exit 0).
+(their streams end within a token), stops the engine thread, writes the learned profile, frees
+the GPU and returns (exit 0).
+
+With the expert store the server learns its placement as it serves (``runtime.learning``): the
+engine thread saves the profile and moves experts between requests, and a ``--bootstrap`` replay
+runs before serving or in idle time (``runtime.server.bootstrap``).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -21,6 +27,7 @@ import click
 
 from sparkpack.formats.errors import SparkpackError
 
+from ..learn_flags import LearningFlags
 from ..options import RunOptions, open_model, open_session
 from .engine import Engine
 from .http import ServerConfig
@@ -37,6 +44,7 @@ class ServeOptions:
     port: int = 8080
     api_key: str | None = None
     test_hooks: Path | None = None  # test-only: forced outputs honoured, prompt logits dumped here
+    learning: LearningFlags = LearningFlags()
 
 
 def serve_options(host: str, port: int, api_key: str | None, api_key_file: Path | None,
@@ -56,9 +64,12 @@ def model_name(path: Path) -> str:
     return name[:-5] if name.endswith(".gguf") else name
 
 
-def build_served(model, opts: RunOptions, serve: ServeOptions):
-    """The engine and everything routes need around a loaded model."""
+def build_served(model, opts: RunOptions, serve: ServeOptions, stopping: Callable[[], bool] = lambda: False):
+    """The engine and everything routes need around a loaded model. ``stopping``: the server is
+    shutting down (a bootstrap before serving stops early)."""
     from ..chat_template import ChatTemplate
+    from ..learning import start_learning
+    from ..routing_trace import attach_trace
     from ..tokenizer import GGUFTokenizer
     from .output import tool_syntax_for
     from .generation import Served
@@ -68,13 +79,85 @@ def build_served(model, opts: RunOptions, serve: ServeOptions):
     source = model.gguf.get("tokenizer.chat_template")
     template = ChatTemplate.from_tokenizer(source, tok) if source else None
     end = next((i for i in (tok.eot_id, tok.eos_id) if i is not None), min(tok.stop_ids, default=0))
+    flags = opts.learning
+    trace = attach_trace(model, flags.trace_out) if flags.trace_out is not None else None  # before any capture
     session = open_session(model, opts)
     if model.device.type == "cuda":  # kernels compiled and graphs captured before /health says ready
         click.echo(f"sparkpack: warmed up in {session.warm_up():.2f} s", err=True)
-    metrics = ServerMetrics(model)  # (after the warm-up, which the store forgets)
-    engine = Engine(session, tok.stop_ids, end, on_job=metrics.observe_job, dump_logits=serve.test_hooks)
+    learning = start_learning(model, flags.learn, flags.gen_weight)  # (after the warm-up: dummy tokens teach nothing)
+    if trace is not None:
+        trace.active = True
+        click.echo(f"sparkpack: recording every token's routing to {trace.path}", err=True)
+    if learning is not None:
+        learning.save_when_idle = serve.test_hooks is not None and flags.learn.save_every_s == 0
+        start = model.start_profile
+        click.echo(f"sparkpack: learning the placement into {learning.file.path} "
+                   + ("(no profile yet: uniform placement)" if start.profile is None else
+                      f"({learning.learner.tokens_seen:.0f} tokens learned so far)"), err=True)
+        if not os.access(learning.file.path.parent, os.W_OK):
+            click.echo(f"warning: cannot write in {learning.file.path.parent}: what is learned is lost at exit "
+                       "(--profile PATH learns into a file elsewhere)", err=True)
+        if start.profile is not None and learning.replace_all():  # a pack's placement moves to the profile's
+            click.echo(f"sparkpack: moved {learning.stats.experts_moved} experts to where the profile says", err=True)
+    metrics = ServerMetrics(model, learning.stats if learning is not None else None)
+    if learning is not None:
+        start_bootstrap(flags, learning, session, tok, template, metrics, stopping)
+        metrics.forget_store_traffic()  # a bootstrap before serving is no served traffic
+    on_job = metrics.observe_job
+    if trace is not None:
+        def on_job(job, outcome) -> None:  # noqa: F811 - the trace made durable after each request too
+            metrics.observe_job(job, outcome)  # (reads the store's counts: a deferred step's ids are written)
+            trace.sync()
+    engine = Engine(session, tok.stop_ids, end, on_job=on_job, dump_logits=serve.test_hooks, between=learning)
     return Served(model_name(opts.model_path), model, tok, template, tool_syntax_for(model.spec.arch, source or ""),
-                  opts.ctx, opts.sampling, engine, metrics, test_hooks=serve.test_hooks is not None)
+                  opts.ctx, opts.sampling, engine, metrics, test_hooks=serve.test_hooks is not None,
+                  learning=learning, trace=trace)
+
+
+def start_bootstrap(flags: LearningFlags, learning, session, tok, template, metrics,
+                    stopping: Callable[[], bool]) -> None:
+    """``--bootstrap``: replay past sessions now, or hand the replay to the engine's idle time;
+    without it, one line when the coding agents' logs are there to learn from."""
+    from sparkpack.calibrate.bootstrap import bootstrap_hint
+    from sparkpack.calibrate.render import ChatRenderer
+
+    from .bootstrap import BOOTSTRAP_HALF_LIVES, BootstrapReplay, bootstrap_sources, select
+
+    if flags.bootstrap is None:
+        hint = bootstrap_hint()
+        if hint is not None:
+            click.echo(f"sparkpack: {hint}", err=True)
+        return
+    files = bootstrap_sources(flags.bootstrap, learning.file.path)
+    renderer = ChatRenderer(tok, template.render if template is not None else None)
+    selected = select(files, renderer, int(BOOTSTRAP_HALF_LIVES * learning.learner.half_life_tokens))
+    if not selected.rendered:
+        click.echo(f"sparkpack: bootstrap: nothing to replay from {flags.bootstrap}"
+                   + (" (no coding agent sessions newer than the profile)" if flags.bootstrap == "auto" else ""), err=True)
+        return
+    replay = BootstrapReplay(session, selected)
+    click.echo(f"sparkpack: bootstrap: replaying {len(selected.rendered)} conversations ({selected.tokens} tokens)"
+               + (" while idle" if flags.bootstrap_background else " before serving"), err=True)
+
+    def finish() -> None:
+        learning.replace_all()
+        learning.save()
+        click.echo(f"sparkpack: {replay.summary()}", err=True)
+
+    if not flags.bootstrap_background:
+        replay.run(stopping)
+        finish()
+        return
+
+    def in_idle_time(busy: Callable[[], bool]) -> bool:
+        more = replay.run(busy)
+        metrics.forget_store_traffic()
+        if not more:
+            learning.background = None
+            finish()
+        return more
+
+    learning.background = in_idle_time
 
 
 def client_settings(name: str, base: str, ctx: int, api_key: str | None) -> str:
@@ -148,7 +231,7 @@ def run_server(opts: RunOptions, serve: ServeOptions, load: Callable[[], object]
             model = load()
             if on_loaded is not None:
                 on_loaded(model)
-            app.state.served = build_served(model, opts, serve)
+            app.state.served = build_served(model, opts, serve, lambda: server.should_exit)
         except BaseException as e:  # reported by the main thread after the server stops
             failure.append(e)
             server.should_exit = True
@@ -166,14 +249,31 @@ def run_server(opts: RunOptions, serve: ServeOptions, load: Callable[[], object]
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if thread.is_alive() and opts.learning.bootstrap is not None:
+            thread.join(60)  # a bootstrap before serving stops at its next step and is saved
         served, app.state.served = app.state.served, None
         if served is not None:
             served.engine.close()
+            finish_learning(served)
             device = served.model.device
             del served
             release(device)
     if failure:
         raise failure[0]
+
+
+def finish_learning(served) -> None:
+    """At exit: the learned profile written (a second SIGTERM meanwhile is ignored: the write
+    is atomic anyway, but it should land) and the trace sealed."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        if served.learning is not None:
+            served.learning.close()
+            click.echo(f"sparkpack: {served.learning.summary()}", err=True)
+        if served.trace is not None:
+            click.echo(f"sparkpack: trace {served.trace.close()} ({served.trace.tokens} tokens)", err=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def release(device) -> None:
