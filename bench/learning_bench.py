@@ -159,7 +159,7 @@ def settled(base: str, served: int, timeout: float = 600.0) -> dict[str, float]:
         if now.get("sparkpack_queue_wait_seconds_count", 0) >= served and now == last:
             return now
         last = now
-        time.sleep(0.2)
+        time.sleep(0.1)
     raise RuntimeError(f"the server did not finish request {served} within {timeout} s")
 
 

@@ -41,10 +41,10 @@ def test_dry_run_on_a_tiny_model(synth_model, tmp_path):
     model.write_bytes(synth_model("qwen3moe", "Q4_K_M", skew="reference").read_bytes())
     out = tmp_path / "out"
     result = bench.main([str(model), "--corpus", str(REPO / "corpora"), "--device", "cpu", "--ctx", "2048",
-                         "--requests", "2", "--after-restart", "1", "--max-tokens", "2", "--out", str(out),
+                         "--requests", "1", "--after-restart", "1", "--max-tokens", "2", "--out", str(out),
                          "--spark-arg=--hot-fraction=0.5"])
-    assert [r["phase"] for r in result["live"] + result["restart"]] == ["live"] * 2 + ["restart"]
-    assert [r["index"] for r in result["offline"]] == [1, 2, 3]
+    assert [r["phase"] for r in result["live"] + result["restart"]] == ["live", "restart"]
+    assert [r["index"] for r in result["offline"]] == [1, 2]
     for r in result["live"] + result["restart"] + result["offline"]:
         assert 0 <= r["cold_share"] <= 1 and r["completion_tokens"] >= 1
     assert result["restart"][-1]["experts_moved"] is not None  # the live servers learn and re-place
