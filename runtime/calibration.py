@@ -190,8 +190,14 @@ class RoutingTap(ExpertProvider):
             self.ids[self.column[layer], :T].copy_(ids)
         return self.inner.moe(layer, x, weights, ids, q8)
 
+    def staged_prefill(self, n_tokens: int) -> bool:
+        return self.inner.staged_prefill(n_tokens)
+
     def count_real_tokens(self, real: torch.Tensor | None) -> None:
         self.inner.count_real_tokens(real)
+
+    def routing_side(self, side: str) -> None:
+        self.inner.routing_side(side)
 
     def end_step(self, n_tokens: int, routed: bool | None = None, defer: bool = False) -> None:
         self.inner.end_step(n_tokens, routed, defer)
