@@ -18,6 +18,7 @@ counts cannot tell the sides apart within a call.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,11 +31,12 @@ from sparkpack.formats.archs import ModelSpec
 from sparkpack.formats.memory import PREFILL_GRAPH_TOKENS
 
 from .chat_template import ChatTemplate
-from .cli import default_host_ram, open_model, report_residency, resolve_device
+from .cli import report_residency
 from .experts import ExpertProvider
 from .generate import Session
+from .learn_flags import LearningFlags
 from .models.base import MoEModel
-from .residency import StoreOptions
+from .options import open_model, run_options, store_options
 from .tokenizer import GGUFTokenizer
 
 if TYPE_CHECKING:
@@ -43,31 +45,24 @@ if TYPE_CHECKING:
 DISCARD = 2  # the side of rows not to count: a padded call's padding, a warm-up's dummy tokens
 
 
-def store_options(device: str, ctx: int, prefill_chunk: int, vram: int | None = None, host_ram: int | None = None,
-                  hot_fraction: float | None = None) -> StoreOptions | None:
-    """The expert store calibration asks for, by spark-run's rule: on a GPU, or on any device
-    when a store option is given (None: the plain provider). Without a budget on a GPU, 90% of
-    its free memory: calibration must run where the model does not fit, and a uniform placement
-    under that budget routes exactly as all-GPU. All of the option plumbing is here."""
-    if device != "cuda" and (vram, host_ram, hot_fraction) == (None, None, None):
-        return None
-    if device == "cuda" and vram is None and hot_fraction is None:
-        vram = int(torch.cuda.mem_get_info()[0] * 0.9)
-    return StoreOptions(vram=vram, hot_fraction=hot_fraction, host_bytes=host_ram if host_ram is not None
-                        else default_host_ram(), ctx=ctx, prefill_chunk=prefill_chunk)
-
-
 def open_router(path: Path, device: str, ctx: int, prefill_chunk: int, vram: int | None = None,
                 host_ram: int | None = None, hot_fraction: float | None = None, record: bool = False
                 ) -> "ModelRouter":
     """The model at ``path`` opened as spark-run opens it (``device`` auto/cpu/cuda), ready to route
     windows of up to ``ctx`` tokens."""
-    device = resolve_device(device)
-    store = store_options(device, ctx, prefill_chunk, vram, host_ram, hot_fraction)
-    # Without the store (CPU), experts are dequantized on first use and kept up to half the
-    # available memory; beyond that the least recently used are dropped and re-read.
-    cache = None if store is not None else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
-    model = open_model(path, device, "auto", cache, store)
+    # the store by spark-run's rule (on a GPU, or when a store option is given); learning off:
+    # calibration writes its own profile
+    opts = run_options(path, device=device, ctx=ctx, prefill_chunk=prefill_chunk, vram=vram, host_ram=host_ram,
+                       hot_fraction=hot_fraction, learning=LearningFlags(learn=None))
+    if opts.device == "cuda" and vram is None and hot_fraction is None:
+        # Without a budget, 90% of the free memory: calibration must run where the model does not
+        # fit, and a uniform placement under that budget routes exactly as all-GPU.
+        opts = dataclasses.replace(opts, vram=int(torch.cuda.mem_get_info()[0] * 0.9))
+    if store_options(opts) is None:
+        # The plain provider dequantizes experts on first use and keeps up to half the available
+        # memory of them; beyond that the least recently used are dropped and re-read.
+        opts = dataclasses.replace(opts, expert_cache=os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2)
+    model = open_model(opts)
     if model.residency is not None:
         report_residency(model)
     return ModelRouter(model, ctx, prefill_chunk, record)

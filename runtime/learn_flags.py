@@ -68,14 +68,24 @@ _OPTIONS = [
 ]
 
 
+def learning_flags(no_learn: bool = False, force: bool = False, half_life: float = HALF_LIFE_TOKENS,
+                   generated_weight: float = GEN_WEIGHT, profile_save_every: float = SAVE_EVERY_S,
+                   bootstrap: str | None = None, bootstrap_background: bool = False,
+                   trace_out: Path | None = None) -> LearningFlags:
+    """The options' values (click's parameter names) as one ``LearningFlags``."""
+    learn = None if no_learn else LearnOptions(half_life, profile_save_every, force)
+    return LearningFlags(learn, generated_weight, bootstrap, bootstrap_background, trace_out)
+
+
+FLAG_NAMES = ("no_learn", "force", "half_life", "generated_weight", "profile_save_every", "bootstrap",
+              "bootstrap_background", "trace_out")
+
+
 def learning_options(command: Callable) -> Callable:
     """Adds the options to ``command``, which receives them as ``learning: LearningFlags``."""
     @functools.wraps(command)
-    def with_flags(*args, no_learn: bool, force: bool, half_life: float, generated_weight: float,
-                   profile_save_every: float, bootstrap: str | None, bootstrap_background: bool,
-                   trace_out: Path | None, **kwargs):
-        learn = None if no_learn else LearnOptions(half_life, profile_save_every, force)
-        flags = LearningFlags(learn, generated_weight, bootstrap, bootstrap_background, trace_out)
+    def with_flags(*args, **kwargs):
+        flags = learning_flags(**{name: kwargs.pop(name) for name in FLAG_NAMES})
         return command(*args, learning=flags, **kwargs)
 
     for option in reversed(_OPTIONS):

@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from sparkpack.calibrate.replay import GENERATED, PROMPT, RoutingCounter
+from sparkpack.calibrate.replay import GENERATED, PROMPT
 from sparkpack.formats.placement import GEN_WEIGHT, plan_swaps_in_place
 from sparkpack.formats.profile import Profile
 from sparkpack.runtime.expert_pools import HostPool
+from sparkpack.runtime.calibration import RoutingTap
 from sparkpack.runtime.generate import Session, generate
 from sparkpack.runtime.learning import LearnOptions, start_learning
 from sparkpack.runtime.models import StoreOptions, load_model
@@ -125,15 +126,15 @@ def test_learner_gets_each_sides_routings(model_path, tmp_path, mode, hot_fracti
 
     # an all-hot store (the same kernels: the same routing) counted as calibrate counts, call by call
     ref = load_model(model_path, device=DEVICE, dtype=DTYPE, store=StoreOptions(hot_fraction=1.0, mode="zerocopy"))
-    counter = RoutingCounter(ref.experts, spec.n_layer, spec.n_expert, spec.moe_layers, ref.device)
-    ref.experts = counter
+    tap = RoutingTap(ref.experts, spec, ref.device, len(IDS), record=False)
+    ref.experts = tap
     cache = ref.new_cache(64)
-    counter.side = torch.full((len(IDS),), PROMPT)
+    tap.sides(np.zeros(len(IDS), dtype=bool))
     ref.forward(IDS, cache)
     for t in out[:-1]:
-        counter.side = torch.full((1,), GENERATED)
+        tap.sides(np.ones(1, dtype=bool))
         ref.forward([t], cache)
-    want = counter.totals()
+    want = tap.counts()
     prof = learning.profile()
     assert np.allclose(prof.counts["prompt"], want[PROMPT]) and np.allclose(prof.counts["generated"], want[GENERATED])
 

@@ -10,6 +10,8 @@ import pytest
 
 from sparkpack.formats.errors import SparkpackError
 from sparkpack.runtime.cli import run_cmd
+from sparkpack.runtime.learn_flags import FLAG_NAMES, learning_flags
+from sparkpack.runtime.learning import LearnOptions
 from sparkpack.runtime.options import RunOptions, SamplingOptions, compute_dtype, run_options, store_options
 from sparkpack.runtime.residency import StoreOptions
 
@@ -19,6 +21,7 @@ def parsed(*args: str) -> RunOptions:
     ctx = run_cmd.make_context("spark-run", ["m.gguf", *args])
     own = set(inspect.signature(run_cmd.callback).parameters) - {"model_path", "options"}
     flags = {k: v for k, v in ctx.params.items() if k not in own and k != "model_path"}
+    flags["learning"] = learning_flags(**{name: flags.pop(name) for name in FLAG_NAMES})  # as learning_options does
     return run_options(ctx.params["model_path"], **flags)
 
 
@@ -29,13 +32,17 @@ def test_every_flag_has_a_field():
                   "--kv-type", "q8_0", "--prefill-chunk", "64", "--threads", "2", "--dtype", "float64",
                   "--expert-cache", "1MiB", "--max-tokens", "7", "--temperature", "0.5", "--top-k", "3",
                   "--top-p", "0.5", "--min-p", "0.1", "--repeat-penalty", "1.1", "--seed", "9",
-                  "--stats-json", "s.json")
+                  "--stats-json", "s.json", "--half-life", "5000", "--generated-weight", "0.25",
+                  "--profile-save-every", "3", "--force", "--trace-out", "t.trace")
     assert opts == RunOptions(Path("m.gguf"), device="cpu", dtype="float64", threads=2, expert_cache=2**20,
                               vram=2**30, hot_fraction=0.5, cache_slots=3, profile=Path("p.json"),
                               stream_mode="zerocopy", host_ram=2 * 2**30, ctx=512, kv_type="q8_0", prefill_chunk=64,
                               max_tokens=7, stats_json=Path("s.json"),
                               sampling=SamplingOptions(temperature=0.5, top_k=3, top_p=0.5, min_p=0.1,
-                                                       repetition_penalty=1.1, seed=9))
+                                                       repetition_penalty=1.1, seed=9),
+                              learning=learning_flags(half_life=5000, generated_weight=0.25, profile_save_every=3,
+                                                      force=True, trace_out=Path("t.trace")))
+    assert opts.learning.learn is not None and opts.learning.learn.half_life_tokens == 5000
     with pytest.raises(dataclasses.FrozenInstanceError):
         opts.ctx = 1  # type: ignore[misc]
 
@@ -44,7 +51,7 @@ def test_store_options_follow_the_flags():
     opts = parsed("--device", "cpu", "--hot-fraction", "0.5", "--ctx", "512", "--kv-type", "q8_0",
                   "--prefill-chunk", "64", "--host-ram", "1GiB")
     assert store_options(opts) == StoreOptions(hot_fraction=0.5, host_bytes=2**30, ctx=512, kv_type="q8_0",
-                                               prefill_chunk=64)
+                                               prefill_chunk=64, learn=LearnOptions())  # learning on by default
     assert store_options(parsed("--device", "cpu")) is None  # the plain path on the CPU
     forced = store_options(parsed("--device", "cpu", "--store"))
     assert forced is not None and forced.host_bytes is not None  # 80% of the available memory by default
