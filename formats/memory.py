@@ -35,7 +35,7 @@ DELTANET_CHUNK = 64
 # attention, on a GPU in half precision, 16-bit KV cache: runtime.graph.short_prefill_calls) feed
 # every prompt in calls of at most this many tokens, whether or not their expert store can be
 # captured, so the --vram plan counts this many tokens' temporaries for them (others use
-# PREFILL_CHUNK), unless their store stages long calls (MemoryTarget.staged_chunk).
+# PREFILL_CHUNK); their calls never stage (MemoryTarget.staged_chunk).
 PREFILL_GRAPH_TOKENS = 512
 # Prompt calls of at least this many tokens stage their cold experts in bulk, one copy per layer
 # into one of two device buffers, instead of reading them zero-copy tile by tile
@@ -67,9 +67,8 @@ class MemoryTarget:
     a GPU), the KV cache type, the context, and the most tokens one prefill call holds.
 
     ``staged_chunk``: the tokens of a prefill call when the expert store stages long calls (0:
-    it never does); a session whose store stages feeds prompts in calls that long even where
-    it would otherwise make short captured ones (``runtime.generate.Session``), so the plan counts
-    their temporaries then. ``host_bytes``: the pinned host memory allowed for cold experts
+    it never does; always so for the models whose sessions make short captured calls, which
+    keep them at any residency so as to give the all-GPU bits: ``runtime.generate.Session``). ``host_bytes``: the pinned host memory allowed for cold experts
     (None: all of them); only a store that holds every cold expert there stages."""
 
     dtype_bytes: int = 2
@@ -84,8 +83,9 @@ class MemoryTarget:
     def gpu(cls, spec: ModelSpec, ctx: int = 4096, kv_type: str = "auto",
             prefill_chunk: int = PREFILL_CHUNK, stage_tokens: int | None = STAGE_TOKENS) -> "MemoryTarget":
         """spark-run on a GPU with bf16 activations (what ``repack split --vram`` plans for)."""
-        chunk = min(prefill_chunk, PREFILL_GRAPH_TOKENS) if short_calls(spec, kv_type) else prefill_chunk
-        return cls(2, True, kv_type, ctx, chunk, staged_call_tokens(prefill_chunk, stage_tokens))
+        if short_calls(spec, kv_type):  # captured calls at any residency: none stages
+            return cls(2, True, kv_type, ctx, min(prefill_chunk, PREFILL_GRAPH_TOKENS), 0)
+        return cls(2, True, kv_type, ctx, prefill_chunk, staged_call_tokens(prefill_chunk, stage_tokens))
 
     @property
     def kv_bytes_per_value(self) -> float:

@@ -94,16 +94,14 @@ class Session:
         self.short_calls = feeds_short_calls(model, self.cache)
         # Models whose prefill calls are captured take every prompt in captured calls: on the
         # GPU machine a 4096-token Qwen3-30B prompt went 1.7x faster in replayed 512-token
-        # calls than in eager 2048-token ones (docs/benchmarks-history.md, session 15). Unless the expert
-        # store stages calls of prefill_chunk tokens (partial residency: runtime.expert_staging):
-        # a staged call copies every cold expert once, so short calls would copy them once per
-        # 512 tokens; long prompts then go in eager calls of prefill_chunk (a short prompt and a
-        # long one's last piece still take captured calls), which the --vram plan counts
-        # (formats.memory.MemoryTarget.staged_chunk). Those calls give the bits an all-GPU store
-        # gives for the same calls, not those of an all-GPU session's 512-token calls.
-        self.staged = model.experts.staged_prefill(prefill_chunk)
-        short = self.short_calls and not self.staged
-        self.call_tokens = min(prefill_chunk, PREFILL_GRAPH_TOKENS) if short else prefill_chunk
+        # calls than in eager 2048-token ones (docs/benchmarks-history.md, session 15). Staging
+        # (runtime.expert_staging, partial residency) never changes that: a residency must give
+        # the all-GPU session's bits, and those come from the 512-token calls (on the GPU machine
+        # staged 2048-token calls on qwen3moe changed tied routings: tests/test_calibrate_replay.py).
+        # So only the models that feed eager prefill_chunk calls stage (the plan reserves staging
+        # buffers for them alone: runtime.residency.memory_target).
+        self.staged = not self.short_calls and model.experts.staged_prefill(prefill_chunk)
+        self.call_tokens = min(prefill_chunk, PREFILL_GRAPH_TOKENS) if self.short_calls else prefill_chunk
         recurrent = any(isinstance(la, RecurrentState) for la in self.cache.layers)
         self.checkpoints = StateCheckpoints(checkpoints) if recurrent else None
         self.fed: list[int] = []

@@ -205,22 +205,15 @@ def test_peak_rss_through_the_store_is_well_under_the_model(tmp_path):
     assert rss["peak"] - rss["base"] < size / 2, (rss, size)
 
 
-def test_the_calibrate_stage_needs_no_torch_and_the_runtime_never_reaches_back():
-    """calibrate/ imports only formats (its modules load without torch or the runtime); no
-    runtime module imports repack or calibrate: repack's calibrate command connects them."""
-    import ast
-
+def test_the_calibrate_stage_loads_without_torch():
+    """calibrate/ needs neither torch nor the runtime (its modules load without them), so the
+    runtime may read logs and traces through it (the import edges: tests/test_packaging.py)."""
     code = ("import pkgutil, importlib, sys, sparkpack.calibrate as c\n"
             "for m in pkgutil.walk_packages(c.__path__, 'sparkpack.calibrate.'): importlib.import_module(m.name)\n"
             "print(sorted(n for n in sys.modules if n == 'torch' or n.startswith(('sparkpack.runtime', 'sparkpack.repack'))))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
-    for path in (REPO / "runtime").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
-            assert not [n for n in names if n.startswith(("sparkpack.repack", "sparkpack.calibrate"))], path
 
 
 def test_a_padded_call_counts_its_real_tokens_alone(synth_model):

@@ -18,7 +18,8 @@ import torch
 
 from sparkpack.formats.archs import model_spec
 from sparkpack.formats.gguf_file import GGUFModel
-from sparkpack.formats.memory import PREFILL_CHUNK, SLOT_ALIGN, MemoryTarget, expert_slot_bytes, runtime_bytes
+from sparkpack.formats.memory import (PREFILL_CHUNK, PREFILL_GRAPH_TOKENS, SLOT_ALIGN, MemoryTarget, expert_slot_bytes,
+                                      runtime_bytes)
 from sparkpack.formats.placement import Budget, default_cache_slots, plan_residency, staging_bytes
 from sparkpack.runtime.expert_pools import layout_pool
 from sparkpack.runtime.expert_slots import NOT_RESIDENT
@@ -136,22 +137,24 @@ def test_a_staged_call_through_the_fused_kernel_gives_the_same_bits(synth_model)
         assert store.stats.staged_layers == 2 and store.stats.zero_copy_reads > 0
 
 
-def test_a_session_over_a_staging_store_makes_long_calls(synth_model, monkeypatch):
-    """Where sessions would feed prompts in short captured calls (all-attention models on a GPU,
-    taken as given here), a store that stages calls of ``prefill_chunk`` tokens gets calls that
-    long instead; a store that does not (staging off, or a threshold above the chunk) keeps the
-    short ones. (Nothing is computed.)"""
+def test_only_sessions_of_long_calls_stage(synth_model, monkeypatch):
+    """Sessions that feed prompts in short captured calls (all-attention models on a GPU, taken
+    as given here) keep them over a staging store: their bits must be the all-GPU session's,
+    which come from those calls. Sessions of long eager calls stage where the store does (not
+    with staging off or a threshold above the chunk). (Nothing is computed.)"""
     from sparkpack.runtime import generate
 
-    monkeypatch.setattr(generate, "feeds_short_calls", lambda model, cache: True)
     path = synth_model("laguna", "Q4_K_M", skew=1.0)
     gguf, spec = opened(path)
     model = load_model(gguf)
-    for stage_tokens, chunk, staged in ((1024, 2048, True), (None, 2048, False), (4096, 2048, False)):
-        model.experts = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot_mask(spec, 0.6),
-                                    mode="zerocopy", fused=True, stage_tokens=stage_tokens)
-        session = Session(model, prefill_chunk=chunk)
-        assert session.staged == staged and session.call_tokens == (chunk if staged else 512)
+    for short in (True, False):
+        monkeypatch.setattr(generate, "feeds_short_calls", lambda model, cache, short=short: short)
+        for stage_tokens, chunk, staged in ((1024, 2048, True), (None, 2048, False), (4096, 2048, False)):
+            model.experts = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot_mask(spec, 0.6),
+                                        mode="zerocopy", fused=True, stage_tokens=stage_tokens)
+            session = Session(model, prefill_chunk=chunk)
+            assert session.staged == (staged and not short)
+            assert session.call_tokens == (512 if short else chunk)
 
 
 # --- the plan ------------------------------------------------------------------------------
@@ -211,10 +214,10 @@ def header_only(path: Path, arch: str, preset: str, monkeypatch) -> Path:
         return write_synthetic(path, arch, preset, "Q4_K_M")
 
 
-@pytest.mark.parametrize("arch, preset", [("qwen3moe", "qwen3-30b-a3b"), ("qwen35moe", "qwen3.6-35b-a3b")])
+@pytest.mark.parametrize("arch, preset", [("qwen35moe", "qwen3.6-35b-a3b")])
 def test_a_full_size_plan_at_14gib_stages_within_the_budget(tmp_path, monkeypatch, arch, preset):
-    """At the shapes users run, a 14 GiB plan holds the two buffers and (all-attention models)
-    the 2048-token calls' temporaries, and the buffers are those of its own hot set."""
+    """At the shapes users run, a 14 GiB plan holds the two buffers, and the buffers are those of
+    its own hot set (all-attention models never stage: test_short_call_models_plan_no_staging)."""
     gguf, spec = opened(header_only(tmp_path / "m.gguf", arch, preset, monkeypatch))
     sizes = expert_slot_bytes(spec, gguf.tensors)
     vram = 14 * 1024**3
@@ -227,6 +230,16 @@ def test_a_full_size_plan_at_14gib_stages_within_the_budget(tmp_path, monkeypatc
         + plan.hot_bytes + plan.staging_bytes <= vram
     unstaged = plan_residency(spec, gguf.tensors, Budget(vram=vram), MemoryTarget.gpu(spec, 4096, stage_tokens=None))
     assert unstaged.hot_bytes > plan.hot_bytes  # what staging costs in hot experts
+
+
+def test_short_call_models_plan_no_staging(tmp_path, monkeypatch):
+    """Qwen3-MoE sessions keep their captured 512-token calls at any residency, so a 14 GiB plan
+    reserves no staging buffers and counts those calls' temporaries."""
+    gguf, spec = opened(header_only(tmp_path / "m.gguf", "qwen3moe", "qwen3-30b-a3b", monkeypatch))
+    target = MemoryTarget.gpu(spec, 4096)
+    plan = plan_residency(spec, gguf.tensors, Budget(vram=14 * 1024**3), target)
+    assert target.staged_chunk == 0 and plan.staging_bytes == 0
+    assert plan.overhead_bytes == runtime_bytes(spec, 4096, PREFILL_GRAPH_TOKENS)
 
 
 # --- whole models on the GPU ---------------------------------------------------------------
@@ -286,30 +299,27 @@ def test_staged_calls_give_the_all_gpu_bits(synth_model, arch, fraction):
 
 @cuda
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_staged_session_feeds_long_prompts_in_long_calls(synth_model, arch):
-    """A session over a staging store takes long prompts in eager calls of ``prefill_chunk``
-    (the all-attention models too, which otherwise take captured 512-token calls); its prompt
-    logits are what an all-GPU store computes in those calls. Where a session over the
-    zero-copy store makes the same calls (qwen35moe), it gives the same logits and tokens."""
+def test_a_staged_session_gives_the_all_gpu_sessions_bits(synth_model, arch):
+    """A session over a staging store gives what a session over the all-GPU store gives, logits
+    and tokens: qwen35moe's long eager calls stage; the all-attention models keep their captured
+    512-token calls (nothing stages), as their all-GPU sessions make them."""
     path = synth_model(arch, "Q4_K_M", skew=1.0)
     chunk = 640
     ids = prompt(2 * chunk, 2000, seed=1)
     model = gpu_model(path, 0.6, 256, prefill_chunk=chunk, ctx=4 * chunk)
     session = Session(model, prefill_chunk=chunk, ctx=4 * chunk)
-    assert session.staged and session.call_tokens == chunk
+    long_calls = arch == "qwen35moe"
+    assert session.staged == long_calls and session.call_tokens == (chunk if long_calls else 512)
     session.warm_up()
     logits = session.feed(ids)
-    want = forward_calls(gpu_model(path, 1.0, None), ids, [chunk, chunk], last_only=True)[-1][-1]
-    assert torch.equal(logits, want)
     model.experts.flush()
-    assert model.experts.stats.staged_layers == 2 * len(model.experts.staging.order)
+    assert model.experts.stats.staged_layers == (2 * len(model.experts.staging.order) if long_calls else 0)
     tokens = list(session.decode(logits, 8, torch.argmax))
-    plain = gpu_model(path, 0.6, None, prefill_chunk=chunk, ctx=4 * chunk)
-    ref = Session(plain, prefill_chunk=chunk, ctx=4 * chunk)
-    assert not ref.staged and ref.call_tokens == (chunk if arch == "qwen35moe" else 512)
-    if arch == "qwen35moe":
-        ref_logits = ref.feed(ids)
-        assert torch.equal(ref_logits, logits) and list(ref.decode(ref_logits, 8, torch.argmax)) == tokens
+    full = gpu_model(path, 1.0, None, prefill_chunk=chunk, ctx=4 * chunk)
+    ref = Session(full, prefill_chunk=chunk, ctx=4 * chunk)
+    assert not ref.staged and ref.call_tokens == session.call_tokens
+    ref_logits = ref.feed(ids)
+    assert torch.equal(ref_logits, logits) and list(ref.decode(ref_logits, 8, torch.argmax)) == tokens
 
 
 @cuda
