@@ -82,6 +82,9 @@ if TYPE_CHECKING:
 __all__ = ["ExpertStore", "ExpertSource", "GGUFSource", "PackSourceExperts", "Part", "StoreStats"]
 
 MODES = ("auto", "zerocopy", "async")
+# Pinned host memory re-placement stages demoted experts through (kept between re-placements):
+# ~18 experts of the Qwen3.6 shape a batch, one host sync each, all of it in idle time.
+SWAP_STAGING_BYTES = 32 << 20
 
 
 class ExpertStore(ExpertProvider):
@@ -577,32 +580,39 @@ class ExpertStore(ExpertProvider):
         at_dev = [int(self.device_layout.offset[d]) * U for _, d in pairs]
         at_host = [int(host.layout.offset[p]) * U for p, _ in pairs] if host is not None else []
         sizes = [(self.layers[p[0]].nbytes, self.layers[d[0]].nbytes) for p, d in pairs]
-        staging = self._staging(sum(nd for _, nd in sizes)) if host is not None else None
         stream = self.copy_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
-        moved = 0
-        with _on(stream):
-            k = 0
-            for i, (p, _) in enumerate(pairs):
-                n_p, n_d = sizes[i]
-                if staging is not None:  # the demoted expert's bytes out first: its slot is overwritten next
-                    staging[k: k + n_d].copy_(self.pool[at_dev[i]: at_dev[i] + n_d], non_blocking=self.pin)
-                    src = host.tensor[at_host[i]: at_host[i] + n_p]
+        moved, first = 0, 0
+        while first < len(pairs):  # batches of at most SWAP_STAGING_BYTES staged (at least one expert)
+            last, staged = first + 1, sizes[first][1]
+            while last < len(pairs) and staged + sizes[last][1] <= SWAP_STAGING_BYTES:
+                staged += sizes[last][1]
+                last += 1
+            batch = range(first, last)
+            staging = self._staging(staged) if host is not None else None
+            with _on(stream):
+                k = 0
+                for i in batch:
+                    n_p, n_d = sizes[i]
+                    if staging is not None:  # the demoted expert's bytes out first: its slot is overwritten next
+                        staging[k: k + n_d].copy_(self.pool[at_dev[i]: at_dev[i] + n_d], non_blocking=self.pin)
+                        src = host.tensor[at_host[i]: at_host[i] + n_p]
+                        k += n_d
+                    else:
+                        src, read = self.cold.bytes(*pairs[i][0])
+                        self._stats.disk_reads += read
+                    self.pool[at_dev[i]: at_dev[i] + n_p].copy_(src[:n_p], non_blocking=self.cold.pinned)
+                    moved += n_p + (n_d if staging is not None else 0)
+            if stream is not None:
+                stream.synchronize()
+            if staging is not None:
+                k = 0
+                for i in batch:
+                    n_d = sizes[i][1]
+                    host.tensor[at_host[i]: at_host[i] + n_d].copy_(staging[k: k + n_d])
                     k += n_d
-                else:
-                    src, read = self.cold.bytes(*p)
-                    self._stats.disk_reads += read
-                self.pool[at_dev[i]: at_dev[i] + n_p].copy_(src[:n_p], non_blocking=self.cold.pinned)
-                moved += n_p + (n_d if staging is not None else 0)
-        if stream is not None:
-            stream.synchronize()
-        if staging is not None:
-            k = 0
-            for i in range(len(pairs)):
-                n_d = sizes[i][1]
-                host.tensor[at_host[i]: at_host[i] + n_d].copy_(staging[k: k + n_d])
-                k += n_d
+            first = last
         for i, (p, d) in enumerate(pairs):
             if host is not None:
                 host.layout.offset[d], host.layout.offset[p] = host.layout.offset[p], -1

@@ -68,10 +68,14 @@ def source_bytes(store, layer: int, expert: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("hot_fraction,mode", [(1.0, "zerocopy"), (0.6, "async"), (0.6, "zerocopy"), (0.1, "async"),
                                                (0.1, "zerocopy")])
-def test_swaps_keep_results_bit_identical(model_path, tmp_path, mode, hot_fraction):
+def test_swaps_keep_results_bit_identical(model_path, tmp_path, monkeypatch, mode, hot_fraction):
     """Re-placement toward scores that favour the cold experts: the hot set moves as asked,
     every expert's bytes are where the table says (device pool, or the host pool range the
-    promoted expert left), and the same requests give the same bits and tokens."""
+    promoted expert left), and the same requests give the same bits and tokens. (The staging
+    buffer is made to hold one expert: every swap is its own batch.)"""
+    from sparkpack.runtime import expert_store
+
+    monkeypatch.setattr(expert_store, "SWAP_STAGING_BYTES", 1)
     model = load(model_path, tmp_path, hot_fraction, mode)
     store = model.experts
     session = Session(model, ctx=64)
@@ -270,3 +274,29 @@ def test_trace_records_what_was_learned(synth_model, tmp_path, arch):
         for j, il in enumerate(tr.moe_layers):
             counts[il] = np.bincount(np.asarray(tr.ids[mask, j]).ravel(), minlength=tr.n_expert)
         assert np.allclose(counts, prof.counts[side]), side
+
+
+def test_a_chat_stopped_by_sigterm_writes_what_it_learned(synth_model, tmp_path):
+    """spark-run's chat learns as it answers; SIGTERM (while it waits for the next line) ends it
+    with 143 and the profile written."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.procs import ENV, SPARK_RUN
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(synth_model("qwen3moe", "Q4_K_M", skew=1.0).read_bytes())
+    proc = subprocess.Popen([*SPARK_RUN, str(model), "--hot-fraction", "0.5", "--device", "cpu", "--max-tokens", "3",
+                             "--temperature", "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
+    proc.stdin.write("hello there\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline()  # the reply's line; then input() waits for the next one
+    time.sleep(0.5)
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    prof = Profile.load(tmp_path / "m.profile.json")
+    assert prof.tokens["prompt"] > 0 and prof.tokens["generated"] > 0
