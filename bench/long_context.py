@@ -54,7 +54,8 @@ def spark(args: argparse.Namespace, n: int, kv: str, ids_file: Path) -> dict:
     stats = Path(tempfile.mkstemp(suffix=".json")[1])
     cmd = [sys.executable, "-m", "sparkpack.runtime.cli", str(args.model), "--prompt-ids-file", str(ids_file),
            "--max-tokens", str(args.decode_tokens), "--temperature", "0", "--ctx",
-           str(n + args.decode_tokens + 16), "--kv-type", kv, "--stats-json", str(stats), *args.spark_arg]
+           str(n + args.decode_tokens + 16), "--kv-type", kv, "--stats-json", str(stats), *args.spark_arg,
+           "--no-learn"]  # every length placed the same way: no profile learned between the runs
     t0 = time.perf_counter()
     r = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=args.timeout)
     wall = time.perf_counter() - t0

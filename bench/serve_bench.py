@@ -166,7 +166,8 @@ def free_port() -> int:
 
 def spark_server(args: argparse.Namespace) -> Server:
     cmd = [sys.executable, "-m", "sparkpack.runtime.cli", str(args.model), "--serve", "--port", "0", "--device",
-           args.device, "--ctx", str(args.ctx), "--temperature", "0", "--api-key", API_KEY, *placement(args)]
+           args.device, "--ctx", str(args.ctx), "--temperature", "0", "--api-key", API_KEY, *placement(args),
+           "--no-learn"]  # a benchmark writes no profile beside the model (later runs would place from it)
     return Server("sparkpack", cmd)
 
 
@@ -333,7 +334,7 @@ def one_shot(args: argparse.Namespace, turns: Turns) -> dict:
     stats = Path(tempfile.mkstemp(suffix=".json")[1])
     cmd = [sys.executable, "-m", "sparkpack.runtime.cli", str(args.model), "-p", turns.user1, "--system", turns.system,
            "--max-tokens", str(args.decode_tokens), "--temperature", "0", "--device", args.device, "--ctx",
-           str(args.ctx), "--stats-json", str(stats), *placement(args)]
+           str(args.ctx), "--stats-json", str(stats), *placement(args), "--no-learn"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     s = json.loads(stats.read_text())
     return {"decode_tok_s": s.get("decode_tok_s"), "decode_tokens": s.get("decode_tokens"),
