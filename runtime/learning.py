@@ -10,7 +10,7 @@ saved profile, so it starts where the last run stopped.
 Where the counts come from: the store reads every call's routing counts anyway (one small copy
 after a call, or a host read per layer in async mode); it hands each to ``observe`` with the side
 the session set (prompt while a request's prompt runs, generated while decoding). ``observe``
-only adds them to a host array (~10 us a token); they reach the learner when the side changes
+only adds them to a host array (4 us a step at 40 x 256 experts here); they reach the learner when the side changes
 and after each request (``commit``), so learning adds no device sync and almost no host time
 per token. Everything here runs in the thread that runs the model (the server's engine thread,
 or the one-shot command's), never concurrently with a forward call.
