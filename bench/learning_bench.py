@@ -181,6 +181,7 @@ class Row:
     decode_tok_s: float | None
     generated_cold: float | None = None  # live only: generated-side share outside the hot set
     experts_moved: float | None = None  # live only: re-placed so far
+    replace_seconds: float | None = None  # live only: engine time spent re-placing so far
 
 
 def run_requests(server: Server, phase: str, chats: list[tuple[int, list[dict]]], args: argparse.Namespace,
@@ -204,7 +205,7 @@ def run_requests(server: Server, phase: str, chats: list[tuple[int, list[dict]]]
         row = Row(server.name, phase, index, r.usage.prompt_tokens, getattr(details, "cached_tokens", 0) or 0,
                   r.usage.completion_tokens, 1 - d["hot"] / total if total else None,
                   d["missed"] / total if total else None, rate_sum / rate_n if rate_n else None,
-                  gen, now.get("sparkpack_replaced_experts_total"))
+                  gen, now.get("sparkpack_replaced_experts_total"), now.get("sparkpack_replacement_seconds_total"))
         log(f"  {phase} #{index}: {row.prompt_tokens} prompt ({row.cached_tokens} cached), cold {_f(row.cold_share)}, "
             f"miss {_f(row.miss_rate)}, decode {_f(row.decode_tok_s, '.1f')} tok/s")
         rows.append(row)
@@ -245,14 +246,14 @@ def markdown(result: dict) -> str:
     by = {r["index"]: r for r in result["offline"]}
     lines = [f"| {result['model']} ({result['vram']}) request | phase | prompt tokens (cached) | live cold share | "
              "offline cold share | live / offline | live miss rate | offline miss rate | live decode tok/s | "
-             "offline decode tok/s | experts re-placed |", "| --- |" + " --- |" * 10]
+             "offline decode tok/s | experts re-placed (s) |", "| --- |" + " --- |" * 10]
     for r in result["live"] + result["restart"]:
         o = by.get(r["index"], {})
         ratio = r["cold_share"] / o["cold_share"] if r["cold_share"] is not None and o.get("cold_share") else None
         lines.append(f"| {r['index']} | {r['phase']} | {r['prompt_tokens']} ({r['cached_tokens']}) | "
                      f"{_f(r['cold_share'])} | {_f(o.get('cold_share'))} | {_f(ratio, '.2f')} | {_f(r['miss_rate'])} | "
                      f"{_f(o.get('miss_rate'))} | {_f(r['decode_tok_s'], '.1f')} | {_f(o.get('decode_tok_s'), '.1f')} | "
-                     f"{_f(r['experts_moved'], '.0f')} |")
+                     f"{_f(r['experts_moved'], '.0f')} ({_f(r['replace_seconds'], '.2f')}) |")
     v = result["verdict"]
     lines.append("")
     lines.append(f"live within {TARGET}x of offline ({WINDOW}-request means) after {v['reached_at_request']} requests "

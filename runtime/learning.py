@@ -67,6 +67,7 @@ class LearningStats:
     replacements: int = 0  # re-placement steps applied
     experts_moved: int = 0  # experts promoted (as many were demoted)
     bytes_moved: int = 0  # bytes copied by re-placements (device <-> host)
+    replace_seconds: float = 0.0  # wall time of re-placement steps (planning and copies)
     profile_writes: int = 0
     profile_write_failures: int = 0
     last_write: float | None = None  # Unix time of the last write
@@ -168,12 +169,14 @@ class LiveLearning:
         if not self._replace_due or self.learner.tokens_seen < self.min_tokens:
             self._replace_due = False
             return 0
+        t0 = time.perf_counter()
         swaps = plan_swaps_in_place(self.store.hot, self.scores(), self._units, self.opts.margin, n)
         if not swaps:
             self._replace_due = False
             return 0
         moved = self.store.apply_swaps(swaps)
         st = self.stats
+        st.replace_seconds += time.perf_counter() - t0
         st.replacements += 1
         st.experts_moved += len(swaps.promote)
         st.bytes_moved += moved

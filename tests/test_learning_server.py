@@ -114,6 +114,7 @@ def test_trace_metrics_and_restart(model, tmp_path, home):
         assert hot > 0 and cold > 0 and 0 <= metric(server, "cold_hit_rate", '{side="generated"}') < 1
         assert metric(server, "replacements_total") >= 1 and metric(server, "replaced_experts_total") >= 1
         assert metric(server, "replaced_bytes_total") > 0 and metric(server, "profile_write_failures_total") == 0
+        assert metric(server, "replacement_seconds_total") > 0
         assert metric(server, "expert_routing_share", '{served="missed"}') >= 0
     finally:
         assert server.stop() == 0

@@ -147,6 +147,8 @@ class LearningCollector:
         yield _counter("replaced_experts", "Experts moved into the hot set by re-placement (as many moved out)",
                        st.experts_moved)
         yield _counter("replaced_bytes", "Bytes copied by re-placement (device and host)", st.bytes_moved)
+        yield _counter("replacement_seconds", "Time the engine spent re-placing (planning and copies)",
+                       st.replace_seconds)
         yield _counter("profile_writes", "Profile files written", st.profile_writes)
         yield _counter("profile_write_failures", "Profile writes that failed (the old file stays)",
                        st.profile_write_failures)
