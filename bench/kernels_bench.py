@@ -14,7 +14,7 @@ shape, so a fast wrong kernel cannot pass.
     python bench/kernels_bench.py --only prefill-attention --prefill-tokens 2048 --prefill-past 0 16384 32768
     python bench/kernels_bench.py --only deltanet --prefill-tokens 2048   # DeltaNet prefill kernels
 
-Blocks come from ``formats.quant_blocks.random_blocks`` (every scale pattern occurs) and the
+Blocks come from ``repack.synth.quant_blocks.random_blocks`` (every scale pattern occurs) and the
 references from ``runtime.dequant`` (gguf's arithmetic, on the GPU). Exits 1 if any case is
 outside its error bound.
 """
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
-from sparkpack.formats.quant_blocks import make_rng, random_blocks
+from sparkpack.repack.synth.quant_blocks import make_rng, random_blocks
 from sparkpack.formats.quants import block_size
 from sparkpack.runtime.dequant import FLOAT_DTYPES, dequantize_rows
 from sparkpack.runtime.kernels import blocks, dense

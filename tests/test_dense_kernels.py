@@ -1,7 +1,7 @@
 """The dense-projection kernels (``runtime.kernels.dense``) against gguf's dequantizer in float64.
 
 CPU runs use Triton's interpreter on small shapes; on a GPU the same tests run at the model's
-real widths too. Weights are random valid blocks (``formats.quant_blocks.random_blocks(any_scales=True)``),
+real widths too. Weights are random valid blocks (``repack.synth.quant_blocks.random_blocks(any_scales=True)``),
 so every code and scale bit pattern occurs.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before triton is
 imported), on tiny shapes. Blocks are random bytes with only the f16 scale fields made finite
-(``formats.quant_blocks.random_blocks(any_scales=True)``), so every bit pattern of the packed
+(``repack.synth.quant_blocks.random_blocks(any_scales=True)``), so every bit pattern of the packed
 codes and sub-block scales (negative Q6_K scales, the high bits of the 6-bit K-quant scales) is
 exercised. The interpreter does not see GPU code generation, so one
 test also compiles every kernel family for sm_90 with the ptxas bundled in the triton wheel.
@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 from gguf.constants import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
-from sparkpack.formats.quant_blocks import make_rng, random_blocks  # noqa: E402
+from sparkpack.repack.synth.quant_blocks import make_rng, random_blocks  # noqa: E402
 from sparkpack.runtime.kernels.blocks import BLOCK_LAYOUT  # noqa: E402
 from sparkpack.runtime.kernels.dense import gemv  # noqa: E402
 from sparkpack.runtime.kernels.moe import GROUPED_MIN_PAIRS, ExpertPools, MoELaunch, group_pairs, moe_experts  # noqa: E402

@@ -7,10 +7,10 @@ import pytest
 from gguf import quants
 from gguf.constants import GGMLQuantizationType as T
 
-from sparkpack.formats.quant_blocks import (ANY_SCALES_TYPES, SUPPORTED, float_bytes, make_rng, random_blocks,
+from sparkpack.repack.synth.quant_blocks import (ANY_SCALES_TYPES, SUPPORTED, float_bytes, make_rng, random_blocks,
                                            random_tensor_bytes)
 from sparkpack.formats.quant_mix import tensor_qtype, use_more_bits
-from sparkpack.formats.routing_skew import REFERENCE_TOP_SHARE, reference_skew, top_share
+from sparkpack.repack.synth.routing_skew import REFERENCE_TOP_SHARE, reference_skew, top_share
 
 
 @pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda q: q.name)

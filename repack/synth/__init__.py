@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from sparkpack.formats.quant_mix import MIXES, tensor_qtype
-from sparkpack.formats.routing_skew import reference_skew
+from .routing_skew import reference_skew
 
 from .metadata import add_metadata
 from .presets import ARCH_NAMES, PRESET_NAMES, PRESETS, Preset, get_preset

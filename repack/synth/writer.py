@@ -21,9 +21,9 @@ import gguf
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from sparkpack.formats.quant_blocks import float_bytes, make_rng, random_tensor_bytes
+from .quant_blocks import float_bytes, make_rng, random_tensor_bytes
 from sparkpack.formats.quants import row_nbytes, tensor_nbytes
-from sparkpack.formats.routing_skew import expert_factors
+from .routing_skew import expert_factors
 
 from .tensors import TensorPlan
 

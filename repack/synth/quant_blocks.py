@@ -19,7 +19,7 @@ import numpy as np
 from gguf import quants as gq
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from .quants import FLOAT_QTYPES
+from sparkpack.formats.quants import FLOAT_QTYPES
 
 FLOAT_TYPES = tuple(T(q) for q in FLOAT_QTYPES)
 SUPPORTED = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K) + FLOAT_TYPES
