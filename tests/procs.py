@@ -39,7 +39,9 @@ def mid_work(argv: list[str], working: Callable[[], bool], action: Callable[[sub
         while proc.poll() is None and time.monotonic() < deadline:
             if working():
                 os.kill(proc.pid, signal.SIGSTOP)
-                caught = proc.poll() is None and working()
+                # SIGSTOP lands asynchronously: only once the process is stopped does "still
+                # working" mean it (on an idle machine a split renamed its pack in between)
+                caught = _stopped(proc) and working()
                 if caught:
                     action(proc)
                 if proc.returncode is None:  # not reaped by poll(): the pid is still ours
@@ -50,6 +52,21 @@ def mid_work(argv: list[str], working: Callable[[], bool], action: Callable[[sub
             time.sleep(0.001)
         proc.communicate(timeout=120)
     raise AssertionError(f"{argv[3:5]} always finished before it could be caught: give it more work")
+
+
+def _stopped(proc: subprocess.Popen, timeout: float = 10.0) -> bool:
+    """Wait until ``proc`` is in the stopped state; False when it exited instead."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{proc.pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return proc.poll() is None
+        if state in ("T", "t"):
+            return True
+        time.sleep(0.0005)
+    return proc.poll() is None
 
 
 def signal_mid_work(argv: list[str], working: Callable[[], bool], sig: int = signal.SIGTERM) -> Stopped:
