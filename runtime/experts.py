@@ -12,6 +12,7 @@ again), which matters for real models: Qwen3-30B's experts are ~115 GiB in float
 """
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
@@ -88,9 +89,9 @@ class PlainProvider(ExpertProvider):
     def staged_prefill(self, n_tokens: int) -> bool:
         return False
 
+    @abstractmethod
     def forward(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """SwiGLU output ``[n, n_embd]`` of one expert for rows ``x [n, n_embd]``."""
-        raise NotImplementedError
+        """SwiGLU output ``[n, n_embd]`` of one expert for rows ``x [n, n_embd]`` (each provider's own)."""
 
     def moe(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             q8: "Int8Rows | None" = None) -> torch.Tensor:
