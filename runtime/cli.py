@@ -249,7 +249,8 @@ def run_session(model, opts: RunOptions, prompt: str | None, system: str | None,
                 prompt_ids: str | None, logits_out: Path | None, ready: Callable[[], None] = lambda: None):
     """The run itself; returns the generation session (for statistics) or None. ``ready()`` is
     called once the warm-up is done and the real tokens follow."""
-    session = open_session(model, opts)
+    tok = load_tokenizer(model)
+    session = open_session(model, opts, tok.control_ids)
     sampler = one_shot_sampler(opts.sampling)
     if model.device.type == "cuda" and logits_out is None:  # kernels and graphs ready before the prompt
         click.echo(f"warmed up in {session.warm_up():.2f} s", err=True)
@@ -264,10 +265,9 @@ def run_session(model, opts: RunOptions, prompt: str | None, system: str | None,
             logits = model.forward(ids, cache).float().cpu().numpy().astype(np.float32)
             save_npy_atomic(logits_out, logits)
             return None
-        stream(model, load_tokenizer(model), ids, sampler, opts.max_tokens, session, opts.ctx)
+        stream(model, tok, ids, sampler, opts.max_tokens, session, opts.ctx)
         return session
 
-    tok = load_tokenizer(model)
     if prompt is not None:
         template = chat_template(model, raw)
         if template is None:

@@ -3,11 +3,21 @@
 ``Session`` keeps a model's cache together with the tokens it has consumed, so a chat or a server
 can send the whole re-rendered conversation each turn and have only what changed computed.
 ``Session.prompt`` keeps the longest prefix that gives the very bits a fresh session computes:
-the rows written by the prefill calls a fresh session makes too (calls start at multiples of the
-call size), with DeltaNet states restored from checkpoints taken at those positions
-(``runtime.cache.StateCheckpoints``). Rows written by a decode step or by a call that started
-elsewhere are recomputed: the same tokens fed in other calls differ in the last bits on the CPU
-(4e-7 on the tiny models), and on a GPU a decode step's projections even take int8 activations.
+the rows written by the prefill calls a fresh session makes too, with DeltaNet states restored
+from checkpoints taken at those positions (``runtime.cache.StateCheckpoints``). Rows written by a
+decode step or by a call that started elsewhere are recomputed: the same tokens fed in other
+calls differ in the last bits on the CPU (4e-7 on the tiny models), and on a GPU a decode step's
+projections even take int8 activations.
+
+Where calls end is a function of the tokens alone, read from the start (``Session.call_end``): a
+call ends after ``call_tokens`` tokens, or earlier before a break token (the chat template's
+control tokens, where a message starts or ends) once it holds ``call_tokens // 8``. Why: the
+next request of a conversation repeats this one's prompt up to about where the reply starts,
+and ends in the middle of a fixed-size call; a call that ended before the last message's
+control tokens lets it keep all but a few tokens of it (on the GPU machine, a 17k-token agent
+prompt kept 16384 of its 17018 tokens with fixed 2048-token calls). A schedule that looks only
+backwards cuts a prompt and every longer prompt starting with it at the same places, so the
+kept rows are those a fresh session computes.
 """
 from __future__ import annotations
 
@@ -70,16 +80,32 @@ class Timing:
 DEFAULT_CTX = 4096
 
 
+def call_end(ids: list[int], start: int, call_tokens: int, breaks: frozenset[int]) -> int:
+    """Where a fresh session's prefill call that starts at ``start`` ends (see the module
+    docstring): before the first break token at least ``call_tokens // 8`` tokens in, else after
+    ``call_tokens``. Reads only tokens before that end, so a longer ``ids`` agrees; an end past
+    ``len(ids)`` is not decided yet (a prompt's last call)."""
+    limit = start + call_tokens
+    if breaks:
+        for q in range(start + max(1, call_tokens // 8), min(limit, len(ids))):
+            if ids[q] in breaks:
+                return q
+    return limit
+
+
 class Session:
     """``ctx`` sizes the KV buffers up front (they grow past it, but only up to ``ctx`` is a
     decode step replayed from a CUDA graph). ``graphs`` None: capture decode steps (and, on the
     all-attention models, prefill calls: prompts then go in calls of at most
     ``PREFILL_GRAPH_TOKENS``, padded, see ``runtime.graph.PrefillGraphs``) where the model allows
     (CUDA, zero-copy expert store). ``kv_type``: see ``runtime.cache.KVCache``. ``checkpoints``:
-    how many DeltaNet state copies ``prompt`` may go back to (models with DeltaNet layers)."""
+    how many DeltaNet state copies ``prompt`` may go back to (models with DeltaNet layers).
+    ``breaks``: token ids a call may end before (``GGUFTokenizer.control_ids``; see the module
+    docstring); sessions compared bit for bit must have the same."""
 
     def __init__(self, model: MoEModel, prefill_chunk: int = PREFILL_CHUNK, ctx: int = DEFAULT_CTX,
-                 graphs: bool | None = None, kv_type: str = "auto", checkpoints: int = STATE_CHECKPOINTS):
+                 graphs: bool | None = None, kv_type: str = "auto", checkpoints: int = STATE_CHECKPOINTS,
+                 breaks: frozenset[int] = frozenset()):
         self.model = model
         self.prefill_chunk = prefill_chunk
         self.use_graphs = capturable(model) if graphs is None else graphs
@@ -102,11 +128,15 @@ class Session:
         # buffers for them alone: runtime.residency.memory_target).
         self.staged = not self.short_calls and model.experts.staged_prefill(prefill_chunk)
         self.call_tokens = min(prefill_chunk, PREFILL_GRAPH_TOKENS) if self.short_calls else prefill_chunk
+        self.breaks = breaks
         recurrent = any(isinstance(la, RecurrentState) for la in self.cache.layers)
         self.checkpoints = StateCheckpoints(checkpoints) if recurrent else None
         self.fed: list[int] = []
+        # Where a fresh session feeding ``fed`` ends its calls, as far as ``fed`` decides it
+        # (``call_end``), from 0; the tokens after the last are in a call still open.
+        self.cuts = [0]
         # Rows [0, exact) came from the calls a fresh session feeding ``fed`` makes (whole calls
-        # from position 0): what ``prompt`` may keep.
+        # from position 0): what ``prompt`` may keep. Always one of ``cuts``.
         self.exact = 0
         self.reused = 0  # tokens the last ``prompt`` kept instead of computing
 
@@ -126,7 +156,8 @@ class Session:
         t0 = time.perf_counter()
         n_vocab = self.model.spec.n_vocab
         room = max(2, self.cache_ctx - 2)
-        dummy = torch.randint(0, n_vocab, (room + 64,), generator=torch.Generator().manual_seed(0)).tolist()
+        dummy = torch.randint(0, n_vocab, (2 * room + 128,), generator=torch.Generator().manual_seed(0)).tolist()
+        dummy = [t for t in dummy if t not in self.breaks]  # calls of the sizes below, not cut short
         if self.prefill is not None:
             for size in PREFILL_SIZES:
                 if size + 1 <= room:
@@ -156,6 +187,7 @@ class Session:
         for the next one."""
         self.cache.reset()
         self.fed = []
+        self.cuts = [0]
         self.exact = 0
         if self.checkpoints is not None:
             self.checkpoints.discard_after(0)
@@ -187,18 +219,23 @@ class Session:
             else:
                 self.cache.pos = keep  # KV rows past it are masked, then overwritten
             self.fed = self.fed[:keep]
+        self.cuts = [c for c in self.cuts if c <= keep]
         self.exact = keep
         self.reused = keep
         # A fresh session's lone first token is a decode step (captured); any later call is not.
         return self._run(ids, keep, graph=keep == 0, side=side)
 
     def _restorable(self, limit: int) -> int:
-        """The last position at most ``limit`` that ``prompt`` can go back to: a call boundary
-        of a fresh session with, on DeltaNet models, a state checkpoint (0 always qualifies)."""
-        best = limit - limit % self.call_tokens
+        """The last position at most ``limit`` (at most ``exact``) that ``prompt`` can go back to:
+        where a fresh session ends a call with, on DeltaNet models, a state checkpoint (0 always
+        qualifies)."""
+        best = max(c for c in self.cuts if c <= limit)
         if self.checkpoints is None:
             return best
         return max((p for p in self.checkpoints.positions if p <= best), default=0)
+
+    def call_end(self, ids: list[int], start: int) -> int:
+        return call_end(ids, start, self.call_tokens, self.breaks)
 
     def _run(self, ids: list[int], n: int, graph: bool, side: str) -> torch.Tensor:
         """Feed ``ids[n:]`` (tokens of ``side``) after the ``n`` tokens in the cache; the logits of the last."""
@@ -213,20 +250,27 @@ class Session:
             logits = self.graph.step(ids[-1])  # None past the graph's KV room: eager below
             capturing = self.graph.captures > captures
         if logits is None:
-            # Calls end at multiples of call_tokens, so that those positions are where a fresh
-            # session's calls end: rows computed from there are the ones it computes.
-            step = self.call_tokens
-            i = n
+            # Calls end where a fresh session's calls end (``call_end``): rows computed from
+            # there are the ones it computes.
+            i, start = n, self.cuts[-1]
             while i < len(ids):
-                end = min(len(ids), i - i % step + step)
+                cut = self.call_end(ids, start)
+                if cut <= i:  # decided by the new tokens, inside rows fed already (a decode step's)
+                    self.cuts.append(cut)
+                    start = cut
+                    continue
+                end = min(len(ids), cut)
                 chunk = ids[i:end]
                 logits = self.prefill.feed(chunk) if self.prefill is not None else None
                 if logits is None:
                     logits = self.model.forward(chunk, self.cache, last_only=True)[-1]
-                if i == self.exact and end - i == step:  # a whole call from an exact row: still exact
-                    self.exact = end
-                    if self.checkpoints is not None:
-                        self.checkpoints.save(self.cache)
+                if end == cut:
+                    self.cuts.append(cut)
+                    if i == self.exact == start:  # a whole call from an exact row: still exact
+                        self.exact = end
+                        if self.checkpoints is not None:
+                            self.checkpoints.save(self.cache)
+                    start = cut
                 i = end
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)

@@ -181,8 +181,10 @@ def open_model(opts: RunOptions) -> MoEModel:
                       expert_cache_bytes=opts.expert_cache, store=store)
 
 
-def open_session(model: MoEModel, opts: RunOptions) -> Session:
-    """A generation session on ``model`` with the run's context, KV cache type and prefill calls."""
+def open_session(model: MoEModel, opts: RunOptions, breaks: frozenset[int]) -> Session:
+    """A generation session on ``model`` with the run's context, KV cache type and prefill calls;
+    ``breaks``: the tokenizer's ``control_ids`` (a one-shot run and a server cut their prompts'
+    calls alike, so a served reply has the one-shot bits)."""
     from .generate import Session
 
-    return Session(model, ctx=opts.ctx, kv_type=opts.kv_type, prefill_chunk=opts.prefill_chunk)
+    return Session(model, ctx=opts.ctx, kv_type=opts.kv_type, prefill_chunk=opts.prefill_chunk, breaks=breaks)

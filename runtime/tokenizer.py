@@ -202,5 +202,12 @@ class GGUFTokenizer:
     def is_special(self, token_id: int) -> bool:
         return int(token_id) in self._special
 
+    @property
+    def control_ids(self) -> frozenset[int]:
+        """The CONTROL tokens: where a chat template starts and ends messages (``<|im_start|>``,
+        ``<|im_end|>``; Laguna's ``<user>``...), so where a session may end a prefill call
+        (``runtime.generate.Session``)."""
+        return self._special
+
     def token_to_id(self, text: str) -> int | None:
         return self._tok.token_to_id(text)

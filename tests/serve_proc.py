@@ -36,6 +36,31 @@ def one_thread():
         torch.set_num_threads(n)
 
 
+def fresh_session(model_path: Path, call: int, ctx: int):
+    """An in-process session as the server opens one on ``model_path`` (CPU, ``--prefill-chunk
+    call``): same breaks (the tokenizer's control tokens), so its bits are the server's."""
+    from sparkpack.formats.gguf_file import GGUFModel
+    from sparkpack.runtime.generate import Session
+    from sparkpack.runtime.models import load_model
+    from sparkpack.runtime.tokenizer import GGUFTokenizer
+
+    breaks = GGUFTokenizer.from_metadata(GGUFModel(model_path)).control_ids
+    return Session(load_model(model_path), prefill_chunk=call, ctx=ctx, breaks=breaks)
+
+
+def kept_tokens(previous: list[int], ids: list[int], call: int, breaks: frozenset[int]) -> int:
+    """What the server keeps of prompt ``ids`` after prompt ``previous`` (computed whole, then a
+    reply): the last place a fresh session ends a call of ``previous`` (``call_end``) that is
+    inside the common prefix and before ``ids``' last token."""
+    from sparkpack.runtime.generate import call_end
+
+    cuts = [0]
+    while (end := call_end(previous, cuts[-1], call, breaks)) <= len(previous):
+        cuts.append(end)
+    common = next((i for i, (a, b) in enumerate(zip(previous, ids)) if a != b), min(len(previous), len(ids)))
+    return max(c for c in cuts if c <= min(common, len(ids) - 1))
+
+
 class ServerProcess:
     def __init__(self, model: Path, *args: str, hooks: Path | None = None, api_key: str | None = API_KEY,
                  device: str = "cpu", env: dict[str, str] | None = None):

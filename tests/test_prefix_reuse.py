@@ -8,7 +8,7 @@ import torch
 
 from sparkpack.formats.memory import recurrent_state_bytes
 from sparkpack.runtime.cache import StateCheckpoints
-from sparkpack.runtime.generate import Session, generate
+from sparkpack.runtime.generate import Session, call_end, generate
 from sparkpack.runtime.models import StoreOptions, load_model
 
 CALL = 16  # prefill tokens per call: reuse happens at multiples of it
@@ -71,6 +71,52 @@ def test_reused_prefix_gives_the_bits_of_a_fresh_session(synth_model, arch, devi
     assert session.reused == 32  # back to the 49-token turn's last whole call before position 40
     assert tail == list(generate(model, None, turns[1], None, 8, stop_ids=(),
                                  session=Session(model, prefill_chunk=CALL, ctx=256)))
+
+
+BREAK = 5  # a stand-in for the chat template's control tokens (ids_of never draws it)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_call_ends_before_a_break_so_the_next_turn_keeps_nearly_all(synth_model, arch):
+    """A turn's prompt ends a few tokens after a break (the assistant header): the call before it
+    ends there, so the next turn, which repeats the prompt up to where the reply starts, keeps
+    all but those few tokens instead of falling back to the last whole fixed-size call; the
+    logits are still a fresh session's bits (one with the same breaks)."""
+    model = load_model(synth_model(arch, "Q8_0"))
+    breaks = frozenset({BREAK})
+    session = Session(model, prefill_chunk=CALL, ctx=256, breaks=breaks)
+    turn1 = ids_of(7, 20) + [BREAK] + ids_of(8, 22) + [BREAK] + ids_of(9, 2)
+    session.prompt(turn1)
+    # calls: [0,16) full; [16,20) ends at the break 4 tokens in (>= 16 // 8); [20,36) full, the
+    # break at 20 being its first token; [36,43) ends at the second break; [43,46) still open
+    assert session.cuts == [0, 16, 20, 36, 43] and session.exact == 43
+    turn2 = turn1[:45] + ids_of(10, 12)
+    got = session.prompt(turn2)
+    assert session.reused == 43  # fixed calls alone would keep 32
+    assert torch.equal(got, Session(model, prefill_chunk=CALL, ctx=256, breaks=breaks).feed(turn2))
+    plain = Session(model, prefill_chunk=CALL, ctx=256)
+    plain.prompt(turn1)
+    plain.prompt(turn2)
+    assert plain.reused == 32
+
+
+def test_call_ends_read_only_the_tokens_before_them():
+    """The cuts of any prefix are the cuts of the whole sequence before its end (a cut at its
+    very end may wait for the next token): what makes a kept prefix the rows a fresh session
+    computes for a longer prompt."""
+    def cuts(ids: list[int]) -> list[int]:
+        out = [0]
+        while (end := call_end(ids, out[-1], 16, frozenset({1, 2}))) <= len(ids):
+            out.append(end)
+        return out
+
+    g = torch.Generator().manual_seed(11)
+    for _ in range(50):
+        ids = torch.randint(0, 12, (200,), generator=g).tolist()
+        full = cuts(ids)
+        for n in range(1, 200, 7):
+            part = cuts(ids[:n])
+            assert [c for c in part if c < n] == [c for c in full if c < n] and set(part) <= set(full)
 
 
 def test_checkpoints_are_bounded_and_keep_old_prefixes_reachable(synth_model):

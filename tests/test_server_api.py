@@ -20,10 +20,8 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from sparkpack.runtime.generate import Session
-from sparkpack.runtime.models import load_model
 from sparkpack.runtime.tokenizer import GGUFTokenizer
-from tests.serve_proc import API_KEY, ENV, ServerProcess, one_thread
+from tests.serve_proc import API_KEY, ENV, ServerProcess, fresh_session, kept_tokens, one_thread
 
 CALL = 16  # --prefill-chunk: prefix reuse happens at multiples of it
 CTX = 512
@@ -106,7 +104,7 @@ def test_health_models_tokenizer_and_metrics(server, oai):
     assert 'sparkpack_requests_total{outcome="length",route="chat"}' in text
 
 
-def test_chat_plain_and_streamed_agree_and_report_usage(server, oai):
+def test_chat_plain_and_streamed_agree_and_report_usage(server, oai, tokenizer):
     plain = oai.chat.completions.create(model="x", messages=user("Say something."), max_tokens=5)
     choice = plain.choices[0]
     dump, _ = last_dump(server)
@@ -118,7 +116,8 @@ def test_chat_plain_and_streamed_agree_and_report_usage(server, oai):
     assert chunks[-2].choices[0].finish_reason == "length"
     assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == choice.message.content
     # the same prompt again: its whole calls are kept (the prompt ends inside the last one)
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (len(dump["prompt"]) - 1) // CALL * CALL
+    kept = kept_tokens(dump["prompt"], dump["prompt"], CALL, tokenizer.control_ids)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == kept > 0
 
 
 def test_greedy_through_the_server_is_spark_run_p(server, oai, model_path, tokenizer):
@@ -131,16 +130,18 @@ def test_greedy_through_the_server_is_spark_run_p(server, oai, model_path, token
     assert run.stdout == tokenizer.decode(dump["tokens"], skip_special=True) + "\n"
 
 
-def test_a_follow_up_turn_reuses_the_prefix_with_the_bits_of_a_fresh_run(server, oai, model_path):
+def test_a_follow_up_turn_reuses_the_prefix_with_the_bits_of_a_fresh_run(server, oai, model_path, tokenizer):
     first = oai.chat.completions.create(model="x", messages=user("Write a haiku about tests."), max_tokens=4)
     d1, _ = last_dump(server)
     messages = user("Write a haiku about tests.") + [
         {"role": "assistant", "content": first.choices[0].message.content}, *user("Another one.")]
     second = oai.chat.completions.create(model="x", messages=messages, max_tokens=2)
     d2, logits = last_dump(server)
-    assert second.usage.prompt_tokens_details.cached_tokens == len(d1["prompt"]) // CALL * CALL > 0
+    kept = kept_tokens(d1["prompt"], d2["prompt"], CALL, tokenizer.control_ids)
+    # the first prompt's calls end before its last control tokens: all but its last few tokens stay
+    assert second.usage.prompt_tokens_details.cached_tokens == kept > len(d1["prompt"]) // CALL * CALL
     with one_thread():
-        fresh = Session(load_model(model_path), prefill_chunk=CALL, ctx=CTX).feed(d2["prompt"])
+        fresh = fresh_session(model_path, CALL, CTX).feed(d2["prompt"])
     assert np.array_equal(logits, fresh.float().numpy())
 
 

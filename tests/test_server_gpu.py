@@ -43,7 +43,8 @@ def test_gpu_server_reuse_is_exact_and_greedy_is_spark_run_p(synth_model, arch, 
         turn2 = TURN1 + [{"role": "assistant", "content": first.choices[0].message.content},
                          {"role": "user", "content": "Now run the tests."}]
         second = chat(server, turn2, 16)
-        assert second.usage.prompt_tokens_details.cached_tokens >= 64
+        # turn 1's calls end before its last control tokens: all but its last few are kept
+        assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 64 // 8 - 8
         metrics = httpx.get(server.base + "/metrics").text
         for served in ("hot", "missed"):  # half the experts on the GPU: both kinds of routings happen
             value = re.search(rf'sparkpack_expert_routings_total{{served="{served}"}} (\S+)', metrics).group(1)

@@ -5,8 +5,8 @@ bench_agent.jsonl): the agent's system prompt, the issue and task, and the files
 recorded ``<tool_result>`` becomes a turn of the agent loop: the model's reply is a tool call
 (teacher-forced through the real model, parsed by the server, sent back by the client in OpenAI
 form as an agent does), followed by the recorded result as the tool message. Each turn must keep
-the previous prompt up to its last whole prefill call (the new tokens, less than one call and the
-previous answer are all that is computed), and the last turn's logits must be a fresh one-shot
+all of the previous prompt but its last few tokens (its calls end before the template's control
+tokens: the new tokens, those few and the previous answer are all that is computed), and the last turn's logits must be a fresh one-shot
 run's, bit for bit, on qwen35moe, whose DeltaNet states come back from checkpoints.
 """
 from __future__ import annotations
@@ -20,9 +20,9 @@ import numpy as np
 import openai
 import pytest
 
-from sparkpack.runtime.generate import Session
-from sparkpack.runtime.models import load_model
-from tests.serve_proc import API_KEY, ServerProcess, one_thread
+from sparkpack.formats.gguf_file import GGUFModel
+from sparkpack.runtime.tokenizer import GGUFTokenizer
+from tests.serve_proc import API_KEY, ServerProcess, fresh_session, kept_tokens, one_thread
 
 CORPUS = Path(__file__).resolve().parents[1] / ".." / "shared" / "corpora" / "lucebox-hub" / "bench_agent.jsonl"
 RECORD = "agent_8k_01"  # three files read: four turns
@@ -56,6 +56,7 @@ def test_agent_session_reuses_each_prefix_and_ends_on_a_fresh_runs_bits(record, 
     assert len(results) == 3
     opening = RESULT.sub("", user)  # the issue and the task, the files left for the turns
     model = synth_model("qwen35moe")
+    breaks = GGUFTokenizer.from_metadata(GGUFModel(model)).control_ids
     server = ServerProcess(model, "--ctx", str(CTX), "--prefill-chunk", str(CALL), hooks=tmp_path)
     try:
         client = openai.OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0)
@@ -76,12 +77,11 @@ def test_agent_session_reuses_each_prefix_and_ends_on_a_fresh_runs_bits(record, 
             if previous is None:
                 assert cached == 0
             else:
-                seen = previous["prompt"] + previous["tokens"]
-                common = next((i for i, (a, b) in enumerate(zip(prompt, seen)) if a != b), min(len(prompt), len(seen)))
-                whole = len(previous["prompt"]) // CALL * CALL  # the previous prompt's last whole call
-                assert cached == min(common, whole) // CALL * CALL
-                assert cached == whole, "the previous prompt should be kept up to its last whole call"
-                assert len(prompt) - cached < len(prompt) - len(previous["prompt"]) + CALL + len(previous["tokens"])
+                assert cached == kept_tokens(previous["prompt"], prompt, CALL, breaks)
+                # all of the previous prompt but the few tokens after its last control token
+                # (the assistant header) or, when that came too soon, after the one before
+                tail = len(previous["prompt"]) - cached
+                assert 0 < tail <= CALL // 8 + 8, tail
             previous = dump
             if turn == len(results):
                 break
@@ -94,7 +94,7 @@ def test_agent_session_reuses_each_prefix_and_ends_on_a_fresh_runs_bits(record, 
         assert f"sparkpack_prefix_cache_hit_tokens_total {float(cached_total)}" in metrics
         logits = np.load(tmp_path / f"{len(results) + 1}.npy")
         with one_thread():
-            fresh = Session(load_model(model), prefill_chunk=CALL, ctx=CTX).feed(previous["prompt"])
+            fresh = fresh_session(model, CALL, CTX).feed(previous["prompt"])
         assert np.array_equal(logits, fresh.float().numpy())
     finally:
         assert server.stop() == 0

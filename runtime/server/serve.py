@@ -81,7 +81,7 @@ def build_served(model, opts: RunOptions, serve: ServeOptions, stopping: Callabl
     end = next((i for i in (tok.eot_id, tok.eos_id) if i is not None), min(tok.stop_ids, default=0))
     flags = opts.learning
     trace = attach_trace(model, flags.trace_out) if flags.trace_out is not None else None  # before any capture
-    session = open_session(model, opts)
+    session = open_session(model, opts, tok.control_ids)
     if model.device.type == "cuda":  # kernels compiled and graphs captured before /health says ready
         click.echo(f"sparkpack: warmed up in {session.warm_up():.2f} s", err=True)
     learning = start_learning(model, flags.learn, flags.gen_weight)  # (after the warm-up: dummy tokens teach nothing)
