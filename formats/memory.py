@@ -41,7 +41,7 @@ PREFILL_GRAPH_TOKENS = 512
 # into one of two device buffers, instead of reading them zero-copy tile by tile
 # (runtime.expert_staging; the plan reserves the buffers: formats.placement). Provisional: the
 # crossover is measured with bench/staged_prefill.py.
-STAGE_TOKENS = 1024
+STAGE_TOKENS = 64
 # Attention scores held at once: a long chunk's queries go in pieces (runtime.layers.attention).
 ATTN_SCORES_MAX = 1 << 25
 # Weights a multi-token projection expands at once from quantized bytes (runtime.quant_linear):
