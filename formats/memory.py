@@ -39,9 +39,12 @@ DELTANET_CHUNK = 64
 PREFILL_GRAPH_TOKENS = 512
 # Prompt calls of at least this many tokens stage their cold experts in bulk, one copy per layer
 # into one of two device buffers, instead of reading them zero-copy tile by tile
-# (runtime.expert_staging; the plan reserves the buffers: formats.placement). Provisional: the
-# crossover is measured with bench/staged_prefill.py.
-STAGE_TOKENS = 64
+# (runtime.expert_staging; the plan reserves the buffers: formats.placement). Measured with
+# bench/staged_prefill.py on the GPU machine (Qwen3.6 Q4_K_M, --vram 14GiB, BENCHMARKS.md): staged
+# calls won from the smallest measured, 32 tokens (1.9x; 6.1x at 512), because a few dozen tokens
+# already route to most of a layer's cold experts. Decode steps and calls of a few tokens stay
+# zero-copy.
+STAGE_TOKENS = 32
 # Attention scores held at once: a long chunk's queries go in pieces (runtime.layers.attention).
 ATTN_SCORES_MAX = 1 << 25
 # Weights a multi-token projection expands at once from quantized bytes (runtime.quant_linear):
