@@ -145,18 +145,22 @@ class Session:
         them; returns the seconds it took. Why: the first call of each shape compiles (or loads)
         its Triton kernels, grows the allocator and captures its CUDA graph, and a user's first
         prompt paid that: on the GPU machine a one-shot 8192-token prompt of the Qwen3.6 shape
-        prefilled at ~4000 tok/s against ~10000 warm (BENCHMARKS.md). Shapes: a full prefill
-        chunk, another after it (attention over a past: with a q8_0 KV cache a one-shot 8192-token
-        prompt ran at 4606 tok/s when only the first was warmed, BENCHMARKS.md) and a short one
-        (eager sessions, and sessions whose store stages long calls: their long calls compile and
-        stage here; a count that is not a multiple of 16 is another kernel variant), or every
-        padded call size (``PrefillGraphs``), then two decode steps (capture, replay). The expert
-        store's counts and cache admission forget the dummy traffic; results never depend on any
-        of it."""
+        prefilled at ~4000 tok/s against ~10000 warm (BENCHMARKS.md). Padded sessions
+        (``PrefillGraphs``) take every padded call size and a short call after a past. Eager
+        sessions take calls of every length that picks another tile shape of the grouped MoE
+        kernels (``tile_calls``) up to a whole chunk, each once from position 0 and once after a
+        past (attention over a past: with a q8_0 KV cache a one-shot 8192-token prompt ran at
+        4606 tok/s when only the first call was warmed) and with a count that is and one that is
+        not a multiple of 16 (Triton compiles the two apart): a prompt's calls end at control
+        tokens and at its end, so any length comes. Then two decode steps (capture, replay). The
+        expert store's counts and cache admission forget the dummy traffic; results never depend
+        on any of it."""
+        from .kernels.moe_grouped import tile_calls
+
         t0 = time.perf_counter()
-        n_vocab = self.model.spec.n_vocab
+        spec = self.model.spec
         room = max(2, self.cache_ctx - 2)
-        dummy = torch.randint(0, n_vocab, (2 * room + 128,), generator=torch.Generator().manual_seed(0)).tolist()
+        dummy = torch.randint(0, spec.n_vocab, (2 * room + 128,), generator=torch.Generator().manual_seed(0)).tolist()
         dummy = [t for t in dummy if t not in self.breaks]  # calls of the sizes below, not cut short
         if self.prefill is not None:
             for size in PREFILL_SIZES:
@@ -164,16 +168,23 @@ class Session:
                     self.reset()
                     self.feed(dummy[:size])
         if self.prefill is not None and not self.staged:
-            sizes = [min(room - 1, 37)]
-        else:  # a whole chunk, a whole chunk after a past (the long-prompt attention variants), a short one
-            chunk = self.prefill_chunk
-            sizes = [chunk, chunk, 37] if 2 * chunk + 39 <= room else [min(chunk, room - 38), 37]
-        self.reset()
+            pairs = [(0, min(room - 1, 37))]
+        else:
+            chunk = self.call_tokens
+            lengths = sorted({*tile_calls(spec.n_expert, spec.n_expert_used, chunk), chunk})
+            pairs = []
+            for n in lengths:
+                even = min(chunk, -(-n // 16) * 16)
+                odd = even + 1 if even < chunk else even - 1
+                pairs += [(even, odd), (odd, even)]
         ids: list[int] = []
-        for n in sizes:
-            if n > 0 and len(ids) + n + 2 <= room:
-                ids += dummy[len(ids): len(ids) + n]
-                self.feed(ids)
+        for first, second in pairs:
+            self.reset()
+            ids = []
+            for n in (first, second):
+                if n > 0 and len(ids) + n + 2 <= room:
+                    ids += dummy[len(ids): len(ids) + n]
+                    self.feed(ids)
         for _ in range(2):
             ids.append(dummy[len(ids)])
             self.feed(ids)

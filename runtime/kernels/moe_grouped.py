@@ -369,6 +369,18 @@ def _sub_tiles(pairs_per_expert: float) -> tuple[int, int, int]:
     return (64, 128, 8) if pairs_per_expert >= 96 else (64, 64, 4)
 
 
+def tile_calls(n_expert: int, topk: int, max_tokens: int) -> list[int]:
+    """The fewest tokens of a call that picks each tile shape (``_sub_tiles``, ``_tile_tiles``),
+    for calls of up to ``max_tokens``: each shape is a kernel compiled on its first call, which
+    a session's warm-up makes rather than a user's prompt (on the GPU machine a calibration
+    window whose last call picked a new shape took 1-9 s instead of ~0.1 s)."""
+    first: dict[tuple, int] = {}
+    for t in range(2, max_tokens + 1):
+        per = t * topk / n_expert
+        first.setdefault((_sub_tiles(per), _tile_tiles(per)), t)
+    return sorted(first.values())
+
+
 def _sub_step(*qtypes: int) -> int:
     """Elements per sub-step of the sub-block kernels reading these types: the smallest sub-block."""
     return 16 if Q6_K in qtypes else 32
