@@ -33,6 +33,7 @@ from sparkpack.formats.profile import SIDES
 
 from .cache import STATE_CHECKPOINTS, RecurrentState, StateCheckpoints
 from .graph import PREFILL_SIZES, DecodeGraph, PrefillGraphs, capturable, feeds_short_calls, prefill_is_padded
+from .kernels.moe_grouped import tile_calls
 from .models.base import MoEModel
 
 PROMPT, GENERATED = SIDES  # the side of a call's tokens, for placement learning (ExpertProvider.routing_side)
@@ -155,8 +156,6 @@ class Session:
         tokens and at its end, so any length comes. Then two decode steps (capture, replay). The
         expert store's counts and cache admission forget the dummy traffic; results never depend
         on any of it."""
-        from .kernels.moe_grouped import tile_calls
-
         t0 = time.perf_counter()
         spec = self.model.spec
         room = max(2, self.cache_ctx - 2)
@@ -175,8 +174,8 @@ class Session:
             pairs = []
             for n in lengths:
                 even = min(chunk, -(-n // 16) * 16)
-                odd = even + 1 if even < chunk else even - 1
-                pairs += [(even, odd), (odd, even)]
+                # a whole chunk then a call after it; others: the second call goes on in the first's
+                pairs += [(chunk, chunk)] if even == chunk else [(even, even + 1), (even + 1, even)]
         ids: list[int] = []
         for first, second in pairs:
             self.reset()

@@ -768,3 +768,17 @@ def test_deltanet_chunked_kernels_match_the_torch_forms(T, d_k, d_v, chunk) -> N
     assert rel_l2(o.cpu().double(), o_rec) < 1e-5 and rel_l2(s.cpu().double(), s_rec) < 1e-5
     with pytest.raises(ValueError):
         deltanet_chunked(*(t.to(DEVICE) for t in (q, k, v, decay, beta)), s, 24)
+
+
+def test_tile_calls_cover_every_call_length():
+    """The warm-up's call lengths pick every tile shape a call of up to a chunk can pick, one
+    length a shape: a prompt's call of any length then finds its kernels compiled."""
+    from sparkpack.runtime.kernels.moe_grouped import _sub_tiles, _tile_tiles, tile_calls
+
+    for n_expert, topk, chunk in ((256, 8, 2048), (128, 8, 512), (64, 4, 100), (256, 8, 8192)):
+        def shapes(t: int) -> tuple:
+            return _sub_tiles(t * topk / n_expert), _tile_tiles(t * topk / n_expert)
+
+        calls = tile_calls(n_expert, topk, chunk)
+        assert {shapes(t) for t in range(2, chunk + 1)} == {shapes(t) for t in calls}
+        assert len(calls) == len({shapes(t) for t in calls}) and max(calls) <= chunk
