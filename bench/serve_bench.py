@@ -13,7 +13,8 @@ memory fits the same budget unless given), through the openai client, streaming:
 
 * time to first token of turn 1 and of turn 2 (turn 2 / turn 1: the prefix reuse; target < 10%),
   as the wall time of a one-token request (a random model's tokens may spell no text, and then no
-  stream chunk would mark them);
+  stream chunk would mark them), and the part of it the server spent on the prompt (both servers
+  report it in llama-server's ``timings``): the rest is request handling and the first token;
 * decode tok/s of ``--decode-tokens`` greedy tokens after turn 1's prompt, between the first and
   the last token received (the client's view; llama-server sends no chunk for a token that spells
   nothing, so also from two whole requests: N tokens and 1 token on the same cached prompt), next
@@ -280,6 +281,7 @@ class Timed:
     prompt_tokens: int | None
     cached_tokens: int | None
     completion_tokens: int | None
+    prompt_seconds: float | None = None  # the server's own prompt time (llama-server's ``timings``)
 
 
 def timed(base: str, messages: list[dict], max_tokens: int) -> Timed:
@@ -293,8 +295,9 @@ def timed(base: str, messages: list[dict], max_tokens: int) -> Timed:
     r = client.chat.completions.create(model="bench", messages=messages, max_tokens=max_tokens, temperature=0)
     dt = time.perf_counter() - t0
     details = r.usage.prompt_tokens_details if r.usage else None
+    prompt_ms = ((r.model_extra or {}).get("timings") or {}).get("prompt_ms")
     return Timed(dt, r.usage.prompt_tokens if r.usage else None, getattr(details, "cached_tokens", None),
-                 r.usage.completion_tokens if r.usage else None)
+                 r.usage.completion_tokens if r.usage else None, None if prompt_ms is None else prompt_ms / 1e3)
 
 
 def measure(server: Server, turns: Turns, args: argparse.Namespace) -> dict:
@@ -322,8 +325,9 @@ def measure(server: Server, turns: Turns, args: argparse.Namespace) -> dict:
     n = whole.completion_tokens or 0
     wall = (n - 1) / (whole.seconds - one.seconds) if n > 1 and whole.seconds > one.seconds else None
     return {"server": server.name, "exit": rc, "turn1_prompt_tokens": first.prompt_tokens,
-            "turn1_ttft_s": first.seconds, "turn2_prompt_tokens": second.prompt_tokens,
-            "turn2_cached_tokens": second.cached_tokens, "turn2_ttft_s": second.seconds,
+            "turn1_ttft_s": first.seconds, "turn1_server_prompt_s": first.prompt_seconds,
+            "turn2_prompt_tokens": second.prompt_tokens, "turn2_cached_tokens": second.cached_tokens,
+            "turn2_ttft_s": second.seconds, "turn2_server_prompt_s": second.prompt_seconds,
             "turn2_over_turn1": second.seconds / first.seconds,
             "decode_tokens": streamed.tokens, "decode_tok_s": streamed.decode_tok_s, "decode_tok_s_whole": wall,
             "gpu_memory_bytes": vram, "vram_peak_allocated": float(peak.group(1)) if peak else None}
@@ -356,9 +360,13 @@ def markdown(result: dict) -> str:
     rows = [
         ("turn 1: prompt tokens", [_num(c["turn1_prompt_tokens"], "d") for c in cols]),
         ("turn 1: time to first token (s)", [_num(c["turn1_ttft_s"], ".3f") for c in cols]),
+        ("turn 1: the server's prompt time (timings.prompt_ms, s)", [_num(c.get("turn1_server_prompt_s"), ".3f")
+                                                                     for c in cols]),
         ("turn 2: prompt tokens (cached)", [f"{_num(c['turn2_prompt_tokens'], 'd')} ({_num(c['turn2_cached_tokens'], 'd')})"
                                             for c in cols]),
         ("turn 2: time to first token (s)", [_num(c["turn2_ttft_s"], ".3f") for c in cols]),
+        ("turn 2: the server's prompt time (timings.prompt_ms, s)", [_num(c.get("turn2_server_prompt_s"), ".3f")
+                                                                     for c in cols]),
         ("turn 2 / turn 1 (target < 0.10)", [_num(c["turn2_over_turn1"], ".3f") for c in cols]),
         ("decode tok/s, streamed (openai client)", [_num(c["decode_tok_s"], ".1f") for c in cols]),
         ("decode tok/s, whole requests (N - 1 tokens / time difference)",

@@ -52,7 +52,7 @@ def test_turns_are_cut_to_their_token_counts(bench, tmp_path):
 
 
 def test_table(bench):
-    side = {"turn1_prompt_tokens": 17012, "turn1_ttft_s": 4.0, "turn2_prompt_tokens": 17400,
+    side = {"turn1_prompt_tokens": 17012, "turn1_ttft_s": 4.0, "turn1_server_prompt_s": 3.5, "turn2_prompt_tokens": 17400,
             "turn2_cached_tokens": 16896, "turn2_ttft_s": 0.2, "turn2_over_turn1": 0.05, "decode_tok_s": 200.0,
             "gpu_memory_bytes": 13 * 1024**3}
     result = {"model": "m.gguf", "device": "cuda", "vram": "14GiB", "sparkpack": side, "n_cpu_moe": 16,
@@ -62,6 +62,8 @@ def test_table(bench):
     assert table[0] == "| m.gguf | sparkpack --serve (14GiB) | llama-server --n-cpu-moe 16 |"
     assert "| turn 2: prompt tokens (cached) | 17400 (16896) | 17400 (-) |" in table
     assert "| decode tok/s, streamed (openai client) | 200.0 | 90.0 |" in table
+    assert "| turn 1: the server's prompt time (timings.prompt_ms, s) | 3.500 | 3.500 |" in table
+    assert "| turn 2: the server's prompt time (timings.prompt_ms, s) | - | - |" in table
     assert "| decode tok/s, whole requests (N - 1 tokens / time difference) | - | - |" in table
     assert "| served / one-shot decode (target >= 0.97) | 0.980 | |" in table
 
@@ -79,6 +81,8 @@ def test_dry_run_on_a_tiny_model(bench, synth_model, tmp_path, monkeypatch):
     s = result["sparkpack"]
     assert s["exit"] == 0 and 140 <= s["turn1_prompt_tokens"] <= 170 and s["turn2_cached_tokens"] >= 128
     assert s["decode_tokens"] == 6 and s["decode_tok_s"] > 0 and s["decode_tok_s_whole"] > 0
+    # the server's prompt time (its timings) is inside the time to first token the client saw
+    assert 0 < s["turn1_server_prompt_s"] < s["turn1_ttft_s"] and 0 < s["turn2_server_prompt_s"] < s["turn2_ttft_s"]
     assert result["one_shot"]["decode_tok_s"] > 0
     assert "llama" not in result and json.loads((out / "serve_bench.json").read_text()) == result
     assert (out / "serve_bench.md").read_text().startswith("| qwen3moe")

@@ -114,6 +114,14 @@ def test_chat_plain_and_streamed_agree_and_report_usage(server, oai, tokenizer):
                                               stream_options={"include_usage": True}))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
     assert chunks[-2].choices[0].finish_reason == "length"
+    # llama-server's timings: what was computed of the prompt, in how long; the decode steps
+    t = plain.model_extra["timings"]
+    assert t["cache_n"] == plain.usage.prompt_tokens_details.cached_tokens
+    assert t["prompt_n"] == plain.usage.prompt_tokens - t["cache_n"] > 0 and t["predicted_n"] == 5
+    assert t["prompt_ms"] > 0 and t["predicted_ms"] > 0
+    assert t["prompt_per_second"] == pytest.approx(t["prompt_n"] / t["prompt_ms"] * 1e3)
+    assert t["predicted_per_second"] == pytest.approx(4 / t["predicted_ms"] * 1e3)
+    assert chunks[-2].model_extra["timings"]["predicted_n"] == 5
     assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == choice.message.content
     # the same prompt again: its whole calls are kept (the prompt ends inside the last one)
     kept = kept_tokens(dump["prompt"], dump["prompt"], CALL, tokenizer.control_ids)

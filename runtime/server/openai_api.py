@@ -3,7 +3,8 @@
 Streams are SSE ``data:`` lines ending with ``data: [DONE]``; with
 ``stream_options.include_usage`` a last chunk with ``choices: []`` carries the usage after the
 finish_reason chunk. Usage always reports ``prompt_tokens_details.cached_tokens``: the prompt
-tokens kept from the previous request.
+tokens kept from the previous request. Responses (and a stream's finish chunk) also carry
+llama-server's ``timings`` (prompt and generation times), which clients ignore or show.
 """
 from __future__ import annotations
 
@@ -29,6 +30,21 @@ def usage(o: Outcome) -> dict:
     return {"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
             "total_tokens": o.prompt_tokens + o.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": o.cached_tokens}}
+
+
+def timings(o: Outcome) -> dict:
+    """llama-server's ``timings`` object (chat UIs show it; benchmarks split a request's time with
+    it): the prompt tokens computed (``cache_n`` kept apart) and their time, the generated tokens
+    and the time of the decode steps after the first (the first comes from the prompt's logits)."""
+    computed = o.prompt_tokens - o.cached_tokens
+    prompt_ms, predicted_ms = o.prefill_seconds * 1e3, o.decode_seconds * 1e3
+    steps = max(o.completion_tokens - 1, 0)
+    return {"cache_n": o.cached_tokens, "prompt_n": computed, "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / computed if computed else 0.0,
+            "prompt_per_second": computed / o.prefill_seconds if o.prefill_seconds > 0 else 0.0,
+            "predicted_n": o.completion_tokens, "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / steps if steps else 0.0,
+            "predicted_per_second": steps / o.decode_seconds if o.decode_seconds > 0 else 0.0}
 
 
 def finish_reason(o: Outcome, tool_calls: bool) -> str:
@@ -76,7 +92,7 @@ async def completions(request: Request):
         o = out.finished.outcome
         return JSONResponse({**chunks.head(), "choices": [
             {"index": 0, "text": out.text, "logprobs": None, "finish_reason": finish_reason(o, False)}],
-            "usage": usage(o)})
+            "usage": usage(o), "timings": timings(o)})
     return sse(relay(served, "completions", job, stream, chunks))
 
 
@@ -96,12 +112,15 @@ class Chunks:
     def head(self) -> dict:
         return {"id": self.id, "object": self.obj, "created": self.created, "model": self.model}
 
-    def chunk(self, part: dict | str | None, finish: str | None = None, use: dict | None = None) -> str:
+    def chunk(self, part: dict | str | None, finish: str | None = None, use: dict | None = None,
+              timed: dict | None = None) -> str:
         choices = [] if part is None else [{"index": 0, "delta" if self.chat else "text": part, "logprobs": None,
                                             "finish_reason": finish}]
         c = {**self.head(), "choices": choices}
         if self.include_usage:
             c["usage"] = use
+        if timed is not None:
+            c["timings"] = timed
         return json.dumps(c, ensure_ascii=False)
 
     def opening(self) -> list[str]:
@@ -119,7 +138,7 @@ class Chunks:
 
     def finished(self, finished: Finished) -> list[str]:
         o = finished.outcome
-        out = [self.chunk({} if self.chat else "", finish_reason(o, self.calls > 0))]
+        out = [self.chunk({} if self.chat else "", finish_reason(o, self.calls > 0), timed=timings(o))]
         if self.include_usage:
             out.append(self.chunk(None, use=usage(o)))
         return out + ["[DONE]"]
@@ -152,4 +171,4 @@ def chat_completion(chunks: Chunks, out: Collected) -> dict:
     return {**chunks.head(), "object": "chat.completion",
             "choices": [{"index": 0, "message": message, "logprobs": None,
                          "finish_reason": finish_reason(o, bool(out.tool_calls))}],
-            "usage": usage(o)}
+            "usage": usage(o), "timings": timings(o)}
