@@ -107,7 +107,11 @@ class GGUFTokenizer:
             if not sep:
                 raise SparkpackError(where, f"malformed merge {m!r} in tokenizer.ggml.merges")
             pairs.append((a, b))
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges, fuse_unk=False))
+        try:  # the library checks that every merge and its result are tokens; its error names no field
+            bpe = models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges, fuse_unk=False)
+        except Exception as e:
+            raise SparkpackError(where, f"tokenizer.ggml.merges does not fit tokenizer.ggml.tokens ({e})") from None
+        tok = Tokenizer(bpe)
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in regexes]
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])

@@ -172,6 +172,15 @@ def test_unsupported_tokenizers_are_user_errors(qwen_dir, change, message):
         GGUFTokenizer.from_metadata(md)
 
 
+def test_a_merge_of_unknown_tokens_is_a_user_error(qwen_dir):
+    """A merge whose halves or result are not tokens (a mutated file: the fuzzer found one) is
+    one line naming both fields, not the tokenizer library's exception."""
+    md = _metadata(qwen_dir, "qwen2")
+    md = {**md, "tokenizer.ggml.merges": md["tokenizer.ggml.merges"] + ["\u0120zz\u00e9 q\u00e9q"]}
+    with pytest.raises(SparkpackError, match=r"tokenizer.ggml.merges does not fit tokenizer.ggml.tokens"):
+        GGUFTokenizer.from_metadata(md)
+
+
 def test_unsupported_tokenizer_names_the_file(tmp_path):
     """A GGUF with an SPM tokenizer: the one-line error names the file and the tokenizer model."""
     import gguf
