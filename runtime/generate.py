@@ -9,7 +9,7 @@ decode step or by a call that started elsewhere are recomputed: the same tokens 
 calls differ in the last bits on the CPU (4e-7 on the tiny models), and on a GPU a decode step's
 projections even take int8 activations.
 
-Where calls end is a function of the tokens alone, read from the start (``Session.call_end``): a
+Where calls end is a function of the tokens alone, read from the start (``call_end``): a
 call ends after ``call_tokens`` tokens, or earlier before a break token (the chat template's
 control tokens, where a message starts or ends) once it holds ``call_tokens // 8``. Why: the
 next request of a conversation repeats this one's prompt up to about where the reply starts,
@@ -244,9 +244,6 @@ class Session:
             return best
         return max((p for p in self.checkpoints.positions if p <= best), default=0)
 
-    def call_end(self, ids: list[int], start: int) -> int:
-        return call_end(ids, start, self.call_tokens, self.breaks)
-
     def _run(self, ids: list[int], n: int, graph: bool, side: str) -> torch.Tensor:
         """Feed ``ids[n:]`` (tokens of ``side``) after the ``n`` tokens in the cache; the logits of the last."""
         self.model.experts.routing_side(side)
@@ -264,7 +261,7 @@ class Session:
             # there are the ones it computes.
             i, start = n, self.cuts[-1]
             while i < len(ids):
-                cut = self.call_end(ids, start)
+                cut = call_end(ids, start, self.call_tokens, self.breaks)
                 if cut <= i:  # decided by the new tokens, inside rows fed already (a decode step's)
                     self.cuts.append(cut)
                     start = cut
