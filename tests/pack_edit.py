@@ -24,8 +24,9 @@ def read_manifest(pack: Path) -> dict[str, Any]:
 def write_manifest(pack: Path, m: dict[str, Any], reseal: bool = True, old_checksum: str | None = None) -> None:
     """Write ``m``; a version-2 manifest gets a fresh checksum (``reseal``) or keeps
     ``old_checksum``, as a corruption would leave it."""
-    if reseal and m.get("version") == 2 and m.get("checksum") in ALGORITHMS:
-        (pack / "manifest.json").write_bytes(manifest_bytes(m, m["checksum"]))
+    algorithm = m.get("checksum")
+    if reseal and m.get("version") == 2 and isinstance(algorithm, str) and algorithm in ALGORITHMS:
+        (pack / "manifest.json").write_bytes(manifest_bytes(m, algorithm))
     elif old_checksum is not None:
         (pack / "manifest.json").write_text(json.dumps({**m, MANIFEST_CHECKSUM_KEY: old_checksum}))
     else:
