@@ -147,7 +147,7 @@ class Session:
         its Triton kernels, grows the allocator and captures its CUDA graph, and a user's first
         prompt paid that: on the GPU machine a one-shot 8192-token prompt of the Qwen3.6 shape
         prefilled at ~4000 tok/s against ~10000 warm (BENCHMARKS.md). Padded sessions
-        (``PrefillGraphs``) take every padded call size and a short call after a past. Eager
+        (``PrefillGraphs``) take every padded call size, then a 37-token call. Eager
         sessions take calls of every length that picks another tile shape of the grouped MoE
         kernels (``tile_calls``) up to a whole chunk, each once from position 0 and once after a
         past (attention over a past: with a q8_0 KV cache a one-shot 8192-token prompt ran at
