@@ -3,7 +3,7 @@
 # Q4_K_M GGUF (~20 GB), split it into a pack, verify, join back (byte-compared), and measure zstd
 # on a layer-cut copy; then run the forward and dequant tests on CUDA.
 #   usage (repo root, on the GPU machine, wheels from .whl/ carried): bash bench/gpu_session.sh [steps]
-# steps: any of synth split compress tests cudatests kernels calib store staged decode llama side presets serve long (default: synth split compress tests)
+# steps: any of synth split compress tests cudatests kernels calib store staged decode llama side presets serve learning long (default: synth split compress tests)
 # cudatests: the runtime's CUDA tests (kernels, expert store, pack integrity, graphs, prefix reuse, served
 #   GPU path, generation, learning, calibration replay, staged prefill) in six parallel pytest groups.
 # calib: bench/calibrate_speed.py on BENCH_CORPUS (default: corpora/): repack calibrate's tok/s and peak
@@ -22,6 +22,7 @@
 #   while the first model is written, unless already built on a machine still warm).
 # serve: served agent session next to llama-server at --vram 14GiB (bench/serve_bench.py, prompts from
 #   .device/corpus/agent_prompts); SERVE_ARGS adds options.
+# learning: bench/learning_bench.py (issue 30): live learning from no profile vs an offline profile, at --vram 14GiB.
 # long: long prompts and long context, fresh spark-run per length next to llama-bench (bench/long_context.py);
 #   LONG_ARGS adds options (e.g. "--lengths 8192 32768 131072 --kv auto q8_0").
 # build: only build llama-bench (then side/presets on the same warm machine skip the build).
@@ -157,6 +158,14 @@ for step in $steps; do
     serve)
       ensure_model "$model" qwen35moe qwen3.6-35b-a3b
       python3 bench/serve_bench.py "$model" --prompts .device/corpus/agent_prompts --out "${OUT:-$work}" ${SERVE_ARGS:-} ;;
+    learning)
+      # issue 30's benchmark: a server with no profile learning the placement from held-out agent
+      # conversations at --vram 14GiB, then a restart, against an offline-calibrated profile;
+      # LEARNING_ARGS overrides the request counts and lengths.
+      ensure_model "$model" qwen35moe qwen3.6-35b-a3b
+      python3 bench/learning_bench.py "$model" --corpus .device/corpus/bench_agent.jsonl \
+        --corpus .device/corpus/mt_bench_questions.jsonl --system-prompt .device/corpus/agent_prompts/codex_gpt5_codex.md \
+        --vram 14GiB --ctx 32768 ${LEARNING_ARGS:---requests 20 --after-restart 5 --max-tokens 32} --out "${OUT:-$work}" ;;
     long)
       ensure_model "$model" qwen35moe qwen3.6-35b-a3b
       python3 bench/long_context.py "$model" --out "${OUT:-$work}" ${LONG_ARGS:-} ;;
