@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_bench import API_KEY, Server  # noqa: E402
+from serve_bench import API_KEY, Server, write_results  # noqa: E402
 
 TARGET = 1.25  # live cold share / offline cold share
 WITHIN = 20  # requests
@@ -308,10 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
     for phase, rs in rows.items():
         result[phase] = [asdict(r) for r in rs]
     result["verdict"] = verdict(rows["live"], rows["restart"], rows["offline"])
-    table = markdown(result)
-    (args.out / "learning_bench.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "learning_bench.md").write_text(table + "\n")
-    print(table)
+    write_results(args.out, "learning_bench", result, markdown(result))
     return result
 
 

@@ -431,12 +431,16 @@ def main(argv: list[str] | None = None) -> dict:
         result["llama"] = measure(llama_server(args, n), turns, args)
     else:
         log("(no llama-server binary: its column is left out; bash bench/llama_bench.sh --build-only builds one)")
-    table = markdown(result)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "serve_bench.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "serve_bench.md").write_text(table + "\n")
-    print(table)
+    write_results(args.out, "serve_bench", result, markdown(result))
     return result
+
+
+def write_results(out: Path, name: str, result: dict, table: str) -> None:
+    """``out/NAME.json`` and ``out/NAME.md``, and the table on stdout (the GPU call's output)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{name}.md").write_text(table + "\n")
+    print(table)
 
 
 if __name__ == "__main__":
