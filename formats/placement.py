@@ -161,19 +161,24 @@ def plan_swaps(hot: np.ndarray, scores: np.ndarray, expert_nbytes: dict[int, int
 
 
 def plan_swaps_in_place(hot: np.ndarray, scores: np.ndarray, slot_units: dict[int, int], margin: float = SWAP_MARGIN,
-                        max_promote: int | None = None) -> Swaps:
+                        max_promote: int | None = None, across_layers: bool = True) -> Swaps:
     """``plan_swaps`` for a running store, whose device pool cannot be laid out again: an
     expert is promoted only into the slot a demoted expert of the same slot size frees
     (``slot_units``: MoE layer -> units one of its experts takes in the pool), so the pool, and
     the byte budget it was planned for, stay exactly as they are. Experts of one size trade
     places among themselves, across layers (Q4_K_M files hold two sizes: layers whose
     ``ffn_down`` is Q6_K and the rest); the budget does not move between sizes.
+    ``across_layers`` False: only within a layer (a store that stages long calls copies each
+    layer's cold experts as one host-pool range, which a swap across layers would break:
+    ``runtime.expert_staging``).
 
     ``promote[i]`` takes the slot of ``demote[i]``; the strongest moves of all sizes come first,
     so a capped call (``max_promote``) makes the moves an uncapped one would start with."""
     moves: list[tuple[float, tuple[int, int], tuple[int, int], float]] = []
-    for size in sorted(set(slot_units.values())):
-        layers = [il for il, u in slot_units.items() if u == size]
+    groups = [(u, [il for il, v in slot_units.items() if v == u]) for u in sorted(set(slot_units.values()))]
+    if not across_layers:
+        groups = [(u, [il]) for u, layers in groups for il in layers]
+    for size, layers in groups:
         mine = np.zeros_like(hot, dtype=bool)
         mine[layers] = np.asarray(hot, dtype=bool)[layers]
         held = int(mine.sum()) * size

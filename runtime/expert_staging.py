@@ -83,8 +83,9 @@ class StagedPrefill:
     that last read that buffer is done (``free``), and has the compute stream wait for this
     layer's copy (``ready``). On the CPU the copies are plain copies and nothing waits.
 
-    The spans are the host pool's layout at load: a re-placement that moves experts into or out
-    of the host pool builds a new one (and the plan sizes the buffers for the hot set it has)."""
+    The spans are the host pool's layout at load. They stay right because re-placement swaps a
+    staging store's experts within a layer only (``ExpertStore.apply_swaps``): a demoted expert
+    takes the host range its layer's promoted expert leaves, so each layer keeps its range."""
 
     def __init__(self, host: torch.Tensor, layout: PoolLayout, layers: dict[int, ExpertLayer], min_tokens: int,
                  device: torch.device, copy_stream: "torch.cuda.Stream | None"):

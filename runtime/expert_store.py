@@ -558,6 +558,9 @@ class ExpertStore(ExpertProvider):
         pairs = list(zip(swaps.promote, swaps.demote))
         if len(swaps.promote) != len(swaps.demote):
             raise ValueError("each promoted expert needs the slot of one demoted expert")
+        if self.staging is not None and any(p[0] != d[0] for p, d in pairs):
+            # staged calls copy each layer's cold experts as one host-pool range (expert_staging)
+            raise ValueError("a store that stages long calls swaps experts within a layer only")
         units = self.device_layout.units
         for (pl, pe), (dl, de) in pairs:
             if pl not in units or dl not in units or units[pl] != units[dl]:

@@ -170,7 +170,8 @@ class LiveLearning:
             self._replace_due = False
             return 0
         t0 = time.perf_counter()
-        swaps = plan_swaps_in_place(self.store.hot, self.scores(), self._units, self.opts.margin, n)
+        swaps = plan_swaps_in_place(self.store.hot, self.scores(), self._units, self.opts.margin, n,
+                                    across_layers=self.store.staging is None)
         if not swaps:
             self._replace_due = False
             return 0

@@ -338,3 +338,42 @@ def test_a_vram_budget_allocates_the_planned_staging(synth_model):
     assert plan.staging_bytes > 0 and store.staging is not None and store.staging.nbytes == plan.staging_bytes
     d = store.describe()
     assert d["staging_bytes"] == plan.staging_bytes and d["stage_tokens"] == StoreOptions().stage_tokens
+
+
+def test_re_placement_keeps_a_staging_stores_layer_ranges(synth_model):
+    """Live re-placement on a store that stages: the swaps stay within each layer (a swap across
+    layers would leave a layer's cold experts outside the host range its staged copy takes, and
+    is refused), and a staged call after them gives the bits it gave before."""
+    from sparkpack.formats.placement import Swaps, plan_swaps_in_place
+
+    gguf, spec = opened(synth_model("qwen35moe", "Q4_K_M", skew=1.0))
+    store = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, torch.float32, hot_mask(spec, 0.5), cache_slots=2,
+                        mode="zerocopy", fused=True, stage_tokens=2)
+    layers = list(spec.moe_layers)
+    x = torch.randn(6, spec.n_embd, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    ids = torch.stack([torch.randperm(spec.n_expert, generator=torch.Generator().manual_seed(t))[: spec.n_expert_used]
+                       for t in range(6)]).to(DEVICE)
+    weights = torch.full(ids.shape, 1.0 / spec.n_expert_used, device=DEVICE)
+
+    def staged_outputs() -> list[torch.Tensor]:
+        assert store.staged_prefill(6)
+        out = [store.moe(layer, x, weights, ids) for layer in layers]
+        store.end_step(6)
+        return out
+
+    before = staged_outputs()
+    hot0 = store.hot.copy()
+    scores = np.random.default_rng(0).random(hot0.shape)
+    scores[~hot0] += 1.0  # traffic moved to the cold experts: many swaps wanted
+    units = store.device_layout.units
+    across = plan_swaps_in_place(store.hot, scores, units)
+    pair = next((p, d) for p, d in zip(across.promote, across.demote) if p[0] != d[0])  # a non-staging store's
+    with pytest.raises(ValueError, match="within a layer"):
+        store.apply_swaps(Swaps([pair[0]], [pair[1]], 0.0))
+    assert (store.hot == hot0).all()  # refused before anything moved
+    within = plan_swaps_in_place(store.hot, scores, units, across_layers=False)
+    assert within and all(p[0] == d[0] for p, d in zip(within.promote, within.demote))
+    store.apply_swaps(within)
+    assert (store.hot != hot0).any() and (store.hot.sum(axis=1) == hot0.sum(axis=1)).all()
+    for a, b in zip(staged_outputs(), before):
+        assert torch.equal(a, b)
