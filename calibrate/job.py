@@ -80,7 +80,6 @@ class Calibrated:
 
     state: ReplayState
     read: ReadStats
-    resumed: bool
     replayed_tokens: int  # by this run (a resumed one continues a checkpoint's)
     seconds: float
     profile: Profile | None
@@ -140,7 +139,7 @@ def calibrate(router: Router, renderer: ChatRenderer, identity: ModelIdentity, j
         progress.close()
         if trace is not None:
             trace.abandon()
-        return Calibrated(state, read, resumed, state.total_tokens - tokens_before,
+        return Calibrated(state, read, state.total_tokens - tokens_before,
                           time.perf_counter() - started, None)
     except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (formats.errors.Terminated)
         progress.close()
@@ -160,7 +159,7 @@ def calibrate(router: Router, renderer: ChatRenderer, identity: ModelIdentity, j
     if trace is not None:
         trace.close()
     job.checkpoint.unlink(missing_ok=True)
-    return Calibrated(state, read, resumed, state.total_tokens - tokens_before, seconds, prof)
+    return Calibrated(state, read, state.total_tokens - tokens_before, seconds, prof)
 
 
 class _Recorded:

@@ -74,6 +74,15 @@ class ChatRenderer:
         except RenderError:
             return None
 
+    def render_or_reason(self, conv: Conversation) -> Rendered | str:
+        """The conversation's tokens, or why it cannot be replayed (calibration and a server's
+        bootstrap count the reasons alike)."""
+        try:
+            r = self.render(conv)
+        except RenderError as e:
+            return f"template refused: {str(e)[:80]}"
+        return r if r.ids else "empty after rendering"
+
     def render(self, conv: Conversation) -> Rendered:
         if conv.kind == "document":
             ids = list(self.tokenizer.encode(conv.text or "", add_special=True))

@@ -27,7 +27,7 @@ import numpy as np
 from sparkpack.formats.archs import ModelSpec
 
 from .conversation import Conversation
-from .render import ChatRenderer, Rendered, RenderError
+from .render import ChatRenderer, Rendered
 
 PROMPT, GENERATED = 0, 1
 
@@ -126,21 +126,13 @@ class Replayer:
                 on_tokens(w.stop - w.start)
         return counts, windows
 
-    def render(self, conv: Conversation) -> Rendered | str:
-        """The conversation's tokens, or why it cannot be replayed."""
-        try:
-            r = self.renderer.render(conv)
-        except RenderError as e:
-            return f"template refused: {str(e)[:80]}"
-        return r if r.ids else "empty after rendering"
-
     def planned_tokens(self, convs: Iterable[Conversation], max_tokens: int | None = None,
                        on_tokens: Callable[[int], None] | None = None) -> int:
         """How many tokens ``replay`` will count from ``convs``: rendering is cheap next to the
         forward passes, and knowing the total up front gives the progress bar an end and an ETA."""
         n = 0
         for conv in convs:
-            r = self.render(conv)
+            r = self.renderer.render_or_reason(conv)
             if not isinstance(r, str):
                 n += len(r.ids)
                 if on_tokens is not None:
@@ -165,7 +157,7 @@ class Replayer:
             if skip.get(conv.id, 0) > 0:
                 skip[conv.id] -= 1
                 continue
-            r = self.render(conv)
+            r = self.renderer.render_or_reason(conv)
             if isinstance(r, str):
                 self._refuse(state, conv, r, after_each)
                 continue

@@ -166,7 +166,7 @@ class Session:
                 if size + 1 <= room:
                     self.reset()
                     self.feed(dummy[:size])
-        if self.prefill is not None and not self.staged:
+        if self.prefill is not None:  # (padded sessions never stage: see staged above)
             pairs = [(0, min(room - 1, 37))]
         else:
             chunk = self.call_tokens

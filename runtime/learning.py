@@ -51,8 +51,6 @@ class LearnOptions:
     half_life_tokens: float = HALF_LIFE_TOKENS
     save_every_s: float = SAVE_EVERY_S  # 0: after every request
     force: bool = False  # replace a file that is not this model's profile
-    replace: bool = True  # move the hot set between requests
-    margin: float = SWAP_MARGIN
 
 
 @dataclass
@@ -92,7 +90,7 @@ class LiveLearning:
         self._acc_tokens = 0
         self._acc_side = SIDES[0]
         self._request = {s: [0, 0] for s in SIDES}  # this request's hot and all routings
-        self._replace_due = opts.replace
+        self._replace_due = True
         self._units = dict(store.device_layout.units)
         # Before every expert has been routed ~10 times, which ones are busy is mostly chance
         # (calibrate.evaluate): the hot set moves only once the learner has seen that much.
@@ -147,7 +145,7 @@ class LiveLearning:
             st.last_cold_rate[side] = (total - hot) / total if total else None
         self._request = {s: [0, 0] for s in SIDES}
         self.save_if_due()
-        self._replace_due = self.opts.replace
+        self._replace_due = True
         self.replace_step()
 
     def idle(self, busy: Callable[[], bool]) -> bool:
@@ -170,7 +168,7 @@ class LiveLearning:
             self._replace_due = False
             return 0
         t0 = time.perf_counter()
-        swaps = plan_swaps_in_place(self.store.hot, self.scores(), self._units, self.opts.margin, n,
+        swaps = plan_swaps_in_place(self.store.hot, self.scores(), self._units, SWAP_MARGIN, n,
                                     across_layers=self.store.staging is None)
         if not swaps:
             self._replace_due = False
@@ -185,7 +183,7 @@ class LiveLearning:
 
     def replace_all(self) -> int:
         """Re-place until nothing more moves (before serving: after a bootstrap)."""
-        self._replace_due = self.opts.replace
+        self._replace_due = True
         moved = 0
         while step := self.replace_step():
             moved += step

@@ -71,7 +71,7 @@ def test_finds_the_session_logs_oldest_first(home, tmp_path):
 def serving(model: Path, tmp_path: Path, half_life: float):
     """What ``spark-run --serve`` bootstraps with on ``model`` (CPU): its learner (learning into
     ``tmp_path``), its session (calibrate's context and call size) and the renderer."""
-    learn = LearnOptions(half_life_tokens=half_life, replace=False)
+    learn = LearnOptions(half_life_tokens=half_life)
     m = load_model(model, store=StoreOptions(hot_fraction=0.5, cache_slots=4, profile=tmp_path / "p.profile.json",
                                              learn=learn))
     learning = start_learning(m, learn, GEN_WEIGHT)

@@ -26,7 +26,7 @@ import numpy as np
 from sparkpack.calibrate.bootstrap import BootstrapResult, find_agent_logs
 from sparkpack.calibrate.readers import read_corpus
 from sparkpack.calibrate.readers.detect import walk
-from sparkpack.calibrate.render import ChatRenderer, Rendered, RenderError
+from sparkpack.calibrate.render import ChatRenderer, Rendered
 from sparkpack.formats.errors import SparkpackError
 
 from ..generate import GENERATED, PROMPT, Session
@@ -70,13 +70,9 @@ def select(files: list[Path], renderer: ChatRenderer, budget_tokens: int) -> Sel
         convs, stats = read_corpus(path)
         mine: list[tuple[Rendered, bool]] = []
         for conv in convs:
-            try:
-                r = renderer.render(conv)
-            except RenderError as e:
-                out.result.skipped[f"template refused: {str(e)[:60]}"] += 1
-                continue
-            if not r.ids:
-                out.result.skipped["empty after rendering"] += 1
+            r = renderer.render_or_reason(conv)
+            if isinstance(r, str):
+                out.result.skipped[r] += 1
                 continue
             mine.append((r, conv.kind == "document"))
         out.result.files += stats.files

@@ -44,7 +44,6 @@ class ServeOptions:
     port: int = 8080
     api_key: str | None = None
     test_hooks: Path | None = None  # test-only: forced outputs honoured, prompt logits dumped here
-    learning: LearningFlags = LearningFlags()
 
 
 def serve_options(host: str, port: int, api_key: str | None, api_key_file: Path | None,
