@@ -65,10 +65,13 @@ class ProfileFile:
         self.saves += 1
         return self.path
 
+    def due(self) -> bool:
+        """Whether ``every_s`` seconds have passed since the last write (or none was made yet)."""
+        return self.last_save is None or self.clock() - self.last_save >= self.every_s
+
     def save_if_due(self, snapshot: Callable[[], Profile]) -> bool:
-        """After a request: write ``snapshot()`` when ``every_s`` seconds have passed since the
-        last write (or none was made yet). Returns whether it wrote."""
-        if self.last_save is not None and self.clock() - self.last_save < self.every_s:
+        """After a request: write ``snapshot()`` when ``due``. Returns whether it wrote."""
+        if not self.due():
             return False
         self.save(snapshot())
         return True

@@ -192,9 +192,7 @@ class LiveLearning:
     # --- the profile file ---------------------------------------------------------------------
 
     def save_if_due(self) -> bool:
-        if self.file.last_save is not None and self.file.clock() - self.file.last_save < self.file.every_s:
-            return False
-        return self.save()
+        return self.file.due() and self.save()
 
     def save(self) -> bool:
         """Write the profile now; a failure (disk full, permissions) is counted and logged in
