@@ -330,11 +330,11 @@ def plan_residency(spec: ModelSpec, tensors: dict, budget: Budget, target: Memor
                                         f"{fmt_size(fixed)}")
         left = budget.vram - fixed
         hot = make_plan(*shape, sizes, left, counts, tokens, gen_weight).hot
+        # (staged calls are prefill_chunk calls: their temporaries are in ``runtime`` already)
         staged = _staged_plan(hot, lambda b: make_plan(*shape, sizes, b, counts, tokens, gen_weight).hot, left, sizes,
-                              target.host_bytes,
-                              runtime_bytes(spec, target.ctx, target.staged_chunk) - runtime if stages else None)
+                              target.host_bytes) if stages else None
         if staged is not None:
-            hot, left, runtime = staged[0], staged[1], runtime + staged[2]
+            hot, left = staged
         return done(hot, f"--vram budget, {what}", stage=staged is not None, vram=budget.vram, dense_bytes=dense,
                     kv_bytes=kv, state_bytes=state, overhead_bytes=runtime, expert_budget=left)
     if budget.hot_fraction is not None:
@@ -361,36 +361,32 @@ def staging_bytes(hot: np.ndarray, sizes: dict[int, int], host_bytes: int | None
 
 
 def _staged_plan(hot: np.ndarray, plan: Callable[[int], np.ndarray], left: int, sizes: dict[int, int],
-                 host_bytes: int | None, extra: int | None, rounds: int = 16) -> tuple[np.ndarray, int, int] | None:
-    """A hot set that leaves room for staging: ``(hot, bytes left for hot experts, extra runtime
-    bytes)``, or None when the store will not stage: ``extra`` None (it cannot), nothing cold,
-    cold experts beyond the host RAM, or buffers that do not fit (long prompts are then read
-    zero-copy). ``plan(budget)`` is the hot set for a budget; ``host_bytes`` the pinned host
-    memory for cold experts; ``extra`` what the staged calls' temporaries take beyond the
-    unstaged calls'.
+                 host_bytes: int | None, rounds: int = 16) -> tuple[np.ndarray, int] | None:
+    """A hot set that leaves room for staging: ``(hot, bytes left for hot experts)``, or None when
+    the store will not stage: nothing cold, cold experts beyond the host RAM, or buffers that do
+    not fit (long prompts are then read zero-copy). ``plan(budget)`` is the hot set for a budget;
+    ``host_bytes`` the pinned host memory for cold experts.
 
     The buffers' size depends on the hot set (the largest layer's cold experts), which depends
     on what the buffers leave: plan, reserve what that hot set needs, plan again within the
     rest, until a plan fits in what was reserved before it. The reserve only grows and is
     bounded by the all-cold need; after ``rounds`` the bound is reserved."""
-    if extra is None:
-        return None
     reserve = 0
     for _ in range(rounds):
         need = staging_bytes(hot, sizes, host_bytes)
         if not need:
             return None
-        if need + extra <= reserve:
-            return hot, left - reserve, extra
-        reserve = need + extra
+        if need <= reserve:
+            return hot, left - reserve
+        reserve = need
         if reserve > left:
             return None
         hot = plan(left - reserve)
-    reserve = 2 * max(sizes.values()) * hot.shape[1] + extra
+    reserve = 2 * max(sizes.values()) * hot.shape[1]
     if reserve > left:
         return None
     hot = plan(left - reserve)
-    return (hot, left - reserve, extra) if staging_bytes(hot, sizes, host_bytes) else None
+    return (hot, left - reserve) if staging_bytes(hot, sizes, host_bytes) else None
 
 
 def _expected_cold_rate(hot: np.ndarray, profile: Profile | None) -> float | None:
