@@ -49,6 +49,18 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
+def pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` from file ``fd`` at ``offset`` (``preadv`` until done: it may return less);
+    returns the bytes read, fewer than asked where the file ends first."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            break
+        done += got
+    return done
+
+
 class GGUFModel:
     """A memory-mapped GGUF file: metadata, tensor index and zero-copy tensor bytes."""
 
@@ -56,9 +68,8 @@ class GGUFModel:
         self.path = Path(path)
         self.file_size = self._check_preamble()
         try:
-            with open(self.path, "rb") as f:
-                self._map: mmap.mmap | None = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            self._file = open(self.path, "rb", buffering=0)  # for ``read_into`` (threads share it)
+            self._file = open(self.path, "rb", buffering=0)  # also for ``read_into`` (threads share it)
+            self._map: mmap.mmap | None = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError) as e:
             raise SparkpackError(self.path, f"cannot map the file ({_short(e)})") from None
         self._data = np.frombuffer(self._map, dtype=np.uint8)
@@ -149,18 +160,14 @@ class GGUFModel:
         n = out.nbytes
         if offset < 0 or offset + n > self.file_size:
             raise FormatError(self.path, f"byte range {offset}+{n} outside the file")
-        view = memoryview(out).cast("B")
-        done = 0
         if self._file is None:
             raise SparkpackError(self.path, "read after close")
         try:
-            while done < n:
-                got = os.preadv(self._file.fileno(), [view[done:]], offset + done)
-                if got == 0:
-                    raise FormatError(self.path, f"file ends inside byte range {offset}+{n} (truncated while open?)")
-                done += got
+            done = pread_into(self._file.fileno(), memoryview(out).cast("B"), offset)
         except OSError as e:
             raise SparkpackError(self.path, f"cannot read ({e.strerror or e})") from None
+        if done < n:
+            raise FormatError(self.path, f"file ends inside byte range {offset}+{n} (truncated while open?)")
 
     def header_bytes(self) -> np.ndarray:
         """Everything before the tensor data: magic, metadata, tensor index (identifies the model)."""

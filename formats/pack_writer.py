@@ -25,7 +25,7 @@ from .atomic_file import temp_name
 from .checksums import PACK_ALGORITHM, checksum, hash_file_range, new_hasher
 from .errors import FormatError, SparkpackError
 from .experts import expert_slices, expert_tensor_names
-from .gguf_file import GGUFModel
+from .gguf_file import GGUFModel, pread_into
 from .leftovers import clean_leftovers, old_name
 from .pack_manifest import (ALIGNMENT, COLD_DIR, HEADER_SHARD, HOT_SHARD, MANIFEST, PACK_FORMAT, PACK_VERSION,
                             PART_ALIGNMENT, cold_shard_name, manifest_bytes)
@@ -41,12 +41,9 @@ def _align(n: int, a: int) -> int:
 
 
 def _pread_all(fd: int, view: memoryview, offset: int) -> None:
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n <= 0:
-            raise FormatError(None, f"source file ends early at byte {offset + got}")
-        got += n
+    got = pread_into(fd, view, offset)
+    if got < len(view):
+        raise FormatError(None, f"source file ends early at byte {offset + got}")
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
