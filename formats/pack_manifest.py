@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -482,3 +484,16 @@ def _placement(r: _Reader, p: dict[str, Any], records: dict[tuple[int, int], Exp
                 raise r.fail(f"placement.expected_cold_hit_rate.{side}", f"is {_kind(v)}, expected a share 0..1")
         rate = {side: float(rate[side]) for side in ("generated", "prompt")}
     return Placement(n_hot, len(records), uniform, r.opt_str(p.get("profile"), "placement.profile"), rate)
+
+
+class PerThread(threading.local):
+    """One object per thread, made by ``make`` on the thread's first ``get``: zstd compressors
+    and decompressors are not thread-safe, and the pack's workers share one instance of this."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:  # threading.local runs it once in each thread
+        self.make, self.obj = make, None
+
+    def get(self) -> Any:
+        if self.obj is None:
+            self.obj = self.make()
+        return self.obj

@@ -28,7 +28,7 @@ from .experts import expert_slices, expert_tensor_names
 from .gguf_file import GGUFModel, pread_into
 from .leftovers import clean_leftovers, old_name
 from .pack_manifest import (ALIGNMENT, COLD_DIR, HEADER_SHARD, HOT_SHARD, MANIFEST, PACK_FORMAT, PACK_VERSION,
-                            PART_ALIGNMENT, cold_shard_name, manifest_bytes)
+                            PART_ALIGNMENT, PerThread, cold_shard_name, manifest_bytes)
 from .profile import model_identity
 
 CHUNK = 8 << 20
@@ -65,18 +65,10 @@ class _Buffers(threading.local):
         return buf
 
 
-class _Compressors(threading.local):
-    """zstd compressors are not thread-safe: one per worker thread, made on first use."""
+def _compressor() -> Any:
+    import zstandard
 
-    def __init__(self) -> None:
-        self.zc: Any = None
-
-    def get(self) -> Any:
-        if self.zc is None:
-            import zstandard
-
-            self.zc = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-        return self.zc
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL)
 
 
 def _jsonable(v: Any) -> Any:
@@ -318,7 +310,7 @@ def _write_header(model: GGUFModel, src_fd: int, tmp: Path) -> tuple[int, list[l
 def _run_tasks(tasks: list[tuple[Any, ...]], src_fd: int, hot_fd: int, tmp: Path, compress: bool,
                progress: Callable[[int], None], jobs: int) -> None:
     bufs = _Buffers()
-    compressors = _Compressors()
+    compressors = PerThread(_compressor)
 
     def run(task: tuple[Any, ...]) -> int:
         kind, rec, pieces, dst_off, nbytes = task

@@ -31,7 +31,7 @@ from .errors import FormatError, SparkpackError
 from .gguf_header import scan_header
 from .pack_manifest import (ALIGNMENT, COLD_DIR, HEADER_SHARD, HOT_SHARD, MANIFEST, MAX_MANIFEST_BYTES,
                             MAX_MANIFEST_DEPTH, PACK_FORMAT, PACK_VERSION, PART_ALIGNMENT, ExpertPart, ExpertRecord,
-                            Manifest, TensorRecord, cold_shard_name, parse_manifest)
+                            Manifest, PerThread, TensorRecord, cold_shard_name, parse_manifest)
 from .safe_read import parse_json, read_bounded
 
 __all__ = ["ALIGNMENT", "COLD_DIR", "HEADER_SHARD", "HOT_SHARD", "MANIFEST", "PACK_FORMAT", "PACK_VERSION",
@@ -59,18 +59,10 @@ class _SpecSource:
         return self._meta.get(key, default)
 
 
-class _Decompressors(threading.local):
-    """zstd decompressors are not thread-safe: one per reading thread, made on first use."""
+def _decompressor() -> Any:
+    import zstandard
 
-    def __init__(self) -> None:  # threading.local runs it once in each thread
-        self.dctx: Any = None
-
-    def get(self) -> Any:
-        if self.dctx is None:
-            import zstandard
-
-            self.dctx = zstandard.ZstdDecompressor()
-        return self.dctx
+    return zstandard.ZstdDecompressor()
 
 
 class Pack:
@@ -95,7 +87,7 @@ class Pack:
         self._hot_map: np.ndarray | None = None
         self._checked: set[str] = set()  # hot tensors whose bytes matched their checksum
         self._lock = threading.Lock()
-        self._dctx = _Decompressors()
+        self._dctx = PerThread(_decompressor)
 
     # --- opening and validation ---------------------------------------------------------------
 
