@@ -24,7 +24,7 @@ from .evaluate import too_few_tokens
 from .readers import ReadStats, read_corpus
 from .render import ChatRenderer
 from .replay import GENERATED, PROMPT, Replayer, ReplayState, Router
-from .trace import TraceWriter, is_trace, read_trace
+from .trace import TraceWriter, check_trace_model, is_trace, read_trace, trace_header
 
 
 class Progress(Protocol):
@@ -113,8 +113,7 @@ def calibrate(router: Router, renderer: ChatRenderer, identity: ModelIdentity, j
         warn(f"{job.corpus}: {few}")
     trace = None
     if job.trace_path is not None:
-        args = (job.trace_path, spec.moe_layers, spec.n_expert_used, spec.n_expert,
-                {"arch": spec.arch, "identity": identity.to_json()})
+        args = (job.trace_path, *trace_header(spec, identity))
         trace = TraceWriter.reopen(*args, n_tokens=state.trace_tokens) if resumed else TraceWriter(*args)
 
     progress.start(total, state.total_tokens)
@@ -192,10 +191,7 @@ def heldout(path: Path, identity: ModelIdentity, spec: ModelSpec, replay: Callab
         raise SparkpackError(path, "no such file or folder")
     if path.is_file() and is_trace(path):
         tr = read_trace(path)
-        if tr.meta.get("identity") != identity.to_json():
-            raise SparkpackError(path, "trace was recorded on another model")
-        if tr.moe_layers != spec.moe_layers or tr.n_expert != spec.n_expert:
-            raise SparkpackError(path, "trace does not match the model's MoE layers or expert count")
+        check_trace_model(tr, spec, identity, path)
         out = Heldout(tr.ids[:max_tokens], tr.generated[:max_tokens], "trace")
     else:
         out = Heldout(*replay(), "corpus")

@@ -26,7 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from sparkpack.formats.archs import ModelSpec
 from sparkpack.formats.errors import FormatError, SparkpackError
+from sparkpack.formats.profile import ModelIdentity
 
 MAGIC = b"SPKTRACE"
 VERSION = 1
@@ -51,6 +53,20 @@ class Trace:
     @property
     def n_tokens(self) -> int:
         return int(self.ids.shape[0])
+
+
+def trace_header(spec: ModelSpec, identity: ModelIdentity) -> tuple[list[int], int, int, dict[str, Any]]:
+    """``TraceWriter``'s header arguments after the path for a trace of this model: its MoE
+    layers, top-k, experts, and its arch and identity (what ``check_trace_model`` holds a trace to)."""
+    return spec.moe_layers, spec.n_expert_used, spec.n_expert, {"arch": spec.arch, "identity": identity.to_json()}
+
+
+def check_trace_model(tr: Trace, spec: ModelSpec, identity: ModelIdentity, path: Path) -> None:
+    """Refuse, in one line, a trace recorded on another model."""
+    if tr.meta.get("identity") != identity.to_json():
+        raise SparkpackError(path, "trace was recorded on another model")
+    if tr.moe_layers != spec.moe_layers or tr.n_expert != spec.n_expert:
+        raise SparkpackError(path, "trace does not match the model's MoE layers or expert count")
 
 
 class TraceWriter:

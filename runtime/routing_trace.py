@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sparkpack.calibrate.trace import TraceWriter
+from sparkpack.calibrate.trace import TraceWriter, trace_header
 from sparkpack.formats.archs import ModelSpec
 from sparkpack.formats.errors import SparkpackError
 from sparkpack.formats.memory import PREFILL_GRAPH_TOKENS
@@ -41,8 +41,7 @@ class TraceRecorder:
         path = Path(path)
         if path.exists():
             raise SparkpackError(path, "already exists; give a new name for the trace (or remove the old one)")
-        self.writer = TraceWriter(path, spec.moe_layers, spec.n_expert_used, spec.n_expert,
-                                  {"arch": spec.arch, "identity": identity.to_json()})
+        self.writer = TraceWriter(path, *trace_header(spec, identity))
         self.path = path
         self.index = {il: j for j, il in enumerate(spec.moe_layers)}
         self.k = spec.n_expert_used
