@@ -156,7 +156,7 @@ def deltanet_decode(qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alph
     return (out, as_rows(codes)) if q8 else out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_chunks"])
 def _chunk_state_kernel(w_ptr, q_ptr, u0_ptr, qk_ptr, eg_ptr, kd_ptr, keep_ptr, state_ptr, out_ptr,
                         n_chunks, D_K, D_V,
                         sw_h, sw_n, sw_r, sw_c, sq_h, sq_n, sq_r, sq_c, su_h, su_n, su_r, su_c,
@@ -187,7 +187,7 @@ def _chunk_state_kernel(w_ptr, q_ptr, u0_ptr, qk_ptr, eg_ptr, kd_ptr, keep_ptr, 
     tl.store(state_ptr + s_offs, S, mask=ms)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _chunk_prep_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, qc_ptr, w_ptr, u0_ptr, qk_ptr, eg_ptr, kd_ptr, keep_ptr,
                        T, H, D_K, D_V, C: tl.constexpr, BS: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_V: tl.constexpr, PDL: tl.constexpr):
@@ -302,7 +302,7 @@ def _conv_rows(x_ptr, win_ptr, w_ptr, t, tm, c, m, C, stride_x, KM1: tl.constexp
     return acc / (1.0 + tl.exp(-acc))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _prefill_prep_kernel(x_ptr, win_ptr, w_ptr, beta_ptr, alpha_ptr, dt_ptr, a_ptr, q_ptr, k_ptr, v_ptr, g_ptr,
                          b_ptr, T, C, N_K, N_V, D_K, D_V, stride_x, stride_b, stride_a, q_scale,
                          KM1: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -362,7 +362,7 @@ def deltanet_prefill_inputs(qkv: torch.Tensor, beta: torch.Tensor, alpha: torch.
     return q, k, v, g, b
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, R, N_V, D_V, stride_z, eps,
                        BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)

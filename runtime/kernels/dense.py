@@ -199,7 +199,7 @@ def _gemv_kernel(x, xq, xd, xs, y, K, w0, n0, s0, w1, n1, s1, w2, n2, s2, w3, n3
                 _band(QT3, w3, s3, n3, pid - e2, x, xq, xd, xs, y, n0 + n1 + n2, K, BN, CPI, ACT_Q8, ASM, PDL)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _dequant_kernel(w, ids, out, N, K, row_bytes, stride_out, QT: tl.constexpr, HAS_IDS: tl.constexpr,
                     BR: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)

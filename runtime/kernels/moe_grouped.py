@@ -259,7 +259,7 @@ def _tile_down_kernel(h_ptr, pairs_ptr, block_expert_ptr, wts_ptr, slot_ptr, dow
 
 # ----------------------------------------------------------------------------- grouping
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "N_BLOCKS"])
 def _group_pairs_kernel(ids_ptr, pairs_ptr, block_expert_ptr, counts_ptr, limit_ptr, P, TOPK, N_EXPERT, N_BLOCKS,
                         HAS_COUNT: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_P: tl.constexpr, BINS: tl.constexpr, PDL: tl.constexpr):
