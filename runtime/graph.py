@@ -199,6 +199,9 @@ class PrefillGraphs:
         addresses = kv_addresses(self.cache)
         if addresses != self.captured_on:
             self.graphs.clear()  # grown buffers: capture again on them
+            # ... in a new pool: the old one went with its last graph (capturing into a pool no
+            # graph holds any more trips an assertion in torch's allocator)
+            self.pool = None
             self.captured_on = addresses
         self._stage(ids, size)
         self.pos.fill_(self.cache.pos)
