@@ -153,7 +153,8 @@ class Session:
         past (attention over a past: with a q8_0 KV cache a one-shot 8192-token prompt ran at
         4606 tok/s when only the first call was warmed) and with a count that is and one that is
         not a multiple of 16 (Triton compiles the two apart): a prompt's calls end at control
-        tokens and at its end, so any length comes. Then two decode steps (capture, replay). The
+        tokens and at its end, so any length comes. Then two decode steps (capture, replay), and
+        the host buffers of every DeltaNet state checkpoint are allocated. The
         expert store's counts and cache admission forget the dummy traffic; results never depend
         on any of it."""
         t0 = time.perf_counter()
@@ -188,6 +189,8 @@ class Session:
             ids.append(dummy[len(ids)])
             self.feed(ids)
         self.reset()
+        if self.checkpoints is not None:
+            self.checkpoints.reserve(self.cache)
         self.timing = Timing()
         self.model.experts.forget_traffic()
         return time.perf_counter() - t0

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sparkpack.formats.memory import recurrent_state_bytes
-from sparkpack.runtime.cache import StateCheckpoints
+from sparkpack.runtime.cache import Cache, RecurrentState, StateCheckpoints
 from sparkpack.runtime.generate import Session, call_end, generate
 from sparkpack.runtime.models import StoreOptions, load_model
 
@@ -149,3 +149,24 @@ def test_checkpoint_spacing_policy():
     assert cache.pos == 30 and int(cache.layers[0].ssm[0, 0, 0]) == 30
     cp.discard_after(10)
     assert cp.positions == [10]
+
+
+def test_warm_up_allocates_every_checkpoint_buffer_and_the_copies_stay_exact(synth_model):
+    """After the warm-up the session holds ``limit + 1`` checkpoint buffers (pinned on a GPU:
+    slow to allocate inside a user's first prompt), a long prompt allocates none of its own, and
+    a turn restored from those reused buffers gives a fresh session's bits."""
+    model = load_model(synth_model("qwen35moe"))
+    fresh = Cache([RecurrentState()])
+    cp = StateCheckpoints(limit=2)
+    cp.reserve(fresh)  # no state yet: nothing to size buffers by
+    assert not cp._spare
+    session = Session(model, prefill_chunk=8, ctx=256, checkpoints=4)
+    session.warm_up()
+    buffers = {id(t) for copy in session.checkpoints._spare for pair in copy if pair is not None for t in pair}
+    assert len(session.checkpoints._spare) == 5 and not session.checkpoints.saved
+    ids = ids_of(7, 90)
+    session.prompt(ids)
+    used = {id(t) for copy in session.checkpoints.saved.values() for pair in copy if pair is not None for t in pair}
+    assert len(session.checkpoints.saved) == 4 and used <= buffers
+    back = ids[:50] + ids_of(8, 7)
+    assert torch.equal(session.prompt(back), Session(model, prefill_chunk=8, ctx=256).feed(back))
