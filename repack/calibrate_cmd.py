@@ -132,6 +132,7 @@ def run_calibrate(job: "CalibrationJob", spec: "ModelSpec", identity: "ModelIden
     check_output(job.output, force or merge, "use --merge to add this corpus to it, or --force to replace it")
     if job.trace_path is not None:
         check_output(job.trace_path, force or job.resume)
+    check_corpus(job)
     router = connect()  # after every check: loading a model takes a while
 
     def save(prof: Profile) -> None:
@@ -160,6 +161,16 @@ def run_calibrate(job: "CalibrationJob", spec: "ModelSpec", identity: "ModelIden
     click.echo(f"profile: {job.output}" + (f" (merged, decay {decay})" if base is not None else ""))
     if job.trace_path is not None:
         click.echo(f"trace: {job.trace_path} ({state.trace_tokens} tokens)")
+
+
+def check_corpus(job: "CalibrationJob") -> None:
+    """A corpus that is missing or holds no conversation at all is refused before the model is
+    loaded (on a GPU that takes a minute), not after; reads only up to its first conversation."""
+    from sparkpack.calibrate.readers import read_corpus
+
+    convs, read = read_corpus(job.corpus, strict=job.strict)
+    if next(convs, None) is None:
+        raise SparkpackError(job.corpus, f"nothing to replay ({read.summary()})")
 
 
 def run_eval(gguf: "GGUFModel", spec: "ModelSpec", identity: "ModelIdentity", eval_path: Path, profile_path: Path,
