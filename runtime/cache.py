@@ -148,8 +148,9 @@ class Cache:
 
 
 # Recurrent-state checkpoints a session keeps by default. A Qwen3.6-35B-A3B one holds 30 DeltaNet
-# layers' states, at most 66 MB (formats.memory.recurrent_state_bytes; 4 bytes a value), so eight
-# take about half a GB of pinned host memory.
+# layers' states, at most 66 MB (formats.memory.recurrent_state_bytes; 4 bytes a value); the
+# warm-up allocates the nine buffers they take (one more is saved before the drop), about 0.6 GB
+# of pinned host memory.
 STATE_CHECKPOINTS = 8
 
 
@@ -181,9 +182,11 @@ class StateCheckpoints:
         """Allocate every host buffer the copies can take (``limit + 1``: one more is saved
         before the drop) now, while loading. Why: pinned host memory is slow to allocate
         (~70 ms for one Qwen3.6 copy of 66 MB on the GPU machine), and a first long prompt
-        saving a copy after each of its calls paid ~0.7 s of it. Nothing is reserved before the
-        states exist (their shapes are known from the first token on)."""
-        if any(isinstance(la, RecurrentState) and la.conv is None for la in cache.layers):
+        saving a copy after each of its calls spent 0.27-0.41 s outside its calls, 0.11 s once
+        reserved (bench/turn_profile.py). Nothing is reserved with checkpoints off (``limit``
+        0: calibration's sessions) or before the states exist (their shapes are known from the
+        first token on)."""
+        if self.limit <= 0 or any(isinstance(la, RecurrentState) and la.conv is None for la in cache.layers):
             return
         while len(self.saved) + len(self._spare) < self.limit + 1:
             self._spare.append(self._new_copy(cache))

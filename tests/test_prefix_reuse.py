@@ -160,6 +160,12 @@ def test_warm_up_allocates_every_checkpoint_buffer_and_the_copies_stay_exact(syn
     cp = StateCheckpoints(limit=2)
     cp.reserve(fresh)  # no state yet: nothing to size buffers by
     assert not cp._spare
+    started = Cache([RecurrentState(torch.zeros(2, 3), torch.zeros(1, 2, 2))])
+    off = StateCheckpoints(limit=0)  # checkpoints off (calibration's sessions): nothing is allocated
+    off.reserve(started)
+    assert not off._spare
+    cp.reserve(started)
+    assert len(cp._spare) == 3
     session = Session(model, prefill_chunk=8, ctx=256, checkpoints=4)
     session.warm_up()
     buffers = {id(t) for copy in session.checkpoints._spare for pair in copy if pair is not None for t in pair}
