@@ -169,8 +169,11 @@ def check_corpus(job: "CalibrationJob") -> None:
     from sparkpack.calibrate.readers import read_corpus
 
     convs, read = read_corpus(job.corpus, strict=job.strict)
-    if next(convs, None) is None:
-        raise SparkpackError(job.corpus, f"nothing to replay ({read.summary()})")
+    try:
+        if next(convs, None) is None:
+            raise SparkpackError(job.corpus, f"nothing to replay ({read.summary()})")
+    finally:
+        convs.close()  # (the file it stopped in)
 
 
 def run_eval(gguf: "GGUFModel", spec: "ModelSpec", identity: "ModelIdentity", eval_path: Path, profile_path: Path,

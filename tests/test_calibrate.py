@@ -363,6 +363,29 @@ def test_missing_corpus(synth_model, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]  # no profile, no partial trace
 
 
+def test_an_empty_corpus_is_refused_before_the_model_loads(synth_model, tmp_path):
+    """On a GPU loading and warming a model up takes a minute: a corpus with nothing to replay
+    (a missing path, an empty folder, files of no conversation) is refused before that."""
+    from sparkpack.calibrate.job import CalibrationJob
+    from sparkpack.formats.errors import SparkpackError
+    from sparkpack.formats.profile import model_identity
+    from sparkpack.repack.calibrate_cmd import run_calibrate
+
+    gguf = GGUFModel(synth_model("qwen3moe"))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+
+    def connect():
+        pytest.fail("the model was loaded for a corpus with nothing to replay")
+
+    for corpus, says in [(tmp_path / "nope", "no such file or folder"), (tmp_path / "empty", "nothing to replay"),
+                         (tmp_path / "blank.jsonl", "nothing to replay")]:
+        job = CalibrationJob(corpus, tmp_path / "p.json", 4096, 2048, None, None, False, False, None)
+        with pytest.raises(SparkpackError, match=says):
+            run_calibrate(job, model_spec(gguf), model_identity(gguf), connect, False, False, 0.5, True)
+    assert not (tmp_path / "p.json").exists()
+
+
 def test_not_a_moe_model(tmp_path):
     import gguf
 
