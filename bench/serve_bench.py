@@ -6,10 +6,11 @@
 On the GPU machine, from the repo root after ``. bench/device_env.sh`` (wheels carried: see the
 report of issue 27). ``DIR`` holds the coding agents' system prompts (lucebox-hub's
 ``agent_prompts/*.md``): their text, repeated and cut to ``--turn1-tokens`` (17k), is turn 1's
-system prompt; turn 2 is the same conversation plus an answer (``ANSWER``: a fixed text, the same
-for both servers) and ``--turn2-tokens`` (300) new tokens of a user message. For each server (a fresh ``spark-run MODEL --serve`` at ``--vram``,
-then llama-server with ``--n-cpu-moe N`` experts' layers on the CPU, N chosen so that its GPU
-memory fits the same budget unless given), through the openai client, streaming:
+system prompt; turn 2 is the same conversation plus an answer (``ANSWER``: a fixed text, the
+same for both servers) and ``--turn2-tokens`` (300) new tokens of a user message. For each
+server (a fresh ``spark-run MODEL --serve`` at ``--vram``, then llama-server with ``--n-cpu-moe
+N`` experts' layers on the CPU, N chosen so that its GPU memory fits the same budget unless
+given), through the openai client, streaming:
 
 * time to first token of turn 1 and of turn 2 (turn 2 / turn 1: the prefix reuse; target < 10%),
   as the wall time of a one-token request (a random model's tokens may spell no text, and then no

@@ -5,10 +5,12 @@
 The conversation of ``bench/serve_bench.py`` (a 17k-token agent system prompt, then the same
 conversation plus an answer and 300 new tokens), fed as the server feeds it: ``Session.prompt``
 on the rendered ids, with spark-run's options. For turn 1, turn 2 and a fresh repeat of turn 1
-it prints every forward call: its tokens, whether it staged its cold experts, its seconds (the
-device synchronized around it), and how many Triton kernels were compiled during it (new
-entries in Triton's cache: a call that compiles is paying for a shape the warm-up missed). What
-the calls do not add up to is host time between them (rendering, tokenizing, bookkeeping).
+it prints every eager forward call: its tokens, whether it staged its cold experts, its seconds
+(the device synchronized around it), and the Triton kernels compiled during it (new entries in
+Triton's on-disk cache: a call that compiles is paying for a shape the warm-up missed; a kernel
+an earlier process compiled shows nothing). What the calls do not add up to is host time
+between them (rendering, tokenizing, bookkeeping). For Qwen3.5/3.6, whose prompt calls are all
+eager; the all-attention models' padded calls replay CUDA graphs, which this does not see.
 """
 from __future__ import annotations
 
@@ -27,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_bench import ANSWER, build_turns  # noqa: E402  (the same conversation as the served benchmark)
 
 from sparkpack.runtime.chat_template import ChatTemplate  # noqa: E402
+from sparkpack.runtime.models.base import MoEModel  # noqa: E402
 from sparkpack.runtime.options import open_model, open_session, run_options  # noqa: E402
 from sparkpack.runtime.tokenizer import GGUFTokenizer  # noqa: E402
-
 
 
 def sync() -> None:
@@ -63,7 +65,7 @@ def kernel_names(entries: set[str]) -> list[str]:
 class CallLog:
     """Wraps ``model.forward``: one row per call."""
 
-    def __init__(self, model):
+    def __init__(self, model: MoEModel):
         self.model, self.rows = model, []
         self._forward = model.forward
         model.forward = self._timed
@@ -156,9 +158,9 @@ def main() -> None:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as kp:
-            phase("turn 2 again (all kept), under the profiler", turns.turn2(ANSWER))
+            phase("turn 2 again (all but its last call kept), under the profiler", turns.turn2(ANSWER))
         print(kp.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
-    phase("turn 2 again (all kept)", turns.turn2(ANSWER))
+    phase("turn 2 again (all but its last call kept)", turns.turn2(ANSWER))
     session.reset()
     phase("turn 1, fresh session state", turns.turn1())
     phase("turn 2 (fixed answer), second time", turns.turn2(ANSWER))

@@ -87,8 +87,8 @@ def test_swaps_keep_results_bit_identical(model_path, tmp_path, monkeypatch, mod
     scores = rng.random(hot0.shape)
     scores[~hot0] += 1.0  # traffic that moved on to the experts now cold
     # as the learner plans them: a store that stages long calls (on a GPU) swaps within a layer
-    within = dict(across_layers=store.staging is None)
-    swaps = plan_swaps_in_place(store.hot, scores, store.device_layout.units, **within)
+    across = store.staging is None
+    swaps = plan_swaps_in_place(store.hot, scores, store.device_layout.units, across_layers=across)
     if hot_fraction == 1.0:
         assert not swaps  # nothing is cold
     else:
@@ -105,7 +105,8 @@ def test_swaps_keep_results_bit_identical(model_path, tmp_path, monkeypatch, mod
         if mode == "zerocopy":  # a demoted expert is read from where the host pool now holds it
             for d in swaps.demote:
                 assert store.slots.table[d] == -(store.cold.layout.offset[d] + 1)
-        assert not plan_swaps_in_place(store.hot, scores, store.device_layout.units, **within)  # where the scores say
+        assert not plan_swaps_in_place(store.hot, scores, store.device_layout.units,
+                                       across_layers=across)  # where the scores say
     replays = session.graph.replays if session.graph is not None else 0
     tokens2, after = greedy(session)
     assert tokens2 == tokens and torch.equal(after, before)

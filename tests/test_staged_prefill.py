@@ -271,14 +271,13 @@ def forward_calls(model, ids: list[int], calls: list[int], last_only: bool = Fal
 
 
 @cuda
-@pytest.mark.parametrize("arch", ["qwen35moe"])
 @pytest.mark.parametrize("fraction", [1.0, 0.6, 0.1])
-def test_staged_calls_give_the_all_gpu_bits(synth_model, arch, fraction):
+def test_staged_calls_give_the_all_gpu_bits(synth_model, fraction):
     """Calls below the threshold (zero-copy), above it (staged) and below again into one cache:
     every call's logits are the all-GPU store's, and the zero-copy store's at that residency.
     (Only qwen35moe's stores stage: the all-attention models' sessions keep their captured
     512-token calls, so their plans reserve no staging buffers; the next test checks that.)"""
-    path = synth_model(arch, "Q4_K_M", skew=1.0)
+    path = synth_model("qwen35moe", "Q4_K_M", skew=1.0)
     calls = [40, 300, 20, 100]
     ids = prompt(sum(calls), 2000)
     want = forward_calls(gpu_model(path, 1.0, None), ids, calls)
