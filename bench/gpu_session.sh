@@ -3,6 +3,9 @@
 # Q4_K_M GGUF (~20 GB), split it into a pack, verify, join back (byte-compared), and measure zstd
 # on a layer-cut copy; then run the forward and dequant tests on CUDA.
 #   usage (repo root, on the GPU machine, wheels from .whl/ carried): bash bench/gpu_session.sh [steps]
+#   the wheels, once per session on the CPU machine: bash ../shared/device/prepare.sh $(cat bench/device_wheels.txt)
+#   (the server and its test clients; the device has torch, triton, transformers, xxhash, prometheus-client,
+#   pytest-xdist, not these); then carry .whl (and .device/corpus, a copy of ../shared/corpora/lucebox-hub).
 # steps: any of synth split compress tests cudatests kernels calib store staged decode llama side presets serve learning long (default: synth split compress tests)
 # cudatests: the runtime's CUDA tests (kernels, expert store, pack integrity, graphs, prefix reuse, served
 #   GPU path, generation, learning, calibration replay, staged prefill) on 15 xdist workers (CUDA_TESTS: other files).
