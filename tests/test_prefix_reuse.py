@@ -136,8 +136,6 @@ def test_checkpoints_are_bounded_and_keep_old_prefixes_reachable(synth_model):
 
 def test_checkpoint_spacing_policy():
     """The victim is the interior copy whose neighbours are closest; the newest is never dropped."""
-    from sparkpack.runtime.cache import Cache, RecurrentState
-
     cache = Cache([RecurrentState(torch.zeros(2, 3), torch.zeros(1, 2, 2))])
     cp = StateCheckpoints(limit=3)
     for pos in (10, 20, 30, 80, 90):
