@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_bench import ANSWER, build_turns  # noqa: E402  (the same conversation as the served benchmark)
 
-from sparkpack.runtime.chat_template import ChatTemplate  # noqa: E402
+from sparkpack.runtime.cli import chat_ids  # noqa: E402  (the one-shot run's rendering)
 from sparkpack.runtime.models.base import MoEModel  # noqa: E402
 from sparkpack.runtime.options import open_model, open_session, run_options  # noqa: E402
 from sparkpack.runtime.tokenizer import GGUFTokenizer  # noqa: E402
@@ -106,7 +106,7 @@ def main() -> None:
     t0 = time.perf_counter()
     model = open_model(opts)
     tok = GGUFTokenizer.from_metadata(model.gguf)
-    template = ChatTemplate.from_tokenizer(model.gguf.get("tokenizer.chat_template"), tok)
+    template = model.gguf.get("tokenizer.chat_template")
     session = open_session(model, opts, tok.control_ids)
     loaded = time.perf_counter() - t0
     entries = cache_entries()
@@ -118,7 +118,7 @@ def main() -> None:
 
     def ids_of(messages: list[dict]) -> tuple[list[int], float]:
         t = time.perf_counter()
-        ids = tok.encode(template.render(messages, add_generation_prompt=True), add_special=False)
+        ids = chat_ids(tok, template, messages)
         return ids, time.perf_counter() - t
 
     log = CallLog(model)
