@@ -12,6 +12,8 @@ import torch
 
 from sparkpack.formats.memory import KV_BYTES_PER_VALUE
 
+from .pinned import pinned_like
+
 
 def prefill_rows(pos0: "int | torch.Tensor", T: int) -> int | None:
     """The KV rows a call of ``T`` tokens from position ``pos0`` can attend to: ``pos0 + T`` for
@@ -235,4 +237,4 @@ class StateCheckpoints:
 
 
 def _host_like(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+    return pinned_like(t, pin=t.is_cuda)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from .expert_source import ExpertSource
+from .pinned import pinned_empty
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ def fill_device_pool(source: ExpertSource, layout: PoolLayout, pool: torch.Tenso
     if not placed:
         return
     U = layout.unit
-    staging = torch.empty(min(len(placed), chunk) * layout.slot_units * U, dtype=torch.uint8, pin_memory=pin)
+    staging = pinned_empty(min(len(placed), chunk) * layout.slot_units * U, pin)
     stage_np = staging.numpy()
     for i in range(0, len(placed), chunk):
         part = placed[i: i + chunk]
@@ -115,7 +116,7 @@ class HostPool:
 
     def __init__(self, source: ExpertSource, layout: PoolLayout, nbytes: dict[int, int], pin: bool):
         self.layout, self.nbytes, self.pinned = layout, nbytes, pin
-        self.tensor = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.tensor = pinned_empty(layout.nbytes, pin)  # exactly its size (runtime.pinned)
         flat = self.tensor.numpy()
         U = layout.unit
         read_experts(source, [(il, e, flat[int(layout.offset[il, e]) * U:][: nbytes[il]])
@@ -149,7 +150,7 @@ class DiskTier:
             _, buf = self.cache.popitem(last=False)
             self.before_reuse()
         else:
-            buf = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+            buf = pinned_empty(self.slot_bytes, self.pinned)
         self.source.read(layer, expert, buf.numpy()[: self.nbytes[layer]])
         if self.cap:
             self.cache[key] = buf

@@ -73,6 +73,7 @@ from .expert_stats import RoutingCounts, RoutingObserver, RoutingRecorder, Store
 from .expert_tables import ExpertLayer, KernelTables
 from .experts import ExpertProvider, routed_sum
 from .layers import swiglu
+from .pinned import pinned_empty
 from .weights import dequantize_bytes
 
 if TYPE_CHECKING:
@@ -631,7 +632,7 @@ class ExpertStore(ExpertProvider):
         """A (pinned) host buffer of at least ``nbytes`` for the demoted experts' bytes, kept for the
         next re-placement (pinning memory costs milliseconds)."""
         if self._swap_staging is None or self._swap_staging.numel() < nbytes:
-            self._swap_staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            self._swap_staging = pinned_empty(nbytes, self.pin)
         return self._swap_staging
 
     # --- reporting ----------------------------------------------------------------------------
