@@ -1,16 +1,15 @@
 """Prefill at partial residency with and without staged calls (CUDA), to pick the threshold.
 
     python bench/staged_prefill.py M.gguf (--hot-fraction F [--profile P] | --vram 14GiB [--profile P])
-        [--tokens 512 1024 2048 4096 8192 32768] [--chunk 2048] [--all-gpu] [--md out.md] [--json out.json]
+        [--tokens 512 1024 2048 4096 8192 32768] [--chunk 2048] [--all-gpu] [--no-off] [--md out.md] [--json out.json]
 
 One process, one model at one residency: for each prompt length N, a fresh session prefills N
 tokens with staging off (every call reads cold experts zero-copy) and on (every eager call
 stages: ``runtime.expert_staging``), the second of two prefills timed (the first compiles and
 captures what that length needs), with the bytes streamed host->device and the tokens per call
-(the all-attention models take captured 512-token calls unstaged, ``--chunk`` calls staged).
+(the all-attention models take 512-token calls: captured unstaged, eager in groups staged).
 Prompts up to ``--chunk`` tokens are one call each: where "on" overtakes "off" among them is the
-crossover to set ``formats.memory.STAGE_TOKENS`` (``StoreOptions.stage_tokens``) to (on the
-all-attention models a call of up to 512 tokens is captured, and captured calls never stage).
+crossover to set ``formats.memory.STAGE_TOKENS`` (``StoreOptions.stage_tokens``) to.
 Under ``--vram`` both rows run on the staged plan's hot set (the buffers reserved either way).
 ``--all-gpu`` adds the all-GPU store's rates (a second store, same dense weights; needs the
 memory of both). Both paths compute the same bits for the same calls (tests/test_staged_prefill.py).
@@ -59,9 +58,13 @@ def table(rows: list[dict], all_gpu: dict[int, float]) -> str:
     lines = [head + (" all-GPU tok/s | on/all-GPU |" if all_gpu else ""),
              "|" + "---|" * (7 + 2 * bool(all_gpu))]
     for r in rows:
-        off, on = r["off"], r["on"]
-        line = (f"| {r['tokens']} | {off['call_tokens']}/{on['call_tokens']} | {off['tok_s']:.0f} | {on['tok_s']:.0f} | "
-                f"{on['tok_s'] / off['tok_s']:.2f} | {fmt_size(off['bytes_streamed'])} | {fmt_size(on['bytes_streamed'])} |")
+        on = r["on"]
+        off = r.get("off")
+        if off is None:  # --no-off
+            line = f"| {r['tokens']} | -/{on['call_tokens']} | - | {on['tok_s']:.0f} | - | - | {fmt_size(on['bytes_streamed'])} |"
+        else:
+            line = (f"| {r['tokens']} | {off['call_tokens']}/{on['call_tokens']} | {off['tok_s']:.0f} | {on['tok_s']:.0f} | "
+                    f"{on['tok_s'] / off['tok_s']:.2f} | {fmt_size(off['bytes_streamed'])} | {fmt_size(on['bytes_streamed'])} |")
         if all_gpu:
             line += f" {all_gpu[r['tokens']]:.0f} | {on['tok_s'] / all_gpu[r['tokens']]:.0%} |"
         lines.append(line)
@@ -78,6 +81,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 32768])
     ap.add_argument("--chunk", type=int, default=2048, help="prompt tokens per call (Session prefill_chunk)")
     ap.add_argument("--all-gpu", action="store_true", help="also time the all-GPU store")
+    ap.add_argument("--no-off", action="store_true", help="time staging on only (zero-copy long prompts take minutes)")
     out = Path(os.environ.get("OUT", "."))
     ap.add_argument("--md", type=Path, default=out / "staged_prefill.md")
     ap.add_argument("--json", type=Path, default=out / "staged_prefill.json")
@@ -96,7 +100,7 @@ def main() -> None:
     rows = []
     for n in a.tokens:
         row = {"tokens": n}
-        for name, threshold in (("off", NEVER), ("on", 1)):
+        for name, threshold in (("off", NEVER), ("on", 1))[1 if a.no_off else 0:]:
             store.staging.min_tokens = threshold
             row[name] = measure(model, n, a.chunk)
             r = row[name]

@@ -63,22 +63,31 @@ def kernel_names(entries: set[str]) -> list[str]:
 
 
 class CallLog:
-    """Wraps ``model.forward``: one row per call."""
+    """Wraps ``model.forward`` and ``model.forward_calls``: one row per call or group of calls
+    (a staging session's, run layer by layer)."""
 
     def __init__(self, model: MoEModel):
         self.model, self.rows = model, []
-        self._forward = model.forward
+        self._forward, self._forward_calls = model.forward, model.forward_calls
         model.forward = self._timed
+        model.forward_calls = self._timed_group
 
     def _timed(self, ids, *a, **kw):
         n = len(ids)
-        staged = self.model.experts.staged_prefill(n)
+        return self._row(n, self.model.experts.staged_prefill(n) and n > 1, 1, lambda: self._forward(ids, *a, **kw))
+
+    def _timed_group(self, calls, *a, **kw):
+        rows = sum(c.ids.numel() for c in calls)
+        return self._row(sum(c.n for c in calls), self.model.experts.staged_prefill(rows), len(calls),
+                         lambda: self._forward_calls(calls, *a, **kw))
+
+    def _row(self, n: int, staged: bool, calls: int, run):
         before = cache_entries()
         sync()
         t0 = time.perf_counter()
-        out = self._forward(ids, *a, **kw)
+        out = run()
         sync()
-        self.rows.append({"tokens": n, "staged": bool(staged) and n > 1, "seconds": time.perf_counter() - t0,
+        self.rows.append({"tokens": n, "calls": calls, "staged": bool(staged), "seconds": time.perf_counter() - t0,
                           "compiled": kernel_names(cache_entries() - before)})
         return out
 
@@ -147,7 +156,9 @@ def main() -> None:
         print(f"== {name}: {len(ids)} tokens, kept {session.reused}; render+tokenize {render_s:.3f} s, "
               f"prompt {wall:.3f} s ({row['host_s']:.3f} s outside calls)")
         for c in calls:
-            print(f"   call {c['tokens']:>5} tokens{' staged' if c['staged'] else '       '} {c['seconds']:.3f} s"
+            what = "call" if c["calls"] == 1 else f"group of {c['calls']} calls"
+            print(f"   {what} {c['tokens']:>5} tokens"
+                  f"{' staged' if c['staged'] else '       '} {c['seconds']:.3f} s"
                   + (f"  (compiled: {', '.join(c['compiled'])})" if c["compiled"] else ""))
         if prof is not None:  # where the host time went (the calls' own time included)
             pstats.Stats(prof).sort_stats("tottime").print_stats(12)

@@ -35,7 +35,8 @@ DELTANET_CHUNK = 64
 # attention, on a GPU in half precision, 16-bit KV cache: runtime.graph.short_prefill_calls) feed
 # every prompt in calls of at most this many tokens, whether or not their expert store can be
 # captured, so the --vram plan counts this many tokens' temporaries for them (others use
-# PREFILL_CHUNK); their calls never stage (MemoryTarget.staged_chunk).
+# PREFILL_CHUNK). At partial residency they keep these calls (the all-GPU bits come from them)
+# and stage them in groups (GROUP_TOKENS).
 PREFILL_GRAPH_TOKENS = 512
 # Prompt calls of at least this many tokens stage their cold experts in bulk, one copy per layer
 # into one of two device buffers, instead of reading them zero-copy tile by tile
@@ -45,6 +46,13 @@ PREFILL_GRAPH_TOKENS = 512
 # already route to most of a layer's cold experts. Decode steps and calls of a few tokens stay
 # zero-copy.
 STAGE_TOKENS = 32
+# A staged prompt's consecutive calls run layer by layer in groups of up to this many tokens,
+# each layer's cold experts copied once for the whole group (runtime.generate.Session,
+# MoEModel.forward_calls): the copy then hides behind the group's compute, as it does not behind
+# one 512-token call (~50 ms of compute against ~175 ms to copy Qwen3.6's cold experts at
+# --vram 14GiB). The group holds every call's residual rows between layers, which the plan
+# counts with the staging buffers (``group_bytes``).
+GROUP_TOKENS = 8192
 # Attention scores held at once: a long chunk's queries go in pieces (runtime.layers.attention).
 ATTN_SCORES_MAX = 1 << 25
 # Weights a multi-token projection expands at once from quantized bytes (runtime.quant_linear):
@@ -70,9 +78,10 @@ class MemoryTarget:
     a GPU), the KV cache type, the context, and the most tokens one prefill call holds.
 
     ``staged_chunk``: the tokens of a prefill call when the expert store stages long calls (0:
-    it never does; always so for the models whose sessions make short captured calls, which
-    keep them at any residency so as to give the all-GPU bits: ``runtime.generate.Session``). ``host_bytes``: the pinned host memory allowed for cold experts
-    (None: all of them); only a store that holds every cold expert there stages."""
+    it never does); the models whose sessions make short captured calls keep them when they
+    stage (the all-GPU bits come from them: ``runtime.generate.Session``). ``host_bytes``: the
+    pinned host memory allowed for cold experts (None: all of them); only a store that holds
+    every cold expert there stages."""
 
     dtype_bytes: int = 2
     quantized_dense: bool = True
@@ -86,8 +95,8 @@ class MemoryTarget:
     def gpu(cls, spec: ModelSpec, ctx: int = 4096, kv_type: str = "auto",
             prefill_chunk: int = PREFILL_CHUNK, stage_tokens: int | None = STAGE_TOKENS) -> "MemoryTarget":
         """spark-run on a GPU with bf16 activations (what ``repack split --vram`` plans for)."""
-        if short_calls(spec, kv_type):  # captured calls at any residency: none stages
-            return cls(2, True, kv_type, ctx, min(prefill_chunk, PREFILL_GRAPH_TOKENS), 0)
+        if short_calls(spec, kv_type):  # the captured calls' length at any residency
+            prefill_chunk = min(prefill_chunk, PREFILL_GRAPH_TOKENS)
         return cls(2, True, kv_type, ctx, prefill_chunk, staged_call_tokens(prefill_chunk, stage_tokens))
 
     @property
@@ -99,6 +108,18 @@ def staged_call_tokens(prefill_chunk: int, stage_tokens: int | None) -> int:
     """A session's prompt calls when its store stages calls of ``stage_tokens`` tokens or more:
     ``prefill_chunk`` tokens, or 0 when no call that long stages."""
     return prefill_chunk if stage_tokens is not None and stage_tokens <= prefill_chunk else 0
+
+
+def group_tokens(ctx: int, chunk: int) -> int:
+    """The most tokens of a group of staged calls in a session of context ``ctx`` and calls of
+    ``chunk`` tokens: ``GROUP_TOKENS``, no more than the context, at least one call."""
+    return max(min(GROUP_TOKENS, ctx), chunk)
+
+
+def group_bytes(spec: ModelSpec, ctx: int, chunk: int, dtype_bytes: int = 2) -> int:
+    """The residual rows a group of staged calls holds between layers (``group_tokens``) beyond
+    one call's, whose temporaries ``prefill_activation_bytes`` counts."""
+    return (group_tokens(ctx, chunk) - chunk) * spec.n_embd * dtype_bytes
 
 
 def short_calls(spec: ModelSpec, kv_type: str) -> bool:

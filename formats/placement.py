@@ -22,7 +22,8 @@ import numpy as np
 from .archs import ModelSpec
 from .errors import SparkpackError
 from .experts import expert_tensor_names
-from .memory import MemoryTarget, dense_bytes, expert_slot_bytes, kv_cache_bytes, recurrent_state_bytes, runtime_bytes
+from .memory import (MemoryTarget, dense_bytes, expert_slot_bytes, group_bytes, kv_cache_bytes, recurrent_state_bytes,
+                     runtime_bytes)
 from .profile import Profile
 from .quants import KERNEL_QTYPES
 from .units import fmt_size
@@ -330,11 +331,14 @@ def plan_residency(spec: ModelSpec, tensors: dict, budget: Budget, target: Memor
                                         f"{fmt_size(fixed)}")
         left = budget.vram - fixed
         hot = make_plan(*shape, sizes, left, counts, tokens, gen_weight).hot
-        # (staged calls are prefill_chunk calls: their temporaries are in ``runtime`` already)
+        # (staged calls are prefill_chunk calls: their temporaries are in ``runtime`` already;
+        # a group of them holds its residual rows too)
+        rows = group_bytes(spec, target.ctx, target.prefill_chunk, target.dtype_bytes)
         staged = _staged_plan(hot, lambda b: make_plan(*shape, sizes, b, counts, tokens, gen_weight).hot, left, sizes,
-                              target.host_bytes) if stages else None
+                              target.host_bytes, rows) if stages else None
         if staged is not None:
             hot, left = staged
+            runtime += rows
         return done(hot, f"--vram budget, {what}", stage=staged is not None, vram=budget.vram, dense_bytes=dense,
                     kv_bytes=kv, state_bytes=state, overhead_bytes=runtime, expert_budget=left)
     if budget.hot_fraction is not None:
@@ -361,11 +365,12 @@ def staging_bytes(hot: np.ndarray, sizes: dict[int, int], host_bytes: int | None
 
 
 def _staged_plan(hot: np.ndarray, plan: Callable[[int], np.ndarray], left: int, sizes: dict[int, int],
-                 host_bytes: int | None, rounds: int = 16) -> tuple[np.ndarray, int] | None:
+                 host_bytes: int | None, rows: int = 0, rounds: int = 16) -> tuple[np.ndarray, int] | None:
     """A hot set that leaves room for staging: ``(hot, bytes left for hot experts)``, or None when
     the store will not stage: nothing cold, cold experts beyond the host RAM, or buffers that do
     not fit (long prompts are then read zero-copy). ``plan(budget)`` is the hot set for a budget;
-    ``host_bytes`` the pinned host memory for cold experts.
+    ``host_bytes`` the pinned host memory for cold experts; ``rows`` what a group of staged calls
+    holds besides the buffers (``formats.memory.group_bytes``), reserved with them.
 
     The buffers' size depends on the hot set (the largest layer's cold experts), which depends
     on what the buffers leave: plan, reserve what that hot set needs, plan again within the
@@ -376,13 +381,13 @@ def _staged_plan(hot: np.ndarray, plan: Callable[[int], np.ndarray], left: int, 
         need = staging_bytes(hot, sizes, host_bytes)
         if not need:
             return None
-        if need <= reserve:
+        if need + rows <= reserve:
             return hot, left - reserve
-        reserve = need
+        reserve = need + rows
         if reserve > left:
             return None
         hot = plan(left - reserve)
-    reserve = 2 * max(sizes.values()) * hot.shape[1]
+    reserve = 2 * max(sizes.values()) * hot.shape[1] + rows
     if reserve > left:
         return None
     hot = plan(left - reserve)

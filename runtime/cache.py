@@ -198,16 +198,40 @@ class StateCheckpoints:
 
     def save(self, cache: Cache) -> None:
         """Copy the states as they are at ``cache.pos`` (queued behind the computation on a GPU)."""
-        if self.limit <= 0 or cache.pos in self.saved:
+        for copy in self.take(cache, [cache.pos]).values():
+            for il in range(len(cache.layers)):
+                self.copy_layer(copy, cache, il)
+
+    def take(self, cache: Cache, positions: list[int]) -> dict[int, list]:
+        """Host copies for the states at ``positions`` (ascending, past the saved ones: the ends
+        of a group of calls, ``MoEModel.forward_calls``), which the caller fills layer by layer
+        (``copy_layer``) as each call's block of a layer is launched. The copies are those saving
+        them one after another would keep: what that would drop goes now, or is never taken."""
+        if self.limit <= 0:
+            return {}
+        kept = sorted(self.saved)
+        for p in positions:
+            if p not in kept:
+                kept = sorted(kept + [p])
+                if len(kept) > self.limit:
+                    kept.remove(_victim(kept))
+        for p in [p for p in self.saved if p not in kept]:
+            self._spare.append(self.saved.pop(p))
+        new = {}
+        for p in positions:
+            if p in kept and p not in self.saved:
+                new[p] = self.saved[p] = self._spare.pop() if self._spare else self._new_copy(cache)
+        return new
+
+    def copy_layer(self, copy: list, cache: Cache, il: int) -> None:
+        """Copy layer ``il``'s state (if it is a recurrent one) into ``copy`` from ``take``."""
+        layer = cache.layers[il]
+        if not isinstance(layer, RecurrentState) or layer.conv is None:
             return
-        copy = self._spare.pop() if self._spare else self._new_copy(cache)
-        for pair, layer in zip(copy, cache.layers):
-            if pair is not None:
-                pair[0].copy_(layer.conv, non_blocking=True)
-                pair[1].copy_(layer.ssm, non_blocking=True)
-        self.saved[cache.pos] = copy
-        if len(self.saved) > self.limit:
-            self._drop_one()
+        if copy[il] is None:  # a copy taken before the states existed (a fresh session's first call)
+            copy[il] = (_host_like(layer.conv), _host_like(layer.ssm))
+        copy[il][0].copy_(layer.conv, non_blocking=True)
+        copy[il][1].copy_(layer.ssm, non_blocking=True)
 
     def restore(self, cache: Cache, pos: int) -> None:
         """Put the states saved at ``pos`` back into ``cache``'s own tensors (a captured decode step
@@ -226,14 +250,14 @@ class StateCheckpoints:
         for p in [p for p in self.saved if p > pos]:
             self._spare.append(self.saved.pop(p))
 
-    def _drop_one(self) -> None:
-        pos = self.positions
-        if len(pos) < 3:
-            victim = pos[0]
-        else:  # an interior copy, scored by the gap its removal leaves
-            victim = min(range(1, len(pos) - 1), key=lambda i: pos[i + 1] - pos[i - 1])
-            victim = pos[victim]
-        self._spare.append(self.saved.pop(victim))
+
+
+def _victim(pos: list[int]) -> int:
+    """Which of the saved positions ``pos`` (ascending, more than allowed) goes: an interior one,
+    scored by the gap its removal leaves (the first of two or fewer)."""
+    if len(pos) < 3:
+        return pos[0]
+    return pos[min(range(1, len(pos) - 1), key=lambda i: pos[i + 1] - pos[i - 1])]
 
 
 def _host_like(t: torch.Tensor) -> torch.Tensor:

@@ -188,6 +188,9 @@ class RoutingTap(ExpertProvider):
     def staged_prefill(self, n_tokens: int) -> bool:
         return self.inner.staged_prefill(n_tokens)
 
+    def stage_calls(self, n_tokens: int | None) -> None:
+        self.inner.stage_calls(n_tokens)
+
     def count_real_tokens(self, real: torch.Tensor | None) -> None:
         self.inner.count_real_tokens(real)
 

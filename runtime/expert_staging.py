@@ -18,8 +18,10 @@ buffer (``staged_row``), so the arithmetic, and the bits, are those of every oth
 Only experts in the pinned host pool are staged. Cold experts in the disk tier (host RAM cannot
 hold them all) are served as before (async mode: copied into cache slots, or read through a
 pinned staging buffer filled from the file); a store without a host pool has nothing to stage.
-Captured calls (``runtime.graph``) and padded calls never stage: the choreography below is host
-code between launches.
+Captured calls (``runtime.graph``) never stage: the choreography below is host code between
+launches. A group of calls run layer by layer (``MoEModel.forward_calls``: a prompt's calls,
+padded ones included) stages each layer once: every call of the group reads the layer's buffer
+before the next layer is served.
 """
 from __future__ import annotations
 
@@ -100,6 +102,7 @@ class StagedPrefill:
         self.ready: list[torch.cuda.Event | None] = [None, None]  # buffer's last copy landed
         self.free: list[torch.cuda.Event | None] = [None, None]  # buffer's last reader finished
         self.ahead: int | None = None  # index of the layer whose copy was issued ahead
+        self.current: int | None = None  # index of the layer being served (its buffer is ready)
 
     @property
     def nbytes(self) -> int:
@@ -112,19 +115,28 @@ class StagedPrefill:
     def span_bytes(self, layer: int) -> int:
         return self.spans[layer].units * self.unit
 
-    def serve(self, layer: int, row: torch.Tensor) -> tuple["ExpertPools", torch.Tensor]:
-        """The kernel's pools and table row for ``layer`` (one with cold experts) in a staged call."""
-        i = self.index[layer]
-        if self.ahead != i:  # the call's first staged layer (or one after an interrupted call)
-            self._issue(i)
-        self.ahead = None
-        if i + 1 < len(self.order):
-            self._issue(i + 1)
-            self.ahead = i + 1
-        b = i % 2
-        if self.ready[b] is not None:
-            torch.cuda.current_stream(self.buffers[b].device).wait_event(self.ready[b])
-        return self.layers[layer].with_host(self.buffers[b], self.unit), staged_row(row, self.spans[layer].first)
+    def serve(self, layer: int, row: torch.Tensor) -> tuple["ExpertPools", torch.Tensor, bool]:
+        """The kernel's pools and table row for ``layer`` (one with cold experts) in a staged call,
+        and whether the layer's copy is new: the layer served last is served again from its
+        buffer (the next call of a group)."""
+        i, b = self.index[layer], self.index[layer] % 2
+        new = self.current != i
+        if new:
+            if self.ahead != i:  # the call's first staged layer (or one after an interrupted call)
+                self._issue(i)
+            self.ahead = None
+            if i + 1 < len(self.order):
+                self._issue(i + 1)
+                self.ahead = i + 1
+            self.current = i
+            if self.ready[b] is not None:
+                torch.cuda.current_stream(self.buffers[b].device).wait_event(self.ready[b])
+        return self.layers[layer].with_host(self.buffers[b], self.unit), staged_row(row, self.spans[layer].first), new
+
+    def finish(self) -> None:
+        """The call (or group) is over: the next one copies its layers again (re-placement may
+        change the host pool between calls)."""
+        self.current = None
 
     def done(self, layer: int) -> None:
         """The layer's kernel is launched: its buffer may be refilled once the kernel finishes."""

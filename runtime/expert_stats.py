@@ -32,13 +32,15 @@ class RoutingObserver(Protocol):
 class RoutingRecorder(Protocol):
     """Records which experts every token was routed to (``runtime.routing_trace``)."""
 
-    def record(self, layer: int, ids: torch.Tensor) -> None:
-        """A MoE layer's routing ``ids [T, k]`` (inside a captured graph too)."""
+    def record(self, layer: int, ids: torch.Tensor, real: torch.Tensor | None = None) -> None:
+        """A MoE layer's routing ``ids [T, k]`` (inside a captured graph too); ``real`` (a device
+        scalar): a padded call's count of real rows."""
         ...
 
     def end_step(self, n_tokens: int, side: str, defer: bool) -> None:
-        """The call ended: its first ``n_tokens`` rows are tokens of ``side``; ``defer``: a
-        replayed call whose ids are read at the next ``end_step`` or ``flush``."""
+        """The call ended (or a group of calls, ``MoEModel.forward_calls``, each layer recorded
+        once per call, in call order): its first ``n_tokens`` real rows are tokens of ``side``;
+        ``defer``: a replayed call whose ids are read at the next ``end_step`` or ``flush``."""
         ...
 
     def flush(self) -> None:

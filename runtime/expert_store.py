@@ -164,6 +164,7 @@ class ExpertStore(ExpertProvider):
             self.staging = StagedPrefill(host_pool, cold_layout, self.layers, stage_tokens, self.device,
                                          self.copy_stream)
         self._staged_call = False  # the call being run stages (its counts are no zero-copy reads)
+        self._group: int | None = None  # tokens of the group of calls being run (stage_calls)
 
         # What is counted. Every expert on the device: nothing can move, so the per-token count
         # read (a wait on the device, then ~20 small numpy passes with the GPU idle: ~0.2 ms a
@@ -226,9 +227,19 @@ class ExpertStore(ExpertProvider):
         layer: ``runtime.expert_staging``) instead of reading them zero-copy."""
         return self.staging is not None and self.staging.wants(n_tokens)
 
+    def stage_calls(self, n_tokens: int | None) -> None:
+        self._group = n_tokens
+        if n_tokens is None and self.staging is not None:
+            self.staging.finish()
+
     def _stages(self, n_tokens: int) -> bool:
-        """This call stages: long enough, eager (not padded, not being captured)."""
-        if not self.staged_prefill(n_tokens) or self.real_tokens is not None:
+        """This call stages: long enough (a group of calls: all of them), eager (not being
+        captured; a padded call only in a group: alone it is one of a captured session's calls)."""
+        if self._group is not None:
+            n_tokens = self._group
+        elif self.real_tokens is not None:
+            return False
+        if not self.staged_prefill(n_tokens):
             return False
         return not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
@@ -255,7 +266,7 @@ class ExpertStore(ExpertProvider):
         la = self.layers[layer]
         self._step_routed = True
         if self.recorder is not None:
-            self.recorder.record(layer, ids)
+            self.recorder.record(layer, ids, self.real_tokens)
         if self.mode == "zerocopy":
             if la.fused:  # the kernel counts the routings itself
                 if self.staging is not None and layer in self.staging.spans and self._stages(x.shape[0]):
@@ -291,13 +302,14 @@ class ExpertStore(ExpertProvider):
         """The fused kernel over the layer's cold experts staged in a device buffer."""
         staging = self.staging
         assert staging is not None
-        pools, row = staging.serve(layer, self.tables.device[layer])
+        pools, row, new = staging.serve(layer, self.tables.device[layer])
         y = self._fused(pools, x, weights, ids, row, self.counts.step[layer], parts, q8)
         staging.done(layer)
-        nbytes = staging.span_bytes(layer)
-        self._stats.staged_layers += 1
-        self._stats.staged_bytes += nbytes
-        self._stats.bytes_streamed += nbytes
+        if new:  # (a group's later calls read the same copy)
+            nbytes = staging.span_bytes(layer)
+            self._stats.staged_layers += 1
+            self._stats.staged_bytes += nbytes
+            self._stats.bytes_streamed += nbytes
         self._staged_call = True
         return y
 
@@ -425,6 +437,8 @@ class ExpertStore(ExpertProvider):
         at once (its expert is read from host memory again), the copy runs on the side stream
         while the next token computes, and the new entry is published at the following
         ``end_step``, when the copy has had a whole step to land."""
+        if self.staging is not None:
+            self.staging.finish()
         if not (self._step_routed if routed is None else routed):
             return
         self._step_routed = False

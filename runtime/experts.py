@@ -56,6 +56,12 @@ class ExpertProvider(Protocol):
         calls that long, not in short captured ones (``runtime.generate.Session``)."""
         ...
 
+    def stage_calls(self, n_tokens: int | None) -> None:
+        """The next calls, ``n_tokens`` tokens in all, run layer by layer as one group
+        (``MoEModel.forward_calls``) until None: where ``staged_prefill(n_tokens)``, each layer's
+        cold experts are copied once for all of them, padded calls included."""
+        ...
+
     def count_real_tokens(self, real: torch.Tensor | None) -> None:
         """A padded call (``runtime.graph.PrefillGraphs``) begins: until it ends (None), only the
         routings of its first ``real`` tokens (a device scalar) count, padding must not teach
@@ -96,6 +102,9 @@ class PlainProvider(ExpertProvider):
     def moe(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             q8: "Int8Rows | None" = None) -> torch.Tensor:
         return routed_sum(x, weights, ids, lambda e, rows: self.forward(layer, e, rows))
+
+    def stage_calls(self, n_tokens: int | None) -> None:
+        pass
 
     def count_real_tokens(self, real: torch.Tensor | None) -> None:
         pass

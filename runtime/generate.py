@@ -28,13 +28,13 @@ from typing import Protocol
 
 import torch
 
-from sparkpack.formats.memory import PREFILL_CHUNK, PREFILL_GRAPH_TOKENS
+from sparkpack.formats.memory import PREFILL_CHUNK, PREFILL_GRAPH_TOKENS, group_tokens
 from sparkpack.formats.profile import SIDES
 
 from .cache import STATE_CHECKPOINTS, RecurrentState, StateCheckpoints
 from .graph import PREFILL_SIZES, DecodeGraph, PrefillGraphs, capturable, feeds_short_calls, prefill_is_padded
 from .kernels.moe_grouped import tile_calls
-from .models.base import MoEModel
+from .models.base import Call, MoEModel
 
 PROMPT, GENERATED = SIDES  # the side of a call's tokens, for placement learning (ExpertProvider.routing_side)
 
@@ -94,6 +94,20 @@ def call_end(ids: list[int], start: int, call_tokens: int, breaks: frozenset[int
     return limit
 
 
+@dataclass(frozen=True)
+class PlannedCall:
+    """One prefill call of a ``Session._run``: tokens ``[start, end)`` of the ids fed; ``closes``:
+    it ends a fresh session's call (``call_end``); ``keeps``: the rows stay exact up to ``end``
+    (a DeltaNet state copy is taken there); ``passed``: call ends decided before it, inside rows
+    fed already."""
+
+    start: int
+    end: int
+    closes: bool
+    keeps: bool
+    passed: list[int]
+
+
 class Session:
     """``ctx`` sizes the KV buffers up front (they grow past it, but only up to ``ctx`` is a
     decode step replayed from a CUDA graph). ``graphs`` None: capture decode steps (and, on the
@@ -122,13 +136,13 @@ class Session:
         # Models whose prefill calls are captured take every prompt in captured calls: on the
         # GPU machine a 4096-token Qwen3-30B prompt went 1.7x faster in replayed 512-token
         # calls than in eager 2048-token ones (docs/benchmarks-history.md, session 15). Staging
-        # (runtime.expert_staging, partial residency) never changes that: a residency must give
+        # (runtime.expert_staging, partial residency) keeps those calls: a residency must give
         # the all-GPU session's bits, and those come from the 512-token calls (on the GPU machine
         # staged 2048-token calls on qwen3moe changed tied routings: tests/test_calibrate_replay.py).
-        # So only the models that feed eager prefill_chunk calls stage (the plan reserves staging
-        # buffers for them alone: runtime.residency.memory_target).
-        self.staged = not self.short_calls and model.experts.staged_prefill(prefill_chunk)
+        # It runs them eagerly, padded as captured, in groups (``_groups``).
         self.call_tokens = min(prefill_chunk, PREFILL_GRAPH_TOKENS) if self.short_calls else prefill_chunk
+        self.staged = model.experts.staged_prefill(self.call_tokens)
+        self.group_tokens = group_tokens(ctx, self.call_tokens)  # what the --vram plan counts
         self.breaks = breaks
         recurrent = any(isinstance(la, RecurrentState) for la in self.cache.layers)
         self.checkpoints = StateCheckpoints(checkpoints) if recurrent else None
@@ -167,7 +181,7 @@ class Session:
                 if size + 1 <= room:
                     self.reset()
                     self.feed(dummy[:size])
-        if self.prefill is not None:  # (padded sessions never stage: see staged above)
+        if self.prefill is not None:  # (a staging store runs the same padded calls eagerly)
             pairs = [(0, min(room - 1, 37))]
         else:
             chunk = self.call_tokens
@@ -260,28 +274,15 @@ class Session:
             logits = self.graph.step(ids[-1])  # None past the graph's KV room: eager below
             capturing = self.graph.captures > captures
         if logits is None:
-            # Calls end where a fresh session's calls end (``call_end``): rows computed from
-            # there are the ones it computes.
-            i, start = n, self.cuts[-1]
-            while i < len(ids):
-                cut = call_end(ids, start, self.call_tokens, self.breaks)
-                if cut <= i:  # decided by the new tokens, inside rows fed already (a decode step's)
-                    self.cuts.append(cut)
-                    start = cut
-                    continue
-                end = min(len(ids), cut)
-                chunk = ids[i:end]
-                logits = self.prefill.feed(chunk) if self.prefill is not None else None
+            for group in self._groups(self._plan(ids, n)):
+                logits = self._grouped(ids, group) if self.staged else None
                 if logits is None:
-                    logits = self.model.forward(chunk, self.cache, last_only=True)[-1]
-                if end == cut:
-                    self.cuts.append(cut)
-                    if i == self.exact == start:  # a whole call from an exact row: still exact
-                        self.exact = end
-                        if self.checkpoints is not None:
-                            self.checkpoints.save(self.cache)
-                    start = cut
-                i = end
+                    for c in group:
+                        chunk = ids[c.start:c.end]
+                        logits = self.prefill.feed(chunk) if self.prefill is not None else None
+                        if logits is None:
+                            logits = self.model.forward(chunk, self.cache, last_only=True)[-1]
+                        self._ended(c, save=True)
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         dt, new = time.perf_counter() - t0, len(ids) - n
@@ -294,6 +295,85 @@ class Session:
             self.timing.prefill_tokens += new
             self.timing.prefill_seconds += dt
         self.fed = list(ids)
+        return logits
+
+    def _plan(self, ids: list[int], n: int) -> list["PlannedCall"]:
+        """The calls that feed ``ids[n:]``: they end where a fresh session's calls end
+        (``call_end``), so rows computed from there are the ones it computes."""
+        calls: list[PlannedCall] = []
+        passed: list[int] = []
+        i, start, exact = n, self.cuts[-1], self.exact
+        while i < len(ids):
+            cut = call_end(ids, start, self.call_tokens, self.breaks)
+            if cut <= i:  # decided by the new tokens, inside rows fed already (a decode step's)
+                passed.append(cut)
+                start = cut
+                continue
+            end = min(len(ids), cut)
+            keeps = end == cut and i == exact == start  # a whole call from an exact row: still exact
+            calls.append(PlannedCall(i, end, end == cut, keeps, passed))
+            passed = []
+            if end == cut:
+                start = cut
+                exact = end if keeps else exact
+            i = end
+        return calls
+
+    def _ended(self, c: "PlannedCall", save: bool) -> None:
+        """The bookkeeping of call ``c`` once it is launched (``save``: copy the DeltaNet states
+        where it keeps rows exact; a group copied them layer by layer)."""
+        self.cuts += c.passed
+        if c.closes:
+            self.cuts.append(c.end)
+        if c.keeps:
+            self.exact = c.end
+            if save and self.checkpoints is not None:
+                self.checkpoints.save(self.cache)
+
+    def _groups(self, calls: list["PlannedCall"]) -> list[list["PlannedCall"]]:
+        """``calls`` in groups of at most ``group_tokens`` tokens that run layer by layer, where
+        the store stages (one call each elsewhere: a group would only hold more rows)."""
+        if not self.staged:
+            return [[c] for c in calls]
+        groups: list[list[PlannedCall]] = []
+        for c in calls:
+            if groups and sum(g.end - g.start for g in groups[-1]) + c.end - c.start <= self.group_tokens:
+                groups[-1].append(c)
+            else:
+                groups.append([c])
+        return groups
+
+    def _stages(self, group: list["PlannedCall"]) -> bool:
+        """Whether a group of ``group``'s calls stages its cold experts (its rows, padding included)."""
+        rows = sum(c.end - c.start if self.prefill is None else self.prefill.size(c.end - c.start) or 0 for c in group)
+        return self.model.experts.staged_prefill(rows)
+
+    def _grouped(self, ids: list[int], group: list["PlannedCall"]) -> torch.Tensor | None:
+        """The logits of ``group``'s last token, its calls run layer by layer
+        (``MoEModel.forward_calls``) with the DeltaNet states copied at the ends that keep rows
+        exact as each call's block is launched; None when they must run one by one (a call
+        ``PrefillGraphs`` would not pad, or too few rows to stage)."""
+        if not self._stages(group):
+            return None
+        chunks = [ids[c.start:c.end] for c in group]
+        if self.prefill is not None:
+            calls = self.prefill.group(chunks)
+            if calls is None:
+                return None
+        else:
+            dev = self.model.device
+            calls = [Call(torch.tensor(chunk, dtype=torch.long).to(dev), len(chunk)) for chunk in chunks]
+        after = None
+        if self.checkpoints is not None:
+            copies = self.checkpoints.take(self.cache, [c.end for c in group if c.keeps])
+            ends = {i: copies[c.end] for i, c in enumerate(group) if c.end in copies}
+            if ends:
+                def after(i: int, il: int) -> None:
+                    if i in ends:
+                        self.checkpoints.copy_layer(ends[i], self.cache, il)
+        logits = self.model.forward_calls(calls, self.cache, after)[-1]
+        for c in group:
+            self._ended(c, save=False)
         return logits
 
     def decode(self, logits: torch.Tensor, n: int, pick: Callable[[torch.Tensor], torch.Tensor],

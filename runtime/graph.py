@@ -32,7 +32,7 @@ from sparkpack.formats.archs import ModelSpec
 from sparkpack.formats.memory import PREFILL_GRAPH_TOKENS, short_calls
 
 from .cache import Cache, KVCache
-from .models.base import MoEModel
+from .models.base import Call, MoEModel
 
 # The sizes a captured prefill call is padded to (the largest is PREFILL_GRAPH_TOKENS): at most
 # a third of a call's work is padding from 64 tokens up.
@@ -216,6 +216,33 @@ class PrefillGraphs:
         self.cache.pos += n
         self.model.experts.end_step(n, routed=True, defer=True)  # learned from while the next call runs
         return logits[-1].clone()  # the graph's output buffer is rewritten by the next replay
+
+    def group(self, chunks: list[list[int]]) -> list[Call] | None:
+        """The calls ``feed`` would make of consecutive ``chunks`` from ``cache.pos``, padded the
+        same way, as ``Call``s for one ``MoEModel.forward_calls`` (a staging store's group), the KV
+        buffers reserved as ``feed`` reserves them; None when ``feed`` would leave one of them to
+        the caller's unpadded path. Each call gets its own ids, position and count on the device:
+        a group's calls are all in flight at once."""
+        pos, sizes = self.cache.pos, []
+        for ids in chunks:
+            n, size = len(ids), self.size(len(ids))
+            room = min(la.capacity for la in _kv_layers(self.cache))
+            if size is None or (pos + n <= room < pos + size):
+                return None
+            self.model.reserve_kv(self.cache, pos + size)
+            sizes.append(size)
+            pos += n
+        padded = [t for ids, size in zip(chunks, sizes) for t in ids + [ids[-1]] * (size - len(ids))]
+        dev = self.model.device
+        flat = torch.tensor(padded, dtype=torch.long).to(dev)
+        starts = torch.tensor([self.cache.pos + sum(len(c) for c in chunks[:i]) for i in range(len(chunks))],
+                              dtype=torch.long).to(dev)
+        counts = torch.tensor([len(c) for c in chunks], dtype=torch.long).to(dev)
+        calls, at = [], 0
+        for i, (ids, size) in enumerate(zip(chunks, sizes)):
+            calls.append(Call(flat[at: at + size], len(ids), starts[i], counts[i]))
+            at += size
+        return calls
 
     def _stage(self, ids: list[int], size: int) -> None:
         """The call's ids (padded with its last one: any real id) into ``self.ids`` without a host

@@ -89,19 +89,16 @@ def identity_of(source) -> object:
 def memory_target(device: torch.device | str, dtype: torch.dtype, spec: ModelSpec, opts: StoreOptions) -> MemoryTarget:
     """How a model of ``spec`` will be held on ``device`` in ``dtype`` with ``opts``' session
     options: on a GPU the dense matrices stay GGUF bytes, sessions of the models that capture
-    prefill calls make none longer than ``PREFILL_GRAPH_TOKENS`` (``runtime.graph``) and never
-    stage; the others' long calls stage on a zero-copy store on a GPU (``staged_chunk``: the plan
-    decides whether it fits, ``formats.placement``)."""
+    prefill calls make none longer than ``PREFILL_GRAPH_TOKENS`` (``runtime.graph``), and a
+    zero-copy store on a GPU stages prompt calls (``staged_chunk``: the plan decides whether the
+    buffers fit, ``formats.placement``)."""
     from .graph import short_prefill_calls
     from .weights import quantizes_dense
 
     chunk = opts.prefill_chunk
-    short = short_prefill_calls(device, dtype, spec, opts.kv_type)
-    if short:
+    if short_prefill_calls(device, dtype, spec, opts.kv_type):
         chunk = min(chunk, PREFILL_GRAPH_TOKENS)
-    # sessions of short-call models keep their captured calls at any residency (the all-GPU bits),
-    # so no call of theirs is long enough to stage (runtime.generate.Session)
-    can_stage = torch.device(device).type == "cuda" and opts.mode != "async" and not short
+    can_stage = torch.device(device).type == "cuda" and opts.mode != "async"
     return MemoryTarget(torch.empty((), dtype=dtype).element_size(), quantizes_dense(torch.device(device), dtype),
-                        opts.kv_type, opts.ctx, chunk,
-                        staged_call_tokens(opts.prefill_chunk, opts.stage_tokens) if can_stage else 0, opts.host_bytes)
+                        opts.kv_type, opts.ctx, chunk, staged_call_tokens(chunk, opts.stage_tokens) if can_stage else 0,
+                        opts.host_bytes)

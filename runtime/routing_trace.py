@@ -50,21 +50,22 @@ class TraceRecorder:
         pin = torch.device(device).type == "cuda"
         self.host = torch.zeros(shape, dtype=torch.int32, pin_memory=pin)
         self.pin = pin
-        self.eager: dict[int, torch.Tensor] = {}
+        self.eager: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}  # a layer's calls
         self.pending: tuple[int, bool, torch.cuda.Event | None] | None = None  # (tokens, generated, copied)
         self.active = False
         self.tokens = 0
 
-    def record(self, layer: int, ids: torch.Tensor) -> None:
+    def record(self, layer: int, ids: torch.Tensor, real: torch.Tensor | None = None) -> None:
         if ids.is_cuda and torch.cuda.is_current_stream_capturing():
             self.buffer[: ids.shape[0], self.index[layer]].copy_(ids)
         else:
-            self.eager[layer] = ids
+            self.eager.setdefault(layer, []).append((ids, real))
 
     def end_step(self, n_tokens: int, side: str, defer: bool) -> None:
         self.flush()
-        if self.eager:  # an eager call (also the run a capture starts with): its own ids
-            rows = torch.stack([self.eager[il] for il in sorted(self.eager, key=self.index.__getitem__)], dim=1)
+        if self.eager:  # eager calls (also the run a capture starts with): their own ids, real rows
+            rows = torch.stack([torch.cat([ids if real is None else ids[: int(real)] for ids, real in self.eager[il]])
+                                for il in sorted(self.eager, key=self.index.__getitem__)], dim=1)
             self.eager = {}
             self._write(rows[:n_tokens].cpu().numpy(), side == GENERATED)
             return

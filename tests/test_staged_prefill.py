@@ -19,7 +19,7 @@ import torch
 from sparkpack.formats.archs import model_spec
 from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.formats.memory import (PREFILL_CHUNK, PREFILL_GRAPH_TOKENS, SLOT_ALIGN, MemoryTarget, expert_slot_bytes,
-                                      runtime_bytes)
+                                      group_bytes, runtime_bytes)
 from sparkpack.formats.placement import Budget, default_cache_slots, plan_residency, staging_bytes
 from sparkpack.runtime.expert_pools import layout_pool
 from sparkpack.runtime.expert_slots import NOT_RESIDENT
@@ -88,7 +88,9 @@ def test_staged_bytes_are_the_bytes_each_expert_has_on_the_device(synth_model, a
     assert staging is not None and staging.order == list(spec.moe_layers)
     assert store.staged_prefill(8) and not store.staged_prefill(7)
     for i, il in enumerate(spec.moe_layers):
-        pools, row = staging.serve(il, store.tables.device[il])
+        pools, row, new = staging.serve(il, store.tables.device[il])
+        again = staging.serve(il, store.tables.device[il])  # the next call of a group: the same copy
+        assert new and not again[2] and torch.equal(again[1], row)
         assert pools.host[0].data_ptr() == staging.buffers[i % 2].data_ptr() + store.layers[il].parts[0].offset
         table = store.tables.device[il]
         buf = staging.buffers[i % 2]
@@ -137,11 +139,11 @@ def test_a_staged_call_through_the_fused_kernel_gives_the_same_bits(synth_model)
         assert store.stats.staged_layers == 2 and store.stats.zero_copy_reads > 0
 
 
-def test_only_sessions_of_long_calls_stage(synth_model, monkeypatch):
-    """Sessions that feed prompts in short captured calls (all-attention models on a GPU, taken
-    as given here) keep them over a staging store: their bits must be the all-GPU session's,
-    which come from those calls. Sessions of long eager calls stage where the store does (not
-    with staging off or a threshold above the chunk). (Nothing is computed.)"""
+def test_sessions_stage_where_the_store_does(synth_model, monkeypatch):
+    """Sessions stage where the store does (not with staging off or a threshold above their
+    calls). Sessions that feed prompts in short captured calls (all-attention models on a GPU,
+    taken as given here) keep those 512-token calls over a staging store: their bits must be the
+    all-GPU session's, which come from those calls. (Nothing is computed.)"""
     from sparkpack.runtime import generate
 
     path = synth_model("laguna", "Q4_K_M", skew=1.0)
@@ -149,12 +151,59 @@ def test_only_sessions_of_long_calls_stage(synth_model, monkeypatch):
     model = load_model(gguf)
     for short in (True, False):
         monkeypatch.setattr(generate, "feeds_short_calls", lambda model, cache, short=short: short)
-        for stage_tokens, chunk, staged in ((1024, 2048, True), (None, 2048, False), (4096, 2048, False)):
+        for stage_tokens, chunk, staged in ((1024, 2048, True), (256, 2048, True), (None, 2048, False), (4096, 2048, False)):
             model.experts = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot_mask(spec, 0.6),
                                         mode="zerocopy", fused=True, stage_tokens=stage_tokens)
             session = Session(model, prefill_chunk=chunk)
-            assert session.staged == (staged and not short)
             assert session.call_tokens == (512 if short else chunk)
+            assert session.staged == (staged and (stage_tokens or 0) <= session.call_tokens)
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", "laguna", "qwen3moe"])
+def test_a_group_of_calls_gives_the_bits_of_its_calls_one_by_one(synth_model, arch, tmp_path):
+    """A staging session runs a prompt's calls layer by layer in groups (``forward_calls``): its
+    logits are those of the calls one by one bit for bit, its DeltaNet state copies (taken layer
+    by layer) let the next turn keep the same prefix and still give a fresh session's bits, and
+    its routing trace is the calls' one by one. The grouping, not the staging, is what is tested
+    here: on the CPU a whole model through the interpreted fused kernel takes minutes, so the
+    zero-copy store computes experts one by one and is told that it stages (the staging buffer
+    shared by a group: test_staged_bytes_are_the_bytes_each_expert_has_on_the_device; whole
+    models staged in groups on the GPU: test_a_staged_session_gives_the_all_gpu_sessions_bits)."""
+    from sparkpack.calibrate.trace import read_trace
+    from sparkpack.runtime.routing_trace import attach_trace
+
+    gguf, spec = opened(synth_model(arch, "Q4_K_M", skew=1.0))
+    chunk, breaks = 16, frozenset({7})
+
+    def session(grouped: bool, trace: str) -> Session:
+        model = load_model(gguf)
+        store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot_mask(spec, 0.5), mode="zerocopy")
+        if grouped:
+            store.staged_prefill = lambda n_tokens: n_tokens >= 2
+        model.experts = store
+        attach_trace(model, tmp_path / trace).active = True
+        return Session(model, prefill_chunk=chunk, ctx=128, breaks=breaks)
+
+    one_by_one, grouped = session(False, "a.trace"), session(True, "b.trace")
+    assert grouped.staged and not one_by_one.staged and grouped.group_tokens == 128
+    turn1 = [t if t != 7 else 8 for t in prompt(70, 200, seed=4)]
+    turn1[30] = 7  # a call ends before it (a break 14 tokens into the second call)
+    turn2 = turn1[:60] + prompt(25, 200, seed=5)
+    calls = []
+    forward_calls = grouped.model.forward_calls
+    grouped.model.forward_calls = lambda c, *a: calls.append(len(c)) or forward_calls(c, *a)
+    assert torch.equal(one_by_one.feed(turn1), grouped.feed(turn1))
+    assert calls == [5]  # [0, 16) [16, 30) [30, 46) [46, 62) [62, 70): one group
+    assert grouped.cuts == one_by_one.cuts == [0, 16, 30, 46, 62] and grouped.exact == one_by_one.exact == 62
+    if arch == "qwen35moe":
+        assert grouped.checkpoints.positions == one_by_one.checkpoints.positions == [16, 30, 46, 62]
+    want2, got2 = one_by_one.prompt(turn2), grouped.prompt(turn2)
+    reused = 46  # the last call end before the first new token (and, qwen35moe, its state copy)
+    assert grouped.reused == one_by_one.reused == reused and torch.equal(want2, got2)
+    assert calls == [5, 3]  # [46, 62) [62, 78) [78, 85)
+    assert torch.equal(session(False, "c.trace").feed(turn2), got2)
+    a, b = (read_trace(s.model.experts.recorder.close()) for s in (one_by_one, grouped))
+    assert np.array_equal(a.ids, b.ids) and a.n_tokens == 70 + 85 - reused
 
 
 # --- the plan ------------------------------------------------------------------------------
@@ -214,32 +263,30 @@ def header_only(path: Path, arch: str, preset: str, monkeypatch) -> Path:
         return write_synthetic(path, arch, preset, "Q4_K_M")
 
 
-@pytest.mark.parametrize("arch, preset", [("qwen35moe", "qwen3.6-35b-a3b")])
+@pytest.mark.parametrize("arch, preset", [("qwen35moe", "qwen3.6-35b-a3b"), ("laguna", "laguna-xs2"),
+                                          ("qwen3moe", "qwen3-30b-a3b")])
 def test_a_full_size_plan_at_14gib_stages_within_the_budget(tmp_path, monkeypatch, arch, preset):
     """At the shapes users run, a 14 GiB plan holds the two buffers, and the buffers are those of
-    its own hot set (all-attention models never stage: test_short_call_models_plan_no_staging)."""
+    its own hot set; its runtime share counts the calls' temporaries (the all-attention models'
+    captured 512-token calls, which they keep when staging) and the rows a group of staged calls
+    holds."""
     gguf, spec = opened(header_only(tmp_path / "m.gguf", arch, preset, monkeypatch))
     sizes = expert_slot_bytes(spec, gguf.tensors)
     vram = 14 * 1024**3
     target = MemoryTarget.gpu(spec, 4096)
+    chunk = PREFILL_CHUNK if arch == "qwen35moe" else PREFILL_GRAPH_TOKENS
+    assert target.prefill_chunk == target.staged_chunk == chunk
     plan = plan_residency(spec, gguf.tensors, Budget(vram=vram), target)
     assert 0 < plan.hot.sum() < len(sizes) * spec.n_expert
     assert plan.staging_bytes == staging_bytes(plan.hot, sizes) > 0
-    assert plan.overhead_bytes == runtime_bytes(spec, 4096, PREFILL_CHUNK)
+    rows = group_bytes(spec, 4096, chunk)
+    assert rows == (4096 - chunk) * spec.n_embd * 2  # a group of a 4096-token context: the other calls' rows
+    assert plan.overhead_bytes == runtime_bytes(spec, 4096, chunk) + rows
     assert plan.dense_bytes + plan.kv_bytes + plan.state_bytes + plan.overhead_bytes + plan.cache_bytes \
         + plan.hot_bytes + plan.staging_bytes <= vram
     unstaged = plan_residency(spec, gguf.tensors, Budget(vram=vram), MemoryTarget.gpu(spec, 4096, stage_tokens=None))
     assert unstaged.hot_bytes > plan.hot_bytes  # what staging costs in hot experts
-
-
-def test_short_call_models_plan_no_staging(tmp_path, monkeypatch):
-    """Qwen3-MoE sessions keep their captured 512-token calls at any residency, so a 14 GiB plan
-    reserves no staging buffers and counts those calls' temporaries."""
-    gguf, spec = opened(header_only(tmp_path / "m.gguf", "qwen3moe", "qwen3-30b-a3b", monkeypatch))
-    target = MemoryTarget.gpu(spec, 4096)
-    plan = plan_residency(spec, gguf.tensors, Budget(vram=14 * 1024**3), target)
-    assert target.staged_chunk == 0 and plan.staging_bytes == 0
-    assert plan.overhead_bytes == runtime_bytes(spec, 4096, PREFILL_GRAPH_TOKENS)
+    assert unstaged.overhead_bytes == runtime_bytes(spec, 4096, chunk)
 
 
 # --- whole models on the GPU ---------------------------------------------------------------
@@ -274,9 +321,7 @@ def forward_calls(model, ids: list[int], calls: list[int], last_only: bool = Fal
 @pytest.mark.parametrize("fraction", [1.0, 0.6, 0.1])
 def test_staged_calls_give_the_all_gpu_bits(synth_model, fraction):
     """Calls below the threshold (zero-copy), above it (staged) and below again into one cache:
-    every call's logits are the all-GPU store's, and the zero-copy store's at that residency.
-    (Only qwen35moe's stores stage: the all-attention models' sessions keep their captured
-    512-token calls, so their plans reserve no staging buffers; the next test checks that.)"""
+    every call's logits are the all-GPU store's, and the zero-copy store's at that residency."""
     path = synth_model("qwen35moe", "Q4_K_M", skew=1.0)
     calls = [40, 300, 20, 100]
     ids = prompt(sum(calls), 2000)
@@ -302,20 +347,25 @@ def test_staged_calls_give_the_all_gpu_bits(synth_model, fraction):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_staged_session_gives_the_all_gpu_sessions_bits(synth_model, arch):
     """A session over a staging store gives what a session over the all-GPU store gives, logits
-    and tokens: qwen35moe's long eager calls stage; the all-attention models keep their captured
-    512-token calls (nothing stages), as their all-GPU sessions make them."""
+    and tokens: qwen35moe's long eager calls, and the all-attention models' 512-token calls
+    padded as their all-GPU sessions capture them, run eagerly in one group, which copies each
+    layer's cold experts once."""
     path = synth_model(arch, "Q4_K_M", skew=1.0)
     chunk = 640
     ids = prompt(2 * chunk, 2000, seed=1)
     model = gpu_model(path, 0.6, 256, prefill_chunk=chunk, ctx=4 * chunk)
     session = Session(model, prefill_chunk=chunk, ctx=4 * chunk)
     long_calls = arch == "qwen35moe"
-    assert session.staged == long_calls and session.call_tokens == (chunk if long_calls else 512)
-    assert (model.experts.staging is not None) == long_calls  # no buffers where no call stages
+    assert session.staged and session.call_tokens == (chunk if long_calls else 512)
+    assert (session.prefill is None) == long_calls and session.group_tokens == 4 * chunk
     session.warm_up()
+    calls = []
+    forward_calls = model.forward_calls
+    model.forward_calls = lambda c, *a: calls.append(len(c)) or forward_calls(c, *a)
     logits = session.feed(ids)
     model.experts.flush()
-    assert model.experts.stats.staged_layers == (2 * len(model.experts.staging.order) if long_calls else 0)
+    assert calls == [2 if long_calls else 3]  # 640 + 640, or 512 + 512 + 256 (padded: 256)
+    assert model.experts.stats.staged_layers == len(model.experts.staging.order)
     tokens = list(session.decode(logits, 8, torch.argmax))
     full = gpu_model(path, 1.0, None, prefill_chunk=chunk, ctx=4 * chunk)
     ref = Session(full, prefill_chunk=chunk, ctx=4 * chunk)

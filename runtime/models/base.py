@@ -7,6 +7,8 @@ with many tokens, decode a call with one, and both go through the same code.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +22,18 @@ from ..layers import (Normed, Rope, Rows, attend_buffers, causal_sdpa_after, ffn
                       fused_sdpa_runs, norm_rows, output_gate, silu_mul)
 from ..quant_linear import QuantLinear, linear
 from ..weights import Weights, quantizes_dense
+
+
+@dataclass(frozen=True)
+class Call:
+    """One prefill call of a group (``MoEModel.forward_calls``): ``n`` tokens ``ids`` (a device
+    tensor), or a padded call as ``runtime.graph.PrefillGraphs`` makes it: ``ids`` padded, its
+    first position ``pos`` and ``real`` (= ``n``) as device scalars."""
+
+    ids: torch.Tensor
+    n: int
+    pos: torch.Tensor | None = None
+    real: torch.Tensor | None = None
 
 
 class MoEModel(ABC):
@@ -118,11 +132,48 @@ class MoEModel(ABC):
         finally:
             if real is not None:
                 self.experts.count_real_tokens(None)
-        if real is not None:  # (a padded call has several rows: no norm was computed ahead)
-            x = x.index_select(0, (real - 1).reshape(1))
         if pos is None:
             cache.pos += ids.numel()
             self.experts.end_step(ids.numel())  # the store learns between tokens
+        return self.head(x, pre, last_only, real)
+
+    @torch.no_grad()
+    def forward_calls(self, calls: Sequence[Call], cache: Cache,
+                      after: Callable[[int, int], None] | None = None) -> torch.Tensor:
+        """The logits ``[1, n_vocab]`` of the last token of consecutive prefill calls into
+        ``cache``, computed layer by layer: every call's block of a layer, in call order, before
+        the next layer's. Each call computes exactly what it computes alone (``forward``; a padded
+        one as ``PrefillGraphs`` runs it): a block reads only its own layer's cache, which the
+        calls before it in the group have written. Why: a store that stages (partial residency)
+        copies each layer's cold experts once for the whole group instead of once per call
+        (``ExpertProvider.stage_calls``). ``after(i, il)``: called once call ``i``'s block of layer
+        ``il`` is launched (a session copies DeltaNet states at its calls' ends there)."""
+        xs = [self.w.embed(c.ids) for c in calls]
+        pres: list[Normed | None] = [None] * len(calls)
+        starts, at = [], cache.pos
+        for c in calls:
+            starts.append(at if c.pos is None else c.pos)
+            at += c.n
+        self.experts.stage_calls(sum(c.ids.numel() for c in calls))
+        try:
+            for il in range(self.spec.n_layer):
+                for i, c in enumerate(calls):
+                    self.experts.count_real_tokens(c.real)
+                    xs[i], pres[i] = self.block(il, xs[i], cache, starts[i], pres[i])
+                    if after is not None:
+                        after(i, il)
+        finally:
+            self.experts.count_real_tokens(None)
+            self.experts.stage_calls(None)
+        n = at - cache.pos
+        cache.pos = at
+        self.experts.end_step(n)
+        return self.head(xs[-1], pres[-1], True, calls[-1].real)
+
+    def head(self, x: torch.Tensor, pre: Normed | None, last_only: bool, real: torch.Tensor | None) -> torch.Tensor:
+        """The logits of a call's rows ``x`` (its last real one with ``last_only`` or ``real``)."""
+        if real is not None:  # (a padded call has several rows: no norm was computed ahead)
+            x = x.index_select(0, (real - 1).reshape(1))
         if last_only and x.shape[0] > 1:  # (one row: ``pre`` is its output norm, when computed)
             x = x[-1:]
         h = self.norm(x, "output_norm.weight", pre)
