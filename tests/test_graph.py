@@ -223,9 +223,10 @@ def test_captured_prefill_replays_the_eager_padded_calls(model_path, hot_fractio
     eagerly, and so does the decode after them: several sizes; a size replayed for new tokens at
     a new position; a reset; a KV growth, after which a size captured on the old buffers is
     captured again. Every residency gives the all-hot bits, results are within bf16 round-off of
-    unpadded calls, and the store's device counts hold the real tokens' routings alone."""
+    unpadded calls, and the store's device counts hold the real tokens' routings alone. (Staging
+    off: a staging store runs the calls it stages eagerly, in groups; it too gives these bits.)"""
     model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
-                       store=StoreOptions(hot_fraction=hot_fraction, cache_slots=2, mode="zerocopy"))
+                       store=StoreOptions(hot_fraction=hot_fraction, cache_slots=2, mode="zerocopy", stage_tokens=None))
     session = Session(model, ctx=64)
     if not prefill_is_padded(model, session.cache):
         assert model.arch == "qwen35moe" or not capturable(model)
@@ -261,6 +262,12 @@ def test_captured_prefill_replays_the_eager_padded_calls(model_path, hot_fractio
         ref = load_model(model_path, device="cuda", dtype=torch.bfloat16,
                          store=StoreOptions(hot_fraction=1.0, cache_slots=0, mode="zerocopy"))
         assert torch.equal(run(True, ref)[0], got)
+        staging = load_model(model_path, device="cuda", dtype=torch.bfloat16,
+                             store=StoreOptions(hot_fraction=hot_fraction, cache_slots=2, mode="zerocopy"))
+        staged, s = run(True, staging)
+        staging.experts.flush()
+        assert staging.experts.stats.staged_layers > 0 and s.prefill.captures == 2  # 16, again after the growth (32, 64 stage)
+        assert torch.equal(staged, got)
     plain, _ = eager_prefill(model, seqs[0], 64)
     for g, w in zip(got[:2], plain):
         assert (g.float() - w.float()).norm() < 3e-2 * w.float().norm()
@@ -275,8 +282,9 @@ def test_warm_up_captures_before_the_prompt_and_changes_no_bit(model_path):
     tok_ref, log_ref, _ = greedy(model, True, ctx=1024)
     warm = Session(model, ctx=1024)
     warm.warm_up()
-    if warm.prefill is not None:
-        assert warm.prefill.captures == sum(1 for s in PREFILL_SIZES if s + 1 <= 1022)
+    if warm.prefill is not None:  # (sizes a staging store stages run eagerly)
+        assert warm.prefill.captures == sum(1 for s in PREFILL_SIZES
+                                            if s + 1 <= 1022 and not model.experts.staged_prefill(s))
     captures = (warm.graph.captures if warm.graph is not None else 0,
                 warm.prefill.captures if warm.prefill is not None else 0)
     ids = list(PROMPT)
