@@ -251,7 +251,6 @@ class StateCheckpoints:
             self._spare.append(self.saved.pop(p))
 
 
-
 def _victim(pos: list[int]) -> int:
     """Which of the saved positions ``pos`` (ascending, more than allowed) goes: an interior one,
     scored by the gap its removal leaves (the first of two or fewer)."""

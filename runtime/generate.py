@@ -371,7 +371,12 @@ class Session:
                 def after(i: int, il: int) -> None:
                     if i in ends:
                         self.checkpoints.copy_layer(ends[i], self.cache, il)
-        logits = self.model.forward_calls(calls, self.cache, after)[-1]
+        try:
+            logits = self.model.forward_calls(calls, self.cache, after)[-1]
+        except BaseException:  # (interrupted) the copies taken for this group hold states half copied
+            if self.checkpoints is not None:
+                self.checkpoints.discard_after(self.exact)
+            raise
         for c in group:
             self._ended(c, save=False)
         return logits

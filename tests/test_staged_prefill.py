@@ -202,6 +202,20 @@ def test_a_group_of_calls_gives_the_bits_of_its_calls_one_by_one(synth_model, ar
     assert grouped.reused == one_by_one.reused == reused and torch.equal(want2, got2)
     assert calls == [5, 3]  # [46, 62) [62, 78) [78, 85)
     assert torch.equal(session(False, "c.trace").feed(turn2), got2)
+    if arch == "qwen35moe":  # a group interrupted halfway keeps no half-copied state
+        kept = list(grouped.checkpoints.positions)
+
+        def interrupted(c, cache, after):
+            def stop(i: int, il: int) -> None:
+                after(i, il)
+                if (i, il) == (1, 1):
+                    raise KeyboardInterrupt
+            return forward_calls(c, cache, stop)
+
+        grouped.model.forward_calls = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            grouped.prompt(turn2 + prompt(40, 200, seed=6))
+        assert grouped.checkpoints.positions == kept
     a, b = (read_trace(s.model.experts.recorder.close()) for s in (one_by_one, grouped))
     assert np.array_equal(a.ids, b.ids) and a.n_tokens == 70 + 85 - reused
 
