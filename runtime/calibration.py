@@ -4,8 +4,8 @@ speed of spark-run's prefill of the same tokens.
 ``ModelRouter`` is the ``Router`` that ``calibrate.replay`` asks for (a Protocol written there, so
 calibrate/ stays torch-free and this module never imports it). A window is fed to a
 ``runtime.generate.Session`` in the calls a fresh session makes for a prompt of those tokens
-(``prefill_chunk`` tokens, or padded and replayed from CUDA graphs on the models that capture
-them; warmed up first on a GPU), through whatever expert provider the model was opened with: the
+(``prefill_chunk`` tokens, or padded on the models that capture them: replayed from CUDA graphs,
+or run eagerly where the store stages; warmed up first on a GPU), through whatever expert provider the model was opened with: the
 tiered store on a GPU, also one that cannot hold the model, or the plain provider on the CPU.
 
 The counts come from ``RoutingTap``, a provider around the model's own that adds each MoE layer's

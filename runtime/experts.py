@@ -51,9 +51,9 @@ class ExpertProvider(Protocol):
         ...
 
     def staged_prefill(self, n_tokens: int) -> bool:
-        """Whether an eager call of ``n_tokens`` tokens copies each layer's cold experts to the
-        device in bulk (``runtime.expert_staging``): then a session should feed long prompts in
-        calls that long, not in short captured ones (``runtime.generate.Session``)."""
+        """Whether an eager call (or a group of calls, ``stage_calls``) of ``n_tokens`` tokens
+        copies each layer's cold experts to the device in bulk (``runtime.expert_staging``): then a
+        session runs its prompts' calls eagerly, in groups (``runtime.generate.Session``)."""
         ...
 
     def stage_calls(self, n_tokens: int | None) -> None:
