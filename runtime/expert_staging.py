@@ -18,10 +18,11 @@ buffer (``staged_row``), so the arithmetic, and the bits, are those of every oth
 Only experts in the pinned host pool are staged. Cold experts in the disk tier (host RAM cannot
 hold them all) are served as before (async mode: copied into cache slots, or read through a
 pinned staging buffer filled from the file); a store without a host pool has nothing to stage.
-Captured calls (``runtime.graph``) never stage: the choreography below is host code between
-launches. A group of calls run layer by layer (``MoEModel.forward_calls``: a prompt's calls,
-padded ones included) stages each layer once: every call of the group reads the layer's buffer
-before the next layer is served.
+A call captured alone in a CUDA graph (``runtime.graph``) never stages: the choreography below is
+host code between launches. A group of calls run layer by layer (``MoEModel.forward_calls``: a
+prompt's calls, padded ones included) stages each layer once: every call of the group reads the
+layer's buffer before the next layer is served; a whole group is also captured, copies included
+(``begin``/``end``).
 """
 from __future__ import annotations
 
@@ -138,6 +139,21 @@ class StagedPrefill:
         change the host pool between calls)."""
         self.current = None
 
+    def begin(self) -> None:
+        """A group begins (run, or captured in a CUDA graph: ``runtime.graph.PrefillGraphs``):
+        its first copy into each buffer waits for all work queued before it, not for events of
+        an earlier call, which a capture cannot wait on (and which a capture's own events must
+        not outlive). Within a capture that wait forks the copy stream into the graph."""
+        self.ready, self.free = [None, None], [None, None]
+        self.ahead = self.current = None
+
+    def end(self) -> None:
+        """A group ends: in a capture, the copy stream joins the compute stream (a graph must end
+        on the stream it began on) and the capture's events are dropped."""
+        if self.stream is not None and torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream(self.buffers[0].device).wait_stream(self.stream)
+            self.begin()
+
     def done(self, layer: int) -> None:
         """The layer's kernel is launched: its buffer may be refilled once the kernel finishes."""
         if self.stream is not None:
@@ -152,6 +168,8 @@ class StagedPrefill:
         if self.stream is None:
             dst.copy_(src)
             return
+        if self.free[b] is None:  # the buffer's first copy since ``begin``: after all work queued
+            self.stream.wait_stream(torch.cuda.current_stream(dst.device))
         with torch.cuda.stream(self.stream):
             if self.free[b] is not None:
                 self.stream.wait_event(self.free[b])

@@ -88,6 +88,10 @@ MODES = ("auto", "zerocopy", "async")
 SWAP_STAGING_BYTES = 32 << 20
 
 
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 class ExpertStore(ExpertProvider):
     """Tiered expert storage implementing the expert-provider contract of ``runtime.experts``.
 
@@ -228,20 +232,37 @@ class ExpertStore(ExpertProvider):
         return self.staging is not None and self.staging.wants(n_tokens)
 
     def stage_calls(self, n_tokens: int | None) -> None:
+        """A group stages all at once: its copies are counted here, once (not while a graph of
+        it is captured: its replays are counted, each bracketed by ``stage_calls``)."""
+        staging = self.staging
+        if staging is None:
+            self._group = n_tokens
+            return
+        if n_tokens is None:
+            if self._group is not None and self.staged_prefill(self._group):
+                staging.end()
+            self._group = None
+            staging.finish()
+            return
         self._group = n_tokens
-        if n_tokens is None and self.staging is not None:
-            self.staging.finish()
+        if self.staged_prefill(n_tokens):
+            staging.begin()
+            self._staged_call = True
+            if not _capturing(self.device):
+                nbytes = sum(staging.span_bytes(il) for il in staging.order)
+                self._stats.staged_layers += len(staging.order)
+                self._stats.staged_bytes += nbytes
+                self._stats.bytes_streamed += nbytes
 
     def _stages(self, n_tokens: int) -> bool:
-        """This call stages: long enough (a group of calls: all of them), eager (not being
-        captured; a padded call only in a group: alone it is one of a captured session's calls)."""
+        """This call stages: a call of a group that stages (eager, or captured whole: the group's
+        copies are captured with it), or a call alone, long enough, eager (not padded: alone it is
+        one of a captured session's calls; not being captured)."""
         if self._group is not None:
-            n_tokens = self._group
-        elif self.real_tokens is not None:
+            return self.staged_prefill(self._group)
+        if self.real_tokens is not None or not self.staged_prefill(n_tokens):
             return False
-        if not self.staged_prefill(n_tokens):
-            return False
-        return not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        return not _capturing(self.device)
 
     def routing_side(self, side: str) -> None:
         """The calls from now on run tokens of ``side``. An all-hot store's counts of the other
@@ -305,7 +326,7 @@ class ExpertStore(ExpertProvider):
         pools, row, new = staging.serve(layer, self.tables.device[layer])
         y = self._fused(pools, x, weights, ids, row, self.counts.step[layer], parts, q8)
         staging.done(layer)
-        if new:  # (a group's later calls read the same copy)
+        if new and self._group is None:  # (a group's copies are counted by stage_calls)
             nbytes = staging.span_bytes(layer)
             self._stats.staged_layers += 1
             self._stats.staged_bytes += nbytes

@@ -161,7 +161,8 @@ class Session:
         its Triton kernels, grows the allocator and captures its CUDA graph, and a user's first
         prompt paid that: on the GPU machine a one-shot 8192-token prompt of the Qwen3.6 shape
         prefilled at ~4000 tok/s against ~10000 warm (BENCHMARKS.md). Padded sessions
-        (``PrefillGraphs``) take every padded call size, then a 37-token call. Eager
+        (``PrefillGraphs``) take every padded call size, a whole group of calls where the store
+        stages (captured: ``PrefillGraphs.run_group``), then a 37-token call. Eager
         sessions take calls of every length that picks another tile shape of the grouped MoE
         kernels (``tile_calls``) up to a whole chunk, each once from position 0 and once after a
         past (attention over a past: with a q8_0 KV cache a one-shot 8192-token prompt ran at
@@ -182,6 +183,9 @@ class Session:
                     self.reset()
                     self.feed(dummy[:size])
         if self.prefill is not None:  # (a staging store runs the same padded calls eagerly)
+            if self.staged and self.group_tokens + 1 <= room:  # a whole group: captured
+                self.reset()
+                self.feed(dummy[:self.group_tokens])
             pairs = [(0, min(room - 1, 37))]
         else:
             chunk = self.call_tokens
@@ -356,13 +360,15 @@ class Session:
         if not self._stages(group):
             return None
         chunks = [ids[c.start:c.end] for c in group]
-        if self.prefill is not None:
-            calls = self.prefill.group(chunks)
-            if calls is None:
-                return None
-        else:
-            dev = self.model.device
-            calls = [Call(torch.tensor(chunk, dtype=torch.long).to(dev), len(chunk)) for chunk in chunks]
+        if self.prefill is not None:  # (no DeltaNet states: all-attention models)
+            # a whole group replays a graph captured in the warm-up (or at its first use)
+            logits = self.prefill.run_group(chunks, capture=len(chunks) * self.call_tokens == self.group_tokens)
+            if logits is not None:
+                for c in group:
+                    self._ended(c, save=False)
+            return logits
+        dev = self.model.device
+        calls = [Call(torch.tensor(chunk, dtype=torch.long).to(dev), len(chunk)) for chunk in chunks]
         after = None
         if self.checkpoints is not None:
             copies = self.checkpoints.take(self.cache, [c.end for c in group if c.keeps])

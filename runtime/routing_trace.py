@@ -5,7 +5,8 @@ format ``repack calibrate --trace`` writes (``calibrate.trace``), so that ``repa
 The ids come from the expert store's ``moe`` (``runtime.expert_stats.RoutingRecorder``). An
 eager call hands over its ids tensors (kept by reference, read when the call ends). Inside a
 captured CUDA graph nothing runs in Python at replay, so while a graph is captured each layer's
-ids are copied into a buffer the recorder owns, at that layer's row; every replay then rewrites
+ids are copied into a buffer the recorder owns, at that layer's row (a captured group's calls one
+after another); every replay then rewrites
 the buffer, and the call's rows are copied into pinned memory behind it and written at the next
 call (as the store defers its counts). Cost, only with the trace on: one small copy per MoE
 layer in a captured step (~40 launches of a few microseconds a token on the Qwen3.6 shape) and
@@ -24,7 +25,7 @@ import torch
 from sparkpack.calibrate.trace import TraceWriter, trace_header
 from sparkpack.formats.archs import ModelSpec
 from sparkpack.formats.errors import SparkpackError
-from sparkpack.formats.memory import PREFILL_GRAPH_TOKENS
+from sparkpack.formats.memory import GROUP_TOKENS
 from sparkpack.formats.profile import SIDES, ModelIdentity
 
 GENERATED = SIDES[1]
@@ -32,12 +33,12 @@ GENERATED = SIDES[1]
 
 class TraceRecorder:
     """Records into ``path`` (sealed by ``close``; until then it is ``path.partial``).
-    ``max_tokens``: the longest captured call (``PREFILL_GRAPH_TOKENS``; eager calls of any
-    length hand over their own ids), the rows of the capture buffer. Nothing is written until
-    ``active``."""
+    ``max_tokens``: the most rows captured in one graph (a group of whole calls,
+    ``GROUP_TOKENS``; eager calls of any length hand over their own ids), the capture buffer's.
+    Nothing is written until ``active``."""
 
     def __init__(self, path: str | os.PathLike[str], spec: ModelSpec, identity: ModelIdentity,
-                 device: torch.device, max_tokens: int = PREFILL_GRAPH_TOKENS):
+                 device: torch.device, max_tokens: int = GROUP_TOKENS):
         path = Path(path)
         if path.exists():
             raise SparkpackError(path, "already exists; give a new name for the trace (or remove the old one)")
@@ -51,18 +52,22 @@ class TraceRecorder:
         self.host = torch.zeros(shape, dtype=torch.int32, pin_memory=pin)
         self.pin = pin
         self.eager: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}  # a layer's calls
+        self.captured: dict[int, int] = {}  # rows each layer recorded in the capture being made
         self.pending: tuple[int, bool, torch.cuda.Event | None] | None = None  # (tokens, generated, copied)
         self.active = False
         self.tokens = 0
 
     def record(self, layer: int, ids: torch.Tensor, real: torch.Tensor | None = None) -> None:
         if ids.is_cuda and torch.cuda.is_current_stream_capturing():
-            self.buffer[: ids.shape[0], self.index[layer]].copy_(ids)
+            at = self.captured.get(layer, 0)  # a captured group's calls: one after another
+            self.buffer[at: at + ids.shape[0], self.index[layer]].copy_(ids)
+            self.captured[layer] = at + ids.shape[0]
         else:
             self.eager.setdefault(layer, []).append((ids, real))
 
     def end_step(self, n_tokens: int, side: str, defer: bool) -> None:
         self.flush()
+        self.captured = {}
         if self.eager:  # eager calls (also the run a capture starts with): their own ids, real rows
             rows = torch.stack([torch.cat([ids if real is None else ids[: int(real)] for ids, real in self.eager[il]])
                                 for il in sorted(self.eager, key=self.index.__getitem__)], dim=1)
@@ -88,7 +93,7 @@ class TraceRecorder:
         self._write(self.host[:n].numpy(), generated)
 
     def drop(self) -> None:
-        self.eager = {}
+        self.eager, self.captured = {}, {}
         self.pending = None
 
     def _write(self, ids: np.ndarray, generated: bool) -> None:

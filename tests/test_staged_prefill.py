@@ -18,8 +18,8 @@ import torch
 
 from sparkpack.formats.archs import model_spec
 from sparkpack.formats.gguf_file import GGUFModel
-from sparkpack.formats.memory import (PREFILL_CHUNK, PREFILL_GRAPH_TOKENS, SLOT_ALIGN, MemoryTarget, expert_slot_bytes,
-                                      group_bytes, runtime_bytes)
+from sparkpack.formats.memory import (GROUP_TOKENS, PREFILL_CHUNK, PREFILL_GRAPH_TOKENS, SLOT_ALIGN, MemoryTarget,
+                                      expert_slot_bytes, group_bytes, runtime_bytes)
 from sparkpack.formats.placement import Budget, default_cache_slots, plan_residency, staging_bytes
 from sparkpack.runtime.expert_pools import layout_pool
 from sparkpack.runtime.expert_slots import NOT_RESIDENT
@@ -386,6 +386,43 @@ def test_a_staged_session_gives_the_all_gpu_sessions_bits(synth_model, arch):
     assert not ref.staged and ref.call_tokens == session.call_tokens
     ref_logits = ref.feed(ids)
     assert torch.equal(ref_logits, logits) and list(ref.decode(ref_logits, 8, torch.argmax)) == tokens
+
+
+@cuda
+@pytest.mark.parametrize("arch", ["laguna", "qwen3moe"])
+def test_a_whole_group_replays_its_graph_with_the_all_gpu_bits(synth_model, arch, tmp_path):
+    """On the all-attention models a group of whole 512-token calls is captured in a CUDA graph,
+    its staging copies included, and replayed (eager 512-token calls are launch-bound): the first
+    whole group captures, the next ones replay, and every prompt and its reply give the all-GPU
+    session's bits; each replay counts its copies, and the routing trace is the all-GPU one."""
+    from sparkpack.calibrate.trace import read_trace
+    from sparkpack.runtime.routing_trace import attach_trace
+
+    path = synth_model(arch, "Q4_K_M", skew=1.0)
+    ctx = GROUP_TOKENS + 1024  # groups of 16 whole calls
+    prompts = [prompt(GROUP_TOKENS + 300, 2000, seed=2), prompt(GROUP_TOKENS + 100, 2000, seed=3)]
+
+    def run(model, trace: str) -> tuple[list[torch.Tensor], list[int], Session]:
+        attach_trace(model, tmp_path / trace).active = True
+        s = Session(model, ctx=ctx)
+        logits, tokens = [], []
+        for ids in prompts:
+            s.reset()
+            logits.append(s.feed(ids))
+            tokens += list(s.decode(logits[-1], 6, torch.argmax))
+        return logits, tokens, s
+
+    model = gpu_model(path, 0.6, 32, ctx=ctx)
+    got, tokens, s = run(model, "staged.trace")
+    assert s.group_tokens == GROUP_TOKENS and list(s.prefill.groups) == [16]  # captured at its first use
+    model.experts.flush()
+    assert model.experts.stats.staged_layers == 4 * len(model.experts.staging.order)  # 2 groups a prompt
+    full = gpu_model(path, 1.0, None, ctx=ctx)
+    want, want_tokens, ref = run(full, "all.trace")
+    assert not ref.staged and not ref.prefill.groups
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and tokens == want_tokens
+    a, b = (read_trace(m.experts.recorder.close()) for m in (model, full))
+    assert np.array_equal(a.ids, b.ids) and a.n_tokens == sum(len(p) + 6 for p in prompts) - 2
 
 
 @cuda

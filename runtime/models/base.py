@@ -147,7 +147,9 @@ class MoEModel(ABC):
         calls before it in the group have written. Why: a store that stages (partial residency)
         copies each layer's cold experts once for the whole group instead of once per call
         (``ExpertProvider.stage_calls``). ``after(i, il)``: called once call ``i``'s block of layer
-        ``il`` is launched (a session copies DeltaNet states at its calls' ends there)."""
+        ``il`` is launched (a session copies DeltaNet states at its calls' ends there). Padded
+        calls (all or none) leave ``cache.pos`` and the store's ``end_step`` to the caller, as
+        ``forward`` does with ``pos``: a group of them may be captured in a CUDA graph."""
         xs = [self.w.embed(c.ids) for c in calls]
         pres: list[Normed | None] = [None] * len(calls)
         starts, at = [], cache.pos
@@ -165,9 +167,9 @@ class MoEModel(ABC):
         finally:
             self.experts.count_real_tokens(None)
             self.experts.stage_calls(None)
-        n = at - cache.pos
-        cache.pos = at
-        self.experts.end_step(n)
+        if calls[0].pos is None:  # (padded calls, as ``forward`` with ``pos``: the caller does this)
+            n, cache.pos = at - cache.pos, at
+            self.experts.end_step(n)
         return self.head(xs[-1], pres[-1], True, calls[-1].real)
 
     def head(self, x: torch.Tensor, pre: Normed | None, last_only: bool, real: torch.Tensor | None) -> torch.Tensor:
