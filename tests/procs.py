@@ -16,6 +16,13 @@ SPARK_RUN = [sys.executable, "-m", "sparkpack.runtime.cli"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")  # tiny models on a shared 2-core machine
 
 
+def default_sigint() -> None:
+    """``preexec_fn`` for a child that a test interrupts: SIGINT back to its default. A shell's
+    background job (``pytest ... &``) ignores SIGINT, a child inherits that, and Python then never
+    turns Ctrl-C into KeyboardInterrupt (the interrupt tests failed so, and only so)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @dataclass
 class Stopped:
     returncode: int
@@ -34,7 +41,7 @@ def mid_work(argv: list[str], working: Callable[[], bool], action: Callable[[sub
     started again."""
     for _ in range(attempts):
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                                env=ENV)
+                                env=ENV, preexec_fn=default_sigint)
         deadline = time.monotonic() + 120
         while proc.poll() is None and time.monotonic() < deadline:
             if working():

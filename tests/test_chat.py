@@ -10,7 +10,7 @@ import signal
 import subprocess
 import time
 
-from tests.procs import ENV, REPO, SPARK_RUN, run
+from tests.procs import ENV, REPO, SPARK_RUN, default_sigint, run
 
 # max-tokens: replies long enough (greedy never stops early on this model) to be interrupted
 CHAT = ["--temperature", "0", "--threads", "1", "--device", "cpu"]
@@ -22,7 +22,7 @@ class Terminal:
     def __init__(self, argv: list[str]):
         self.master, slave = pty.openpty()
         self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, cwd=REPO, env=ENV,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=default_sigint)
         os.close(slave)
         self.seen = ""
 
