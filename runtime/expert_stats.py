@@ -89,7 +89,7 @@ class RoutingCounts:
         self.step = torch.zeros(shape, dtype=torch.int32, device=device)
         self._host = torch.empty(shape, dtype=torch.int32, pin_memory=pin)
         self.pin = pin
-        self.pending: tuple[int, str, torch.cuda.Event | None] | None = None  # (tokens, side, copy done)
+        self.pending: tuple[int, str, bool, torch.cuda.Event | None] | None = None  # (tokens, side, staged, copy done)
         self.unread = 0  # tokens whose counts are still on the device only (all-hot stores)
 
     def read(self) -> np.ndarray:
@@ -98,8 +98,9 @@ class RoutingCounts:
         self.step.zero_()
         return counts
 
-    def snapshot(self, n_tokens: int, side: str) -> None:
-        """Queue this step's counts (its tokens of ``side``) into pinned memory behind it, then
+    def snapshot(self, n_tokens: int, side: str, staged: bool = False) -> None:
+        """Queue this step's counts (its tokens of ``side``; ``staged``: a staged call's, whose
+        cold experts were copied in bulk, not read zero-copy) into pinned memory behind it, then
         zero them."""
         self._host.copy_(self.step, non_blocking=self.pin)
         self.step.zero_()
@@ -107,19 +108,19 @@ class RoutingCounts:
         if self.pin:
             done = torch.cuda.Event()
             done.record()
-        self.pending = (n_tokens, side, done)
+        self.pending = (n_tokens, side, staged, done)
 
-    def take_pending(self) -> tuple[np.ndarray, int, str] | None:
-        """A deferred step's counts, tokens and side (its copy has long landed: the caller read the
+    def take_pending(self) -> tuple[np.ndarray, int, str, bool] | None:
+        """A deferred step's counts, tokens, side and whether it staged (its copy has long landed: the caller read the
         step's logits). The next snapshot is queued only after the caller is done with them, so
         the pinned buffer is never rewritten while read."""
         if self.pending is None:
             return None
-        n_tokens, side, done = self.pending
+        n_tokens, side, staged, done = self.pending
         self.pending = None
         if done is not None:
             done.synchronize()
-        return self._host.numpy(), n_tokens, side
+        return self._host.numpy(), n_tokens, side, staged
 
     def drop(self) -> None:
         """Forget counts not learned yet (they belong to statistics being replaced)."""

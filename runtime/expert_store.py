@@ -476,7 +476,7 @@ class ExpertStore(ExpertProvider):
         self._learn_pending()
         staged, self._staged_call = self._staged_call, False
         if defer:
-            self.counts.snapshot(n_tokens, self.side)
+            self.counts.snapshot(n_tokens, self.side, staged)
         else:
             self._timed_learn(self.counts.read(), n_tokens, self.side, staged)
 

@@ -262,8 +262,7 @@ class PrefillGraphs:
         else:
             logits = self.model.forward_calls(calls, self.cache)
         self.cache.pos += n
-        # (learned at once: a deferred step's counts would be taken for zero-copy reads)
-        self.model.experts.end_step(n, routed=True)
+        self.model.experts.end_step(n, routed=True, defer=True)  # learned from while the next call runs
         return logits[-1].clone()
 
     def _check_addresses(self) -> None:

@@ -159,6 +159,31 @@ def test_sessions_stage_where_the_store_does(synth_model, monkeypatch):
             assert session.staged == (staged and (stage_tokens or 0) <= session.call_tokens)
 
 
+def test_a_staged_groups_deferred_counts_are_no_zero_copy_reads(synth_model):
+    """A group's routings learned a step later (``end_step(defer=True)``, as a replayed group's
+    are) count as staged, like those learned at once: its cold experts were copied in bulk, and
+    counted so, not read zero-copy."""
+    gguf, spec = opened(synth_model("qwen35moe", "Q4_K_M", skew=1.0))
+    hot = hot_mask(spec, 0.5)
+    cold = [int(np.flatnonzero(~hot[il])[0]) for il in range(spec.n_layer)]
+    x = torch.randn(2, spec.n_embd, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    weights = torch.full((2, 1), 1.0, device=DEVICE)
+    stats = []
+    for defer in (False, True):
+        store = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, torch.float32, hot, mode="zerocopy", fused=True,
+                            stage_tokens=2)
+        store.stage_calls(2)
+        for il in spec.moe_layers:
+            store.moe(il, x, weights, torch.full((2, 1), cold[il], dtype=torch.long, device=DEVICE))
+        store.stage_calls(None)
+        store.end_step(2, routed=True, defer=defer)
+        store.flush()
+        stats.append(store.stats)
+    for st in stats:
+        assert st.misses == 2 * len(spec.moe_layers) and st.zero_copy_reads == 0
+        assert st.staged_layers == len(spec.moe_layers) and st.bytes_streamed == st.staged_bytes
+
+
 @pytest.mark.parametrize("arch", ["qwen35moe", "laguna", "qwen3moe"])
 def test_a_group_of_calls_gives_the_bits_of_its_calls_one_by_one(synth_model, arch, tmp_path):
     """A staging session runs a prompt's calls layer by layer in groups (``forward_calls``): its
