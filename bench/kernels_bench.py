@@ -220,7 +220,7 @@ def bench_attention(args: argparse.Namespace, copy_gbs: float, gen: torch.Genera
     bf16 and a Q8_0 cache at several buffer sizes with the token 3/4 into the buffer. GB/s counts
     the cache rows up to the token (keys and values, codes and scales) once."""
     from sparkpack.runtime.cache import KVCache
-    from sparkpack.runtime.kernels.attention import attend_decode, qk_norm_rope_append
+    from sparkpack.runtime.kernels.attention import attend_decode, decode_split, qk_norm_rope_append
     from sparkpack.runtime.layers import Rope, attention, rms_norm, rope_inv_freq
 
     ok = True
@@ -239,7 +239,7 @@ def bench_attention(args: argparse.Namespace, copy_gbs: float, gen: torch.Genera
                 cache.append(fill, fill.flip(0), 0)  # every row written; rows past pos are masked anyway
                 q, gate = (torch.randn(1, H, d, generator=gen, device="cuda").to(dt) for _ in range(2))
                 k, v = (torch.randn(1, H_kv, d, generator=gen, device="cuda").to(dt) for _ in range(2))
-                split = 64 if S <= 8192 else 256 if S <= 65536 else 512  # as MoEModel.attend_step picks
+                split = decode_split(S, H_kv)  # as MoEModel.attend_step picks
                 scales = (cache.k_scale, cache.v_scale) if cache.q8 else (None, None)
 
                 def fused():

@@ -22,7 +22,8 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from sparkpack.runtime.cache import KVCache  # noqa: E402
-from sparkpack.runtime.kernels.attention import attend_decode, attend_prefill, qk_norm_rope_append  # noqa: E402
+from sparkpack.runtime.kernels.attention import (  # noqa: E402
+    attend_decode, attend_prefill, decode_split, qk_norm_rope_append)
 from sparkpack.runtime.layers import Rope, attention, rms_norm, rope_inv_freq, yarn_rope  # noqa: E402
 from tests.test_kernels import DEVICE, compile_in_subprocess, rel_l2  # noqa: E402
 
@@ -158,10 +159,30 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 6e-3}
     (2, 2, 32, 96, 32, 45, 20),  # window opening inside the previous split
     (1, 4, 64, 128, 96, 120, 80),  # window opening in a split's second tile: the first tile is skipped
     (2, 1, 32, 64, 16, 63, 1),  # window 1: the token alone
+    # long-buffer splits (decode_split >= 256): on a GPU in half precision, pipelined tiles of 128
+    # (64 at d=256) in three stages, partial last tiles and splits included
+    (2, 4, 64, 1200, 256, 1100, 0),
+    (2, 4, 64, 1200, 512, 1199, 300),
+    (1, 8, 256, 700, 256, 650, 0),
 ])
 def test_attend_decode_matches_torch(dtype, H_kv, rep, d, S, split, pos, window) -> None:
     out, ref = run_attention(H_kv, rep, d, S, split, pos, window, dtype, seed=pos + window)
     assert rel_l2(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("n_kv", [1, 2, 4, 8])
+def test_decode_split_keeps_about_one_program_per_sm(n_kv) -> None:
+    """Short buffers keep 64-position splits; long ones a power of two from 256 to 2048 that gives
+    about 128 programs, fewer only where 2048 caps it, more only where 256 floors it."""
+    for S in (256, 4096, 8192, 8193, 8256, 20000, 32848, 65600, 131152, 262224):
+        split = decode_split(S, n_kv)
+        if S <= 8192:
+            assert split == 64
+            continue
+        assert split in (256, 512, 1024, 2048)
+        programs = n_kv * -(-S // split)
+        assert split == 2048 or programs <= 2 * 128 + n_kv
+        assert split == 256 or programs >= 128 - n_kv
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

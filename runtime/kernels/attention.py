@@ -29,10 +29,12 @@ permute back and the output gate. Three kernels cover all of it:
    Splitting the channels too keeps the merge from setting the pace on long buffers (one program
    per head read its head's partials alone, serially).
 
-``split`` trades the first kernel's parallelism against the partials to merge. Measured on an
-H100 (bf16, CUDA-graph replays of both attention launches, 32 query / 4 kv heads of 128, 3/4 of
-the buffer in use): split 64 is best at 4k positions (9 us); at 32k, 256 (28 us against 35 at
-64); at 128k, 512 (82 us against 129). The caller picks it from the capacity.
+``split`` trades the first kernel's parallelism against the partials to merge; ``decode_split``
+picks it from the buffer's capacity and kv heads (the caller's default), and long buffers also
+take wider, pipelined tiles (``_split_tiles``). Measured on an H200 (bf16, CUDA-graph replays of
+both launches, the position near the buffer's end; BENCHMARKS.md): a 131k buffer of Laguna's 8
+kv heads of 128 took 250 us at split 512 with 64-position single-stage tiles and 168 us at split
+2048 with 128-position tiles in three stages; Qwen3.6's 2 kv heads of 256, 136 against 69 us.
 
 4. ``_attend_prefill_kernel`` (``attend_prefill``): a prefill call's queries whose first position
    is read from memory, for a prefill step captured in a CUDA graph (``runtime.graph``), where
@@ -385,9 +387,32 @@ def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, xq, xd, xs,
         store_q8(tl.reshape(o.to(tl.float32), [1, BLOCK_C]), blk, tl.num_programs(0) * D, xq, xd, xs)
 
 
+def decode_split(S: int, n_kv: int) -> int:
+    """Positions per program of ``attend_decode``'s first kernel over a buffer of ``S`` positions
+    with ``n_kv`` kv heads. Up to 8192 positions, 64 (a program per tile, as measured best at 4k
+    on the H100). Beyond, about 128 programs in all (one per SM), in powers of two from 256 to
+    2048: on the H200 that was the best split measured for each shape (Qwen3.6, Qwen3-30B and
+    Laguna kv heads at 8k, 32k and 131k positions), since fewer, longer programs stream their
+    keys in deeper pipelines and leave fewer partials to merge."""
+    if S <= 8192:
+        return 64
+    return max(256, min(2048, 1 << ((S * n_kv // 128).bit_length() - 1)))
+
+
+def _split_tiles(split: int, block_d: int, fp32: bool) -> tuple[int, int]:
+    """``(BLOCK_S, num_stages)`` of the split kernel. A split of one or a few tiles gains nothing
+    from a software pipeline, which only multiplies shared memory (float32 at d=256 would not fit
+    in an H100's 227 KiB at three stages), so short splits keep single-stage tiles of 64 or less.
+    Half precision splits of 256 or more take three stages of 128 positions (64 at d=256, where
+    128 would not fit): 1.3-2x faster on long buffers (``decode_split``)."""
+    if fp32 or split < 256:
+        return (64 if split % 64 == 0 else 32 if split % 32 == 0 else 16), 1
+    return (128 if block_d <= 128 else 64), 3
+
+
 def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: "int | torch.Tensor",
                   window: int = 0, gate: torch.Tensor | None = None, gate_kind: str = "none",
-                  split: int = 64, q8: bool = False, k_scale: torch.Tensor | None = None,
+                  split: int | None = None, q8: bool = False, k_scale: torch.Tensor | None = None,
                   v_scale: torch.Tensor | None = None) -> "torch.Tensor | tuple[torch.Tensor, Int8Rows]":
     """One query token's GQA attention over the cache rows ``j <= pos`` (and ``pos - j < window``
     when ``window > 0``), times the optional output gate, in two launches.
@@ -398,9 +423,10 @@ def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ``gate_kind``: ``"none"``; ``"sigmoid"`` (``gate [H, d]``, out *= sigmoid per channel);
     ``"softplus_head"`` (``gate [H]``, out *= softplus per head); ``"softplus"`` (``gate [H, d]``
     per channel). A ``[H, d]`` gate needs a contiguous last axis, any row stride. ``split``:
-    positions per program of the first kernel, a multiple of 16. Returns one row ``[1, H * d]`` in
-    q's dtype (``attn_output``'s input); ``q8`` (d a multiple of 32): also its int8 form,
-    ``(out, Int8Rows)``, computed by the combine kernel: one block of 32 channels per program.
+    positions per program of the first kernel, a multiple of 16 (None: ``decode_split``'s).
+    Returns one row ``[1, H * d]`` in q's dtype (``attn_output``'s input); ``q8`` (d a multiple
+    of 32): also its int8 form, ``(out, Int8Rows)``, computed by the combine kernel: one block of
+    32 channels per program.
     With ``k_scale``/``v_scale`` the caches are a Q8_0 cache's int8 codes and f16 scales, read as
     such (each tile expanded in registers, no expanded copy of the cache).
     """
@@ -418,7 +444,7 @@ def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"{what}: q must be contiguous")
     if k_cache.device != q.device or v_cache.device != q.device:
         raise ValueError(f"{what}: all tensors must be on {q.device}")
-    if split < 16 or split % 16:
+    if split is not None and (split < 16 or split % 16):
         raise ValueError(f"{what}: split must be a positive multiple of 16, got {split}")
     if window < 0:
         raise ValueError(f"{what}: window must be >= 0, got {window}")
@@ -437,22 +463,21 @@ def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     pos_ptr = _check_pos(pos, S, q.device, what)
     p = pos if pos_ptr else int(pos)
     rep = H // H_kv
+    split = decode_split(S, H_kv) if split is None else split
     n_split = triton.cdiv(S, split)
     block_d = max(16, triton.next_power_of_2(d))
-    block_s = 64 if split % 64 == 0 else 32 if split % 32 == 0 else 16
     m = torch.empty(H * n_split, dtype=torch.float32, device=q.device)
     l_ = torch.empty(H * n_split, dtype=torch.float32, device=q.device)
     acc = torch.empty(H * n_split * d, dtype=torch.float32, device=q.device)
     # Triton's interpreter gets bf16 tl.dot wrong (see tests/test_kernels.py): off the GPU the
     # products run in fp32 whatever the activations' dtype.
     fp32 = q.dtype == torch.float32 or not q.is_cuda
-    # num_stages=1: at split 64 a program has one tile, and deeper software pipelines only
-    # multiply shared memory (float32 at d=256 would not fit in an H100's 227 KiB at three).
+    block_s, stages = _split_tiles(split, block_d, fp32)
     _attend_split_kernel[(H_kv, n_split)](
         q, k_cache, v_cache, *_scales(k_scale, v_scale, k_cache), p, m, l_, acc, S, d, rep, n_split, int(window),
         d ** -0.5 * LOG2E, POS_PTR=pos_ptr, DOT_FP32=fp32, Q8KV=k_scale is not None,
         REP_P2=max(16, triton.next_power_of_2(rep)), BLOCK_D=block_d,
-        BLOCK_S=block_s, SPLIT=split, num_warps=4, num_stages=1, **pdl.flags(q))
+        BLOCK_S=block_s, SPLIT=split, num_warps=4, num_stages=stages, **pdl.flags(q))
     out = torch.empty(1, H * d, dtype=q.dtype, device=q.device)
     block_c = min(block_d, COMBINE_CHANNELS)
     codes = new_q8(1, H * d, q.device) if q8 else (out, out, out)

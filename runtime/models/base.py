@@ -280,10 +280,8 @@ class MoEModel(ABC):
             else:
                 o = attend_buffers(qr, *kv.buffers(prefill_rows(pos0, T)), pos0, window)
             return Rows(output_gate(o, gate, gate_kind).reshape(T, H * d))
-        S = kv.k.shape[1]
-        split = 64 if S <= 8192 else 256 if S <= 65536 else 512  # kernels/attention.py: best per buffer size
         q8 = q8dot.wanted(1, d)
-        o = attend_decode(qr[0], kv.k, kv.v, pos0, window, None if gate is None else gate[0], gate_kind, split,
+        o = attend_decode(qr[0], kv.k, kv.v, pos0, window, None if gate is None else gate[0], gate_kind,
                           q8=q8, k_scale=scales[0], v_scale=scales[1])
         return Rows(*o) if q8 else Rows(o)
 
