@@ -11,6 +11,7 @@ shape, so a fast wrong kernel cannot pass.
     python bench/kernels_bench.py --only dense --gemv-tiles 4,4 8,4 2,2   # one-token dense GEMV
     python bench/kernels_bench.py --only moe dense --act float q8   # float vs int8 activations
     python bench/kernels_bench.py --only attention --attn-buffers 4096 32768   # decode attention
+    python bench/kernels_bench.py --only attention --attn-buffers 8256 32848 131152 --attn-splits 256 512 1024 2048
     python bench/kernels_bench.py --only prefill-attention --prefill-tokens 2048 --prefill-past 0 16384 32768
     python bench/kernels_bench.py --only deltanet --prefill-tokens 2048   # DeltaNet prefill kernels
 
@@ -275,6 +276,18 @@ def bench_attention(args: argparse.Namespace, copy_gbs: float, gen: torch.Genera
                 print(f"{name:10} {kv_type:5} {S:7} {pos:6} {split:5} {attend_ms * 1e3:9.1f} {gbs:6.0f} "
                       f"{100 * gbs / copy_gbs:5.0f}% {fused_ms * 1e3:12.1f} {torch_ms * 1e3:9.1f} "
                       f"{err:9.2e}{'' if good else '  FAIL'}")
+                for other in args.attn_splits:  # decode_split's pick against the others asked for
+                    if other == split:
+                        continue
+                    def attend(sp=other):
+                        return attend_decode(qr, cache.k, cache.v, pos, 0, gate[0], "sigmoid", sp,
+                                             k_scale=scales[0], v_scale=scales[1])
+                    err = rel_l2(attend().float(), want)
+                    ok &= err < 2e-2
+                    other_ms = median_ms(attend)
+                    print(f"{'':10} {'':5} {'':7} {'':6} {other:5} {other_ms * 1e3:9.1f} "
+                          f"{nbytes / other_ms / 1e6:6.0f} {100 * nbytes / other_ms / 1e6 / copy_gbs:5.0f}%"
+                          f"{'' if err < 2e-2 else '  FAIL'}")
                 del cache, fill
     return ok
 
@@ -381,6 +394,8 @@ def main() -> None:
                     help="one-token activations: float, or int8 (q8dot) for the MoE and dense kernels")
     ap.add_argument("--attn-buffers", nargs="+", type=int, default=[4096, 32768],
                     help="KV buffer sizes (positions) for the attention kernels")
+    ap.add_argument("--attn-splits", nargs="*", type=int, default=[],
+                    help="decode attention: other splits (positions per program) to time beside decode_split's")
     ap.add_argument("--prefill-past", nargs="+", type=int, default=[0, 2048, 16384],
                     help="prefill attention: earlier tokens before the call")
     kinds = ["moe", "prefill", "dense", "attention", "prefill-attention", "deltanet"]
