@@ -38,6 +38,16 @@ DELTANET_CHUNK = 64
 # PREFILL_CHUNK). At partial residency they keep these calls (the all-GPU bits come from them)
 # and stage them in groups (GROUP_TOKENS).
 PREFILL_GRAPH_TOKENS = 512
+# The models whose sessions make those short captured calls keep to them while the past is
+# shorter than this: a call that starts after it takes PREFILL_CHUNK tokens and runs eagerly,
+# where attention over the past is torch's fused kernel (runtime.layers.causal_sdpa_after; the
+# captured calls' attend_prefill reads the position from memory, which that kernel cannot). On
+# the H200 at Laguna's shape a full layer's attention after a 32k past took 2.53 ms in
+# attend_prefill against 1.61 fused, 9.70 against 6.35 after 130k, and Laguna's q8_0 sessions,
+# which feed eager 2048-token calls throughout, prefilled a 32k prompt 24% faster than its
+# captured 512-token calls (BENCHMARKS.md). A session whose context is no longer makes no such
+# call, so the plan counts their temporaries only beyond it (``short_call_tokens``).
+LONG_PAST_TOKENS = 16384
 # Prompt calls of at least this many tokens stage their cold experts in bulk, one copy per layer
 # into one of two device buffers, instead of reading them zero-copy tile by tile
 # (runtime.expert_staging; the plan reserves the buffers: formats.placement). Measured with
@@ -96,7 +106,7 @@ class MemoryTarget:
             prefill_chunk: int = PREFILL_CHUNK, stage_tokens: int | None = STAGE_TOKENS) -> "MemoryTarget":
         """spark-run on a GPU with bf16 activations (what ``repack split --vram`` plans for)."""
         if short_calls(spec, kv_type):  # the captured calls' length at any residency
-            prefill_chunk = min(prefill_chunk, PREFILL_GRAPH_TOKENS)
+            prefill_chunk = short_call_tokens(ctx, prefill_chunk)
         return cls(2, True, kv_type, ctx, prefill_chunk, staged_call_tokens(prefill_chunk, stage_tokens))
 
     @property
@@ -108,6 +118,13 @@ def staged_call_tokens(prefill_chunk: int, stage_tokens: int | None) -> int:
     """A session's prompt calls when its store stages calls of ``stage_tokens`` tokens or more:
     ``prefill_chunk`` tokens, or 0 when no call that long stages."""
     return prefill_chunk if stage_tokens is not None and stage_tokens <= prefill_chunk else 0
+
+
+def short_call_tokens(ctx: int, prefill_chunk: int) -> int:
+    """The most tokens of one prompt call in a session that makes short captured calls
+    (``short_calls``) with context ``ctx``: ``PREFILL_GRAPH_TOKENS``, or ``prefill_chunk`` where
+    the context reaches past ``LONG_PAST_TOKENS`` (the eager calls after a long past)."""
+    return prefill_chunk if ctx > LONG_PAST_TOKENS else min(prefill_chunk, PREFILL_GRAPH_TOKENS)
 
 
 def group_tokens(ctx: int, chunk: int) -> int:

@@ -77,7 +77,7 @@ class ModelRouter:
         # no state checkpoints: a window is never gone back into (each would hold ~66 MB of
         # pinned host memory for a Qwen3.6 shape, copied after every call)
         self.session = Session(model, prefill_chunk=prefill_chunk, ctx=ctx, checkpoints=0)
-        rows = max(self.session.call_tokens, PREFILL_GRAPH_TOKENS)  # the most rows one call has (padded calls too)
+        rows = max(self.session.longest_call, PREFILL_GRAPH_TOKENS)  # the most rows one call has (padded calls too)
         self.tap = RoutingTap(model.experts, model.spec, model.device, rows, record)
         self.tokenizer = GGUFTokenizer.from_metadata(model.gguf)
         template = model.gguf.get("tokenizer.chat_template")
@@ -103,19 +103,20 @@ class ModelRouter:
 
     def route(self, ids: list[int], generated: np.ndarray) -> np.ndarray:
         """``calibrate.replay.Router.route``. The window goes in the calls a session makes for a
-        prompt of it (ending at multiples of its call size), one ``feed`` a call so that the tap
-        knows each call's sides (a lone token after them runs as a decode step)."""
+        prompt of it (``Session.call_tokens_at``), one ``feed`` a call so that the tap knows each
+        call's sides (a lone token after them runs as a decode step)."""
         if not ids:
             raise ValueError("nothing to route")
         with self._tapped():
             self.session.reset()
             self.tap.reset()
-            step = self.session.call_tokens
-            for a in range(0, len(ids), step):
-                b = min(len(ids), a + step)
+            a = 0
+            while a < len(ids):
+                b = min(len(ids), a + self.session.call_tokens_at(a))
                 self.tap.sides(generated[a:b])
                 self.session.feed(ids[:b])  # an extension: computes [a, b) in one call
                 self.tap.keep(b - a)
+                a = b
             return self.tap.counts()
 
     def take_trace(self) -> np.ndarray:

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from sparkpack.formats.memory import PREFILL_CHUNK, PREFILL_GRAPH_TOKENS, group_tokens
+from sparkpack.formats.memory import LONG_PAST_TOKENS, PREFILL_CHUNK, PREFILL_GRAPH_TOKENS, group_tokens
 from sparkpack.formats.profile import SIDES
 
 from .cache import STATE_CHECKPOINTS, RecurrentState, StateCheckpoints
@@ -141,6 +141,10 @@ class Session:
         # staged 2048-token calls on qwen3moe changed tied routings: tests/test_calibrate_replay.py).
         # It runs them eagerly, padded as captured, in groups (``_groups``).
         self.call_tokens = min(prefill_chunk, PREFILL_GRAPH_TOKENS) if self.short_calls else prefill_chunk
+        # Except after a long past: there a call takes prefill_chunk tokens and runs eagerly, its
+        # attention torch's fused kernel, faster than the captured calls' (LONG_PAST_TOKENS). The
+        # switch depends on the position alone, so every residency makes the same calls.
+        self.long_past = LONG_PAST_TOKENS if self.short_calls and prefill_chunk > self.call_tokens else None
         self.staged = model.experts.staged_prefill(self.call_tokens)
         self.group_tokens = group_tokens(ctx, self.call_tokens)  # what the --vram plan counts
         self.breaks = breaks
@@ -155,6 +159,17 @@ class Session:
         self.exact = 0
         self.reused = 0  # tokens the last ``prompt`` kept instead of computing
 
+    def call_tokens_at(self, start: int) -> int:
+        """The tokens of a prompt call that starts at position ``start`` (``call_end`` may end it
+        earlier): ``call_tokens``, or ``prefill_chunk`` after a long past (``long_past``)."""
+        return self.prefill_chunk if self.long_past is not None and start >= self.long_past else self.call_tokens
+
+    @property
+    def longest_call(self) -> int:
+        """The most tokens one prompt call of this session holds (eager calls after a long past
+        included; padding is ``PrefillGraphs``' business)."""
+        return self.prefill_chunk if self.long_past is not None else self.call_tokens
+
     def warm_up(self) -> float:
         """Run every call shape a first prompt and its reply will use on dummy tokens, then forget
         them; returns the seconds it took. Why: the first call of each shape compiles (or loads)
@@ -162,7 +177,8 @@ class Session:
         prompt paid that: on the GPU machine a one-shot 8192-token prompt of the Qwen3.6 shape
         prefilled at ~4000 tok/s against ~10000 warm (BENCHMARKS.md). Padded sessions
         (``PrefillGraphs``) take every padded call size, a whole group of calls where the store
-        stages (captured: ``PrefillGraphs.run_group``), then a 37-token call. Eager
+        stages (captured: ``PrefillGraphs.run_group``), then a 37-token call, and where the
+        context reaches past ``long_past``, the eager calls after it (every tile shape). Eager
         sessions take calls of every length that picks another tile shape of the grouped MoE
         kernels (``tile_calls``) up to a whole chunk, each once from position 0 and once after a
         past (attention over a past: with a q8_0 KV cache a one-shot 8192-token prompt ran at
@@ -206,6 +222,17 @@ class Session:
         for _ in range(2):
             ids.append(dummy[len(ids)])
             self.feed(ids)
+        if self.long_past is not None and self.long_past + self.prefill_chunk + 2 <= room:
+            # the eager calls after a long past: the past fed once, then every call length that
+            # picks another MoE tile shape (those too short are padded calls, warmed above) on it
+            chunk = self.prefill_chunk
+            past = dummy[:self.long_past]
+            self.reset()
+            self.feed(past)
+            for n in sorted({*tile_calls(spec.n_expert, spec.n_expert_used, chunk), chunk}):
+                even = min(chunk, -(-n // 16) * 16)
+                for m in {even, min(chunk, even + 1)} if even > PREFILL_GRAPH_TOKENS else ():
+                    self.prompt(past + dummy[len(past): len(past) + m])  # keeps the past: one call of m
         self.reset()
         if self.checkpoints is not None:
             self.checkpoints.reserve(self.cache)
@@ -308,7 +335,7 @@ class Session:
         passed: list[int] = []
         i, start, exact = n, self.cuts[-1], self.exact
         while i < len(ids):
-            cut = call_end(ids, start, self.call_tokens, self.breaks)
+            cut = call_end(ids, start, self.call_tokens_at(start), self.breaks)
             if cut <= i:  # decided by the new tokens, inside rows fed already (a decode step's)
                 passed.append(cut)
                 start = cut
@@ -334,14 +361,20 @@ class Session:
             if save and self.checkpoints is not None:
                 self.checkpoints.save(self.cache)
 
+    def _padded(self, c: "PlannedCall") -> bool:
+        """Whether call ``c`` is one ``PrefillGraphs`` pads (else it runs eagerly as it is)."""
+        return self.prefill is not None and self.prefill.size(c.end - c.start) is not None
+
     def _groups(self, calls: list["PlannedCall"]) -> list[list["PlannedCall"]]:
         """``calls`` in groups of at most ``group_tokens`` tokens that run layer by layer, where
-        the store stages (one call each elsewhere: a group would only hold more rows)."""
+        the store stages (one call each elsewhere: a group would only hold more rows); padded
+        and eager calls (after a long past) in groups of their own kind."""
         if not self.staged:
             return [[c] for c in calls]
         groups: list[list[PlannedCall]] = []
         for c in calls:
-            if groups and sum(g.end - g.start for g in groups[-1]) + c.end - c.start <= self.group_tokens:
+            if groups and self._padded(c) == self._padded(groups[-1][0]) \
+                    and sum(g.end - g.start for g in groups[-1]) + c.end - c.start <= self.group_tokens:
                 groups[-1].append(c)
             else:
                 groups.append([c])
@@ -349,7 +382,7 @@ class Session:
 
     def _stages(self, group: list["PlannedCall"]) -> bool:
         """Whether a group of ``group``'s calls stages its cold experts (its rows, padding included)."""
-        rows = sum(c.end - c.start if self.prefill is None else self.prefill.size(c.end - c.start) or 0 for c in group)
+        rows = sum(self.prefill.size(c.end - c.start) if self._padded(c) else c.end - c.start for c in group)
         return self.model.experts.staged_prefill(rows)
 
     def _grouped(self, ids: list[int], group: list["PlannedCall"]) -> torch.Tensor | None:
@@ -360,7 +393,7 @@ class Session:
         if not self._stages(group):
             return None
         chunks = [ids[c.start:c.end] for c in group]
-        if self.prefill is not None:  # (no DeltaNet states: all-attention models)
+        if self._padded(group[0]):  # (no DeltaNet states: all-attention models)
             # a whole group replays a graph captured in the warm-up (or at its first use)
             logits = self.prefill.run_group(chunks, capture=len(chunks) * self.call_tokens == self.group_tokens)
             if logits is not None:

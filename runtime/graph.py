@@ -21,6 +21,9 @@ GPU machine's host that took 55-127 ms against ~35 ms of GPU work. A call is pad
 of a few sizes (one graph each, one shared memory pool); its first position and the number of
 real tokens are read from device memory. The padding sits after the real tokens, so causal
 attention keeps it out of their results, and the expert store counts only their routings.
+After a long past (``formats.memory.LONG_PAST_TOKENS``) a session feeds whole chunks eagerly
+instead (``runtime.generate.Session.call_tokens_at``): there the attention over the past, which a
+replay must read its position for, costs more than the launches a graph saves.
 """
 from __future__ import annotations
 

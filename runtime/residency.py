@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from sparkpack.formats.archs import ModelSpec
-from sparkpack.formats.memory import PREFILL_CHUNK, PREFILL_GRAPH_TOKENS, STAGE_TOKENS, MemoryTarget, staged_call_tokens
+from sparkpack.formats.memory import PREFILL_CHUNK, STAGE_TOKENS, MemoryTarget, short_call_tokens, staged_call_tokens
 from sparkpack.formats.placement import GEN_WEIGHT, Budget
 from sparkpack.formats.profile import Profile, choose_profile, default_profile_path, model_identity
 from sparkpack.formats.profile_file import ProfileFile
@@ -89,15 +89,16 @@ def identity_of(source) -> object:
 def memory_target(device: torch.device | str, dtype: torch.dtype, spec: ModelSpec, opts: StoreOptions) -> MemoryTarget:
     """How a model of ``spec`` will be held on ``device`` in ``dtype`` with ``opts``' session
     options: on a GPU the dense matrices stay GGUF bytes, sessions of the models that capture
-    prefill calls make none longer than ``PREFILL_GRAPH_TOKENS`` (``runtime.graph``), and a
-    zero-copy store on a GPU stages prompt calls (``staged_chunk``: the plan decides whether the
-    buffers fit, ``formats.placement``)."""
+    prefill calls make none longer than ``PREFILL_GRAPH_TOKENS`` unless the context reaches past
+    a long past (``formats.memory.short_call_tokens``, ``runtime.graph``), and a zero-copy store
+    on a GPU stages prompt calls (``staged_chunk``: the plan decides whether the buffers fit,
+    ``formats.placement``)."""
     from .graph import short_prefill_calls
     from .weights import quantizes_dense
 
     chunk = opts.prefill_chunk
     if short_prefill_calls(device, dtype, spec, opts.kv_type):
-        chunk = min(chunk, PREFILL_GRAPH_TOKENS)
+        chunk = short_call_tokens(opts.ctx, chunk)
     can_stage = torch.device(device).type == "cuda" and opts.mode != "async"
     return MemoryTarget(torch.empty((), dtype=dtype).element_size(), quantizes_dense(torch.device(device), dtype),
                         opts.kv_type, opts.ctx, chunk, staged_call_tokens(chunk, opts.stage_tokens) if can_stage else 0,

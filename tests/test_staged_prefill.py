@@ -18,8 +18,8 @@ import torch
 
 from sparkpack.formats.archs import model_spec
 from sparkpack.formats.gguf_file import GGUFModel
-from sparkpack.formats.memory import (GROUP_TOKENS, PREFILL_CHUNK, PREFILL_GRAPH_TOKENS, SLOT_ALIGN, MemoryTarget,
-                                      expert_slot_bytes, group_bytes, runtime_bytes)
+from sparkpack.formats.memory import (GROUP_TOKENS, LONG_PAST_TOKENS, PREFILL_CHUNK, PREFILL_GRAPH_TOKENS, SLOT_ALIGN,
+                                      MemoryTarget, expert_slot_bytes, group_bytes, runtime_bytes)
 from sparkpack.formats.placement import Budget, default_cache_slots, plan_residency, staging_bytes
 from sparkpack.runtime.expert_pools import layout_pool
 from sparkpack.runtime.expert_slots import NOT_RESIDENT
@@ -157,6 +157,34 @@ def test_sessions_stage_where_the_store_does(synth_model, monkeypatch):
             session = Session(model, prefill_chunk=chunk)
             assert session.call_tokens == (512 if short else chunk)
             assert session.staged == (staged and (stage_tokens or 0) <= session.call_tokens)
+
+
+def test_calls_after_a_long_past_take_a_whole_chunk(synth_model, monkeypatch):
+    """Sessions of short captured calls (taken as given here, with a long past of 1024 tokens)
+    end their calls every 512 tokens up to the long past and every ``prefill_chunk`` after it;
+    the plan counts those calls' temporaries where the context reaches past it. A prompt that
+    extends one beyond the long past keeps its calls and gives a fresh session's bits."""
+    from sparkpack.runtime import generate
+
+    path = synth_model("laguna", "Q4_K_M", skew=1.0)
+    gguf, spec = opened(path)
+    monkeypatch.setattr(generate, "feeds_short_calls", lambda model, cache: True)
+    monkeypatch.setattr(generate, "LONG_PAST_TOKENS", 1024)
+    model = load_model(gguf)
+    ids = prompt(1024 + 2 * 640 + 100, spec.n_vocab, seed=4)
+    session = Session(model, prefill_chunk=640, ctx=4096)
+    assert [session.call_tokens_at(p) for p in (0, 512, 1023, 1024, 1664)] == [512, 512, 512, 640, 640]
+    assert session.longest_call == 640
+    session.feed(ids[:1024 + 700])
+    assert session.cuts == [0, 512, 1024, 1664] and session.exact == 1664
+    logits = session.prompt(ids)  # the next request: keeps the whole calls
+    assert session.reused == 1664 and session.cuts == [0, 512, 1024, 1664, 2304] and session.exact == 2304
+    fresh = Session(model, prefill_chunk=640, ctx=4096)
+    assert torch.equal(fresh.feed(ids), logits)
+    # the plan: 512-token calls up to a context of LONG_PAST_TOKENS, whole chunks beyond
+    for ctx, chunk in ((LONG_PAST_TOKENS, PREFILL_GRAPH_TOKENS), (LONG_PAST_TOKENS + 1, PREFILL_CHUNK)):
+        assert MemoryTarget.gpu(spec, ctx=ctx).prefill_chunk == chunk
+    assert MemoryTarget.gpu(spec, ctx=LONG_PAST_TOKENS + 1, kv_type="q8_0").prefill_chunk == PREFILL_CHUNK
 
 
 def test_a_staged_groups_deferred_counts_are_no_zero_copy_reads(synth_model):
@@ -411,6 +439,44 @@ def test_a_staged_session_gives_the_all_gpu_sessions_bits(synth_model, arch):
     assert not ref.staged and ref.call_tokens == session.call_tokens
     ref_logits = ref.feed(ids)
     assert torch.equal(ref_logits, logits) and list(ref.decode(ref_logits, 8, torch.argmax)) == tokens
+
+
+@cuda
+@pytest.mark.parametrize("arch", ["laguna", "qwen3moe"])
+def test_eager_calls_after_a_long_past_give_the_all_gpu_bits(synth_model, arch, monkeypatch):
+    """After a long past (1024 tokens here) the all-attention models' sessions feed whole chunks
+    eagerly (fused attention over the past) between their captured calls; a staging store runs
+    them in groups of their own: a prompt, its reply and the next request (prefix reuse across
+    the switch) give the all-GPU session's bits, warmed up both, and the next request a fresh
+    session's."""
+    from sparkpack.runtime import generate
+
+    monkeypatch.setattr(generate, "LONG_PAST_TOKENS", 1024)
+    path = synth_model(arch, "Q4_K_M", skew=1.0)
+    chunk, ctx = 640, 4096
+    ids = prompt(1024 + 2 * chunk + 300, 2000, seed=5)
+    more = ids + prompt(200, 2000, seed=6)
+
+    def run(model) -> tuple[list[torch.Tensor], list[int], list[int], Session]:
+        s = Session(model, prefill_chunk=chunk, ctx=ctx)
+        assert s.long_past == 1024 and s.prefill is not None
+        s.warm_up()
+        groups = []
+        forward_calls = model.forward_calls
+        model.forward_calls = lambda c, *a: groups.append(len(c)) or forward_calls(c, *a)
+        logits = [s.feed(ids)]
+        tokens = list(s.decode(logits[0], 6, torch.argmax))
+        logits.append(s.prompt(more))
+        assert s.reused == 1024 + 2 * chunk
+        return logits, tokens, groups, s
+
+    got, tokens, groups, s = run(gpu_model(path, 0.6, 32, prefill_chunk=chunk, ctx=ctx))
+    assert s.staged and groups[:3] == [2, 2, 1]  # 512 + 512 padded, 640 + 640 eager, 300 padded
+    want, want_tokens, ref_groups, ref = run(gpu_model(path, 1.0, None, prefill_chunk=chunk, ctx=ctx))
+    assert not ref.staged and not ref_groups
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and tokens == want_tokens
+    fresh = Session(ref.model, prefill_chunk=chunk, ctx=ctx)
+    assert torch.equal(fresh.feed(more), want[1])
 
 
 @cuda
