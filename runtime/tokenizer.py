@@ -17,6 +17,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
+import numpy as np
 from gguf.vocab import bytes_to_unicode
 
 from sparkpack.formats.errors import SparkpackError
@@ -123,6 +124,7 @@ class GGUFTokenizer:
         self._tok = tok
         self._special = frozenset(i for i, t in enumerate(token_types) if t == CONTROL)
         self._added = frozenset(i for i, t in enumerate(token_types) if t in (CONTROL, USER_DEFINED))
+        self._added_ids = np.array(sorted(self._added), dtype=np.int64)
         self.bos_id = special_ids.get("bos")
         self.eos_id = special_ids.get("eos")
         self.eot_id = special_ids.get("eot")
@@ -173,16 +175,35 @@ class GGUFTokenizer:
         At most ``MAX_ENCODE_CHARS`` characters at once: the tokenizer needs ~200-400 bytes per
         character while it works (4M characters took +1.5 GB here; a 64 MB line aborted the
         process), so longer text is refused with a ``SparkpackError`` before it starts."""
-        if len(text) > MAX_ENCODE_CHARS:
-            raise SparkpackError(None, f"text of {len(text)} characters is more than the {MAX_ENCODE_CHARS} the "
-                                       "tokenizer takes at once")
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = self._encoding(text).ids
         if add_special:
             if self.add_bos:
                 ids = [self.bos_id, *ids]
             if self.add_eos:
                 ids = [*ids, self.eos_id]
         return ids
+
+    def encode_marked(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """``encode(text)`` (no BOS/EOS) and where its added tokens are: ``(character offset in
+        text, index in the ids)`` of each, in order. The tokenizer splits the text at added tokens
+        (leftmost, longest match) before anything else and tokenizes the pieces between them
+        alone, so these are the places where a text may be tokenized in two parts
+        (``runtime.server.prompt_tokens``)."""
+        enc = self._encoding(text)
+        ids = enc.ids
+        at = np.flatnonzero(np.isin(np.asarray(ids, dtype=np.int64), self._added_ids)).tolist()
+        return ids, [(enc.token_to_chars(i)[0], i) for i in at]  # (all offsets: +40% to the encode)
+
+    @property
+    def longest_added(self) -> int:
+        """Characters of the longest added token (how far a match may reach past its start)."""
+        return max((len(self.tokens[i]) for i in self._added), default=0)
+
+    def _encoding(self, text: str):
+        if len(text) > MAX_ENCODE_CHARS:
+            raise SparkpackError(None, f"text of {len(text)} characters is more than the {MAX_ENCODE_CHARS} the "
+                                       "tokenizer takes at once")
+        return self._tok.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)

@@ -28,6 +28,7 @@ from .messages import Conversation, RequestError
 from .metrics import ServerMetrics
 from .output import (OutputParser, ReasoningDelta, TextDelta, ToolCallEnd, ToolCallStart, ToolSyntax, forced_prefix,
                      prompt_opens_reasoning)
+from .prompt_tokens import PromptTokens
 from .schemas import Body, Sampling
 from .stream import EventStream, Finished, PlainText, Started
 
@@ -55,6 +56,10 @@ class Served:
     learning: Any = None  # runtime.learning.LiveLearning: learns the placement (None without the store)
     trace: Any = None  # runtime.routing_trace.TraceRecorder (--trace-out)
     created: int = field(default_factory=lambda: int(time.time()))
+    prompt_tokens: PromptTokens = field(init=False)  # rendered prompts' tokens, reused turn to turn
+
+    def __post_init__(self) -> None:
+        self.prompt_tokens = PromptTokens(self.tokenizer)
 
 
 def served_of(request) -> Served:
@@ -99,7 +104,7 @@ def prompt_for(served: Served, conv: Conversation) -> Prompt:
     prefix = forced_prefix(served.syntax, conv.tool_choice, in_reasoning=reasoning) if parse_tools else ""
     parser = OutputParser(served.syntax, in_reasoning=reasoning, parse_tools=parse_tools, prefix=prefix,
                           tools=conv.tools)
-    return Prompt(served.tokenizer.encode(text + prefix, add_special=False), parser, parse_tools)
+    return Prompt(served.prompt_tokens.encode(text + prefix), parser, parse_tools)
 
 
 def raw_prompt(served: Served, prompt: str | list[int]) -> Prompt:
