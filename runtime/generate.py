@@ -112,7 +112,8 @@ class Session:
     """``ctx`` sizes the KV buffers up front (they grow past it, but only up to ``ctx`` is a
     decode step replayed from a CUDA graph). ``graphs`` None: capture decode steps (and, on the
     all-attention models, prefill calls: prompts then go in calls of at most
-    ``PREFILL_GRAPH_TOKENS``, padded, see ``runtime.graph.PrefillGraphs``) where the model allows
+    ``PREFILL_GRAPH_TOKENS``, padded, see ``runtime.graph.PrefillGraphs``, up to ``long_past``
+    and in eager ``prefill_chunk`` calls after it: ``call_tokens_at``) where the model allows
     (CUDA, zero-copy expert store). ``kv_type``: see ``runtime.cache.KVCache``. ``checkpoints``:
     how many DeltaNet state copies ``prompt`` may go back to (models with DeltaNet layers).
     ``breaks``: token ids a call may end before (``GGUFTokenizer.control_ids``; see the module
