@@ -94,6 +94,16 @@ def call_end(ids: list[int], start: int, call_tokens: int, breaks: frozenset[int
     return limit
 
 
+def shared_len(a: list[int], b: list[int], step: int = 1024) -> int:
+    """How many tokens ``a`` and ``b`` share from the start. Compared a slice at a time (in C):
+    one by one in Python, a 100k-token conversation took 17 ms a request on the development
+    machine, against 1 ms."""
+    n, i = min(len(a), len(b)), 0
+    while i < n and a[i:i + step] == b[i:i + step]:
+        i += step
+    return next((j for j in range(i, min(i + step, n)) if a[j] != b[j]), min(i + step, n))
+
+
 @dataclass(frozen=True)
 class PlannedCall:
     """One prefill call of a ``Session._run``: tokens ``[start, end)`` of the ids fed; ``closes``:
@@ -269,7 +279,7 @@ class Session:
         way (see the module docstring) and computes the rest; ``reused`` says how many tokens."""
         if not ids:
             raise ValueError("nothing to feed: empty token list")
-        common = next((i for i, (a, b) in enumerate(zip(ids, self.fed)) if a != b), min(len(ids), len(self.fed)))
+        common = shared_len(ids, self.fed)
         keep = self._restorable(min(common, len(ids) - 1, self.exact))
         if keep != self.cache.pos or keep != len(self.fed):
             if self.checkpoints is not None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sparkpack.runtime import cli
-from sparkpack.runtime.generate import Session, generate
+from sparkpack.runtime.generate import Session, generate, shared_len
 from sparkpack.runtime.models import StoreOptions, load_model
 
 
@@ -504,3 +504,17 @@ def test_prompt_and_ids_from_files(qwen, tmp_path, monkeypatch, capsys):
     assert code == code2 == 0 and got == want
     code, _, err = run_cli([str(qwen), "--prompt-file", str(text), "-p", "x"], monkeypatch, capsys)
     assert code == 1 and "either -p/--prompt or --prompt-file" in err and "Traceback" not in err
+
+
+def test_shared_len_is_the_first_difference():
+    """``Session.prompt``'s shared prefix, compared a slice at a time, against the pairwise rule:
+    differences inside, at and across slice borders, one list the start of the other."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        a = [rng.randrange(3) for _ in range(rng.randrange(0, 600))]
+        b = a[:rng.randrange(0, len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(0, 40))]
+        want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        for step in (1, 7, 64, 1024):
+            assert shared_len(a, b, step) == shared_len(b, a, step) == want
