@@ -22,7 +22,7 @@ kept rows are those a fresh session computes.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -94,10 +94,10 @@ def call_end(ids: list[int], start: int, call_tokens: int, breaks: frozenset[int
     return limit
 
 
-def shared_len(a: list[int], b: list[int], step: int = 1024) -> int:
-    """How many tokens ``a`` and ``b`` share from the start. Compared a slice at a time (in C):
-    one by one in Python, a 100k-token conversation took 17 ms a request on the development
-    machine, against 1 ms."""
+def shared_len(a: Sequence, b: Sequence, step: int = 1024) -> int:
+    """How many items (tokens, or characters of a prompt's text) ``a`` and ``b`` share from the
+    start. Compared a slice at a time (in C): one by one in Python, a 100k-token conversation
+    took 17 ms a request on the development machine, against 1 ms."""
     n, i = min(len(a), len(b)), 0
     while i < n and a[i:i + step] == b[i:i + step]:
         i += step

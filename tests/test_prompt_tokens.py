@@ -12,7 +12,8 @@ import pytest
 
 from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.runtime.chat_template import ChatTemplate
-from sparkpack.runtime.server.prompt_tokens import PromptTokens, shared_prefix
+from sparkpack.runtime.generate import shared_len
+from sparkpack.runtime.server.prompt_tokens import PromptTokens
 from sparkpack.runtime.tokenizer import USER_DEFINED, GGUFTokenizer
 
 CORPUS = Path(__file__).resolve().parents[1] / ".." / "shared" / "corpora" / "lucebox-hub" / "bench_agent.jsonl"
@@ -81,5 +82,5 @@ def test_any_shared_prefix_gives_the_tokenizers_tokens(synth_model):
 
 
 def test_shared_prefix():
-    assert shared_prefix("", "abc") == 0 and shared_prefix("abc", "abc") == 3
-    assert shared_prefix("abcd", "abxd") == 2 and shared_prefix("ab", "abc") == 2
+    assert shared_len("", "abc") == 0 and shared_len("abc", "abc") == 3
+    assert shared_len("abcd", "abxd") == 2 and shared_len("ab", "abc") == 2

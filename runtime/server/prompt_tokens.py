@@ -20,6 +20,7 @@ import bisect
 import threading
 from dataclasses import dataclass
 
+from ..generate import shared_len
 from ..tokenizer import GGUFTokenizer
 
 
@@ -28,18 +29,6 @@ class _Tokenized:
     text: str
     ids: list[int]
     marks: list[tuple[int, int]]  # (character offset, index in ids) of each added token
-
-
-def shared_prefix(a: str, b: str) -> int:
-    """Characters ``a`` and ``b`` share from the start (string compares in C, bisected)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a.startswith(b[:mid]):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class PromptTokens:
@@ -59,7 +48,7 @@ class PromptTokens:
             recent = list(self.recent)
         best: tuple[int, int, int, _Tokenized] | None = None  # (offset, id index, mark index, prompt)
         for old in recent:
-            limit = shared_prefix(text, old.text) - self.reach
+            limit = shared_len(text, old.text) - self.reach
             j = bisect.bisect_right(old.marks, (limit, len(old.ids))) - 1  # the last mark at or before limit
             if j >= 0 and old.marks[j][0] > 0 and (best is None or old.marks[j][0] > best[0]):
                 best = (*old.marks[j], j, old)
