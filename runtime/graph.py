@@ -196,11 +196,9 @@ class PrefillGraphs:
         caller runs eagerly: a length that is not captured, or padding that would grow the KV
         buffers. The logits are a device tensor the next call may still be computing behind."""
         n = len(ids)
-        size = self.size(n)
-        room = min(la.capacity for la in _kv_layers(self.cache))  # (what the first reserve allocates)
-        if size is None or (self.cache.pos + n <= room < self.cache.pos + size):
+        size = self._reserve(self.cache.pos, n)
+        if size is None:
             return None
-        self.model.reserve_kv(self.cache, self.cache.pos + size)
         self._check_addresses()
         self._stage(ids, size)
         self.pos.fill_(self.cache.pos)
@@ -227,13 +225,11 @@ class PrefillGraphs:
         8192-token Laguna prompt ran at 8465 tok/s in eager 512-token calls, 13518 replayed)."""
         pos, sizes = self.cache.pos, []
         for ids in chunks:
-            n, size = len(ids), self.size(len(ids))
-            room = min(la.capacity for la in _kv_layers(self.cache))
-            if size is None or (pos + n <= room < pos + size):
+            size = self._reserve(pos, len(ids))
+            if size is None:
                 return None
-            self.model.reserve_kv(self.cache, pos + size)
             sizes.append(size)
-            pos += n
+            pos += len(ids)
         self._check_addresses()
         flat = [t for ids, size in zip(chunks, sizes) for t in ids + [ids[-1]] * (size - len(ids))]
         starts = [self.cache.pos + sum(len(c) for c in chunks[:i]) for i in range(len(chunks))]
@@ -267,6 +263,17 @@ class PrefillGraphs:
         self.cache.pos += n
         self.model.experts.end_step(n, routed=True, defer=True)  # learned from while the next call runs
         return logits[-1].clone()
+
+    def _reserve(self, pos: int, n: int) -> int | None:
+        """The padded size of an ``n``-token call at ``pos`` with the KV buffers reserved for it,
+        or None for a call run eagerly: a length that is not captured, or padding that would grow
+        the buffers past what the call itself needs."""
+        size = self.size(n)
+        room = min(la.capacity for la in _kv_layers(self.cache))  # (what the first reserve allocates)
+        if size is None or (pos + n <= room < pos + size):
+            return None
+        self.model.reserve_kv(self.cache, pos + size)
+        return size
 
     def _check_addresses(self) -> None:
         """Grown KV buffers: the graphs captured on the old ones are captured again, in a new pool
