@@ -240,7 +240,7 @@ def bench_attention(args: argparse.Namespace, copy_gbs: float, gen: torch.Genera
                 cache.append(fill, fill.flip(0), 0)  # every row written; rows past pos are masked anyway
                 q, gate = (torch.randn(1, H, d, generator=gen, device="cuda").to(dt) for _ in range(2))
                 k, v = (torch.randn(1, H_kv, d, generator=gen, device="cuda").to(dt) for _ in range(2))
-                split = decode_split(S, H_kv)  # as MoEModel.attend_step picks
+                split = decode_split(S, H_kv, cache.q8)  # as attend_decode picks
                 scales = (cache.k_scale, cache.v_scale) if cache.q8 else (None, None)
 
                 def fused():

@@ -387,15 +387,19 @@ def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, xq, xd, xs,
         store_q8(tl.reshape(o.to(tl.float32), [1, BLOCK_C]), blk, tl.num_programs(0) * D, xq, xd, xs)
 
 
-def decode_split(S: int, n_kv: int) -> int:
+def decode_split(S: int, n_kv: int, q8: bool = False) -> int:
     """Positions per program of ``attend_decode``'s first kernel over a buffer of ``S`` positions
     with ``n_kv`` kv heads. Up to 8192 positions, 64 (a program per tile, as measured best at 4k
     on the H100). Beyond, about 128 programs in all (one per SM), in powers of two from 256 to
     2048: on the H200 that was the best split measured for each shape (Qwen3.6, Qwen3-30B and
     Laguna kv heads at 8k, 32k and 131k positions), since fewer, longer programs stream their
-    keys in deeper pipelines and leave fewer partials to merge."""
+    keys in deeper pipelines and leave fewer partials to merge. A Q8_0 cache (``q8``) takes 256:
+    expanding codes in registers, long splits ran slower (H200, Laguna at 32k: 255 us at 2048,
+    112 at 256; Qwen3-30B 78 against 58; at 131k 256 and 512 were within 3%)."""
     if S <= 8192:
         return 64
+    if q8:
+        return 256
     return max(256, min(2048, 1 << ((S * n_kv // 128).bit_length() - 1)))
 
 
@@ -463,7 +467,7 @@ def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     pos_ptr = _check_pos(pos, S, q.device, what)
     p = pos if pos_ptr else int(pos)
     rep = H // H_kv
-    split = decode_split(S, H_kv) if split is None else split
+    split = decode_split(S, H_kv, k_scale is not None) if split is None else split
     n_split = triton.cdiv(S, split)
     block_d = max(16, triton.next_power_of_2(d))
     m = torch.empty(H * n_split, dtype=torch.float32, device=q.device)
