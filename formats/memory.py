@@ -63,6 +63,10 @@ STAGE_TOKENS = 32
 # --vram 14GiB). The group holds every call's residual rows between layers, which the plan
 # counts with the staging buffers (``group_bytes``).
 GROUP_TOKENS = 8192
+# A sliding-window layer keeps its keys and values in a ring of rows (runtime.cache.KVCache):
+# position j in row j % rows, rows = the window plus the longest call, rounded up to a multiple
+# of this (the decode kernel's split, so every split of the window lies in the ring: ``window_rows``).
+WINDOW_ALIGN = 64
 # Attention scores held at once: a long chunk's queries go in pieces (runtime.layers.attention).
 ATTN_SCORES_MAX = 1 << 25
 # Weights a multi-token projection expands at once from quantized bytes (runtime.quant_linear):
@@ -125,6 +129,15 @@ def short_call_tokens(ctx: int, prefill_chunk: int) -> int:
     (``short_calls``) with context ``ctx``: ``PREFILL_GRAPH_TOKENS``, or ``prefill_chunk`` where
     the context reaches past ``LONG_PAST_TOKENS`` (the eager calls after a long past)."""
     return prefill_chunk if ctx > LONG_PAST_TOKENS else min(prefill_chunk, PREFILL_GRAPH_TOKENS)
+
+
+def window_rows(window: int, calls: int) -> int:
+    """Rows of a sliding-window layer's KV ring when no call writes more than ``calls`` rows
+    (padding included). A call's first token reads the ``window - 1`` positions before it, which
+    its own rows must not overwrite, so the ring holds ``window + calls - 1`` rows at least; and
+    ``window + WINDOW_ALIGN`` at least, so the splits of ``WINDOW_ALIGN`` positions that the
+    decode kernel reads a window in are distinct rows. Rounded up to ``WINDOW_ALIGN``."""
+    return -(-(window + max(calls, WINDOW_ALIGN + 1) - 1) // WINDOW_ALIGN) * WINDOW_ALIGN
 
 
 def group_tokens(ctx: int, chunk: int) -> int:

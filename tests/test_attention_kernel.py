@@ -332,6 +332,69 @@ def test_attend_prefill_matches_torch(dtype, T, H_kv, rep, d, S, pos, window) ->
     assert rel_l2(outs[0].cpu(), ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q8", [False, True])
+def test_a_ring_gives_the_whole_buffers_bits(dtype, q8) -> None:
+    """A sliding-window layer's ring (``KVCache.ring``: position p in row p % S) against a whole
+    buffer holding the same keys: the append writes row ``p % S`` and nothing else; decode
+    (window opening inside a split, the position by value and from memory, a Q8_0 cache too) and
+    a prefill call whose rows wrap around the ring give the whole buffer's bits, at split 64 (the
+    ring's); a ring too short for a call is refused."""
+    from sparkpack.formats.memory import window_rows
+    from sparkpack.runtime.cache import quantize_q8_0
+
+    g = torch.Generator().manual_seed(21)
+    H_kv, rep, d, window, T = 2, 2, 32, 40, 20
+    H, S = H_kv * rep, window_rows(window, T)
+    L = 3 * S  # the whole buffer's positions
+    full = [torch.randn(H_kv, L, d, generator=g).to(DEVICE, dtype) for _ in range(2)]
+    if q8:
+        qs = [quantize_q8_0(t) for t in full]
+        full = [c for c, _ in qs] + [sc for _, sc in qs]
+    ring = [torch.full((t.shape[0], S, *t.shape[2:]), 99, dtype=t.dtype, device=DEVICE) for t in full]
+    last = 2 * S + 17  # the ring holds positions (last - S, last]
+    at = torch.arange(last - S + 1, last + 1, device=DEVICE)
+    for r, f in zip(ring, full):
+        r[:, at % S] = f[:, at]
+    codes = lambda ts: dict(k_scale=ts[2], v_scale=ts[3]) if q8 else {}  # noqa: E731
+    q = torch.randn(H, d, generator=g).to(DEVICE, dtype)
+    for p in (last, last - 3):
+        want = attend_decode(q, full[0], full[1], p, window, split=64, **codes(full))
+        got = [attend_decode(q, ring[0], ring[1], pp, window, ring=True, **codes(ring))
+               for pp in (p, torch.tensor(p, device=DEVICE))]
+        assert torch.equal(got[0], want) and torch.equal(got[1], want)
+    with pytest.raises(ValueError, match="window"):
+        attend_decode(q, ring[0], ring[1], last, 0, ring=True, **codes(ring))
+    if q8:
+        return
+    # a prefill call of T tokens at pos: its keys appended first (rows wrap past the ring's end)
+    pos = 3 * S - T - 5 - S  # ends past row S - 1 of the ring: pos % S + T > S
+    pos += (S - pos % S) - T // 2  # rows wrap half-way through the call
+    rope = Rope(d, rope_inv_freq(10000.0, d))
+    inv = rope.inv_freq.to(DEVICE)
+    qt, kt, vt = (torch.randn(T, n, d, generator=g).to(DEVICE, dtype) for n in (H, H_kv, H_kv))
+    before = [t.clone() for t in ring[:2]]
+    q_full = qk_norm_rope_append(qt, kt, vt, None, None, EPS, inv, 1.0, pos, *full[:2])
+    q_ring = qk_norm_rope_append(qt, kt, vt, None, None, EPS, inv, 1.0, pos, *ring[:2], ring=True)
+    assert torch.equal(q_full, q_ring)
+    written = torch.arange(pos, pos + T, device=DEVICE) % S
+    assert written.min() == 0 and written.max() == S - 1  # (it wraps)
+    rest = torch.ones(S, dtype=torch.bool, device=DEVICE)
+    rest[written] = False
+    for r, f, b in zip(ring, full, before):
+        assert torch.equal(r[:, written], f[:, pos:pos + T]) and torch.equal(r[:, rest], b[:, rest])
+    # the window before pos must be in the ring too (its rows were filled from the whole buffer)
+    before_pos = torch.arange(pos - window + 1, pos, device=DEVICE)
+    for r, f in zip(ring, full):
+        r[:, before_pos % S] = f[:, before_pos]
+    want = attend_prefill(q_full, full[0], full[1], pos, window)
+    for pp in (pos, torch.tensor(pos, device=DEVICE)):
+        assert torch.equal(attend_prefill(q_ring, ring[0], ring[1], pp, window, ring=True), want)
+    with pytest.raises(ValueError, match="ring"):
+        attend_prefill(q_ring, ring[0][:, :window].contiguous(), ring[1][:, :window].contiguous(), pos, window,
+                       ring=True)
+
+
 def test_bad_shapes_raise() -> None:
     f32 = dict(device=DEVICE, dtype=torch.float32)
     q, k, v = torch.zeros(4, 32, **f32), torch.zeros(2, 32, **f32), torch.zeros(2, 32, **f32)

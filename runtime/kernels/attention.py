@@ -67,6 +67,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sparkpack.formats.memory import WINDOW_ALIGN
+
 from . import pdl
 from .pdl import prefetch_l2, wait_prior
 from .q8dot import QBLOCK, Int8Rows, as_rows, new_q8, store_q8
@@ -138,7 +140,7 @@ def _qk_norm_rope_append_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, inv_ptr, po
                                 ks_ptr, vs_ptr, H, H_KV, S, D, HALF, stride_qt, stride_q, stride_kt, stride_k,
                                 stride_vt, stride_v, eps, rope_scale,
                                 HAS_QN: tl.constexpr, HAS_KN: tl.constexpr, POS_PTR: tl.constexpr,
-                                Q8KV: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                                Q8KV: tl.constexpr, RING: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
     t = tl.program_id(0) // (H + H_KV)  # token t of the call, at position pos + t
     r = tl.program_id(0) % (H + H_KV)
@@ -153,8 +155,12 @@ def _qk_norm_rope_append_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, inv_ptr, po
         j = (r - H).to(tl.int64)
         y = _norm_rope(k_ptr + t.to(tl.int64) * stride_kt + j * stride_k, kn_ptr, inv_ptr, p, D, HALF, eps,
                        rope_scale, HAS_KN, BLOCK_D)
-        row = (j * S + p) * D
-        inside = (p >= 0) & (p < S)
+        if RING:  # a sliding-window layer's ring: position p in row p % S
+            row = (j * S + p % S) * D
+            inside = p >= 0
+        else:
+            row = (j * S + p) * D
+            inside = (p >= 0) & (p < S)
         act = qo_ptr.dtype.element_ty  # Q8_0 quantizes k as the activations hold it
         _store_row(kc_ptr, ks_ptr, row, y.to(act).to(tl.float32), inside, D, Q8KV, BLOCK_D)
         v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + j * stride_v + n, mask=m, other=0.0).to(tl.float32)
@@ -187,15 +193,16 @@ def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, fill: to
     return (k_scale, v_scale) if k_scale is not None else (fill, fill)
 
 
-def _check_pos(pos: "int | torch.Tensor", S: int, device: torch.device, what: str, T: int = 1) -> bool:
+def _check_pos(pos: "int | torch.Tensor", S: int, device: torch.device, what: str, T: int = 1,
+               ring: bool = False) -> bool:
     """Validate ``pos`` (the first of T positions) without reading device memory; True when it is a
-    device scalar."""
+    device scalar. A ring takes any position."""
     if isinstance(pos, torch.Tensor):
         if pos.numel() != 1 or pos.dtype.is_floating_point or pos.dtype.is_complex or pos.dtype == torch.bool \
                 or pos.device != device:
             raise ValueError(f"{what}: pos must be an int or a one-element integer tensor on {device}")
         return True
-    if not (0 <= int(pos) and int(pos) + T <= S):
+    if not (0 <= int(pos) and (ring or int(pos) + T <= S)):
         raise ValueError(f"{what}: position {int(pos) + T - 1} is outside the cache (capacity {S})")
     return False
 
@@ -204,7 +211,7 @@ def qk_norm_rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                         inv_freq: torch.Tensor, rope_scale: float, pos: "int | torch.Tensor",
                         k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None = None,
-                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        v_scale: torch.Tensor | None = None, ring: bool = False) -> torch.Tensor:
     """The new tokens' q/k RMSNorm, rope and KV append in one launch.
 
     q ``[H, d]``, k and v ``[H_kv, d]`` for one token, or ``[T, H, d]`` / ``[T, H_kv, d]`` for T
@@ -217,6 +224,7 @@ def qk_norm_rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (contiguous, the activation dtype) and returns the normed, roped q, contiguous, shaped as q.
     With ``k_scale``/``v_scale`` (f16 ``[H_kv, S, d / 32]``) the caches are a Q8_0 cache's int8
     codes (``runtime.cache.KVCache(kv_type="q8_0")``): the rows are quantized as it quantizes them.
+    ``ring``: the caches are a sliding-window layer's ring (position p in row ``p % S``).
     """
     what = "qk_norm_rope_append"
     one = q.dim() == 2
@@ -245,7 +253,7 @@ def qk_norm_rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if any(t.device != q.device for t in (k, v, k_cache, v_cache)):
         raise ValueError(f"{what}: all tensors must be on {q.device}")
     S = k_cache.shape[1]
-    pos_ptr = _check_pos(pos, S, q.device, what, T)
+    pos_ptr = _check_pos(pos, S, q.device, what, T, ring)
     out = torch.empty((T, H, d), dtype=q.dtype, device=q.device)
     if T * (H + H_kv) and d:
         block = triton.next_power_of_2(d)
@@ -254,7 +262,7 @@ def qk_norm_rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             pos if pos_ptr else int(pos), out, k_cache, v_cache, *_scales(k_scale, v_scale, k_cache), H, H_kv, S,
             d, half, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], float(eps), float(rope_scale),
             HAS_QN=q_norm is not None, HAS_KN=k_norm is not None, POS_PTR=pos_ptr, Q8KV=k_scale is not None,
-            BLOCK_D=block, num_warps=1 if block <= 256 else 4, **pdl.flags(q))
+            RING=ring, BLOCK_D=block, num_warps=1 if block <= 256 else 4, **pdl.flags(q))
     return out[0] if one else out
 
 
@@ -274,20 +282,24 @@ def _kv_tile(c_ptr, s_ptr, off, soff, mask, act_ptr, Q8KV: tl.constexpr):
 @triton.jit(do_not_specialize=["pos"])
 def _attend_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos, m_ptr, l_ptr, acc_ptr, S, D, REP, NS, window,
                          qk_scale, POS_PTR: tl.constexpr, DOT_FP32: tl.constexpr, Q8KV: tl.constexpr,
-                         REP_P2: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr,
-                         PDL: tl.constexpr):
-    """Partial softmax of kv head ``kh``'s query heads over positions ``[sp*SPLIT, (sp+1)*SPLIT)``.
-    Scores are kept in log2 units (``qk_scale`` includes log2(e)), so the partial max is too."""
+                         RING: tl.constexpr, REP_P2: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                         SPLIT: tl.constexpr, PDL: tl.constexpr):
+    """Partial softmax of kv head ``kh``'s query heads over positions ``[sp*SPLIT, (sp+1)*SPLIT)``
+    (a ring: counted from the window's first split, ``_first_split``). Scores are kept in log2
+    units (``qk_scale`` includes log2(e)), so the partial max is too."""
     kh = tl.program_id(0)
     sp = tl.program_id(1)
     p = _position(pos, POS_PTR)  # (set before the step: no kernel of it writes the position)
-    lo = sp.to(tl.int64) * SPLIT
-    start = tl.maximum(lo, tl.where(window > 0, p - window + 1, 0))  # first allowed position
+    first = tl.where(window > 0, p - window + 1, 0)
+    lo = (_first_split(first, SPLIT, RING) + sp.to(tl.int64)) * SPLIT
+    start = tl.maximum(lo, first)  # first allowed position
     hi = tl.minimum(lo + SPLIT, p + 1)  # one past the last
     if start < hi:  # this split's keys and values into L2 while the previous kernel finishes
         kv = kh.to(tl.int64) * S * D
-        prefetch_l2(k_ptr + kv + start * D, k_ptr + kv + tl.minimum(hi, S) * D, PDL)
-        prefetch_l2(v_ptr + kv + start * D, v_ptr + kv + tl.minimum(hi, S) * D, PDL)
+        r0 = start % S if RING else start
+        r1 = tl.minimum(r0 + hi - start, S)  # (a ring's split may wrap: its tail is not prefetched)
+        prefetch_l2(k_ptr + kv + r0 * D, k_ptr + kv + r1 * D, PDL)
+        prefetch_l2(v_ptr + kv + r0 * D, v_ptr + kv + r1 * D, PDL)
     wait_prior(PDL)
     rows = tl.arange(0, REP_P2)
     rm = rows < REP
@@ -309,6 +321,8 @@ def _attend_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos, m_ptr, l_ptr,
         for t in range(lo + (start - lo) // BLOCK_S * BLOCK_S, hi, BLOCK_S):  # every tile holds an allowed row
             j = t + tl.arange(0, BLOCK_S)
             jm = (j >= start) & (j < hi)
+            if RING:
+                j = j % S  # rows from here on
             kt = _kv_tile(k_base, ks_base, j[None, :] * D + d[:, None], j[None, :] * (D // 32) + d[:, None] // 32,
                           dm[:, None] & jm[None, :], q_ptr, Q8KV)
             if DOT_FP32:
@@ -336,6 +350,18 @@ def _attend_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos, m_ptr, l_ptr,
 
 
 @triton.jit
+def _first_split(first, SPLIT: tl.constexpr, RING: tl.constexpr):
+    """The split whose partial goes to slot 0: the one holding the window's first position ``first``
+    in a ring (whose ``S / SPLIT`` splits cover a window wherever it lies), else split 0 (the
+    buffer's splits are its rows')."""
+    if RING:
+        f = tl.maximum(first, 0) // SPLIT
+    else:
+        f = first * 0
+    return f
+
+
+@triton.jit
 def _softplus(x):
     """torch's softplus (threshold 20) with an accurate log1p: log(w) * u / (w - 1), w = 1 + u."""
     u = tl.exp(tl.minimum(x, 20.0))
@@ -346,15 +372,17 @@ def _softplus(x):
 
 @triton.jit(do_not_specialize=["pos"])
 def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, xq, xd, xs, pos, D, NS, window, stride_g,
-                           POS_PTR: tl.constexpr, SPLIT: tl.constexpr, GATE: tl.constexpr,
+                           POS_PTR: tl.constexpr, SPLIT: tl.constexpr, RING: tl.constexpr, GATE: tl.constexpr,
                            BLOCK_SP: tl.constexpr, BLOCK_C: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr):
     """Query head ``h``, channels ``[c * BLOCK_C, (c+1) * BLOCK_C)``: merge the partials of the
     splits holding allowed positions (max first, then the rescaled sums), divide, gate, store."""
     wait_prior(PDL)
     h = tl.program_id(0)
     p = _position(pos, POS_PTR)
-    sp_first = tl.maximum(tl.where(window > 0, p - window + 1, 0), 0) // SPLIT
-    sp_last = p // SPLIT
+    first = tl.where(window > 0, p - window + 1, 0)
+    shift = _first_split(first, SPLIT, RING)  # (a ring's slots start at the window's first split)
+    sp_first = tl.maximum(first, 0) // SPLIT - shift
+    sp_last = p // SPLIT - shift
     base = h.to(tl.int64) * NS
     b = tl.arange(0, BLOCK_SP)
     d = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -417,7 +445,8 @@ def _split_tiles(split: int, block_d: int, fp32: bool) -> tuple[int, int]:
 def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: "int | torch.Tensor",
                   window: int = 0, gate: torch.Tensor | None = None, gate_kind: str = "none",
                   split: int | None = None, q8: bool = False, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None) -> "torch.Tensor | tuple[torch.Tensor, Int8Rows]":
+                  v_scale: torch.Tensor | None = None, ring: bool = False
+                  ) -> "torch.Tensor | tuple[torch.Tensor, Int8Rows]":
     """One query token's GQA attention over the cache rows ``j <= pos`` (and ``pos - j < window``
     when ``window > 0``), times the optional output gate, in two launches.
 
@@ -433,6 +462,10 @@ def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     32 channels per program.
     With ``k_scale``/``v_scale`` the caches are a Q8_0 cache's int8 codes and f16 scales, read as
     such (each tile expanded in registers, no expanded copy of the cache).
+    ``ring``: the caches are a sliding-window layer's ring (``runtime.cache.KVCache``: position p
+    in row ``p % S``, S at least ``window + split - 1`` once positions pass it); the split is then
+    ``WINDOW_ALIGN``'s, counted from the window's first, so the partials merge in the order of the
+    whole buffer's and give its bits.
     """
     what = "attend_decode"
     if q.dim() != 2 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape or k_cache.shape[2] != q.shape[1]:
@@ -450,8 +483,8 @@ def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"{what}: all tensors must be on {q.device}")
     if split is not None and (split < 16 or split % 16):
         raise ValueError(f"{what}: split must be a positive multiple of 16, got {split}")
-    if window < 0:
-        raise ValueError(f"{what}: window must be >= 0, got {window}")
+    if window < 0 or (ring and window == 0):
+        raise ValueError(f"{what}: window must be >= 0 (> 0 in a ring), got {window}")
     if gate_kind not in GATE_KINDS:
         raise ValueError(f"{what}: gate_kind must be one of {', '.join(GATE_KINDS)}, got {gate_kind!r}")
     if (gate is None) != (gate_kind == "none"):
@@ -464,10 +497,10 @@ def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              f"with a contiguous last axis, got {tuple(gate.shape)} {gate.dtype}")
     if q8 and d % QBLOCK:
         raise ValueError(f"{what}: an int8 output needs a head size that is a multiple of {QBLOCK}, got {d}")
-    pos_ptr = _check_pos(pos, S, q.device, what)
+    pos_ptr = _check_pos(pos, S, q.device, what, 1, ring)
     p = pos if pos_ptr else int(pos)
     rep = H // H_kv
-    split = decode_split(S, H_kv, k_scale is not None) if split is None else split
+    split = (WINDOW_ALIGN if ring else decode_split(S, H_kv, k_scale is not None)) if split is None else split
     n_split = triton.cdiv(S, split)
     block_d = max(16, triton.next_power_of_2(d))
     m = torch.empty(H * n_split, dtype=torch.float32, device=q.device)
@@ -479,7 +512,7 @@ def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_s, stages = _split_tiles(split, block_d, fp32)
     _attend_split_kernel[(H_kv, n_split)](
         q, k_cache, v_cache, *_scales(k_scale, v_scale, k_cache), p, m, l_, acc, S, d, rep, n_split, int(window),
-        d ** -0.5 * LOG2E, POS_PTR=pos_ptr, DOT_FP32=fp32, Q8KV=k_scale is not None,
+        d ** -0.5 * LOG2E, POS_PTR=pos_ptr, DOT_FP32=fp32, Q8KV=k_scale is not None, RING=ring,
         REP_P2=max(16, triton.next_power_of_2(rep)), BLOCK_D=block_d,
         BLOCK_S=block_s, SPLIT=split, num_warps=4, num_stages=stages, **pdl.flags(q))
     out = torch.empty(1, H * d, dtype=q.dtype, device=q.device)
@@ -488,14 +521,14 @@ def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _attend_combine_kernel[(H, triton.cdiv(d, block_c))](
         m, l_, acc, gate if gate is not None else q, out, *codes, p, d, n_split, int(window),
         gate.stride(0) if gate is not None else 0,
-        POS_PTR=pos_ptr, SPLIT=split, GATE=GATE_KINDS[gate_kind], BLOCK_SP=COMBINE_SPLITS,
+        POS_PTR=pos_ptr, SPLIT=split, RING=ring, GATE=GATE_KINDS[gate_kind], BLOCK_SP=COMBINE_SPLITS,
         BLOCK_C=block_c, Q8=q8, num_warps=4, **pdl.flags(m))
     return (out, as_rows(codes)) if q8 else out
 
 
 @triton.jit(do_not_specialize=["pos", "T"])
 def _attend_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pos, T, S, D, H, REP, window, qk_scale,
-                           POS_PTR: tl.constexpr, DOT_FP32: tl.constexpr, REP_P2: tl.constexpr,
+                           POS_PTR: tl.constexpr, DOT_FP32: tl.constexpr, RING: tl.constexpr, REP_P2: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """Tokens ``[tb * BLOCK_T, (tb+1) * BLOCK_T)`` of kv head ``kh``: rows ``t * REP_P2 + r`` are
     token t's query head ``kh * REP + r``. Scores in log2 units (``qk_scale`` includes log2(e))."""
@@ -515,7 +548,9 @@ def _attend_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pos, T, S, D, H, REP, w
     if DOT_FP32:
         q = q.to(tl.float32)
     t_last = tl.minimum(tb * BLOCK_T + BLOCK_T, T) - 1
-    hi = tl.minimum(p + t_last + 1, S)  # one past the block's last visible key
+    hi = p + t_last + 1  # one past the block's last visible key
+    if not RING:
+        hi = tl.minimum(hi, S)
     start = tl.maximum(tl.where(window > 0, p + tb * BLOCK_T - window + 1, 0), 0)
     k_base = k_ptr + kh.to(tl.int64) * S * D
     v_base = v_ptr + kh.to(tl.int64) * S * D
@@ -525,7 +560,8 @@ def _attend_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pos, T, S, D, H, REP, w
     for j0 in range(start // BLOCK_S * BLOCK_S, hi, BLOCK_S):
         j = j0 + tl.arange(0, BLOCK_S)
         jm = (j >= start) & (j < hi)
-        kt = tl.load(k_base + j[None, :] * D + d[:, None], mask=dm[:, None] & jm[None, :], other=0.0)
+        jr = j % S if RING else j  # (a ring: position j in row j % S)
+        kt = tl.load(k_base + jr[None, :] * D + d[:, None], mask=dm[:, None] & jm[None, :], other=0.0)
         if DOT_FP32:
             s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
         else:
@@ -539,7 +575,7 @@ def _attend_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pos, T, S, D, H, REP, w
         alpha = tl.exp2(m_i - m_use)
         pr = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(pr, axis=1)
-        vt = tl.load(v_base + j[:, None] * D + d[None, :], mask=jm[:, None] & dm[None, :], other=0.0)
+        vt = tl.load(v_base + jr[:, None] * D + d[None, :], mask=jm[:, None] & dm[None, :], other=0.0)
         if DOT_FP32:
             acc = acc * alpha[:, None] + tl.dot(pr, vt.to(tl.float32), input_precision="ieee")
         else:
@@ -550,12 +586,14 @@ def _attend_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pos, T, S, D, H, REP, w
 
 
 def attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: "int | torch.Tensor",
-                   window: int = 0) -> torch.Tensor:
+                   window: int = 0, ring: bool = False) -> torch.Tensor:
     """Causal GQA attention of the T queries ``q [T, H, d]`` at positions ``pos .. pos+T-1`` over
     the cache rows ``j <= position`` (and ``position - j < window`` when ``window > 0``): the keys
     of those positions must already be written (``qk_norm_rope_append``). Caches ``[H_kv, S, d]``
     contiguous in q's dtype, the whole capacity; ``pos`` an int or a 0-dim integer device tensor
-    (then ``pos + T <= S`` is the caller's promise). Returns ``[T, H, d]`` in q's dtype, one launch."""
+    (then ``pos + T <= S`` is the caller's promise). ``ring``: a sliding-window layer's ring
+    (position p in row ``p % S``; S at least ``window + T - 1`` once positions pass it, so the
+    call's rows overwrite none its queries read). Returns ``[T, H, d]`` in q's dtype, one launch."""
     what = "attend_prefill"
     if q.dim() != 3 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape or k_cache.shape[2] != q.shape[2]:
         raise ValueError(f"{what}: expected q [T, H, d] and caches [H_kv, S, d], got {tuple(q.shape)}, "
@@ -570,9 +608,11 @@ def attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         raise ValueError(f"{what}: q and the caches must be contiguous")
     if k_cache.device != q.device or v_cache.device != q.device:
         raise ValueError(f"{what}: all tensors must be on {q.device}")
-    if window < 0:
-        raise ValueError(f"{what}: window must be >= 0, got {window}")
-    pos_ptr = _check_pos(pos, S, q.device, what, T)
+    if window < 0 or (ring and window == 0):
+        raise ValueError(f"{what}: window must be >= 0 (> 0 in a ring), got {window}")
+    pos_ptr = _check_pos(pos, S, q.device, what, T, ring)
+    if ring and not pos_ptr and int(pos) + T > S and S < window + T - 1:
+        raise ValueError(f"{what}: a ring of {S} rows cannot take {T} tokens past a window of {window}")
     out = torch.empty_like(q)
     if T == 0:
         return out
@@ -583,6 +623,6 @@ def attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     fp32 = q.dtype == torch.float32 or not q.is_cuda  # (the interpreter gets bf16 tl.dot wrong)
     _attend_prefill_kernel[(H_kv, triton.cdiv(T, block_t))](
         q, k_cache, v_cache, out, pos if pos_ptr else int(pos), T, S, d, H, rep, int(window), d ** -0.5 * LOG2E,
-        POS_PTR=pos_ptr, DOT_FP32=fp32, REP_P2=rep_p2, BLOCK_T=block_t, BLOCK_D=block_d,
+        POS_PTR=pos_ptr, DOT_FP32=fp32, RING=ring, REP_P2=rep_p2, BLOCK_T=block_t, BLOCK_D=block_d,
         BLOCK_S=64 if d <= 128 else 32, num_warps=8 if block_t * rep_p2 >= 128 else 4, **pdl.flags(q))
     return out
