@@ -109,8 +109,7 @@ class MemoryTarget:
     def gpu(cls, spec: ModelSpec, ctx: int = 4096, kv_type: str = "auto",
             prefill_chunk: int = PREFILL_CHUNK, stage_tokens: int | None = STAGE_TOKENS) -> "MemoryTarget":
         """spark-run on a GPU with bf16 activations (what ``repack split --vram`` plans for)."""
-        if short_calls(spec, kv_type):  # the captured calls' length at any residency
-            prefill_chunk = short_call_tokens(ctx, prefill_chunk)
+        prefill_chunk = longest_call(spec, ctx, kv_type, prefill_chunk)
         return cls(2, True, kv_type, ctx, prefill_chunk, staged_call_tokens(prefill_chunk, stage_tokens))
 
     @property
@@ -131,6 +130,13 @@ def short_call_tokens(ctx: int, prefill_chunk: int) -> int:
     return prefill_chunk if ctx > LONG_PAST_TOKENS else min(prefill_chunk, PREFILL_GRAPH_TOKENS)
 
 
+def longest_call(spec: ModelSpec, ctx: int, kv_type: str, prefill_chunk: int = PREFILL_CHUNK) -> int:
+    """The most tokens of one prompt call a GPU session of context ``ctx`` makes: the captured
+    calls' length at any residency (``short_call_tokens``) where it makes short calls, else
+    ``prefill_chunk``."""
+    return short_call_tokens(ctx, prefill_chunk) if short_calls(spec, kv_type) else prefill_chunk
+
+
 def window_rows(window: int, calls: int) -> int:
     """Rows of a sliding-window layer's KV ring when no call writes more than ``calls`` rows
     (padding included). A call's first token reads the ``window - 1`` positions before it, which
@@ -138,6 +144,12 @@ def window_rows(window: int, calls: int) -> int:
     ``window + WINDOW_ALIGN`` at least, so the splits of ``WINDOW_ALIGN`` positions that the
     decode kernel reads a window in are distinct rows. Rounded up to ``WINDOW_ALIGN``."""
     return -(-(window + max(calls, WINDOW_ALIGN + 1) - 1) // WINDOW_ALIGN) * WINDOW_ALIGN
+
+
+def ring_calls(prefill_chunk: int) -> int:
+    """The rows one call writes at most in a session whose longest call is ``prefill_chunk``
+    tokens: a short call may be padded up to ``PREFILL_GRAPH_TOKENS`` (runtime.graph)."""
+    return max(prefill_chunk, PREFILL_GRAPH_TOKENS)
 
 
 def group_tokens(ctx: int, chunk: int) -> int:
@@ -183,14 +195,16 @@ def expert_slot_bytes(spec: ModelSpec, tensors: dict) -> dict[int, int]:
     return out
 
 
-def kv_cache_bytes(spec: ModelSpec, ctx: int, bytes_per_value: float = 2.0) -> int:
-    """K and V for every attention layer at ``ctx`` positions. Sliding-window layers count the
-    whole context too: the runtime keeps every key (the window is part of its attention mask, so
-    a captured decode step has the same shapes at every position)."""
+def kv_cache_bytes(spec: ModelSpec, ctx: int, bytes_per_value: float = 2.0,
+                   prefill_chunk: int = PREFILL_CHUNK) -> int:
+    """K and V for every attention layer at ``ctx`` positions; a sliding-window layer holds a ring
+    of ``window_rows`` (at most ``ctx``) for a session whose longest call is ``prefill_chunk``."""
     total = 0.0
+    window = int(spec.hparams.get("sliding_window") or 0)
     for il, kind in enumerate(spec.layers):
         if kind.attention in (FULL, SLIDING):
-            total += 2 * spec.n_head_kv[il] * spec.head_dim * ctx * bytes_per_value
+            rows = min(ctx, window_rows(window, ring_calls(prefill_chunk))) if kind.attention == SLIDING else ctx
+            total += 2 * spec.n_head_kv[il] * spec.head_dim * rows * bytes_per_value
     return int(total)
 
 

@@ -6,13 +6,14 @@ forward call knows the positions of its new tokens without being told.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-from sparkpack.formats.memory import KV_BYTES_PER_VALUE
+from sparkpack.formats.memory import KV_BYTES_PER_VALUE, window_rows
 
-from .pinned import pinned_like
+from .pinned import pinned_empty, pinned_like
 
 
 def prefill_rows(pos0: "int | torch.Tensor", T: int) -> int | None:
@@ -24,7 +25,7 @@ def prefill_rows(pos0: "int | torch.Tensor", T: int) -> int | None:
 
 
 class KVCache:
-    """Keys and values of one attention layer in preallocated buffers ``[H_kv, capacity, head_dim]``
+    """Keys and values of one attention layer in preallocated buffers ``[H_kv, rows, head_dim]``
     whose row ``i`` (of each head) holds position ``i``. Head-major, so each head's keys are one
     contiguous matrix that attention multiplies in place (position-major buffers had to be
     permuted into a copy of the whole buffer, twice per layer and token).
@@ -33,8 +34,16 @@ class KVCache:
     masked out), so a decode step has the same shapes at every position: that is what lets the
     CUDA graph of a step be replayed, and eager and replayed steps run the very same kernels. The
     buffer doubles when a sequence outgrows it (eager calls only; a captured step is given a
-    buffer of its full context up front). Sliding-window layers keep every key too; the window
-    is part of the mask.
+    buffer of its full context up front).
+
+    A sliding-window layer (``window > 0``) holds a ring instead: position ``j`` in row
+    ``j % rows``, with ``rows`` the window plus the longest call (``formats.memory.window_rows``;
+    ``calls``: the most rows one call writes). Why: Laguna's 30 sliding layers of 40 held every
+    key of a 128k context, 15 GiB of a 20 GiB cache, to read the last 512 (a ring of 2560 rows
+    holds 0.3 GiB). The kernels map positions to rows (``ring``), visiting positions in the
+    order the whole buffer would, so a ring gives the whole buffer's bits. Rows of positions a
+    window has passed are overwritten: going back to such a position takes a copy of its window
+    (``StateCheckpoints``). Until the ring fills, its rows are the positions, as in a buffer.
 
     ``kv_type="q8_0"`` stores int8 codes with one f16 scale per 32 values (ggml's Q8_0: 34 bytes
     per 32 values instead of 64 in bf16) and expands the layer's buffers for each attention call.
@@ -42,10 +51,12 @@ class KVCache:
     values in the activations' dtype.
     """
 
-    def __init__(self, capacity: int = 256, kv_type: str = "auto") -> None:
+    def __init__(self, capacity: int = 256, kv_type: str = "auto", window: int = 0, calls: int = 1) -> None:
         if kv_type not in KV_TYPES:
             raise ValueError(f"KV cache type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
-        self.capacity = capacity
+        self.window = window
+        self.ring_rows = window_rows(window, calls) if window > 0 else 0
+        self.capacity = capacity if window <= 0 else min(capacity, self.ring_rows)
         self.q8 = kv_type == "q8_0"
         self.k: torch.Tensor | None = None  # int8 codes with q8_0
         self.v: torch.Tensor | None = None
@@ -53,13 +64,44 @@ class KVCache:
         self.v_scale: torch.Tensor | None = None
         self.dtype: torch.dtype | None = None  # what attention reads (the activations' dtype)
 
-    def reserve(self, n: int, like: torch.Tensor) -> None:
-        """Make room for ``n`` positions (buffers shaped and typed after ``like [T, H_kv, d]``)."""
-        if self.k is not None and self.k.shape[1] >= n:
+    @property
+    def ring(self) -> bool:
+        """Whether positions map to rows modulo the buffer's rows (a sliding-window layer)."""
+        return self.window > 0
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.k is None else self.k.shape[1]
+
+    @property
+    def room(self) -> float:
+        """Positions the buffers take before they must grow (before the first ``reserve``: what it
+        allocates): any for a ring at its full size, which wraps."""
+        rows = self.rows if self.k is not None else self.capacity
+        return math.inf if self.ring and rows >= self.ring_rows else rows
+
+    def fits(self, n: int, call: int = 1) -> bool:
+        """Whether ``reserve(n, like, call)`` would leave the buffers as they are."""
+        if self.k is None:
+            return False
+        return self.rows >= (min(n, max(self.ring_rows, window_rows(self.window, call))) if self.ring else n)
+
+    def reserve(self, n: int, like: torch.Tensor, call: int = 1) -> None:
+        """Make room for positions up to ``n`` written by calls of up to ``call`` rows (buffers
+        shaped and typed after ``like [T, H_kv, d]``). A ring grows only when such a call needs
+        more rows than it has; it keeps the positions it holds before ``n - call`` (the first
+        position of the call a grown ring is for)."""
+        if self.fits(n, call):
             return
+        ring = max(self.ring_rows, window_rows(self.window, call)) if self.ring else 0
+        need = min(n, ring) if self.ring else n
         cap = max(self.capacity, 1)
-        while cap < n:
+        while cap < need:
             cap *= 2
+        wrapped = self.ring and self.k is not None and self.rows >= self.ring_rows  # positions past rows: modulo
+        if self.ring:
+            cap = min(cap, ring)
+            self.ring_rows = ring
         H, d = like.shape[1], like.shape[2]
         if self.q8 and d % Q8_BLOCK:
             raise ValueError(f"a q8_0 KV cache needs a head size that is a multiple of {Q8_BLOCK}, not {d}")
@@ -67,8 +109,13 @@ class KVCache:
         if self.q8:
             grown += [like.new_zeros((H, cap, d // Q8_BLOCK), dtype=torch.float16) for _ in range(2)]
         old = [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
-        for new, prev in zip(grown, old):
-            new[:, : prev.shape[1]] = prev
+        if wrapped:  # the last ``rows`` positions before the call, each to its row in the larger ring
+            at = torch.arange(max(0, n - call - self.rows), max(0, n - call), device=old[0].device)
+            for new, prev in zip(grown, old):
+                new[:, at % cap] = prev[:, at % prev.shape[1]]
+        else:
+            for new, prev in zip(grown, old):
+                new[:, : prev.shape[1]] = prev
         self.k, self.v = grown[0], grown[1]
         if self.q8:
             self.k_scale, self.v_scale = grown[2], grown[3]
@@ -80,18 +127,19 @@ class KVCache:
         (with q8_0: expanded to the activations' dtype, a transient of one layer's size)."""
         T = k.shape[0]
         if not isinstance(pos0, torch.Tensor):
-            self.reserve(pos0 + T, k)
+            self.reserve(pos0 + T, k, T)
         new = [k.transpose(0, 1), v.transpose(0, 1)]
         dest = [self.k, self.v]
         if self.q8:
             (kq, ks), (vq, vs) = quantize_q8_0(new[0]), quantize_q8_0(new[1])
             new, dest = [kq, vq, ks, vs], dest + [self.k_scale, self.v_scale]
+        at = (pos0 + torch.arange(T, device=k.device)) % self.rows if self.ring else None
         for buf, rows in zip(dest, new):
-            if isinstance(pos0, torch.Tensor):
-                buf.index_copy_(1, pos0 + torch.arange(T, device=k.device), rows)
+            if at is not None or isinstance(pos0, torch.Tensor):
+                buf.index_copy_(1, at if at is not None else pos0 + torch.arange(T, device=k.device), rows)
             else:
                 buf[:, pos0: pos0 + T] = rows
-        return self.buffers(prefill_rows(pos0, T))
+        return self.buffers(prefill_rows(pos0, T) if not self.ring else None)
 
     def buffers(self, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value buffers ``[H_kv, S, d]`` in the activations' dtype (q8_0: expanded, a
@@ -101,6 +149,15 @@ class KVCache:
             ks, vs = (self.k_scale, self.v_scale) if rows is None else (self.k_scale[:, :rows], self.v_scale[:, :rows])
             return dequantize_q8_0(k, ks, self.dtype), dequantize_q8_0(v, vs, self.dtype)
         return k, v
+
+    def holds(self, first: int, end: int) -> bool:
+        """Whether the rows of positions ``[first, end)`` are still those positions' (a ring keeps
+        its last ``rows`` positions before ``end``; a buffer keeps every one)."""
+        return not self.ring or first >= end - self.rows
+
+    def state(self) -> list[torch.Tensor]:
+        """The tensors a window's copy takes rows of (codes and scales with q8_0)."""
+        return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
 
 
 KV_TYPES = tuple(KV_BYTES_PER_VALUE)  # auto: the activations' dtype (bf16 on a GPU); q8_0
@@ -135,18 +192,45 @@ class RecurrentState:
 
 @dataclass
 class Cache:
+    """``high``: one past the last position written since the sequence began (padding included),
+    as the session tells it (``wrote``); ``low``: the first position whose rows are this
+    sequence's after a window copy went back in (``StateCheckpoints.restore``). Between them, a
+    ring's last ``rows`` positions are still in it (``keeps``)."""
+
     layers: list[KVCache | RecurrentState] = field(default_factory=list)
     pos: int = 0
+    high: int = 0
+    low: int = 0
 
     def reset(self) -> None:
         """Start a new sequence in the same buffers (a captured decode step stays valid): KV rows
         past ``pos`` are masked anyway; recurrent state is zeroed in place."""
-        self.pos = 0
+        self.pos = self.high = self.low = 0
         for layer in self.layers:
             if isinstance(layer, RecurrentState):
                 for t in (layer.conv, layer.ssm):
                     if t is not None:
                         t.zero_()
+
+    def wrote(self, end: int) -> None:
+        """Rows up to position ``end`` (exclusive) were written, padding included."""
+        self.high = max(self.high, end)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether some layer keeps a ring (``KVCache.ring``)."""
+        return any(isinstance(la, KVCache) and la.ring for la in self.layers)
+
+    def keeps(self, k: int) -> bool:
+        """Whether every ring still holds the window before position ``k <= pos`` (the positions a
+        token at ``k`` reads), so the sequence can go back to ``k`` without a copy."""
+        end = max(self.high, self.pos)
+        for la in self.layers:
+            if isinstance(la, KVCache) and la.ring:
+                first = max(0, k - la.window + 1)
+                if first < k and (first < self.low or not la.holds(first, end)):
+                    return False
+        return True
 
 
 # Recurrent-state checkpoints a session keeps by default. A Qwen3.6-35B-A3B one holds 30 DeltaNet
@@ -157,12 +241,15 @@ STATE_CHECKPOINTS = 8
 
 
 class StateCheckpoints:
-    """Copies of a ``Cache``'s recurrent states at some positions, to go back to one of them.
+    """Copies of a ``Cache``'s recurrent states (and rings' windows) at some positions, to go back
+    to one of them.
 
     Why: a DeltaNet state is overwritten in place token after token, so unlike a KV cache (whose
     position only has to be rewound) it cannot return to an earlier prefix; a request that shares
     a prefix with the previous one restores the copy at or before it and computes from there
-    (``runtime.generate.Session.prompt``). The copies live in host memory (pinned on a GPU, where
+    (``runtime.generate.Session.prompt``). A sliding-window layer's ring has the same trouble once
+    it has wrapped past a position: its copy is the ``window - 1`` rows before it (Laguna: 30
+    layers, 60 MB in bf16). The copies live in host memory (pinned on a GPU, where
     they are copied without the host waiting), so the ``--vram`` plan does not count them. At
     most ``limit`` are kept; past it the one whose loss leaves the smallest gap between its
     neighbours goes (never the newest), so old prefixes stay reachable at a coarser spacing."""
@@ -187,20 +274,22 @@ class StateCheckpoints:
         outside its calls on the GPU machine, 0.11 s once reserved (bench/turn_profile.py). Nothing is reserved with checkpoints off (``limit``
         0: calibration's sessions) or before the states exist (their shapes are known from the
         first token on)."""
-        if self.limit <= 0 or any(isinstance(la, RecurrentState) and la.conv is None for la in cache.layers):
+        if self.limit <= 0 or any(isinstance(la, RecurrentState) and la.conv is None
+                                  or isinstance(la, KVCache) and la.ring and la.k is None for la in cache.layers):
             return
         while len(self.saved) + len(self._spare) < self.limit + 1:
             self._spare.append(self._new_copy(cache))
 
-    def _new_copy(self, cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-        return [None if not isinstance(la, RecurrentState) or la.conv is None else
-                (_host_like(la.conv), _host_like(la.ssm)) for la in cache.layers]
+    def _new_copy(self, cache: Cache) -> list[tuple[torch.Tensor, ...] | None]:
+        return [_host_copy(la) for la in cache.layers]
 
-    def save(self, cache: Cache) -> None:
-        """Copy the states as they are at ``cache.pos`` (queued behind the computation on a GPU)."""
-        for copy in self.take(cache, [cache.pos]).values():
+    def save(self, cache: Cache, pos: int | None = None) -> None:
+        """Copy the states as they are at ``pos`` (default ``cache.pos``; a ring's window may be of
+        an earlier position it still holds), queued behind the computation on a GPU."""
+        pos = cache.pos if pos is None else pos
+        for copy in self.take(cache, [pos]).values():
             for il in range(len(cache.layers)):
-                self.copy_layer(copy, cache, il)
+                self.copy_layer(copy, cache, il, pos)
 
     def take(self, cache: Cache, positions: list[int]) -> dict[int, list]:
         """Host copies for the states at ``positions`` (ascending, past the saved ones: the ends
@@ -223,15 +312,19 @@ class StateCheckpoints:
                 new[p] = self.saved[p] = self._spare.pop() if self._spare else self._new_copy(cache)
         return new
 
-    def copy_layer(self, copy: list, cache: Cache, il: int) -> None:
-        """Copy layer ``il``'s state (if it is a recurrent one) into ``copy`` from ``take``."""
+    def copy_layer(self, copy: list, cache: Cache, il: int, pos: int) -> None:
+        """Copy layer ``il``'s state (a recurrent one, or a ring's window before ``pos``) into
+        ``copy`` from ``take``."""
         layer = cache.layers[il]
-        if not isinstance(layer, RecurrentState) or layer.conv is None:
-            return
         if copy[il] is None:  # a copy taken before the states existed (a fresh session's first call)
-            copy[il] = (_host_like(layer.conv), _host_like(layer.ssm))
-        copy[il][0].copy_(layer.conv, non_blocking=True)
-        copy[il][1].copy_(layer.ssm, non_blocking=True)
+            copy[il] = _host_copy(layer)
+        if isinstance(layer, RecurrentState) and layer.conv is not None:
+            copy[il][0].copy_(layer.conv, non_blocking=True)
+            copy[il][1].copy_(layer.ssm, non_blocking=True)
+        elif copy[il] is not None:  # a ring
+            rows = _window_rows(layer, pos)
+            for host, t in zip(copy[il], layer.state()):
+                host[:, : rows.numel()].copy_(t[:, rows], non_blocking=True)
 
     def restore(self, cache: Cache, pos: int) -> None:
         """Put the states saved at ``pos`` back into ``cache``'s own tensors (a captured decode step
@@ -239,11 +332,20 @@ class StateCheckpoints:
         if pos == 0:
             cache.reset()
             return
-        for pair, layer in zip(self.saved[pos], cache.layers):
-            if pair is not None:
-                layer.conv.copy_(pair[0], non_blocking=True)
-                layer.ssm.copy_(pair[1], non_blocking=True)
+        for saved, layer in zip(self.saved[pos], cache.layers):
+            if saved is None:
+                continue
+            if isinstance(layer, RecurrentState):
+                layer.conv.copy_(saved[0], non_blocking=True)
+                layer.ssm.copy_(saved[1], non_blocking=True)
+            else:
+                rows = _window_rows(layer, pos)
+                for host, t in zip(saved, layer.state()):
+                    t[:, rows] = host[:, : rows.numel()].to(t.device, non_blocking=True)
         cache.pos = pos
+        if cache.windowed:  # the rings' other rows hold another sequence's positions
+            cache.low = min(max(0, pos - la.window + 1) for la in cache.layers if isinstance(la, KVCache) and la.ring)
+            cache.high = pos
 
     def discard_after(self, pos: int) -> None:
         """Forget the copies past ``pos`` (the sequence changed there)."""
@@ -261,3 +363,19 @@ def _victim(pos: list[int]) -> int:
 
 def _host_like(t: torch.Tensor) -> torch.Tensor:
     return pinned_like(t, pin=t.is_cuda)
+
+
+def _host_copy(layer: KVCache | RecurrentState) -> tuple[torch.Tensor, ...] | None:
+    """Host buffers for one layer's state: a recurrent one, or ``window - 1`` rows of each of a
+    ring's tensors; None for a layer with none (yet)."""
+    if isinstance(layer, RecurrentState):
+        return None if layer.conv is None else (_host_like(layer.conv), _host_like(layer.ssm))
+    if not layer.ring or layer.k is None:
+        return None
+    return tuple(pinned_empty(t.shape[0] * (layer.window - 1) * math.prod(t.shape[2:]) * t.element_size(), t.is_cuda)
+                 .view(t.dtype).view(t.shape[0], layer.window - 1, *t.shape[2:]) for t in layer.state())
+
+
+def _window_rows(layer: KVCache, pos: int) -> torch.Tensor:
+    """The ring rows of the positions a token at ``pos`` reads before itself."""
+    return torch.arange(max(0, pos - layer.window + 1), pos, device=layer.k.device) % layer.rows

@@ -4,7 +4,9 @@
 can send the whole re-rendered conversation each turn and have only what changed computed.
 ``Session.prompt`` keeps the longest prefix that gives the very bits a fresh session computes:
 the rows written by the prefill calls a fresh session makes too, with DeltaNet states restored
-from checkpoints taken at those positions (``runtime.cache.StateCheckpoints``). Rows written by a
+from checkpoints taken at those positions (``runtime.cache.StateCheckpoints``), and so are the
+windows of sliding-window layers (Laguna) whose rings have wrapped past the position: their
+copy is taken where a prompt's exact rows end. Rows written by a
 decode step or by a call that started elsewhere are recomputed: the same tokens fed in other
 calls differ in the last bits on the CPU (4e-7 on the tiny models), and on a GPU a decode step's
 projections even take int8 activations.
@@ -28,7 +30,8 @@ from typing import Protocol
 
 import torch
 
-from sparkpack.formats.memory import LONG_PAST_TOKENS, PREFILL_CHUNK, PREFILL_GRAPH_TOKENS, group_tokens
+from sparkpack.formats.memory import (LONG_PAST_TOKENS, PREFILL_CHUNK, PREFILL_GRAPH_TOKENS, group_tokens, longest_call,
+                                      ring_calls)
 from sparkpack.formats.profile import SIDES
 
 from .cache import STATE_CHECKPOINTS, RecurrentState, StateCheckpoints
@@ -137,7 +140,8 @@ class Session:
         self.use_graphs = capturable(model) if graphs is None else graphs
         self.graph: DecodeGraph | None = None
         self.timing = Timing()
-        self.cache = model.new_cache(ctx, kv_type)
+        # (sliding-window rings sized for the longest call the --vram plan counts)
+        self.cache = model.new_cache(ctx, kv_type, ring_calls(longest_call(model.spec, ctx, kv_type, prefill_chunk)))
         self.cache_ctx = ctx
         # short prefill calls padded to a few sizes and (with graphs) captured: runtime.graph
         self.prefill = PrefillGraphs(model, self.cache, self.use_graphs) if prefill_is_padded(model, self.cache) else None
@@ -159,8 +163,11 @@ class Session:
         self.staged = model.experts.staged_prefill(self.call_tokens)
         self.group_tokens = group_tokens(ctx, self.call_tokens)  # what the --vram plan counts
         self.breaks = breaks
-        recurrent = any(isinstance(la, RecurrentState) for la in self.cache.layers)
-        self.checkpoints = StateCheckpoints(checkpoints) if recurrent else None
+        # DeltaNet states are copied where each call keeps rows exact; rings' windows only where a
+        # prompt's exact rows end (a copy per call would cost Laguna's 512-token calls ~6%),
+        # earlier positions being in the rings while they last.
+        self.recurrent = any(isinstance(la, RecurrentState) for la in self.cache.layers)
+        self.checkpoints = StateCheckpoints(checkpoints) if self.recurrent or self.cache.windowed else None
         self.fed: list[int] = []
         # Where a fresh session feeding ``fed`` ends its calls, as far as ``fed`` decides it
         # (``call_end``), from 0; the tokens after the last are in a call still open.
@@ -280,13 +287,15 @@ class Session:
         if not ids:
             raise ValueError("nothing to feed: empty token list")
         common = shared_len(ids, self.fed)
+        self.cache.wrote(len(self.fed))
         keep = self._restorable(min(common, len(ids) - 1, self.exact))
         if keep != self.cache.pos or keep != len(self.fed):
-            if self.checkpoints is not None:
+            if self.checkpoints is not None and (self.recurrent or not self.cache.keeps(keep)):
                 self.checkpoints.restore(self.cache, keep)
-                self.checkpoints.discard_after(keep)
             else:
                 self.cache.pos = keep  # KV rows past it are masked, then overwritten
+            if self.checkpoints is not None:
+                self.checkpoints.discard_after(keep)
             self.fed = self.fed[:keep]
         self.cuts = [c for c in self.cuts if c <= keep]
         self.exact = keep
@@ -296,12 +305,16 @@ class Session:
 
     def _restorable(self, limit: int) -> int:
         """The last position at most ``limit`` (at most ``exact``) that ``prompt`` can go back to:
-        where a fresh session ends a call with, on DeltaNet models, a state checkpoint (0 always
+        where a fresh session ends a call with, on DeltaNet models, a state checkpoint, and on
+        models with sliding-window rings, a checkpoint or the window still in the rings (0 always
         qualifies)."""
         best = max(c for c in self.cuts if c <= limit)
         if self.checkpoints is None:
             return best
-        return max((p for p in self.checkpoints.positions if p <= best), default=0)
+        saved = max((p for p in self.checkpoints.positions if p <= best), default=0)
+        if self.recurrent:
+            return saved
+        return max(saved, max((c for c in self.cuts if c <= best and self.cache.keeps(c)), default=0))
 
     def _run(self, ids: list[int], n: int, graph: bool, side: str) -> torch.Tensor:
         """Feed ``ids[n:]`` (tokens of ``side``) after the ``n`` tokens in the cache; the logits of the last."""
@@ -325,6 +338,7 @@ class Session:
                         if logits is None:
                             logits = self.model.forward(chunk, self.cache, last_only=True)[-1]
                         self._ended(c, save=True)
+            self._save_windows()
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         dt, new = time.perf_counter() - t0, len(ids) - n
@@ -367,10 +381,21 @@ class Session:
         self.cuts += c.passed
         if c.closes:
             self.cuts.append(c.end)
+        self.cache.wrote(c.start + (self.prefill.size(c.end - c.start) if self._padded(c) else c.end - c.start))
         if c.keeps:
             self.exact = c.end
-            if save and self.checkpoints is not None:
+            if save and self.recurrent:
                 self.checkpoints.save(self.cache)
+
+    def _save_windows(self) -> None:
+        """Copy the rings' windows where the exact rows end, if not yet copied there and still in
+        the rings (models without DeltaNet states; those copy at every call end, windows too).
+        Why there: the next request of a conversation repeats the prompt up to about where the
+        reply starts, and the reply's tokens may have pushed that window out of the rings."""
+        cp = self.checkpoints
+        if cp is not None and not self.recurrent and self.exact and self.exact not in cp.saved \
+                and self.cache.keeps(self.exact):
+            cp.save(self.cache, self.exact)
 
     def _padded(self, c: "PlannedCall") -> bool:
         """Whether call ``c`` is one ``PrefillGraphs`` pads (else it runs eagerly as it is)."""
@@ -414,13 +439,13 @@ class Session:
         dev = self.model.device
         calls = [Call(torch.tensor(chunk, dtype=torch.long).to(dev), len(chunk)) for chunk in chunks]
         after = None
-        if self.checkpoints is not None:
+        if self.recurrent:
             copies = self.checkpoints.take(self.cache, [c.end for c in group if c.keeps])
             ends = {i: copies[c.end] for i, c in enumerate(group) if c.end in copies}
             if ends:
                 def after(i: int, il: int) -> None:
                     if i in ends:
-                        self.checkpoints.copy_layer(ends[i], self.cache, il)
+                        self.checkpoints.copy_layer(ends[i], self.cache, il, group[i].end)
         try:
             logits = self.model.forward_calls(calls, self.cache, after)[-1]
         except BaseException:  # (interrupted) the copies taken for this group hold states half copied

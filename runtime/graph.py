@@ -90,8 +90,8 @@ class DecodeGraph:
         self.captures = 0
         self.captured_on: tuple[int, ...] = ()
 
-    def room(self) -> int:
-        return min((la.k.shape[1] for la in _kv_layers(self.cache) if la.k is not None), default=0)
+    def room(self) -> float:
+        return min((la.room for la in _kv_layers(self.cache) if la.k is not None), default=0)
 
     def step(self, token: int | torch.Tensor) -> torch.Tensor | None:
         """Logits ``[n_vocab]`` after feeding ``token`` at position ``cache.pos``: an int, or a
@@ -269,10 +269,10 @@ class PrefillGraphs:
         or None for a call run eagerly: a length that is not captured, or padding that would grow
         the buffers past what the call itself needs."""
         size = self.size(n)
-        room = min(la.capacity for la in _kv_layers(self.cache))  # (what the first reserve allocates)
+        room = min(la.room for la in _kv_layers(self.cache))
         if size is None or (pos + n <= room < pos + size):
             return None
-        self.model.reserve_kv(self.cache, pos + size)
+        self.model.reserve_kv(self.cache, pos + size, size)
         return size
 
     def _check_addresses(self) -> None:

@@ -254,15 +254,16 @@ def attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: 
     h reads kv head ``h // (H / H_kv)``.
     """
     if cache is not None:
-        return attend_buffers(q, *cache.append(k_new, v_new, pos0), pos0, window)
+        return attend_buffers(q, *cache.append(k_new, v_new, pos0), pos0, window, cache.ring)
     qpos = positions(pos0, q.shape[0], q.device)[:, None]
     return _in_pieces(q, k_new.transpose(0, 1), v_new.transpose(0, 1), qpos, qpos.reshape(1, -1), window)
 
 
 def attend_buffers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: "int | torch.Tensor",
-                   window: int = 0) -> torch.Tensor:
+                   window: int = 0, ring: bool = False) -> torch.Tensor:
     """``attention`` of ``q [T, H, d]`` at positions ``pos0 ..`` over whole KV buffers
-    ``[H_kv, S, d]`` whose row i holds position i (the new keys already written).
+    ``[H_kv, S, d]`` whose row i holds position i (the new keys already written); ``ring``: row
+    ``i % S`` (a sliding-window layer's ring, ``runtime.cache.KVCache``).
 
     Several tokens at a known position (a prefill call) read only the rows some query may see:
     a 512-token prompt in a 32k buffer would otherwise score 64 times the keys it needs. One
@@ -270,6 +271,8 @@ def attend_buffers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: "int
     T = q.shape[0]
     if k.dtype == q.dtype and _flash_prompt(q, pos0, window):
         return _causal_sdpa(q, k[:, :T], v[:, :T])
+    if ring:
+        return _attend_ring(q, k, v, pos0, window)
     lo, hi = 0, k.shape[1]
     rows = prefill_rows(pos0, T)
     if rows is not None:
@@ -277,6 +280,23 @@ def attend_buffers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: "int
         lo = max(0, pos0 - window + 1) if window > 0 else 0
     qpos = positions(pos0, T, q.device)[:, None]
     return _in_pieces(q, k[:, lo:hi], v[:, lo:hi], qpos, torch.arange(lo, hi, device=q.device)[None, :], window)
+
+
+def _attend_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: "int | torch.Tensor",
+                 window: int) -> torch.Tensor:
+    """``attend_buffers`` over a ring: at a known position, the rows of the positions the queries
+    may see, gathered in position order (so the result does not depend on the ring's size); at a
+    device position, every row, each at the position it holds for the call's last token (rows of
+    positions before 0 are masked by the window)."""
+    T, S = q.shape[0], k.shape[1]
+    if isinstance(pos0, int):
+        kpos = torch.arange(max(0, pos0 - window + 1), pos0 + T, device=q.device)
+        k, v = k[:, kpos % S], v[:, kpos % S]
+    else:
+        last = pos0 + T - 1
+        kpos = last - (last - torch.arange(S, device=q.device)) % S
+        kpos = torch.where(kpos >= 0, kpos, kpos - window)
+    return _in_pieces(q, k, v, positions(pos0, T, q.device)[:, None], kpos[None, :], window)
 
 
 def _flash_prompt(q: torch.Tensor, pos0: "int | torch.Tensor", window: int) -> bool:

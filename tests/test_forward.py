@@ -420,3 +420,25 @@ def test_dense_matrices_held_as_gguf_bytes_give_the_expanded_forward(arch, synth
     assert held and all(isinstance(m, QuantLinear) for m in held.values())
     assert not any(n in quant.w._cache for n in held), "a matrix held expanded as well as quantized"
     assert "token_embd.weight" in held and any(k.count("+") for k in held)
+
+
+def test_laguna_rings_past_their_rows_match_transformers(tiny_hf_gguf, hf_ref):
+    """Laguna's sliding-window layers keep rings of ``window_rows`` rows: fed far past them in
+    prefill calls, decode steps and a call longer than the ring was sized for (it grows, keeping
+    its positions), the logits are transformers' (float32) and a whole forward's (float64)."""
+    from sparkpack.formats.memory import window_rows
+
+    hf = hf_ref("laguna")
+    model = load(tiny_hf_gguf("laguna")[1])
+    cache = model.new_cache(calls=16)
+    rings = [la for la in cache.layers if la.ring]
+    assert rings and all(la.ring_rows == window_rows(model.window, 16) == 128 for la in rings)
+    ids = token_ids(hf.config.vocab_size, 420, seed=5)
+    cuts = [0, 40, 56, 72, 88, 104, 120, 136, 152] + list(range(153, 200)) + [360, 361, 362, 376, 392, 408, 420]
+    out = torch.cat([model.forward(ids[a:b], cache) for a, b in zip(cuts, cuts[1:])])
+    assert all(la.rows == window_rows(model.window, 160) for la in rings)  # the 160-token call grew them
+    assert row_rel_err(out, hf_logits(hf, ids)) < 1e-4
+    m64 = load(tiny_hf_gguf("laguna")[1], dtype=torch.float64)
+    c64 = m64.new_cache(calls=16)
+    parts = torch.cat([m64.forward(ids[a:b], c64) for a, b in zip(cuts, cuts[1:])])
+    assert row_rel_err(parts, m64.forward(ids)) < 1e-10

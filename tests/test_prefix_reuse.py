@@ -65,12 +65,54 @@ def test_reused_prefix_gives_the_bits_of_a_fresh_session(synth_model, arch, devi
         reused.append(session.reused)
     # the whole calls before each divergence: 45 -> 32; 80 -> 80; 40 -> 32; the same 49 -> 48
     assert reused == [32, 80, 32, 48]
-    if session.checkpoints is not None:
+    if session.recurrent:
         assert session.checkpoints.positions == [16, 32, 48]
     tail = list(generate(model, None, turns[1], None, 8, stop_ids=(), session=session))
     assert session.reused == 32  # back to the 49-token turn's last whole call before position 40
     assert tail == list(generate(model, None, turns[1], None, 8, stop_ids=(),
                                  session=Session(model, prefill_chunk=CALL, ctx=256)))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("kv_type", ["auto", "q8_0"])
+def test_rings_go_back_by_their_rows_or_by_a_copy_of_the_window(synth_model, kv_type, device):
+    """Laguna's sliding-window layers keep rings (``KVCache.ring``) of ``window_rows`` rows: a
+    request that goes back to a position whose window is still in them keeps the prefix as it
+    is; one that goes back past it restores the window copied where the earlier prompt's exact
+    rows ended; one that goes back farther, with no copy, starts over. Every turn's logits are a
+    fresh session's bits."""
+    from sparkpack.formats.memory import window_rows
+
+    model = open_model(synth_model("laguna", "Q4_K_M" if device == "cuda" else "Q8_0"), device)
+
+    def new() -> Session:
+        return Session(model, prefill_chunk=CALL, ctx=2048, kv_type=kv_type)
+
+    session = new()
+    rings = [la for la in session.cache.layers if la.ring]
+    rows = window_rows(model.window, 512)
+    assert rings and all(la.ring_rows == rows for la in rings)
+    first = ids_of(11, rows + 130)  # past the rings' rows
+    session.prompt(first)
+    exact = session.exact
+    assert session.checkpoints.positions == [exact] and session.cache.keeps(exact)
+
+    def turn(ids: list[int]) -> int:
+        got = session.prompt(ids)
+        assert torch.equal(got, new().feed(ids)), f"turn of {len(ids)} tokens after reusing {session.reused}"
+        return session.reused
+
+    second = first[:exact - 40] + ids_of(12, 9)
+    assert turn(second) == exact - 48  # its window still in the rings: kept as it is
+    back = session.exact
+    assert session.checkpoints.positions == [back]
+    assert turn(second + ids_of(13, rows)) == back  # pushes the second prompt's windows out of the rings
+    assert not session.cache.keeps(back) and session.checkpoints.positions[0] == back
+    turns = [second[:back + 3] + ids_of(14, 7), first[:100] + ids_of(15, 5)]
+    assert turn(turns[0]) == back  # back to the second prompt's exact rows: its windows' copy
+    assert turn(turns[1]) == 0  # far back, no copy: from the start
+    tail = list(generate(model, None, turns[0], None, 6, stop_ids=(), session=session))
+    assert tail == list(generate(model, None, turns[0], None, 6, stop_ids=(), session=new()))
 
 
 BREAK = 5  # a stand-in for the chat template's control tokens (ids_of never draws it)

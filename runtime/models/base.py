@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from sparkpack.formats.archs import LINEAR, ModelSpec
+from sparkpack.formats.archs import LINEAR, SLIDING, ModelSpec
 from sparkpack.formats.errors import SparkpackError
 from sparkpack.formats.gguf_file import GGUFModel
+from sparkpack.formats.memory import PREFILL_CHUNK
 
 from ..cache import Q8_BLOCK, Cache, KVCache, RecurrentState, prefill_rows
 from ..experts import ExpertProvider, GGUFExperts
@@ -67,13 +68,16 @@ class MoEModel(ABC):
         """An ``{arch}.suffix`` metadata value not carried by the spec."""
         return self.gguf.get(f"{self.spec.arch}.{suffix}", default)
 
-    def new_cache(self, capacity: int = 256, kv_type: str = "auto") -> Cache:
+    def new_cache(self, capacity: int = 256, kv_type: str = "auto", calls: int = PREFILL_CHUNK) -> Cache:
         """A fresh cache whose KV buffers start with room for ``capacity`` positions, holding
-        keys and values as ``kv_type`` (``runtime.cache.KV_TYPES``)."""
+        keys and values as ``kv_type`` (``runtime.cache.KV_TYPES``); sliding-window layers hold
+        rings sized for calls of up to ``calls`` rows (``formats.memory.window_rows``)."""
         if kv_type == "q8_0" and self.spec.head_dim % Q8_BLOCK:
             raise SparkpackError(self.gguf.path, f"--kv-type q8_0 needs a head size that is a multiple of "
                                                  f"{Q8_BLOCK}; this model's is {self.spec.head_dim}")
-        return Cache([RecurrentState() if k.attention == LINEAR else KVCache(capacity, kv_type)
+        window = int(self.spec.hparams.get("sliding_window") or 0)
+        return Cache([RecurrentState() if k.attention == LINEAR else
+                      KVCache(capacity, kv_type, window if k.attention == SLIDING else 0, calls)
                       for k in self.spec.layers])
 
     def route(self, il: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,13 +96,14 @@ class MoEModel(ABC):
         new residual stream, and the next block's input norm when this block's epilogue computed
         it (``epilogue``), which comes back as ``pre`` of the next call (``norm`` takes it)."""
 
-    def reserve_kv(self, cache: Cache, n: int) -> None:
-        """Make every KV cache of ``cache`` hold ``n`` positions before a call that reads its
-        position from the device (which cannot grow them itself)."""
+    def reserve_kv(self, cache: Cache, n: int, call: int = 1) -> None:
+        """Make every KV cache of ``cache`` hold positions up to ``n``, written by calls of up to
+        ``call`` rows, before a call that reads its position from the device (which cannot grow
+        them itself)."""
         for il, layer in enumerate(cache.layers):
-            if isinstance(layer, KVCache) and (layer.k is None or layer.k.shape[1] < n):  # (every call: cheap when done)
+            if isinstance(layer, KVCache) and not layer.fits(n, call):  # (every call: cheap when done)
                 like = torch.empty(0, self.spec.n_head_kv[il], self.spec.head_dim, dtype=self.dtype, device=self.device)
-                layer.reserve(n, like)
+                layer.reserve(n, like, call)
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor | list[int], cache: Cache | None = None,
@@ -263,10 +268,10 @@ class MoEModel(ABC):
 
         p, (T, H, d) = f"blk.{il}.", q.shape
         if not isinstance(pos0, torch.Tensor):
-            kv.reserve(pos0 + T, k)
+            kv.reserve(pos0 + T, k, T)
         scales = (kv.k_scale, kv.v_scale) if kv.q8 else (None, None)  # a Q8_0 cache is written as codes
         qr = qk_norm_rope_append(q, k, v, self.w.opt(p + "attn_q_norm.weight"), self.w.opt(p + "attn_k_norm.weight"),
-                                 self.eps, rope.inv_on(q.device), rope.scale, pos0, kv.k, kv.v, *scales)
+                                 self.eps, rope.inv_on(q.device), rope.scale, pos0, kv.k, kv.v, *scales, ring=kv.ring)
         if T > 1:
             # After a past (a long prompt's later chunks, a chat's next turn) the unfused form
             # scored in pieces (~10 launches) over a past that grows with the prompt: a 32k-token
@@ -274,15 +279,15 @@ class MoEModel(ABC):
             if not kv.q8 and isinstance(pos0, int) and pos0 > 0 and window <= 0 and fused_sdpa_runs(qr):
                 o = causal_sdpa_after(qr, kv.k[:, : pos0 + T], kv.v[:, : pos0 + T])
             elif not kv.q8 and (isinstance(pos0, torch.Tensor) or pos0 > 0):
-                o = attend_prefill(qr, kv.k, kv.v, pos0, window)
+                o = attend_prefill(qr, kv.k, kv.v, pos0, window, kv.ring)
             elif kv.q8 and not isinstance(pos0, torch.Tensor) and pos0 > 0:  # the rows it reads, expanded
-                o = attend_prefill(qr, *kv.buffers(pos0 + T), pos0, window)
+                o = attend_prefill(qr, *kv.buffers(None if kv.ring else pos0 + T), pos0, window, kv.ring)
             else:
                 o = attend_buffers(qr, *kv.buffers(prefill_rows(pos0, T)), pos0, window)
             return Rows(output_gate(o, gate, gate_kind).reshape(T, H * d))
         q8 = q8dot.wanted(1, d)
         o = attend_decode(qr[0], kv.k, kv.v, pos0, window, None if gate is None else gate[0], gate_kind,
-                          q8=q8, k_scale=scales[0], v_scale=scales[1])
+                          q8=q8, k_scale=scales[0], v_scale=scales[1], ring=kv.ring)
         return Rows(*o) if q8 else Rows(o)
 
     def norm(self, x: torch.Tensor, name: str, pre: Normed | None = None) -> Rows:
