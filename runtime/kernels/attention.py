@@ -421,23 +421,25 @@ def decode_split(S: int, n_kv: int, q8: bool = False) -> int:
     on the H100). Beyond, about 128 programs in all (one per SM), in powers of two from 256 to
     2048: on the H200 that was the best split measured for each shape (Qwen3.6, Qwen3-30B and
     Laguna kv heads at 8k, 32k and 131k positions), since fewer, longer programs stream their
-    keys in deeper pipelines and leave fewer partials to merge. A Q8_0 cache (``q8``) takes 256:
-    expanding codes in registers, long splits ran slower (H200, Laguna at 32k: 255 us at 2048,
-    112 at 256; Qwen3-30B 78 against 58; at 131k 256 and 512 were within 3%)."""
+    keys in deeper pipelines and leave fewer partials to merge. A Q8_0 cache (``q8``) keeps the
+    earlier rule, 256 up to 65536 positions and 512 beyond, in single-stage tiles
+    (``_split_tiles``): expanding codes in registers, Laguna decoded 140 tok/s at 131k that way
+    (45c823c) and 124 in the long pipelined splits (H200, BENCHMARKS.md)."""
     if S <= 8192:
         return 64
     if q8:
-        return 256
+        return 256 if S <= 65536 else 512
     return max(256, min(2048, 1 << ((S * n_kv // 128).bit_length() - 1)))
 
 
-def _split_tiles(split: int, block_d: int, fp32: bool) -> tuple[int, int]:
+def _split_tiles(split: int, block_d: int, fp32: bool, q8: bool = False) -> tuple[int, int]:
     """``(BLOCK_S, num_stages)`` of the split kernel. A split of one or a few tiles gains nothing
     from a software pipeline, which only multiplies shared memory (float32 at d=256 would not fit
     in an H100's 227 KiB at three stages), so short splits keep single-stage tiles of 64 or less.
     Half precision splits of 256 or more take three stages of 128 positions (64 at d=256, where
-    128 would not fit): 1.3-2x faster on long buffers (``decode_split``)."""
-    if fp32 or split < 256:
+    128 would not fit): 1.3-2x faster on long buffers (``decode_split``); not over a Q8_0 cache,
+    whose tiles expand codes in registers."""
+    if fp32 or q8 or split < 256:
         return (64 if split % 64 == 0 else 32 if split % 32 == 0 else 16), 1
     return (128 if block_d <= 128 else 64), 3
 
@@ -509,7 +511,7 @@ def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # Triton's interpreter gets bf16 tl.dot wrong (see tests/test_kernels.py): off the GPU the
     # products run in fp32 whatever the activations' dtype.
     fp32 = q.dtype == torch.float32 or not q.is_cuda
-    block_s, stages = _split_tiles(split, block_d, fp32)
+    block_s, stages = _split_tiles(split, block_d, fp32, k_scale is not None)
     _attend_split_kernel[(H_kv, n_split)](
         q, k_cache, v_cache, *_scales(k_scale, v_scale, k_cache), p, m, l_, acc, S, d, rep, n_split, int(window),
         d ** -0.5 * LOG2E, POS_PTR=pos_ptr, DOT_FP32=fp32, Q8KV=k_scale is not None, RING=ring,
