@@ -371,19 +371,23 @@ def test_kv_type_flag_reaches_the_cache_and_the_vram_plan(synth_model, qwen, tmp
 
 
 @pytest.mark.parametrize("kv_type", ["auto", "q8_0"])
-def test_kv_accounting_matches_the_buffers_the_session_allocates(synth_model, kv_type):
-    """What --vram plans for the KV cache is what a session allocates, sliding-window layers
-    included (they keep every key: the window is in the mask), in either cache type."""
-    from sparkpack.formats.memory import KV_BYTES_PER_VALUE, kv_cache_bytes
+@pytest.mark.parametrize("ctx", [256, 1024])
+def test_kv_accounting_matches_the_buffers_the_session_allocates(synth_model, kv_type, ctx):
+    """What --vram plans for the KV cache is what a session allocates, in either cache type:
+    whole buffers for full layers, rings for sliding-window ones (at ctx 1024 the prompt goes
+    past the rings' rows, which hold the window and the longest call)."""
+    from sparkpack.formats.memory import KV_BYTES_PER_VALUE, kv_cache_bytes, longest_call, window_rows
     from sparkpack.runtime.cache import KVCache
 
     model = load_model(synth_model("laguna", "Q8_0"))  # sliding window 64 < ctx
-    session = Session(model, ctx=256, kv_type=kv_type)
-    session.feed(list(range(3, 20)))
+    session = Session(model, prefill_chunk=512, ctx=ctx, kv_type=kv_type)
+    session.feed([3 + i % 1500 for i in range(ctx - 100)])
     allocated = sum(t.numel() * t.element_size() for la in session.cache.layers if isinstance(la, KVCache)
                     for t in (la.k, la.v, la.k_scale, la.v_scale) if t is not None)
     per_value = 4 if kv_type == "auto" else KV_BYTES_PER_VALUE[kv_type]  # float32 activations on the CPU
-    assert allocated == kv_cache_bytes(model.spec, 256, per_value)
+    assert allocated == kv_cache_bytes(model.spec, ctx, per_value, longest_call(model.spec, ctx, kv_type, 512))
+    rings = [la.rows for la in session.cache.layers if isinstance(la, KVCache) and la.ring]
+    assert rings and set(rings) == {min(ctx, window_rows(model.window, 512))}
 
 
 def test_prefill_chunk_temporaries_are_planned_for(synth_model):
