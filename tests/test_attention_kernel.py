@@ -173,8 +173,8 @@ def test_attend_decode_matches_torch(dtype, H_kv, rep, d, S, split, pos, window)
 @pytest.mark.parametrize("n_kv", [1, 2, 4, 8])
 def test_decode_split_keeps_about_one_program_per_sm(n_kv) -> None:
     """Short buffers keep 64-position splits; long ones a power of two from 256 to 2048 that gives
-    about 128 programs, fewer only where 2048 caps it, more only where 256 floors it; 256, then
-    512 past 65536, for a Q8_0 cache."""
+    about 128 programs, fewer only where 2048 caps it, more only where 256 floors it; 256 for a
+    Q8_0 cache."""
     for S in (256, 4096, 8192, 8193, 8256, 20000, 32848, 65600, 131152, 262224):
         split = decode_split(S, n_kv)
         if S <= 8192:
@@ -184,7 +184,7 @@ def test_decode_split_keeps_about_one_program_per_sm(n_kv) -> None:
         programs = n_kv * -(-S // split)
         assert split == 2048 or programs <= 2 * 128 + n_kv
         assert split == 256 or programs >= 128 - n_kv
-        assert decode_split(S, n_kv, q8=True) == (256 if S <= 65536 else 512)
+        assert decode_split(S, n_kv, q8=True) == 256
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

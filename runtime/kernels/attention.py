@@ -421,14 +421,15 @@ def decode_split(S: int, n_kv: int, q8: bool = False) -> int:
     on the H100). Beyond, about 128 programs in all (one per SM), in powers of two from 256 to
     2048: on the H200 that was the best split measured for each shape (Qwen3.6, Qwen3-30B and
     Laguna kv heads at 8k, 32k and 131k positions), since fewer, longer programs stream their
-    keys in deeper pipelines and leave fewer partials to merge. A Q8_0 cache (``q8``) keeps the
-    earlier rule, 256 up to 65536 positions and 512 beyond, in single-stage tiles
-    (``_split_tiles``): expanding codes in registers, Laguna decoded 140 tok/s at 131k that way
-    (45c823c) and 124 in the long pipelined splits (H200, BENCHMARKS.md)."""
+    keys in deeper pipelines and leave fewer partials to merge. A Q8_0 cache (``q8``) takes 256
+    in single-stage tiles (``_split_tiles``): expanding codes in registers, Laguna decoded 124
+    tok/s at 131k in the long pipelined splits against 140 in single-stage splits of 512 (H200),
+    and single-stage 256 was within 3% of the best split at 32k and 131k for Laguna and Qwen3-30B
+    (H100: Laguna 74.8 us at 32k, 262.8 at 131k against 270.4 at 512; BENCHMARKS.md)."""
     if S <= 8192:
         return 64
     if q8:
-        return 256 if S <= 65536 else 512
+        return 256
     return max(256, min(2048, 1 << ((S * n_kv // 128).bit_length() - 1)))
 
 
