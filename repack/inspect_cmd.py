@@ -11,7 +11,7 @@ import click
 from sparkpack.formats.archs import model_spec
 from sparkpack.formats.experts import expert_nbytes, expert_tensor_names
 from sparkpack.formats.gguf_file import GGUFModel
-from sparkpack.formats.memory import kv_cache_bytes, recurrent_state_bytes, runtime_bytes
+from sparkpack.formats.memory import kv_cache_bytes, longest_call, recurrent_state_bytes, runtime_bytes
 
 from sparkpack.formats.units import fmt_size
 
@@ -52,7 +52,7 @@ def gguf_report(path: Path, ctx: int) -> dict[str, Any]:
         g["types"][t.type_name] += 1
     tensor_bytes = sum(t.nbytes for t in model.tensors.values())
     expert_bytes = by_group["routed experts"]["bytes"]
-    kv = kv_cache_bytes(spec, ctx)
+    kv = kv_cache_bytes(spec, ctx, prefill_chunk=longest_call(spec, ctx, "auto"))  # (a GPU session's rings)
     state = recurrent_state_bytes(spec)
     runtime = runtime_bytes(spec, ctx)
     per_expert = {il: expert_nbytes(model, spec, il) for il in spec.moe_layers}
