@@ -320,7 +320,8 @@ def plan_residency(spec: ModelSpec, tensors: dict, budget: Budget, target: Memor
 
     if budget.vram is not None:
         dense = dense_bytes(tensors, expert_tensor_names(spec), target)
-        kv, state = kv_cache_bytes(spec, target.ctx, target.kv_bytes_per_value, target.prefill_chunk), recurrent_state_bytes(spec)
+        kv = kv_cache_bytes(spec, target.ctx, target.kv_bytes_per_value, target.prefill_chunk)
+        state = recurrent_state_bytes(spec)
         runtime = runtime_bytes(spec, target.ctx, target.prefill_chunk)
         fixed = dense + kv + state + runtime + slots * slot
         if budget.vram < fixed:

@@ -164,7 +164,7 @@ class Session:
         self.group_tokens = group_tokens(ctx, self.call_tokens)  # what the --vram plan counts
         self.breaks = breaks
         # DeltaNet states are copied where each call keeps rows exact; rings' windows only where a
-        # prompt's exact rows end (a copy per call would cost Laguna's 512-token calls ~6%),
+        # prompt's exact rows end (per call, Laguna's 512-token calls would each copy 60 MB),
         # earlier positions being in the rings while they last.
         self.recurrent = any(isinstance(la, RecurrentState) for la in self.cache.layers)
         self.checkpoints = StateCheckpoints(checkpoints) if self.recurrent or self.cache.windowed else None
