@@ -63,6 +63,7 @@ class KVCache:
         self.k_scale: torch.Tensor | None = None  # q8_0: f16 [H_kv, capacity, d / 32]
         self.v_scale: torch.Tensor | None = None
         self.dtype: torch.dtype | None = None  # what attention reads (the activations' dtype)
+        self.since = 0  # a grown ring: the first position it still holds (``reserve``)
 
     @property
     def ring(self) -> bool:
@@ -89,8 +90,9 @@ class KVCache:
     def reserve(self, n: int, like: torch.Tensor, call: int = 1) -> None:
         """Make room for positions up to ``n`` written by calls of up to ``call`` rows (buffers
         shaped and typed after ``like [T, H_kv, d]``). A ring grows only when such a call needs
-        more rows than it has; it keeps the positions it holds before ``n - call`` (the first
-        position of the call a grown ring is for)."""
+        more rows than it has; once wrapped, it keeps the window before ``n - call`` (the first
+        position of the call it grows for): its other rows may hold positions past that of a
+        sequence gone back from, which would land on rows of earlier positions."""
         if self.fits(n, call):
             return
         ring = max(self.ring_rows, window_rows(self.window, call)) if self.ring else 0
@@ -109,8 +111,9 @@ class KVCache:
         if self.q8:
             grown += [like.new_zeros((H, cap, d // Q8_BLOCK), dtype=torch.float16) for _ in range(2)]
         old = [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
-        if wrapped:  # the last ``rows`` positions before the call, each to its row in the larger ring
-            at = torch.arange(max(0, n - call - self.rows), max(0, n - call), device=old[0].device)
+        if wrapped:  # the window before the call, each position to its row in the larger ring
+            self.since = max(0, n - call - self.window + 1)
+            at = torch.arange(self.since, max(0, n - call), device=old[0].device)
             for new, prev in zip(grown, old):
                 new[:, at % cap] = prev[:, at % prev.shape[1]]
         else:
@@ -152,8 +155,8 @@ class KVCache:
 
     def holds(self, first: int, end: int) -> bool:
         """Whether the rows of positions ``[first, end)`` are still those positions' (a ring keeps
-        its last ``rows`` positions before ``end``; a buffer keeps every one)."""
-        return not self.ring or first >= end - self.rows
+        its last ``rows`` positions before ``end``, from ``since`` on; a buffer keeps every one)."""
+        return not self.ring or first >= max(end - self.rows, self.since)
 
     def state(self) -> list[torch.Tensor]:
         """The tensors a window's copy takes rows of (codes and scales with q8_0)."""
@@ -207,6 +210,8 @@ class Cache:
         past ``pos`` are masked anyway; recurrent state is zeroed in place."""
         self.pos = self.high = self.low = 0
         for layer in self.layers:
+            if isinstance(layer, KVCache):
+                layer.since = 0
             if isinstance(layer, RecurrentState):
                 for t in (layer.conv, layer.ssm):
                     if t is not None:

@@ -115,6 +115,28 @@ def test_rings_go_back_by_their_rows_or_by_a_copy_of_the_window(synth_model, kv_
     assert tail == list(generate(model, None, turns[0], None, 6, stop_ids=(), session=new()))
 
 
+def test_a_ring_grown_for_a_longer_call_keeps_the_window_before_it():
+    """A wrapped ring that a call longer than it was sized for grows keeps the window before the
+    call, each position in its new row, and vouches for no earlier position: after the sequence
+    went back, rows of earlier positions may hold later ones of the sequence gone back from."""
+    from sparkpack.formats.memory import window_rows
+    from sparkpack.runtime.cache import KVCache
+
+    window = 8
+    ring = KVCache(64, window=window, calls=1)
+    assert ring.ring_rows == window_rows(window, 1) == 128
+    keys = torch.arange(1000, dtype=torch.float32)[:, None, None].expand(1000, 1, 4).contiguous()
+    for p in range(0, 300, 10):  # wraps at 128
+        ring.append(keys[p:p + 10], -keys[p:p + 10], p)
+    assert ring.rows == 128 and ring.holds(300 - 128, 300) and not ring.holds(300 - 129, 300)
+    pos = 290  # gone back to 290, rows of 290..299 are another sequence's: then a call of 200
+    ring.reserve(pos + 200, keys[:1], 200)
+    assert ring.rows == window_rows(window, 200) and ring.since == pos - window + 1
+    for p in range(pos - window + 1, pos):
+        assert ring.k[0, p % ring.rows, 0] == p and ring.v[0, p % ring.rows, 0] == -p
+    assert ring.holds(pos - window + 1, pos) and not ring.holds(pos - window, pos)
+
+
 BREAK = 5  # a stand-in for the chat template's control tokens (ids_of never draws it)
 
 
