@@ -65,6 +65,7 @@ def spark(args: argparse.Namespace, n: int, kv: str, ids_file: Path) -> dict:
     stats.unlink()
     return {"prefill_tok_s": s.get("prefill_tok_s"), "decode_tok_s": s.get("decode_tok_s"),
             "decode_tokens": s.get("decode_tokens"), "wall_s": wall,
+            "vram_peak_reserved_gib": s["vram_peak_reserved"] / 2**30 if "vram_peak_reserved" in s else None,
             "warm_up": next((ln for ln in r.stderr.splitlines() if "warmed up" in ln), None)}
 
 
@@ -85,6 +86,10 @@ def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a and b else "-"
 
 
+def gib(x: float | None) -> str:
+    return f"{x:.2f} GiB" if isinstance(x, (int, float)) else "-"
+
+
 def num(x: float | None) -> str:
     return f"{x:.0f}" if isinstance(x, (int, float)) else "-"
 
@@ -92,16 +97,18 @@ def num(x: float | None) -> str:
 def markdown(rows: list[dict], args: argparse.Namespace) -> str:
     lines = [f"model {args.model.name}; spark-run options {' '.join(args.spark_arg) or '(all-GPU)'}; "
              f"llama-bench options {' '.join(args.llama_arg) or '(all-GPU)'}", "",
-             "| N | KV | ours prefill tok/s | llama ppN | ratio | ours decode tok/s @N | llama tg@N | ratio |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| N | KV | ours prefill tok/s | llama ppN | ratio | ours decode tok/s @N | llama tg@N | ratio "
+             "| our VRAM peak (torch reserved) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s = r["spark"]
         if "error" in s:
-            lines.append(f"| {r['n']} | {r['kv']} | {s['error']} | {num(r['llama_pp'])} | - | - | {num(r['llama_tg'])} | - |")
+            lines.append(f"| {r['n']} | {r['kv']} | {s['error']} | {num(r['llama_pp'])} | - | - | {num(r['llama_tg'])} | - "
+                         f"| - |")
             continue
         lines.append(f"| {r['n']} | {r['kv']} | {num(s['prefill_tok_s'])} | {num(r['llama_pp'])} | "
                      f"{ratio(s['prefill_tok_s'], r['llama_pp'])} | {s['decode_tok_s']:.1f} | "
-                     f"{num(r['llama_tg'])} | {ratio(s['decode_tok_s'], r['llama_tg'])} |")
+                     f"{num(r['llama_tg'])} | {ratio(s['decode_tok_s'], r['llama_tg'])} | {gib(s['vram_peak_reserved_gib'])} |")
     return "\n".join(lines) + "\n"
 
 
