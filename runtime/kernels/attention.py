@@ -50,6 +50,12 @@ rule, the split kernel expands each tile in registers (code times scale, rounded
 activation dtype as ``dequantize_q8_0`` rounds), so no expanded copy of the cache is made (the
 torch form expands the layer's whole buffer every token).
 
+A sliding-window layer's ring (``ring=True``, ``runtime.cache.KVCache``: the window and the
+longest call's rows, not the whole context) maps position p to row ``p % S`` in all four
+kernels. The decode splits then count from the split of ``WINDOW_ALIGN`` positions holding the
+window's first, so a ring's partials are those of the whole buffer split at 64 (the same
+splits, merged in the same order): the same bits.
+
 The mask is ``runtime.layers._attend``'s (``j <= pos`` and, with a window, ``pos - j < window``),
 applied to the loads, so rows past the position may hold anything. ``pos`` is a Python int or a
 0-dim integer device tensor: a captured step reads its position from memory, never on the host.
