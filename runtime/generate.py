@@ -35,7 +35,8 @@ from sparkpack.formats.memory import (LONG_PAST_TOKENS, PREFILL_CHUNK, PREFILL_G
 from sparkpack.formats.profile import SIDES
 
 from .cache import STATE_CHECKPOINTS, RecurrentState, StateCheckpoints
-from .graph import PREFILL_SIZES, DecodeGraph, PrefillGraphs, capturable, feeds_short_calls, prefill_is_padded
+from .graph import (PREFILL_SIZES, DecodeGraph, PrefillGraphs, capturable, feeds_short_calls, prefill_is_padded,
+                    short_prefill_calls)
 from .kernels.moe_grouped import tile_calls
 from .models.base import Call, MoEModel
 
@@ -140,8 +141,11 @@ class Session:
         self.use_graphs = capturable(model) if graphs is None else graphs
         self.graph: DecodeGraph | None = None
         self.timing = Timing()
-        # (sliding-window rings sized for the longest call the --vram plan counts)
-        self.cache = model.new_cache(ctx, kv_type, ring_calls(longest_call(model.spec, ctx, kv_type, prefill_chunk)))
+        # Sliding-window rings sized for the longest call: the one the --vram plan counts where
+        # calls are short (a GPU in half precision), else (CPU, float32) whole chunks at any context.
+        short = model.kernels and short_prefill_calls(model.device, model.dtype, model.spec, kv_type)
+        longest = longest_call(model.spec, ctx, kv_type, prefill_chunk) if short else prefill_chunk
+        self.cache = model.new_cache(ctx, kv_type, ring_calls(longest))
         self.cache_ctx = ctx
         # short prefill calls padded to a few sizes and (with graphs) captured: runtime.graph
         self.prefill = PrefillGraphs(model, self.cache, self.use_graphs) if prefill_is_padded(model, self.cache) else None

@@ -137,6 +137,23 @@ def test_a_ring_grown_for_a_longer_call_keeps_the_window_before_it():
     assert ring.holds(pos - window + 1, pos) and not ring.holds(pos - window, pos)
 
 
+def test_an_eager_session_sizes_its_rings_for_whole_chunks(synth_model):
+    """Where prompts go in whole chunks at any context (the CPU here), the rings are sized for
+    them: a long prompt wraps them without growing them, so no window is given up."""
+    from sparkpack.formats.memory import window_rows
+
+    model = load_model(synth_model("laguna"))
+    session = Session(model, prefill_chunk=256, ctx=4096)
+    rings = [la for la in session.cache.layers if la.ring]
+    assert rings and all(la.ring_rows == window_rows(model.window, 512) for la in rings)  # (a padded call's 512)
+    session = Session(model, prefill_chunk=1024, ctx=4096)
+    rings = [la for la in session.cache.layers if la.ring]
+    assert all(la.ring_rows == window_rows(model.window, 1024) for la in rings)  # (a GPU would plan 512)
+    session.prompt(ids_of(21, 2600))
+    assert all(la.rows == window_rows(model.window, 1024) and la.since == 0 for la in rings)
+    assert session.cache.keeps(2048)  # the window before the last whole call's start
+
+
 BREAK = 5  # a stand-in for the chat template's control tokens (ids_of never draws it)
 
 
