@@ -425,7 +425,7 @@ def test_dense_matrices_held_as_gguf_bytes_give_the_expanded_forward(arch, synth
 def test_laguna_rings_past_their_rows_match_transformers(tiny_hf_gguf, hf_ref):
     """Laguna's sliding-window layers keep rings of ``window_rows`` rows: fed far past them in
     prefill calls, decode steps and a call longer than the ring was sized for (it grows, keeping
-    its positions), the logits are transformers' (float32) and a whole forward's (float64)."""
+    the window before the call), the logits are transformers' (float32) and a whole forward's (float64)."""
     from sparkpack.formats.memory import window_rows
 
     hf = hf_ref("laguna")
