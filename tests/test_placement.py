@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +13,8 @@ import torch
 from sparkpack.formats.archs import LINEAR, model_spec
 from sparkpack.formats.decayed_routing import DecayedRouting
 from sparkpack.formats.gguf_file import GGUFModel
-from sparkpack.formats.memory import PREFILL_CHUNK, PREFILL_GRAPH_TOKENS, MemoryTarget, group_bytes, runtime_bytes
+from sparkpack.formats.memory import (PREFILL_CHUNK, PREFILL_GRAPH_TOKENS, MemoryTarget, group_bytes, kv_cache_bytes,
+                                      runtime_bytes)
 from sparkpack.formats.placement import (SWAP_MARGIN, Budget, Swaps, cold_hit_rates, default_cache_slots, expert_scores,
                                          make_plan, plan_residency, plan_swaps, plan_uniform)
 from sparkpack.formats.profile import Profile, model_identity
@@ -208,3 +210,23 @@ def test_split_plans_what_the_runtime_allocates(synth_model, tmp_path, monkeypat
     staged = ExpertStore(src, spec, "cpu", torch.float32, plan.hot, plan.cache_slots, "zerocopy", fused=True,
                          stage_tokens=opts.stage_tokens if plan.staging_bytes else None)  # (as open_store passes it)
     assert staged.describe()["staging_bytes"] == plan.staging_bytes
+
+
+def test_vram_plan_prints_the_plan_split_and_spark_run_share(synth_model, capsys):
+    """bench/vram_plan.py: per context the KV cache a session allocates (Laguna's rings counted)
+    and the hot experts the shared plan leaves, or the plan's own refusal as one line."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import vram_plan
+
+    path = synth_model("laguna", "Q4_K_M")
+    spec = model_spec(GGUFModel(path))
+    rows = vram_plan.main([str(path), "--vram", "4GiB", "--ctx", "512", "40000", "--kv", "auto"])
+    for r in rows:
+        target = MemoryTarget.gpu(spec, r["ctx"])
+        assert r["kv_bytes"] == kv_cache_bytes(spec, r["ctx"], 2.0, target.prefill_chunk)
+        assert r["hot_bytes"] == plan_residency(spec, GGUFModel(path).tensors, Budget(vram=4 * 2**30), target).hot_bytes
+    assert rows[1]["kv_bytes"] < 2 * 40000 * spec.head_dim * sum(spec.n_head_kv) * 2  # the rings hold less
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and out[1].startswith("--ctx 40000 --kv-type auto: KV cache")
+    refused = vram_plan.main([str(path), "--vram", "1MiB", "--ctx", "512", "--kv", "q8_0"])
+    assert "too small" in refused[0]["refused"] and "refused: " in capsys.readouterr().out
