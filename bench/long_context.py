@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     n_vocab = vocab_size(args.model)
+    if not args.llama_bench.is_file():
+        print(f"no llama-bench at {args.llama_bench}: its columns are left out (build it in the same device "
+              f"call: a build left running when a call ends dies with it)", file=sys.stderr)
     rows = []
     for n in args.lengths:
         rng = random.Random(n)
