@@ -146,7 +146,7 @@ def window_rows(window: int, calls: int) -> int:
     return -(-(window + max(calls, WINDOW_ALIGN + 1) - 1) // WINDOW_ALIGN) * WINDOW_ALIGN
 
 
-def ring_calls(prefill_chunk: int) -> int:
+def call_rows(prefill_chunk: int) -> int:
     """The rows one call writes at most in a session whose longest call is ``prefill_chunk``
     tokens: a short call may be padded up to ``PREFILL_GRAPH_TOKENS`` (runtime.graph)."""
     return max(prefill_chunk, PREFILL_GRAPH_TOKENS)
@@ -200,10 +200,10 @@ def kv_cache_bytes(spec: ModelSpec, ctx: int, bytes_per_value: float = 2.0,
     """K and V for every attention layer at ``ctx`` positions; a sliding-window layer holds a ring
     of ``window_rows`` (at most ``ctx``) for a session whose longest call is ``prefill_chunk``."""
     total = 0.0
-    window = int(spec.hparams.get("sliding_window") or 0)
     for il, kind in enumerate(spec.layers):
         if kind.attention in (FULL, SLIDING):
-            rows = min(ctx, window_rows(window, ring_calls(prefill_chunk))) if kind.attention == SLIDING else ctx
+            rows = min(ctx, window_rows(spec.sliding_window, call_rows(prefill_chunk))) if kind.attention == SLIDING \
+                else ctx
             total += 2 * spec.n_head_kv[il] * spec.head_dim * rows * bytes_per_value
     return int(total)
 

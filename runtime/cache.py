@@ -83,9 +83,11 @@ class KVCache:
 
     def fits(self, n: int, call: int = 1) -> bool:
         """Whether ``reserve(n, like, call)`` would leave the buffers as they are."""
-        if self.k is None:
-            return False
-        return self.rows >= (min(n, max(self.ring_rows, window_rows(self.window, call))) if self.ring else n)
+        return self.k is not None and self.rows >= (min(n, self._ring_for(call)) if self.ring else n)
+
+    def _ring_for(self, call: int) -> int:
+        """The rows a ring needs for calls of up to ``call`` rows (those it was sized for, at least)."""
+        return max(self.ring_rows, window_rows(self.window, call))
 
     def reserve(self, n: int, like: torch.Tensor, call: int = 1) -> None:
         """Make room for positions up to ``n`` written by calls of up to ``call`` rows (buffers
@@ -95,7 +97,7 @@ class KVCache:
         sequence gone back from, which would land on rows of earlier positions."""
         if self.fits(n, call):
             return
-        ring = max(self.ring_rows, window_rows(self.window, call)) if self.ring else 0
+        ring = self._ring_for(call) if self.ring else 0
         need = min(n, ring) if self.ring else n
         cap = max(self.capacity, 1)
         while cap < need:

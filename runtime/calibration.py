@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from sparkpack.formats.archs import ModelSpec
-from sparkpack.formats.memory import PREFILL_GRAPH_TOKENS
+from sparkpack.formats.memory import call_rows
 
 from .chat_template import ChatTemplate
 from .cli import report_residency
@@ -77,7 +77,7 @@ class ModelRouter:
         # no state checkpoints: a window is never gone back into (each would hold ~66 MB of
         # pinned host memory for a Qwen3.6 shape, copied after every call)
         self.session = Session(model, prefill_chunk=prefill_chunk, ctx=ctx, checkpoints=0)
-        rows = max(self.session.longest_call, PREFILL_GRAPH_TOKENS)  # the most rows one call has (padded calls too)
+        rows = call_rows(self.session.longest_call)  # the most rows one call has (padded calls too)
         self.tap = RoutingTap(model.experts, model.spec, model.device, rows, record)
         self.tokenizer = GGUFTokenizer.from_metadata(model.gguf)
         template = model.gguf.get("tokenizer.chat_template")

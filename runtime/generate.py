@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 
 from sparkpack.formats.memory import (LONG_PAST_TOKENS, PREFILL_CHUNK, PREFILL_GRAPH_TOKENS, group_tokens, longest_call,
-                                      ring_calls)
+                                      call_rows)
 from sparkpack.formats.profile import SIDES
 
 from .cache import STATE_CHECKPOINTS, RecurrentState, StateCheckpoints
@@ -145,7 +145,7 @@ class Session:
         # calls are short (a GPU in half precision), else (CPU, float32) whole chunks at any context.
         short = model.kernels and short_prefill_calls(model.device, model.dtype, model.spec, kv_type)
         longest = longest_call(model.spec, ctx, kv_type, prefill_chunk) if short else prefill_chunk
-        self.cache = model.new_cache(ctx, kv_type, ring_calls(longest))
+        self.cache = model.new_cache(ctx, kv_type, call_rows(longest))
         self.cache_ctx = ctx
         # short prefill calls padded to a few sizes and (with graphs) captured: runtime.graph
         self.prefill = PrefillGraphs(model, self.cache, self.use_graphs) if prefill_is_padded(model, self.cache) else None
@@ -318,7 +318,8 @@ class Session:
         saved = max((p for p in self.checkpoints.positions if p <= best), default=0)
         if self.recurrent:
             return saved
-        return max(saved, max((c for c in self.cuts if c <= best and self.cache.keeps(c)), default=0))
+        # (the cuts ascend, and a ring that holds a cut's window holds every later one's)
+        return max(saved, next((c for c in reversed(self.cuts) if c <= best and self.cache.keeps(c)), 0))
 
     def _run(self, ids: list[int], n: int, graph: bool, side: str) -> torch.Tensor:
         """Feed ``ids[n:]`` (tokens of ``side``) after the ``n`` tokens in the cache; the logits of the last."""
@@ -385,7 +386,7 @@ class Session:
         self.cuts += c.passed
         if c.closes:
             self.cuts.append(c.end)
-        self.cache.wrote(c.start + (self.prefill.size(c.end - c.start) if self._padded(c) else c.end - c.start))
+        self.cache.wrote(c.start + self._rows(c))
         if c.keeps:
             self.exact = c.end
             if save and self.recurrent:
@@ -405,6 +406,10 @@ class Session:
         """Whether call ``c`` is one ``PrefillGraphs`` pads (else it runs eagerly as it is)."""
         return self.prefill is not None and self.prefill.size(c.end - c.start) is not None
 
+    def _rows(self, c: "PlannedCall") -> int:
+        """The rows call ``c`` writes, padding included."""
+        return self.prefill.size(c.end - c.start) if self._padded(c) else c.end - c.start
+
     def _groups(self, calls: list["PlannedCall"]) -> list[list["PlannedCall"]]:
         """``calls`` in groups of at most ``group_tokens`` tokens that run layer by layer, where
         the store stages (one call each elsewhere: a group would only hold more rows); padded
@@ -422,8 +427,7 @@ class Session:
 
     def _stages(self, group: list["PlannedCall"]) -> bool:
         """Whether a group of ``group``'s calls stages its cold experts (its rows, padding included)."""
-        rows = sum(self.prefill.size(c.end - c.start) if self._padded(c) else c.end - c.start for c in group)
-        return self.model.experts.staged_prefill(rows)
+        return self.model.experts.staged_prefill(sum(self._rows(c) for c in group))
 
     def _grouped(self, ids: list[int], group: list["PlannedCall"]) -> torch.Tensor | None:
         """The logits of ``group``'s last token, its calls run layer by layer

@@ -50,6 +50,11 @@ class ModelSpec:
     expert_tensors: dict[int, dict[str, str]] = field(default_factory=dict)
 
     @property
+    def sliding_window(self) -> int:
+        """Positions a sliding-window layer attends to (0: the arch has none)."""
+        return int(self.hparams.get("sliding_window") or 0)
+
+    @property
     def moe_layers(self) -> list[int]:
         return [i for i, k in enumerate(self.layers) if k.ffn == MOE]
 

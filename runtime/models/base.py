@@ -75,9 +75,8 @@ class MoEModel(ABC):
         if kv_type == "q8_0" and self.spec.head_dim % Q8_BLOCK:
             raise SparkpackError(self.gguf.path, f"--kv-type q8_0 needs a head size that is a multiple of "
                                                  f"{Q8_BLOCK}; this model's is {self.spec.head_dim}")
-        window = int(self.spec.hparams.get("sliding_window") or 0)
         return Cache([RecurrentState() if k.attention == LINEAR else
-                      KVCache(capacity, kv_type, window if k.attention == SLIDING else 0, calls)
+                      KVCache(capacity, kv_type, self.spec.sliding_window if k.attention == SLIDING else 0, calls)
                       for k in self.spec.layers])
 
     def route(self, il: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

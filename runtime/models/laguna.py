@@ -25,7 +25,7 @@ class Laguna(MoEModel):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         hp = self.spec.hparams
-        self.window = int(hp["sliding_window"])
+        self.window = self.spec.sliding_window
         self.rope_swa = Rope(hp["rope_dim_swa"], rope_inv_freq(hp["rope_freq_base_swa"], hp["rope_dim_swa"]))
         yarn = hp.get("rope_scaling")  # read and checked by the spec (formats/archs/laguna.py)
         if yarn:
