@@ -144,11 +144,14 @@ class KVCache:
                 buf.index_copy_(1, at if at is not None else pos0 + torch.arange(T, device=k.device), rows)
             else:
                 buf[:, pos0: pos0 + T] = rows
-        return self.buffers(prefill_rows(pos0, T) if not self.ring else None)
+        return self.buffers(prefill_rows(pos0, T))
 
     def buffers(self, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value buffers ``[H_kv, S, d]`` in the activations' dtype (q8_0: expanded, a
-        transient of one layer's size); ``rows``: only the first rows (those a prefill call reads)."""
+        transient of one layer's size); ``rows``: only the rows of positions before it (those a
+        prefill call reads), which are the first rows of a buffer and any rows of a ring (all given)."""
+        if self.ring:
+            rows = None
         k, v = (self.k, self.v) if rows is None else (self.k[:, :rows], self.v[:, :rows])
         if self.q8:
             ks, vs = (self.k_scale, self.v_scale) if rows is None else (self.k_scale[:, :rows], self.v_scale[:, :rows])

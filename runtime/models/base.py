@@ -280,9 +280,9 @@ class MoEModel(ABC):
             elif not kv.q8 and (isinstance(pos0, torch.Tensor) or pos0 > 0):
                 o = attend_prefill(qr, kv.k, kv.v, pos0, window, kv.ring)
             elif kv.q8 and not isinstance(pos0, torch.Tensor) and pos0 > 0:  # the rows it reads, expanded
-                o = attend_prefill(qr, *kv.buffers(None if kv.ring else pos0 + T), pos0, window, kv.ring)
+                o = attend_prefill(qr, *kv.buffers(pos0 + T), pos0, window, kv.ring)
             else:
-                o = attend_buffers(qr, *kv.buffers(None if kv.ring else prefill_rows(pos0, T)), pos0, window, kv.ring)
+                o = attend_buffers(qr, *kv.buffers(prefill_rows(pos0, T)), pos0, window, kv.ring)
             return Rows(output_gate(o, gate, gate_kind).reshape(T, H * d))
         q8 = q8dot.wanted(1, d)
         o = attend_decode(qr[0], kv.k, kv.v, pos0, window, None if gate is None else gate[0], gate_kind,
