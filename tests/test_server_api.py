@@ -304,16 +304,16 @@ def test_images_and_documents_become_placeholders_and_the_conversation_goes_on(s
     wait_for_line(server, 'POST /v1/responses 200 .* omitted="1 document, 1 image"')
 
 
-def wait_for_line(server, pattern: str, after: int = 0) -> re.Match:
-    """The server's first stderr line from ``after`` on matching ``pattern`` (a stream's line is
-    written when the stream ends, which the client may see first)."""
+def wait_for_line(server, pattern: str, after: int = 0, count: int = 1) -> list[str]:
+    """The server's stderr lines from ``after`` on matching ``pattern``, once there are ``count``
+    (a stream's line is written when the stream ends, which the client may see first)."""
     end = time.monotonic() + 30
     while time.monotonic() < end:
-        for line in server.stderr[after:]:
-            if m := re.search(pattern, line):
-                return m
+        found = [line for line in server.stderr[after:] if re.search(pattern, line)]
+        if len(found) >= count:
+            return found
         time.sleep(0.05)
-    raise AssertionError(f"no log line matches {pattern!r}: {''.join(server.stderr[after:])[-3000:]}")
+    raise AssertionError(f"no {count} log lines match {pattern!r}: {''.join(server.stderr[after:])[-3000:]}")
 
 
 def test_each_request_is_one_log_line(server, claude, oai):
@@ -463,7 +463,7 @@ def test_a_client_that_goes_away_cancels_its_generation_and_its_queued_request(s
         return [json.loads((server.hooks / f"{n}.json").read_text())
                 for n in sorted(int(p.stem) for p in server.hooks.glob("*.json"))]
 
-    before = len(dumps())
+    before, start = len(dumps()), len(server.stderr)
     stream = oai.chat.completions.create(model="x", messages=user("long"), max_tokens=300, stream=True)
     got = sum(1 for _, _ in zip(range(4), stream))  # the role chunk, then 3 tokens
     stream.close()
@@ -479,3 +479,5 @@ def test_a_client_that_goes_away_cancels_its_generation_and_its_queued_request(s
     assert got == 4 and len(first["tokens"]) < 3 + 20 and len(second["tokens"]) < 1000 and len(last["tokens"]) == 2
     metrics = httpx.get(server.base + "/metrics").text
     assert 'sparkpack_requests_total{outcome="cancelled",route="chat"} 3.0' in metrics
+    # each logged as cancelled: two streams and the request given up on while queued
+    assert len(wait_for_line(server, r"POST /v1/chat/completions 200 .* finish=cancelled", start, 3)) == 3

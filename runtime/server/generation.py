@@ -22,7 +22,7 @@ from sparkpack.formats.errors import SparkpackError
 
 from ..chat_template import ChatTemplate
 from ..options import SamplingOptions
-from .engine import Engine, Job
+from .engine import Engine, Job, Outcome
 from .errors import ApiError, anthropic_field, context_exceeded
 from .http import sse
 from .messages import Conversation, RequestError
@@ -270,11 +270,13 @@ async def relay(served: Served, route: str, job: Job, stream: EventStream, fmt: 
     """The SSE items of a streamed job. A client that goes away (the generator is closed or
     cancelled) cancels the job; the outcome is counted in the metrics and logged either way."""
     outcome = "cancelled"
+    started = Started(len(job.ids), 0)
     try:
         for item in fmt.opening():
             yield item
         async for item in stream.events():
             if isinstance(item, Started):
+                started = item
                 out = fmt.started(item)
             elif isinstance(item, Finished):
                 outcome = item.outcome.finish
@@ -290,6 +292,8 @@ async def relay(served: Served, route: str, job: Job, stream: EventStream, fmt: 
     finally:
         job.cancel()
         served.metrics.requests.labels(route, outcome).inc()
+        if record.outcome is None:  # the client went away first: what is known of the job
+            record.outcome = Outcome("cancelled", started.prompt_tokens, started.cached_tokens)
         record.write()
 
 
