@@ -301,3 +301,46 @@ def test_split_refuses_a_zero_dimension(synth_model, tmp_path, cli):
     out = tmp_path / "z.sparkpack"
     one_line(*cli("repack", "split", src, "-o", out), "repack", "extra.weight has shape [4, 0]")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("how", ["onto", "same offset", "partial", "inside the header"])
+@pytest.mark.parametrize("version", [2, 1])
+def test_overlap_in_the_header_copy_is_refused(pack, cli, tmp_path, reference, how, version):
+    """header.bin's tensor index with one tensor moved onto another's bytes, its identity hash
+    re-computed (issue 43): verify and join refuse it naming both tensors; spark-run reads a v1
+    pack's header at open and refuses it too, a v2 pack's never (the manifest's map is sound and
+    the logits are the clean pack's)."""
+    from tests.pack_edit import overlap_in_header
+
+    p = pack()
+    if version == 1:
+        to_version_1(p)
+    mover, target = ("blk.1.attn_q.weight" if how == "same offset" else "blk.1.ffn_norm.weight",
+                     "blk.1.attn_output.weight")
+    overlap_in_header(p, mover, target, how)
+    needle = f"{mover} has data offset" if how == "inside the header" else f"{target} (bytes"
+    for args in (("verify", p), ("join", p, "-o", tmp_path / "x.gguf")):
+        code, err = cli("repack", *args)
+        one_line(code, err, "repack", needle)
+        assert "header.bin" in err and mover in err
+    assert not (tmp_path / "x.gguf").exists()
+    code, err, got = logits(cli, p, tmp_path / "x.npy")
+    if version == 1:
+        one_line(code, err, "spark-run", needle)
+    else:
+        assert code == 0 and np.array_equal(got, reference), err
+
+
+@pytest.mark.parametrize("how", ["onto", "same offset", "partial", "inside the header"])
+def test_overlap_in_the_manifest_is_refused_at_open(pack, cli, tmp_path, how):
+    """The manifest's own tensor list moved the same way (re-sealed): every command that opens
+    the pack refuses it in one line naming both tensors (or the header, for byte 0)."""
+    from tests.pack_edit import overlap_in_manifest
+
+    p = pack()
+    overlap_in_manifest(p, "blk.1.attn_q.weight" if how == "same offset" else "blk.1.ffn_norm.weight",
+                        "blk.1.attn_output.weight", how)
+    needle = "starts at byte 0, inside the header" if how == "inside the header" else "blk.1.attn_output.weight ("
+    one_line(*cli("repack", "inspect", p), "repack", needle)
+    one_line(*cli("repack", "verify", p), "repack", needle)
+    one_line(*logits(cli, p, tmp_path / "x.npy")[:2], "spark-run", needle)
