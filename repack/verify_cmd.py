@@ -49,6 +49,9 @@ def verify_cmd(pack: Path) -> None:
     """Check every shard of a .sparkpack against its manifest; exit 1 naming the first bad one."""
     from tqdm import tqdm
 
+    from .outputs import clear_stale
+
+    clear_stale(pack.absolute().parent)  # what a killed split or join left beside the pack
     p = Pack.open(pack)
     total = sum(t.nbytes for t in p.tensors.values())
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", file=sys.stderr,
