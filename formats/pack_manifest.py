@@ -326,6 +326,12 @@ def _spec(r: _Reader, s: dict[str, Any]) -> SpecSummary:
         experts[il] = {k: r.str(v, f"spec.expert_tensors.{il}.{k}") for k, v in roles.items()}
     if len(names) != len(moe):
         raise r.fail("spec.expert_tensors", "must name the expert tensors of exactly the MoE layers")
+    seen: dict[str, str] = {}
+    for il, roles in experts.items():  # one tensor read as two roles' experts would mix their bytes
+        for role, name in roles.items():
+            if name in seen:
+                raise r.fail(f"spec.expert_tensors.{il}.{role}", f"names {name[:80]}, already {seen[name]}")
+            seen[name] = f"spec.expert_tensors.{il}.{role}"
     return SpecSummary(n_layer, n_expert, moe, experts)
 
 

@@ -344,3 +344,33 @@ def test_overlap_in_the_manifest_is_refused_at_open(pack, cli, tmp_path, how):
     one_line(*cli("repack", "inspect", p), "repack", needle)
     one_line(*cli("repack", "verify", p), "repack", needle)
     one_line(*logits(cli, p, tmp_path / "x.npy")[:2], "spark-run", needle)
+
+
+def test_one_tensor_named_for_two_layers_is_refused(pack, cli):
+    """spec.expert_tensors naming one tensor twice (and the parts following it): two layers' experts
+    would be read from the same bytes. Refused where the manifest is parsed, naming both places."""
+    p = pack()
+
+    def reuse(m):
+        m["spec"]["expert_tensors"]["1"]["up"] = m["spec"]["expert_tensors"]["0"]["up"]
+        m["experts"][1]["parts"] = m["experts"][0]["parts"]
+    edit_manifest(p, reuse)
+    for args in (("inspect", p), ("verify", p)):
+        one_line(*cli("repack", *args), "repack", "spec.expert_tensors.1.up: names blk.0.ffn_up_exps.weight, already "
+                                                  "spec.expert_tensors.0.up")
+
+
+def test_verify_refuses_a_cold_file_the_manifest_does_not_name(pack, cli, tmp_path, reference):
+    """A shard file beside the listed ones (a hot expert's slot, as another split would have
+    written it): verify refuses the pack; join and spark-run, which never open it, are unchanged."""
+    p = pack()
+    m = Pack.open(p)
+    cold_one = next(r for r in m.records.values() if not r.hot)
+    hot_one = next(r for r in m.records.values() if r.hot and r.layer == cold_one.layer)
+    stray = f"cold/L{hot_one.layer:03d}/E{hot_one.expert:04d}.bin"
+    shutil.copy(p / cold_one.shard, p / stray)
+    one_line(*cli("repack", "verify", p), "repack", f"{stray} is not a shard the manifest names")
+    code, err, got = logits(cli, p, tmp_path / "x.npy")
+    assert code == 0 and np.array_equal(got, reference), err
+    (p / stray).unlink()
+    assert cli("repack", "verify", p)[0] == 0
