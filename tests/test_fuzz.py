@@ -1,7 +1,8 @@
 """Seeded property test over hostile inputs: GGUF headers, manifests, pack shards, profiles,
 corpus records and tensors moved onto each other (tests/fuzzing.py), every case's commands run
-in a worker process under a time and memory bound (tests/fuzz_runner.py). Each case must end refused in exactly one line or succeed
-with an output that round-trips; no traceback, hang, blow-up, crash or accepted corruption.
+in a worker process under a time and memory bound (tests/fuzz_runner.py). Each case must end
+refused in exactly one line or succeed with an output that round-trips; no traceback, hang,
+blow-up, crash or accepted corruption.
 
 The same cases at scale: ``python -m tests.fuzz_runner --cases 10000`` (the run reported in
 the issue note).
