@@ -4,9 +4,9 @@ gguf-py's reader trusts the counts it reads: a corrupted array count makes it lo
 tensor that runs past the end of the file fails inside numpy. ``scan_header`` walks the same
 structure first (magic, version, key/value pairs, tensor index), refusing anything a real GGUF
 cannot hold, so that gguf-py only ever sees a file whose structure is sound; then the tensor map
-as a whole (``check_tensor_map``: ranges inside the data section, no two sharing a byte). It also reads a
-header without the tensor data behind it (a pack's ``header.bin``), which gguf-py cannot, so
-``repack verify`` can check a manifest against the header it was written from.
+as a whole (``check_tensor_map``: ranges inside the data section, no two sharing a byte). It
+also reads a header without the tensor data behind it (a pack's ``header.bin``), which gguf-py
+cannot, so ``repack verify`` can check a manifest against the header it was written from.
 
 Layout (little-endian, GGUF v2/v3): magic, u32 version, u64 tensor count, u64 key/value count,
 the key/value pairs (string key, u32 value type, value; arrays are u32 element type, u64 count,

@@ -240,13 +240,13 @@ class Profile:
         if not isinstance(counts, dict) or not isinstance(tokens, dict):
             raise FormatError(where, "counts and tokens must be objects with prompt and generated entries")
         prof = cls(ModelIdentity.from_json(d.get("identity"), where), d["arch"], n_layer, n_expert, list(moe), {}, {})
+        dense = sorted(set(range(n_layer)) - set(moe))  # layers without experts route nowhere
         for s in SIDES:
             prof.counts[s] = _count_matrix(counts.get(s), (n_layer, n_expert), where, f"{s} counts")
-            dense = sorted(set(range(n_layer)) - set(moe))
-            if dense and prof.counts[s][dense].any():  # a layer without experts routes nowhere
-                il = next(il for il in dense if prof.counts[s][il].any())
-                raise FormatError(where, f"{s} counts route tokens in layer {il}, which moe_layers does not list "
-                                         "(a layer without experts)")
+            routed = [il for il in dense if prof.counts[s][il].any()]
+            if routed:
+                raise FormatError(where, f"{s} counts route tokens in layer {routed[0]}, which moe_layers does not "
+                                         "list (a layer without experts)")
             tok = tokens.get(s)
             if not _is_number(tok) or not math.isfinite(float(tok)) or tok < 0:
                 raise FormatError(where, f"{s} token count must be a finite number >= 0")

@@ -4,10 +4,11 @@ Six kinds of case, each derived from ``random.Random(f"{seed}:{index}")`` so any
 replayed alone: ``gguf`` (a synthetic model's header with bytes, counts, types or metadata values
 changed), ``manifest`` (a pack's manifest edited field by field, re-sealed or not, or its text
 damaged), ``shard`` (pack bytes flipped, zeroed, truncated, swapped or re-compressed), ``profile``
-(a placement profile edited) and ``corpus`` (traffic records of every format with wrong types,
+(a placement profile edited), ``corpus`` (traffic records of every format with wrong types,
 huge or deep values, lone surrogates, junk) and ``overlap`` (one tensor's offset moved onto
-another's range, in a GGUF or a pack's header copy or manifest: issue 43). Each case runs the real commands in this process
-(``repack inspect/split/join/verify/calibrate``, ``spark-run``) and the oracle says:
+another's range, in a GGUF or a pack's header copy or manifest: issue 43). Each case runs the
+real commands in this process (``repack inspect/split/join/verify/calibrate``, ``spark-run``)
+and the oracle says:
 
 * ``refused``: exit code != 0 with exactly one line on stderr (a traceback escaping is
   ``traceback``; more lines is ``noisy``);
@@ -15,7 +16,8 @@ another's range, in a GGUF or a pack's header copy or manifest: issue 43). Each 
   byte for byte; a pack that verifies joins to the source GGUF byte for byte and spark-run
   gives the clean pack's exact logits; a pack join accepts rebuilds the source exactly; a
   profile split accepts gives a pack that verifies;
-* ``accepted``: success with a wrong output: a corruption accepted (by verify, join or spark-run).
+* ``accepted``: success with a wrong output: a corruption accepted (by verify, join or spark-run);
+  for ``overlap``, which is never sound, any command that reads the moved map and succeeds.
 
 Hangs, memory blow-ups and crashes are judged by the process running the cases
 (``tests/fuzz_runner.py``), which bounds each case's time and memory.
