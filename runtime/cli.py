@@ -21,16 +21,17 @@ not), and a server moves the hot set toward them between requests.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
+from sparkpack.formats.atomic_file import write_atomic
 from sparkpack.formats.errors import SparkpackError, Terminated, cli_entry
 from sparkpack.formats.memory import KV_BYTES_PER_VALUE, PREFILL_CHUNK
 from sparkpack.formats.units import SizeParam
@@ -60,17 +61,13 @@ def parse_ids(text: str, n_vocab: int) -> list[int]:
 
 
 def save_npy_atomic(path: Path, array) -> None:
+    """Under the project's temp name (``formats.atomic_file``), which later commands clear when a
+    kill leaves it behind."""
     import numpy as np
 
-    path = path.resolve()
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    buf = io.BytesIO()
+    np.save(buf, array)
+    write_atomic(path, buf.getvalue())
 
 
 def one_shot_sampler(sampling: SamplingOptions):
@@ -380,19 +377,7 @@ def report_stats(model, session, stats_json: Path | None) -> None:
     if stats_json is not None:
         import json
 
-        write_text_atomic(stats_json, json.dumps(s, indent=1) + "\n")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    path = path.resolve()
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        write_atomic(stats_json, json.dumps(s, indent=1) + "\n")
 
 
 CHAT_HELP = """\

@@ -3,6 +3,7 @@ the next run of the same command cleans or restores what was left, saying so in 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkpack.formats.leftovers import clean_leftovers
+from sparkpack.formats.leftovers import clean_folder, clean_leftovers
 from sparkpack.formats.sparkpack import Pack
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,3 +138,102 @@ def test_live_process_names_are_left_alone(tmp_path):
     assert clean_leftovers(out) == [f"removed {gone.name}, an unfinished output of a run that was killed "
                                     f"(process {int(dead.stdout)})"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, ".x.gguf.tmp-notapid", ".y.gguf.tmp-1"])
+
+
+# --- the whole folder, at the start of every command that writes into it --------------------------
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (the names a kill -9 leaves carry such a pid)."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
+def litter(d: Path, dead: int) -> tuple[list[str], list[str]]:
+    """What killed writers of three outputs left in ``d`` (a joined GGUF's partial file, a split's
+    half-written pack, a pack moved aside by split --force), beside names that are not stale or
+    not ours: a live writer's, someone else's folder, no pid. Returns (the lines a command must
+    print, the hidden names that must stay)."""
+    (d / f".a.gguf.tmp-{dead}").write_bytes(b"partial")
+    half = d / f".b.sparkpack.tmp-{dead}"
+    (half / "cold" / "L000").mkdir(parents=True)
+    (half / "hot.bin").write_bytes(b"hot")
+    old = d / f".c.sparkpack.old-{dead}"
+    old.mkdir()
+    (old / "manifest.json").write_text("{}")
+    kept = [f".a.gguf.tmp-{os.getpid()}", f".d.tmp-{dead}", ".e.gguf.tmp-notapid"]
+    (d / kept[0]).write_bytes(b"a live writer's")
+    (d / kept[1]).mkdir()
+    (d / kept[1] / "notes.txt").write_text("not a pack")
+    (d / kept[2]).write_bytes(b"")
+    said = [f"repack: removed .a.gguf.tmp-{dead}, an unfinished output of a run that was killed (process {dead})",
+            f"repack: removed .b.sparkpack.tmp-{dead}, an unfinished output of a run that was killed (process {dead})",
+            f"repack: restored {d / 'c.sparkpack'} from .c.sparkpack.old-{dead}, moved aside by a run that was "
+            f"killed (process {dead})"]
+    return said, kept
+
+
+@pytest.fixture(scope="module")
+def sources(synth_model, tiny_hf_gguf, tmp_path_factory):
+    """A model, its pack, a corpus, a profile and a transformers folder, outside the littered folder."""
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.gguf_file import GGUFModel
+    from sparkpack.formats.profile import Profile, model_identity
+
+    root = tmp_path_factory.mktemp("sources")
+    model = synth_model("qwen3moe")
+    assert repack("split", model, "-o", root / "m.sparkpack", "--hot-fraction", "0.5").returncode == 0
+    (root / "c.jsonl").write_text('{"messages": [{"role": "user", "content": "hello there"}]}\n')
+    with GGUFModel(model) as m:
+        Profile.new(model_identity(m), model_spec(m)).save(root / "m.profile.json")
+    return {"model": model, "pack": root / "m.sparkpack", "corpus": root / "c.jsonl",
+            "profile": root / "m.profile.json", "hf": tiny_hf_gguf("qwen3moe")[0]}
+
+
+COMMANDS = {
+    "synth": lambda s, d: ("synth", "--arch", "qwen3moe", "--jobs", "1", "-o", d / "new.gguf"),
+    "convert-hf": lambda s, d: ("convert-hf", s["hf"], "-o", d / "new.gguf"),
+    "split": lambda s, d: ("split", s["model"], "-o", d / "new.sparkpack", "--hot-fraction", "0.5"),
+    "join": lambda s, d: ("join", s["pack"], "-o", d / "new.gguf"),
+    "calibrate": lambda s, d: ("calibrate", s["model"], "--corpus", s["corpus"], "-o", d / "new.profile.json",
+                               "--device", "cpu", "--quiet"),
+    "report": lambda s, d: ("report", s["profile"], "-o", d / "new.report.html"),
+    "verify": lambda s, d: ("verify", d / "m.sparkpack"),
+}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_writer_and_verify_clear_the_folder_first(sources, tmp_path, command):
+    """Whatever killed writers left in the folder a command writes into (or a verified pack lies
+    in) is cleared at its start, whichever output it belonged to, one line each; a live writer's
+    temporary, a folder that is not a pack and a name without a pid stay."""
+    d = tmp_path / "out"
+    d.mkdir()
+    if command == "verify":
+        shutil.copytree(sources["pack"], d / "m.sparkpack")
+    said, kept = litter(d, dead_pid())
+    r = repack(*COMMANDS[command](sources, d))
+    assert r.returncode == 0, r.stderr
+    assert notices(r.stderr) == said, r.stderr
+    assert hidden(d) == sorted(kept)
+    assert (d / "c.sparkpack" / "manifest.json").read_text() == "{}"  # the moved-aside pack, back in place
+
+
+def test_a_killed_split_is_cleared_by_the_next_command_in_its_folder(synth_model, tmp_path):
+    """kill -9 in the middle of a split's copying, then a join into the same folder: the split's
+    half-written pack goes, named in one line."""
+    src, pack = synth_model("qwen3moe"), tmp_path / "m.sparkpack"
+    assert repack("split", src, "-o", tmp_path / "ok.sparkpack", "--hot-fraction", "0.5").returncode == 0
+    pid = kill_at(tmp_path, "sparkpack.formats.pack_writer", "_pwrite_all", 3, "split", src, "-o", pack)
+    assert hidden(tmp_path) == [f".m.sparkpack.tmp-{pid}"]
+    r = repack("join", tmp_path / "ok.sparkpack", "-o", tmp_path / "back.gguf")
+    assert r.returncode == 0, r.stderr
+    assert notices(r.stderr) == [f"repack: removed .m.sparkpack.tmp-{pid}, an unfinished output of a run that was "
+                                 f"killed (process {pid})"]
+    assert hidden(tmp_path) == []
+
+
+def test_clean_folder_leaves_the_running_process_and_foreign_names(tmp_path):
+    said, kept = litter(tmp_path, dead_pid())
+    assert ["repack: " + line for line in clean_folder(tmp_path)] == said
+    assert hidden(tmp_path) == sorted(kept)
+    assert clean_folder(tmp_path) == []

@@ -1,7 +1,8 @@
 """``spark-run MODEL --serve``: bind, load the model while answering /health with 503, serve.
 
-The socket is bound first (``--port 0`` picks a free port, which is printed), so clients and
-tests can wait on /health while the model loads in a thread. Once loaded, the base URLs and
+The model's index is read first (a bad file is refused in one line before anything else is
+said), then the socket is bound (``--port 0`` picks a free port, which is printed), so clients
+and tests can wait on /health while the model loads in a thread. Once loaded, the base URLs and
 client settings are printed to stdout. Ctrl-C or SIGTERM cancels the running and queued requests
 (their streams end within a token), stops the engine thread, writes the learned profile, frees
 the GPU and returns (exit 0).
@@ -297,4 +298,20 @@ def serve_from_cli(opts: RunOptions, serve: ServeOptions, report_residency: Call
         if model.residency is not None:
             report_residency(model)
 
+    check_model_index(opts.model_path)
     run_server(opts, serve, lambda: open_model(opts), loaded)
+
+
+def check_model_index(path: Path) -> None:
+    """Read the model's index (a GGUF's header, tensor map included, or a pack's manifest) and
+    its spec before the port is taken: a file every load would refuse is refused in its one line,
+    before the server says it is loading. A fraction of a second, against the minutes of a load."""
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.gguf_file import GGUFModel
+    from sparkpack.formats.sparkpack import Pack, is_pack
+
+    if is_pack(path):
+        Pack.open(path)
+        return
+    with GGUFModel(path) as model:
+        model_spec(model)
