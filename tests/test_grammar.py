@@ -1,0 +1,110 @@
+"""Constrained decoding (runtime.grammar) on the tiny synthetic models of every arch: their random
+weights never write JSON on their own, so a reply that parses and matches its schema is the
+grammar's doing; the constrained loop's tokens are the unconstrained loop's where it allows all."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sparkpack.formats.gguf_file import GGUFModel
+from sparkpack.runtime.chat_template import ChatTemplate
+from sparkpack.runtime.generate import Session, continue_tokens
+from sparkpack.runtime.grammar import GrammarError, SchemaGrammars
+from sparkpack.runtime.models import load_model
+from sparkpack.runtime.sampling import Sampler
+from sparkpack.runtime.tokenizer import CONTROL, GGUFTokenizer
+from tests.schema_check import problems
+from tests.serve_proc import one_thread
+
+ARCHS = ("qwen35moe", "qwen3moe", "laguna")
+VERDICT = {"type": "object", "additionalProperties": False, "required": ["ok", "color", "count", "note"],
+           "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
+                          "count": {"type": "integer", "minimum": 0, "maximum": 99},
+                          "note": {"type": "string", "maxLength": 16}}}
+
+
+class Loaded:
+    def __init__(self, path):
+        gguf = GGUFModel(path)
+        self.tok = GGUFTokenizer.from_metadata(gguf)
+        self.model = load_model(path)
+        self.grammars = SchemaGrammars(self.tok, self.model.spec.n_vocab)
+        template = ChatTemplate.from_tokenizer(gguf.get("tokenizer.chat_template"), self.tok)
+        text = template.render([{"role": "user", "content": "Is it red?"}], add_generation_prompt=True,
+                               enable_thinking=False)
+        self.prompt = self.tok.encode(text)
+
+    def reply(self, constraint, sampler=None, n: int = 120) -> list[int]:
+        with one_thread():  # (several threads on the shared CI cores are many times slower)
+            session = Session(self.model, prefill_chunk=16, ctx=512, breaks=self.tok.control_ids)
+            logits = session.prompt(self.prompt)
+            return list(continue_tokens(session, logits, sampler, n, self.tok.stop_ids, constraint))
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def loaded(request, synth_model) -> Loaded:
+    return Loaded(synth_model(request.param))
+
+
+def test_json_schema_replies_parse_and_match_on_every_arch(loaded):
+    """Greedy and sampled: the text is JSON that matches the schema, and it ends by itself (a stop
+    token once the object closes); greedy is deterministic."""
+    unconstrained = loaded.tok.decode(loaded.reply(None, n=40))
+    with pytest.raises(ValueError):
+        json.loads(unconstrained)  # (the model alone writes no JSON: the grammar is what the test sees)
+    greedy = loaded.reply(loaded.grammars.json_schema(VERDICT))
+    assert len(greedy) < 120 and greedy == loaded.reply(loaded.grammars.json_schema(VERDICT))
+    for ids in (greedy, loaded.reply(loaded.grammars.json_schema(VERDICT), Sampler(temperature=1.5, seed=3))):
+        value = json.loads(loaded.tok.decode(ids))
+        assert problems(value, VERDICT) == [], value
+
+
+def test_a_grammar_that_allows_everything_changes_no_token(loaded):
+    """The constrained loop (one token at a time) gives the tokens of the unconstrained one."""
+
+    class Everything:
+        def __init__(self):
+            self.accepted: list[int] = []
+
+        def mask(self, logits: torch.Tensor) -> torch.Tensor:
+            return logits
+
+        def accept(self, token: int) -> None:
+            self.accepted.append(token)
+
+    free = Everything()
+    got = loaded.reply(free, n=12)
+    assert got == loaded.reply(None, n=12) and free.accepted[:len(got)] == got
+
+
+def test_the_mask_keeps_special_tokens_out_and_ends_with_a_stop_token(synth_model):
+    loaded = Loaded(synth_model("qwen35moe"))
+    tok = loaded.tok
+    grammar = loaded.grammars.json_schema({"type": "object", "properties": {"a": {"type": "string"}}})
+    logits = torch.zeros(loaded.model.spec.n_vocab)
+    first = torch.isfinite(grammar.mask(logits)).nonzero().flatten().tolist()
+    assert [tok.decode([t]) for t in first] == ["{"]
+    control = [i for i, kind in enumerate(tok.token_types) if kind == CONTROL]
+    # a tag's text is fine inside a string when spelled in plain tokens, never as the tag's own token
+    for t in tok.encode('{"a":"<') + tok.encode('think> x"}'):
+        allowed = torch.isfinite(grammar.mask(logits))
+        assert allowed[t], tok.decode([t])
+        assert not allowed[control].any() and not allowed[tok.token_to_id("<think>")]
+        grammar.accept(t)
+    assert set(torch.isfinite(grammar.mask(logits)).nonzero().flatten().tolist()) == set(tok.stop_ids)
+    with pytest.raises(RuntimeError, match="not allowed"):
+        grammar.accept(tok.encode("x")[0])
+
+
+@pytest.mark.parametrize("schema, words", [
+    ({"type": "string", "pattern": "(?=a)b"}, "look-around"),
+    ({"type": "nope"}, "nope"),
+    ({"$ref": "#/definitions/missing"}, "missing"),
+])
+def test_a_schema_the_library_cannot_compile_is_a_grammar_error(synth_model, schema, words):
+    tok = GGUFTokenizer.from_metadata(GGUFModel(synth_model("qwen35moe")))
+    with pytest.raises(GrammarError, match=words) as e:
+        SchemaGrammars(tok, tok.vocab_size).json_schema(schema)
+    assert "\n" not in e.value.message
