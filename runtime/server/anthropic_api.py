@@ -51,7 +51,7 @@ async def count_tokens(request: Request) -> JSONResponse:
 async def messages(request: Request):
     served = served_of(request)
     body = parse(MessagesRequest, await read_json(request))
-    constraint = structured(served, anthropic_output_schema, body, "output_config.format")
+    constraint = await structured(served, anthropic_output_schema, body, "output_config.format")
     prompt = prompt_for(served, conversation(from_anthropic, body), constraint)
     job, stream = start(served, prompt, body.max_tokens, sampling(served, body), body.stop_sequences or [], body)
     events = Events(body.model or served.name)

@@ -94,18 +94,20 @@ def conversation(convert: Callable[[dict], Conversation], body: Body) -> Convers
         raise ApiError(400, e.message, e.param, e.code) from None
 
 
-def structured(served: Served, read: Callable[[dict], dict | None], body: Body, param: str) -> GrammarConstraint | None:
+async def structured(served: Served, read: Callable[[dict], dict | None], body: Body,
+                     param: str) -> GrammarConstraint | None:
     """The request's structured-output schema (``read``: one of ``messages``' format readers) as
     a grammar for its reply; a format that is malformed or that llguidance cannot compile is a
-    400 naming ``param``, never a reply that ignores it."""
+    400 naming ``param``, never a reply that ignores it. Compiled in a worker thread (a large
+    schema, or the first one, which builds the vocabulary, takes a while; other streams go on)."""
     try:
         schema = read(body.model_dump(exclude_unset=False))
-    except RequestError as e:
-        raise ApiError(400, e.message, e.param, e.code) from None
+    except RequestError as e:  # (the message names the field: Anthropic's errors carry no param)
+        raise ApiError(400, str(e), e.param, e.code) from None
     if schema is None:
         return None
     try:
-        return served.grammars.json_schema(schema)
+        return await asyncio.to_thread(served.grammars.json_schema, schema)
     except GrammarError as e:
         raise ApiError(400, f"{param}: {e.message}", param) from None
 

@@ -65,7 +65,7 @@ async def models(request: Request) -> JSONResponse:
 async def chat_completions(request: Request):
     served = served_of(request)
     body = parse(ChatCompletionRequest, await read_json(request))
-    constraint = structured(served, openai_chat_output_schema, body, "response_format")
+    constraint = await structured(served, openai_chat_output_schema, body, "response_format")
     prompt = prompt_for(served, conversation(from_openai_chat, body), constraint)
     max_tokens = body.max_completion_tokens or body.max_tokens
     job, stream = start(served, prompt, max_tokens, sampling(served, body), stop_list(body.stop), body)

@@ -57,7 +57,7 @@ async def responses(request: Request):
     served = served_of(request)
     body = parse(ResponsesRequest, await read_json(request))
     conv = conversation(from_responses, body)
-    prompt = prompt_for(served, conv, structured(served, responses_output_schema, body, "text.format"))
+    prompt = prompt_for(served, conv, await structured(served, responses_output_schema, body, "text.format"))
     job, stream = start(served, prompt, body.max_output_tokens, sampling(served, body), [], body, param="input")
     items = Items(served, body, conv.tool_choice)
     if not body.stream:
