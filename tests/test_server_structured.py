@@ -22,7 +22,7 @@ from sparkpack.runtime.grammar import SchemaGrammars
 from sparkpack.runtime.tokenizer import GGUFTokenizer
 from tests.gguf_edit import rewrite
 from tests.schema_check import problems
-from tests.serve_proc import API_KEY, ServerProcess, fresh_session, one_thread
+from tests.serve_proc import ServerProcess, fresh_session, one_thread
 
 CALL, CTX = 16, 512
 VERDICT = {"type": "object", "additionalProperties": False, "required": ["ok", "color", "count", "note"],
@@ -65,12 +65,12 @@ def server(model_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def oai(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0)
+    return server.openai()
 
 
 @pytest.fixture(scope="module")
 def claude(server):
-    return anthropic.Anthropic(base_url=server.base, api_key=API_KEY, max_retries=0)
+    return server.anthropic()
 
 
 def dumps(server) -> list[int]:
