@@ -12,13 +12,15 @@ from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.runtime.chat_template import ChatTemplate
 from sparkpack.runtime.generate import Session, continue_tokens
 from sparkpack.runtime.grammar import GrammarError, SchemaGrammars
-from sparkpack.runtime.models import load_model
+from sparkpack.runtime.graph import capturable
+from sparkpack.runtime.models import StoreOptions, load_model
 from sparkpack.runtime.sampling import Sampler
 from sparkpack.runtime.tokenizer import CONTROL, GGUFTokenizer
 from tests.schema_check import problems
 from tests.serve_proc import one_thread
 
 ARCHS = ("qwen35moe", "qwen3moe", "laguna")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 VERDICT = {"type": "object", "additionalProperties": False, "required": ["ok", "color", "count", "note"],
            "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
                           "count": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -26,10 +28,14 @@ VERDICT = {"type": "object", "additionalProperties": False, "required": ["ok", "
 
 
 class Loaded:
-    def __init__(self, path):
+    """A model, its tokenizer and grammars, and a chat prompt; on the GPU in bfloat16 with every
+    expert resident (zero-copy: decode steps are captured and run one step ahead)."""
+
+    def __init__(self, path, device: str = "cpu"):
         gguf = GGUFModel(path)
         self.tok = GGUFTokenizer.from_metadata(gguf)
-        self.model = load_model(path)
+        self.model = load_model(path) if device == "cpu" else load_model(
+            path, device=device, dtype=torch.bfloat16, store=StoreOptions(hot_fraction=1.0, cache_slots=0, mode="zerocopy"))
         self.grammars = SchemaGrammars(self.tok, self.model.spec.n_vocab)
         template = ChatTemplate.from_tokenizer(gguf.get("tokenizer.chat_template"), self.tok)
         text = template.render([{"role": "user", "content": "Is it red?"}], add_generation_prompt=True,
@@ -37,10 +43,26 @@ class Loaded:
         self.prompt = self.tok.encode(text)
 
     def reply(self, constraint, sampler=None, n: int = 120) -> list[int]:
+        return self.replied(constraint, sampler, n)[0]
+
+    def replied(self, constraint, sampler=None, n: int = 120) -> tuple[list[int], Session]:
         with one_thread():  # (several threads on the shared CI cores are many times slower)
             session = Session(self.model, prefill_chunk=16, ctx=512, breaks=self.tok.control_ids)
             logits = session.prompt(self.prompt)
-            return list(continue_tokens(session, logits, sampler, n, self.tok.stop_ids, constraint))
+            return list(continue_tokens(session, logits, sampler, n, self.tok.stop_ids, constraint)), session
+
+
+class Everything:
+    """A grammar that allows every token (and records them)."""
+
+    def __init__(self):
+        self.accepted: list[int] = []
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    def accept(self, token: int) -> None:
+        self.accepted.append(token)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -63,20 +85,26 @@ def test_json_schema_replies_parse_and_match_on_every_arch(loaded):
 
 def test_a_grammar_that_allows_everything_changes_no_token(loaded):
     """The constrained loop (one token at a time) gives the tokens of the unconstrained one."""
-
-    class Everything:
-        def __init__(self):
-            self.accepted: list[int] = []
-
-        def mask(self, logits: torch.Tensor) -> torch.Tensor:
-            return logits
-
-        def accept(self, token: int) -> None:
-            self.accepted.append(token)
-
     free = Everything()
     got = loaded.reply(free, n=12)
     assert got == loaded.reply(None, n=12) and free.accepted[:len(got)] == got
+
+
+@cuda
+@pytest.mark.parametrize("arch", ARCHS)
+def test_on_the_gpu_constrained_replies_take_the_synchronous_loop_with_the_same_tokens(synth_model, arch):
+    """Unconstrained, decode steps run one step ahead from the captured graph; a grammar's reply
+    runs one step at a time (nothing ahead) and, where it allows everything, gives the same tokens;
+    a schema's reply on the GPU parses and matches."""
+    loaded = Loaded(synth_model(arch, "Q4_K_M", skew=1.0), device="cuda")
+    if not capturable(loaded.model):
+        pytest.skip("not every expert layer has fused-kernel quant types")
+    free, session = loaded.replied(None, n=24)
+    assert session.timing.ahead_steps > 0
+    allowed, session = loaded.replied(Everything(), n=24)
+    assert allowed == free and session.timing.ahead_steps == 0
+    value = json.loads(loaded.tok.decode(loaded.reply(loaded.grammars.json_schema(VERDICT))))
+    assert problems(value, VERDICT) == [], value
 
 
 def test_the_mask_keeps_special_tokens_out_and_ends_with_a_stop_token(synth_model):
