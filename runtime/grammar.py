@@ -3,8 +3,9 @@
 llguidance (Microsoft's grammar engine, the one llama.cpp can build with) compiles the schema
 and walks it byte by byte; it is handed the GGUF vocabulary itself (``GGUFTokenizer``: every
 token's bytes, byte-level stand-ins undone), so a mask allows exactly the tokens whose bytes keep
-the text inside the grammar, and the stop tokens once the JSON is complete. Control tokens are
-marked special (as llama.cpp marks them), so none of ``<|im_start|>``, ``<think>`` or
+the text inside the grammar, and the end-of-turn token alone once the JSON is complete (one end
+token: llguidance 1.6, the last release with a wheel for glibc 2.28, takes no list). Control
+tokens are marked special (as llama.cpp marks them), so none of ``<|im_start|>``, ``<think>`` or
 ``<tool_call>`` can appear inside the JSON.
 
 A mask needs the token chosen before it, so a constrained request decodes one token at a time
@@ -51,15 +52,15 @@ def _token_bytes(tokenizer: GGUFTokenizer, i: int) -> bytes:
 
 
 class _Vocabulary:
-    """What llguidance's ``TokenizerWrapper`` reads: the tokens' bytes, the end-of-sequence ids
-    and a tokenize function (it tokenizes only text it forces, which the server never asks for)."""
+    """What llguidance's ``TokenizerWrapper`` reads: the tokens' bytes, the end token and a
+    tokenize function (it tokenizes only text it forces, which the server never asks for)."""
 
     def __init__(self, tokenizer: GGUFTokenizer, n_vocab: int):
         self._tokenizer = tokenizer
         self.tokens = [_token_bytes(tokenizer, i) for i in range(tokenizer.vocab_size)]
         self.tokens += [b""] * (n_vocab - len(self.tokens))  # rows of the output matrix past the vocabulary
         self.special_token_ids = [i for i, t in enumerate(self.tokens) if t.startswith(_SPECIAL)]
-        self.eos_token_id = min(tokenizer.stop_ids)
+        self.eos_token_id = tokenizer.end_of_turn
         self.bos_token_id = tokenizer.bos_id
 
     def __call__(self, text: str) -> list[int]:
@@ -73,8 +74,6 @@ class SchemaGrammars:
     (a pass over the vocabulary), and shared by every request's matcher."""
 
     def __init__(self, tokenizer: GGUFTokenizer, n_vocab: int):
-        if not tokenizer.stop_ids:
-            raise ValueError("the tokenizer has no stop token: a grammar could never end")
         self._tokenizer, self._n_vocab = tokenizer, n_vocab
         self._ll = None
         self._lock = threading.Lock()
@@ -85,8 +84,7 @@ class SchemaGrammars:
         with self._lock:
             if self._ll is None:
                 wrapper = llguidance.TokenizerWrapper(_Vocabulary(self._tokenizer, self._n_vocab))
-                self._ll = llguidance.LLTokenizer(wrapper, n_vocab=self._n_vocab,
-                                                  eos_token=sorted(self._tokenizer.stop_ids))
+                self._ll = llguidance.LLTokenizer(wrapper, n_vocab=self._n_vocab)
             return self._ll
 
     def json_schema(self, schema: dict[str, Any]) -> "GrammarConstraint":
