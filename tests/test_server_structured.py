@@ -186,3 +186,31 @@ def test_formats_that_cannot_be_honoured_are_400s_in_each_dialect(server, oai, c
         assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
         assert e.value.body["error"]["message"].startswith("output_config.format")
     assert dumps(server) == before
+
+
+def test_format_fields_of_each_dialect():
+    """What each dialect's format field asks for: free text (None), any JSON object, or a schema;
+    a malformed one names its field."""
+    from sparkpack.runtime.server.messages import (RequestError, anthropic_output_schema, openai_chat_output_schema,
+                                                   responses_output_schema)
+
+    assert openai_chat_output_schema({}) is None
+    assert openai_chat_output_schema({"response_format": {"type": "text"}}) is None
+    assert openai_chat_output_schema({"response_format": {"type": "json_object"}}) == {"type": "object"}
+    assert openai_chat_output_schema({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "v", "schema": VERDICT, "strict": True}}}) == VERDICT
+    assert responses_output_schema({"text": {"verbosity": "low"}}) is None
+    assert responses_output_schema({"text": {"format": {"type": "json_schema", "name": "v", "schema": TITLE}}}) == TITLE
+    assert anthropic_output_schema({"output_config": {"effort": "low"}}) is None
+    assert anthropic_output_schema({"output_config": {"format": {"type": "json_schema", "schema": TITLE}}}) == TITLE
+    assert anthropic_output_schema({"output_format": {"type": "json_schema", "schema": TITLE}}) == TITLE
+    for read, body, param in [
+        (openai_chat_output_schema, {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        (openai_chat_output_schema, {"response_format": {"type": "json_schema", "json_schema": {"schema": []}}},
+         "response_format.json_schema.schema"),
+        (responses_output_schema, {"text": "json"}, "text"),
+        (anthropic_output_schema, {"output_config": {"format": {"type": "text"}}}, "output_config.format.type"),
+    ]:
+        with pytest.raises(RequestError) as e:
+            read(body)
+        assert e.value.param == param
