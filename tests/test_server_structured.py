@@ -145,8 +145,8 @@ def test_responses_text_format(oai):
 
 def test_anthropic_output_config_format(claude):
     """Claude Code's title call: ``output_config.format`` with thinking on; the reply is one text
-    block holding the JSON (streamed the same); the SDK's ``parse`` and the beta's top-level
-    ``output_format`` too."""
+    block holding the JSON (streamed the same); the SDK's ``parse``, its beta client with the
+    structured-outputs header, and the older beta's top-level ``output_format`` too."""
     kw = dict(model="x", max_tokens=200, messages=user("Name this conversation."),
               thinking={"type": "enabled", "budget_tokens": 100})
     m = claude.messages.create(**kw, output_config={"format": {"type": "json_schema", "schema": TITLE}})
@@ -155,6 +155,9 @@ def test_anthropic_output_config_format(claude):
     with claude.messages.stream(**kw, output_config={"format": {"type": "json_schema", "schema": TITLE}}) as s:
         assert s.get_final_text() == m.content[0].text
     beta = claude.messages.create(**kw, extra_body={"output_format": {"type": "json_schema", "schema": TITLE}})
+    assert beta.content[0].text == m.content[0].text
+    beta = claude.beta.messages.create(**kw, betas=["structured-outputs-2025-11-13"],
+                                       output_config={"format": {"type": "json_schema", "schema": TITLE}})
     assert beta.content[0].text == m.content[0].text
     parsed = claude.messages.parse(model="x", max_tokens=200, messages=user("Is it red?"), output_format=Verdict)
     assert isinstance(parsed.parsed_output, Verdict)
