@@ -29,9 +29,11 @@ VERDICT = {"type": "object", "additionalProperties": False, "required": ["ok", "
            "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
                           "count": {"type": "integer", "minimum": 0, "maximum": 99},
                           "note": {"type": "string", "maxLength": 16}}}
-# the shape of Claude Code's title request (a string bounded here: a random model never ends one)
-TITLE = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40}}, "required": ["title"],
-         "additionalProperties": False}
+# Claude Code's session-title request (2.1.197: read from its bundle, querySource generate_session_title)
+CLAUDE_TITLE = {"type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"],
+                "additionalProperties": False}
+# the same with its string bounded: a random model never ends a free string by itself
+TITLE = {**CLAUDE_TITLE, "properties": {"title": {"type": "string", "maxLength": 40}}}
 LOOKAROUND = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)y"}}}
 
 
@@ -161,6 +163,9 @@ def test_anthropic_output_config_format(claude):
     assert beta.content[0].text == m.content[0].text
     parsed = claude.messages.parse(model="x", max_tokens=200, messages=user("Is it red?"), output_format=Verdict)
     assert isinstance(parsed.parsed_output, Verdict)
+    cut = claude.messages.create(**{**kw, "max_tokens": 12},
+                                 output_config={"format": {"type": "json_schema", "schema": CLAUDE_TITLE}})
+    assert cut.stop_reason == "max_tokens" and cut.content[0].text.startswith('{"title":"')
 
 
 def test_formats_that_cannot_be_honoured_are_400s_in_each_dialect(server, oai, claude):
