@@ -4,9 +4,10 @@ llguidance (Microsoft's grammar engine, the one llama.cpp can build with) compil
 and walks it byte by byte; it is handed the GGUF vocabulary itself (``GGUFTokenizer``: every
 token's bytes, byte-level stand-ins undone), so a mask allows exactly the tokens whose bytes keep
 the text inside the grammar, and the end-of-turn token alone once the JSON is complete (one end
-token: llguidance 1.6, the last release with a wheel for glibc 2.28, takes no list). Control
-tokens are marked special (as llama.cpp marks them), so none of ``<|im_start|>``, ``<think>`` or
-``<tool_call>`` can appear inside the JSON.
+token: llguidance 1.6, the last release with a wheel for glibc 2.28, takes no list). Only
+ordinary and byte tokens spell text: control and added tokens (``<|im_start|>``, ``<think>``,
+``<tool_call>``, ``[PAD...]`` fillers) and unused ones are marked special, so none of them can
+appear inside the JSON (their text still can, in ordinary tokens).
 
 A mask needs the token chosen before it, so a constrained request decodes one token at a time
 (``runtime.generate.continue_tokens``); unconstrained ones keep the one-step-ahead decode.
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .tokenizer import BYTE, CONTROL, USER_DEFINED, GGUFTokenizer
+from .tokenizer import BYTE, NORMAL, GGUFTokenizer
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _SPECIAL = b"\xff"  # llguidance's mark of a special token (never text a grammar can match)
@@ -46,7 +47,7 @@ def _token_bytes(tokenizer: GGUFTokenizer, i: int) -> bytes:
     text = tokenizer.tokens[i]
     if kind == BYTE and (m := _BYTE_TOKEN.fullmatch(text)):
         return bytes([int(m.group(1), 16)])
-    if kind == CONTROL or (kind == USER_DEFINED and text.startswith("<") and text.endswith(">")):
+    if kind not in (NORMAL, BYTE):
         return _SPECIAL + text.encode("utf-8")
     return tokenizer.token_bytes(i)
 

@@ -15,7 +15,7 @@ from sparkpack.runtime.grammar import GrammarError, SchemaGrammars
 from sparkpack.runtime.graph import capturable
 from sparkpack.runtime.models import StoreOptions, load_model
 from sparkpack.runtime.sampling import Sampler
-from sparkpack.runtime.tokenizer import CONTROL, GGUFTokenizer
+from sparkpack.runtime.tokenizer import BYTE, CONTROL, NORMAL, GGUFTokenizer
 from tests.schema_check import problems
 from tests.serve_proc import one_thread
 
@@ -137,3 +137,49 @@ def test_a_schema_the_library_cannot_compile_is_a_grammar_error(synth_model, sch
     with pytest.raises(GrammarError, match=words) as e:
         SchemaGrammars(tok, tok.vocab_size).json_schema(schema)
     assert "\n" not in e.value.message
+
+
+def real_vocab(tmp_path, name: str) -> GGUFTokenizer:
+    """A real model's tokenizer: llama.cpp's vocabulary-only GGUF (``models/ggml-vocab-NAME.gguf``)
+    from the llama-cpp-python source package the README's test command downloads. Those files end
+    without the alignment padding before their (empty) tensor data, which is added here."""
+    import tarfile
+
+    from tests.test_server_messages import SDIST_HINT, _sdist_candidates
+
+    for source in _sdist_candidates():
+        found = next(source.rglob(f"models/{name}"), None) if source.is_dir() else None
+        data = found.read_bytes() if found is not None else None
+        if source.is_file():
+            with tarfile.open(source) as tar:
+                member = next((m for m in tar if m.name.endswith(f"/models/{name}")), None)
+                data = tar.extractfile(member).read() if member is not None else None
+        if data is not None:
+            path = tmp_path / name
+            path.write_bytes(data + bytes(-len(data) % 32 + 32))
+            return GGUFTokenizer.from_metadata(GGUFModel(path))
+    pytest.skip(SDIST_HINT)
+
+
+def test_a_real_vocabulary_takes_any_text_inside_strings_and_nothing_special(tmp_path):
+    """Qwen3.5's real vocabulary: accented letters, CJK, an emoji split across byte-level
+    tokens, escapes; each token of the real tokenizer's encoding passes the mask, no control or
+    tag token ever does, and the end of turn alone follows the closed object."""
+    tok = real_vocab(tmp_path, "ggml-vocab-qwen35.gguf")
+    schema = {"type": "object", "required": ["title", "n", "tags"],
+              "properties": {"title": {"type": "string"}, "n": {"type": "integer"},
+                             "tags": {"type": "array", "items": {"type": "string"}}}}
+    grammar = SchemaGrammars(tok, tok.vocab_size).json_schema(schema)
+    text = json.dumps({"title": "Ünïcødé — 漢字 🎉 \"quoted\"\n<think>", "n": -42, "tags": ["a b", ""]},
+                      ensure_ascii=False, separators=(",", ":"))
+    ids = tok.encode(text)
+    assert len(ids) < len(text.encode()) and any(len(tok.token_bytes(i)) > 1 for i in ids)
+    special = [i for i, kind in enumerate(tok.token_types) if kind not in (NORMAL, BYTE)]
+    assert len(special) > 200  # (control tokens, tags and [PAD] fillers)
+    logits = torch.zeros(tok.vocab_size)
+    for t in ids:
+        allowed = torch.isfinite(grammar.mask(logits))
+        assert allowed[t], tok.decode([t])
+        assert not allowed[special].any()
+        grammar.accept(t)
+    assert torch.isfinite(grammar.mask(logits)).nonzero().flatten().tolist() == [tok.end_of_turn]
