@@ -36,8 +36,8 @@ from sparkpack.formats.memory import KV_BYTES_PER_VALUE, PREFILL_CHUNK
 from sparkpack.formats.units import SizeParam
 
 from .learn_flags import LearningFlags, learning_options
-from .options import (DEVICES, DTYPES, STREAM_MODES, RunOptions, SamplingOptions, open_model, open_session,
-                      run_options)
+from .options import (DEVICES, DTYPES, ONE_SHOT_MAX_TOKENS, STREAM_MODES, RunOptions, SamplingOptions, open_model,
+                      open_session, run_options)
 
 
 def load_tokenizer(model):
@@ -168,7 +168,9 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
               help="Use the tiered expert store [on for cuda or when a store option is given].")
 @click.option("--stats-json", type=click.Path(dir_okay=False, path_type=Path),
               help="Write speed, hit and memory statistics of the run to this JSON file.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1),
+              help=f"Most tokens to generate [{ONE_SHOT_MAX_TOKENS}]. With --serve: the cap of requests that set "
+                   "none (Codex sends none) [the context's end].")
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.7, show_default=True,
               help="0 means greedy.")
 @click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True)
@@ -265,7 +267,7 @@ def run_session(model, opts: RunOptions, prompt: str | None, system: str | None,
             logits = model.forward(ids, cache).float().cpu().numpy().astype(np.float32)
             save_npy_atomic(logits_out, logits)
             return None
-        stream(model, tok, ids, sampler, opts.max_tokens, session, opts.ctx)
+        stream(model, tok, ids, sampler, opts.reply_tokens, session, opts.ctx)
         return session
 
     if prompt is not None:
@@ -276,9 +278,9 @@ def run_session(model, opts: RunOptions, prompt: str | None, system: str | None,
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}]
             ids = chat_ids(tok, template, messages)
-        stream(model, tok, ids, sampler, opts.max_tokens, session, opts.ctx)
+        stream(model, tok, ids, sampler, opts.reply_tokens, session, opts.ctx)
         return session
-    chat(model, tok, chat_template(model, False), system, sampler, opts.max_tokens, session, opts.ctx)
+    chat(model, tok, chat_template(model, False), system, sampler, opts.reply_tokens, session, opts.ctx)
     return session
 
 

@@ -32,6 +32,9 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
 STREAM_MODES = ("auto", "zerocopy", "async")  # how misses reach the GPU (runtime.expert_store)
 DEFAULT_EXPERT_CACHE = 8 * 2**30
+# a one-shot run's or the chat's reply without --max-tokens; a served request that sets no cap of
+# its own runs to --max-tokens when given, else to the context's end (agents stop at end of turn)
+ONE_SHOT_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ class RunOptions:
     ctx: int = 4096
     kv_type: str = "auto"
     prefill_chunk: int = PREFILL_CHUNK
-    max_tokens: int = 256
+    max_tokens: int | None = None  # --max-tokens; None: ONE_SHOT_MAX_TOKENS, or a served request's room
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     stats_json: Path | None = None
     learning: LearningFlags = field(default_factory=LearningFlags)  # learn the placement, bootstrap, trace
@@ -90,6 +93,11 @@ class RunOptions:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"RunOptions.device must be resolved (cpu or cuda), got {self.device!r}: "
                              "build it with run_options")
+
+    @property
+    def reply_tokens(self) -> int:
+        """The cap of a one-shot run's or the chat's reply."""
+        return self.max_tokens if self.max_tokens is not None else ONE_SHOT_MAX_TOKENS
 
     @property
     def placement_asked(self) -> bool:

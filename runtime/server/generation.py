@@ -4,8 +4,8 @@ collecting its events (with the client's disconnect cancelling it).
 A route turns its body into a ``Conversation`` (``conversation``: B's dialect readers), then
 ``prompt_for`` renders it with the model's chat template, appends a forced tool-call prefix where
 ``tool_choice`` asks for one and tokenizes it; ``start`` checks the context and queues the job;
-the route answers with the whole response (``complete``) or streams it (``relay`` driving the
-dialect's ``StreamFormat``).
+the route answers with the whole response (``complete``) or streams it (``streamed``: ``relay``
+driving the dialect's ``StreamFormat``). Both note the job's outcome in the request's log record.
 """
 from __future__ import annotations
 
@@ -23,13 +23,15 @@ from sparkpack.formats.errors import SparkpackError
 from ..chat_template import ChatTemplate
 from ..grammar import GrammarConstraint, GrammarError, SchemaGrammars
 from ..options import SamplingOptions
-from .engine import Engine, Job
-from .errors import ApiError, context_exceeded
+from .engine import Engine, Job, Outcome
+from .errors import ApiError, anthropic_field, context_exceeded
+from .http import sse
 from .messages import Conversation, RequestError
 from .metrics import ServerMetrics
 from .output import (OutputParser, ReasoningDelta, TextDelta, ToolCallEnd, ToolCallStart, ToolSyntax, closed_reasoning,
                      forced_prefix, prompt_opens_reasoning)
 from .prompt_tokens import PromptTokens
+from .request_log import RequestRecord, record_of
 from .schemas import Body, Sampling
 from .stream import EventStream, Finished, PlainText, Started
 
@@ -54,6 +56,7 @@ class Served:
     engine: Engine
     metrics: ServerMetrics
     test_hooks: bool = False
+    max_tokens: int | None = None  # spark-run --max-tokens: the cap of requests that set none (else the context)
     learning: Any = None  # runtime.learning.LiveLearning: learns the placement (None without the store)
     trace: Any = None  # runtime.routing_trace.TraceRecorder (--trace-out)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -86,12 +89,17 @@ class Prompt:
 IMPLICIT_STOPS = {"laguna": ("</assistant>",)}
 
 
-def conversation(convert: Callable[[dict], Conversation], body: Body) -> Conversation:
-    """A validated body through one of ``messages``' dialect readers; its errors are 400s."""
+def conversation(request, convert: Callable[[dict], Conversation], body: Body) -> Conversation:
+    """A validated body through one of ``messages``' dialect readers; its errors are 400s (for
+    Anthropic's clients opening with the field, as Anthropic's do). The placeholders it put in
+    go to the request's record (the response header and the log line)."""
     try:
-        return convert(body.model_dump(exclude_unset=False))
+        conv = convert(body.model_dump(exclude_unset=False))
     except RequestError as e:
-        raise ApiError(400, e.message, e.param, e.code) from None
+        worded = f"{anthropic_field(e.param)}: {e.message}" if e.param else e.message
+        raise ApiError(400, e.message, e.param, e.code, anthropic=worded) from None
+    record_of(request).omitted = conv.omitted
+    return conv
 
 
 async def structured(served: Served, read: Callable[[dict], dict | None], body: Body,
@@ -169,13 +177,12 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
 def start(served: Served, prompt: Prompt, max_tokens: int | None, options: SamplingOptions, stops: list[str],
           body: Sampling, param: str = "messages") -> tuple[Job, EventStream]:
     """Queue the job: a prompt that leaves no room in the context is a 400; generation stops at
-    the context's end (finish ``length``)."""
+    ``max_tokens``, else the server's --max-tokens, and at the context's end (finish ``length``)."""
     n, ctx = len(prompt.ids), served.ctx
     if n >= ctx:
-        err = context_exceeded(n, ctx)
-        err.param = param
-        raise err
+        raise context_exceeded(n, ctx, param)
     room = ctx - n
+    max_tokens = max_tokens or served.max_tokens
     forced = fail = None
     if served.test_hooks:
         extra = body.model_extra or {}
@@ -257,10 +264,12 @@ def failed(finished: Finished) -> ApiError | None:
     return None
 
 
-async def complete(served: Served, route: str, receive, job: Job, stream: EventStream) -> Collected:
-    """A whole response (``collect``), counted in the metrics; a failed generation raises its 500."""
-    out = await collect(receive, job, stream)
+async def complete(served: Served, route: str, request, job: Job, stream: EventStream) -> Collected:
+    """A whole response (``collect``), counted in the metrics and noted for the log line; a
+    failed generation raises its 500."""
+    out = await collect(request.receive, job, stream)
     served.metrics.requests.labels(route, out.finished.outcome.finish).inc()
+    record_of(request).outcome = out.finished.outcome
     err = failed(out.finished)
     if err:
         raise err
@@ -281,19 +290,33 @@ class StreamFormat(Protocol):
     def error(self, err: ApiError) -> list: ...
 
 
-async def relay(served: Served, route: str, job: Job, stream: EventStream, fmt: StreamFormat) -> AsyncIterator:
+def streamed(served: Served, route: str, request, job: Job, stream: EventStream, fmt: StreamFormat,
+             ping_event: Callable[[], Any] | None = None):
+    """The SSE response of a job; its log line is written when the stream ends."""
+    record = record_of(request)
+    record.streamed = True
+    return sse(relay(served, route, job, stream, fmt, record), ping_event)
+
+
+async def relay(served: Served, route: str, job: Job, stream: EventStream, fmt: StreamFormat,
+                record: RequestRecord) -> AsyncIterator:
     """The SSE items of a streamed job. A client that goes away (the generator is closed or
-    cancelled) cancels the job; the outcome is counted in the metrics either way."""
+    cancelled) cancels the job; the outcome is counted in the metrics and logged either way."""
     outcome = "cancelled"
+    started = Started(len(job.ids), 0)
     try:
         for item in fmt.opening():
             yield item
         async for item in stream.events():
             if isinstance(item, Started):
+                started = item
                 out = fmt.started(item)
             elif isinstance(item, Finished):
                 outcome = item.outcome.finish
+                record.outcome = item.outcome
                 err = failed(item)
+                if err:
+                    record.error = err.message
                 out = fmt.error(err) if err else fmt.finished(item)
             else:
                 out = fmt.events(item)
@@ -302,6 +325,9 @@ async def relay(served: Served, route: str, job: Job, stream: EventStream, fmt: 
     finally:
         job.cancel()
         served.metrics.requests.labels(route, outcome).inc()
+        if record.outcome is None:  # the client went away first: what is known of the job
+            record.outcome = Outcome("cancelled", started.prompt_tokens, started.cached_tokens)
+        record.write()
 
 
 def new_id(prefix: str) -> str:

@@ -110,7 +110,7 @@ def build_served(model, opts: RunOptions, serve: ServeOptions, stopping: Callabl
                     between=learning)
     return Served(model_name(opts.model_path), model, tok, template, tool_syntax_for(model.spec.arch, source or ""),
                   opts.ctx, opts.sampling, engine, metrics, test_hooks=serve.test_hooks is not None,
-                  learning=learning, trace=trace)
+                  max_tokens=opts.max_tokens, learning=learning, trace=trace)
 
 
 def start_bootstrap(flags: LearningFlags, learning, session, tok, template, metrics,
@@ -287,7 +287,8 @@ def release(device) -> None:
 
 
 def serve_from_cli(opts: RunOptions, serve: ServeOptions, report_residency: Callable[[object], None]) -> None:
-    """spark-run's --serve branch: the run's sampling options become the requests' defaults."""
+    """spark-run's --serve branch: the run's sampling options become the requests' defaults, and
+    --max-tokens (when given) the output cap of requests that set none."""
     opts.sampling.sampler(0)  # a bad setting is a one-line error now, not a 500 on every request
     if serve.test_hooks is not None:
         serve.test_hooks.mkdir(parents=True, exist_ok=True)
