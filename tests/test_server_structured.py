@@ -193,6 +193,9 @@ def test_formats_that_cannot_be_honoured_are_400s_in_each_dialect(server, oai, c
             claude.messages.create(model="x", max_tokens=20, messages=user("hi"), output_config={"format": fmt})
         assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
         assert e.value.body["error"]["message"].startswith("output_config.format")
+    with pytest.raises(anthropic.BadRequestError, match="output_format: .*look-around"):
+        claude.messages.create(model="x", max_tokens=20, messages=user("hi"),
+                               extra_body={"output_format": {"type": "json_schema", "schema": LOOKAROUND}})
     assert dumps(server) == before
 
 

@@ -51,7 +51,8 @@ async def count_tokens(request: Request) -> JSONResponse:
 async def messages(request: Request):
     served = served_of(request)
     body = parse(MessagesRequest, await read_json(request))
-    constraint = await structured(served, anthropic_output_schema, body, "output_config.format")
+    given = "output_config.format" if (body.output_config or {}).get("format") is not None else "output_format"
+    constraint = await structured(served, anthropic_output_schema, body, given)
     prompt = prompt_for(served, conversation(request, from_anthropic, body), constraint)
     job, stream = start(served, prompt, body.max_tokens, sampling(served, body), body.stop_sequences or [], body)
     events = Events(body.model or served.name)
