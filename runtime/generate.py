@@ -58,6 +58,15 @@ class TokenSampler(Protocol):
     def pick(self, logits: torch.Tensor) -> torch.Tensor: ...
 
 
+class TokenConstraint(Protocol):
+    """A grammar the generated tokens must follow (``runtime.grammar.GrammarConstraint``):
+    ``mask`` the logits before each choice, ``accept`` the token chosen."""
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+    def accept(self, token: int) -> None: ...
+
+
 class StopTokens(Protocol):
     """What ``generate`` reads of a tokenizer (``runtime.tokenizer.GGUFTokenizer``): the ids that
     end a reply."""
@@ -546,12 +555,14 @@ def generate(model: MoEModel, tokenizer: StopTokens | None, prompt_ids: list[int
 
 
 def continue_tokens(session: Session, logits: torch.Tensor, sampler: TokenSampler | None, max_new_tokens: int,
-                    stop_ids: Iterable[int]) -> Iterator[int]:
+                    stop_ids: Iterable[int], constraint: TokenConstraint | None = None) -> Iterator[int]:
     """``generate`` after the prompt is in ``session`` (``logits``: its last token's), for
-    callers that fed it themselves (the server's ``Session.prompt``)."""
+    callers that fed it themselves (the server's ``Session.prompt``). ``constraint``: a grammar
+    whose mask needs the token before it, so such a reply decodes one token at a time (the same
+    bits: a step fed on its own is the step ``decode`` launches ahead)."""
     stops = set(int(s) for s in stop_ids)
     history = list(session.fed)
-    if sampler is None or sampler.history_free:
+    if constraint is None and (sampler is None or sampler.history_free):
         pick = torch.argmax if sampler is None else sampler.pick
         for tok in session.decode(logits, max_new_tokens, pick):
             if tok in stops:
@@ -559,7 +570,11 @@ def continue_tokens(session: Session, logits: torch.Tensor, sampler: TokenSample
             yield tok
         return
     for i in range(max_new_tokens):
-        tok = int(sampler.sample(logits, history))
+        if constraint is not None:
+            logits = constraint.mask(logits)
+        tok = int(torch.argmax(logits)) if sampler is None else int(sampler.sample(logits, history))
+        if constraint is not None:
+            constraint.accept(tok)
         if tok in stops:
             return
         yield tok

@@ -110,6 +110,17 @@ class ServerProcess:
         kw.setdefault("timeout", 120)
         return httpx.post(self.base + path, headers={**self.headers, **kw.pop("headers", {})}, **kw)
 
+    def openai(self):
+        """The official OpenAI client on this server (no retries: a test sees the first answer)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=self.api_key, max_retries=0)
+
+    def anthropic(self):
+        import anthropic
+
+        return anthropic.Anthropic(base_url=self.base, api_key=self.api_key, max_retries=0)
+
     def rss(self) -> int:
         """The server's resident memory in bytes (Linux)."""
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():

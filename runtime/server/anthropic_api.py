@@ -16,9 +16,10 @@ from sse_starlette.sse import ServerSentEvent
 
 from .engine import Outcome
 from .errors import ApiError, Dialect, error_body
-from .generation import Collected, complete, conversation, new_id, prompt_for, sampling, served_of, start, streamed
+from .generation import (Collected, complete, conversation, new_id, prompt_for, sampling, served_of, start, streamed,
+                         structured)
 from .http import DialectRoute, check_api_key, read_json
-from .messages import from_anthropic
+from .messages import anthropic_output_schema, from_anthropic
 from .output import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 from .schemas import CountTokensRequest, MessagesRequest, parse
 from .stream import Finished, Started
@@ -50,7 +51,9 @@ async def count_tokens(request: Request) -> JSONResponse:
 async def messages(request: Request):
     served = served_of(request)
     body = parse(MessagesRequest, await read_json(request))
-    prompt = prompt_for(served, conversation(request, from_anthropic, body))
+    given = "output_config.format" if (body.output_config or {}).get("format") is not None else "output_format"
+    constraint = await structured(served, anthropic_output_schema, body, given)
+    prompt = prompt_for(served, conversation(request, from_anthropic, body), constraint)
     job, stream = start(served, prompt, body.max_tokens, sampling(served, body), body.stop_sequences or [], body)
     events = Events(body.model or served.name)
     if not body.stream:

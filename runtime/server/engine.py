@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from ..generate import Session, continue_tokens
+from ..generate import Session, TokenConstraint, continue_tokens
 from ..options import SamplingOptions
 from .errors import ApiError
 
@@ -72,6 +72,7 @@ class Job:
     sink: TokenSink
     forced: list[int] | None = None  # test-only: teacher-forced tokens (see ForcedTokens)
     fail: str | None = None  # test-only: raise this in the engine thread after the prefill (the 500 path)
+    constraint: TokenConstraint | None = None  # a structured output's grammar (decoded one token at a time)
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -222,7 +223,8 @@ class Engine:
             sampler = job.sampling.sampler(len(job.ids))
         outcome.finish = "length"
         generated: list[int] = []
-        with contextlib.closing(continue_tokens(session, logits, sampler, job.max_new, self.stop_ids)) as tokens:
+        with contextlib.closing(continue_tokens(session, logits, sampler, job.max_new, self.stop_ids,
+                                                job.constraint)) as tokens:
             for n, tok in enumerate(tokens, 1):
                 generated.append(tok)
                 if outcome.first_token_seconds is None:

@@ -21,14 +21,15 @@ from typing import Any, Protocol
 from sparkpack.formats.errors import SparkpackError
 
 from ..chat_template import ChatTemplate
+from ..grammar import GrammarConstraint, GrammarError, SchemaGrammars
 from ..options import SamplingOptions
 from .engine import Engine, Job, Outcome
 from .errors import ApiError, anthropic_field, context_exceeded
 from .http import sse
 from .messages import Conversation, RequestError
 from .metrics import ServerMetrics
-from .output import (OutputParser, ReasoningDelta, TextDelta, ToolCallEnd, ToolCallStart, ToolSyntax, forced_prefix,
-                     prompt_opens_reasoning)
+from .output import (OutputParser, ReasoningDelta, TextDelta, ToolCallEnd, ToolCallStart, ToolSyntax, closed_reasoning,
+                     forced_prefix, prompt_opens_reasoning)
 from .prompt_tokens import PromptTokens
 from .request_log import RequestRecord, record_of
 from .schemas import Body, Sampling
@@ -60,9 +61,11 @@ class Served:
     trace: Any = None  # runtime.routing_trace.TraceRecorder (--trace-out)
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_tokens: PromptTokens = field(init=False)  # rendered prompts' tokens, reused turn to turn
+    grammars: SchemaGrammars = field(init=False)  # structured outputs' schemas -> token masks
 
     def __post_init__(self) -> None:
         self.prompt_tokens = PromptTokens(self.tokenizer)
+        self.grammars = SchemaGrammars(self.tokenizer, self.model.spec.n_vocab)
 
 
 def served_of(request) -> Served:
@@ -78,6 +81,7 @@ class Prompt:
     ids: list[int]
     parser: OutputParser | PlainText
     tools: bool  # tool calls are parsed (finish_reason tool_calls)
+    constraint: GrammarConstraint | None = None  # a structured output's grammar
 
 
 # Stop strings a model needs besides its stop tokens, not reported as the request's own: after tool
@@ -98,8 +102,29 @@ def conversation(request, convert: Callable[[dict], Conversation], body: Body) -
     return conv
 
 
-def prompt_for(served: Served, conv: Conversation) -> Prompt:
-    """Render, force a tool call's start where asked, tokenize (the template writes any BOS)."""
+async def structured(served: Served, read: Callable[[dict], dict | None], body: Body,
+                     param: str) -> GrammarConstraint | None:
+    """The request's structured-output schema (``read``: one of ``messages``' format readers) as
+    a grammar for its reply; a format that is malformed or that llguidance cannot compile is a
+    400 naming ``param``, never a reply that ignores it. Compiled in a worker thread (a large
+    schema, or the first one, which builds the vocabulary, takes a while; other streams go on)."""
+    try:
+        schema = read(body.model_dump(exclude_unset=False))
+    except RequestError as e:  # (the message names the field: Anthropic's errors carry no param)
+        raise ApiError(400, str(e), e.param, e.code) from None
+    if schema is None:
+        return None
+    try:
+        return await asyncio.to_thread(served.grammars.json_schema, schema)
+    except GrammarError as e:
+        raise ApiError(400, f"{param}: {e.message}", param) from None
+
+
+def prompt_for(served: Served, conv: Conversation, constraint: GrammarConstraint | None = None) -> Prompt:
+    """Render, force a tool call's start where asked, tokenize (the template writes any BOS).
+    With a structured output (``constraint``) the reply is the JSON itself: a reasoning block the
+    prompt opened is closed at once (as the templates render thinking off), tool calls are not
+    parsed, and a forced tool call is refused (the two cannot both be the reply)."""
     if served.template is None:
         raise ApiError(400, f"model {served.name} has no chat template; use /v1/completions")
     try:
@@ -107,8 +132,15 @@ def prompt_for(served: Served, conv: Conversation) -> Prompt:
                                       **conv.template_kwargs)
     except SparkpackError as e:
         raise ApiError(400, f"the model's chat template rejected these messages: {e.problem}", "messages") from None
-    parse_tools = bool(conv.tools) and conv.tool_choice != "none"
     reasoning = prompt_opens_reasoning(text)
+    if constraint is not None:
+        if conv.tools and conv.tool_choice not in ("auto", "none"):
+            raise ApiError(400, "tool_choice forces a tool call, which cannot be combined with a structured output "
+                                "format; use tool_choice 'auto' or drop the format", "tool_choice")
+        prefix = closed_reasoning(served.syntax) if reasoning else ""
+        parser = OutputParser(served.syntax, in_reasoning=reasoning, parse_tools=False, prefix=prefix)
+        return Prompt(served.prompt_tokens.encode(text + prefix), parser, False, constraint)
+    parse_tools = bool(conv.tools) and conv.tool_choice != "none"
     prefix = forced_prefix(served.syntax, conv.tool_choice, in_reasoning=reasoning) if parse_tools else ""
     parser = OutputParser(served.syntax, in_reasoning=reasoning, parse_tools=parse_tools, prefix=prefix,
                           tools=conv.tools)
@@ -160,7 +192,8 @@ def start(served: Served, prompt: Prompt, max_tokens: int | None, options: Sampl
             fail = extra[FAIL_FIELD]
     implicit = [s for s in IMPLICIT_STOPS.get(served.model.spec.arch, ()) if isinstance(prompt.parser, OutputParser)]
     stream = EventStream(asyncio.get_running_loop(), served.tokenizer, prompt.parser, stops, implicit)
-    job = Job(prompt.ids, min(max_tokens, room) if max_tokens else room, options, stream, forced, fail)
+    job = Job(prompt.ids, min(max_tokens, room) if max_tokens else room, options, stream, forced, fail,
+              prompt.constraint)
     served.engine.submit(job)
     return job, stream
 

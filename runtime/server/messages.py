@@ -569,3 +569,50 @@ def _anthropic_thinking(body: dict) -> dict:
             raise RequestError(f"must be 'enabled', 'disabled' or 'adaptive', got {kind!r}", "thinking.type")
         kwargs.setdefault("enable_thinking", kind != "disabled")
     return kwargs
+
+
+# --- structured outputs: the JSON schema a reply must match (None: free text) -----------------------
+
+def _json_format(fmt: Any, param: str, schema_of: str | None, types: tuple[str, ...]) -> dict | None:
+    """One dialect's format object: ``{"type": "text"}`` (free), ``json_object`` (any JSON
+    object) or ``json_schema`` with its schema under ``schema_of`` (None: in the object itself)."""
+    if fmt is None:
+        return None
+    fmt = _object(fmt, param)
+    kind = fmt.get("type")
+    if kind not in types:
+        raise RequestError(f"must be {', '.join(repr(t) for t in types)}, got {kind!r}", f"{param}.type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    holder, where = fmt, param
+    if schema_of is not None:
+        holder, where = _object(_required(fmt, schema_of, f"{param}.{schema_of}"), f"{param}.{schema_of}"), \
+            f"{param}.{schema_of}"
+    schema = holder.get("schema")
+    return {} if schema is None else _object(schema, f"{where}.schema")
+
+
+def openai_chat_output_schema(body: dict) -> dict | None:
+    """``response_format``: text, json_object or json_schema (``json_schema.schema``)."""
+    return _json_format(body.get("response_format"), "response_format", "json_schema",
+                        ("text", "json_object", "json_schema"))
+
+
+def responses_output_schema(body: dict) -> dict | None:
+    """``text.format``: text, json_object or json_schema (``schema`` beside ``name``)."""
+    if body.get("text") is None:
+        return None
+    return _json_format(_object(body["text"], "text").get("format"), "text.format", None,
+                        ("text", "json_object", "json_schema"))
+
+
+def anthropic_output_schema(body: dict) -> dict | None:
+    """``output_config.format`` (and its beta predecessor, top-level ``output_format``):
+    ``{"type": "json_schema", "schema"}``."""
+    if body.get("output_config") is not None:
+        fmt = _object(body["output_config"], "output_config").get("format")
+        if fmt is not None:
+            return _json_format(fmt, "output_config.format", None, ("json_schema",))
+    return _json_format(body.get("output_format"), "output_format", None, ("json_schema",))

@@ -17,9 +17,9 @@ from fastapi.responses import JSONResponse
 from .engine import Outcome
 from .errors import ApiError, Dialect, error_body
 from .generation import (Collected, complete, conversation, new_id, prompt_for, raw_prompt, sampling, served_of, start,
-                         stop_list, streamed)
+                         stop_list, streamed, structured)
 from .http import DialectRoute, check_api_key, read_json
-from .messages import from_openai_chat
+from .messages import from_openai_chat, openai_chat_output_schema
 from .output import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 from .schemas import ChatCompletionRequest, CompletionRequest, StreamOptions, parse
 from .stream import Finished, Started
@@ -65,7 +65,8 @@ async def models(request: Request) -> JSONResponse:
 async def chat_completions(request: Request):
     served = served_of(request)
     body = parse(ChatCompletionRequest, await read_json(request))
-    prompt = prompt_for(served, conversation(request, from_openai_chat, body))
+    constraint = await structured(served, openai_chat_output_schema, body, "response_format")
+    prompt = prompt_for(served, conversation(request, from_openai_chat, body), constraint)
     max_tokens = body.max_completion_tokens or body.max_tokens
     job, stream = start(served, prompt, max_tokens, sampling(served, body), stop_list(body.stop), body)
     chunks = Chunks("chat.completion.chunk", body.model or served.name, body.stream_options)

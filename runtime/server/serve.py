@@ -78,7 +78,6 @@ def build_served(model, opts: RunOptions, serve: ServeOptions, stopping: Callabl
     tok = GGUFTokenizer.from_metadata(model.gguf)
     source = model.gguf.get("tokenizer.chat_template")
     template = ChatTemplate.from_tokenizer(source, tok) if source else None
-    end = next((i for i in (tok.eot_id, tok.eos_id) if i is not None), min(tok.stop_ids, default=0))
     flags = opts.learning
     trace = attach_trace(model, flags.trace_out) if flags.trace_out is not None else None  # before any capture
     session = open_session(model, opts, tok.control_ids)
@@ -108,7 +107,8 @@ def build_served(model, opts: RunOptions, serve: ServeOptions, stopping: Callabl
         def on_job(job, outcome) -> None:  # noqa: F811 - the trace made durable after each request too
             metrics.observe_job(job, outcome)  # (reads the store's counts: a deferred step's ids are written)
             trace.sync()
-    engine = Engine(session, tok.stop_ids, end, on_job=on_job, dump_logits=serve.test_hooks, between=learning)
+    engine = Engine(session, tok.stop_ids, tok.end_of_turn, on_job=on_job, dump_logits=serve.test_hooks,
+                    between=learning)
     return Served(model_name(opts.model_path), model, tok, template, tool_syntax_for(model.spec.arch, source or ""),
                   opts.ctx, opts.sampling, engine, metrics, test_hooks=serve.test_hooks is not None,
                   max_tokens=opts.max_tokens, learning=learning, trace=trace)
