@@ -11,14 +11,16 @@ deleted; each action is reported in one line.
 
 Only this project's names are touched, and only when they cannot belong to a writer still at
 work: the pid in the name must not be a running process (a live one is a run still going; a
-reused pid only keeps a leftover a while longer), and a directory must hold nothing but what
-a pack writer puts there (someone else's ``.x.tmp-1234`` folder is not ours to delete).
+reused pid only keeps a leftover a while longer), the entry must be this user's and not a link,
+and a directory must hold nothing but what a pack writer puts there (someone else's
+``.x.tmp-1234`` folder is not ours to delete).
 """
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,8 +61,15 @@ def _stale(folder: Path) -> dict[str, list[Leftover]]:
 
 
 def _ours(p: Path) -> bool:
-    """A file, or a directory holding only what a pack writer writes."""
-    if p.is_symlink() or not p.is_dir():
+    """A file or a directory this user owns (a shared folder's other leftovers are their owners'),
+    not a link (the writers make none), and a directory holding only what a pack writer writes."""
+    try:
+        st = p.lstat()
+    except OSError:
+        return False
+    if stat.S_ISLNK(st.st_mode) or st.st_uid != os.geteuid():
+        return False
+    if not stat.S_ISDIR(st.st_mode):
         return True
     try:
         return {e.name for e in p.iterdir()} <= _PACK_ENTRIES

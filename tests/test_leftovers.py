@@ -237,3 +237,31 @@ def test_clean_folder_leaves_the_running_process_and_foreign_names(tmp_path):
     assert ["repack: " + line for line in clean_folder(tmp_path)] == said
     assert hidden(tmp_path) == sorted(kept)
     assert clean_folder(tmp_path) == []
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
+                    reason="making a file another user owns takes root")
+def test_another_users_leftover_is_not_ours(tmp_path):
+    """In a shared folder (a sticky /tmp, a team's model folder) a stale-looking temporary of
+    another user is theirs: it stays, and nothing is said (deleting it would fail in a sticky folder
+    and end the command, or, for root, delete what is not ours)."""
+    dead = dead_pid()
+    theirs = tmp_path / f".their.gguf.tmp-{dead}"
+    theirs.write_bytes(b"partial")
+    os.chown(theirs, 65534, 65534)
+    assert clean_folder(tmp_path) == []
+    assert hidden(tmp_path) == [theirs.name]
+
+
+def test_a_symlink_is_not_ours(tmp_path):
+    """The writers never make links: a link under a leftover's name is neither restored as the
+    output (it would put a link to somewhere else in the output's place) nor removed."""
+    dead = dead_pid()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "manifest.json").write_text("{}")
+    (tmp_path / f".c.sparkpack.old-{dead}").symlink_to(elsewhere)
+    (tmp_path / f".a.gguf.tmp-{dead}").symlink_to(elsewhere / "manifest.json")
+    assert clean_folder(tmp_path) == []
+    assert hidden(tmp_path) == sorted([f".c.sparkpack.old-{dead}", f".a.gguf.tmp-{dead}"])
+    assert not (tmp_path / "c.sparkpack").exists()
