@@ -28,9 +28,10 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _SPECIAL = b"\xff"  # llguidance's mark of a special token (never text a grammar can match)
 
 
-# JSON without free whitespace between its tokens (", " and ": " only): with whitespace allowed
-# there, a model may add blanks until it runs out of tokens, a known failure of JSON-constrained
-# decoding (the tiny test models do it at once). A schema's own "x-guidance" options come after.
+# JSON without free whitespace between its tokens (separators "," and ":", llguidance's): with
+# whitespace allowed there, a model may add blanks until it runs out of tokens, a known failure of
+# JSON-constrained decoding (the tiny test models do it at once). A schema's own "x-guidance"
+# options come after.
 _COMPACT = {"whitespace_flexible": False}
 
 
