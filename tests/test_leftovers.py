@@ -248,7 +248,7 @@ def test_another_users_leftover_is_not_ours(tmp_path):
     dead = dead_pid()
     theirs = tmp_path / f".their.gguf.tmp-{dead}"
     theirs.write_bytes(b"partial")
-    os.chown(theirs, 65534, 65534)
+    os.chown(theirs, os.geteuid() + 1, -1)  # (any other uid)
     assert clean_folder(tmp_path) == []
     assert hidden(tmp_path) == [theirs.name]
 
