@@ -479,5 +479,9 @@ def test_a_client_that_goes_away_cancels_its_generation_and_its_queued_request(s
     assert got == 4 and len(first["tokens"]) < 3 + 20 and len(second["tokens"]) < 1000 and len(last["tokens"]) == 2
     metrics = httpx.get(server.base + "/metrics").text
     assert 'sparkpack_requests_total{outcome="cancelled",route="chat"} 3.0' in metrics
-    # each logged as cancelled: two streams and the request given up on while queued
-    assert len(wait_for_line(server, r"POST /v1/chat/completions 200 .* finish=cancelled", start, 3)) == 3
+    # each logged as cancelled: two streams and the request given up on while queued; a stream
+    # with what its client was sent (3 tokens at least, its first token's time), the queued one none
+    lines = wait_for_line(server, r"POST /v1/chat/completions 200 .* finish=cancelled", start, 3)
+    assert len(lines) == 3
+    assert int(re.search(r" output=(\d+) ", lines[0])[1]) >= 3 and re.search(r" ttft=[0-9.]+s ", lines[0]), lines[0]
+    assert re.search(r" prompt=\d+ cached=\d+ ttft=- output=0 finish=cancelled", lines[2]), lines[2]

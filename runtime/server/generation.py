@@ -303,13 +303,11 @@ async def relay(served: Served, route: str, job: Job, stream: EventStream, fmt: 
     """The SSE items of a streamed job. A client that goes away (the generator is closed or
     cancelled) cancels the job; the outcome is counted in the metrics and logged either way."""
     outcome = "cancelled"
-    started = Started(len(job.ids), 0)
     try:
         for item in fmt.opening():
             yield item
         async for item in stream.events():
             if isinstance(item, Started):
-                started = item
                 out = fmt.started(item)
             elif isinstance(item, Finished):
                 outcome = item.outcome.finish
@@ -325,8 +323,10 @@ async def relay(served: Served, route: str, job: Job, stream: EventStream, fmt: 
     finally:
         job.cancel()
         served.metrics.requests.labels(route, outcome).inc()
-        if record.outcome is None:  # the client went away first: what is known of the job
-            record.outcome = Outcome("cancelled", started.prompt_tokens, started.cached_tokens)
+        if record.outcome is None:  # the client went away first: what the engine counted so far
+            known = stream.outcome
+            record.outcome = (Outcome("cancelled", len(job.ids)) if known is None else
+                              dataclasses.replace(known, finish="cancelled"))
         record.write()
 
 
