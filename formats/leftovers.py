@@ -52,7 +52,7 @@ def _stale(folder: Path) -> dict[str, list[Leftover]]:
         return {}
     for p in entries:
         m = _NAME.fullmatch(p.name)
-        if m is None or not _ours(p):
+        if m is None or m.group(1) in (".", "..") or not _ours(p):  # (no output is named . or ..)
             continue
         pid = int(m.group(3))
         if pid != os.getpid() and not pid_alive(pid):

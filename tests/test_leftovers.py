@@ -265,3 +265,18 @@ def test_a_symlink_is_not_ours(tmp_path):
     assert clean_folder(tmp_path) == []
     assert hidden(tmp_path) == sorted([f".c.sparkpack.old-{dead}", f".a.gguf.tmp-{dead}"])
     assert not (tmp_path / "c.sparkpack").exists()
+
+
+def test_the_cleaning_stays_inside_its_folder(tmp_path):
+    """A name like ``...tmp-PID`` would stand for an output called ``.``, that is the folder
+    itself: nothing outside the folder (the parent's leftovers of the folder's own name) is
+    touched, and the name, which no writer makes, stays."""
+    dead = dead_pid()
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / f"...tmp-{dead}").write_bytes(b"")
+    (folder / f"....tmp-{dead}").write_bytes(b"")
+    outside = tmp_path / f".models.tmp-{dead}"
+    outside.write_bytes(b"not this folder's")
+    assert clean_folder(folder) == []
+    assert outside.exists() and hidden(folder) == sorted([f"...tmp-{dead}", f"....tmp-{dead}"])
