@@ -1,6 +1,6 @@
 """Files that are either the old version or the new one, never half of either.
 
-Data goes to a hidden temporary name beside the target (``.NAME.tmp-PID``, one per process), is
+Data goes to a hidden temporary name beside the target (``.NAME.sparkpack-tmp-PID``, one per process: the project's name in it, so that the cleaner never takes another program's temporary for ours), is
 fsynced, renamed over the target, and the folder is fsynced so the rename itself survives a power
 cut. A failed write removes its temporary file; one left by a process killed mid-write carries
 its pid, so the next writer can tell it is stale and remove it (``formats.leftovers``).
@@ -13,7 +13,7 @@ from pathlib import Path
 
 def temp_name(path: Path, pid: int | None = None) -> Path:
     """Where ``write_atomic`` writes ``path`` before the rename."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid() if pid is None else pid}")
+    return path.with_name(f".{path.name}.sparkpack-tmp-{os.getpid() if pid is None else pid}")
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> Path:

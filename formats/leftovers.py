@@ -1,9 +1,9 @@
 """What a killed writer leaves beside its output, and cleaning it up on the next run.
 
 Every writer here builds its output under a hidden name carrying its process id and renames it
-into place when done: ``.NAME.tmp-PID`` (``atomic_file.temp_name``: a pack directory, a joined
+into place when done: ``.NAME.sparkpack-tmp-PID`` (``atomic_file.temp_name``: a pack directory, a joined
 or synthetic or converted GGUF, a profile, a checkpoint, a report) and, for ``split --force``,
-the old pack moved aside as ``.NAME.old-PID`` until the new one is in. A ``kill -9`` leaves those
+the old pack moved aside as ``.NAME.sparkpack-old-PID`` until the new one is in. A ``kill -9`` leaves those
 names behind (a joined GGUF's can be gigabytes). Every command that writes into a folder (and
 ``repack verify``) calls ``clean_folder`` first: an old pack is restored when nothing took its
 place (killed between the two renames) or deleted when the new one did, and temporaries are
@@ -13,7 +13,7 @@ Only this project's names are touched, and only when they cannot belong to a wri
 work: the pid in the name must not be a running process (a live one is a run still going; a
 reused pid only keeps a leftover a while longer), the entry must be this user's and not a link,
 and a directory must hold nothing but what a pack writer puts there (someone else's
-``.x.tmp-1234`` folder is not ours to delete).
+``.x.sparkpack-tmp-1234`` folder is not ours to delete).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .atomic_file import pid_alive
 
-_NAME = re.compile(r"\.(.+)\.(tmp|old)-(\d{1,10})")
+_NAME = re.compile(r"\.(.+)\.sparkpack-(tmp|old)-(\d{1,10})")
 # what a pack directory (being written, or moved aside) holds: pack_manifest's file names
 _PACK_ENTRIES = {"header.bin", "hot.bin", "cold", "manifest.json"}
 
@@ -40,7 +40,7 @@ class Leftover:
 
 def old_name(out: Path, pid: int | None = None) -> Path:
     """Where ``split --force`` keeps the pack it replaces until the new one is in place."""
-    return out.parent / f".{out.name}.old-{os.getpid() if pid is None else pid}"
+    return out.parent / f".{out.name}.sparkpack-old-{os.getpid() if pid is None else pid}"
 
 
 def _stale(folder: Path) -> dict[str, list[Leftover]]:

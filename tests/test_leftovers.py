@@ -75,11 +75,11 @@ def test_split_force_killed_between_renames_is_restored(synth_model, tmp_path):
     assert repack("split", src, "-o", out, "--hot-fraction", "1").returncode == 0
     before = (out / "manifest.json").read_bytes()
     pid = kill_at(tmp_path, "os", "rename", 2, "split", src, "-o", out, "--hot-fraction", "0", "--force")
-    assert not out.exists() and f".m.sparkpack.old-{pid}" in hidden(tmp_path)
+    assert not out.exists() and f".m.sparkpack.sparkpack-old-{pid}" in hidden(tmp_path)
     r = repack("split", src, "-o", out, "--hot-fraction", "0")
     assert r.returncode == 1 and "already exists" in r.stderr
     said = notices(r.stderr)
-    assert len(said) == 2 and f"restored {out}" in said[0] and f".m.sparkpack.tmp-{pid}" in said[1], r.stderr
+    assert len(said) == 2 and f"restored {out}" in said[0] and f".m.sparkpack.sparkpack-tmp-{pid}" in said[1], r.stderr
     assert (out / "manifest.json").read_bytes() == before and hidden(tmp_path) == []
     assert Pack.open(out).hot[sorted(Pack.open(out).parts)].all()
 
@@ -90,10 +90,10 @@ def test_split_force_killed_after_the_new_pack_is_in(synth_model, tmp_path):
     src, out = synth_model("qwen3moe"), tmp_path / "m.sparkpack"
     assert repack("split", src, "-o", out, "--hot-fraction", "1").returncode == 0
     pid = kill_at(tmp_path, "shutil", "rmtree", 1, "split", src, "-o", out, "--hot-fraction", "0", "--force")
-    assert out.exists() and hidden(tmp_path) == [f".m.sparkpack.old-{pid}"]
+    assert out.exists() and hidden(tmp_path) == [f".m.sparkpack.sparkpack-old-{pid}"]
     r = repack("split", src, "-o", out, "--hot-fraction", "0.5", "--force")
     assert r.returncode == 0, r.stderr
-    assert notices(r.stderr) == [f"repack: removed .m.sparkpack.old-{pid}, the previous m.sparkpack kept by a run "
+    assert notices(r.stderr) == [f"repack: removed .m.sparkpack.sparkpack-old-{pid}, the previous m.sparkpack kept by a run "
                                  f"that was killed (process {pid})"]
     assert hidden(tmp_path) == []
 
@@ -102,10 +102,10 @@ def test_join_killed_midway_is_cleaned(synth_model, tmp_path):
     src, pack, out = synth_model("qwen3moe"), tmp_path / "m.sparkpack", tmp_path / "back.gguf"
     assert repack("split", src, "-o", pack, "--hot-fraction", "0.5").returncode == 0
     pid = kill_at(tmp_path, "sparkpack.repack.join_cmd", "_write_all", 3, "join", pack, "-o", out)
-    assert not out.exists() and hidden(tmp_path) == [f".back.gguf.tmp-{pid}"]
+    assert not out.exists() and hidden(tmp_path) == [f".back.gguf.sparkpack-tmp-{pid}"]
     r = repack("join", pack, "-o", out)
     assert r.returncode == 0, r.stderr
-    assert notices(r.stderr) == [f"repack: removed .back.gguf.tmp-{pid}, an unfinished output of a run that was "
+    assert notices(r.stderr) == [f"repack: removed .back.gguf.sparkpack-tmp-{pid}, an unfinished output of a run that was "
                                  f"killed (process {pid})"]
     assert out.read_bytes() == src.read_bytes() and hidden(tmp_path) == []
 
@@ -118,26 +118,26 @@ def test_calibrate_killed_before_its_rename_is_cleaned(synth_model, tmp_path):
     prof = tmp_path / "m.profile.json"
     args = ("calibrate", src, "--corpus", corpus, "-o", prof, "--device", "cpu", "--quiet")
     pid = kill_at(tmp_path, "os", "replace", 1, *args)
-    assert not prof.exists() and hidden(tmp_path) == [f".m.profile.json.tmp-{pid}"]
+    assert not prof.exists() and hidden(tmp_path) == [f".m.profile.json.sparkpack-tmp-{pid}"]
     r = repack(*args)
     assert r.returncode == 0, r.stderr
-    assert notices(r.stderr) == [f"repack: removed .m.profile.json.tmp-{pid}, an unfinished output of a run that "
+    assert notices(r.stderr) == [f"repack: removed .m.profile.json.sparkpack-tmp-{pid}, an unfinished output of a run that "
                                  f"was killed (process {pid})"]
     assert prof.exists() and hidden(tmp_path) == []
 
 
 def test_live_process_names_are_left_alone(tmp_path):
     out = tmp_path / "x.gguf"
-    mine = tmp_path / f".x.gguf.tmp-{os.getppid()}"  # the parent is alive
+    mine = tmp_path / f".x.gguf.sparkpack-tmp-{os.getppid()}"  # the parent is alive
     mine.write_bytes(b"partial")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    gone = tmp_path / f".x.gguf.tmp-{int(dead.stdout)}"
+    gone = tmp_path / f".x.gguf.sparkpack-tmp-{int(dead.stdout)}"
     gone.write_bytes(b"partial")
-    (tmp_path / ".x.gguf.tmp-notapid").write_bytes(b"")
-    (tmp_path / ".y.gguf.tmp-1").write_bytes(b"")
+    (tmp_path / ".x.gguf.sparkpack-tmp-notapid").write_bytes(b"")
+    (tmp_path / ".y.gguf.sparkpack-tmp-1").write_bytes(b"")
     assert clean_leftovers(out) == [f"removed {gone.name}, an unfinished output of a run that was killed "
                                     f"(process {int(dead.stdout)})"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, ".x.gguf.tmp-notapid", ".y.gguf.tmp-1"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, ".x.gguf.sparkpack-tmp-notapid", ".y.gguf.sparkpack-tmp-1"])
 
 
 # --- the whole folder, at the start of every command that writes into it --------------------------
@@ -153,21 +153,21 @@ def litter(d: Path, dead: int) -> tuple[list[str], list[str]]:
     half-written pack, a pack moved aside by split --force), beside names that are not stale or
     not ours: a live writer's, someone else's folder, no pid. Returns (the lines a command must
     print, the hidden names that must stay)."""
-    (d / f".a.gguf.tmp-{dead}").write_bytes(b"partial")
-    half = d / f".b.sparkpack.tmp-{dead}"
+    (d / f".a.gguf.sparkpack-tmp-{dead}").write_bytes(b"partial")
+    half = d / f".b.sparkpack.sparkpack-tmp-{dead}"
     (half / "cold" / "L000").mkdir(parents=True)
     (half / "hot.bin").write_bytes(b"hot")
-    old = d / f".c.sparkpack.old-{dead}"
+    old = d / f".c.sparkpack.sparkpack-old-{dead}"
     old.mkdir()
     (old / "manifest.json").write_text("{}")
-    kept = [f".a.gguf.tmp-{os.getpid()}", f".d.tmp-{dead}", ".e.gguf.tmp-notapid"]
+    kept = [f".a.gguf.sparkpack-tmp-{os.getpid()}", f".d.sparkpack-tmp-{dead}", ".e.gguf.sparkpack-tmp-notapid"]
     (d / kept[0]).write_bytes(b"a live writer's")
     (d / kept[1]).mkdir()
     (d / kept[1] / "notes.txt").write_text("not a pack")
     (d / kept[2]).write_bytes(b"")
-    said = [f"repack: removed .a.gguf.tmp-{dead}, an unfinished output of a run that was killed (process {dead})",
-            f"repack: removed .b.sparkpack.tmp-{dead}, an unfinished output of a run that was killed (process {dead})",
-            f"repack: restored {d / 'c.sparkpack'} from .c.sparkpack.old-{dead}, moved aside by a run that was "
+    said = [f"repack: removed .a.gguf.sparkpack-tmp-{dead}, an unfinished output of a run that was killed (process {dead})",
+            f"repack: removed .b.sparkpack.sparkpack-tmp-{dead}, an unfinished output of a run that was killed (process {dead})",
+            f"repack: restored {d / 'c.sparkpack'} from .c.sparkpack.sparkpack-old-{dead}, moved aside by a run that was "
             f"killed (process {dead})"]
     return said, kept
 
@@ -224,10 +224,10 @@ def test_a_killed_split_is_cleared_by_the_next_command_in_its_folder(synth_model
     src, pack = synth_model("qwen3moe"), tmp_path / "m.sparkpack"
     assert repack("split", src, "-o", tmp_path / "ok.sparkpack", "--hot-fraction", "0.5").returncode == 0
     pid = kill_at(tmp_path, "sparkpack.formats.pack_writer", "_pwrite_all", 3, "split", src, "-o", pack)
-    assert hidden(tmp_path) == [f".m.sparkpack.tmp-{pid}"]
+    assert hidden(tmp_path) == [f".m.sparkpack.sparkpack-tmp-{pid}"]
     r = repack("join", tmp_path / "ok.sparkpack", "-o", tmp_path / "back.gguf")
     assert r.returncode == 0, r.stderr
-    assert notices(r.stderr) == [f"repack: removed .m.sparkpack.tmp-{pid}, an unfinished output of a run that was "
+    assert notices(r.stderr) == [f"repack: removed .m.sparkpack.sparkpack-tmp-{pid}, an unfinished output of a run that was "
                                  f"killed (process {pid})"]
     assert hidden(tmp_path) == []
 
@@ -246,7 +246,7 @@ def test_another_users_leftover_is_not_ours(tmp_path):
     another user is theirs: it stays, and nothing is said (deleting it would fail in a sticky folder
     and end the command, or, for root, delete what is not ours)."""
     dead = dead_pid()
-    theirs = tmp_path / f".their.gguf.tmp-{dead}"
+    theirs = tmp_path / f".their.gguf.sparkpack-tmp-{dead}"
     theirs.write_bytes(b"partial")
     os.chown(theirs, os.geteuid() + 1, -1)  # (any other uid)
     assert clean_folder(tmp_path) == []
@@ -260,23 +260,23 @@ def test_a_symlink_is_not_ours(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "manifest.json").write_text("{}")
-    (tmp_path / f".c.sparkpack.old-{dead}").symlink_to(elsewhere)
-    (tmp_path / f".a.gguf.tmp-{dead}").symlink_to(elsewhere / "manifest.json")
+    (tmp_path / f".c.sparkpack.sparkpack-old-{dead}").symlink_to(elsewhere)
+    (tmp_path / f".a.gguf.sparkpack-tmp-{dead}").symlink_to(elsewhere / "manifest.json")
     assert clean_folder(tmp_path) == []
-    assert hidden(tmp_path) == sorted([f".c.sparkpack.old-{dead}", f".a.gguf.tmp-{dead}"])
+    assert hidden(tmp_path) == sorted([f".c.sparkpack.sparkpack-old-{dead}", f".a.gguf.sparkpack-tmp-{dead}"])
     assert not (tmp_path / "c.sparkpack").exists()
 
 
 def test_the_cleaning_stays_inside_its_folder(tmp_path):
-    """A name like ``...tmp-PID`` would stand for an output called ``.``, that is the folder
+    """A name like ``...sparkpack-tmp-PID`` would stand for an output called ``.``, that is the folder
     itself: nothing outside the folder (the parent's leftovers of the folder's own name) is
     touched, and the name, which no writer makes, stays."""
     dead = dead_pid()
     folder = tmp_path / "models"
     folder.mkdir()
-    (folder / f"...tmp-{dead}").write_bytes(b"")
-    (folder / f"....tmp-{dead}").write_bytes(b"")
-    outside = tmp_path / f".models.tmp-{dead}"
+    (folder / f"...sparkpack-tmp-{dead}").write_bytes(b"")
+    (folder / f"....sparkpack-tmp-{dead}").write_bytes(b"")
+    outside = tmp_path / f".models.sparkpack-tmp-{dead}"
     outside.write_bytes(b"not this folder's")
     assert clean_folder(folder) == []
-    assert outside.exists() and hidden(folder) == sorted([f"...tmp-{dead}", f"....tmp-{dead}"])
+    assert outside.exists() and hidden(folder) == sorted([f"...sparkpack-tmp-{dead}", f"....sparkpack-tmp-{dead}"])

@@ -318,7 +318,7 @@ def kill_split_midway(model: Path, out: Path, *extra: str) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "sparkpack.repack.cli", "split", str(model), "-o", str(out),
                              "--hot-fraction", "0", "--compress", *extra],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    tmp = out.parent / f".{out.name}.tmp-{proc.pid}"
+    tmp = out.parent / f".{out.name}.sparkpack-tmp-{proc.pid}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
         layer0 = tmp / "cold" / "L000"
@@ -337,7 +337,7 @@ def test_kill_9_leaves_no_pack(slow_model, tmp_path, cli):
     assert not out.exists()
     code, _, err = cli("verify", out)  # removes what the killed split left beside it, then finds no pack
     removed, *rest = err.strip().splitlines()
-    assert removed.startswith("repack: removed .m.sparkpack.tmp-") and "a run that was killed" in removed, err
+    assert removed.startswith("repack: removed .m.sparkpack.sparkpack-tmp-") and "a run that was killed" in removed, err
     assert_one_line_error(code, "\n".join(rest), "no such pack")
     assert [p.name for p in tmp_path.iterdir()] == []
     assert cli("split", slow_model, "-o", out, "--hot-fraction", "0.2")[0] == 0
