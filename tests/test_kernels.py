@@ -22,6 +22,7 @@ import pytest  # noqa: E402
 from gguf.constants import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
+from sparkpack.formats.quants import KERNEL_QTYPES  # noqa: E402
 from sparkpack.repack.synth.quant_blocks import make_rng, random_blocks  # noqa: E402
 from sparkpack.runtime.kernels.blocks import BLOCK_LAYOUT  # noqa: E402
 from sparkpack.runtime.kernels.dense import gemv  # noqa: E402
@@ -49,7 +50,7 @@ def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got - ref).norm() / ref.norm())
 
 
-QTYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_K, T.Q5_0, T.Q4_0, T.IQ4_XS, T.MXFP4]
+QTYPES = [T(q) for q in KERNEL_QTYPES]  # the registry's: a type added there is tested here
 
 
 def test_block_table_is_ggufs() -> None:
@@ -740,7 +741,7 @@ def compile_in_subprocess(call: str, count: int) -> None:
 
 
 def test_kernels_compile_for_h100() -> None:
-    compile_in_subprocess("from tests.test_kernels import aot_compile_all; aot_compile_all()", 35)
+    compile_in_subprocess("from tests.test_kernels import aot_compile_all; aot_compile_all()", 27 + len(QTYPES))
 
 
 @pytest.mark.parametrize("T,d_k,d_v,chunk", [(150, 16, 24, 64), (40, 20, 16, 16), (64, 32, 32, 32)])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from sparkpack.formats.quant_mix import MIXES, tensor_qtype
+from sparkpack.formats.quant_mix import MIXES, mix_qtypes
 from .routing_skew import reference_skew
 
 from .metadata import add_metadata
@@ -48,6 +48,6 @@ def write_synthetic(path: str | os.PathLike[str], arch: str, preset: str | Prese
         p = p.with_layers(n_layer)
     s = resolve_skew(skew, p)
     plans = tensor_plan(p)
-    qtypes = [tensor_qtype(t.name, t.shape, quant, p.n_layer) for t in plans]
+    qtypes = mix_qtypes([(t.name, t.shape) for t in plans], quant, p.n_layer, p.n_head[0] // p.n_head_kv)
     return write_gguf(Path(path), lambda w: add_metadata(w, p, quant, s, seed), plans, qtypes, arch=arch,
                       seed=seed, skew=s, jobs=max(1, jobs), progress=progress)
