@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from gguf.constants import GGMLQuantizationType as T  # noqa: E402
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
 from sparkpack.formats.quants import KERNEL_QTYPES  # noqa: E402
@@ -55,9 +55,25 @@ QTYPES = [T(q) for q in KERNEL_QTYPES]  # the registry's: a type added there is 
 
 def test_block_table_is_ggufs() -> None:
     """The kernels' types and block sizes are gguf's (one table, ``formats.quants``)."""
-    from gguf.constants import GGML_QUANT_SIZES
-
     assert BLOCK_LAYOUT == {int(q): GGML_QUANT_SIZES[q] for q in QTYPES}
+
+
+def test_a_type_outside_the_registry_is_refused_never_another_types_math() -> None:
+    """A type the registry does not list stops the kernel's compile (``blocks._unpack``'s last
+    branch) and is refused by the pools; the registry and ``_unpack``'s branches are one set
+    (checked when ``blocks`` is imported)."""
+    from sparkpack.runtime.kernels import blocks
+    from sparkpack.runtime.kernels.dense import dequantize_into
+    from sparkpack.runtime.kernels.slots import check_pool
+
+    assert blocks._branches() == set(KERNEL_QTYPES)
+    other = T.TQ2_0
+    assert int(other) not in KERNEL_QTYPES
+    raw = torch.zeros(2, GGML_QUANT_SIZES[other][1], dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(Exception, match="no branch for this quant type"):
+        dequantize_into(raw, int(other), 256, torch.empty(2, 256, device=DEVICE))
+    with pytest.raises(ValueError, match="no Triton kernel"):
+        check_pool(raw.view(1, 2, -1), int(other), 256, 2, "gate")
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
