@@ -731,7 +731,17 @@ def aot_compile_all(arch: int = 90) -> None:
                 {"QT0": int(T.Q6_K), "QT1": int(T.Q4_K), "QT2": int(T.F32), "QT3": int(T.Q8_0), "NSEG": 4, "BN": 8,
                  "CPI": 8 if q8 else 2, "ACT_Q8": q8, "ASM": True}) for q8 in (False, True)],
              (dense._dequant_kernel, {"w": "*u8", "ids": "*i64", "out": "*bf16"},
-              {"QT": int(T.Q4_K), "HAS_IDS": True, "BR": 4})]
+              {"QT": int(T.Q4_K), "HAS_IDS": True, "BR": 4}),
+             # the low-bit types' int8 words (q8dot.LOW_BIT_Q8), dense and MoE
+             *[(dense._gemv_kernel, {"x": "*bf16", "y": "*bf16", "w0": "*u8", "w1": "*u8", "w2": "*u8", "w3": "*u8",
+                                     **q8_args},
+                {"QT0": int(a), "QT1": int(b), "QT2": int(c), "QT3": int(d), "NSEG": 4, "BN": 2, "CPI": 1,
+                 "ACT_Q8": True, "ASM": True})
+               for a, b, c, d in ((T.IQ2_XXS, T.Q3_K, T.IQ3_S, T.IQ2_S), (T.Q2_K, T.IQ2_XS, T.IQ3_XXS, T.IQ1_M))],
+             (moe._gate_up_kernel, {"x_ptr": "*fp32", "ids_ptr": "*i64", "slot_ptr": "*i32", "h_ptr": "*fp32",
+                                    "count_ptr": "*i32", **q8_args},
+              {"GATE_QTYPE": int(T.IQ2_S), "UP_QTYPE": int(T.IQ2_S), "HAS_HOST": True, "HAS_COUNT": True,
+               "BLOCK_N": 2, "ACT_Q8": True, "ASM": True, "CPI": 8})]
     for fn, ptrs, consts in jobs:
         kernel = triton.compile(ASTSource(fn, _signature(fn, ptrs), {"PDL": True, **consts}), target=target)
         assert kernel.asm["cubin"], (fn.__name__, consts)
@@ -757,7 +767,7 @@ def compile_in_subprocess(call: str, count: int) -> None:
 
 
 def test_kernels_compile_for_h100() -> None:
-    compile_in_subprocess("from tests.test_kernels import aot_compile_all; aot_compile_all()", 27 + len(QTYPES))
+    compile_in_subprocess("from tests.test_kernels import aot_compile_all; aot_compile_all()", 30 + len(QTYPES))
 
 
 @pytest.mark.parametrize("T,d_k,d_v,chunk", [(150, 16, 24, 64), (40, 20, 16, 16), (64, 32, 32, 32)])

@@ -29,7 +29,8 @@ from ..dequant import FLOAT_DTYPES
 from . import pdl
 from .blocks import Q4_K, Q6_K, _row_dot, _unpack, grid_table, row_bytes_of
 from .pdl import prefetch_l2, wait_prior
-from .q8dot import chunks_per_iteration, q4_k_rows_q8, q4_k_scales, q6_k_rows_q8, q6_k_scales, use_asm
+from .q8dot import (chunks_per_iteration, is_low_bit_q8, low_bit_rows_q8, q4_k_rows_q8, q4_k_scales, q6_k_rows_q8,
+                    q6_k_scales, use_asm)
 
 # Plain float matrices (the routers stay F32 in GGUF files) are read as their dtype
 # (``dequant.FLOAT_DTYPES``); the kernels below name them by GGML id (F32 0, F16 1, BF16 30).
@@ -156,6 +157,9 @@ def _segment(QT: tl.constexpr, w, row_stride, N, blk, x, xq, xd, xs, y, col, K, 
             acc = q6_k_rows_q8(w, n4.to(tl.int64) * row_stride, n4 < N, xq, xd, xs, K, BN, CPI, ASM)
         else:
             acc = _q6_k_rows(w, n4.to(tl.int64) * row_stride, n4 < N, x, K, BN)
+    elif ACT_Q8 and is_low_bit_q8(QT):
+        n2 = n[:, None]
+        acc = low_bit_rows_q8(QT, w, n2.to(tl.int64) * row_stride, n2 < N, xq, xd, xs, K, BN, ASM, grids)
     elif QT == 0 or QT == 1 or QT == 30:
         n2 = n[:, None]
         acc = _float_rows(w, n2.to(tl.int64) * row_stride, n2 < N, x, K, BN)

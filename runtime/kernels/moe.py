@@ -80,8 +80,9 @@ def _gate_up_kernel(x_ptr, xq, xd, xs, grids_ptr, ids_ptr, slot_ptr, gate_ptr, u
         n4 = n[:, None, None, None]
         m4 = n4 < tl.where((slot >= 0) | HAS_HOST, N_FF, 0)
         q, d, s = xq + t * (K // 4), xd + t * (K // 32), xs + t * (K // 16)
-        g = row_dot_q8(GATE_QTYPE, g_base, n4, m4, gate_row_bytes, q, d, s, K, BLOCK_N, CPI, ASM)
-        u = row_dot_q8(UP_QTYPE, u_base, n4 + up_row0, m4, up_row_bytes, q, d, s, K, BLOCK_N, CPI, ASM)
+        g = row_dot_q8(GATE_QTYPE, g_base, n4, m4, gate_row_bytes, q, d, s, K, BLOCK_N, CPI, ASM, grids_ptr)
+        u = row_dot_q8(UP_QTYPE, u_base, n4 + up_row0, m4, up_row_bytes, q, d, s, K, BLOCK_N, CPI, ASM,
+                       grids_ptr)
     else:
         x_row = x_ptr + t * stride_x
         g = _row_dot(GATE_QTYPE, g_base + n3.to(tl.int64) * gate_row_bytes, rmask, x_row, K, BLOCK_N, grids_ptr)
@@ -112,7 +113,7 @@ def _down_kernel(h_ptr, hq, hd, hs, grids_ptr, ids_ptr, wts_ptr, slot_ptr, down_
         m4 = n4 < tl.where((slot >= 0) | HAS_HOST, N_EMBD, 0)
         p64 = pair.to(tl.int64)
         dot = row_dot_q8(DOWN_QTYPE, base, n4, m4, down_row_bytes, hq + p64 * (N_FF // 4), hd + p64 * (N_FF // 32),
-                         hs + p64 * (N_FF // 16), N_FF, BLOCK_N, CPI, ASM)
+                         hs + p64 * (N_FF // 16), N_FF, BLOCK_N, CPI, ASM, grids_ptr)
     else:
         dot = _row_dot(DOWN_QTYPE, base + n3.to(tl.int64) * down_row_bytes, rmask, h_ptr + pair.to(tl.int64) * N_FF,
                        N_FF, BLOCK_N, grids_ptr)
