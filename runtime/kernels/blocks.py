@@ -331,13 +331,20 @@ def _iq2_scale(row_c, at, s, rmask):
 
 
 @triton.jit
+def _groups16(row, c, TS: tl.constexpr):
+    """For the lattice types with a scale per 16 elements: sub-block ``s`` [1,16,1], element
+    ``l`` [1,1,16], the chunk's block ``b`` and each element's group of 8, ``2 s + l // 8``."""
+    s = tl.arange(0, 16)[None, :, None]
+    l = tl.arange(0, 16)[None, None, :]
+    return s, l, row + c * TS, 2 * s + l // 8
+
+
+@triton.jit
 def _unpack_iq2_xs(row, c, K, rmask, grids):
     # block_iq2_xs (74 B): d @0, qs u16[32] @2 (group g of 8: 9-bit iq2xs_grid index, 7-bit ksigns
     # index above it), scales[8] @66 (a nibble per 16 elements).
-    s = tl.arange(0, 16)[None, :, None]
-    l = tl.arange(0, 16)[None, None, :]
-    b = row + c * 74
-    at = b + 2 + 2 * (2 * s + l // 8)
+    s, l, b, grp = _groups16(row, c, 74)
+    at = b + 2 + 2 * grp
     q16 = _u8(at, rmask) | (_u8(at + 1, rmask) << 8)
     g = tl.load(grids + _IQ2XS + (q16 & 511) * 8 + l % 8).to(tl.int32)
     d = _iq2_scale(b, 66, s, rmask)
@@ -349,10 +356,7 @@ def _unpack_iq2_s(row, c, K, rmask, grids):
     # block_iq2_s (82 B): d @0, qs[32] @2 (low 8 bits of group g's iq2s_grid index), signs[32] @34
     # (one sign bit per element), qh[8] @66 (bits 2 (g % 4) of byte g // 4: index bits 8-9),
     # scales[8] @74 (a nibble per 16 elements).
-    s = tl.arange(0, 16)[None, :, None]
-    l = tl.arange(0, 16)[None, None, :]
-    b = row + c * 82
-    grp = 2 * s + l // 8
+    s, l, b, grp = _groups16(row, c, 82)
     idx = _u8(b + 2 + grp, rmask) | (((_u8(b + 66 + grp // 4, rmask) >> (2 * (grp % 4))) & 3) << 8)
     g = tl.load(grids + _IQ2S + idx * 8 + l % 8).to(tl.int32)
     neg = (_u8(b + 34 + grp, rmask) >> (l % 8)) & 1
@@ -413,22 +417,25 @@ def _unpack_iq1_s(row, c, K, rmask, grids):
 
 
 @triton.jit
+def iq1_m_d(b, rmask):
+    """The f16 ``d`` of the IQ1_M blocks at ``b``: the top nibbles of its four scale u16s @48
+    (u16 i gives bits 4i..4i+3), as fp32."""
+    bits = (_u8(b + 49, rmask) >> 4) | (_u8(b + 51, rmask) & 0xF0) | ((_u8(b + 53, rmask) >> 4) << 8) | \
+        ((_u8(b + 55, rmask) & 0xF0) << 8)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _unpack_iq1_m(row, c, K, rmask, grids):
     # block_iq1_m (56 B): qs[32] @0 (low index bits per group of 8), qh[16] @32 (nibble g % 2 of
     # byte g // 2: index bits 8-10, bit 3 the delta's sign), scales u16[4] @48: 3-bit scale of
     # sub-block s (16 elements) at bits 3 (s % 4) of u16 s // 4; the f16 d is the four u16s' top
     # nibbles (u16 i gives bits 4i..4i+3): w = d (2 sc + 1) * (grid + delta).
-    s = tl.arange(0, 16)[None, :, None]
-    l = tl.arange(0, 16)[None, None, :]
-    b = row + c * 56
-    grp = 2 * s + l // 8
+    s, l, b, grp = _groups16(row, c, 56)
     qn = (_u8(b + 32 + grp // 2, rmask) >> (4 * (grp % 2))) & 15
     q = _iq1_value(grids, _u8(b + grp, rmask) | ((qn & 7) << 8), l, qn & 8)
     u = _u8(b + 48 + 2 * (s // 4), rmask) | (_u8(b + 49 + 2 * (s // 4), rmask) << 8)
-    d_bits = (_u8(b + 49, rmask) >> 4) | (_u8(b + 51, rmask) & 0xF0) | ((_u8(b + 53, rmask) >> 4) << 8) | \
-        ((_u8(b + 55, rmask) & 0xF0) << 8)
-    d = d_bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * \
-        (2 * ((u >> (3 * (s % 4))) & 7) + 1).to(tl.float32)
+    d = iq1_m_d(b, rmask) * (2 * ((u >> (3 * (s % 4))) & 7) + 1).to(tl.float32)
     return q, d, tl.zeros_like(d)
 
 

@@ -31,13 +31,15 @@ import triton.language as tl
 
 from . import pdl
 from .pdl import wait_prior
-from .blocks import (_IQ2S, _IQ2XS, _IQ2XXS, _IQ3S, _IQ3XXS, _KSIGNS, Q4_K, Q6_K, _f16, _u8, _u32, k_scale_min)
+from .blocks import (_IQ1S, _IQ2S, _IQ2XS, _IQ2XXS, _IQ3S, _IQ3XXS, _KSIGNS, Q4_K, Q6_K, _f16, _u8, _u32,
+                     iq1_m_d, k_scale_min)
 from gguf.constants import GGMLQuantizationType as _T
 
 QBLOCK = 32  # activation elements per int8 scale
 # The low-bit types whose codes the int8 kernels build as words of four signed bytes
-# (``low_bit_rows_q8``): Q2_K, Q3_K and the IQ2/IQ3 lattices.
-LOW_BIT_Q8 = tuple(int(q) for q in (_T.Q2_K, _T.Q3_K, _T.IQ2_XXS, _T.IQ2_XS, _T.IQ2_S, _T.IQ3_XXS, _T.IQ3_S))
+# (``low_bit_rows_q8``): Q2_K, Q3_K and the IQ1/IQ2/IQ3 lattices.
+LOW_BIT_Q8 = tuple(int(q) for q in (_T.Q2_K, _T.Q3_K, _T.IQ2_XXS, _T.IQ2_XS, _T.IQ2_S, _T.IQ3_XXS, _T.IQ3_S,
+                                    _T.IQ1_S, _T.IQ1_M))
 Q8_TYPES = (Q4_K, Q6_K, *LOW_BIT_Q8)  # weight types with an int8-activation kernel
 _LOW_BIT_BITS = tl.constexpr(sum(1 << q for q in LOW_BIT_Q8))
 
@@ -335,19 +337,41 @@ def _low_bit_words(QTYPE: tl.constexpr, b, v, rmask, grids):
 
 
 @triton.jit
+def _iq1_dots(QTYPE: tl.constexpr, b, v, rmask, a, grids, ASM: tl.constexpr):
+    """IQ1_S / IQ1_M: 8 x the integer dot of each word's lattice values (-1, 0, 1) with the
+    activation's, plus or minus (the group's delta sign) the sum of its activation codes: a
+    weight is (grid + delta) with delta = +-1/8, so this is 8 x sum (grid + delta) x code."""
+    g8 = v // 2
+    if QTYPE == 19:  # IQ1_S: index bytes @2, u16 per sub-block of 32 @34 (index bits 3j, sign 15)
+        qh = _u8(b + 34 + 2 * (v // 8), rmask) | (_u8(b + 35 + 2 * (v // 8), rmask) << 8)
+        idx = _u8(b + 2 + g8, rmask) | (((qh >> (3 * (g8 % 4))) & 7) << 8)
+        neg = (qh >> 15) & 1
+    else:  # IQ1_M: index bytes @0, a nibble per group @32 (index bits, bit 3 the sign)
+        qn = (_u8(b + 32 + g8 // 2, rmask) >> (4 * (g8 % 2))) & 15
+        idx = _u8(b + g8, rmask) | ((qn & 7) << 8)
+        neg = qn >> 3
+    g = _grid_word(grids, _IQ1S, idx, 2, v % 2)
+    return 8 * dot4(g, a, ASM) + (1 - 2 * neg) * dot4(tl.full(g.shape, 0x01010101, tl.int32), a, ASM)
+
+
+@triton.jit
 def low_bit_rows_q8(QTYPE: tl.constexpr, w, rows, rmask, xq, xd, xs, K, BN: tl.constexpr, ASM: tl.constexpr,
                     grids):
     """[BN] dots of the rows at byte offsets ``rows [BN, 1]`` of ``w`` (uint8) with one
     quantized activation row, for the types of ``LOW_BIT_Q8``."""
     TS: tl.constexpr = 84 if QTYPE == 10 else 110 if QTYPE == 11 or QTYPE == 21 else 66 if QTYPE == 16 else \
-        74 if QTYPE == 17 else 82 if QTYPE == 22 else 98
-    NS: tl.constexpr = 16 if QTYPE == 10 or QTYPE == 11 or QTYPE == 17 or QTYPE == 22 else 8
+        74 if QTYPE == 17 else 82 if QTYPE == 22 else 50 if QTYPE == 19 else 56 if QTYPE == 29 else 98
+    NS: tl.constexpr = 16 if QTYPE == 10 or QTYPE == 11 or QTYPE == 17 or QTYPE == 22 or QTYPE == 29 else 8
     v = tl.arange(0, 64)[None, :]
     s = tl.arange(0, NS)[None, :]
     acc = tl.zeros([BN], dtype=tl.float32)
     for c in range(0, K // 256):
         b = w + rows + c * TS
-        dots = dot4(_low_bit_words(QTYPE, b, v, rmask, grids), tl.load(xq + c * 64 + v), ASM)
+        a = tl.load(xq + c * 64 + v)
+        if QTYPE == 19 or QTYPE == 29:
+            dots = _iq1_dots(QTYPE, b, v, rmask, a, grids, ASM)
+        else:
+            dots = dot4(_low_bit_words(QTYPE, b, v, rmask, grids), a, ASM)
         dots = tl.sum(tl.reshape(dots, [BN, NS, 64 // NS]), axis=2).to(tl.float32)  # per sub-block
         xsc = tl.load(xd + c * 8 + s * 8 // NS)  # [1, NS]: the activation scale of each sub-block
         if QTYPE == 10:  # Q2_K: d * sc * code - dmin * mn, scales[16] @0, d @80, dmin @82
@@ -364,6 +388,12 @@ def low_bit_rows_q8(QTYPE: tl.constexpr, w, rows, rmask, xq, xd, xs, K, BN: tl.c
         elif QTYPE == 18:  # IQ3_XXS: d (0.5 + aux >> 28) / 2 per 32
             part = _f16(b, rmask) * (0.5 + ((_u32(b + 66 + 4 * s, rmask) >> 28) & 15).to(tl.float32)) * 0.5 * \
                 xsc * dots
+        elif QTYPE == 19:  # IQ1_S: d (2 sc + 1) / 8, sc = bits 12-14 of the sub-block's u16 @34
+            qh = _u8(b + 35 + 2 * s, rmask)
+            part = _f16(b, rmask) * (2 * ((qh >> 4) & 7) + 1).to(tl.float32) * 0.125 * xsc * dots
+        elif QTYPE == 29:  # IQ1_M: d (2 sc + 1) / 8, 3-bit sc per 16 in u16s @48, d their top nibbles
+            u = _u8(b + 48 + 2 * (s // 4), rmask) | (_u8(b + 49 + 2 * (s // 4), rmask) << 8)
+            part = iq1_m_d(b, rmask) * (2 * ((u >> (3 * (s % 4))) & 7) + 1).to(tl.float32) * 0.125 * xsc * dots
         elif QTYPE == 21:  # IQ3_S: d (1 + 2 sc), a nibble per 32 @106
             sc = (_u8(b + 106 + s // 2, rmask) >> (4 * (s % 2))) & 15
             part = _f16(b, rmask) * (1 + 2 * sc).to(tl.float32) * xsc * dots
