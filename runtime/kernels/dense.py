@@ -7,8 +7,9 @@ codes as 32-bit words (Q4_K) or 16-bit halves (Q6_K, whose 210-byte blocks are o
 and expands each word with constant shifts in registers. With a float activation it matches
 cuBLAS on the bf16 copy at a third of the bytes; with the activation quantized to int8
 (``q8dot``, the runtime's default) the Q4_K/Q6_K bands use int8 dot products on the packed
-words and run 1.2-1.8x faster on the larger groups (docs/benchmarks-history.md, session 9). Byte-per-weight
-loads (``blocks._row_dot``) were ~2x slower than either.
+words (the low-bit bands too: ``q8dot.LOW_BIT_Q8``) and run 1.2-1.8x faster on the larger
+groups (docs/benchmarks-history.md, session 9). Byte-per-weight loads (``blocks._row_dot``) were
+~2x slower than either.
 
 One launch computes the projections of one input that a layer stacks (q/k/v, DeltaNet qkv/z/beta/
 alpha, router + shared expert): up to ``MAX_SEGMENTS`` row bands, each with its own type, write
@@ -245,7 +246,7 @@ def gemv(x: torch.Tensor, segments: list[tuple[torch.Tensor, int]], out: torch.T
     """``out[0] = x[0] @ [W_0; W_1; ...]^T`` for one token ``x [1, K]``: the segments
     ``(raw [N_i, row_bytes] uint8, qtype)`` are stacked row bands, written to ``out``'s column
     bands in order (``out [1, sum N_i]``, any float dtype: the fp32 sums are cast on store).
-    ``q8``: x as ``q8dot.quantize`` gives it; the Q4_K/Q6_K bands then multiply the int8
+    ``q8``: x as ``q8dot.quantize`` gives it; the bands of ``q8dot.Q8_TYPES`` then multiply the int8
     activation (``q8dot``), the others still x."""
     if not 1 <= len(segments) <= MAX_SEGMENTS:
         raise ValueError(f"1 to {MAX_SEGMENTS} segments per launch, got {len(segments)}")

@@ -22,7 +22,7 @@ Three launches:
    (``reduce=False``): their residual epilogue (``kernels/ffn.py``) makes the same sum.
 
 The first two reuse the per-family unpacking of ``blocks`` (one compiled variant per quant type),
-or, with ``act_q8`` (the runtime's choice), ``q8dot``'s int8 dot products for Q4_K/Q6_K experts:
+or, with ``act_q8`` (the runtime's choice), ``q8dot``'s int8 dot products for the experts of ``q8dot.Q8_TYPES``:
 x's int8 form comes from the norm that wrote it (``x_q8``; else one small launch) and h is
 quantized once per pair (one small launch).
 
@@ -189,7 +189,7 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     x: [T, n_embd] (f32/f16/bf16); topk_ids/topk_weights: [T, k]; slot_table: int32 [n_expert]
     (expert id -> slot in ``pools``; negative: in the host pool at ``-(slot+1)`` when the pools
     have one, else not resident). ``act_q8``: the per-pair (decode) kernels quantize their
-    inputs to int8 and multiply Q4_K/Q6_K experts with int8 dot products (``q8dot``; a kernel
+    inputs to int8 and multiply experts of ``q8dot.Q8_TYPES`` with int8 dot products (``q8dot``; a kernel
     whose types are others keeps the float input); ``x_q8`` is x's int8 form when the kernel
     that wrote x made it (else it is made here). ``counts``: int32 ``[n_expert]`` incremented
     once per (token, choice) routed to each expert (integer atomics: exact in any order);

@@ -16,6 +16,10 @@ activation and the weight bytes, so residency (which pool an expert's bytes sit 
 changes it. Triton's interpreter has no inline assembly: there ``dot4`` is the same integer sum
 written with shifts, bit for bit the instruction's result, so CI runs these kernels too.
 
+The low-bit types (Q2_K, Q3_K, IQ1-IQ3: ``low_bit_rows_q8``) build their words of four signed
+codes from the packed bits or from gguf's lattice tables with their signs, as llama.cpp's
+vecdotq does, and take the same int8 activation.
+
 Quantized activation of a row of K elements (``quantize``): ``xq`` int8 ``[K]`` (read as int32
 words of four), ``xd`` fp32 ``[K/32]`` block scales (x ~ xd * xq), ``xs`` fp32 ``[K/16]`` =
 xd * (sum of xq over each 16 elements): the sub-block sums the K-quant offsets need.
