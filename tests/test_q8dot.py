@@ -157,7 +157,7 @@ def test_low_bit_types_on_int8_activations(qtype: T) -> None:
     """The low-bit types' int8 words (lattice entries with their signs, Q2_K/Q3_K codes) in the
     dense GEMV and the MoE decode kernels: the product of gguf's dequantized weights with the
     activation as quantized (float64), and the same bits from a host pool."""
-    K, N = 512, 13
+    K, N = 768, 13  # three chunks: the last of four per iteration masked
     raw, w = segment(qtype, N, K, seed=int(qtype))
     x = torch.randn(1, K, generator=torch.Generator().manual_seed(int(qtype))).to(DEVICE)
     q8 = quantize(x)

@@ -324,7 +324,7 @@ def _unpack_iq2_xxs(row, c, K, rmask, grids):
 
 
 @triton.jit
-def _iq2_scale(row_c, at, s, rmask):
+def iq2_scale(row_c, at, s, rmask):
     """d (0.5 + sc) / 4 with sc = nibble s % 2 of byte ``at + s // 2`` (IQ2_XS/IQ2_S, per 16)."""
     sc = (_u8(row_c + at + s // 2, rmask) >> (4 * (s % 2))) & 15
     return _f16(row_c, rmask) * (0.5 + sc.to(tl.float32)) * 0.25
@@ -347,7 +347,7 @@ def _unpack_iq2_xs(row, c, K, rmask, grids):
     at = b + 2 + 2 * grp
     q16 = _u8(at, rmask) | (_u8(at + 1, rmask) << 8)
     g = tl.load(grids + _IQ2XS + (q16 & 511) * 8 + l % 8).to(tl.int32)
-    d = _iq2_scale(b, 66, s, rmask)
+    d = iq2_scale(b, 66, s, rmask)
     return (g * _signed(grids, q16 >> 9, l)).to(tl.float32), d, tl.zeros_like(d)
 
 
@@ -360,7 +360,7 @@ def _unpack_iq2_s(row, c, K, rmask, grids):
     idx = _u8(b + 2 + grp, rmask) | (((_u8(b + 66 + grp // 4, rmask) >> (2 * (grp % 4))) & 3) << 8)
     g = tl.load(grids + _IQ2S + idx * 8 + l % 8).to(tl.int32)
     neg = (_u8(b + 34 + grp, rmask) >> (l % 8)) & 1
-    d = _iq2_scale(b, 74, s, rmask)
+    d = iq2_scale(b, 74, s, rmask)
     return (g * (1 - 2 * neg)).to(tl.float32), d, tl.zeros_like(d)
 
 

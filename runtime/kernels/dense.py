@@ -160,7 +160,7 @@ def _segment(QT: tl.constexpr, w, row_stride, N, blk, x, xq, xd, xs, y, col, K, 
             acc = _q6_k_rows(w, n4.to(tl.int64) * row_stride, n4 < N, x, K, BN)
     elif ACT_Q8 and is_low_bit_q8(QT):
         n2 = n[:, None]
-        acc = low_bit_rows_q8(QT, w, n2.to(tl.int64) * row_stride, n2 < N, xq, xd, xs, K, BN, ASM, grids)
+        acc = low_bit_rows_q8(QT, w, n2.to(tl.int64) * row_stride, n2 < N, xq, xd, xs, K, BN, CPI, ASM, grids)
     elif QT == 0 or QT == 1 or QT == 30:
         n2 = n[:, None]
         acc = _float_rows(w, n2.to(tl.int64) * row_stride, n2 < N, x, K, BN)

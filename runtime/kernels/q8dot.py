@@ -36,7 +36,7 @@ import triton.language as tl
 from . import pdl
 from .pdl import wait_prior
 from .blocks import (_IQ1S, _IQ2S, _IQ2XS, _IQ2XXS, _IQ3S, _IQ3XXS, _KSIGNS, Q4_K, Q6_K, _f16, _u8, _u32,
-                     iq1_m_d, k_scale_min)
+                     iq1_m_d, iq2_scale, k_scale_min)
 from gguf.constants import GGMLQuantizationType as _T
 
 QBLOCK = 32  # activation elements per int8 scale
@@ -359,52 +359,56 @@ def _iq1_dots(QTYPE: tl.constexpr, b, v, rmask, a, grids, ASM: tl.constexpr):
 
 
 @triton.jit
-def low_bit_rows_q8(QTYPE: tl.constexpr, w, rows, rmask, xq, xd, xs, K, BN: tl.constexpr, ASM: tl.constexpr,
-                    grids):
+def low_bit_rows_q8(QTYPE: tl.constexpr, w, rows, rmask, xq, xd, xs, K, BN: tl.constexpr, CPI: tl.constexpr,
+                    ASM: tl.constexpr, grids):
     """[BN] dots of the rows at byte offsets ``rows [BN, 1]`` of ``w`` (uint8) with one
-    quantized activation row, for the types of ``LOW_BIT_Q8``."""
+    quantized activation row, for the types of ``LOW_BIT_Q8``; CPI chunks of 256 per iteration
+    (more bytes in flight)."""
     TS: tl.constexpr = 84 if QTYPE == 10 else 110 if QTYPE == 11 or QTYPE == 21 else 66 if QTYPE == 16 else \
         74 if QTYPE == 17 else 82 if QTYPE == 22 else 50 if QTYPE == 19 else 56 if QTYPE == 29 else 98
     NS: tl.constexpr = 16 if QTYPE == 10 or QTYPE == 11 or QTYPE == 17 or QTYPE == 22 or QTYPE == 29 else 8
-    v = tl.arange(0, 64)[None, :]
-    s = tl.arange(0, NS)[None, :]
+    cc = tl.arange(0, CPI)[None, :, None]
+    v = tl.arange(0, 64)[None, None, :]
+    s = tl.arange(0, NS)[None, None, :]
+    rows3 = tl.reshape(rows, [BN, 1, 1])
+    rmask3 = tl.reshape(rmask, [BN, 1, 1])
     acc = tl.zeros([BN], dtype=tl.float32)
-    for c in range(0, K // 256):
-        b = w + rows + c * TS
-        a = tl.load(xq + c * 64 + v)
+    for c0 in range(0, K // 256, CPI):
+        c = c0 + cc  # [1, CPI, 1]
+        ok = c * 256 < K
+        m = rmask3 & ok
+        b = w + rows3 + c * TS  # [BN, CPI, 1]
+        a = tl.load(xq + c * 64 + v, mask=ok, other=0)
         if QTYPE == 19 or QTYPE == 29:
-            dots = _iq1_dots(QTYPE, b, v, rmask, a, grids, ASM)
+            dots = _iq1_dots(QTYPE, b, v, m, a, grids, ASM)
         else:
-            dots = dot4(_low_bit_words(QTYPE, b, v, rmask, grids), a, ASM)
-        dots = tl.sum(tl.reshape(dots, [BN, NS, 64 // NS]), axis=2).to(tl.float32)  # per sub-block
-        xsc = tl.load(xd + c * 8 + s * 8 // NS)  # [1, NS]: the activation scale of each sub-block
+            dots = dot4(_low_bit_words(QTYPE, b, v, m, grids), a, ASM)
+        dots = tl.sum(tl.reshape(dots, [BN, CPI, NS, 64 // NS]), axis=3).to(tl.float32)  # per sub-block
+        xsc = tl.load(xd + c * 8 + s * 8 // NS, mask=ok, other=0.0)  # the activation scale of each sub-block
         if QTYPE == 10:  # Q2_K: d * sc * code - dmin * mn, scales[16] @0, d @80, dmin @82
-            sc = _u8(b + s, rmask)
-            part = _f16(b + 80, rmask) * (sc & 15).to(tl.float32) * xsc * dots - \
-                _f16(b + 82, rmask) * (sc >> 4).to(tl.float32) * tl.load(xs + c * 16 + s)
+            sc = _u8(b + s, m)
+            part = _f16(b + 80, m) * (sc & 15).to(tl.float32) * xsc * dots - \
+                _f16(b + 82, m) * (sc >> 4).to(tl.float32) * tl.load(xs + c * 16 + s, mask=ok, other=0.0)
         elif QTYPE == 11:  # Q3_K: d * (sc - 32) * (code - 4), 6-bit scales @96, d @108
-            sc = ((_u8(b + 96 + s % 8, rmask) >> (4 * (s // 8))) & 15) | \
-                (((_u8(b + 104 + s % 4, rmask) >> (2 * (s // 4))) & 3) << 4)
-            part = _f16(b + 108, rmask) * (sc - 32).to(tl.float32) * (xsc * dots - 4.0 * tl.load(xs + c * 16 + s))
+            sc = ((_u8(b + 96 + s % 8, m) >> (4 * (s // 8))) & 15) | \
+                (((_u8(b + 104 + s % 4, m) >> (2 * (s // 4))) & 3) << 4)
+            part = _f16(b + 108, m) * (sc - 32).to(tl.float32) * \
+                (xsc * dots - 4.0 * tl.load(xs + c * 16 + s, mask=ok, other=0.0))
         elif QTYPE == 16:  # IQ2_XXS: d (0.5 + aux >> 28) / 4 per 32
-            part = _f16(b, rmask) * (0.5 + ((_u32(b + 6 + 8 * s, rmask) >> 28) & 15).to(tl.float32)) * 0.25 * \
-                xsc * dots
+            part = _f16(b, m) * (0.5 + ((_u32(b + 6 + 8 * s, m) >> 28) & 15).to(tl.float32)) * 0.25 * xsc * dots
         elif QTYPE == 18:  # IQ3_XXS: d (0.5 + aux >> 28) / 2 per 32
-            part = _f16(b, rmask) * (0.5 + ((_u32(b + 66 + 4 * s, rmask) >> 28) & 15).to(tl.float32)) * 0.5 * \
-                xsc * dots
+            part = _f16(b, m) * (0.5 + ((_u32(b + 66 + 4 * s, m) >> 28) & 15).to(tl.float32)) * 0.5 * xsc * dots
         elif QTYPE == 19:  # IQ1_S: d (2 sc + 1) / 8, sc = bits 12-14 of the sub-block's u16 @34
-            qh = _u8(b + 35 + 2 * s, rmask)
-            part = _f16(b, rmask) * (2 * ((qh >> 4) & 7) + 1).to(tl.float32) * 0.125 * xsc * dots
+            part = _f16(b, m) * (2 * ((_u8(b + 35 + 2 * s, m) >> 4) & 7) + 1).to(tl.float32) * 0.125 * xsc * dots
         elif QTYPE == 29:  # IQ1_M: d (2 sc + 1) / 8, 3-bit sc per 16 in u16s @48, d their top nibbles
-            u = _u8(b + 48 + 2 * (s // 4), rmask) | (_u8(b + 49 + 2 * (s // 4), rmask) << 8)
-            part = iq1_m_d(b, rmask) * (2 * ((u >> (3 * (s % 4))) & 7) + 1).to(tl.float32) * 0.125 * xsc * dots
+            u = _u8(b + 48 + 2 * (s // 4), m) | (_u8(b + 49 + 2 * (s // 4), m) << 8)
+            part = iq1_m_d(b, m) * (2 * ((u >> (3 * (s % 4))) & 7) + 1).to(tl.float32) * 0.125 * xsc * dots
         elif QTYPE == 21:  # IQ3_S: d (1 + 2 sc), a nibble per 32 @106
-            sc = (_u8(b + 106 + s // 2, rmask) >> (4 * (s % 2))) & 15
-            part = _f16(b, rmask) * (1 + 2 * sc).to(tl.float32) * xsc * dots
+            sc = (_u8(b + 106 + s // 2, m) >> (4 * (s % 2))) & 15
+            part = _f16(b, m) * (1 + 2 * sc).to(tl.float32) * xsc * dots
         else:  # IQ2_XS / IQ2_S: d (0.5 + sc) / 4, a nibble per 16 @66 / @74
-            sc = (_u8(b + (66 if QTYPE == 17 else 74) + s // 2, rmask) >> (4 * (s % 2))) & 15
-            part = _f16(b, rmask) * (0.5 + sc.to(tl.float32)) * 0.25 * xsc * dots
-        acc += tl.sum(part, axis=1)
+            part = iq2_scale(b, 66 if QTYPE == 17 else 74, s, m) * xsc * dots
+        acc += tl.sum(tl.sum(part, axis=2), axis=1)
     return acc
 
 
@@ -421,7 +425,7 @@ def row_dot_q8(QTYPE: tl.constexpr, w_bytes, rows, rmask, row_bytes, xq, xd, xs,
                             xq, xd, xs, K, BN, CPI, ASM)
     else:
         return low_bit_rows_q8(QTYPE, w_bytes, tl.reshape(rows, [BN, 1]).to(tl.int64) * row_bytes,
-                               tl.reshape(rmask, [BN, 1]), xq, xd, xs, K, BN, ASM, grids)
+                               tl.reshape(rmask, [BN, 1]), xq, xd, xs, K, BN, CPI, ASM, grids)
 
 
 def chunks_per_iteration(K: int, cap: int = 16) -> int:
