@@ -6,6 +6,7 @@
 #   the wheels, once per session on the CPU machine: bash ../shared/device/prepare.sh $(cat bench/device_wheels.txt)
 #   (the server and its test clients; the device has torch, triton, transformers, xxhash, prometheus-client,
 #   pytest-xdist, not these); then carry .whl (and .device/corpus, a copy of ../shared/corpora/lucebox-hub).
+# QUANT=IQ2_M (any repack synth --quant) makes the synthetic models of that mix instead of Q4_K_M.
 # steps: any of synth split compress tests cudatests kernels calib store staged decode llama side presets serve learning long (default: synth split compress tests)
 # cudatests: the runtime's CUDA tests (kernels, expert store, pack integrity, graphs, prefix reuse, served
 #   GPU path, generation, learning, calibration replay, staged prefill) on 15 xdist workers (CUDA_TESTS: other files).
@@ -37,9 +38,11 @@ work="${BENCH_DIR:-/var/tmp/sparkpack-bench}"
 mkdir -p "$work"
 echo "== machine"; nproc; free -g | head -2; df -h "$work" /dev/shm | tail -2
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+quant="${QUANT:-Q4_K_M}"  # the synthetic models' llama.cpp mix (QUANT=IQ2_M ...: the low-bit files)
 model="$work/qwen36-q4km.gguf"
-ensure_model() {  # PATH ARCH PRESET: the Q4_K_M synthetic model with reference skew, unless PATH exists
-  [ -f "$1" ] || python3 -m sparkpack.repack.cli synth --arch "$2" --preset "$3" --quant Q4_K_M -j 16 --skew reference -o "$1" >/dev/null
+[ "$quant" = Q4_K_M ] || model="$work/qwen36-$(echo "$quant" | tr 'A-Z' 'a-z').gguf"
+ensure_model() {  # PATH ARCH PRESET: the $quant synthetic model with reference skew, unless PATH exists
+  [ -f "$1" ] || python3 -m sparkpack.repack.cli synth --arch "$2" --preset "$3" --quant "$quant" -j 16 --skew reference -o "$1" >/dev/null
 }
 ensure_profile() {  # MODEL PROFILE: calibrated on the agent corpus, unless PROFILE exists
   # (not MODEL.profile.json: uniform runs must not pick it up)
@@ -122,7 +125,7 @@ for step in $steps; do
           > "${OUT:-$work}/tests.log" 2>&1 &
         tests=$!
       fi
-      [ -f "$model" ] || python3 -m sparkpack.repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 8 --skew reference -o "$model" >/dev/null
+      [ -f "$model" ] || python3 -m sparkpack.repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant "$quant" -j 8 --skew reference -o "$model" >/dev/null
       sync  # as in presets: no page-cache writeback while a prefill is timed
       if [ -n "$tests" ]; then wait "$tests" || true; echo "== CUDA tests"; tail -15 "${OUT:-$work}/tests.log"; fi
       # nothing is timed while llama.cpp compiles: a prefill is partly host-bound, and a 16-job

@@ -54,6 +54,7 @@ def cli(monkeypatch, capsys):
 @pytest.mark.parametrize("arch, quant", [
     ("qwen3moe", "Q8_0"), ("qwen3moe", "Q4_K_M"), ("qwen3moe", "F16"),
     ("qwen35moe", "Q4_K_M"), ("qwen35moe", "Q6_K"), ("laguna", "Q4_K_M"), ("laguna", "Q8_0"),
+    ("qwen35moe", "IQ2_M"), ("laguna", "IQ3_XXS"), ("qwen3moe", "Q2_K"), ("qwen3moe", "IQ1_M"),
 ])
 def test_split_join_round_trip_is_byte_identical(synth_model, tmp_path, cli, arch, quant):
     src = synth_model(arch, quant=quant)

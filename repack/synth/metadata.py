@@ -19,7 +19,7 @@ def chat_template(arch: str) -> str:
     return resources.files(__package__).joinpath(TEMPLATES[arch]).read_text(encoding="utf-8")
 
 
-def add_metadata(w: gguf.GGUFWriter, p: Preset, mix: str, skew: float, seed: int) -> None:
+def add_metadata(w: gguf.GGUFWriter, p: Preset, mix: str, skew: float, seed: int, file_type: int | None = None) -> None:
     a = p.arch
 
     def key(suffix: str) -> str:
@@ -27,7 +27,7 @@ def add_metadata(w: gguf.GGUFWriter, p: Preset, mix: str, skew: float, seed: int
 
     w.add_type("model")
     w.add_name(p.display_name)
-    w.add_uint32("general.file_type", FILE_TYPE[mix])
+    w.add_uint32("general.file_type", FILE_TYPE[mix] if file_type is None else file_type)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     # provenance, so nobody mistakes the file for a real model
     w.add_string("sparkpack.synthetic", f"preset={p.name} quant={mix} seed={seed} skew={skew:g}")
