@@ -297,7 +297,7 @@ class Session:
             if self.checkpoints is not None and (self.recurrent or not self.cache.keeps(keep)):
                 self.checkpoints.restore(self.cache, keep)
             else:
-                self.cache.pos = keep  # KV rows past it are masked, then overwritten
+                self.cache.rewind(keep)  # KV rows past it are masked, then overwritten
             if self.checkpoints is not None:
                 self.checkpoints.discard_after(keep)
             self.fed = self.fed[:keep]

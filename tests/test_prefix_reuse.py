@@ -115,6 +115,39 @@ def test_rings_go_back_by_their_rows_or_by_a_copy_of_the_window(synth_model, kv_
     assert tail == list(generate(model, None, turns[0], None, 6, stop_ids=(), session=new()))
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_any_sequence_of_conversations_reuses_what_a_fresh_session_would(synth_model, arch):
+    """Conversations of any lengths one after another in one session (a long one, then shorter
+    ones: after compaction, ``/clear`` or a new session): each turn reuses what a session that
+    saw only its own conversation reuses, with its bits and greedy answer. Laguna's rings past a
+    longer sequence (issue 41: 0 tokens reused turn after turn) are the case that failed."""
+    from sparkpack.formats.memory import window_rows
+
+    model = load_model(synth_model(arch, "Q8_0"))
+
+    def new() -> Session:
+        return Session(model, prefill_chunk=CALL, ctx=2048)
+
+    session = new()
+    if arch == "laguna":  # the long conversation wraps the rings, the short ones do not
+        rows = max(la.ring_rows for la in session.cache.layers if getattr(la, "ring", False))
+        assert rows == window_rows(model.window, 512) < 700
+    reused, alone = [], []
+    for seed, length in ((30, 700), (40, 150), (50, 150), (60, 400), (70, 60)):
+        own = new()  # the same conversation's turns only
+        ids = ids_of(seed, length)
+        for turn in range(3):
+            got = session.prompt(ids)
+            want = own.prompt(ids)
+            assert torch.equal(got, want), f"conversation {seed}, turn {turn} after reusing {session.reused}"
+            reused.append(session.reused)
+            alone.append(own.reused if turn else 0)
+            answer = list(generate(model, None, ids, None, 5, stop_ids=(), session=session))
+            assert answer == list(generate(model, None, ids, None, 5, stop_ids=(), session=own))
+            ids = ids + answer[:3] + ids_of(seed + turn + 1, 20)
+    assert reused == alone and all(r > 0 for i, r in enumerate(reused) if i % 3), reused
+
+
 def test_a_ring_grown_for_a_longer_call_keeps_the_window_before_it():
     """A wrapped ring that a call longer than it was sized for grows keeps the window before the
     call, each position in its new row, and vouches for no earlier position: after the sequence
