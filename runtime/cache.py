@@ -277,6 +277,7 @@ class StateCheckpoints:
 
     def __init__(self, limit: int = STATE_CHECKPOINTS):
         self.limit = limit
+        self.protect: set[int] = set()  # positions never dropped (a session's marks: ``Session.prompt``)
         self.saved: dict[int, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
         self._spare: list[list[tuple[torch.Tensor, torch.Tensor] | None]] = []  # host buffers to reuse
 
@@ -324,7 +325,7 @@ class StateCheckpoints:
             if p not in kept:
                 kept = sorted(kept + [p])
                 if len(kept) > self.limit:
-                    kept.remove(_victim(kept))
+                    kept.remove(_victim(kept, self.protect))
         for p in [p for p in self.saved if p not in kept]:
             self._spare.append(self.saved.pop(p))
         new = {}
@@ -374,12 +375,13 @@ class StateCheckpoints:
             self._spare.append(self.saved.pop(p))
 
 
-def _victim(pos: list[int]) -> int:
-    """Which of the saved positions ``pos`` (ascending, more than allowed) goes: an interior one,
-    scored by the gap its removal leaves (the first of two or fewer)."""
-    if len(pos) < 3:
+def _victim(pos: list[int], protect: set[int] = frozenset()) -> int:
+    """Which of the saved positions ``pos`` (ascending, more than allowed) goes: an interior one
+    not in ``protect``, scored by the gap its removal leaves (the first of two or fewer)."""
+    free = [i for i in range(1, len(pos) - 1) if pos[i] not in protect]
+    if not free:
         return pos[0]
-    return pos[min(range(1, len(pos) - 1), key=lambda i: pos[i + 1] - pos[i - 1])]
+    return pos[min(free, key=lambda i: pos[i + 1] - pos[i - 1])]
 
 
 def _host_like(t: torch.Tensor) -> torch.Tensor:
