@@ -11,7 +11,8 @@ session's call ends, so a resumed request gives a fresh run's bits.
 - An entry: the token ids, the cuts within them, the state (host tier) and/or its file (disk
   tier). The live sequence stays in the session's GPU cache; after each request its state at
   ``Session.exact`` becomes an entry (on a GPU copied on a side stream, off the next request's
-  path), replacing the same conversation's older entry that it extends.
+  path), replacing the same conversation's older entry that it extends and sharing its
+  attention rows: a turn copies only its new rows (and the small recurrent states or windows).
 - Lookup: the entry sharing the longest prefix with a request that ends a call of the request's
   own schedule (``Session.cuts_of``): its end for DeltaNet and sliding-window models, any cut
   within it for full-attention models (their rows are a prefix). It wins over the live sequence
@@ -20,28 +21,30 @@ session's call ends, so a resumed request gives a fresh run's bits.
   first message (system prompt and tools) and the last call end it shares with another entry;
   the session copies the states there on the way (``Session.prompt``'s ``marks``) and they
   become entries of their own, so a new conversation with the same start resumes from them.
-- Bounds: the host tier holds at most ``ram_bytes`` (least recently used out first); the
-  folder keeps what it is given (written through: temp file, fsync, rename; an XXH3-128
-  checksum; named by the model's key and the tokens). A file that is another model's, truncated
-  or fails its checksum is ignored with one log line and the prompt is computed.
+- Bounds: the host tier holds at most ``ram_bytes`` (rows shared between entries counted once;
+  least recently used out first); the folder keeps every entry (written through by a thread of
+  its own: temp file, fsync, rename; an XXH3-128 checksum; named by the model's key and the
+  tokens; a replaced turn's file is deleted). A file that is another model's, truncated or
+  fails its checksum is ignored with one log line and the prompt is computed.
 """
 from __future__ import annotations
 
 import json
 import logging
-import os
+import queue
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from sparkpack.formats.atomic_file import fsync_dir, temp_name
+from sparkpack.formats.atomic_file import atomic_writer
 from sparkpack.formats.checksums import PACK_ALGORITHM, new_hasher
 
 from .generate import Session, shared_len
-from .sequence_state import SequenceState, truncatable
+from .sequence_state import Rows, SequenceState, truncatable
 
 log = logging.getLogger("sparkpack.cache")
 
@@ -49,6 +52,11 @@ MAGIC = b"SPKVSEQ1"
 SUFFIX = ".spkv"
 DEFAULT_CACHE_RAM = 8 * 2**30
 _DIGEST = 32  # hex digits of an XXH3-128 digest, the file's last bytes
+_ALIGN = 64  # the header and each tensor padded to it: tensors are read in place, aligned for their dtype
+
+
+def _padded(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
 
 
 @dataclass
@@ -113,7 +121,8 @@ def model_key(session: Session) -> str:
 
 class ConversationCache:
     """The entries of one session's model (``model_key``). ``ram_bytes`` 0: no host tier;
-    ``folder`` None: no disk tier. Used from the engine thread only."""
+    ``folder`` None: no disk tier. Used from the engine thread; files are written by a thread of
+    their own (``close`` waits for it), so a request never waits for the disk."""
 
     def __init__(self, session: Session, ram_bytes: int, folder: Path | None = None):
         self.session = session
@@ -125,16 +134,33 @@ class ConversationCache:
         self.stats = CacheStats()
         self._tick = 0
         self._pending: list = []  # torch.cuda.Events of snapshots still copying
+        self._lock = threading.Lock()  # the entries' paths, between this thread and the writer
+        self._writes: queue.Queue[tuple[Entry, SequenceState] | None] = queue.Queue()
+        self._writer: threading.Thread | None = None
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
             self._scan()
+            self._writer = threading.Thread(target=self._write_loop, name="sparkpack-cache-writer", daemon=True)
+            self._writer.start()
+
+    def close(self) -> None:
+        """Finish the files queued for writing."""
+        if self._writer is not None:
+            self._writes.put(None)
+            self._writer.join()
+            self._writer = None
 
     # -- tiers, for /metrics ------------------------------------------------------------------
     def tier_counts(self) -> dict[str, tuple[int, int]]:
-        """(entries, bytes) per tier."""
-        host = [e for e in self.entries.values() if e.state is not None]
-        disk = [e for e in self.entries.values() if e.path is not None]
-        return {"host": (len(host), sum(e.nbytes for e in host)), "disk": (len(disk), sum(e.nbytes for e in disk))}
+        """(entries, bytes) per tier; host bytes count rows shared between entries once. (Read
+        by /metrics in another thread: it works on a copy of the index.)"""
+        entries = list(self.entries.values())
+        states = [st for st in (e.state for e in entries) if st is not None]
+        disk = [e for e in entries if e.path is not None]
+        return {"host": (len(states), _unique_bytes(states)), "disk": (len(disk), sum(e.nbytes for e in disk))}
+
+    def _host_bytes(self) -> int:
+        return _unique_bytes([e.state for e in self.entries.values() if e.state is not None])
 
     # -- a request ------------------------------------------------------------------------------
     def prepare(self, ids: list[int]) -> Resume:
@@ -156,9 +182,7 @@ class ConversationCache:
             t0, tier = time.perf_counter(), best.tier
             state = self._load(best)
             if state is not None:
-                if self.truncatable and keep < best.pos:
-                    state = _cut(state, keep)
-                session.resume(state)
+                session.resume(state.cut(keep) if keep < best.pos else state)
                 self.stats.restore_seconds += time.perf_counter() - t0
                 self._touch(best)
                 resume = Resume(best, tier)
@@ -183,14 +207,15 @@ class ConversationCache:
             self.stats.misses += 1
             log.info("no entry: all %d prompt tokens computed", len(ids))
         for m in sorted(resume.marks):
-            state = session.snapshot(m)
+            state = session.snapshot(m, self._parent(session.fed[:m]))
             if state is not None:
                 self._add(state, shared=True)
 
     def remember(self) -> None:
         """After a request: the live sequence's state at its exact end becomes an entry (it
-        replaces the same conversation's older turn)."""
-        state = self.session.snapshot()
+        replaces the same conversation's older turn, and shares its attention rows)."""
+        session = self.session
+        state = session.snapshot(None, self._parent(session.fed[:session.exact]))
         if state is not None:
             self._add(state, shared=False)
 
@@ -204,6 +229,17 @@ class ConversationCache:
             return 0
         return max((c for c in e.cuts if c <= limit and c in cuts), default=0)
 
+    def _parent(self, tokens: list[int]) -> SequenceState | None:
+        """The longest state in host memory of a prefix of ``tokens`` that ends one of the
+        session's calls: its attention rows are those the session holds."""
+        cuts = set(self.session.cuts)
+        best = None
+        for e in self.entries.values():
+            if e.state is not None and e.pos < len(tokens) and e.pos in cuts and (best is None or e.pos > best.pos) \
+                    and shared_len(tokens, e.tokens) == e.pos:
+                best = e.state
+        return best
+
     def _marks(self, ids: list[int], cuts: list[int], keep: int) -> frozenset[int]:
         """Where to copy states during this prompt: the end of its first message (the first call
         end before a control token: the system prompt and tools) and the last call end it shares
@@ -215,8 +251,7 @@ class ConversationCache:
             marks.add(first)
         shared = max([shared_len(ids, e.tokens) for e in self.entries.values()] + [shared_len(ids, session.fed)])
         limit = min(shared, len(ids) - 1)
-        last = max((c for c in cuts if c <= limit), default=0)
-        marks.add(last)
+        marks.add(max((c for c in cuts if c <= limit), default=0))
         have = {e.tokens for e in self.entries.values()}
         return frozenset(m for m in marks if m > keep and tuple(ids[:m]) not in have)
 
@@ -225,8 +260,7 @@ class ConversationCache:
         e.used = self._tick
 
     def _add(self, state: SequenceState, shared: bool) -> None:
-        if state.ready is not None:
-            self._pending.append(state.ready)
+        self._pending += state.ready
         tokens = state.tokens
         name = self._name(tokens)
         e = self.entries.get(name)
@@ -240,30 +274,31 @@ class ConversationCache:
                 self._drop(old)
         if self.ram_bytes > 0:
             e.state = state
-        if self.folder is not None and e.path is None:
-            self._write(e, state)
+        if self._writer is not None and e.path is None:
+            self._writes.put((e, state))
         self._touch(e)
         self._evict()
-        if e.state is None and e.path is None:
+        if e.state is None and e.path is None and self._writer is None:
             self.entries.pop(name, None)
 
     def _evict(self) -> None:
         """Least recently used out of the host tier until it fits (to the disk tier if there)."""
-        host = sorted((e for e in self.entries.values() if e.state is not None), key=lambda e: e.used)
-        total = sum(e.nbytes for e in host)
-        for e in host:
+        total = self._host_bytes()
+        for e in sorted((e for e in self.entries.values() if e.state is not None), key=lambda e: e.used):
             if total <= self.ram_bytes:
                 break
             e.state = None
-            total -= e.nbytes
+            total = self._host_bytes()  # (rows it shared with others stay)
             self.stats.evictions += 1
-            if e.path is None:
+            if e.path is None and self._writer is None:
                 del self.entries[e.name]
 
     def _drop(self, e: Entry) -> None:
-        self.entries.pop(e.name, None)
-        if e.path is not None:
-            e.path.unlink(missing_ok=True)
+        with self._lock:
+            self.entries.pop(e.name, None)
+            if e.path is not None:
+                e.path.unlink(missing_ok=True)
+                e.path = None
 
     def _name(self, tokens: tuple[int, ...]) -> str:
         h = new_hasher(PACK_ALGORITHM)
@@ -274,13 +309,18 @@ class ConversationCache:
     # -- disk tier ------------------------------------------------------------------------------
     def _load(self, e: Entry) -> SequenceState | None:
         """The entry's state, read from its file if not in host memory (then kept there); None
-        when the file is unusable (one log line; the entry is forgotten)."""
+        when it has neither (a file still being written) or the file is unusable (one log line;
+        the entry is forgotten)."""
         if e.state is not None:
             return e.state
+        with self._lock:
+            path = e.path
+        if path is None:
+            return None
         try:
-            state = read_state(e.path, self.key)
+            state = read_state(path, self.key)
         except (OSError, ValueError) as err:
-            log.warning("ignoring conversation cache file %s: %s (recomputing)", e.path, err)
+            log.warning("ignoring conversation cache file %s: %s (recomputing)", path, err)
             self.stats.ignored_files += 1
             self.entries.pop(e.name, None)
             return None
@@ -290,14 +330,20 @@ class ConversationCache:
             self._evict()
         return state
 
-    def _write(self, e: Entry, state: SequenceState) -> None:
-        path = self.folder / (e.name + SUFFIX)
-        try:
-            write_state(path, self.key, state, e.shared)
-        except OSError as err:
-            log.warning("cannot write conversation cache file %s: %s", path, err)
-            return
-        e.path = path
+    def _write_loop(self) -> None:
+        while (job := self._writes.get()) is not None:
+            e, state = job
+            path = self.folder / (e.name + SUFFIX)
+            try:
+                write_state(path, self.key, state, e.shared)
+            except OSError as err:
+                log.warning("cannot write conversation cache file %s: %s", path, err)
+                continue
+            with self._lock:
+                if self.entries.get(e.name) is e:
+                    e.path, e.nbytes = path, path.stat().st_size
+                else:  # dropped meanwhile (a longer turn of its conversation replaced it)
+                    path.unlink(missing_ok=True)
 
     def _scan(self) -> None:
         """Index the folder's files of this model (their headers only; payloads are checked when used)."""
@@ -310,46 +356,47 @@ class ConversationCache:
                 continue
             if meta["key"] != self.key:
                 continue  # another model's or other session options' (the folder may be shared)
-            tokens = tuple(meta["tokens"])
             name = path.name[: -len(SUFFIX)]
-            self.entries[name] = Entry(name, tokens, tuple(meta["cuts"]), meta["payload"], path=path,
-                                       shared=meta["shared"])
+            self.entries[name] = Entry(name, tuple(meta["tokens"]), tuple(meta["cuts"]), path.stat().st_size,
+                                       path=path, shared=bool(meta["shared"]))
 
 
-def _cut(state: SequenceState, pos: int) -> SequenceState:
-    """A full-attention state cut back to ``pos`` (its rows are a prefix)."""
-    layers = [None if t is None else tuple(r[:, :pos] for r in t[:-1]) + (t[-1],) for t in state.layers]
-    return SequenceState(state.tokens[:pos], tuple(c for c in state.cuts if c <= pos), layers)
+def _unique_bytes(states: list[SequenceState]) -> int:
+    """The host bytes of ``states``, rows shared between them counted once."""
+    return sum({id(t): t.nbytes for st in states for t in st.tensors()}.values())
 
 
-# -- the file format: MAGIC, u32 length, meta JSON, payload (the tensors' bytes in order), digest --
+# -- the file format: MAGIC, u32 length, meta JSON (space-padded), payload (the tensors' bytes in
+# order, each zero-padded), digest of all but MAGIC and the length --
 def write_state(path: Path, key: str, state: SequenceState, shared: bool) -> None:
     """Write ``state`` to ``path`` atomically (temp name, fsync, rename)."""
     state.wait()
-    tensors = [t for layer in state.layers if layer is not None for t in layer]
+    layers, tensors = [], []
+    for part in state.layers:
+        if part is None:
+            layers.append(None)
+            continue
+        these = part.tensors() if isinstance(part, Rows) else list(part)
+        spec: dict = {"tensors": [[_dtype_name(t.dtype), list(t.shape)] for t in these]}
+        if isinstance(part, Rows):  # chunks of len(KVCache.state()) tensors
+            spec.update(chunk=len(part.chunks[0]), dtype=_dtype_name(part.dtype))
+        layers.append(spec)
+        tensors += these
     meta = {"key": key, "tokens": list(state.tokens), "cuts": list(state.cuts), "shared": shared,
-            "layers": [None if layer is None else [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in layer]
-                       for layer in state.layers],
-            "payload": sum(t.nbytes for t in tensors)}
+            "layers": layers, "payload": sum(_padded(t.nbytes) for t in tensors)}
     head = json.dumps(meta).encode()
+    head += b" " * (_padded(len(MAGIC) + 4 + len(head)) - len(MAGIC) - 4 - len(head))
     h = new_hasher(PACK_ALGORITHM)
     h.update(head)
-    tmp = temp_name(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + struct.pack("<I", len(head)) + head)
-            for t in tensors:
-                data = memoryview(t.contiguous().view(torch.uint8).numpy())
-                h.update(data)
-                f.write(data)
-            f.write(h.hexdigest().encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    with atomic_writer(path) as f:
+        f.write(MAGIC + struct.pack("<I", len(head)) + head)
+        for t in tensors:
+            data = memoryview(t.contiguous().view(torch.uint8).numpy())
+            pad = bytes(_padded(t.nbytes) - t.nbytes)
+            for part in (data, pad):
+                h.update(part)
+                f.write(part)
+        f.write(h.hexdigest().encode())
 
 
 def read_meta(path: Path) -> dict:
@@ -363,8 +410,10 @@ def read_meta(path: Path) -> dict:
             meta = json.loads(f.read(n))
         except ValueError:
             raise ValueError("its header is not readable") from None
-    if not isinstance(meta, dict) or not {"key", "tokens", "cuts", "shared", "layers", "payload"} <= meta.keys():
-        raise ValueError("its header lacks fields")
+    if not isinstance(meta, dict) or not {"key", "tokens", "cuts", "shared", "layers", "payload"} <= meta.keys() \
+            or not all(isinstance(meta[k], list) and all(type(x) is int for x in meta[k]) for k in ("tokens", "cuts")) \
+            or type(meta["payload"]) is not int or not isinstance(meta["layers"], list):
+        raise ValueError("its header lacks fields or has fields of the wrong type")
     size = len(MAGIC) + 4 + n + meta["payload"] + _DIGEST
     if path.stat().st_size != size:
         raise ValueError(f"{path.stat().st_size} bytes where its header says {size} (truncated?)")
@@ -377,25 +426,35 @@ def read_state(path: Path, key: str) -> SequenceState:
     meta = read_meta(path)
     if meta["key"] != key:
         raise ValueError("it belongs to another model or other session options")
-    data = path.read_bytes()
+    data = bytearray(path.stat().st_size)
+    with open(path, "rb") as f:
+        if f.readinto(data) != len(data):
+            raise ValueError("it changed while read")
     start = len(MAGIC) + 4
-    body = memoryview(data)[start: len(data) - _DIGEST]
     h = new_hasher(PACK_ALGORITHM)
-    h.update(body)
-    if h.hexdigest().encode() != data[len(data) - _DIGEST:]:
+    h.update(memoryview(data)[start: len(data) - _DIGEST])
+    if h.hexdigest().encode() != bytes(data[len(data) - _DIGEST:]):
         raise ValueError("checksum mismatch (corrupted)")
-    raw = torch.frombuffer(bytearray(body[meta["head"]:]), dtype=torch.uint8) if meta["payload"] else None
+    raw = torch.frombuffer(data, dtype=torch.uint8)  # the tensors are views of the file's bytes
+    at = start + meta["head"]
     layers: list = []
-    at = 0
     for spec in meta["layers"]:
         if spec is None:
             layers.append(None)
             continue
         tensors = []
-        for dtype, shape in spec:
+        for dtype, shape in spec["tensors"]:
             dt = getattr(torch, dtype)
             n = dt.itemsize * int(torch.Size(shape).numel())
-            tensors.append(raw[at: at + n].clone().view(dt).view(shape))  # (a copy: aligned for its dtype)
-            at += n
-        layers.append(tuple(tensors))
+            tensors.append(raw[at: at + n].view(dt).view(shape))
+            at += _padded(n)
+        if "chunk" in spec:
+            k = spec["chunk"]
+            layers.append(Rows([tuple(tensors[i:i + k]) for i in range(0, len(tensors), k)], getattr(torch, spec["dtype"])))
+        else:
+            layers.append(tuple(tensors))
     return SequenceState(tuple(meta["tokens"]), tuple(meta["cuts"]), layers)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -9,10 +9,11 @@ The interface, one implementation per kind of layer (``LAYER_KINDS``; an archite
 a list of these layers, ``MoEModel.new_cache``), at a position ``pos`` where the sequence's rows
 are exact (a fresh session's call ends there: ``Session.exact``):
 
-- ``take(layer, pos, saved)`` -> the host tensors that are the layer's state at ``pos`` (``saved``:
+- ``take(layer, pos, saved, parent)`` -> the layer's state at ``pos`` in host memory (``saved``:
   the layer's ``StateCheckpoints`` copy at ``pos``, for the states the cache itself has moved
-  past), or None when the layer holds nothing yet;
-- ``put(layer, tensors, pos, device)`` writes them back into the layer's own buffers (a captured
+  past; ``parent``: the same layer's part of a state of a prefix, whose attention rows are
+  shared instead of copied again), or None when the layer holds nothing yet;
+- ``put(layer, part, pos, device)`` writes it back into the layer's own buffers (a captured
   decode step keeps reading them), allocating them if the layer has none yet.
 
 | layer | state at ``pos`` |
@@ -37,12 +38,48 @@ from .cache import Cache, KVCache, RecurrentState
 from .pinned import pinned_like
 
 HostTensors = tuple[torch.Tensor, ...]
+# A state shares its attention rows with the state it extends (its parent: the same
+# conversation's previous turn) and copies only the rows after it; past this many pieces a
+# snapshot copies all rows again, so a restore stays a few bulk copies.
+MAX_CHUNKS = 16
+
+
+@dataclass
+class Rows:
+    """A full-attention layer's rows ``[0, pos)``: consecutive chunks, each the layer's buffers'
+    rows of some positions (``KVCache.state()``: keys, values, and with q8_0 their scales), in the
+    dtype attention reads (``dtype``; q8_0 buffers hold codes). Chunks are shared between the
+    states of one conversation, never written after they are taken."""
+
+    chunks: list[HostTensors]
+    dtype: torch.dtype
+
+    @property
+    def rows(self) -> int:
+        return sum(c[0].shape[1] for c in self.chunks)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for c in self.chunks for t in c]
+
+    def cut(self, pos: int) -> "Rows":
+        """The rows of positions before ``pos``."""
+        out, at = [], 0
+        for c in self.chunks:
+            n = c[0].shape[1]
+            if at >= pos:
+                break
+            out.append(c if at + n <= pos else tuple(t[:, : pos - at] for t in c))
+            at += n
+        return Rows(out, self.dtype)
+
+
+LayerPart = HostTensors | Rows
 
 
 class LayerKind(Protocol):
-    def take(self, layer, pos: int, saved: HostTensors | None) -> HostTensors | None: ...
+    def take(self, layer, pos: int, saved: HostTensors | None, parent: LayerPart | None) -> LayerPart | None: ...
 
-    def put(self, layer, tensors: HostTensors, pos: int, device: torch.device) -> None: ...
+    def put(self, layer, part: LayerPart, pos: int, device: torch.device) -> None: ...
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -53,24 +90,32 @@ def _host(t: torch.Tensor) -> torch.Tensor:
 
 
 class AttentionRows:
-    """A full-attention layer: rows ``[0, pos)`` of each of its buffers."""
+    """A full-attention layer: rows ``[0, pos)`` of each of its buffers, those after ``parent``'s
+    rows copied, the parent's shared."""
 
-    def take(self, layer: KVCache, pos: int, saved: HostTensors | None) -> HostTensors | None:
+    def take(self, layer: KVCache, pos: int, saved: HostTensors | None, parent: LayerPart | None) -> Rows | None:
         if layer.k is None or pos == 0:
             return None
-        return tuple(_host(t[:, :pos]) for t in layer.state()) + (_dtype_tag(layer.dtype),)
+        old = parent if isinstance(parent, Rows) and len(parent.chunks) < MAX_CHUNKS else Rows([], layer.dtype)
+        first = old.rows
+        new = [tuple(_host(t[:, first:pos]) for t in layer.state())] if pos > first else []
+        return Rows(old.chunks + new, layer.dtype)
 
-    def put(self, layer: KVCache, tensors: HostTensors, pos: int, device: torch.device) -> None:
-        *rows, tag = tensors
-        layer.reserve(pos, _like(rows[0], tag, layer, device))
-        for t, host in zip(layer.state(), rows):
-            t[:, :pos].copy_(host, non_blocking=True)
+    def put(self, layer: KVCache, part: Rows, pos: int, device: torch.device) -> None:
+        d = part.chunks[0][0].shape
+        layer.reserve(pos, torch.empty((1, d[0], d[2]), dtype=part.dtype, device=device))
+        at = 0
+        for chunk in part.chunks:
+            n = chunk[0].shape[1]
+            for t, host in zip(layer.state(), chunk):
+                t[:, at:at + n].copy_(host, non_blocking=True)
+            at += n
 
 
 class WindowRows:
     """A sliding-window layer's ring: the rows of positions ``[pos - window + 1, pos)``, in order."""
 
-    def take(self, layer: KVCache, pos: int, saved: HostTensors | None) -> HostTensors | None:
+    def take(self, layer: KVCache, pos: int, saved: HostTensors | None, parent: LayerPart | None) -> Rows | None:
         if layer.k is None or pos == 0:
             return None
         first = max(0, pos - layer.window + 1)
@@ -79,11 +124,12 @@ class WindowRows:
         else:
             at = torch.arange(first, pos, device=layer.k.device) % layer.rows
             rows = [_host(t[:, at]) for t in layer.state()]
-        return tuple(rows) + (_dtype_tag(layer.dtype),)
+        return Rows([tuple(rows)], layer.dtype)
 
-    def put(self, layer: KVCache, tensors: HostTensors, pos: int, device: torch.device) -> None:
-        *rows, tag = tensors
-        layer.reserve(pos, _like(rows[0], tag, layer, device))
+    def put(self, layer: KVCache, part: Rows, pos: int, device: torch.device) -> None:
+        [rows] = part.chunks
+        d = rows[0].shape
+        layer.reserve(pos, torch.empty((1, d[0], d[2]), dtype=part.dtype, device=device))
         first = max(0, pos - layer.window + 1)
         at = torch.arange(first, pos, device=layer.k.device) % layer.rows
         for t, host in zip(layer.state(), rows):
@@ -95,7 +141,8 @@ class RecurrentRows:
     """A Gated DeltaNet layer: its conv window and recurrent matrix after ``pos`` tokens (only a
     checkpoint has them: the cache's own are overwritten token after token)."""
 
-    def take(self, layer: RecurrentState, pos: int, saved: HostTensors | None) -> HostTensors | None:
+    def take(self, layer: RecurrentState, pos: int, saved: HostTensors | None,
+             parent: LayerPart | None) -> HostTensors | None:
         if pos == 0 or saved is None:
             return None
         return tuple(h.clone() for h in saved)
@@ -116,22 +163,6 @@ def kind_of(layer: KVCache | RecurrentState) -> LayerKind:
 
 LAYER_KINDS: dict[str, LayerKind] = {"attention": AttentionRows(), "window": WindowRows(), "recurrent": RecurrentRows()}
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
-
-
-def _dtype_tag(dtype: torch.dtype | None) -> torch.Tensor:
-    """The activations' dtype of a KV layer as a one-value tensor (a q8_0 buffer holds codes, so its
-    own dtype does not say which dtype attention reads), kept among the state's tensors so that a
-    file holds tensors only."""
-    return torch.tensor([_DTYPES[dtype or torch.float32]], dtype=torch.int8)
-
-
-def _like(rows: torch.Tensor, tag: torch.Tensor, layer: KVCache, device: torch.device) -> torch.Tensor:
-    """What ``KVCache.reserve`` sizes new buffers after: ``[1, H_kv, head_dim]`` in the activations' dtype."""
-    dtype = next(d for d, i in _DTYPES.items() if i == int(tag[0]))
-    return torch.empty((1, rows.shape[0], rows.shape[2]), dtype=dtype, device=device)
-
-
 def truncatable(cache: Cache) -> bool:
     """Whether a state at ``pos`` also gives the state at any earlier exact position (full
     attention only: its rows are a prefix; a ring's window or a recurrent state is not)."""
@@ -140,47 +171,65 @@ def truncatable(cache: Cache) -> bool:
 
 @dataclass
 class SequenceState:
-    """The state of one sequence after ``tokens`` (the position is their number), one entry of
-    host tensors per cache layer (None: nothing there yet). ``cuts``: where a fresh session's
-    calls end within ``tokens`` (``Session.cuts``), the positions a truncatable state can be
-    cut back to. ``ready``: the copies were queued on a side stream; restoring waits for it."""
+    """The state of one sequence after ``tokens`` (the position is their number), one part per
+    cache layer (None: nothing there yet): ``Rows`` for attention layers, host tensors for
+    recurrent ones. ``cuts``: where a fresh session's calls end within ``tokens``
+    (``Session.cuts``), the positions a truncatable state can be cut back to. ``ready``: events of
+    the copies queued on side streams (its own and the parent's it shares rows with)."""
 
     tokens: tuple[int, ...]
     cuts: tuple[int, ...]
-    layers: list[HostTensors | None]
-    ready: object | None = field(default=None, repr=False)  # a torch.cuda.Event
+    layers: list[LayerPart | None]
+    ready: list = field(default_factory=list, repr=False)  # torch.cuda.Events
 
     @property
     def pos(self) -> int:
         return len(self.tokens)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every host tensor the state holds (shared ones too)."""
+        return [t for part in self.layers if part is not None
+                for t in (part.tensors() if isinstance(part, Rows) else part)]
+
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for layer in self.layers if layer is not None for t in layer)
+        return sum(t.nbytes for t in self.tensors())
 
     def wait(self) -> None:
         """Block until the copies out of the device are done (before reading the host tensors)."""
-        if self.ready is not None:
-            self.ready.synchronize()
+        for event in self.ready:
+            event.synchronize()
+
+    def cut(self, pos: int) -> "SequenceState":
+        """A truncatable state (``truncatable``) cut back to ``pos``, one of its cuts."""
+        layers = [part.cut(pos) if isinstance(part, Rows) else part for part in self.layers]
+        return SequenceState(self.tokens[:pos], tuple(c for c in self.cuts if c <= pos), layers, self.ready)
 
 
-def snapshot(cache: Cache, tokens: list[int], cuts: list[int], saved: list | None) -> SequenceState:
+def snapshot(cache: Cache, tokens: list[int], cuts: list[int], saved: list | None,
+             parent: SequenceState | None = None) -> SequenceState:
     """The state of ``cache`` at ``len(tokens)`` (an exact position whose rows the cache still
     holds; ``saved``: the ``StateCheckpoints`` copy there, for recurrent states and rings that
-    moved past it). On a GPU the copies run on a side stream, ordered after the work queued so
-    far and off the next request's path (``SequenceState.ready``)."""
+    moved past it). ``parent``: a state of a prefix of ``tokens`` ending at one of ``cuts`` (the
+    conversation's previous turn), whose attention rows the cache holds unchanged: they are
+    shared, not copied. On a GPU the copies run on a side stream, ordered after the work queued
+    so far and off the next request's path (``SequenceState.ready``)."""
     pos = len(tokens)
+    if parent is not None and (parent.pos not in cuts or tuple(tokens[:parent.pos]) != parent.tokens):
+        raise ValueError("a parent state must be of a prefix of the tokens that ends a call")
     device = next((t.device for la in cache.layers for t in _tensors(la)), torch.device("cpu"))
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-    ready = None
+    ready = list(parent.ready) if parent is not None else []
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        layers = [kind_of(la).take(la, pos, saved[il] if saved is not None else None)
+        layers = [kind_of(la).take(la, pos, saved[il] if saved is not None else None,
+                                   parent.layers[il] if parent is not None else None)
                   for il, la in enumerate(cache.layers)]
         if stream is not None:
-            ready = torch.cuda.Event()
-            ready.record(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+            ready.append(event)
     return SequenceState(tuple(tokens), tuple(c for c in cuts if c <= pos), layers, ready)
 
 
@@ -191,9 +240,9 @@ def restore(state: SequenceState, cache: Cache, device: torch.device) -> None:
     state.wait()
     cache.reset()
     pos = state.pos
-    for la, tensors in zip(cache.layers, state.layers):
-        if tensors is not None:
-            kind_of(la).put(la, tensors, pos, device)
+    for la, part in zip(cache.layers, state.layers):
+        if part is not None:
+            kind_of(la).put(la, part, pos, device)
     cache.pos = cache.high = pos
     for la in cache.layers:
         if isinstance(la, KVCache) and la.ring:

@@ -60,9 +60,14 @@ def system(seed: int, n: int) -> list[int]:
     return [BREAK] + ids_of(seed, n) + [BREAK]  # one message: control tokens around its text
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_conversations_taking_turns_resume_from_their_own_states(synth_model, arch, tmp_path):
-    model = load_model(synth_model(arch, "Q8_0"))
+def test_conversations_taking_turns_resume_from_their_own_states(synth_model, arch, device, tmp_path):
+    """On the CPU, and on the GPU (side-stream copies, pinned host memory, captured calls; the
+    GPU machine runs it with CUDA, it skips without)."""
+    from tests.test_prefix_reuse import open_model
+
+    model = open_model(synth_model(arch, "Q4_K_M" if device == "cuda" else "Q8_0"), device)
     served = Served(model, ram=1 << 30, folder=tmp_path)
     convs = {"A": system(1, 300) + ids_of(2, 40), "B": system(3, 200) + ids_of(4, 30), "side": system(5, 20)}
     seen: dict[str, list[int]] = {}
@@ -77,10 +82,17 @@ def test_conversations_taking_turns_resume_from_their_own_states(synth_model, ar
                 (n, name, reused)
         seen[name] = ids
         convs[name] = ids + answer[:2] + [BREAK] + ids_of(10 + n, 25)
+    served.cache.close()  # (the files written)
     counts = served.cache.tier_counts()
     assert counts["host"][0] >= 3 and counts["disk"][0] == counts["host"][0]
+    # each turn copied only its new rows: the last A turn's rows are A1's, A2's, ... chunks
+    from sparkpack.runtime.sequence_state import Rows
+
+    last = max(served.cache.entries.values(), key=lambda e: e.pos)
+    assert max(len(p.chunks) for p in last.state.layers if isinstance(p, Rows)) >= 4
     assert served.cache.stats.hits >= 3
     # a restart: a new session and cache over the folder resume the last turn of A from disk
+    served.cache.close()
     again = Served(model, ram=1 << 30, folder=tmp_path)
     reused, tier, _ = again.ask(convs["A"])
     assert tier == "disk" and reused >= len(seen["A"]) - CALL
@@ -103,6 +115,7 @@ def test_tiny_ram_evicts_and_recomputes_and_bad_files_are_ignored(synth_model, a
     served = Served(model, ram=0, folder=tmp_path)
     served.ask(a)
     served.ask(b)
+    served.cache.close()
     files = sorted(tmp_path.glob("*" + SUFFIX))
     assert len(files) >= 2
     for f in files:

@@ -214,6 +214,26 @@ def test_a_call_ends_before_a_break_so_the_next_turn_keeps_nearly_all(synth_mode
     assert plain.reused == 32
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_call_end_at_the_first_differing_token_counts_only_if_the_new_ids_end_a_call_there(synth_model, arch):
+    """A call of the previous prompt ended before a break token; the new prompt is the same up to
+    that token and has another there, so a fresh session's call goes on past it: the rows before
+    it are not the new prompt's, and the session keeps only up to the call end before."""
+    from sparkpack.runtime.generate import shared_len
+
+    model = load_model(synth_model(arch, "Q8_0"))
+    breaks = frozenset({BREAK})
+    session = Session(model, prefill_chunk=CALL, ctx=256, breaks=breaks)
+    turn1 = ids_of(7, 20) + [BREAK] + ids_of(8, 22)
+    session.prompt(turn1)
+    assert 20 in session.cuts
+    turn2 = turn1[:20] + ids_of(9, 30)
+    fresh = Session(model, prefill_chunk=CALL, ctx=256, breaks=breaks)
+    assert session.reusable(turn2) == 16 and 20 not in fresh.cuts_of(turn2)
+    assert torch.equal(session.prompt(turn2), fresh.feed(turn2)) and session.reused == 16
+    assert shared_len(turn2, tuple(turn2[:2000] + [1])) == len(turn2)  # a list against a tuple
+
+
 def test_call_ends_read_only_the_tokens_before_them():
     """The cuts of any prefix are the cuts of the whole sequence before its end (a cut at its
     very end may wait for the next token): what makes a kept prefix the rows a fresh session
