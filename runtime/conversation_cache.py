@@ -133,7 +133,6 @@ class ConversationCache:
         self.entries: dict[str, Entry] = {}
         self.stats = CacheStats()
         self._tick = 0
-        self._pending: list = []  # torch.cuda.Events of snapshots still copying
         self._lock = threading.Lock()  # the entries' paths, between this thread and the writer
         self._writes: queue.Queue[tuple[Entry, SequenceState] | None] = queue.Queue()
         self._writer: threading.Thread | None = None
@@ -167,9 +166,6 @@ class ConversationCache:
         """Before ``Session.prompt(ids)``: resume the session from the entry that keeps the most
         of ``ids`` if that is more than the live sequence keeps; say which positions to mark."""
         session = self.session
-        for ready in self._pending:  # the last snapshots' copies, before the cache is written again
-            torch.cuda.current_stream(session.model.device).wait_event(ready)
-        self._pending = []
         cuts = set(session.cuts_of(ids))
         live = session.reusable(ids)
         best, keep = None, live
@@ -260,7 +256,6 @@ class ConversationCache:
         e.used = self._tick
 
     def _add(self, state: SequenceState, shared: bool) -> None:
-        self._pending += state.ready
         tokens = state.tokens
         name = self._name(tokens)
         e = self.entries.get(name)

@@ -213,7 +213,8 @@ def snapshot(cache: Cache, tokens: list[int], cuts: list[int], saved: list | Non
     moved past it). ``parent``: a state of a prefix of ``tokens`` ending at one of ``cuts`` (the
     conversation's previous turn), whose attention rows the cache holds unchanged: they are
     shared, not copied. On a GPU the copies run on a side stream, ordered after the work queued
-    so far and off the next request's path (``SequenceState.ready``)."""
+    so far and before any queued later; the host does not wait for them (``SequenceState.ready``
+    says when they are done)."""
     pos = len(tokens)
     if parent is not None and (parent.pos not in cuts or tuple(tokens[:parent.pos]) != parent.tokens):
         raise ValueError("a parent state must be of a prefix of the tokens that ends a call")
@@ -230,6 +231,8 @@ def snapshot(cache: Cache, tokens: list[int], cuts: list[int], saved: list | Non
             event = torch.cuda.Event()
             event.record(stream)
             ready.append(event)
+    if stream is not None:  # whatever is queued next (a request, a bootstrap step) writes the cache after the copies
+        torch.cuda.current_stream(device).wait_event(event)
     return SequenceState(tuple(tokens), tuple(c for c in cuts if c <= pos), layers, ready)
 
 
