@@ -227,14 +227,22 @@ class ConversationCache:
 
     def _parent(self, tokens: list[int]) -> SequenceState | None:
         """The longest state in host memory of a prefix of ``tokens`` that ends one of the
-        session's calls: its attention rows are those the session holds."""
+        session's calls: its attention rows are those the session holds. On full-attention
+        models a longer entry cut back to such a call end serves too (another conversation with
+        the same system prompt: its rows are kept once)."""
         cuts = set(self.session.cuts)
-        best = None
+        best, at = None, 0
         for e in self.entries.values():
-            if e.state is not None and e.pos < len(tokens) and e.pos in cuts and (best is None or e.pos > best.pos) \
-                    and shared_len(tokens, e.tokens) == e.pos:
-                best = e.state
-        return best
+            if e.state is None:
+                continue
+            n = min(shared_len(tokens, e.tokens), len(tokens) - 1)
+            c = e.pos if e.pos <= n and e.pos in cuts else \
+                max((c for c in e.cuts if c <= n and c in cuts), default=0) if self.truncatable else 0
+            if c > at:
+                best, at = e, c
+        if best is None:
+            return None
+        return best.state if at == best.pos else best.state.cut(at)
 
     def _marks(self, ids: list[int], cuts: list[int], keep: int) -> frozenset[int]:
         """Where to copy states during this prompt: the end of its first message (the first call
@@ -358,7 +366,12 @@ class ConversationCache:
 
 def _unique_bytes(states: list[SequenceState]) -> int:
     """The host bytes of ``states``, rows shared between them counted once."""
-    return sum({id(t): t.nbytes for st in states for t in st.tensors()}.values())
+    storages = {}
+    for st in states:
+        for t in st.tensors():  # (views of one allocation, or of one file's bytes, count it once)
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 # -- the file format: MAGIC, u32 length, meta JSON (space-padded), payload (the tensors' bytes in

@@ -100,6 +100,9 @@ def test_conversations_taking_turns_resume_from_their_own_states(synth_model, ar
     other = system(1, 300) + ids_of(99, 30)
     reused, tier, _ = again.ask(other)
     assert reused >= 300 - CALL, reused
+    # ... whose state shares the rows of that first message with A's (kept once in host memory)
+    states = [e.state for e in again.cache.entries.values() if e.state is not None]
+    assert again.cache.tier_counts()["host"][1] < sum(st.nbytes for st in states)
 
 
 @pytest.mark.parametrize("arch", ["qwen35moe"])
