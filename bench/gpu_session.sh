@@ -7,7 +7,7 @@
 #   (the server and its test clients; the device has torch, triton, transformers, xxhash, prometheus-client,
 #   pytest-xdist, not these); then carry .whl (and .device/corpus, a copy of ../shared/corpora/lucebox-hub).
 # QUANT=IQ2_M (any repack synth --quant) makes the synthetic models of that mix instead of Q4_K_M.
-# steps: any of synth split compress tests cudatests kernels calib store staged decode llama side presets serve learning long (default: synth split compress tests)
+# steps: any of synth split compress tests cudatests kernels calib store staged decode llama side presets serve conversations learning long (default: synth split compress tests)
 # cudatests: the runtime's CUDA tests (kernels, expert store, pack integrity, graphs, prefix reuse, served
 #   GPU path, generation, learning, calibration replay, staged prefill) on 15 xdist workers (CUDA_TESTS: other files).
 # calib: bench/calibrate_speed.py on BENCH_CORPUS (default: corpora/): repack calibrate's tok/s and peak
@@ -26,6 +26,9 @@
 #   while the first model is written, unless already built on a machine still warm).
 # serve: served agent session next to llama-server at --vram 14GiB (bench/serve_bench.py, prompts from
 #   .device/corpus/agent_prompts); SERVE_ARGS adds options.
+# conversations: many conversations, one server (issue 42): A1, A2, side, A3, B1, A4, B2, A5 and a restart
+#   with --cache-dir, next to llama-server at --vram 14GiB (bench/conversations_bench.py); CONV_PRESET picks the
+#   shape (qwen35moe:qwen3.6-35b-a3b, the default, or laguna:laguna-xs2); CONV_ARGS adds options.
 # learning: bench/learning_bench.py (issue 30): live learning from no profile vs an offline profile, at --vram 14GiB.
 # long: long prompts and long context, fresh spark-run per length next to llama-bench (bench/long_context.py);
 #   LONG_ARGS adds options (e.g. "--lengths 8192 32768 131072 --kv auto q8_0").
@@ -79,7 +82,7 @@ for step in $steps; do
       OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 SPARKPACK_TEST_DEVICE=cuda timeout -s INT -k 30 "${CUDA_TESTS_TIMEOUT:-480}" \
         python3 -m pytest -n 15 --dist load -v -p no:cacheprovider -p no:benchmark --tb=short --durations=15 \
         ${CUDA_TESTS:-tests/test_kernels.py tests/test_attention_kernel.py tests/test_forward.py tests/test_expert_store.py tests/test_pack_integrity.py tests/test_calibrate.py \
-        tests/test_graph.py tests/test_prefix_reuse.py tests/test_server_gpu.py tests/test_generate.py tests/test_learning.py \
+        tests/test_graph.py tests/test_prefix_reuse.py tests/test_conversation_cache.py tests/test_server_gpu.py tests/test_generate.py tests/test_learning.py \
         tests/test_calibrate_replay.py tests/test_staged_prefill.py tests/test_grammar.py} > "${OUT:-$work}/cuda.log" 2>&1 || true
       grep -oE "(PASSED|FAILED|SKIPPED|ERROR) tests/[a-z_]+\.py" "${OUT:-$work}/cuda.log" | sort | uniq -c
       sed -n '/short test summary/,$p' "${OUT:-$work}/cuda.log" | cut -c1-240 ;;
@@ -162,6 +165,13 @@ for step in $steps; do
     serve)
       ensure_model "$model" qwen35moe qwen3.6-35b-a3b
       python3 bench/serve_bench.py "$model" --prompts .device/corpus/agent_prompts --out "${OUT:-$work}" ${SERVE_ARGS:-} ;;
+    conversations)
+      preset="${CONV_PRESET:-qwen35moe:qwen3.6-35b-a3b}"
+      m="$model"
+      [ "$preset" = "qwen35moe:qwen3.6-35b-a3b" ] || m="$work/${preset#*:}-q4km.gguf"
+      ensure_model "$m" "${preset%%:*}" "${preset#*:}"
+      python3 bench/conversations_bench.py "$m" --prompts .device/corpus/agent_prompts --vram 14GiB --ctx 65536 \
+        --out "${OUT:-$work}" ${CONV_ARGS:-} ;;
     learning)
       # issue 30's benchmark: a server with no profile learning the placement from held-out agent
       # conversations at --vram 14GiB, then a restart, against an offline-calibrated profile;

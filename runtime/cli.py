@@ -183,6 +183,11 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
 @click.option("--api-key", help="With --serve: require this key (Authorization: Bearer or x-api-key).")
 @click.option("--api-key-file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
               help="With --serve: read the key from this file (keeps it out of the process list).")
+@click.option("--cache-ram", type=SizeParam(), help="With --serve: host RAM keeping recent conversations' states to "
+              "resume them [8GiB, or half of what is left beside the model if less]; 0 turns it off.")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="With --serve: also keep conversations' states in this folder, so that a restarted server "
+                   "resumes them.")
 @click.option("--test-hooks", type=click.Path(file_okay=False, path_type=Path), hidden=True,
               help="Tests only: honour forced outputs in requests and dump each prompt's logits here.")
 @learning_options  # --no-learn --force --half-life --generated-weight --profile-save-every --bootstrap --trace-out
@@ -204,6 +209,8 @@ def run_cmd(model_path: Path, prompt: str | None, prompt_file: Path | None, syst
         raise SparkpackError(None, "give either -p/--prompt or --prompt-ids, not both")
     opts = run_options(model_path, **options)
     opts.learning.check(serve)
+    if not serve and (opts.cache_ram is not None or opts.cache_dir is not None):
+        raise SparkpackError(None, "--cache-ram and --cache-dir keep a server's conversations: use them with --serve")
     import torch
 
     if opts.threads is not None:  # here, in the main thread: the server loads and runs in others

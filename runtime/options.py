@@ -87,6 +87,8 @@ class RunOptions:
     max_tokens: int | None = None  # --max-tokens; None: ONE_SHOT_MAX_TOKENS, or a served request's room
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     stats_json: Path | None = None
+    cache_ram: int | None = None  # the server's conversation cache in host RAM (None: default_cache_ram)
+    cache_dir: Path | None = None  # ... and in this folder (None: none)
     learning: LearningFlags = field(default_factory=LearningFlags)  # learn the placement, bootstrap, trace
 
     def __post_init__(self) -> None:
@@ -161,14 +163,28 @@ def store_options(opts: RunOptions) -> StoreOptions | None:
 
 def default_host_ram() -> int | None:
     """80% of the memory the OS reports available (None where it does not say)."""
+    avail = available_ram()
+    return None if avail is None else int(avail * 0.8)
+
+
+def available_ram() -> int | None:
+    """The memory the OS reports available (``MemAvailable``; None where it does not say)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(int(line.split()[1]) * 1024 * 0.8)
+                    return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def default_cache_ram(cap: int) -> int:
+    """The conversation cache's host RAM when ``--cache-ram`` is not given: ``cap``, or half of
+    what is still available once the model (and the expert store's pinned pool) is loaded, if
+    that is less: the states must not push the pool out of RAM."""
+    avail = available_ram()
+    return cap if avail is None else max(0, min(cap, avail // 2))
 
 
 def open_model(opts: RunOptions) -> MoEModel:

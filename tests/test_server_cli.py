@@ -33,6 +33,7 @@ def test_help_shows_a_serve_example(monkeypatch, capsys):
     (["--serve", "-p", "hi"], "--serve takes its prompts from HTTP requests"),
     (["--serve", "--api-key", "a", "--api-key-file", "pyproject.toml"], "either --api-key or --api-key-file"),
     (["--serve", "--top-p", "0"], "top_p must be in (0, 1]"),
+    (["-p", "hi", "--cache-ram", "1GiB"], "use them with --serve"),
 ])
 def test_misuse_is_one_line(synth_model, monkeypatch, capsys, args, message):
     out = spark_run(monkeypatch, capsys, str(synth_model("qwen3moe")), "--device", "cpu", *args)
@@ -49,6 +50,14 @@ def test_a_taken_port_and_a_missing_model_are_one_line_errors(synth_model, tmp_p
     assert out.returncode == 1 and f"127.0.0.1:{port}: cannot listen there" in out.stderr
     out = spark_run(monkeypatch, capsys, str(tmp_path / "missing.gguf"), "--serve", "--device", "cpu", "--port", "0")
     assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith("spark-run: error: ")
+    assert "Traceback" not in out.stderr
+    out = spark_run(monkeypatch, capsys, str(synth_model("qwen3moe")), "--serve", "--device", "cpu", "--port", "0",
+                    "--cache-dir", "pyproject.toml")  # a file, not a folder
+    assert out.returncode == 2 and "pyproject.toml' is a file" in out.stderr and len(out.stderr.splitlines()) == 1
+    out = spark_run(monkeypatch, capsys, str(synth_model("qwen3moe")), "--serve", "--device", "cpu", "--port", "0",
+                    "--cache-dir", "/proc/sparkpack-states")  # a folder that cannot be made
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 1 and "/proc/sparkpack-states" in last and "cannot use it as --cache-dir" in last
     assert "Traceback" not in out.stderr
 
 

@@ -107,11 +107,36 @@ def build_served(model, opts: RunOptions, serve: ServeOptions, stopping: Callabl
         def on_job(job, outcome) -> None:  # noqa: F811 - the trace made durable after each request too
             metrics.observe_job(job, outcome)  # (reads the store's counts: a deferred step's ids are written)
             trace.sync()
-    engine = Engine(session, tok.stop_ids, tok.end_of_turn, on_job=on_job, dump_logits=serve.test_hooks,
-                    between=learning)
+    conversations = open_conversation_cache(session, opts)
+    metrics.conversations = conversations
+    engine = Engine(session, tok.stop_ids, tok.end_of_turn, on_job=on_job, dump_logits=serve.test_hooks, between=learning,
+                    conversations=conversations)
     return Served(model_name(opts.model_path), model, tok, template, tool_syntax_for(model.spec.arch, source or ""),
                   opts.ctx, opts.sampling, engine, metrics, test_hooks=serve.test_hooks is not None,
                   max_tokens=opts.max_tokens, learning=learning, trace=trace)
+
+
+def open_conversation_cache(session, opts: RunOptions):
+    """The conversation cache ``--cache-ram`` and ``--cache-dir`` ask for (None when both are off),
+    with one line saying what it holds."""
+    from ..conversation_cache import DEFAULT_CACHE_RAM, ConversationCache
+    from ..options import default_cache_ram
+
+    ram = opts.cache_ram if opts.cache_ram is not None else default_cache_ram(DEFAULT_CACHE_RAM)
+    if ram == 0 and opts.cache_dir is None:
+        click.echo("sparkpack: conversation cache off: only the live conversation is resumed", err=True)
+        return None
+    try:
+        cache = ConversationCache(session, ram, opts.cache_dir)
+    except OSError as e:
+        raise SparkpackError(opts.cache_dir, f"cannot use it as --cache-dir: {e.strerror or e}") from None
+    where = [f"{ram / 2**30:.2f} GiB of host RAM"] if ram else []
+    if opts.cache_dir is not None:
+        disk = cache.tier_counts()["disk"][0]
+        where.append(f"{opts.cache_dir} ({disk} conversation states there)")
+    click.echo("sparkpack: conversation cache: " + " and ".join(where)
+               + ("" if opts.cache_ram is not None else " (--cache-ram sets it)"), err=True)
+    return cache
 
 
 def start_bootstrap(flags: LearningFlags, learning, session, tok, template, metrics,
