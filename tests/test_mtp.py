@@ -368,3 +368,17 @@ def test_head_forward_on_the_gpu_matches_the_reference(mtp_file) -> None:
     outs = [head.forward(pairs[:5], h[:5], cache)] + [head.forward(pairs[i:i + 1], h[i:i + 1], cache)
                                                       for i in range(5, 9)]
     assert rel(torch.cat([o[0] for o in outs]), ref_logits) < 1e-3
+
+
+def test_llama_cpp_export_leaves_the_head_out(mtp_file) -> None:
+    """``repack export --llama-cpp`` plans llama-cli/llama-server runs, which load an MTP head only
+    with ``--spec-type draft-mtp`` (llama.cpp's ``load_mtp``): its bytes are not on their GPU."""
+    from sparkpack.repack.llama_cpp_args import plan_llama_cpp
+
+    with GGUFModel(mtp_file("Q4_K_M")) as m:
+        spec = model_spec(m)
+        sizes = {n: t.nbytes for n, t in m.tensors.items()}
+        trunk = {n: b for n, b in sizes.items() if n not in spec.head_tensor_names()}
+        with_head = plan_llama_cpp(sizes, spec, 2 * 1024**3, 4096)
+        without = plan_llama_cpp(trunk, spec, 2 * 1024**3, 4096)
+    assert with_head.gpu_weights == without.gpu_weights and with_head.expert_layer_bytes == without.expert_layer_bytes
