@@ -328,6 +328,15 @@ def test_head_forward_matches_the_reference_with_its_cache(mtp_file, dtype, boun
     assert cache.pos == len(pairs)
     assert rel(got_logits, ref_logits) < bound and rel(got_hidden, ref_hidden) < bound
     assert not torch.equal(wrong[0], outs[3][0])
+    # greedy drafts: each step the head's own output fed back, the cache left where it was
+    drafts = head.draft(pairs[-1], hidden[-1:], cache, 3)
+    assert cache.pos == len(pairs)
+    token, row, want = pairs[-1], hidden[-1:], []
+    for _ in range(3):
+        lg, row = head.forward([token], row, cache)
+        token = int(lg[-1].argmax())
+        want.append(token)
+    assert drafts == want
 
 
 @pytest.mark.parametrize("quant, bound", [("Q8_0", 1e-5), ("Q4_K_M", 2e-2)])

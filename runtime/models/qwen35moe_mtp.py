@@ -151,3 +151,18 @@ class MTPHead:
         cache.pos += ids.numel()
         out = m.norm(x, self.norm_name)
         return m.linear(out, self.out_name), out.x
+
+    @torch.no_grad()
+    def draft(self, token: int, hidden: torch.Tensor, cache: Cache, k: int) -> list[int]:
+        """``k`` greedy drafts after ``token``, whose hidden state of the position before is
+        ``hidden [1, n_embd]`` (the trunk's): each step feeds the head its own previous output, as
+        llama.cpp's draft-mtp does. The head's cache is left where it was: its rows for the drafts
+        hold the head's own hidden states, so after a verify the accepted tokens are fed again
+        with the trunk's (llama.cpp's catch-up), from the position this began at."""
+        start, out = cache.pos, []
+        for _ in range(k):
+            logits, hidden = self.forward([token], hidden, cache)
+            token = int(logits[-1].argmax())
+            out.append(token)
+        cache.pos = start
+        return out
