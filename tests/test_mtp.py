@@ -319,6 +319,9 @@ def test_head_forward_matches_the_reference_with_its_cache(mtp_file, dtype, boun
     pairs, h = ids[1:], hidden[:-1]  # x_{t+1} with h_t
     ref_logits, ref_hidden = reference_head(W, np.asarray(pairs), h.double().numpy())
     cache = head.new_cache(capacity=4)  # grows as rows come
+    assert not cache.layers[HEAD].fits(40, 1)
+    model.reserve_kv(cache, 40, 1)  # as before a captured step (the head's block is past the trunk)
+    assert cache.layers[HEAD].fits(40, 1)
     outs = [head.forward(pairs[:5], h[:5], cache)]
     outs += [head.forward(pairs[i:i + 1], h[i:i + 1], cache) for i in range(5, 7)]
     wrong = head.forward([(pairs[7] + 1) % TINY.n_vocab], h[7:8], cache)  # a draft that gets rejected
