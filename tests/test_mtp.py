@@ -331,6 +331,9 @@ def test_head_forward_matches_the_reference_with_its_cache(mtp_file, dtype, boun
     assert cache.pos == len(pairs)
     assert rel(got_logits, ref_logits) < bound and rel(got_hidden, ref_hidden) < bound
     assert not torch.equal(wrong[0], outs[3][0])
+    last = head.forward(pairs[:5], h[:5], head.new_cache(), last_only=True)
+    # (a one-row product need not give a five-row one's bits: compared as values)
+    assert last[0].shape[0] == 1 and torch.equal(last[1], outs[0][1]) and rel(last[0], ref_logits[4:5]) < bound
     # greedy drafts: each step the head's own output fed back, the cache left where it was
     drafts = head.draft(pairs[-1], hidden[-1:], cache, 3)
     assert cache.pos == len(pairs)

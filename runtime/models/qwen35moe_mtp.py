@@ -131,7 +131,7 @@ class MTPHead:
         return Cache([None] * self.il + [KVCache(capacity, kv_type)])  # type: ignore[list-item]
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor | list[int], hidden: torch.Tensor, cache: Cache
+    def forward(self, ids: torch.Tensor | list[int], hidden: torch.Tensor, cache: Cache, last_only: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft logits ``[T, n_vocab]`` and the head's normed hidden states ``[T, n_embd]`` for
         rows pairing ``ids[i]`` with ``hidden[i]``, the hidden state of the position before it
@@ -139,7 +139,9 @@ class MTPHead:
         further). Row i takes position ``cache.pos + i`` of the head's cache, which it advances:
         positions only need to be consecutive (rotary attention reads differences), so vLLM's
         pairing (``h_t`` with ``x_{t+1}`` at t) and llama.cpp's (at t + 1) give the same values.
-        Going back (a rejected draft) is setting ``cache.pos`` back: later rows are masked."""
+        Going back (a rejected draft) is setting ``cache.pos`` back: later rows are masked.
+        ``last_only``: the last row's logits only (a prompt's rows fill the head's cache; the
+        output head over every row would be the largest product by far)."""
         m, p = self.model, self.prefix
         ids = torch.as_tensor(ids, dtype=torch.long, device=m.device).reshape(-1)
         e = rms_norm(m.w.embed(ids, self.embed_name), m.w(p + "nextn.enorm.weight"), m.eps)
@@ -150,7 +152,7 @@ class MTPHead:
         x, _ = m.ffn(self.il, hn, x, self.experts)
         cache.pos += ids.numel()
         out = m.norm(x, self.norm_name)
-        return m.linear(out, self.out_name), out.x
+        return m.linear(Rows(out.x[-1:]) if last_only else out, self.out_name), out.x
 
     @torch.no_grad()
     def draft(self, token: int, hidden: torch.Tensor, cache: Cache, k: int) -> list[int]:
