@@ -76,6 +76,8 @@ def _jsonable(v: Any) -> Any:
         return {str(k): _jsonable(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
         return [_jsonable(x) for x in v]
+    if isinstance(v, (set, frozenset)):
+        return sorted(_jsonable(x) for x in v)
     if isinstance(v, np.generic):
         return v.item()
     if isinstance(v, (bytes, bytearray)):

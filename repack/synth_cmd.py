@@ -47,12 +47,14 @@ class SkewParam(click.ParamType):
 @click.option("--seed", default=0, show_default=True, help="Random seed (same seed, same bytes).")
 @click.option("--layers", "n_layer", type=click.IntRange(min=1), default=None,
               help="Keep only the first N layers of the preset (smaller files with real shapes).")
+@click.option("--mtp", is_flag=True,
+              help="Append the multi-token-prediction head (qwen35moe), as Qwen3.5/3.6 MTP GGUFs carry it.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
               help="Generator processes [default: CPU count, at most 16].")
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path, dir_okay=False),
               help="Output .gguf path (written to a temp name, then renamed).")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
-def synth_cmd(arch: str, preset: str, quant: str, types_of: Path | None, skew, seed: int, n_layer: int | None,
+def synth_cmd(arch: str, preset: str, quant: str, types_of: Path | None, skew, seed: int, n_layer: int | None, mtp: bool,
               jobs: int | None, output: Path, force: bool) -> None:
     """Write a synthetic GGUF: real tensor names, shapes, metadata, tokenizer and chat template of
     ARCH, random weights in valid quant blocks."""
@@ -64,7 +66,7 @@ def synth_cmd(arch: str, preset: str, quant: str, types_of: Path | None, skew, s
     try:
         with reported_as(output):
             path = write_synthetic(output, arch, preset, quant, seed=seed, skew=skew, n_layer=n_layer, jobs=jobs,
-                                   progress=True, types_of=types_of)
+                                   progress=True, types_of=types_of, mtp=mtp)
     except ValueError as e:
         raise SparkpackError(output, str(e)) from None
     click.echo(f"wrote {path} ({fmt_size(path.stat().st_size)})")
