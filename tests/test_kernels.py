@@ -70,8 +70,15 @@ def test_a_type_outside_the_registry_is_refused_never_another_types_math() -> No
     other = T.TQ2_0
     assert int(other) not in KERNEL_QTYPES
     raw = torch.zeros(2, GGML_QUANT_SIZES[other][1], dtype=torch.uint8, device=DEVICE)
-    with pytest.raises(Exception, match="no branch for this quant type"):
+    with pytest.raises(Exception) as refused:
         dequantize_into(raw, int(other), 256, torch.empty(2, 256, device=DEVICE))
+    # Triton's compiler wraps the static_assert's error (its message is the cause's, not the
+    # outer "at line:col" one); the interpreter raises it as is
+    chain, e = [], refused.value
+    while e is not None and len(chain) < 16:
+        chain.append(str(e))
+        e = e.__cause__ or e.__context__
+    assert any("no branch for this quant type" in m for m in chain), chain
     with pytest.raises(ValueError, match="no Triton kernel"):
         check_pool(raw.view(1, 2, -1), int(other), 256, 2, "gate")
 
@@ -653,6 +660,15 @@ def _signature(fn, ptr_types: dict[str, str]) -> dict[str, str]:
     return sig
 
 
+def _gemv_groups() -> list[list[int]]:
+    """Every registry type once, as the four segments of GEMV launches (the last padded with
+    unused segments, as ``dense.gemv`` pads them)."""
+    ids = [int(q) for q in QTYPES]
+    groups = [ids[i:i + 4] for i in range(0, len(ids), 4)]
+    groups[-1] += [-1] * (4 - len(groups[-1]))
+    return groups
+
+
 def aot_compile_all(arch: int = 90) -> None:
     """Compile every kernel family for sm_``arch`` (PTX -> cubin with the bundled ptxas): catches
     what the interpreter accepts but the compiler rejects. Needs TRITON_INTERPRET unset."""
@@ -667,6 +683,7 @@ def aot_compile_all(arch: int = 90) -> None:
              {"QT": int(q), "HAS_IDS": False, "BR": 4}) for q in QTYPES]  # every type's unpacking
     q8_args = {n: "*i32" if n.endswith("q") else "*fp32" for n in ("xq", "xd", "xs", "hq", "hd", "hs")}
     codes = {"xq": "*i8", "xd": "*fp32", "xs": "*fp32"}  # what q8dot.store_q8 writes
+    views = {int(T.Q4_K): "*i32", int(T.Q6_K): "*i16"}  # dense.load_view's word types (others: bytes)
     jobs += [(moe._gate_up_kernel, {"x_ptr": "*fp32", "ids_ptr": "*i64", "slot_ptr": "*i32", "h_ptr": "*fp32",
                                     "count_ptr": "*i32", **q8_args},
               {"GATE_QTYPE": int(T.Q4_K), "UP_QTYPE": int(T.Q4_K), "HAS_HOST": True, "HAS_COUNT": True,
@@ -732,12 +749,14 @@ def aot_compile_all(arch: int = 90) -> None:
                  "CPI": 8 if q8 else 2, "ACT_Q8": q8, "ASM": True}) for q8 in (False, True)],
              (dense._dequant_kernel, {"w": "*u8", "ids": "*i64", "out": "*bf16"},
               {"QT": int(T.Q4_K), "HAS_IDS": True, "BR": 4}),
-             # the low-bit types' int8 words (q8dot.LOW_BIT_Q8), dense and MoE
-             *[(dense._gemv_kernel, {"x": "*bf16", "y": "*bf16", "w0": "*u8", "w1": "*u8", "w2": "*u8", "w3": "*u8",
-                                     **q8_args},
-                {"QT0": int(a), "QT1": int(b), "QT2": int(c), "QT3": int(d), "NSEG": 4, "BN": 2, "CPI": 1,
-                 "ACT_Q8": True, "ASM": True})
-               for a, b, c, d in ((T.IQ2_XXS, T.Q3_K, T.IQ3_S, T.IQ2_S), (T.Q2_K, T.IQ2_XS, T.IQ3_XXS, T.IQ1_M))],
+             # every type's band of the GEMV, float and int8 activations (the int8 words of
+             # q8dot.Q8_TYPES, the byte-wise _row_dot of the others): the type dispatch of
+             # _segment must fold at compile time for each (Triton 3.6 compiled a jit helper's
+             # answer as a runtime branch: another type's code, and its static_assert, for all)
+             *[(dense._gemv_kernel, {"x": "*bf16", "y": "*bf16", **q8_args,
+                                     **{f"w{i}": views.get(q, "*u8") for i, q in enumerate(group)}},
+                {**{f"QT{i}": q for i, q in enumerate(group)}, "NSEG": sum(q >= 0 for q in group), "BN": 2,
+                 "CPI": 1, "ACT_Q8": q8, "ASM": True}) for group in _gemv_groups() for q8 in (False, True)],
              (moe._gate_up_kernel, {"x_ptr": "*fp32", "ids_ptr": "*i64", "slot_ptr": "*i32", "h_ptr": "*fp32",
                                     "count_ptr": "*i32", **q8_args},
               {"GATE_QTYPE": int(T.IQ2_S), "UP_QTYPE": int(T.IQ2_S), "HAS_HOST": True, "HAS_COUNT": True,
@@ -766,8 +785,42 @@ def compile_in_subprocess(call: str, count: int) -> None:
     assert proc.returncode == 0 and f"compiled {count}" in proc.stdout, proc.stderr[-3000:]
 
 
+def test_kernel_conditions_fold_on_every_triton() -> None:
+    """No ``if`` / ``elif`` / conditional expression of a kernel tests a @triton.jit helper's
+    return value: Triton 3.6 does not fold those at compile time (3.9 does), so a type dispatch
+    written that way compiles every branch there, other types' code and static_asserts included.
+    A compile-time condition is an expression of constexprs in the condition itself."""
+    import ast
+    import importlib
+    import inspect
+    import pkgutil
+    import textwrap
+
+    from triton.runtime.jit import KernelInterface  # JITFunction, and InterpretedFunction under the interpreter
+
+    from sparkpack.runtime import kernels
+
+    def jitted(f: object) -> bool:
+        return isinstance(f, KernelInterface) and callable(getattr(f, "fn", None))
+
+    found = []
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"{kernels.__name__}.{info.name}")
+        for name, fn in vars(module).items():
+            if not jitted(fn) or fn.fn.__module__ != module.__name__:
+                continue
+            for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(fn.fn)))):
+                if isinstance(node, (ast.If, ast.IfExp)):
+                    for call in ast.walk(node.test):
+                        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and \
+                                jitted(fn.fn.__globals__.get(call.func.id)):
+                            found.append(f"{info.name}.{name}: {ast.unparse(node.test)}")
+    assert not found, found
+
+
 def test_kernels_compile_for_h100() -> None:
-    compile_in_subprocess("from tests.test_kernels import aot_compile_all; aot_compile_all()", 30 + len(QTYPES))
+    compile_in_subprocess("from tests.test_kernels import aot_compile_all; aot_compile_all()",
+                          28 + len(QTYPES) + 2 * len(_gemv_groups()))
 
 
 @pytest.mark.parametrize("T,d_k,d_v,chunk", [(150, 16, 24, 64), (40, 20, 16, 16), (64, 32, 32, 32)])

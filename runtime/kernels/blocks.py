@@ -37,8 +37,9 @@ Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, MXFP4 = (int(q) for q in (T.Q4_0, T.
 BLOCK_LAYOUT: dict[int, tuple[int, int]] = {q: (k.block, k.type_size) for q, k in KERNEL_QUANTS.items()}
 SUPPORTED_QTYPES = tuple(BLOCK_LAYOUT)
 # Every kernel walks K in chunks of 256 elements (one K-quant super-block, eight 32-blocks).
-# Types whose sub-blocks have an additive term, as one bit per GGML id (a compile-time constant
-# the dots test: ``(_OFFSET_BITS >> QTYPE) & 1``).
+# Types whose sub-blocks have an additive term (the registry's ``offset``), as one bit per GGML id:
+# the dots test ``(_OFFSET_BITS >> QTYPE) & 1`` in the condition itself, an expression of constexprs
+# that every Triton folds at compile time (3.6 does not fold a @triton.jit helper's return value).
 _OFFSET_BITS = tl.constexpr(sum(1 << q for q, k in KERNEL_QUANTS.items() if k.offset))
 # Where each of gguf's lattices starts in the grid table (``grid_table``) the kernels index.
 _KSIGNS, _IQ2XXS, _IQ2XS, _IQ2S, _IQ3XXS, _IQ3S, _IQ1S = (
@@ -489,12 +490,6 @@ def _unpack(QTYPE: tl.constexpr, row, c, K, rmask, grids):
 
 
 @triton.jit
-def has_offset(QTYPE: tl.constexpr):
-    """Whether the type's sub-blocks have an additive term (the registry's ``offset``)."""
-    return (_OFFSET_BITS >> QTYPE) & 1
-
-
-@triton.jit
 def _chunk_dot(QTYPE: tl.constexpr, q, scale, offset, x_row_ptr, c, K):
     """Per-row dot of one unpacked chunk with one activation row -> [BN] fp32.
 
@@ -508,7 +503,7 @@ def _chunk_dot(QTYPE: tl.constexpr, q, scale, offset, x_row_ptr, c, K):
     x = tl.load(x_row_ptr + k, mask=k < K, other=0.0).to(tl.float32)  # [1,NSUB,SUB]
     qx = tl.sum(q * x, axis=2)  # [BN,NSUB]
     part = tl.sum(qx * tl.sum(scale, axis=2), axis=1)
-    if has_offset(QTYPE):
+    if (_OFFSET_BITS >> QTYPE) & 1:
         xs = tl.sum(x, axis=2)  # [1,NSUB]
         part -= tl.sum(xs * tl.sum(offset, axis=2), axis=1)
     return part

@@ -30,7 +30,7 @@ from ..dequant import FLOAT_DTYPES
 from . import pdl
 from .blocks import Q4_K, Q6_K, _row_dot, _unpack, grid_table, row_bytes_of
 from .pdl import prefetch_l2, wait_prior
-from .q8dot import (chunks_per_iteration, is_low_bit_q8, low_bit_rows_q8, q4_k_rows_q8, q4_k_scales, q6_k_rows_q8,
+from .q8dot import (LOW_BIT_BITS, chunks_per_iteration, low_bit_rows_q8, q4_k_rows_q8, q4_k_scales, q6_k_rows_q8,
                     q6_k_scales, use_asm)
 
 # Plain float matrices (the routers stay F32 in GGUF files) are read as their dtype
@@ -158,7 +158,7 @@ def _segment(QT: tl.constexpr, w, row_stride, N, blk, x, xq, xd, xs, y, col, K, 
             acc = q6_k_rows_q8(w, n4.to(tl.int64) * row_stride, n4 < N, xq, xd, xs, K, BN, CPI, ASM)
         else:
             acc = _q6_k_rows(w, n4.to(tl.int64) * row_stride, n4 < N, x, K, BN)
-    elif ACT_Q8 and is_low_bit_q8(QT):
+    elif ACT_Q8 and (LOW_BIT_BITS >> (QT % 64)) & 1:  # q8dot.LOW_BIT_Q8, folded at compile time
         n2 = n[:, None]
         acc = low_bit_rows_q8(QT, w, n2.to(tl.int64) * row_stride, n2 < N, xq, xd, xs, K, BN, CPI, ASM, grids)
     elif QT == 0 or QT == 1 or QT == 30:

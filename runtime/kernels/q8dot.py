@@ -45,13 +45,11 @@ QBLOCK = 32  # activation elements per int8 scale
 LOW_BIT_Q8 = tuple(int(q) for q in (_T.Q2_K, _T.Q3_K, _T.IQ2_XXS, _T.IQ2_XS, _T.IQ2_S, _T.IQ3_XXS, _T.IQ3_S,
                                     _T.IQ1_S, _T.IQ1_M))
 Q8_TYPES = (Q4_K, Q6_K, *LOW_BIT_Q8)  # weight types with an int8-activation kernel
-_LOW_BIT_BITS = tl.constexpr(sum(1 << q for q in LOW_BIT_Q8))
-
-
-@triton.jit
-def is_low_bit_q8(QT: tl.constexpr):
-    """Whether ``low_bit_rows_q8`` reads type ``QT`` (a GGML id; negative ids: no)."""
-    return (_LOW_BIT_BITS >> (QT % 64)) & 1
+# LOW_BIT_Q8 as one bit per GGML id, for a kernel's type dispatch: ``(LOW_BIT_BITS >> (QT % 64)) & 1``
+# written in the condition itself (negative ids: no). Triton 3.6 folds a condition only when it is
+# an expression of constexprs: a @triton.jit helper's return value is a tensor there, so the branch
+# would be compiled for every type (and its static_assert fire).
+LOW_BIT_BITS = tl.constexpr(sum(1 << q for q in LOW_BIT_Q8))
 
 
 class Int8Rows(NamedTuple):
