@@ -252,7 +252,7 @@ def claude_code(version: str, root: Path) -> Client:
     return Client(f"claude-code-{version}", steps, env, growing)
 
 
-GROW_TURNS = 6
+GROW_TURNS = 7
 COMPACTION_ASKS = "create a detailed summary"  # Claude Code's compaction prompt says so (2.1.197, 2.1.332)
 
 
@@ -282,8 +282,8 @@ def codex(root: Path) -> Client:
 
     def env(home: Path, base: str, model: str, ctx: int) -> dict[str, str]:
         (home / ".codex").mkdir(parents=True, exist_ok=True)
-        (home / ".codex" / "config.toml").write_text(codex_config(model, base, ctx)
-                                                     + "check_for_update_on_startup = false\n")
+        (home / ".codex" / "config.toml").write_text("check_for_update_on_startup = false\n"
+                                                     + codex_config(model, base, ctx))
         return {"HOME": str(home), "OPENAI_API_KEY": KEY}
 
     return Client("codex", steps, env)
@@ -418,7 +418,8 @@ def main() -> int:
     ap.add_argument("--archs", default=",".join(ARCHS))
     ap.add_argument("--only", default="", help="comma-separated client names (default: all)")
     ap.add_argument("--ctx", type=int, default=65536)
-    ap.add_argument("--compact-ctx", type=int, default=49152,
+    ap.add_argument("--compaction-only", action="store_true", help="run only Claude Code's compacting conversation")
+    ap.add_argument("--compact-ctx", type=int, default=32768,
                     help="Claude Code's conversation that must compact by itself runs on a server with this --ctx "
                          "(on the first arch; 0: skip it)")
     ap.add_argument("--threads", type=int, default=1, help="the server's CPU threads")
@@ -439,6 +440,8 @@ def main() -> int:
         if not model.exists():
             subprocess.run(["repack", "synth", "--arch", arch, "-o", str(model), "-j", "1"], check=True,
                            stdout=subprocess.DEVNULL)
+        if args.compaction_only:
+            continue
         server = ServerProcess(model, "--ctx", str(args.ctx), "--threads", str(args.threads), hooks=out / "hooks",
                                api_key=KEY, env={"OMP_NUM_THREADS": str(args.threads)})
         try:
