@@ -77,7 +77,8 @@ def answer_of(path: str, streamed: bool, text: str) -> tuple[str, dict]:
     events = sse_events(text)
     if path.endswith("/messages"):
         assert events[-1]["type"] == "message_stop"
-        usage = {**events[0]["message"]["usage"], **next(e["usage"] for e in events if e["type"] == "message_delta")}
+        start = next(e for e in events if e["type"] == "message_start")  # (after any pings)
+        usage = {**start["message"]["usage"], **next(e["usage"] for e in events if e["type"] == "message_delta")}
         return "".join(e["delta"]["text"] for e in events
                        if e["type"] == "content_block_delta" and e["delta"]["type"] == "text_delta"), usage
     if path.endswith("/responses"):
