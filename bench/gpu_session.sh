@@ -6,7 +6,8 @@
 #   the wheels, once per session on the CPU machine: bash ../shared/device/prepare.sh $(cat bench/device_wheels.txt)
 #   (the server and its test clients; the device has torch, triton, transformers, xxhash, prometheus-client,
 #   pytest-xdist, not these); then carry .whl (and .device/corpus, a copy of ../shared/corpora/lucebox-hub).
-# steps: any of synth split compress tests cudatests kernels calib store staged decode llama side presets serve learning long (default: synth split compress tests)
+# QUANT=IQ2_M (any repack synth --quant) makes the synthetic models of that mix instead of Q4_K_M.
+# steps: any of synth split compress tests cudatests kernels calib store staged decode llama side presets serve conversations learning long (default: synth split compress tests)
 # cudatests: the runtime's CUDA tests (kernels, expert store, pack integrity, graphs, prefix reuse, served
 #   GPU path, generation, learning, calibration replay, staged prefill) on 15 xdist workers (CUDA_TESTS: other files).
 # calib: bench/calibrate_speed.py on BENCH_CORPUS (default: corpora/): repack calibrate's tok/s and peak
@@ -25,6 +26,9 @@
 #   while the first model is written, unless already built on a machine still warm).
 # serve: served agent session next to llama-server at --vram 14GiB (bench/serve_bench.py, prompts from
 #   .device/corpus/agent_prompts); SERVE_ARGS adds options.
+# conversations: many conversations, one server (issue 42): A1, A2, side, A3, B1, A4, B2, A5 and a restart
+#   with --cache-dir, next to llama-server at --vram 14GiB (bench/conversations_bench.py); CONV_PRESET picks the
+#   shape (qwen35moe:qwen3.6-35b-a3b, the default, or laguna:laguna-xs2); CONV_ARGS adds options.
 # learning: bench/learning_bench.py (issue 30): live learning from no profile vs an offline profile, at --vram 14GiB.
 # long: long prompts and long context, fresh spark-run per length next to llama-bench (bench/long_context.py);
 #   LONG_ARGS adds options (e.g. "--lengths 8192 32768 131072 --kv auto q8_0").
@@ -37,9 +41,11 @@ work="${BENCH_DIR:-/var/tmp/sparkpack-bench}"
 mkdir -p "$work"
 echo "== machine"; nproc; free -g | head -2; df -h "$work" /dev/shm | tail -2
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+quant="${QUANT:-Q4_K_M}"  # the synthetic models' llama.cpp mix (QUANT=IQ2_M ...: the low-bit files)
 model="$work/qwen36-q4km.gguf"
-ensure_model() {  # PATH ARCH PRESET: the Q4_K_M synthetic model with reference skew, unless PATH exists
-  [ -f "$1" ] || python3 -m sparkpack.repack.cli synth --arch "$2" --preset "$3" --quant Q4_K_M -j 16 --skew reference -o "$1" >/dev/null
+[ "$quant" = Q4_K_M ] || model="$work/qwen36-$(echo "$quant" | tr 'A-Z' 'a-z').gguf"
+ensure_model() {  # PATH ARCH PRESET: the $quant synthetic model with reference skew, unless PATH exists
+  [ -f "$1" ] || python3 -m sparkpack.repack.cli synth --arch "$2" --preset "$3" --quant "$quant" -j 16 --skew reference -o "$1" >/dev/null
 }
 ensure_profile() {  # MODEL PROFILE: calibrated on the agent corpus, unless PROFILE exists
   # (not MODEL.profile.json: uniform runs must not pick it up)
@@ -76,8 +82,8 @@ for step in $steps; do
       OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 SPARKPACK_TEST_DEVICE=cuda timeout -s INT -k 30 "${CUDA_TESTS_TIMEOUT:-480}" \
         python3 -m pytest -n 15 --dist load -v -p no:cacheprovider -p no:benchmark --tb=short --durations=15 \
         ${CUDA_TESTS:-tests/test_kernels.py tests/test_attention_kernel.py tests/test_forward.py tests/test_expert_store.py tests/test_pack_integrity.py tests/test_calibrate.py \
-        tests/test_graph.py tests/test_prefix_reuse.py tests/test_server_gpu.py tests/test_generate.py tests/test_learning.py \
-        tests/test_calibrate_replay.py tests/test_staged_prefill.py} > "${OUT:-$work}/cuda.log" 2>&1 || true
+        tests/test_graph.py tests/test_prefix_reuse.py tests/test_conversation_cache.py tests/test_server_gpu.py tests/test_generate.py tests/test_learning.py \
+        tests/test_calibrate_replay.py tests/test_staged_prefill.py tests/test_grammar.py} > "${OUT:-$work}/cuda.log" 2>&1 || true
       grep -oE "(PASSED|FAILED|SKIPPED|ERROR) tests/[a-z_]+\.py" "${OUT:-$work}/cuda.log" | sort | uniq -c
       sed -n '/short test summary/,$p' "${OUT:-$work}/cuda.log" | cut -c1-240 ;;
     calib)
@@ -122,7 +128,7 @@ for step in $steps; do
           > "${OUT:-$work}/tests.log" 2>&1 &
         tests=$!
       fi
-      [ -f "$model" ] || python3 -m sparkpack.repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant Q4_K_M -j 8 --skew reference -o "$model" >/dev/null
+      [ -f "$model" ] || python3 -m sparkpack.repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant "$quant" -j 8 --skew reference -o "$model" >/dev/null
       sync  # as in presets: no page-cache writeback while a prefill is timed
       if [ -n "$tests" ]; then wait "$tests" || true; echo "== CUDA tests"; tail -15 "${OUT:-$work}/tests.log"; fi
       # nothing is timed while llama.cpp compiles: a prefill is partly host-bound, and a 16-job
@@ -159,6 +165,13 @@ for step in $steps; do
     serve)
       ensure_model "$model" qwen35moe qwen3.6-35b-a3b
       python3 bench/serve_bench.py "$model" --prompts .device/corpus/agent_prompts --out "${OUT:-$work}" ${SERVE_ARGS:-} ;;
+    conversations)
+      preset="${CONV_PRESET:-qwen35moe:qwen3.6-35b-a3b}"
+      m="$model"
+      [ "$preset" = "qwen35moe:qwen3.6-35b-a3b" ] || m="$work/${preset#*:}-q4km.gguf"
+      ensure_model "$m" "${preset%%:*}" "${preset#*:}"
+      python3 bench/conversations_bench.py "$m" --prompts .device/corpus/agent_prompts --vram 14GiB --ctx 65536 \
+        --out "${OUT:-$work}" ${CONV_ARGS:-} ;;
     learning)
       # issue 30's benchmark: a server with no profile learning the placement from held-out agent
       # conversations at --vram 14GiB, then a restart, against an offline-calibrated profile;

@@ -10,6 +10,7 @@ shape, so a fast wrong kernel cannot pass.
     python bench/kernels_bench.py --only prefill --moe-tiles 16,32,4 64,64,8   # grouped MoE tiles
     python bench/kernels_bench.py --only dense --gemv-tiles 4,4 8,4 2,2   # one-token dense GEMV
     python bench/kernels_bench.py --only moe dense --act float q8   # float vs int8 activations
+    python bench/kernels_bench.py --only moe prefill --moe-types IQ2_S,IQ2_S IQ2_XXS,Q2_K IQ3_XXS,IQ3_XXS
     python bench/kernels_bench.py --only attention --attn-buffers 4096 32768   # decode attention
     python bench/kernels_bench.py --only attention --attn-buffers 8256 32848 131152 --attn-splits 256 512 1024 2048
     python bench/kernels_bench.py --only prefill-attention --prefill-tokens 2048 --prefill-past 0 16384 32768
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
 from sparkpack.repack.synth.quant_blocks import make_rng, random_blocks
-from sparkpack.formats.quants import block_size
+from sparkpack.formats.quants import block_size, quant_name, quant_type
 from sparkpack.runtime.dequant import FLOAT_DTYPES, dequantize_rows
 from sparkpack.runtime.kernels import blocks, dense
 from sparkpack.runtime.kernels.moe import ExpertPools, MoELaunch, moe_experts
@@ -66,10 +67,16 @@ def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.double() - ref.double()).norm() / ref.double().norm())
 
 
-def bench_moe(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator) -> bool:
-    """One decode token (T=1, top-8) through pools of 128 slots: Q4_K gate/up, Q6_K down."""
+def moe_types(pair: str) -> tuple[int, int]:
+    """``--moe-types`` entry GATE_UP,DOWN (GGML names) -> their ids."""
+    gate, down = pair.split(",")
+    return int(quant_type(gate)), int(quant_type(down))
+
+
+def bench_moe(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator, gq: int, dq: int) -> bool:
+    """One decode token (T=1, top-8) through pools of 128 slots: gate/up of type ``gq`` (Q4_K by
+    default), down ``dq`` (Q6_K)."""
     n_embd, n_ff, n_slots, topk = 2048, args.moe_ff, 128, 8
-    gq, dq = blocks.Q4_K, blocks.Q6_K
     gate = random_rows(gq, n_slots * n_ff, n_embd).reshape(n_slots, n_ff, -1)
     up = random_rows(gq, n_slots * n_ff, n_embd).reshape(n_slots, n_ff, -1)
     down = random_rows(dq, n_slots * n_embd, n_ff).reshape(n_slots, n_embd, -1)
@@ -108,18 +115,17 @@ def bench_moe(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator) -
         gbs = nbytes / ms / 1e6
         good = err < (2e-2 if q8 else 1e-4) and same  # int8 activations: their rounding
         ok &= good
-        print(f"moe T={T:2d} top{topk} n_ff={n_ff} bn={bn} warps={nw} {act:5} cpi={cpi}: {ms * 1e3:8.1f} us  {gbs:6.0f} GB/s ({100 * gbs / copy_gbs:3.0f}% "
+        print(f"moe {quant_name(gq)}/{quant_name(dq)} T={T:2d} top{topk} n_ff={n_ff} bn={bn} warps={nw} {act:5} cpi={cpi}: {ms * 1e3:8.1f} us  {gbs:6.0f} GB/s ({100 * gbs / copy_gbs:3.0f}% "
               f"of copy)  rel-L2 {err:.2e}  slot-invariant {same}{'' if good else '  FAIL'}")
     return ok
 
 
-def bench_moe_prefill(args: argparse.Namespace, gen: torch.Generator) -> bool:
-    """Prefill-sized MoE (T tokens, top-8 of ``--moe-experts`` experts of ``--moe-ff`` rows: Q4_K
-    gate/up, Q6_K down; qwen3.6: 256 x 512, qwen3-30b: 128 x 768): the per-pair decode kernels
-    against the grouped kernels: the expanded-tile ones and the sub-block ones (and their tile
-    shapes)."""
+def bench_moe_prefill(args: argparse.Namespace, gen: torch.Generator, gq: int, dq: int) -> bool:
+    """Prefill-sized MoE (T tokens, top-8 of ``--moe-experts`` experts of ``--moe-ff`` rows: gate/up
+    of type ``gq``, down ``dq``; qwen3.6: 256 x 512, qwen3-30b: 128 x 768): the per-pair decode
+    kernels against the grouped kernels: the expanded-tile ones and the sub-block ones (and their
+    tile shapes)."""
     n_embd, n_ff, n_exp, topk = 2048, args.moe_ff, args.moe_experts, 8
-    gq, dq = blocks.Q4_K, blocks.Q6_K
     gate = random_rows(gq, n_exp * n_ff, n_embd).reshape(n_exp, n_ff, -1)
     up = random_rows(gq, n_exp * n_ff, n_embd).reshape(n_exp, n_ff, -1)
     down = random_rows(dq, n_exp * n_embd, n_ff).reshape(n_exp, n_embd, -1)
@@ -149,7 +155,7 @@ def bench_moe_prefill(args: argparse.Namespace, gen: torch.Generator) -> bool:
             good = err < 2e-2  # bf16 products (the grouped kernels' tl.dot) and output
             ok &= good
             tile = "auto" if t is None else "x".join(map(str, t))
-            print(f"moe prefill T={T:5d} {name:8} tiles={tile:9}: {ms * 1e3:9.1f} us  {T / ms * 1e3:9.0f} tok/s/layer"
+            print(f"moe prefill {quant_name(gq)}/{quant_name(dq)} T={T:5d} {name:8} tiles={tile:9}: {ms * 1e3:9.1f} us  {T / ms * 1e3:9.0f} tok/s/layer"
                   f"  rel-L2 {err:.2e}{'' if good else '  FAIL'}")
     return ok
 
@@ -389,6 +395,8 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", nargs="+", type=int, default=[16, 128, 512, 2048])
     ap.add_argument("--moe-tiles", nargs="*", default=[], help="grouped tiles to try, as BLOCK_M,BLOCK_N,WARPS")
     ap.add_argument("--gemv-tiles", nargs="*", default=[], help="dense GEMV tiles to try, as ROWS,WARPS[,CHUNKS]")
+    ap.add_argument("--moe-types", nargs="+", default=["Q4_K,Q6_K"],
+                    help="expert types to time, as GATE_UP,DOWN GGML names (IQ2_M files: IQ2_S,IQ2_S)")
     ap.add_argument("--moe-cpi", nargs="+", type=int, default=[8], help="MoE q8: chunks of 256 per iteration")
     ap.add_argument("--act", nargs="+", default=["float", "q8"], choices=["float", "q8"],
                     help="one-token activations: float, or int8 (q8dot) for the MoE and dense kernels")
@@ -408,10 +416,11 @@ def main() -> None:
     copy_gbs = copy_bandwidth_gbs()
     print(f"{torch.cuda.get_device_name()}: device copy {copy_gbs:.0f} GB/s (read + write)")
     ok = True
-    if "moe" in args.only:
-        ok &= bench_moe(args, copy_gbs, gen)
-    if "prefill" in args.only:
-        ok &= bench_moe_prefill(args, gen)
+    for gq, dq in map(moe_types, args.moe_types):
+        if "moe" in args.only:
+            ok &= bench_moe(args, copy_gbs, gen, gq, dq)
+        if "prefill" in args.only:
+            ok &= bench_moe_prefill(args, gen, gq, dq)
     if "dense" in args.only:
         ok &= bench_dense(args, copy_gbs, gen)
     if "attention" in args.only:

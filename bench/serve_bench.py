@@ -48,20 +48,29 @@ API_KEY = "bench"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("model", type=Path, help="the GGUF both servers load")
-    p.add_argument("--prompts", type=Path, required=True, help="folder of agent system prompts (*.md)")
-    p.add_argument("--vram", default="14GiB", help="spark-run's --vram, and llama-server's GPU memory budget")
-    p.add_argument("--ctx", type=int, default=32768)
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    server_arguments(p, ctx=32768)
     p.add_argument("--turn1-tokens", type=int, default=17000)
     p.add_argument("--turn2-tokens", type=int, default=300)
     p.add_argument("--answer-tokens", type=int, default=64, help="tokens generated after turn 1 (before turn 2)")
     p.add_argument("--decode-tokens", type=int, default=256)
+    return checked(p, p.parse_args(argv))
+
+
+def server_arguments(p: argparse.ArgumentParser, ctx: int) -> None:
+    """The options of a benchmark of both servers on agent prompts (this one, conversations_bench.py)."""
+    p.add_argument("model", type=Path, help="the GGUF both servers load")
+    p.add_argument("--prompts", type=Path, required=True, help="folder of agent system prompts (*.md)")
+    p.add_argument("--vram", default="14GiB", help="spark-run's --vram, and llama-server's GPU memory budget")
+    p.add_argument("--ctx", type=int, default=ctx)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--spark-arg", action="append", default=[], help="extra spark-run option (repeatable)")
     p.add_argument("--llama-server", type=Path, default=None, help="[$LLAMA_BUILD/bin/llama-server when built]")
     p.add_argument("--n-cpu-moe", default="auto", help="llama-server's --n-cpu-moe, or auto: the least that fits --vram")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
-    args = p.parse_args(argv)
+
+
+def checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """``server_arguments``' values checked, llama-server's binary found where it was built."""
     if args.n_cpu_moe != "auto" and not args.n_cpu_moe.isdigit():
         p.error(f"--n-cpu-moe must be a number or auto, not {args.n_cpu_moe!r}")
     if args.llama_server is None:

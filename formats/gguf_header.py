@@ -3,9 +3,10 @@
 gguf-py's reader trusts the counts it reads: a corrupted array count makes it loop for hours, a
 tensor that runs past the end of the file fails inside numpy. ``scan_header`` walks the same
 structure first (magic, version, key/value pairs, tensor index), refusing anything a real GGUF
-cannot hold, so that gguf-py only ever sees a file whose structure is sound. It also reads a
-header without the tensor data behind it (a pack's ``header.bin``), which gguf-py cannot, so
-``repack verify`` can check a manifest against the header it was written from.
+cannot hold, so that gguf-py only ever sees a file whose structure is sound; then the tensor map
+as a whole (``check_tensor_map``: ranges inside the data section, no two sharing a byte). It
+also reads a header without the tensor data behind it (a pack's ``header.bin``), which gguf-py
+cannot, so ``repack verify`` can check a manifest against the header it was written from.
 
 Layout (little-endian, GGUF v2/v3): magic, u32 version, u64 tensor count, u64 key/value count,
 the key/value pairs (string key, u32 value type, value; arrays are u32 element type, u64 count,
@@ -34,6 +35,7 @@ SCALARS: dict[int, str] = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i",
 _MIN_KV = 8 + 4 + 1  # empty key, type, one byte of value
 _MIN_TENSOR = 8 + 4 + 4 + 8  # empty name, n_dims 0, type, offset
 _INT64_MAX = 2**63 - 1
+_UINT64 = 2**64
 
 
 @dataclass(frozen=True)
@@ -176,7 +178,33 @@ def scan_header(buf: memoryview | bytes, where: object, *, file_size: int | None
                                  f"the file ({size} bytes): the file is truncated")
     tensors = [_tensor(where, name, shape, qtype, offset, alignment, data_offset, size)
                for name, shape, qtype, offset in raw]
+    check_tensor_map(where, [(t.name, data_offset + t.offset, t.nbytes) for t in tensors], data_offset, size)
     return HeaderIndex(version, fields, tensors, alignment, data_offset)
+
+
+def check_tensor_map(where: object, spans: list[tuple[str, int, int]], data_offset: int, size: int) -> None:
+    """The tensor map as a whole: every range (name, absolute start, byte count) inside the data
+    section ``[data_offset, size)`` and no byte in two tensors.
+
+    Each tensor can be sound on its own while the map is not: a tensor moved onto another's bytes
+    reads them as its own (a norm over attention weights gave all-NaN logits with exit 0, issue
+    43). ggml refuses such files, so every reader here does too, once, where the index is read
+    (a GGUF, a pack's header copy, a pack manifest's tensor list). Sorted by start, a range that
+    begins before the furthest end seen so far overlaps the tensor that reached it."""
+    reach: tuple[str, int, int] | None = None  # the tensor that ends furthest so far, with its range
+    for name, start, nbytes in sorted(spans, key=lambda s: (s[1], s[1] + s[2])):
+        end = start + nbytes
+        if start < data_offset:
+            raise FormatError(where, f"tensor {shown(name)} starts at byte {start}, inside the header: the data "
+                                     f"section starts at byte {data_offset}")
+        if end > size:
+            raise FormatError(where, f"tensor {shown(name)} ends at byte {end}, past the end of the file ({size} "
+                                     "bytes): the file is truncated or its tensor index is corrupt")
+        if reach is not None and nbytes and start < reach[2]:
+            raise FormatError(where, f"tensors {shown(reach[0])} (bytes {reach[1]}..{reach[2]}) and {shown(name)} "
+                                     f"(bytes {start}..{end}) overlap: the tensor index is corrupt")
+        if reach is None or end > reach[2]:
+            reach = (name, start, end)
 
 
 def _value(cur: _Cursor, vtype: int, key: str, decode: bool) -> Any:
@@ -234,8 +262,8 @@ def _tensor(where: object, name: str, shape: tuple[int, ...], qtype: int, offset
     if offset % alignment:
         raise FormatError(where, f"tensor {label} starts at data offset {offset}, not a multiple of the "
                                  f"alignment {alignment}")
-    end = data_offset + offset + nbytes
-    if end > size:
-        raise FormatError(where, f"tensor {label} ends at byte {end}, past the end of the file ({size} bytes): "
-                                 "the file is truncated or its tensor index is corrupt")
+    if data_offset + offset >= _UINT64:  # ggml adds the two as uint64: the sum wraps back into the header
+        raise FormatError(where, f"tensor {label} has data offset {offset}, which wraps to byte "
+                                 f"{data_offset + offset - _UINT64}, inside the header: the data section starts at "
+                                 f"byte {data_offset}")
     return TensorEntry(name, shape, qtype, offset, nbytes)

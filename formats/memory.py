@@ -104,6 +104,7 @@ class MemoryTarget:
     prefill_chunk: int = PREFILL_CHUNK
     staged_chunk: int = 0
     host_bytes: int | None = None
+    mtp: bool = False  # the runtime loads the file's MTP head to draft (``head_bytes``)
 
     @classmethod
     def gpu(cls, spec: ModelSpec, ctx: int = 4096, kv_type: str = "auto",
@@ -183,6 +184,27 @@ def dense_bytes(tensors: dict, expert_names: set[str], target: MemoryTarget) -> 
     ``nbytes``) as the runtime holds them."""
     return sum(t.nbytes if target.quantized_dense and held_as_bytes(t.name, t.shape, t.qtype)
                else math.prod(t.shape) * target.dtype_bytes for t in tensors.values() if t.name not in expert_names)
+
+
+def head_bytes(spec: ModelSpec, tensors: dict, target: MemoryTarget) -> int:
+    """Device bytes of the MTP head (``ModelSpec.nextn``) when the runtime loads it to draft
+    (``target.mtp``; 0 otherwise or without a head): its dense tensors as ``dense_bytes`` counts
+    the trunk's, its experts all resident (``runtime.models.qwen35moe_mtp.HeadExperts``: their
+    GGUF bytes where the kernels read them, else expanded), and its KV cache at the context.
+
+    Why its experts stay out of placement: every draft step is on the critical path, as a decode
+    step is, and what the head routes to is not what a profile of the trunk records (calibration
+    never runs it); resident, one layer's experts (~1/40 of the expert bytes on Qwen3.6) cost a
+    drafting run a fixed share of its budget and a run that does not draft nothing."""
+    head = spec.nextn
+    if head is None or not target.mtp:
+        return 0
+    experts = head.expert_names()
+    dense = dense_bytes({n: tensors[n] for n in head.tensors - experts}, set(), target)
+    held = sum(t.nbytes if target.quantized_dense and kernels_read(t.qtype) else math.prod(t.shape) * target.dtype_bytes
+               for t in (tensors[n] for n in experts))
+    kv = sum(2 * kv_heads * spec.head_dim * target.ctx * target.kv_bytes_per_value for kv_heads in head.n_head_kv)
+    return dense + held + int(kv)
 
 
 def expert_slot_bytes(spec: ModelSpec, tensors: dict) -> dict[int, int]:

@@ -26,7 +26,7 @@ from typing import Any
 from .checksums import ALGORITHMS, IDENTITY_ALGORITHM, checksum, is_checksum
 from .errors import FormatError
 from .experts import ROLE_ORDER
-from .gguf_header import MAX_DIMS
+from .gguf_header import MAX_DIMS, check_tensor_map
 from .profile import ModelIdentity
 from .quants import quant_name, tensor_nbytes
 
@@ -326,6 +326,12 @@ def _spec(r: _Reader, s: dict[str, Any]) -> SpecSummary:
         experts[il] = {k: r.str(v, f"spec.expert_tensors.{il}.{k}") for k, v in roles.items()}
     if len(names) != len(moe):
         raise r.fail("spec.expert_tensors", "must name the expert tensors of exactly the MoE layers")
+    seen: dict[str, str] = {}
+    for il, roles in experts.items():  # one tensor read as two roles' experts would mix their bytes
+        for role, name in roles.items():
+            if name in seen:
+                raise r.fail(f"spec.expert_tensors.{il}.{role}", f"names {name[:80]}, already {seen[name]}")
+            seen[name] = f"spec.expert_tensors.{il}.{role}"
     return SpecSummary(n_layer, n_expert, moe, experts)
 
 
@@ -377,17 +383,15 @@ def _tensors(r: _Reader, items: list[Any], algorithm: str, spec: SpecSummary) ->
 def _check_source_layout(r: _Reader, source: Source, tensors: dict[str, TensorRecord], header: Shard) -> None:
     """Tensors and gaps tile [data_offset, file_size) in order, as split found them; stored gaps
     follow the header in header.bin, one after the other."""
+    check_tensor_map(r.where, [(t.name, t.source_offset, t.nbytes) for t in tensors.values()],
+                     source.data_offset, source.identity.file_size)
     pos, gaps = source.data_offset, []
     for t in tensors.values():
-        if t.source_offset < pos:
-            raise r.fail("tensors", f"{t.name} at source byte {t.source_offset} overlaps what comes before it")
         if (t.source_offset - source.data_offset) % source.gguf_alignment:
             raise r.fail("tensors", f"{t.name} is not aligned to the source's {source.gguf_alignment} bytes")
         if t.source_offset > pos:
             gaps.append((pos, t.source_offset - pos))
         pos = t.source_offset + t.nbytes
-    if pos > source.identity.file_size:
-        raise r.fail("tensors", f"run to source byte {pos}, past the source's {source.identity.file_size} bytes")
     if pos < source.identity.file_size:
         gaps.append((pos, source.identity.file_size - pos))
     r.equal([(g.source_offset, g.nbytes) for g in source.gaps], gaps, "source.gaps")

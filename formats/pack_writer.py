@@ -76,6 +76,8 @@ def _jsonable(v: Any) -> Any:
         return {str(k): _jsonable(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
         return [_jsonable(x) for x in v]
+    if isinstance(v, (set, frozenset)):
+        return sorted(_jsonable(x) for x in v)
     if isinstance(v, np.generic):
         return v.item()
     if isinstance(v, (bytes, bytearray)):
@@ -180,11 +182,10 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
 
 
 def _source_layout(model: GGUFModel) -> list[tuple[int, int]]:
-    """Byte ranges of the data section not covered by any tensor (GGUF alignment padding)."""
+    """Byte ranges of the data section not covered by any tensor (GGUF alignment padding); the
+    header reader has refused a map whose tensors overlap (``gguf_header.check_tensor_map``)."""
     gaps, pos = [], model.data_offset
     for t in sorted(model.tensors.values(), key=lambda t: t.offset):
-        if t.offset < pos:
-            raise FormatError(model.path, f"tensor {t.name} overlaps the previous tensor; cannot pack this file")
         if t.offset > pos:
             gaps.append((pos, t.offset - pos))
         pos = t.offset + t.nbytes

@@ -22,8 +22,8 @@ import numpy as np
 from .archs import ModelSpec
 from .errors import SparkpackError
 from .experts import expert_tensor_names
-from .memory import (MemoryTarget, dense_bytes, expert_slot_bytes, group_bytes, kv_cache_bytes, recurrent_state_bytes,
-                     runtime_bytes)
+from .memory import (MemoryTarget, dense_bytes, expert_slot_bytes, group_bytes, head_bytes, kv_cache_bytes,
+                     recurrent_state_bytes, runtime_bytes)
 from .profile import Profile
 from .quants import KERNEL_QTYPES
 from .units import fmt_size
@@ -261,6 +261,7 @@ class ResidencyPlan:
     slot_bytes: dict[int, int]  # MoE layer -> device bytes of one of its experts
     vram: int | None = None
     dense_bytes: int = 0
+    head_bytes: int = 0  # the MTP head, when the run loads it (formats.memory.head_bytes)
     kv_bytes: int = 0
     state_bytes: int = 0
     overhead_bytes: int = 0  # the runtime's: fixed overhead and prefill temporaries
@@ -319,14 +320,16 @@ def plan_residency(spec: ModelSpec, tensors: dict, budget: Budget, target: Memor
                              expected_cold_rate=_expected_cold_rate(hot, profile), uniform=profile is None, **kw)
 
     if budget.vram is not None:
-        dense = dense_bytes(tensors, expert_tensor_names(spec), target)
+        dense = dense_bytes(tensors, expert_tensor_names(spec) | spec.head_tensor_names(), target)
+        head = head_bytes(spec, tensors, target)
         kv = kv_cache_bytes(spec, target.ctx, target.kv_bytes_per_value, target.prefill_chunk)
         state = recurrent_state_bytes(spec)
         runtime = runtime_bytes(spec, target.ctx, target.prefill_chunk)
-        fixed = dense + kv + state + runtime + slots * slot
+        fixed = dense + head + kv + state + runtime + slots * slot
         if budget.vram < fixed:
+            with_head = f", the MTP head {fmt_size(head)}" if head else ""
             raise SparkpackError(where, f"VRAM budget {fmt_size(budget.vram)} is too small: non-expert weights "
-                                        f"{fmt_size(dense)}, KV cache {fmt_size(kv)} at ctx {target.ctx}, recurrent "
+                                        f"{fmt_size(dense)}{with_head}, KV cache {fmt_size(kv)} at ctx {target.ctx}, recurrent "
                                         f"state {fmt_size(state)}, runtime (prefill chunks of {target.prefill_chunk}) "
                                         f"{fmt_size(runtime)} and {slots} cache slots {fmt_size(slots * slot)} need "
                                         f"{fmt_size(fixed)}")
@@ -341,7 +344,7 @@ def plan_residency(spec: ModelSpec, tensors: dict, budget: Budget, target: Memor
             hot, left = staged
             runtime += rows
         return done(hot, f"--vram budget, {what}", stage=staged is not None, vram=budget.vram, dense_bytes=dense,
-                    kv_bytes=kv, state_bytes=state, overhead_bytes=runtime, expert_budget=left)
+                    head_bytes=head, kv_bytes=kv, state_bytes=state, overhead_bytes=runtime, expert_budget=left)
     if budget.hot_fraction is not None:
         left = int(budget.hot_fraction * sum(sizes.values()) * spec.n_expert + 0.5)
         plan = make_plan(*shape, sizes, left, counts, tokens, gen_weight)

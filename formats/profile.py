@@ -178,6 +178,9 @@ class Profile:
         if (self.n_layer, self.n_expert) != (spec.n_layer, spec.n_expert):
             raise SparkpackError(where, f"profile has {self.n_layer} layers x {self.n_expert} experts, the model "
                                         f"has {spec.n_layer} x {spec.n_expert}")
+        if list(self.moe_layers) != list(spec.moe_layers):
+            raise SparkpackError(where, f"profile's MoE layers {_short_list(self.moe_layers)} are not the model's "
+                                        f"{_short_list(spec.moe_layers)}")
         if self.identity != identity:
             raise SparkpackError(where, f"profile is for another model ({self.identity.short()}), not this one "
                                         f"({identity.short()})")
@@ -229,14 +232,21 @@ class Profile:
         moe = d.get("moe_layers", list(range(n_layer)))
         if not isinstance(moe, list) or not all(_is_int(x) and 0 <= x < n_layer for x in moe):
             raise FormatError(where, f"moe_layers must be layer numbers 0..{n_layer - 1}")
+        if moe != sorted(set(moe)):
+            raise FormatError(where, "moe_layers must list each layer once, in increasing order")
         if not isinstance(d.get("arch"), str):
             raise FormatError(where, "arch must be a string")
         counts, tokens = d.get("counts"), d.get("tokens")
         if not isinstance(counts, dict) or not isinstance(tokens, dict):
             raise FormatError(where, "counts and tokens must be objects with prompt and generated entries")
         prof = cls(ModelIdentity.from_json(d.get("identity"), where), d["arch"], n_layer, n_expert, list(moe), {}, {})
+        dense = sorted(set(range(n_layer)) - set(moe))  # layers without experts route nowhere
         for s in SIDES:
             prof.counts[s] = _count_matrix(counts.get(s), (n_layer, n_expert), where, f"{s} counts")
+            routed = [il for il in dense if prof.counts[s][il].any()]
+            if routed:
+                raise FormatError(where, f"{s} counts route tokens in layer {routed[0]}, which moe_layers does not "
+                                         "list (a layer without experts)")
             tok = tokens.get(s)
             if not _is_number(tok) or not math.isfinite(float(tok)) or tok < 0:
                 raise FormatError(where, f"{s} token count must be a finite number >= 0")
@@ -274,6 +284,10 @@ def _count_matrix(rows: Any, shape: tuple[int, int], where: str | os.PathLike[st
     if not np.isfinite(arr).all() or (arr < 0).any():
         raise FormatError(where, f"{what} must be finite and >= 0")
     return arr
+
+
+def _short_list(xs: list[int], n: int = 8) -> str:
+    return "[" + ", ".join(map(str, xs[:n])) + (", ..." if len(xs) > n else "") + "]"
 
 
 def _num(x: float) -> int | float:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .archs import ModelSpec
 from .errors import SparkpackError
-from .leftovers import clean_leftovers
+from .leftovers import clean_folder
 from .profile import ModelIdentity, Profile
 
 SAVE_EVERY_S = 60.0  # at most this much learning is lost to a crash; a write costs milliseconds
@@ -77,9 +77,10 @@ class ProfileFile:
         return True
 
     def remove_stale_temps(self) -> list[str]:
-        """Remove temporary files of writers that died mid-write (their process is gone), as
-        every command does for its output (``formats.leftovers``); one line per file removed."""
-        return clean_leftovers(self.path)
+        """Remove what writers that died mid-write (their process is gone) left in the profile's
+        folder, as every command does for the folder it writes into (``formats.leftovers``); one
+        line per file removed."""
+        return clean_folder(self.path.parent)
 
 
 @contextlib.contextmanager

@@ -147,6 +147,19 @@ class Pack:
                 raise FormatError(self.path, f"shard {rec.shard} has {size} bytes, the manifest says "
                                              f"{rec.stored_nbytes} (truncated or replaced)")
 
+    def unlisted_cold_files(self) -> list[str]:
+        """Files under ``cold/`` that the manifest does not name, sorted. Split writes exactly one
+        file there per cold expert, so another one is a shard of another split (two packs mixed
+        by a copy) or damage; readers never open it, ``repack verify`` refuses the pack."""
+        listed = {rec.shard for rec in self.records.values() if not rec.hot}
+        found = []
+        for root, dirs, files in os.walk(self.path / COLD_DIR):
+            for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+                rel = PurePosixPath(Path(root, name).relative_to(self.path)).as_posix()
+                if rel not in listed:
+                    found.append(rel)
+        return sorted(found)
+
     def _check_spec(self) -> None:
         """The spec the metadata builds (tensor shapes checked) must agree with the layout."""
         from .archs import model_spec

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 import click
 
 from sparkpack.formats.errors import SparkpackError
-from sparkpack.formats.leftovers import clean_leftovers
 from sparkpack.formats.memory import PREFILL_CHUNK
 from sparkpack.formats.profile import default_profile_path
 from sparkpack.formats.units import SizeParam
@@ -109,8 +108,6 @@ def calibrate_cmd(model_path: Path, corpus: Path | None, output: Path | None, ma
 
     output = output or default_profile_path(model_path)
     job = CalibrationJob(corpus, output, ctx, prefill_chunk, max_tokens, trace_path, strict, resume, stop_after)
-    for line in clean_leftovers(output) + clean_leftovers(job.checkpoint):  # a killed run's temporaries
-        click.echo(f"repack: {line}", err=True)
     run_calibrate(job, spec, identity, lambda: router(trace_path is not None), merge, force, decay, quiet)
 
 

@@ -17,11 +17,15 @@ from sparkpack.formats.units import fmt_size
 
 from .profile_info import is_profile_file, print_profile_report, profile_report
 
-GROUPS = ("routed experts", "shared expert", "router", "attention", "dense ffn", "embeddings", "output", "norms")
+GROUPS = ("routed experts", "shared expert", "router", "attention", "dense ffn", "embeddings", "output", "norms",
+          "mtp head")
 
 
-def tensor_group(name: str, expert_names: set[str]) -> str:
-    """Coarse role of a tensor, for the quant-type and byte breakdown."""
+def tensor_group(name: str, expert_names: set[str], head_names: frozenset[str] = frozenset()) -> str:
+    """Coarse role of a tensor, for the quant-type and byte breakdown (the MTP head's blocks are
+    one group of their own: a run loads them only to draft)."""
+    if name in head_names:
+        return "mtp head"
     if name in expert_names or name.endswith("_exps.weight"):
         return "routed experts"
     if "shexp" in name:
@@ -45,13 +49,15 @@ def gguf_report(path: Path, ctx: int) -> dict[str, Any]:
     model = GGUFModel(path)
     spec = model_spec(model)
     experts = expert_tensor_names(spec)
+    head = spec.head_tensor_names()
     by_group: dict[str, dict[str, Any]] = {g: {"bytes": 0, "types": defaultdict(int)} for g in GROUPS}
     for t in model.tensors.values():
-        g = by_group[tensor_group(t.name, experts)]
+        g = by_group[tensor_group(t.name, experts, head)]
         g["bytes"] += t.nbytes
         g["types"][t.type_name] += 1
     tensor_bytes = sum(t.nbytes for t in model.tensors.values())
     expert_bytes = by_group["routed experts"]["bytes"]
+    head_bytes = by_group["mtp head"]["bytes"]
     kv = kv_cache_bytes(spec, ctx, prefill_chunk=longest_call(spec, ctx, "auto"))  # (a GPU session's rings)
     state = recurrent_state_bytes(spec)
     runtime = runtime_bytes(spec, ctx)
@@ -75,13 +81,15 @@ def gguf_report(path: Path, ctx: int) -> dict[str, Any]:
         "tensor_count": len(model.tensors),
         "tensor_bytes": tensor_bytes,
         "expert_bytes": expert_bytes,
-        "other_bytes": tensor_bytes - expert_bytes,
+        "other_bytes": tensor_bytes - expert_bytes - head_bytes,
+        "mtp_layers": list(spec.nextn.layers) if spec.nextn is not None else [],
+        "mtp_bytes": head_bytes,
         "groups": {g: {"bytes": v["bytes"], "types": dict(v["types"])} for g, v in by_group.items() if v["bytes"]},
         "ctx": ctx,
         "kv_cache_bytes": kv,
         "recurrent_state_bytes": state,
         "runtime_overhead_bytes": runtime,
-        "vram_all_gpu_bytes": tensor_bytes + kv + state + runtime,
+        "vram_all_gpu_bytes": tensor_bytes - head_bytes + kv + state + runtime,
     }
     model.close()
     return report
@@ -107,6 +115,11 @@ def print_report(r: dict[str, Any]) -> None:
     echo("")
     echo(f"  expert weights  {fmt_size(r['expert_bytes'])} ({share:.1%} of {fmt_size(r['tensor_bytes'])})")
     echo(f"  other weights   {fmt_size(r['other_bytes'])}")
+    if r["mtp_layers"]:
+        blocks = ", ".join(f"blk.{il}" for il in r["mtp_layers"])
+        echo(f"  MTP head        {fmt_size(r['mtp_bytes'])} ({blocks}; loaded only to draft, not counted below)")
+    else:
+        echo("  MTP head        none")
     echo(f"  VRAM all-GPU    {fmt_size(r['vram_all_gpu_bytes'])} at ctx {r['ctx']} "
          f"(KV {fmt_size(r['kv_cache_bytes'])}, recurrent state {fmt_size(r['recurrent_state_bytes'])}, "
          f"runtime {fmt_size(r['runtime_overhead_bytes'])})")

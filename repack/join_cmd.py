@@ -11,7 +11,6 @@ import click
 from sparkpack.formats.atomic_file import temp_name
 from sparkpack.formats.checksums import hash_file_range, new_hasher
 from sparkpack.formats.errors import FormatError, SparkpackError
-from sparkpack.formats.leftovers import clean_leftovers
 from sparkpack.formats.pack_manifest import Gap, TensorRecord
 from sparkpack.formats.sparkpack import HEADER_SHARD, Pack
 
@@ -137,10 +136,8 @@ def join_cmd(pack: Path, output: Path, force: bool) -> None:
     """Rebuild the original GGUF (byte-identical) from a .sparkpack."""
     from tqdm import tqdm
 
-    for line in clean_leftovers(output):  # a killed join's partial output
-        click.echo(f"repack: {line}", err=True)
+    check_output(output, force)  # (first clears a killed join's partial output)
     p = Pack.open(pack)
-    check_output(output, force)
     total = sum(t.nbytes for t in p.tensors.values())
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="join", file=sys.stderr,
               disable=None) as bar, reported_as(output):

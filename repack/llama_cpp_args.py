@@ -140,7 +140,9 @@ def plan_llama_cpp(tensors: dict[str, int], spec: ModelSpec, vram: int, ctx: int
     by_layer = expert_tensors(names, moe)
     layer_bytes = {il: sum(tensors[n] for n in by_layer[il]) for il in moe}
     expert_names = {n for ns in by_layer.values() for n in ns}
-    gpu_weights = sum(b for n, b in tensors.items() if n not in expert_names and n not in INPUT_TENSORS)
+    # (llama.cpp loads an MTP head only to draft, --spec-type draft-mtp: not in these arguments' runs)
+    skip = expert_names | set(INPUT_TENSORS) | spec.head_tensor_names()
+    gpu_weights = sum(b for n, b in tensors.items() if n not in skip)
     if "output.weight" not in tensors:  # tied output: a copy of token_embd on the GPU
         gpu_weights += sum(tensors.get(n, 0) for n in INPUT_TENSORS)
     kv = kv_cache_bytes(spec, ctx, kv_type)

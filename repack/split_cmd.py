@@ -10,7 +10,6 @@ import click
 from sparkpack.formats.archs import model_spec
 from sparkpack.formats.errors import SparkpackError
 from sparkpack.formats.gguf_file import GGUFModel
-from sparkpack.formats.leftovers import clean_leftovers
 from sparkpack.formats.memory import MemoryTarget
 from sparkpack.formats.placement import Budget, ResidencyPlan, plan_residency
 from sparkpack.formats.units import SIZE, fmt_size
@@ -99,9 +98,7 @@ def split_cmd(model_path: Path, profile_path: Path | None, vram: int | None, hot
     if vram is not None and hot_fraction is not None:
         raise SparkpackError(None, "give either --vram or --hot-fraction, not both")
     out = output or model_path.with_name(model_path.stem + ".sparkpack")
-    for line in clean_leftovers(out):  # a killed split's temporary or moved-aside pack
-        click.echo(f"repack: {line}", err=True)
-    check_output(out, force)
+    check_output(out, force)  # (first clears a killed split's temporary or moved-aside pack)
     model = GGUFModel(model_path)
     spec = model_spec(model)
     check_packable(model, spec)  # before the plan is printed: nothing is said about a file we refuse

@@ -36,6 +36,9 @@ class SkewParam(click.ParamType):
                    "(qwen35moe: qwen3.6-35b-a3b, laguna: laguna-xs2, qwen3moe: qwen3-30b-a3b).")
 @click.option("--quant", default="Q8_0", show_default=True, type=click.Choice(list(MIXES)),
               help="llama.cpp file type; *_M mixes follow llama-quant.cpp's per-tensor rules.")
+@click.option("--types-of", type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None,
+              help="A real GGUF of the preset's model (e.g. a dynamic quant): take each tensor's type from "
+                   "its header instead of --quant's rules.")
 @click.option("--skew", default="0", show_default=True, type=SkewParam(),
               help="Routing skew S >= 0: router row e is scaled by exp(S*g_e), g_e ~ N(0,1) per layer, so "
                    "some experts win top-k more often, input-dependently. 'reference' picks S so the top 60% "
@@ -44,13 +47,15 @@ class SkewParam(click.ParamType):
 @click.option("--seed", default=0, show_default=True, help="Random seed (same seed, same bytes).")
 @click.option("--layers", "n_layer", type=click.IntRange(min=1), default=None,
               help="Keep only the first N layers of the preset (smaller files with real shapes).")
+@click.option("--mtp", is_flag=True,
+              help="Append the multi-token-prediction head (qwen35moe), as Qwen3.5/3.6 MTP GGUFs carry it.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
               help="Generator processes [default: CPU count, at most 16].")
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path, dir_okay=False),
               help="Output .gguf path (written to a temp name, then renamed).")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
-def synth_cmd(arch: str, preset: str, quant: str, skew, seed: int, n_layer: int | None, jobs: int | None,
-              output: Path, force: bool) -> None:
+def synth_cmd(arch: str, preset: str, quant: str, types_of: Path | None, skew, seed: int, n_layer: int | None, mtp: bool,
+              jobs: int | None, output: Path, force: bool) -> None:
     """Write a synthetic GGUF: real tensor names, shapes, metadata, tokenizer and chat template of
     ARCH, random weights in valid quant blocks."""
     from .synth import write_synthetic
@@ -61,7 +66,7 @@ def synth_cmd(arch: str, preset: str, quant: str, skew, seed: int, n_layer: int 
     try:
         with reported_as(output):
             path = write_synthetic(output, arch, preset, quant, seed=seed, skew=skew, n_layer=n_layer, jobs=jobs,
-                                   progress=True)
+                                   progress=True, types_of=types_of, mtp=mtp)
     except ValueError as e:
         raise SparkpackError(output, str(e)) from None
     click.echo(f"wrote {path} ({fmt_size(path.stat().st_size)})")

@@ -4,7 +4,8 @@ A pack that verifies joins to its source GGUF byte for byte and loads: ``Pack.op
 manifest (its checksum, types, the layout it recomputes: tensor offsets, expert parts, gaps) and
 that the metadata builds a spec the tensor shapes agree with; verify then checks the header
 shard (its checksum, the model identity's header hash, and that the manifest's tensor index,
-data offset and metadata are the header's) and every checksum of every tensor and expert.
+data offset and metadata are the header's), every checksum of every tensor and expert, and that
+``cold/`` holds no file the manifest does not name.
 """
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ def verify_pack(path: Path, progress=lambda n: None) -> Pack:
     for rec in sorted(pack.records.values(), key=lambda r: (not r.hot, r.layer, r.expert)):
         pack.read_expert(rec.layer, rec.expert)
         progress(rec.nbytes)
+    unlisted = pack.unlisted_cold_files()
+    if unlisted:
+        more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
+        raise FormatError(path, f"{unlisted[0]}{more} is not a shard the manifest names: a file of another pack?")
     return pack
 
 
@@ -49,6 +54,9 @@ def verify_cmd(pack: Path) -> None:
     """Check every shard of a .sparkpack against its manifest; exit 1 naming the first bad one."""
     from tqdm import tqdm
 
+    from .outputs import clear_stale
+
+    clear_stale(pack.absolute().parent)  # what a killed split or join left beside the pack
     p = Pack.open(pack)
     total = sum(t.nbytes for t in p.tensors.values())
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", file=sys.stderr,

@@ -63,7 +63,7 @@ class KVCache:
         self.k_scale: torch.Tensor | None = None  # q8_0: f16 [H_kv, capacity, d / 32]
         self.v_scale: torch.Tensor | None = None
         self.dtype: torch.dtype | None = None  # what attention reads (the activations' dtype)
-        self.since = 0  # a grown ring: the first position it still holds (``reserve``)
+        self.since = 0  # the first position it still holds (grown: ``reserve``; gone back: ``Cache.rewind``)
 
     @property
     def ring(self) -> bool:
@@ -114,7 +114,7 @@ class KVCache:
             grown += [like.new_zeros((H, cap, d // Q8_BLOCK), dtype=torch.float16) for _ in range(2)]
         old = [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
         if wrapped:  # the window before the call, each position to its row in the larger ring
-            self.since = max(0, n - call - self.window + 1)
+            self.since = max(self.since, n - call - self.window + 1)
             at = torch.arange(self.since, max(0, n - call), device=old[0].device)
             for new, prev in zip(grown, old):
                 new[:, at % cap] = prev[:, at % prev.shape[1]]
@@ -200,20 +200,20 @@ class RecurrentState:
 
 @dataclass
 class Cache:
-    """``high``: one past the last position written since the sequence began (padding included),
-    as the session tells it (``wrote``); ``low``: the first position whose rows are this
-    sequence's after a window copy went back in (``StateCheckpoints.restore``). Between them, a
-    ring's last ``rows`` positions are still in it (``keeps``)."""
+    """``high``: one past the last position written since the sequence last went back (padding
+    included), as the session tells it (``wrote``). A ring holds its last ``rows`` positions
+    before ``high`` from its ``since`` on (``keeps``): going back (``rewind``, or a window copy
+    restored: ``StateCheckpoints.restore``) moves ``since`` past the positions whose rows the
+    sequence gone back from overwrote."""
 
     layers: list[KVCache | RecurrentState] = field(default_factory=list)
     pos: int = 0
     high: int = 0
-    low: int = 0
 
     def reset(self) -> None:
         """Start a new sequence in the same buffers (a captured decode step stays valid): KV rows
         past ``pos`` are masked anyway; recurrent state is zeroed in place."""
-        self.pos = self.high = self.low = 0
+        self.pos = self.high = 0
         for layer in self.layers:
             if isinstance(layer, KVCache):
                 layer.since = 0
@@ -225,6 +225,17 @@ class Cache:
     def wrote(self, end: int) -> None:
         """Rows up to position ``end`` (exclusive) were written, padding included."""
         self.high = max(self.high, end)
+
+    def rewind(self, pos: int) -> None:
+        """Go back to position ``pos`` keeping the rows before it (a buffer's all, a ring's those
+        the positions written past ``pos`` did not overwrite). Why ``high`` goes back too: kept as
+        the longest sequence's end, it made a ring vouch only for positions near that end, so after
+        a long conversation a shorter one never kept its windows (0 tokens reused turn after turn)."""
+        end = max(self.high, self.pos)
+        for la in self.layers:
+            if isinstance(la, KVCache) and la.ring and la.k is not None:
+                la.since = min(pos, max(la.since, end - la.rows))
+        self.pos = self.high = pos
 
     @property
     def windowed(self) -> bool:
@@ -238,7 +249,7 @@ class Cache:
         for la in self.layers:
             if isinstance(la, KVCache) and la.ring:
                 first = max(0, k - la.window + 1)
-                if first < k and (first < self.low or not la.holds(first, end)):
+                if first < k and not la.holds(first, end):
                     return False
         return True
 
@@ -266,6 +277,7 @@ class StateCheckpoints:
 
     def __init__(self, limit: int = STATE_CHECKPOINTS):
         self.limit = limit
+        self.protect: set[int] = set()  # positions never dropped (a session's marks: ``Session.prompt``)
         self.saved: dict[int, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
         self._spare: list[list[tuple[torch.Tensor, torch.Tensor] | None]] = []  # host buffers to reuse
 
@@ -313,7 +325,7 @@ class StateCheckpoints:
             if p not in kept:
                 kept = sorted(kept + [p])
                 if len(kept) > self.limit:
-                    kept.remove(_victim(kept))
+                    kept.remove(_victim(kept, self.protect))
         for p in [p for p in self.saved if p not in kept]:
             self._spare.append(self.saved.pop(p))
         new = {}
@@ -352,10 +364,10 @@ class StateCheckpoints:
                 rows = _window_rows(layer, pos)
                 for host, t in zip(saved, layer.state()):
                     t[:, rows] = host[:, : rows.numel()].to(t.device, non_blocking=True)
-        cache.pos = pos
-        if cache.windowed:  # the rings' other rows hold another sequence's positions
-            cache.low = min(max(0, pos - la.window + 1) for la in cache.layers if isinstance(la, KVCache) and la.ring)
-            cache.high = pos
+        cache.pos = cache.high = pos
+        for la in cache.layers:  # the rings' other rows hold another sequence's positions
+            if isinstance(la, KVCache) and la.ring:
+                la.since = max(0, pos - la.window + 1)
 
     def discard_after(self, pos: int) -> None:
         """Forget the copies past ``pos`` (the sequence changed there)."""
@@ -363,12 +375,13 @@ class StateCheckpoints:
             self._spare.append(self.saved.pop(p))
 
 
-def _victim(pos: list[int]) -> int:
-    """Which of the saved positions ``pos`` (ascending, more than allowed) goes: an interior one,
-    scored by the gap its removal leaves (the first of two or fewer)."""
-    if len(pos) < 3:
+def _victim(pos: list[int], protect: set[int] = frozenset()) -> int:
+    """Which of the saved positions ``pos`` (ascending, more than allowed) goes: an interior one
+    not in ``protect``, scored by the gap its removal leaves (the first of two or fewer)."""
+    free = [i for i in range(1, len(pos) - 1) if pos[i] not in protect]
+    if not free:
         return pos[0]
-    return pos[min(range(1, len(pos) - 1), key=lambda i: pos[i + 1] - pos[i - 1])]
+    return pos[min(free, key=lambda i: pos[i + 1] - pos[i - 1])]
 
 
 def _host_like(t: torch.Tensor) -> torch.Tensor:

@@ -21,23 +21,24 @@ not), and a server moves the hot set toward them between requests.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
+from sparkpack.formats.atomic_file import write_atomic
 from sparkpack.formats.errors import SparkpackError, Terminated, cli_entry
 from sparkpack.formats.memory import KV_BYTES_PER_VALUE, PREFILL_CHUNK
 from sparkpack.formats.units import SizeParam
 
 from .learn_flags import LearningFlags, learning_options
-from .options import (DEVICES, DTYPES, STREAM_MODES, RunOptions, SamplingOptions, open_model, open_session,
-                      run_options)
+from .options import (DEVICES, DTYPES, ONE_SHOT_MAX_TOKENS, STREAM_MODES, RunOptions, SamplingOptions, open_model,
+                      open_session, run_options)
 
 
 def load_tokenizer(model):
@@ -60,17 +61,13 @@ def parse_ids(text: str, n_vocab: int) -> list[int]:
 
 
 def save_npy_atomic(path: Path, array) -> None:
+    """Under the project's temp name (``formats.atomic_file``), which later commands clear when a
+    kill leaves it behind."""
     import numpy as np
 
-    path = path.resolve()
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    buf = io.BytesIO()
+    np.save(buf, array)
+    write_atomic(path, buf.getvalue())
 
 
 def one_shot_sampler(sampling: SamplingOptions):
@@ -168,7 +165,9 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
               help="Use the tiered expert store [on for cuda or when a store option is given].")
 @click.option("--stats-json", type=click.Path(dir_okay=False, path_type=Path),
               help="Write speed, hit and memory statistics of the run to this JSON file.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1),
+              help=f"Most tokens to generate [{ONE_SHOT_MAX_TOKENS}]. With --serve: the cap of requests that set "
+                   "none (Codex sends none) [the context's end].")
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.7, show_default=True,
               help="0 means greedy.")
 @click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True)
@@ -184,6 +183,11 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
 @click.option("--api-key", help="With --serve: require this key (Authorization: Bearer or x-api-key).")
 @click.option("--api-key-file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
               help="With --serve: read the key from this file (keeps it out of the process list).")
+@click.option("--cache-ram", type=SizeParam(), help="With --serve: host RAM keeping recent conversations' states to "
+              "resume them [8GiB, or half of what is left beside the model if less]; 0 turns it off.")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="With --serve: also keep conversations' states in this folder, so that a restarted server "
+                   "resumes them.")
 @click.option("--test-hooks", type=click.Path(file_okay=False, path_type=Path), hidden=True,
               help="Tests only: honour forced outputs in requests and dump each prompt's logits here.")
 @learning_options  # --no-learn --force --half-life --generated-weight --profile-save-every --bootstrap --trace-out
@@ -205,6 +209,8 @@ def run_cmd(model_path: Path, prompt: str | None, prompt_file: Path | None, syst
         raise SparkpackError(None, "give either -p/--prompt or --prompt-ids, not both")
     opts = run_options(model_path, **options)
     opts.learning.check(serve)
+    if not serve and (opts.cache_ram is not None or opts.cache_dir is not None):
+        raise SparkpackError(None, "--cache-ram and --cache-dir keep a server's conversations: use them with --serve")
     import torch
 
     if opts.threads is not None:  # here, in the main thread: the server loads and runs in others
@@ -265,7 +271,7 @@ def run_session(model, opts: RunOptions, prompt: str | None, system: str | None,
             logits = model.forward(ids, cache).float().cpu().numpy().astype(np.float32)
             save_npy_atomic(logits_out, logits)
             return None
-        stream(model, tok, ids, sampler, opts.max_tokens, session, opts.ctx)
+        stream(model, tok, ids, sampler, opts.reply_tokens, session, opts.ctx)
         return session
 
     if prompt is not None:
@@ -276,9 +282,9 @@ def run_session(model, opts: RunOptions, prompt: str | None, system: str | None,
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}]
             ids = chat_ids(tok, template, messages)
-        stream(model, tok, ids, sampler, opts.max_tokens, session, opts.ctx)
+        stream(model, tok, ids, sampler, opts.reply_tokens, session, opts.ctx)
         return session
-    chat(model, tok, chat_template(model, False), system, sampler, opts.max_tokens, session, opts.ctx)
+    chat(model, tok, chat_template(model, False), system, sampler, opts.reply_tokens, session, opts.ctx)
     return session
 
 
@@ -378,19 +384,7 @@ def report_stats(model, session, stats_json: Path | None) -> None:
     if stats_json is not None:
         import json
 
-        write_text_atomic(stats_json, json.dumps(s, indent=1) + "\n")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    path = path.resolve()
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        write_atomic(stats_json, json.dumps(s, indent=1) + "\n")
 
 
 CHAT_HELP = """\

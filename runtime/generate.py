@@ -35,6 +35,7 @@ from sparkpack.formats.memory import (LONG_PAST_TOKENS, PREFILL_CHUNK, PREFILL_G
 from sparkpack.formats.profile import SIDES
 
 from .cache import STATE_CHECKPOINTS, RecurrentState, StateCheckpoints
+from .sequence_state import SequenceState, restore, snapshot
 from .graph import (PREFILL_SIZES, DecodeGraph, PrefillGraphs, capturable, feeds_short_calls, prefill_is_padded,
                     short_prefill_calls)
 from .kernels.moe_grouped import tile_calls
@@ -56,6 +57,15 @@ class TokenSampler(Protocol):
     def sample(self, logits: torch.Tensor, history: list[int]) -> int: ...
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+
+class TokenConstraint(Protocol):
+    """A grammar the generated tokens must follow (``runtime.grammar.GrammarConstraint``):
+    ``mask`` the logits before each choice, ``accept`` the token chosen."""
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+    def accept(self, token: int) -> None: ...
 
 
 class StopTokens(Protocol):
@@ -102,6 +112,8 @@ def shared_len(a: Sequence, b: Sequence, step: int = 1024) -> int:
     """How many items (tokens, or characters of a prompt's text) ``a`` and ``b`` share from the
     start. Compared a slice at a time (in C): one by one in Python, a 100k-token conversation
     took 17 ms a request on the development machine, against 1 ms."""
+    if type(a) is not type(b):  # (a list's slice never equals a tuple's)
+        a, b = list(a), list(b)
     n, i = min(len(a), len(b)), 0
     while i < n and a[i:i + step] == b[i:i + step]:
         i += step
@@ -180,6 +192,7 @@ class Session:
         # from position 0): what ``prompt`` may keep. Always one of ``cuts``.
         self.exact = 0
         self.reused = 0  # tokens the last ``prompt`` kept instead of computing
+        self.marks: frozenset[int] = frozenset()  # the last ``prompt``'s (see there)
 
     def call_tokens_at(self, start: int) -> int:
         """The tokens of a prompt call that starts at position ``start`` (``call_end`` may end it
@@ -284,20 +297,24 @@ class Session:
             return self._run(ids, n, graph=True, side=side)
         return self.prompt(ids, side)
 
-    def prompt(self, ids: list[int], side: str = PROMPT) -> torch.Tensor:
+    def prompt(self, ids: list[int], side: str = PROMPT, marks: frozenset[int] = frozenset()) -> torch.Tensor:
         """``feed`` for a new request: the logits are the bits of a fresh session's ``feed(ids)``.
         Keeps the longest prefix of the cache that a fresh session would have computed the same
-        way (see the module docstring) and computes the rest; ``reused`` says how many tokens."""
+        way (see the module docstring) and computes the rest; ``reused`` says how many tokens.
+        ``marks``: positions (call ends) whose states are copied on the way and kept until the
+        next prompt, for ``snapshot`` (``runtime.conversation_cache``: shared prefixes)."""
         if not ids:
             raise ValueError("nothing to feed: empty token list")
-        common = shared_len(ids, self.fed)
         self.cache.wrote(len(self.fed))
-        keep = self._restorable(min(common, len(ids) - 1, self.exact))
+        self.marks = marks
+        if self.checkpoints is not None:
+            self.checkpoints.protect = set(marks)
+        keep = self.reusable(ids)
         if keep != self.cache.pos or keep != len(self.fed):
             if self.checkpoints is not None and (self.recurrent or not self.cache.keeps(keep)):
                 self.checkpoints.restore(self.cache, keep)
             else:
-                self.cache.pos = keep  # KV rows past it are masked, then overwritten
+                self.cache.rewind(keep)  # KV rows past it are masked, then overwritten
             if self.checkpoints is not None:
                 self.checkpoints.discard_after(keep)
             self.fed = self.fed[:keep]
@@ -306,6 +323,54 @@ class Session:
         self.reused = keep
         # A fresh session's lone first token is a decode step (captured); any later call is not.
         return self._run(ids, keep, graph=keep == 0, side=side)
+
+    def reusable(self, ids: list[int]) -> int:
+        """How many tokens of ``ids`` ``prompt`` would keep now (nothing is changed). A call end
+        at the first token that differs counts only if ``ids`` end a call there too: a call that
+        ended before a control token may not end where another token stands."""
+        common = shared_len(ids, self.fed)
+        limit = min(common, len(ids) - 1, self.exact)
+        if limit == common and limit in self.cuts and limit > 0:
+            before = max(c for c in self.cuts if c < limit)
+            if call_end(ids, before, self.call_tokens_at(before), self.breaks) != limit:
+                limit -= 1
+        return self._restorable(limit)
+
+    def cuts_of(self, ids: list[int]) -> list[int]:
+        """Where a fresh session feeding ``ids`` ends its calls before their last token (from 0)."""
+        cuts = [0]
+        while (end := call_end(ids, cuts[-1], self.call_tokens_at(cuts[-1]), self.breaks)) < len(ids):
+            cuts.append(end)
+        return cuts
+
+    def snapshot(self, pos: int | None = None, parent: SequenceState | None = None) -> SequenceState | None:
+        """The sequence's state at ``pos`` (default ``exact``), a call end no later than ``exact``
+        (a mark of the last ``prompt``, or ``exact`` itself), as a value in host memory; None where
+        the session no longer holds it (a DeltaNet state or a ring's window without its copy).
+        ``parent``: a state of a shorter prefix, ending at a call end, whose attention rows are
+        shared (``runtime.sequence_state.snapshot``)."""
+        pos = self.exact if pos is None else pos
+        if pos <= 0 or pos > self.exact or pos not in self.cuts:
+            return None
+        saved = self.checkpoints.saved.get(pos) if self.checkpoints is not None else None
+        if saved is None and (self.recurrent or not self.cache.keeps(pos)):
+            return None
+        if saved is not None and self.model.device.type == "cuda":
+            torch.cuda.current_stream(self.model.device).synchronize()  # the copy into ``saved`` landed
+        return snapshot(self.cache, self.fed[:pos], self.cuts, saved, parent)
+
+    def resume(self, state: SequenceState) -> None:
+        """Make the session hold ``state`` (taken by ``snapshot``, of this model with this session's
+        options), as if it had prefilled its tokens: the next ``prompt`` keeps them where it would
+        have kept them."""
+        restore(state, self.cache, self.model.device)
+        self.fed = list(state.tokens)
+        self.cuts = list(state.cuts)
+        self.exact = state.pos
+        if self.checkpoints is not None:
+            self.checkpoints.discard_after(0)
+            if self.recurrent:  # (what ``_restorable`` goes back to)
+                self.checkpoints.save(self.cache, state.pos)
 
     def _restorable(self, limit: int) -> int:
         """The last position at most ``limit`` (at most ``exact``) that ``prompt`` can go back to:
@@ -391,6 +456,9 @@ class Session:
             self.exact = c.end
             if save and self.recurrent:
                 self.checkpoints.save(self.cache)
+            elif not self.recurrent and c.end in self.marks and self.checkpoints is not None \
+                    and c.end not in self.checkpoints.saved and self.cache.keeps(c.end):
+                self.checkpoints.save(self.cache, c.end)  # a ring's window at a mark (a group ends there)
 
     def _save_windows(self) -> None:
         """Copy the rings' windows where the exact rows end, if not yet copied there and still in
@@ -418,7 +486,7 @@ class Session:
             return [[c] for c in calls]
         groups: list[list[PlannedCall]] = []
         for c in calls:
-            if groups and self._padded(c) == self._padded(groups[-1][0]) \
+            if groups and self._padded(c) == self._padded(groups[-1][0]) and groups[-1][-1].end not in self.marks \
                     and sum(g.end - g.start for g in groups[-1]) + c.end - c.start <= self.group_tokens:
                 groups[-1].append(c)
             else:
@@ -546,12 +614,14 @@ def generate(model: MoEModel, tokenizer: StopTokens | None, prompt_ids: list[int
 
 
 def continue_tokens(session: Session, logits: torch.Tensor, sampler: TokenSampler | None, max_new_tokens: int,
-                    stop_ids: Iterable[int]) -> Iterator[int]:
+                    stop_ids: Iterable[int], constraint: TokenConstraint | None = None) -> Iterator[int]:
     """``generate`` after the prompt is in ``session`` (``logits``: its last token's), for
-    callers that fed it themselves (the server's ``Session.prompt``)."""
+    callers that fed it themselves (the server's ``Session.prompt``). ``constraint``: a grammar
+    whose mask needs the token before it, so such a reply decodes one token at a time (the same
+    bits: a step fed on its own is the step ``decode`` launches ahead)."""
     stops = set(int(s) for s in stop_ids)
     history = list(session.fed)
-    if sampler is None or sampler.history_free:
+    if constraint is None and (sampler is None or sampler.history_free):
         pick = torch.argmax if sampler is None else sampler.pick
         for tok in session.decode(logits, max_new_tokens, pick):
             if tok in stops:
@@ -559,7 +629,11 @@ def continue_tokens(session: Session, logits: torch.Tensor, sampler: TokenSample
             yield tok
         return
     for i in range(max_new_tokens):
-        tok = int(sampler.sample(logits, history))
+        if constraint is not None:
+            logits = constraint.mask(logits)
+        tok = int(torch.argmax(logits)) if sampler is None else int(sampler.sample(logits, history))
+        if constraint is not None:
+            constraint.accept(tok)
         if tok in stops:
             return
         yield tok

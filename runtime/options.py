@@ -32,6 +32,9 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
 STREAM_MODES = ("auto", "zerocopy", "async")  # how misses reach the GPU (runtime.expert_store)
 DEFAULT_EXPERT_CACHE = 8 * 2**30
+# a one-shot run's or the chat's reply without --max-tokens; a served request that sets no cap of
+# its own runs to --max-tokens when given, else to the context's end (agents stop at end of turn)
+ONE_SHOT_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -81,15 +84,22 @@ class RunOptions:
     ctx: int = 4096
     kv_type: str = "auto"
     prefill_chunk: int = PREFILL_CHUNK
-    max_tokens: int = 256
+    max_tokens: int | None = None  # --max-tokens; None: ONE_SHOT_MAX_TOKENS, or a served request's room
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     stats_json: Path | None = None
+    cache_ram: int | None = None  # the server's conversation cache in host RAM (None: default_cache_ram)
+    cache_dir: Path | None = None  # ... and in this folder (None: none)
     learning: LearningFlags = field(default_factory=LearningFlags)  # learn the placement, bootstrap, trace
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"RunOptions.device must be resolved (cpu or cuda), got {self.device!r}: "
                              "build it with run_options")
+
+    @property
+    def reply_tokens(self) -> int:
+        """The cap of a one-shot run's or the chat's reply."""
+        return self.max_tokens if self.max_tokens is not None else ONE_SHOT_MAX_TOKENS
 
     @property
     def placement_asked(self) -> bool:
@@ -153,14 +163,28 @@ def store_options(opts: RunOptions) -> StoreOptions | None:
 
 def default_host_ram() -> int | None:
     """80% of the memory the OS reports available (None where it does not say)."""
+    avail = available_ram()
+    return None if avail is None else int(avail * 0.8)
+
+
+def available_ram() -> int | None:
+    """The memory the OS reports available (``MemAvailable``; None where it does not say)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(int(line.split()[1]) * 1024 * 0.8)
+                    return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def default_cache_ram(cap: int) -> int:
+    """The conversation cache's host RAM when ``--cache-ram`` is not given: ``cap``, or half of
+    what is still available once the model (and the expert store's pinned pool) is loaded, if
+    that is less: the states must not push the pool out of RAM."""
+    avail = available_ram()
+    return cap if avail is None else max(0, min(cap, avail // 2))
 
 
 def open_model(opts: RunOptions) -> MoEModel:

@@ -41,6 +41,7 @@ class StoreOptions:
     stage_tokens: int | None = STAGE_TOKENS
     gen_weight: float = GEN_WEIGHT  # weight of generated-side routings when placing from a profile
     learn: LearnOptions | None = None  # learn into the profile file (None: read it only)
+    mtp: bool = False  # load the file's multi-token-prediction head too (drafting); the plan counts it
 
     @property
     def budget(self) -> Budget:
@@ -102,4 +103,4 @@ def memory_target(device: torch.device | str, dtype: torch.dtype, spec: ModelSpe
     can_stage = torch.device(device).type == "cuda" and opts.mode != "async"
     return MemoryTarget(torch.empty((), dtype=dtype).element_size(), quantizes_dense(torch.device(device), dtype),
                         opts.kv_type, opts.ctx, chunk, staged_call_tokens(chunk, opts.stage_tokens) if can_stage else 0,
-                        opts.host_bytes)
+                        opts.host_bytes, opts.mtp)

@@ -136,6 +136,11 @@ class GGUFTokenizer:
         stops |= {i for i in self._added if tokens[i] in _EOG_TEXTS}
         self.stop_ids: frozenset[int] = frozenset(stops)
 
+    @property
+    def end_of_turn(self) -> int:
+        """The token that ends an assistant's reply (a forced output or a finished grammar ends with it)."""
+        return next((i for i in (self.eot_id, self.eos_id) if i is not None), min(self.stop_ids, default=0))
+
     @classmethod
     def from_metadata(cls, source: ModelMetadata | Mapping[str, Any]) -> "GGUFTokenizer":
         """From a model file (errors name it) or a dict of its metadata."""

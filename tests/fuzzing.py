@@ -1,12 +1,14 @@
 """Seeded hostile inputs and the oracle that judges what the commands do with them.
 
-Five kinds of case, each derived from ``random.Random(f"{seed}:{index}")`` so any case can be
+Six kinds of case, each derived from ``random.Random(f"{seed}:{index}")`` so any case can be
 replayed alone: ``gguf`` (a synthetic model's header with bytes, counts, types or metadata values
 changed), ``manifest`` (a pack's manifest edited field by field, re-sealed or not, or its text
 damaged), ``shard`` (pack bytes flipped, zeroed, truncated, swapped or re-compressed), ``profile``
-(a placement profile edited) and ``corpus`` (traffic records of every format with wrong types,
-huge or deep values, lone surrogates, junk). Each case runs the real commands in this process
-(``repack inspect/split/join/verify/calibrate``, ``spark-run``) and the oracle says:
+(a placement profile edited), ``corpus`` (traffic records of every format with wrong types,
+huge or deep values, lone surrogates, junk) and ``overlap`` (one tensor's offset moved onto
+another's range, in a GGUF or a pack's header copy or manifest: issue 43). Each case runs the
+real commands in this process (``repack inspect/split/join/verify/calibrate``, ``spark-run``)
+and the oracle says:
 
 * ``refused``: exit code != 0 with exactly one line on stderr (a traceback escaping is
   ``traceback``; more lines is ``noisy``);
@@ -14,7 +16,8 @@ huge or deep values, lone surrogates, junk). Each case runs the real commands in
   byte for byte; a pack that verifies joins to the source GGUF byte for byte and spark-run
   gives the clean pack's exact logits; a pack join accepts rebuilds the source exactly; a
   profile split accepts gives a pack that verifies;
-* ``accepted``: success with a wrong output: a corruption accepted (by verify, join or spark-run).
+* ``accepted``: success with a wrong output: a corruption accepted (by verify, join or spark-run);
+  for ``overlap``, which is never sound, any command that reads the moved map and succeeds.
 
 Hangs, memory blow-ups and crashes are judged by the process running the cases
 (``tests/fuzz_runner.py``), which bounds each case's time and memory.
@@ -37,7 +40,7 @@ from typing import Any, Callable
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-KINDS = ("gguf", "manifest", "shard", "profile", "corpus")
+KINDS = ("gguf", "manifest", "shard", "profile", "corpus", "overlap")
 IDS = "1,7,300,42"
 INTERESTING_INTS = [0, 1, -1, 2, 3, 7, 63, 64, 4095, 4096, 2**16, 16_000_000, 2**31 - 1, 2**31, 2**32 - 1, 2**32,
                     2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**1100, -2**63]
@@ -553,5 +556,71 @@ def corpus_case(bench: Bench, rng: random.Random, d: Path) -> Result:
     return Result("corpus", "ok", desc)
 
 
+# --- tensors moved onto each other ---------------------------------------------------------------
+
+def _overlap_pair(src: Path, how: str, rng: random.Random) -> tuple[str, str]:
+    """A tensor to move and one to land on (big enough to start inside, for "partial")."""
+    from sparkpack.formats.gguf_file import GGUFModel
+
+    with GGUFModel(src) as m:
+        tensors, align = list(m.tensors.values()), m.alignment
+    target = rng.choice([t for t in tensors if how != "partial" or t.nbytes >= 2 * align])
+    return rng.choice([t.name for t in tensors if t.name != target.name]), target.name
+
+
+def _must_refuse(runs: list[tuple[str, int, str]], mover: str, what: str) -> Result:
+    """Every command refused, in one line naming the moved tensor; a success is a silent
+    acceptance of a file ggml refuses."""
+    for prog, code, err in runs:
+        if code == 0:
+            return Result("overlap", "accepted", f"{what}: {prog} accepted it")
+        judged = judge_refusal(code, err, prog.split()[0])
+        if judged != "refused":
+            return Result("overlap", judged, f"{what}: {err.strip()[-200:]}")
+        if mover not in err:
+            return Result("overlap", "accepted", f"{what}: {prog} refused it for another reason: {err.strip()[:150]}")
+    return Result("overlap", "refused", what)
+
+
+def overlap_case(bench: Bench, rng: random.Random, d: Path) -> Result:
+    """Issue 43's family: one tensor's offset moved onto another's range (``gguf_edit.OVERLAPS``:
+    onto, same offset, partial, wrapped into the header) in a GGUF, in a pack's header copy
+    (identity and checksums re-computed) or in a pack's manifest (re-sealed). Such a file is
+    never sound: every command that reads the moved map must refuse it."""
+    from tests.gguf_edit import OVERLAPS, move_tensor
+    from tests.pack_edit import overlap_in_header, overlap_in_manifest
+
+    how = rng.choice(OVERLAPS)
+    where = rng.choice(["gguf", "gguf", "header copy", "manifest"])
+    if where == "gguf":
+        src = bench.models[rng.choice(sorted(bench.models))]
+        mover, target = _overlap_pair(src, how, rng)
+        path = d / "m.gguf"
+        shutil.copy(src, path)
+        move_tensor(path, mover, target, how)
+        what = f"gguf {mover} moved {how} {target}"
+        corpus = d / "c.jsonl"
+        corpus.write_text(json.dumps({"prompt": "hello"}) + "\n")
+        runs = [(" ".join(map(str, [prog, *args[:1]])), *cli(prog, *args)) for prog, args in (
+            ("repack", ["inspect", path]), ("repack", ["split", path, "-o", d / "m.sparkpack"]),
+            ("spark-run", [path, "--device", "cpu", "--prompt-ids", IDS, "--logits-out", d / "x.npy"]),
+            ("repack", ["calibrate", path, "--corpus", corpus, "-o", d / "p.json", "--device", "cpu", "--quiet"]))]
+        return _must_refuse(runs, mover, what)
+    name, pack, src = _pack_copy(bench, rng, d)
+    mover, target = _overlap_pair(src, how, rng)
+    what = f"{name} {where}: {mover} moved {how} {target}"
+    (overlap_in_header if where == "header copy" else overlap_in_manifest)(pack, mover, target, how)
+    runs = [("repack verify", *cli("repack", "verify", pack)),
+            ("repack join", *cli("repack", "join", pack, "-o", d / "back.gguf"))]
+    s_code, s_err = cli("spark-run", pack, "--device", "cpu", "--prompt-ids", IDS, "--logits-out", d / "x.npy")
+    reads_header = where == "manifest" or name.endswith("-v1")  # a v2 pack's header copy is read by verify, join
+    if reads_header or s_code != 0:
+        runs.append(("spark-run", s_code, s_err))
+    elif not np.array_equal(np.load(d / "x.npy"), bench.logits[name]):
+        return Result("overlap", "accepted", f"{what}: spark-run computed different logits")
+    return _must_refuse(runs, mover, what)
+
+
 CASES: dict[str, Callable[[Bench, random.Random, Path], Result]] = {
-    "gguf": gguf_case, "manifest": manifest_case, "shard": shard_case, "profile": profile_case, "corpus": corpus_case}
+    "gguf": gguf_case, "manifest": manifest_case, "shard": shard_case, "profile": profile_case, "corpus": corpus_case,
+    "overlap": overlap_case}

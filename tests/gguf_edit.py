@@ -61,3 +61,48 @@ def rewrite(src: Path, dst: Path, edits: dict[str, Any], add_tensors: dict[str, 
     w.close()
     model.close()
     return dst
+
+
+# --- the tensor map -------------------------------------------------------------------------------
+
+# How one tensor is moved onto another's bytes (issue 43), each a way ggml refuses a file:
+# "onto": the issue's case, a small tensor at the start of a big one; "same offset": two tensors
+# of any size at one offset; "partial": a tensor starting inside another's range, past its start;
+# "inside the header": an offset that wraps (as ggml adds it, in uint64) to byte 0 of the file.
+OVERLAPS = ("onto", "same offset", "partial", "inside the header")
+
+
+def tensor_offset_field(header: bytes, name: str) -> int:
+    """Where ``name``'s u64 data offset sits in a GGUF header (or a pack's ``header.bin``)."""
+    pos = header.rindex(struct.pack("<Q", len(name)) + name.encode()) + 8 + len(name)
+    n_dims = struct.unpack_from("<I", header, pos)[0]
+    return pos + 4 + 8 * n_dims + 4
+
+
+def overlapping_offset(path: Path, mover: str, target: str, how: str) -> int:
+    """The data offset that puts tensor ``mover`` of the GGUF or header at ``path`` on ``target``'s
+    range the way ``how`` says (one of ``OVERLAPS``)."""
+    from sparkpack.formats.gguf_header import scan_header
+
+    data = path.read_bytes()
+    index = scan_header(data, path, file_size=2**63)  # a header.bin is shorter than its source
+    t = {e.name: e for e in index.tensors}[target]
+    if how in ("onto", "same offset"):
+        return t.offset
+    if how == "partial":
+        inside = t.nbytes // 2 // index.alignment * index.alignment
+        assert inside > 0, f"{target} is too small to start inside"
+        return t.offset + inside
+    assert how == "inside the header", how
+    return 2**64 - index.data_offset
+
+
+def move_tensor(path: Path, mover: str, target: str, how: str) -> int:
+    """Rewrite ``mover``'s data offset in place so it overlaps ``target`` (``OVERLAPS``); returns
+    the new offset. Works on a GGUF and on a pack's ``header.bin`` alike."""
+    offset = overlapping_offset(path, mover, target, how)
+    with open(path, "r+b") as f:
+        header = f.read(1 << 20)
+        f.seek(tensor_offset_field(header, mover))
+        f.write(struct.pack("<Q", offset))
+    return offset

@@ -70,3 +70,33 @@ def to_version_1(pack: Path) -> None:
             if r.get("shard_checksum"):
                 r["shard_checksum"] = _sha(pack / r["shard"])
     write_manifest(pack, m, reseal=False)
+
+
+def overlap_in_header(pack: Path, mover: str, target: str, how: str) -> None:
+    """``header.bin``'s tensor index with ``mover`` moved onto ``target`` (``gguf_edit.OVERLAPS``),
+    the identity hash and the shard's checksum re-computed and the manifest re-sealed around it: only a check of the
+    header's tensor map as a whole can refuse it."""
+    from sparkpack.formats.checksums import IDENTITY_ALGORITHM, hash_file_range
+    from tests.gguf_edit import move_tensor
+
+    move_tensor(pack / "header.bin", mover, target, how)
+    m = read_manifest(pack)
+    n = m["source"]["data_offset"]
+    m["source"]["identity"]["header_hash"] = hash_file_range(pack / "header.bin", 0, n, IDENTITY_ALGORITHM)
+    for s in m["shards"]:
+        if s["path"] == "header.bin":
+            s["checksum"] = hash_file_range(pack / "header.bin", 0, s["nbytes"], m["checksum"])
+    write_manifest(pack, m)
+
+
+def overlap_in_manifest(pack: Path, mover: str, target: str, how: str) -> None:
+    """The manifest's tensor list with ``mover``'s source offset on ``target``'s range (kept in
+    source order, re-sealed); "inside the header" puts it at byte 0 of the source."""
+    def move(m: dict[str, Any]) -> None:
+        ts = {t["name"]: t for t in m["tensors"]}
+        t, align = ts[target], m["source"]["gguf_alignment"]
+        ts[mover]["source_offset"] = {"onto": t["source_offset"], "same offset": t["source_offset"],
+                                      "partial": t["source_offset"] + t["nbytes"] // 2 // align * align,
+                                      "inside the header": 0}[how]
+        m["tensors"].sort(key=lambda x: x["source_offset"])
+    edit_manifest(pack, move)

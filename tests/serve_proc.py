@@ -51,14 +51,19 @@ def fresh_session(model_path: Path, call: int, ctx: int):
 def kept_tokens(previous: list[int], ids: list[int], call: int, breaks: frozenset[int]) -> int:
     """What the server keeps of prompt ``ids`` after prompt ``previous`` (computed whole, then a
     reply): the last place a fresh session ends a call of ``previous`` (``call_end``) that is
-    inside the common prefix and before ``ids``' last token."""
+    inside the common prefix and before ``ids``' last token, and where a fresh session feeding
+    ``ids`` ends one too (it may not, at the first token that differs)."""
     from sparkpack.runtime.generate import call_end
 
-    cuts = [0]
-    while (end := call_end(previous, cuts[-1], call, breaks)) <= len(previous):
-        cuts.append(end)
+    def cuts_of(seq: list[int]) -> list[int]:
+        cuts = [0]
+        while (end := call_end(seq, cuts[-1], call, breaks)) <= len(seq):
+            cuts.append(end)
+        return cuts
+
     common = next((i for i, (a, b) in enumerate(zip(previous, ids)) if a != b), min(len(previous), len(ids)))
-    return max(c for c in cuts if c <= min(common, len(ids) - 1))
+    theirs = set(cuts_of(ids))
+    return max(c for c in cuts_of(previous) if c <= min(common, len(ids) - 1) and (c < common or c in theirs))
 
 
 class ServerProcess:
@@ -109,6 +114,17 @@ class ServerProcess:
     def post(self, path: str, **kw) -> httpx.Response:
         kw.setdefault("timeout", 120)
         return httpx.post(self.base + path, headers={**self.headers, **kw.pop("headers", {})}, **kw)
+
+    def openai(self):
+        """The official OpenAI client on this server (no retries: a test sees the first answer)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=self.api_key, max_retries=0)
+
+    def anthropic(self):
+        import anthropic
+
+        return anthropic.Anthropic(base_url=self.base, api_key=self.api_key, max_retries=0)
 
     def rss(self) -> int:
         """The server's resident memory in bytes (Linux)."""

@@ -9,6 +9,8 @@ import torch
 from gguf import quants as gq
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
+from sparkpack.formats.quants import KERNEL_QTYPES
+from sparkpack.repack.synth.quant_blocks import make_rng, random_blocks
 from sparkpack.runtime.dequant import SUPPORTED, dequantize
 
 # Types gguf-py can quantize: made from random floats, so they are realistic blocks.
@@ -87,6 +89,17 @@ def test_read_only_buffer_is_fine():
     raw = make_raw(T.Q8_0, shape).copy()
     raw.setflags(write=False)
     assert torch.equal(dequantize(raw, int(T.Q8_0), shape), reference(raw, T.Q8_0, shape))
+
+
+@pytest.mark.parametrize("qtype", [T(q) for q in KERNEL_QTYPES], ids=lambda t: t.name)
+def test_every_kernel_type_dequantizes_as_gguf(qtype):
+    """Every type of the kernels' registry (``formats.quants``) expands to gguf-py's values, by a
+    torch implementation or gguf-py's own (the runtime's fallback for types without kernels, and
+    the references of the kernel tests)."""
+    shape = (512, 3)
+    raw = random_blocks(qtype, 3 * 512 // GGML_QUANT_SIZES[qtype][0], 0.02, make_rng(5, int(qtype)),
+                        any_scales=True).reshape(3, -1)
+    assert torch.equal(dequantize(raw, int(qtype), shape), reference(raw, qtype, shape))
 
 
 def test_other_types_fall_back_to_gguf(caplog):

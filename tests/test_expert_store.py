@@ -145,6 +145,61 @@ def test_fused_kernel_path_is_residency_independent(model_path):
     assert zs.stats.zero_copy_reads > 0 and cs.stats.loads > 0
 
 
+# The low-bit mixes whose experts (and dense matrices) are the types added for 8 GB cards: every
+# kernel type of the registry but the older ones occurs in one of them (tests/test_kernels.py
+# checks each type's kernels on their own).
+LOW_BIT_MIXES = ("IQ2_XXS", "IQ2_XS", "IQ2_M", "IQ3_XXS", "IQ3_M", "IQ1_S", "IQ1_M", "Q2_K", "Q3_K_M", "Q4_1", "Q5_1")
+
+
+@pytest.mark.parametrize("mix", LOW_BIT_MIXES)
+def test_low_bit_files_run_on_the_kernels_at_any_residency(synth_model, mix, monkeypatch):
+    """A file of each low-bit mix (llama.cpp's per-tensor types, tiny qwen35moe shapes) decodes
+    with every expert read as stored by the Triton kernels on int8 activations (the runtime's
+    path): the same bits with all experts in the device pool, 60% there and the rest read
+    zero-copy from the host pool, and 10% there with the rest copied into cache slots. On float
+    activations (the int8 ones round the inputs) the logits are those of the dequantized weights
+    (float64, no kernels) to fp32 round-off. (The mixes' dense matrices held as bytes:
+    tests/test_forward.py.)"""
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.gguf_file import GGUFModel
+    from sparkpack.formats.quants import kernels_read
+    from sparkpack.runtime.kernels.q8dot import Q8_TYPES
+
+    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("kernels on CPU tensors need Triton's interpreter")
+    path = synth_model("qwen35moe", mix, skew=1.0)
+    gguf = GGUFModel(path)
+    spec = model_spec(gguf)
+    assert all(kernels_read(t.qtype) for t in gguf.tensors.values()), mix
+    n_ids = 3
+
+    def steps(hot_fraction: float, mode: str, cache: int) -> tuple[torch.Tensor, ExpertStore]:
+        hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
+        hot[list(spec.moe_layers), :max(1, int(hot_fraction * spec.n_expert))] = True
+        store = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, torch.float32, hot, cache, mode, fused=True)
+        assert all(la.fused for la in store.layers.values())
+        model = load_model(gguf, device=DEVICE)
+        model.experts = store
+        session = Session(model)
+        return torch.stack([session.feed(IDS[: i + 1]) for i in range(n_ids)]), store
+
+    all_dev, _ = steps(1.0, "async", 0)
+    zero, zs = steps(0.6, "zerocopy", 0)
+    copied, cs = steps(0.1, "async", 4)
+    assert torch.equal(zero, all_dev) and torch.equal(copied, all_dev)
+    assert zs.stats.zero_copy_reads > 0 and cs.stats.loads > 0
+    monkeypatch.setattr("sparkpack.runtime.kernels.moe.readable", lambda *a: False)  # float activations
+    on_float, _ = steps(0.6, "zerocopy", 0)
+    ref = Session(load_model(gguf, dtype=torch.float64))
+    want = torch.stack([ref.feed(IDS[: i + 1]) for i in range(n_ids)])
+    assert torch.isfinite(want).all()
+    err = float(((on_float.double().cpu() - want).norm(dim=-1) / want.norm(dim=-1)).max())
+    assert err < 1e-4, (mix, err)
+    expert_types = {gguf.tensors[n].qtype for il in spec.moe_layers for n in spec.expert_tensors[il].values()}
+    if expert_types & set(Q8_TYPES):  # the runs above took the int8 products (Q4_1, Q5_1 have none)
+        assert not torch.equal(on_float, all_dev)
+
+
 def test_pack_placement_and_stats_json(model_path, reference, tmp_path):
     pack = tmp_path / "m.sparkpack"
     r = run_cli(["-m", "sparkpack.repack.cli", "split", str(model_path), "--hot-fraction", "0.5", "-o", str(pack)])

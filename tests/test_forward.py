@@ -422,6 +422,29 @@ def test_dense_matrices_held_as_gguf_bytes_give_the_expanded_forward(arch, synth
     assert "token_embd.weight" in held and any(k.count("+") for k in held)
 
 
+@pytest.mark.parametrize("mix", ["IQ2_XXS", "IQ2_M", "IQ3_XXS", "IQ1_M", "Q2_K"])
+def test_low_bit_dense_matrices_held_as_gguf_bytes(mix, synth_model):
+    """The dense matrices of the low-bit mixes (IQ2_XXS/IQ2_S/IQ3_XXS/IQ1_M gates and projections,
+    Q2_K/IQ3_S embeddings, Q5_K output, IQ4_NL/Q4_0 fallbacks...) held as their GGUF bytes: a
+    prefill through expanded bands and one-token steps through the GEMV kernel give the logits
+    of the expanded weights (float64) to fp32 round-off."""
+    from sparkpack.formats.quants import kernels_read
+    from sparkpack.runtime.weights import Weights
+
+    if os.environ.get("TRITON_INTERPRET") != "1" and DEVICE == "cpu":
+        pytest.skip("kernels on CPU tensors need Triton's interpreter")
+    path = synth_model("qwen35moe", mix)
+    ref, quant = load(path, dtype=torch.float64), load(path)
+    quant.w = Weights(quant.gguf, DEVICE, torch.float32, quantized=True, int8_activations=False)
+    ids = token_ids(ref.spec.n_vocab, 5)
+    caches = ref.new_cache(), quant.new_cache()
+    for chunk in (ids[:3], ids[3:4], ids[4:5]):
+        want, got = (m.forward(chunk, c) for m, c in zip((ref, quant), caches))
+        assert row_rel_err(got, want) < 1e-4, mix
+    held = {quant.gguf.tensor(n.split("+")[0]).qtype for n in quant.w._lin}
+    assert held and all(kernels_read(q) for q in held)
+
+
 def test_laguna_rings_past_their_rows_match_transformers(tiny_hf_gguf, hf_ref):
     """Laguna's sliding-window layers keep rings of ``window_rows`` rows: fed far past them in
     prefill calls, decode steps and a call longer than the ring was sized for (it grows, keeping

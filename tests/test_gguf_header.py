@@ -14,6 +14,7 @@ import pytest
 from sparkpack.formats.errors import FormatError
 from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.formats.gguf_header import scan_header
+from tests.gguf_edit import tensor_offset_field
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -85,8 +86,7 @@ HOSTILE = {
     "huge tensor count": lambda p: _patch(p, 8, "<Q", 2**50),
     "five dimensions": lambda p: _patch(p, _tensor_info_pos(p, "token_embd.weight") + 8 + 17, "<I", 5),
     "unknown tensor type": lambda p: _patch(p, _tensor_info_pos(p, "output_norm.weight") + 8 + 18 + 4 + 8, "<I", 99),
-    "tensor past the end": lambda p: _patch(p, _tensor_info_pos(p, "output_norm.weight") + 8 + 18 + 4 + 8 + 4,
-                                             "<Q", 2**40),
+    "tensor past the end": lambda p: _patch(p, tensor_offset_field(p.read_bytes(), "output_norm.weight"), "<Q", 2**40),
     "truncated header": lambda p: p.write_bytes(p.read_bytes()[:4000]),
     "control characters in a key": lambda p: _rename_key(p, "general.architecture", "general\narch\x00tecture", 77),
 }

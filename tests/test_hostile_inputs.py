@@ -32,6 +32,11 @@ def _huge_count(d):
     d["counts"]["prompt"][0][0] = 2**1100
 
 
+def _dense_routed(d):
+    d["moe_layers"] = d["moe_layers"][1:]
+    d["counts"]["prompt"][0][3] = 7
+
+
 PROFILE_EDITS = {
     "count of 2**1100": (_huge_count, "prompt counts must be numbers"),
     "count as a string": (lambda d: d["counts"]["generated"][1].__setitem__(2, "5"), "generated counts must be numbers"),
@@ -40,6 +45,9 @@ PROFILE_EDITS = {
     "n_layer a float": (lambda d: d.update(n_layer=5.0), "n_layer must be an integer"),
     "file size a string": (lambda d: d["identity"].update(file_size="123"), "model identity must have"),
     "tokens an array": (lambda d: d["tokens"].update(prompt=[1]), "prompt token count"),
+    "a layer listed twice": (lambda d: d.update(moe_layers=[0, 1, 1, 2, 3]), "moe_layers must list each layer once"),
+    "layers out of order": (lambda d: d.update(moe_layers=[3, 2, 1, 0]), "in increasing order"),
+    "routings in a layer without experts": (_dense_routed, "prompt counts route tokens in layer 0, which moe_layers"),
 }
 
 
@@ -51,6 +59,22 @@ def test_bad_profile_field_is_one_line(profile_json, tmp_path, case):
     (tmp_path / "p.json").write_text(json.dumps(d))
     with pytest.raises(FormatError, match=needle):
         Profile.load(tmp_path / "p.json")
+
+
+def test_profile_of_other_moe_layers_is_refused_by_split(synth_model, profile_json, tmp_path):
+    """Layers and experts per layer agree, the identity too, but not which layers have experts:
+    the counts would be read for the wrong layers. One line from the real command."""
+    d = json.loads(json.dumps(profile_json))
+    d["moe_layers"] = d["moe_layers"][1:]
+    (tmp_path / "p.json").write_text(json.dumps(d))
+    r = subprocess.run([sys.executable, "-m", "sparkpack.repack.cli", "split", str(synth_model("qwen3moe")),
+                        "--profile", str(tmp_path / "p.json"), "-o", str(tmp_path / "m.sparkpack")], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0] == f"repack: error: {tmp_path / 'p.json'}: profile's MoE layers [1, 2, 3] are not the model's " \
+                       "[0, 1, 2, 3]", lines[0]
+    assert not (tmp_path / "m.sparkpack").exists()
 
 
 @pytest.mark.parametrize("text, needle", [

@@ -36,7 +36,7 @@ def assert_stopped(stopped, sig: int, out: Path) -> None:
 def test_split_removes_its_temp_pack(slow_model, tmp_path, sig):
     out = tmp_path / "m.sparkpack"
     stopped = signal_mid_work([*REPACK, "split", str(slow_model), "-o", str(out), "--hot-fraction", "0", "--compress"],
-                              writing(out, ".{name}.tmp-*"), sig)
+                              writing(out, ".{name}.sparkpack-tmp-*"), sig)
     assert_stopped(stopped, sig, out)
 
 
@@ -44,14 +44,14 @@ def test_join_removes_its_temp_gguf(slow_model, tmp_path):
     pack = tmp_path / "m.sparkpack"
     assert run([*REPACK, "split", str(slow_model), "-o", str(pack), "--hot-fraction", "0"]).returncode == 0
     out = tmp_path / "back.gguf"
-    assert_stopped(signal_mid_work([*REPACK, "join", str(pack), "-o", str(out)], writing(out, ".{name}.tmp-*")),
+    assert_stopped(signal_mid_work([*REPACK, "join", str(pack), "-o", str(out)], writing(out, ".{name}.sparkpack-tmp-*")),
                    signal.SIGTERM, out)
 
 
 def test_synth_removes_its_temp_gguf(tmp_path):
     out = tmp_path / "m.gguf"
     argv = [*REPACK, "synth", "--arch", "qwen35moe", "--quant", "F32", "-o", str(out), "--jobs", "1"]
-    assert_stopped(signal_mid_work(argv, writing(out, ".{name}.*.tmp")), signal.SIGTERM, out)
+    assert_stopped(signal_mid_work(argv, writing(out, ".{name}.sparkpack-tmp-*")), signal.SIGTERM, out)
 
 
 def test_convert_hf_removes_its_temp_gguf(tmp_path):
@@ -61,7 +61,7 @@ def test_convert_hf_removes_its_temp_gguf(tmp_path):
     hf_dir = make_tiny_hf("qwen3moe", tmp_path / "hf", hidden_size=512, moe_intermediate_size=512, num_experts=16)
     out = tmp_path / "m.gguf"
     assert_stopped(signal_mid_work([*REPACK, "convert-hf", str(hf_dir), "-o", str(out)],
-                                   writing(out, ".{name}.*.tmp")),
+                                   writing(out, ".{name}.sparkpack-tmp-*")),
                    signal.SIGTERM, out)
 
 

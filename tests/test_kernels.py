@@ -19,9 +19,10 @@ if not torch.cuda.is_available():
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from gguf.constants import GGMLQuantizationType as T  # noqa: E402
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
+from sparkpack.formats.quants import KERNEL_QTYPES  # noqa: E402
 from sparkpack.repack.synth.quant_blocks import make_rng, random_blocks  # noqa: E402
 from sparkpack.runtime.kernels.blocks import BLOCK_LAYOUT  # noqa: E402
 from sparkpack.runtime.kernels.dense import gemv  # noqa: E402
@@ -49,14 +50,30 @@ def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got - ref).norm() / ref.norm())
 
 
-QTYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_K, T.Q5_0, T.Q4_0, T.IQ4_XS, T.MXFP4]
+QTYPES = [T(q) for q in KERNEL_QTYPES]  # the registry's: a type added there is tested here
 
 
 def test_block_table_is_ggufs() -> None:
     """The kernels' types and block sizes are gguf's (one table, ``formats.quants``)."""
-    from gguf.constants import GGML_QUANT_SIZES
-
     assert BLOCK_LAYOUT == {int(q): GGML_QUANT_SIZES[q] for q in QTYPES}
+
+
+def test_a_type_outside_the_registry_is_refused_never_another_types_math() -> None:
+    """A type the registry does not list stops the kernel's compile (``blocks._unpack``'s last
+    branch) and is refused by the pools; the registry and ``_unpack``'s branches are one set
+    (checked when ``blocks`` is imported)."""
+    from sparkpack.runtime.kernels import blocks
+    from sparkpack.runtime.kernels.dense import dequantize_into
+    from sparkpack.runtime.kernels.slots import check_pool
+
+    assert blocks._branches() == set(KERNEL_QTYPES)
+    other = T.TQ2_0
+    assert int(other) not in KERNEL_QTYPES
+    raw = torch.zeros(2, GGML_QUANT_SIZES[other][1], dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(Exception, match="no branch for this quant type"):
+        dequantize_into(raw, int(other), 256, torch.empty(2, 256, device=DEVICE))
+    with pytest.raises(ValueError, match="no Triton kernel"):
+        check_pool(raw.view(1, 2, -1), int(other), 256, 2, "gate")
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
@@ -714,7 +731,17 @@ def aot_compile_all(arch: int = 90) -> None:
                 {"QT0": int(T.Q6_K), "QT1": int(T.Q4_K), "QT2": int(T.F32), "QT3": int(T.Q8_0), "NSEG": 4, "BN": 8,
                  "CPI": 8 if q8 else 2, "ACT_Q8": q8, "ASM": True}) for q8 in (False, True)],
              (dense._dequant_kernel, {"w": "*u8", "ids": "*i64", "out": "*bf16"},
-              {"QT": int(T.Q4_K), "HAS_IDS": True, "BR": 4})]
+              {"QT": int(T.Q4_K), "HAS_IDS": True, "BR": 4}),
+             # the low-bit types' int8 words (q8dot.LOW_BIT_Q8), dense and MoE
+             *[(dense._gemv_kernel, {"x": "*bf16", "y": "*bf16", "w0": "*u8", "w1": "*u8", "w2": "*u8", "w3": "*u8",
+                                     **q8_args},
+                {"QT0": int(a), "QT1": int(b), "QT2": int(c), "QT3": int(d), "NSEG": 4, "BN": 2, "CPI": 1,
+                 "ACT_Q8": True, "ASM": True})
+               for a, b, c, d in ((T.IQ2_XXS, T.Q3_K, T.IQ3_S, T.IQ2_S), (T.Q2_K, T.IQ2_XS, T.IQ3_XXS, T.IQ1_M))],
+             (moe._gate_up_kernel, {"x_ptr": "*fp32", "ids_ptr": "*i64", "slot_ptr": "*i32", "h_ptr": "*fp32",
+                                    "count_ptr": "*i32", **q8_args},
+              {"GATE_QTYPE": int(T.IQ2_S), "UP_QTYPE": int(T.IQ2_S), "HAS_HOST": True, "HAS_COUNT": True,
+               "BLOCK_N": 2, "ACT_Q8": True, "ASM": True, "CPI": 8})]
     for fn, ptrs, consts in jobs:
         kernel = triton.compile(ASTSource(fn, _signature(fn, ptrs), {"PDL": True, **consts}), target=target)
         assert kernel.asm["cubin"], (fn.__name__, consts)
@@ -740,7 +767,7 @@ def compile_in_subprocess(call: str, count: int) -> None:
 
 
 def test_kernels_compile_for_h100() -> None:
-    compile_in_subprocess("from tests.test_kernels import aot_compile_all; aot_compile_all()", 35)
+    compile_in_subprocess("from tests.test_kernels import aot_compile_all; aot_compile_all()", 30 + len(QTYPES))
 
 
 @pytest.mark.parametrize("T,d_k,d_v,chunk", [(150, 16, 24, 64), (40, 20, 16, 16), (64, 32, 32, 32)])

@@ -79,11 +79,11 @@ def test_the_profile_always_loads_after_kill_9(model, tmp_path):
         server = ServerProcess(model, *STORE, "--profile-save-every", "0", hooks=tmp_path / "hooks", api_key=None)
         if left:  # the last kill interrupted a write: its temporary file is gone, and said so
             assert not any(t.exists() for t in left)
-            assert any("removed .m.profile.json.tmp-" in line for line in server.stderr), "".join(server.stderr)
+            assert any("removed .m.profile.json.sparkpack-tmp-" in line for line in server.stderr), "".join(server.stderr)
         chat(server, f"request {i}: what changed in the repository since yesterday?")
         time.sleep(float(rng.uniform(0.05, 0.4)))  # meanwhile the engine rewrites the profile
         assert server.stop(signal.SIGKILL) == -signal.SIGKILL
-        left = list(tmp_path.glob(".m.profile.json.tmp-*"))
+        left = list(tmp_path.glob(".m.profile.json.sparkpack-tmp-*"))
         torn += bool(left)
         p = Profile.load(prof)  # always a whole profile of this model
         assert p.decay is not None and p.decay.tokens_seen >= seen

@@ -94,12 +94,12 @@ def test_a_failure_inside_the_temp_pack_names_the_output(slow_model, tmp_path):
     out = tmp_path / "m.sparkpack"
 
     def temps() -> list[Path]:
-        return list(tmp_path.glob(".m.sparkpack.tmp-*"))
+        return list(tmp_path.glob(".m.sparkpack.sparkpack-tmp-*"))
 
     stopped = mid_work([*REPACK, "split", str(slow_model), "-o", str(out), "--hot-fraction", "0"],
                        lambda: bool(temps()), lambda proc: [shutil.rmtree(t) for t in temps()])
     lines = error_lines(stopped.stderr)
     assert stopped.returncode == 1 and "Traceback" not in stopped.stderr, stopped.stderr
     assert lines[-1].startswith(f"repack: error: {out}: cannot write"), stopped.stderr
-    assert ".tmp-" not in stopped.stderr
+    assert ".sparkpack-tmp-" not in stopped.stderr
     assert not out.exists() and temps() == []

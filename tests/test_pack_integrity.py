@@ -301,3 +301,76 @@ def test_split_refuses_a_zero_dimension(synth_model, tmp_path, cli):
     out = tmp_path / "z.sparkpack"
     one_line(*cli("repack", "split", src, "-o", out), "repack", "extra.weight has shape [4, 0]")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("how", ["onto", "same offset", "partial", "inside the header"])
+@pytest.mark.parametrize("version", [2, 1])
+def test_overlap_in_the_header_copy_is_refused(pack, cli, tmp_path, reference, how, version):
+    """header.bin's tensor index with one tensor moved onto another's bytes, its identity hash
+    re-computed (issue 43): verify and join refuse it naming both tensors; spark-run reads a v1
+    pack's header at open and refuses it too, a v2 pack's never (the manifest's map is sound and
+    the logits are the clean pack's)."""
+    from tests.pack_edit import overlap_in_header
+
+    p = pack()
+    if version == 1:
+        to_version_1(p)
+    mover, target = ("blk.1.attn_q.weight" if how == "same offset" else "blk.1.ffn_norm.weight",
+                     "blk.1.attn_output.weight")
+    overlap_in_header(p, mover, target, how)
+    needle = f"{mover} has data offset" if how == "inside the header" else f"{target} (bytes"
+    for args in (("verify", p), ("join", p, "-o", tmp_path / "x.gguf")):
+        code, err = cli("repack", *args)
+        one_line(code, err, "repack", needle)
+        assert "header.bin" in err and mover in err
+    assert not (tmp_path / "x.gguf").exists()
+    code, err, got = logits(cli, p, tmp_path / "x.npy")
+    if version == 1:
+        one_line(code, err, "spark-run", needle)
+    else:
+        assert code == 0 and np.array_equal(got, reference), err
+
+
+@pytest.mark.parametrize("how", ["onto", "same offset", "partial", "inside the header"])
+def test_overlap_in_the_manifest_is_refused_at_open(pack, cli, tmp_path, how):
+    """The manifest's own tensor list moved the same way (re-sealed): every command that opens
+    the pack refuses it in one line naming both tensors (or the header, for byte 0)."""
+    from tests.pack_edit import overlap_in_manifest
+
+    p = pack()
+    overlap_in_manifest(p, "blk.1.attn_q.weight" if how == "same offset" else "blk.1.ffn_norm.weight",
+                        "blk.1.attn_output.weight", how)
+    needle = "starts at byte 0, inside the header" if how == "inside the header" else "blk.1.attn_output.weight ("
+    one_line(*cli("repack", "inspect", p), "repack", needle)
+    one_line(*cli("repack", "verify", p), "repack", needle)
+    one_line(*logits(cli, p, tmp_path / "x.npy")[:2], "spark-run", needle)
+
+
+def test_one_tensor_named_for_two_layers_is_refused(pack, cli):
+    """spec.expert_tensors naming one tensor twice (and the parts following it): two layers' experts
+    would be read from the same bytes. Refused where the manifest is parsed, naming both places."""
+    p = pack()
+
+    def reuse(m):
+        m["spec"]["expert_tensors"]["1"]["up"] = m["spec"]["expert_tensors"]["0"]["up"]
+        m["experts"][1]["parts"] = m["experts"][0]["parts"]
+    edit_manifest(p, reuse)
+    for args in (("inspect", p), ("verify", p)):
+        one_line(*cli("repack", *args), "repack", "spec.expert_tensors.1.up: names blk.0.ffn_up_exps.weight, already "
+                                                  "spec.expert_tensors.0.up")
+
+
+def test_verify_refuses_a_cold_file_the_manifest_does_not_name(pack, cli, tmp_path, reference):
+    """A shard file beside the listed ones (a hot expert's slot, as another split would have
+    written it): verify refuses the pack; join and spark-run, which never open it, are unchanged."""
+    p = pack()
+    m = Pack.open(p)
+    cold_one = next(r for r in m.records.values() if not r.hot)
+    hot_one = next(r for r in m.records.values() if r.hot and r.layer == cold_one.layer)
+    stray = f"cold/L{hot_one.layer:03d}/E{hot_one.expert:04d}.bin"
+    shutil.copy(p / cold_one.shard, p / stray)
+    one_line(*cli("repack", "verify", p), "repack", f"{stray} is not a shard the manifest names")
+    code, err, got = logits(cli, p, tmp_path / "x.npy")
+    assert code == 0 and np.array_equal(got, reference), err
+    (p / stray).unlink()
+    assert cli("repack", "verify", p)[0] == 0

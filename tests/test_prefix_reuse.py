@@ -115,6 +115,39 @@ def test_rings_go_back_by_their_rows_or_by_a_copy_of_the_window(synth_model, kv_
     assert tail == list(generate(model, None, turns[0], None, 6, stop_ids=(), session=new()))
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_any_sequence_of_conversations_reuses_what_a_fresh_session_would(synth_model, arch):
+    """Conversations of any lengths one after another in one session (a long one, then shorter
+    ones: after compaction, ``/clear`` or a new session): each turn reuses what a session that
+    saw only its own conversation reuses, with its bits and greedy answer. Laguna's rings past a
+    longer sequence (issue 41: 0 tokens reused turn after turn) are the case that failed."""
+    from sparkpack.formats.memory import window_rows
+
+    model = load_model(synth_model(arch, "Q8_0"))
+
+    def new() -> Session:
+        return Session(model, prefill_chunk=CALL, ctx=2048)
+
+    session = new()
+    if arch == "laguna":  # the long conversation wraps the rings, the short ones do not
+        rows = max(la.ring_rows for la in session.cache.layers if getattr(la, "ring", False))
+        assert rows == window_rows(model.window, 512) < 700
+    reused, alone = [], []
+    for seed, length in ((30, 700), (40, 150), (50, 150), (60, 400), (70, 60)):
+        own = new()  # the same conversation's turns only
+        ids = ids_of(seed, length)
+        for turn in range(3):
+            got = session.prompt(ids)
+            want = own.prompt(ids)
+            assert torch.equal(got, want), f"conversation {seed}, turn {turn} after reusing {session.reused}"
+            reused.append(session.reused)
+            alone.append(own.reused if turn else 0)
+            answer = list(generate(model, None, ids, None, 5, stop_ids=(), session=session))
+            assert answer == list(generate(model, None, ids, None, 5, stop_ids=(), session=own))
+            ids = ids + answer[:3] + ids_of(seed + turn + 1, 20)
+    assert reused == alone and all(r > 0 for i, r in enumerate(reused) if i % 3), reused
+
+
 def test_a_ring_grown_for_a_longer_call_keeps_the_window_before_it():
     """A wrapped ring that a call longer than it was sized for grows keeps the window before the
     call, each position in its new row, and vouches for no earlier position: after the sequence
@@ -179,6 +212,26 @@ def test_a_call_ends_before_a_break_so_the_next_turn_keeps_nearly_all(synth_mode
     plain.prompt(turn1)
     plain.prompt(turn2)
     assert plain.reused == 32
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_call_end_at_the_first_differing_token_counts_only_if_the_new_ids_end_a_call_there(synth_model, arch):
+    """A call of the previous prompt ended before a break token; the new prompt is the same up to
+    that token and has another there, so a fresh session's call goes on past it: the rows before
+    it are not the new prompt's, and the session keeps only up to the call end before."""
+    from sparkpack.runtime.generate import shared_len
+
+    model = load_model(synth_model(arch, "Q8_0"))
+    breaks = frozenset({BREAK})
+    session = Session(model, prefill_chunk=CALL, ctx=256, breaks=breaks)
+    turn1 = ids_of(7, 20) + [BREAK] + ids_of(8, 22)
+    session.prompt(turn1)
+    assert 20 in session.cuts
+    turn2 = turn1[:20] + ids_of(9, 30)
+    fresh = Session(model, prefill_chunk=CALL, ctx=256, breaks=breaks)
+    assert session.reusable(turn2) == 16 and 20 not in fresh.cuts_of(turn2)
+    assert torch.equal(session.prompt(turn2), fresh.feed(turn2)) and session.reused == 16
+    assert shared_len(turn2, tuple(turn2[:2000] + [1])) == len(turn2)  # a list against a tuple
 
 
 def test_call_ends_read_only_the_tokens_before_them():

@@ -145,7 +145,7 @@ def test_kill_9_at_random_moments_always_leaves_a_loadable_profile(model):
         seen = prof.decay.tokens_seen
     assert mid_write >= 1
     pf.load()
-    assert not list(pf.path.parent.glob(f".{pf.path.name}.tmp-*"))
+    assert not list(pf.path.parent.glob(f".{pf.path.name}.sparkpack-tmp-*"))
 
 
 def test_sigterm_saves_what_was_learned(model):

@@ -20,7 +20,7 @@ from gguf.constants import GGMLQuantizationType as T  # noqa: E402
 
 from sparkpack.runtime.kernels.dense import gemv  # noqa: E402
 from sparkpack.runtime.kernels.moe import ExpertPools, MoELaunch, moe_experts  # noqa: E402
-from sparkpack.runtime.kernels.q8dot import quantize  # noqa: E402
+from sparkpack.runtime.kernels.q8dot import LOW_BIT_Q8, quantize  # noqa: E402
 from tests.test_dense_kernels import segment  # noqa: E402
 from tests.test_kernels import DEVICE, dequant64, pools, random_weight, rel_l2  # noqa: E402
 
@@ -150,3 +150,36 @@ def test_misaligned_pools_fall_back_to_float_activations() -> None:
             torch.arange(n_exp, dtype=torch.int32, device=DEVICE), ExpertPools(*views, T.Q4_K, T.Q4_K, T.Q6_K, n_ff))
     launch = MoELaunch(block_n=256)
     assert torch.equal(moe_experts(*args, act_q8=True, launch=launch), moe_experts(*args, launch=launch))
+
+
+@pytest.mark.parametrize("qtype", [T(q) for q in LOW_BIT_Q8], ids=lambda q: q.name)
+def test_low_bit_types_on_int8_activations(qtype: T) -> None:
+    """The low-bit types' int8 words (lattice entries with their signs, Q2_K/Q3_K codes) in the
+    dense GEMV and the MoE decode kernels: the product of gguf's dequantized weights with the
+    activation as quantized (float64), and the same bits from a host pool."""
+    K, N = 768, 13  # three chunks: the last of four per iteration masked
+    raw, w = segment(qtype, N, K, seed=int(qtype))
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(int(qtype))).to(DEVICE)
+    q8 = quantize(x)
+    out = torch.full((1, N), float("nan"), device=DEVICE)
+    gemv(x, [(raw, int(qtype))], out, q8=q8)
+    assert rel_l2(out, dequantized(q8[0].cpu(), q8[1].cpu()).double() @ w.T) < 1e-6
+    n_embd, n_ff, n_exp, topk, n_tok = 256, 256, 3, 2, 2
+    rng = torch.Generator().manual_seed(7)
+    x = torch.randn(n_tok, n_embd, generator=rng)
+    ids = torch.tensor([[0, 2], [1, 2]], dtype=torch.int32)
+    wts = torch.rand(n_tok, topk, generator=rng)
+    gate, up = random_weight(qtype, n_ff, n_embd, 71, n_exp), random_weight(qtype, n_ff, n_embd, 72, n_exp)
+    down = random_weight(qtype, n_embd, n_ff, 73, n_exp)
+    slots = list(range(n_exp))
+    views = (pools(gate, slots, n_exp), pools(up, slots, n_exp), pools(down, slots, n_exp))
+    ref = q8_moe_reference(x, ids, wts, dequant64(gate, qtype, n_embd), dequant64(up, qtype, n_embd),
+                           dequant64(down, qtype, n_ff))
+    table = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    y = moe_experts(x.to(DEVICE), ids.to(DEVICE), wts.to(DEVICE), table, ExpertPools(*views, qtype, qtype, qtype, n_ff),
+                    act_q8=True, launch=MoELaunch(grouped=False))
+    assert rel_l2(y, ref) < 1e-5, qtype.name
+    host = ExpertPools(*(torch.zeros_like(v) for v in views), qtype, qtype, qtype, n_ff, host=views)
+    y_host = moe_experts(x.to(DEVICE), ids.to(DEVICE), wts.to(DEVICE), -1 - table, host, act_q8=True,
+                         launch=MoELaunch(grouped=False))
+    assert torch.equal(y_host, y)

@@ -9,7 +9,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from sparkpack.repack.synth.quant_blocks import (ANY_SCALES_TYPES, SUPPORTED, float_bytes, make_rng, random_blocks,
                                            random_tensor_bytes)
-from sparkpack.formats.quant_mix import tensor_qtype, use_more_bits
+from sparkpack.formats.quant_mix import mix_qtypes, tensor_qtype, use_more_bits
 from sparkpack.repack.synth.routing_skew import REFERENCE_TOP_SHARE, reference_skew, top_share
 
 
@@ -87,9 +87,57 @@ def test_use_more_bits_layers_for_40() -> None:
     ("blk.0.ffn_gate_inp.weight", (2048, 256), "F16", T.F32),
     ("blk.8.ffn_up_exps.weight", (2048, 512, 256), "BF16", T.BF16),
     ("output.weight", (2048, 151936), "F16", T.F16),
+    # the low-bit mixes (llama-quant.cpp; qwen3.6's 16 query heads over 2 KV heads: n_gqa 8)
+    ("output.weight", (2048, 248320), "IQ2_XXS", T.Q5_K),
+    ("output.weight", (2048, 248320), "IQ3_M", T.Q6_K),
+    ("token_embd.weight", (2048, 248320), "IQ2_XXS", T.Q2_K),
+    ("token_embd.weight", (2048, 248320), "IQ2_M", T.IQ3_S),
+    ("token_embd.weight", (2048, 248320), "IQ3_XXS", T.IQ3_S),
+    ("token_embd.weight", (2048, 248320), "Q3_K_M", T.Q3_K),
+    ("blk.9.attn_qkv.weight", (2048, 8192), "IQ2_XXS", T.Q4_K),
+    ("blk.9.attn_v.weight", (2048, 512), "IQ3_XXS", T.Q4_K),
+    ("blk.9.attn_q.weight", (2048, 8192), "IQ3_XXS", T.IQ2_S),
+    ("blk.9.attn_output.weight", (4096, 2048), "IQ3_XXS", T.IQ3_S),
+    ("blk.9.attn_output.weight", (4096, 2048), "IQ2_M", T.IQ3_S),
+    ("blk.9.attn_output.weight", (4096, 2048), "IQ1_M", T.IQ2_XXS),
+    ("blk.9.attn_output.weight", (4096, 2048), "Q3_K_M", T.Q4_K),
+    ("blk.9.ffn_gate_exps.weight", (2048, 512, 256), "IQ2_M", T.IQ2_S),
+    ("blk.9.ffn_gate_exps.weight", (2048, 512, 256), "IQ2_S", T.IQ2_XS),
+    ("blk.9.ffn_up_exps.weight", (2048, 512, 256), "IQ1_S", T.IQ1_S),
+    ("blk.9.ffn_up_exps.weight", (2048, 512, 256), "IQ3_M", T.IQ3_S),
+    ("blk.2.ffn_down_exps.weight", (512, 2048, 256), "IQ2_XXS", T.Q2_K),
+    ("blk.2.ffn_down_exps.weight", (512, 2048, 256), "IQ2_M", T.IQ3_S),
+    ("blk.9.ffn_down_exps.weight", (512, 2048, 256), "IQ2_M", T.IQ2_S),
+    ("blk.2.ffn_down_exps.weight", (512, 2048, 256), "IQ3_M", T.Q4_K),
+    ("blk.9.ffn_down_exps.weight", (512, 2048, 256), "IQ3_M", T.IQ3_S),
+    ("blk.9.ffn_down_exps.weight", (512, 2048, 256), "IQ3_XXS", T.IQ3_XXS),
+    ("blk.9.ffn_down_exps.weight", (512, 2048, 256), "Q2_K", T.Q3_K),
+    ("blk.1.ffn_down_exps.weight", (512, 2048, 256), "Q3_K_M", T.Q5_K),
+    ("blk.9.ffn_down_exps.weight", (512, 2048, 256), "Q3_K_M", T.Q4_K),
+    ("blk.9.ffn_gate_exps.weight", (2048, 512, 256), "Q3_K_M", T.Q3_K),
+    ("blk.9.ffn_down_shexp.weight", (128, 256), "IQ2_XXS", T.IQ4_NL),  # rows not of 256: the fallback
+    ("blk.9.ffn_down_shexp.weight", (128, 256), "Q2_K", T.Q4_0),
+    ("blk.9.ffn_up_exps.weight", (2048, 512, 256), "Q4_1", T.Q4_1),
+    ("output.weight", (2048, 248320), "Q5_1", T.Q6_K),
 ])
 def test_quant_mix_rules(name: str, shape: tuple[int, ...], mix: str, expected: T) -> None:
-    assert tensor_qtype(name, shape, mix, 40) == expected
+    assert tensor_qtype(name, shape, mix, 40, n_gqa=8) == expected
+
+
+def test_mix_counters_follow_llama_cpps_tensor_order() -> None:
+    """The IQ2 mixes bump the first eighth of the ffn_down tensors counted in llama.cpp's order
+    (by layer, then name: a layer's ffn_down_exps before its ffn_down_shexp), and Q3_K_M the
+    first two attn_v-like tensors; Q2_K's attn_v depends on the GQA ratio."""
+    down = [(f"blk.{il}.ffn_down_{k}.weight", (512, 2048, 256) if k == "exps" else (512, 2048))
+            for il in reversed(range(40)) for k in ("shexp", "exps")]
+    got = {n: q for (n, _), q in zip(down, mix_qtypes(down, "IQ2_XXS", 40))}
+    bumped = {n for n, q in got.items() if q == T.Q2_K}
+    assert bumped == {"blk.0.ffn_down_exps.weight", "blk.0.ffn_down_shexp.weight", "blk.1.ffn_down_exps.weight",
+                      "blk.1.ffn_down_shexp.weight", "blk.2.ffn_down_exps.weight"}
+    assert set(got.values()) == {T.Q2_K, T.IQ2_XXS}
+    v = [(f"blk.{il}.attn_{'v' if il % 4 == 3 else 'qkv'}.weight", (2048, 512)) for il in range(40)]
+    assert mix_qtypes(v, "Q3_K_M", 40)[:3] == [T.Q5_K, T.Q5_K, T.Q4_K]
+    assert mix_qtypes(v, "Q2_K", 40, n_gqa=8)[0] == T.Q4_K and mix_qtypes(v, "Q2_K", 40, n_gqa=2)[0] == T.Q3_K
 
 
 def test_unknown_mix_is_an_error() -> None:

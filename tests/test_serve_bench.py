@@ -68,12 +68,18 @@ def test_table(bench):
     assert "| served / one-shot decode (target >= 0.97) | 0.980 | |" in table
 
 
-def test_dry_run_on_a_tiny_model(bench, synth_model, tmp_path, monkeypatch):
+@pytest.fixture
+def prompts(tmp_path, monkeypatch) -> Path:
+    """A dry run's prompts folder (one server computing with one thread, no llama-server)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("LLAMA_BUILD", str(tmp_path / "no-llama"))
-    prompts = tmp_path / "prompts"
-    prompts.mkdir()
-    (prompts / "agent.md").write_text((REPO / "README.md").read_text())
+    folder = tmp_path / "prompts"
+    folder.mkdir()
+    (folder / "agent.md").write_text((REPO / "README.md").read_text())
+    return folder
+
+
+def test_dry_run_on_a_tiny_model(bench, synth_model, tmp_path, prompts):
     out = tmp_path / "out"
     result = bench.main([str(synth_model("qwen3moe")), "--prompts", str(prompts), "--device", "cpu",
                          "--turn1-tokens", "150", "--turn2-tokens", "20", "--answer-tokens", "4",
@@ -86,3 +92,27 @@ def test_dry_run_on_a_tiny_model(bench, synth_model, tmp_path, monkeypatch):
     assert result["one_shot"]["decode_tok_s"] > 0
     assert "llama" not in result and json.loads((out / "serve_bench.json").read_text()) == result
     assert (out / "serve_bench.md").read_text().startswith("| qwen3moe")
+
+
+def test_conversations_dry_run_on_a_tiny_model(synth_model, tmp_path, prompts):
+    """bench/conversations_bench.py end to end: a real spark-run --serve, restarted over its
+    --cache-dir for A6 (no llama-server here), and its table."""
+    import conversations_bench as cb
+
+    out = tmp_path / "out"
+    result = cb.main([str(synth_model("qwen35moe")), "--prompts", str(prompts), "--device", "cpu", "--ctx", "4096",
+                      "--conv-tokens", "700", "--shared-tokens", "400", "--turn-tokens", "30",
+                      "--spark-arg=--prefill-chunk=32", "--out", str(out)])
+    s = result["sparkpack"]
+    assert s["exit"] == 0 and "llama" not in result
+    by = {r["name"]: r for r in s["requests"]}
+    assert [r["name"] for r in s["requests"]] == cb.SEQUENCE
+    for name, before in (("A2", "A1"), ("A3", "A2"), ("A4", "A3"), ("A5", "A4"), ("B2", "B1")):
+        # each main turn resumes its own conversation: all of its previous prompt but the last call's tail
+        assert by[name]["cached_tokens"] >= by[before]["prompt_tokens"] - 40, (name, by[name])
+    assert 400 - 32 <= by["B1"]["cached_tokens"] < by["B1"]["prompt_tokens"] - 200  # the shared system prompt only
+    assert s["restart"]["cached_tokens"] >= by["A5"]["prompt_tokens"] - 40  # from the folder
+    assert s["cache_host_bytes"] > 0 and s["rss_bytes"] > 0
+    assert json.loads((out / "conversations_bench.json").read_text()) == result
+    table = (out / "conversations_bench.md").read_text()
+    assert table.startswith("| qwen35moe") and "| worst main turn after a switch / A2 (target <= 1.5) |" in table

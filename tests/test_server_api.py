@@ -9,11 +9,13 @@ SSE path runs for real. The same hooks dump each request's prompt logits and tok
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 
 import anthropic
 import httpx
@@ -218,6 +220,130 @@ def test_anthropic_messages_stream_thinking_and_tool_use(server, claude):
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == counted.input_tokens
 
 
+READ_TOOL = {"name": "read_file", "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}
+
+
+def reused_through(tokenizer, prompt: list[int], cached: int, text: str) -> bool:
+    """Whether the ``cached`` tokens kept of ``prompt`` reach past the end of ``text``."""
+    return text in tokenizer.decode(prompt[:cached])
+
+
+def test_mid_conversation_system_messages_keep_the_prefix_before_them(server, claude, oai, tokenizer):
+    """Claude Code's ``role: "system"`` messages (and OpenAI's later system/developer ones) are
+    accepted and stay where they stand: the next turn reuses everything up to them."""
+    reminder1, reminder2 = "Env: linux.", "Agent tool on."
+    messages = [{"role": "user", "content": "Read a.py"}, {"role": "system", "content": reminder1}]
+    kw = dict(model="x", system="You code.", tools=[READ_TOOL], thinking={"type": "disabled"})
+    first = claude.messages.create(**kw, max_tokens=60, messages=messages,
+                                   extra_body={FORCED: CALL_TEXT[CALL_TEXT.index("<tool_call>"):]})
+    d1, _ = last_dump(server)
+    assert f"<system-reminder>\n{reminder1}\n</system-reminder>" in tokenizer.decode(d1["prompt"])
+    call = next(b for b in first.content if b.type == "tool_use")
+    messages += [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "x = 1"}]},
+                 {"role": "system", "content": [{"type": "text", "text": reminder2}]}]
+    second = claude.messages.create(**kw, max_tokens=3, messages=messages, extra_body={FORCED: "Done."})
+    d2, _ = last_dump(server)
+    cached = second.usage.cache_read_input_tokens
+    assert cached == kept_tokens(d1["prompt"], d2["prompt"], CALL, tokenizer.control_ids)
+    assert reused_through(tokenizer, d1["prompt"], cached, reminder1 + "\n</system-reminder>")
+    messages += [{"role": "assistant", "content": [b.model_dump() for b in second.content]},
+                 {"role": "user", "content": "Go on."}]
+    third = claude.messages.create(**kw, max_tokens=2, messages=messages)
+    d3, _ = last_dump(server)
+    assert reused_through(tokenizer, d2["prompt"], third.usage.cache_read_input_tokens, reminder2 + "\n</system-reminder>")
+    # the OpenAI routes: a later system or developer message no longer moves into the first one
+    chat = [{"role": "system", "content": "You code."}, {"role": "user", "content": "Say hi."},
+            {"role": "developer", "content": reminder1}]
+    one = oai.chat.completions.create(model="x", messages=chat, max_tokens=2)
+    d1, _ = last_dump(server)
+    chat += [{"role": "assistant", "content": one.choices[0].message.content}, {"role": "user", "content": "Again."}]
+    two = oai.chat.completions.create(model="x", messages=chat, max_tokens=2)
+    assert reused_through(tokenizer, d1["prompt"], two.usage.prompt_tokens_details.cached_tokens,
+                          reminder1 + "\n</system-reminder>")
+    items = [{"role": "user", "content": "Say hi."}, {"role": "developer", "content": reminder2}]
+    one = oai.responses.create(model="x", instructions="You code.", input=items, max_output_tokens=2)
+    d1, _ = last_dump(server)
+    items += [{"role": "assistant", "content": one.output_text}, {"role": "user", "content": "Again."}]
+    two = oai.responses.create(model="x", instructions="You code.", input=items, max_output_tokens=2)
+    assert reused_through(tokenizer, d1["prompt"], two.usage.input_tokens_details.cached_tokens,
+                          reminder2 + "\n</system-reminder>")
+
+
+IMAGE = "[image omitted: this model reads text only]"
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+
+
+def test_images_and_documents_become_placeholders_and_the_conversation_goes_on(server, claude, oai, tokenizer):
+    source = {"type": "base64", "media_type": "image/png", "data": PNG}
+    content = [{"type": "text", "text": "What is in these?"}, {"type": "image", "source": source},
+               {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "notes"}}]
+    raw = claude.messages.with_raw_response.create(model="x", max_tokens=2, messages=[{"role": "user", "content": content}])
+    assert raw.headers["x-sparkpack-omitted"] == "1 document, 1 image" and raw.parse().stop_reason == "max_tokens"
+    prompt = tokenizer.decode(last_dump(server)[0]["prompt"])
+    assert f"What is in these?\n{IMAGE}\n[document omitted: this model reads text only]" in prompt
+    with claude.messages.with_streaming_response.create(model="x", max_tokens=2, stream=True, messages=[
+            {"role": "user", "content": "Read it"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "read_file", "input": {"path": "a.png"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                          "content": [{"type": "image", "source": source}]}]}],
+            tools=[READ_TOOL]) as streamed:
+        assert streamed.headers["x-sparkpack-omitted"] == "1 image"
+        assert "message_stop" in "".join(streamed.iter_text())
+    url = f"data:image/png;base64,{PNG}"
+    raw = oai.chat.completions.with_raw_response.create(model="x", max_tokens=2, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": url}}]}])
+    assert raw.headers["x-sparkpack-omitted"] == "1 image" and raw.parse().choices[0].finish_reason == "length"
+    raw = oai.responses.with_raw_response.create(model="x", max_output_tokens=2, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "hi"}, {"type": "input_image", "image_url": url},
+        {"type": "input_file", "filename": "a.pdf", "file_data": "data:application/pdf;base64,JVBERi0="}]}])
+    assert raw.headers["x-sparkpack-omitted"] == "1 document, 1 image"
+    assert IMAGE in tokenizer.decode(last_dump(server)[0]["prompt"])
+    assert "x-sparkpack-omitted" not in oai.chat.completions.with_raw_response.create(
+        model="x", max_tokens=1, messages=user("hi")).headers
+    wait_for_line(server, 'POST /v1/responses 200 .* omitted="1 document, 1 image"')
+
+
+def wait_for_line(server, pattern: str, after: int = 0, count: int = 1) -> list[str]:
+    """The server's stderr lines from ``after`` on matching ``pattern``, once there are ``count``
+    (a stream's line is written when the stream ends, which the client may see first)."""
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        found = [line for line in server.stderr[after:] if re.search(pattern, line)]
+        if len(found) >= count:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"no {count} log lines match {pattern!r}: {''.join(server.stderr[after:])[-3000:]}")
+
+
+def test_each_request_is_one_log_line(server, claude, oai):
+    start = len(server.stderr)
+    ua = {"User-Agent": "claude-cli/2.1.197 (external, cli)"}
+    m = claude.messages.create(model="x", max_tokens=3, messages=user("log me"), extra_headers=ua)
+    prompt = m.usage.input_tokens + m.usage.cache_read_input_tokens
+    wait_for_line(server, rf'sparkpack.server INFO: POST /v1/messages 200 client="claude-cli/2.1.197" prompt={prompt} '
+                          rf'cached={m.usage.cache_read_input_tokens} ttft=[0-9.]+s output=3 finish=length time=[0-9.]+s$',
+                  start)
+    chunks = list(oai.chat.completions.create(model="x", messages=user("stream me"), max_tokens=4, stream=True,
+                                              stream_options={"include_usage": True},
+                                              extra_headers={"User-Agent": "codex_cli_rs/0.171.0 (Linux; x86_64)"}))
+    u = chunks[-1].usage
+    wait_for_line(server, rf'POST /v1/chat/completions 200 client="codex_cli_rs/0.171.0" prompt={u.prompt_tokens} '
+                          rf'cached={u.prompt_tokens_details.cached_tokens} ttft=[0-9.]+s output=4 finish=length', start)
+    # 4xx before the engine: the message the client got, in its dialect
+    server.post("/v1/messages", json={"max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]})
+    wait_for_line(server, r'POST /v1/messages 400 client="python-httpx/[0-9.]+" time=[0-9.]+s '
+                          r'error="messages.0.role: Unexpected role \\"tool\\"', start)
+    server.post("/v1/chat/completions", json={"messages": user("word " * CTX)})
+    wait_for_line(server, r"POST /v1/chat/completions 400 .*error=\"This model's maximum context length is", start)
+    httpx.post(server.base + "/v1/messages", json={"max_tokens": 2, "messages": user("x")})
+    wait_for_line(server, r'POST /v1/messages 401 .*error="invalid or missing API key', start)
+    server.post("/v1/nothing", json={})
+    wait_for_line(server, r'POST /v1/nothing 404 .*error="POST /v1/nothing: Not Found"', start)
+    lines = [line for line in server.stderr[start:] if "sparkpack.server INFO: " in line]
+    assert len(lines) == 6, lines  # one a request
+
+
 def test_responses_api(server, oai):
     r = oai.responses.create(model="x", input="Say hi", max_output_tokens=3)
     assert r.status == "incomplete" and r.output[0].type == "message" and r.usage.output_tokens == 3
@@ -265,7 +391,10 @@ BAD = [  # (path, body bytes, what the message says)
     ("/v1/responses", b'{"input": 5}', "input"),
     ("/v1/messages", b'{"messages": [{"role": "user", "content": "x"}]}', "max_tokens"),
     ("/v1/messages", b"{bad", "not valid JSON"),
-    ("/v1/messages", b'{"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]}', "image"),
+    ("/v1/messages", b'{"max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}',
+     'messages.0.role: Unexpected role "tool". The Messages API accepts'),
+    ("/v1/messages", b'{"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}',
+     "messages.0.content.0.tool_use_id: must be a string"),
     ("/v1/messages/count_tokens", b'{"messages": []}', "messages"),
 ]
 
@@ -289,8 +418,11 @@ def test_limits_auth_and_unknown_routes(server, oai, claude):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model="x", messages=user(too_long), max_tokens=2)
     assert e.value.code == "context_length_exceeded" and f"{CTX} tokens" in str(e.value)
-    with pytest.raises(anthropic.BadRequestError, match=f"maximum context length is {CTX}"):
+    n = claude.messages.count_tokens(model="x", messages=user(too_long)).input_tokens
+    with pytest.raises(anthropic.BadRequestError) as e:  # Anthropic's words, which Claude Code compacts on
         claude.messages.create(model="x", max_tokens=2, messages=user(too_long))
+    assert e.value.body["error"] == {"type": "invalid_request_error",
+                                     "message": f"prompt is too long: {n} tokens > {CTX - 1} maximum"}
     host, port = server.base.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port))) as s:  # a body declared over the limit is refused unread
         s.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -322,7 +454,8 @@ def test_an_internal_error_is_a_500_logged_once_and_the_server_goes_on(server, o
         claude.messages.create(model="x", max_tokens=2, messages=user("hi"), extra_body={"sparkpack_test_fail": "boom"})
     assert oai.chat.completions.create(model="x", messages=user("hi"), max_tokens=2).choices[0].finish_reason == "length"
     log = "".join(server.stderr)
-    assert log.count("RuntimeError: boom") == 2 and log.count("Traceback") == 2  # once per failure
+    assert log.count("Traceback") == 2  # once per failure, and in each request's line
+    assert len([line for line in server.stderr if " 500 " in line and "generation failed: RuntimeError: boom" in line]) == 2
 
 
 def test_a_client_that_goes_away_cancels_its_generation_and_its_queued_request(server, oai):
@@ -330,7 +463,7 @@ def test_a_client_that_goes_away_cancels_its_generation_and_its_queued_request(s
         return [json.loads((server.hooks / f"{n}.json").read_text())
                 for n in sorted(int(p.stem) for p in server.hooks.glob("*.json"))]
 
-    before = len(dumps())
+    before, start = len(dumps()), len(server.stderr)
     stream = oai.chat.completions.create(model="x", messages=user("long"), max_tokens=300, stream=True)
     got = sum(1 for _, _ in zip(range(4), stream))  # the role chunk, then 3 tokens
     stream.close()
@@ -346,3 +479,9 @@ def test_a_client_that_goes_away_cancels_its_generation_and_its_queued_request(s
     assert got == 4 and len(first["tokens"]) < 3 + 20 and len(second["tokens"]) < 1000 and len(last["tokens"]) == 2
     metrics = httpx.get(server.base + "/metrics").text
     assert 'sparkpack_requests_total{outcome="cancelled",route="chat"} 3.0' in metrics
+    # each logged as cancelled: two streams and the request given up on while queued; a stream
+    # with what its client was sent (3 tokens at least, its first token's time), the queued one none
+    lines = wait_for_line(server, r"POST /v1/chat/completions 200 .* finish=cancelled", start, 3)
+    assert len(lines) == 3
+    assert int(re.search(r" output=(\d+) ", lines[0])[1]) >= 3 and re.search(r" ttft=[0-9.]+s ", lines[0]), lines[0]
+    assert re.search(r" prompt=\d+ cached=\d+ ttft=- output=0 finish=cancelled", lines[2]), lines[2]

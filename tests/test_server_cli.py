@@ -33,6 +33,7 @@ def test_help_shows_a_serve_example(monkeypatch, capsys):
     (["--serve", "-p", "hi"], "--serve takes its prompts from HTTP requests"),
     (["--serve", "--api-key", "a", "--api-key-file", "pyproject.toml"], "either --api-key or --api-key-file"),
     (["--serve", "--top-p", "0"], "top_p must be in (0, 1]"),
+    (["-p", "hi", "--cache-ram", "1GiB"], "use them with --serve"),
 ])
 def test_misuse_is_one_line(synth_model, monkeypatch, capsys, args, message):
     out = spark_run(monkeypatch, capsys, str(synth_model("qwen3moe")), "--device", "cpu", *args)
@@ -50,20 +51,48 @@ def test_a_taken_port_and_a_missing_model_are_one_line_errors(synth_model, tmp_p
     out = spark_run(monkeypatch, capsys, str(tmp_path / "missing.gguf"), "--serve", "--device", "cpu", "--port", "0")
     assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith("spark-run: error: ")
     assert "Traceback" not in out.stderr
+    out = spark_run(monkeypatch, capsys, str(synth_model("qwen3moe")), "--serve", "--device", "cpu", "--port", "0",
+                    "--cache-dir", "pyproject.toml")  # a file, not a folder
+    assert out.returncode == 2 and "pyproject.toml' is a file" in out.stderr and len(out.stderr.splitlines()) == 1
+    out = spark_run(monkeypatch, capsys, str(synth_model("qwen3moe")), "--serve", "--device", "cpu", "--port", "0",
+                    "--cache-dir", "/proc/sparkpack-states")  # a folder that cannot be made
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 1 and "/proc/sparkpack-states" in last and "cannot use it as --cache-dir" in last
+    assert "Traceback" not in out.stderr
 
 
-def test_api_key_file_and_client_settings(synth_model, tmp_path):
+def test_api_key_file_client_settings_and_the_default_output_cap(synth_model, tmp_path):
+    """--max-tokens caps the requests that set no cap of their own (Codex sets none)."""
     key = tmp_path / "key"
     key.write_text("s3cret\n")
-    server = ServerProcess(synth_model("qwen3moe"), "--api-key-file", str(key), api_key=None)
+    server = ServerProcess(synth_model("qwen3moe"), "--api-key-file", str(key), "--max-tokens", "3", "--ctx", "64",
+                           api_key=None)
+    auth = {"Authorization": "Bearer s3cret"}
     try:
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
         assert httpx.post(server.base + "/v1/chat/completions", json=body).status_code == 401
-        ok = httpx.post(server.base + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer s3cret"})
+        ok = httpx.post(server.base + "/v1/chat/completions", json=body, headers=auth)
         assert ok.status_code == 200
         printed = "".join(server.stdout)
         assert f"OPENAI_BASE_URL={server.base}/v1" in printed and f"ANTHROPIC_BASE_URL={server.base}" in printed
         assert 'wire_api = "responses"' in printed and "s3cret" in printed
+        uncapped = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+        r = httpx.post(server.base + "/v1/chat/completions", json=uncapped, headers=auth).json()
+        assert r["usage"]["completion_tokens"] == 3 and r["choices"][0]["finish_reason"] == "length"
+        r = httpx.post(server.base + "/v1/chat/completions", json={**uncapped, "max_tokens": 5}, headers=auth).json()
+        assert r["usage"]["completion_tokens"] == 5
+        r = httpx.post(server.base + "/v1/responses", json={"input": "hi"}, headers=auth).json()
+        assert r["usage"]["output_tokens"] == 3 and r["status"] == "incomplete"
+        # the context still caps a request whose prompt leaves room for fewer than 3 tokens
+        def counted(text: str) -> int:
+            return httpx.post(server.base + "/v1/messages/count_tokens", headers=auth,
+                              json={"messages": [{"role": "user", "content": text}]}).json()["input_tokens"]
+
+        text = next(t for t in ("x " * k for k in range(64)) if counted(t) >= 62)
+        assert counted(text) < 64
+        r = httpx.post(server.base + "/v1/chat/completions", headers=auth,
+                       json={**uncapped, "messages": [{"role": "user", "content": text}]}).json()
+        assert r["usage"]["completion_tokens"] == 64 - counted(text) < 3 and r["choices"][0]["finish_reason"] == "length"
     finally:
         assert server.stop() == 0
 

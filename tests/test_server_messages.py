@@ -230,13 +230,14 @@ def openai_request() -> dict:
 def test_openai_chat_becomes_the_canonical_conversation() -> None:
     conv = from_openai_chat(openai_request())
     assert conv.messages == [
-        {"role": "system", "content": "You are terse.\n\nPrefer tools.\n\nAnswer in one line."},
+        {"role": "system", "content": "You are terse.\n\nPrefer tools."},
         {"role": "user", "content": "Weather in Zürich\nand Paris?"},
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}},
             {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}}]},
         {"role": "tool", "content": "12°C", "tool_call_id": "c1", "name": "get_weather"},
-        {"role": "tool", "content": "18°C", "tool_call_id": "c2", "name": "get_weather"},
+        {"role": "tool", "content": "18°C\n<system-reminder>\nAnswer in one line.\n</system-reminder>",
+         "tool_call_id": "c2", "name": "get_weather"},
         {"role": "user", "content": "Summarize."}]
     assert conv.tools == [TOOLS[5]]
     assert conv.tool_choice == {"name": "get_weather"}
@@ -272,10 +273,8 @@ def test_openai_chat_details() -> None:
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role", "unknown role"),
     ({"messages": [{"role": "function", "name": "f", "content": "x"}]}, "messages[0].role", "role 'tool'"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "must be an array"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                {"type": "image_url", "image_url": {"url": "data:"}}]}]},
-     "messages[0].content[1].type", "images are not supported"),
-    ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages[0].content[0].type", "text-only"),
+    ({"messages": [{"role": "user", "content": [{"type": "video_url"}]}]}, "messages[0].content[0].type",
+     "unsupported content part type 'video_url'"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}, "messages[0].content[0].text", "string"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": "{\"a\": 1"}}]}]},
      "messages[0].tool_calls[0].function.arguments", "not valid JSON"),
@@ -355,15 +354,12 @@ def test_responses_details() -> None:
     ({"input": "x", "instructions": ["a"]}, "instructions", "must be a string"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "stateless"),
     ({"input": [{"type": "telepathy"}]}, "input[0].type", "unknown input item type"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
-     "input[0].content[0].type", "images are not supported"),
-    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0].type", "text-only"),
+    ({"input": [{"role": "user", "content": [{"type": "input_video"}]}]}, "input[0].content[0].type",
+     "unsupported content part type"),
     ({"input": [{"role": "critic", "content": "x"}]}, "input[0].role", "unknown role"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops}"}]}, "input[0].arguments",
      "not valid JSON"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id", "'call_id' is required"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image"}]}]},
-     "input[0].output[0].type", "images are not supported"),
     ({"input": "x", "tools": [{"type": "function", "name": 5}]}, "tools[0].name", "must be a string"),
     ({"input": "x", "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tool_choice.type",
      "only function tools"),
@@ -425,23 +421,20 @@ def test_anthropic_details() -> None:
 @pytest.mark.parametrize("body,param,words", [
     ({"messages": []}, "messages", "at least one"),
     ({"max_tokens": 5}, "messages", "'messages' is required"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role", "'user' or 'assistant'"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", 'Unexpected role "tool"'),
     ({"messages": [{"role": "user"}]}, "messages[0].content", "'content' is required"),
-    ({"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "see"},
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBOR"}}]}]},
-     "messages[0].content[1].type", "images are not supported"),
-    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "messages[0].content[0].type", "text-only"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "a",
-                                                 "content": [{"type": "image", "source": {}}]}]}]},
-     "messages[0].content[0].content[0].type", "images are not supported"),
+                                                 "content": [{"type": "search_result"}]}]}]},
+     "messages[0].content[0].content[0].type", "unsupported content part type"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]},
      "messages[0].content[0].tool_use_id", "must be a string"),
     ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "a", "name": "t", "input": "x"}]}]},
      "messages[0].content[0].input", "must be an object"),
     ({"messages": [{"role": "assistant", "content": [{"type": "server_tool_use", "id": "s"}]}]},
      "messages[0].content[0].type", "unsupported content part type"),
-    ({"messages": [{"role": "user", "content": "x"}], "system": [{"type": "image"}]}, "system[0].type", "images"),
+    ({"messages": [{"role": "user", "content": "x"}], "system": [{"type": "table"}]}, "system[0].type", "unsupported"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "system", "content": 5}]}, "messages[1].content",
+     "must be an array"),
     ({"messages": [{"role": "user", "content": "x"}], "system": 5}, "system", "must be an array"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "any"}}, "tool_choice", "needs at least one"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "t", "input_schema": {}}],
@@ -454,6 +447,35 @@ def test_anthropic_errors_name_the_field(body, param: str, words: str) -> None:
     with pytest.raises(RequestError) as e:
         from_anthropic(body)
     assert e.value.param == param and words in e.value.message, (e.value.param, e.value.message)
+
+
+# --- what a text-only model cannot read --------------------------------------------------------------
+
+def test_images_and_documents_become_placeholders_on_every_route() -> None:
+    image = "[image omitted: this model reads text only]"
+    document = "[document omitted: this model reads text only]"
+    png = {"type": "base64", "media_type": "image/png", "data": "iVBOR"}
+    conv = from_anthropic({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image", "source": png},
+                                     {"type": "document", "source": {"type": "text", "data": "x"}}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "a", "name": "Read", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "a",
+                                      "content": [{"type": "text", "text": "a.png:"}, {"type": "image", "source": png}]}]}]})
+    assert conv.messages[0]["content"] == f"see\n{image}\n{document}"
+    assert conv.messages[2]["content"] == f"a.png:\n{image}" and conv.omitted == {"image": 2, "document": 1}
+    conv = from_openai_chat({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "data:"}}, {"type": "file", "file": {}},
+        {"type": "input_audio", "input_audio": {}}]}]})
+    assert conv.messages == [{"role": "user", "content": f"a\n{image}\n{document}\n"
+                                                         "[audio omitted: this model reads text only]"}]
+    assert conv.omitted == {"image": 1, "document": 1, "audio": 1}
+    conv = from_responses({"input": [
+        {"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}, {"type": "input_file", "file_id": "f"}]},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image", "image_url": "data:"}]}]})
+    assert conv.messages[0]["content"] == f"{image}\n{document}" and conv.messages[2]["content"] == image
+    assert conv.omitted == {"image": 2, "document": 1}
+    assert from_openai_chat({"messages": [{"role": "user", "content": "plain"}]}).omitted == {}
 
 
 # --- through the chat templates -------------------------------------------------------------------
@@ -487,14 +509,122 @@ def test_every_dialect_renders_through_every_template(dialect: str, key: str) ->
     assert "x-anthropic-billing-header" not in prompt
 
 
-def test_a_second_system_message_is_what_qwen35_refuses() -> None:
-    """Why the merge exists: Qwen3.5/3.6 templates raise on a system message after the first."""
+def test_a_later_system_message_stays_where_it_stands_and_qwen35_renders_it() -> None:
+    """Qwen3.5/3.6 templates raise on a system message after the first; a later one is a
+    ``<system-reminder>`` in the neighbouring user turn, on every route, and the first one alone
+    is the template's system prompt."""
     raw = [{"role": "system", "content": "a"}, {"role": "user", "content": "hi"}, {"role": "system", "content": "b"}]
     keys = ["qwen3.5-shaped"] + (["qwen3.5"] if real_templates() else [])
+    anthropic = {"system": "a", "messages": [{"role": "user", "content": "hi"},
+                                             {"role": "system", "content": [{"type": "text", "text": "b"}]}]}
+    responses = {"instructions": "a", "input": [{"role": "user", "content": "hi"}, {"role": "developer", "content": "b"}]}
     for key in keys:
         with pytest.raises(SparkpackError, match="System message must be at the beginning"):
             template(key).render(raw)
-        assert "a\n\nb" in render(key, from_openai_chat({"messages": raw}))
+        for conv in (from_openai_chat({"messages": raw}), from_anthropic(anthropic), from_responses(responses)):
+            assert conv.messages == [{"role": "system", "content": "a"},
+                                     {"role": "user", "content": "hi\n<system-reminder>\nb\n</system-reminder>"}]
+            assert render(key, conv).index("a") < render(key, conv).index("hi\n<system-reminder>\nb\n")
+
+
+def test_where_a_later_system_message_goes() -> None:
+    sysm = {"role": "system", "content": "s"}
+    reminder = "<system-reminder>\ns\n</system-reminder>"
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    chat = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c", "content": "r"}, {"role": "assistant", "content": "a"}]
+    # leading ones merge (developer too), in order; after a tool result, at its end
+    conv = from_openai_chat({"messages": [sysm, {"role": "developer", "content": "d"}, *chat[:3], sysm]})
+    assert conv.messages[0] == {"role": "system", "content": "s\n\nd"}
+    assert conv.messages[-1]["content"] == "r\n" + reminder
+    # after an assistant message: opening the next user message, else a user message of its own
+    conv = from_openai_chat({"messages": [*chat, sysm, sysm, {"role": "user", "content": "next"}]})
+    assert conv.messages[-1] == {"role": "user", "content": f"{reminder}\n{reminder}\nnext"}
+    assert from_openai_chat({"messages": [*chat, sysm]}).messages[-1] == {"role": "user", "content": reminder}
+    conv = from_openai_chat({"messages": [*chat, sysm, {"role": "assistant", "content": "b"}]})
+    assert conv.messages[-2:] == [{"role": "user", "content": reminder}, {"role": "assistant", "content": "b"}]
+    # Anthropic: after a turn of tool results (and its text), and its top-level system first
+    conv = from_anthropic({"system": "top", "messages": [
+        {"role": "system", "content": "lead"}, {"role": "user", "content": "u"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "c", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c", "content": "r"}]}, sysm,
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c", "content": "r"},
+                                     {"type": "text", "text": "go on"}]}, sysm]})
+    assert conv.messages[0] == {"role": "system", "content": "top\n\nlead"}
+    assert conv.messages[3]["content"] == "r\n" + reminder and conv.messages[-1]["content"] == "go on\n" + reminder
+
+
+# conversations that grow turn by turn, as agents send them, with system messages on the way
+GROWING = {
+    "anthropic": (from_anthropic, {"system": "You code."}, "messages", [
+        [{"role": "user", "content": "Fix the bug."}, {"role": "system", "content": "Env: linux."}],
+        [{"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "read_file", "input": {"path": "a"}}]},
+         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "x = 1"}]},
+         {"role": "system", "content": [{"type": "text", "text": "Agent tool available."}]}],
+        [{"role": "assistant", "content": [{"type": "text", "text": "Done."}]},
+         {"role": "user", "content": "Thanks, now test it."}, {"role": "system", "content": "Compacted."}],
+        [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "bye"}]]),
+    "openai": (from_openai_chat, {}, "messages", [
+        [{"role": "system", "content": "You code."}, {"role": "user", "content": "Fix the bug."},
+         {"role": "developer", "content": "Env: linux."}],
+        [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "a"}'}}]},
+         {"role": "tool", "tool_call_id": "c1", "content": "x = 1"}, {"role": "system", "content": "Be brief."}],
+        [{"role": "assistant", "content": "Done."}, {"role": "system", "content": "Tests exist."},
+         {"role": "user", "content": "Thanks, now test it."}],
+        [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "bye"}, {"role": "system", "content": "Bye."}]]),
+    "responses": (from_responses, {"instructions": "You code."}, "input", [
+        [{"role": "user", "content": "Fix the bug."}, {"role": "developer", "content": "Env: linux."}],
+        [{"type": "function_call", "call_id": "c1", "name": "read_file", "arguments": '{"path": "a"}'},
+         {"type": "function_call_output", "call_id": "c1", "output": "x = 1"},
+         {"role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]}],
+        [{"role": "assistant", "content": "Done."}, {"role": "user", "content": "Thanks, now test it."}]]),
+}
+
+
+@pytest.mark.parametrize("dialect", list(GROWING))
+@pytest.mark.parametrize("key", list(TEMPLATES))
+def test_a_later_system_message_keeps_the_prompt_before_it(dialect: str, key: str) -> None:
+    """Each request's prompt repeats the previous one through its last reminder (the reuse a
+    server gets) wherever the same conversation without the later system messages repeats itself
+    (after a new user query Qwen's templates drop earlier turns' reasoning, reminders or not), and
+    the text before a reminder is that of the conversation without it."""
+    convert, base, field, turns = GROWING[dialect]
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}}}}]
+    if dialect == "anthropic":
+        tools = [{"name": "read_file", "input_schema": tools[0]["function"]["parameters"]}]
+    elif dialect == "responses":
+        tools = [{"type": "function", **tools[0]["function"]}]
+
+    def prompt_of(messages: list[dict], generation: bool = True) -> str:
+        return render(key, convert({**base, field: messages, "tools": tools}), add_generation_prompt=generation)
+
+    def plain(messages: list[dict]) -> list[dict]:  # the conversation without its later system messages
+        return [m for i, m in enumerate(messages) if i == 0 or m.get("role") not in ("system", "developer")]
+
+    sent: list[dict] = []
+    previous: tuple[str, int] | None = None
+    compared = 0
+    for turn in turns:
+        before, sent = sent, sent + turn
+        prompt = prompt_of(sent)
+        if previous is not None and prompt_of(plain(sent)).startswith(prompt_of(plain(before), False)):
+            text, through = previous
+            assert prompt[:through] == text[:through], (key, dialect, len(sent))
+            compared += 1
+        previous = None
+        last = sent[-1]
+        if last.get("role") in ("system", "developer"):
+            body = last["content"] if isinstance(last["content"], str) else last["content"][0]["text"]
+            at = prompt.rindex(f"<system-reminder>\n{body}\n</system-reminder>")
+            without = prompt_of(sent[:-1], False)
+            common = next((i for i, (a, b) in enumerate(zip(prompt, without)) if a != b), len(without))
+            # up to the newline that joins it to the message before, or all of that message
+            assert common >= at - 1 or common == len(without), (key, dialect, prompt[common - 40:at + 40])
+            previous = prompt, at + len(body)
+    assert compared >= 1
 
 
 def assistant_message(events: list) -> dict:

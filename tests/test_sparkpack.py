@@ -54,6 +54,7 @@ def cli(monkeypatch, capsys):
 @pytest.mark.parametrize("arch, quant", [
     ("qwen3moe", "Q8_0"), ("qwen3moe", "Q4_K_M"), ("qwen3moe", "F16"),
     ("qwen35moe", "Q4_K_M"), ("qwen35moe", "Q6_K"), ("laguna", "Q4_K_M"), ("laguna", "Q8_0"),
+    ("qwen35moe", "IQ2_M"), ("laguna", "IQ3_XXS"), ("qwen3moe", "Q2_K"), ("qwen3moe", "IQ1_M"),
 ])
 def test_split_join_round_trip_is_byte_identical(synth_model, tmp_path, cli, arch, quant):
     src = synth_model(arch, quant=quant)
@@ -318,7 +319,7 @@ def kill_split_midway(model: Path, out: Path, *extra: str) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "sparkpack.repack.cli", "split", str(model), "-o", str(out),
                              "--hot-fraction", "0", "--compress", *extra],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    tmp = out.parent / f".{out.name}.tmp-{proc.pid}"
+    tmp = out.parent / f".{out.name}.sparkpack-tmp-{proc.pid}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
         layer0 = tmp / "cold" / "L000"
@@ -335,9 +336,11 @@ def test_kill_9_leaves_no_pack(slow_model, tmp_path, cli):
     out = tmp_path / "m.sparkpack"
     kill_split_midway(slow_model, out)
     assert not out.exists()
-    code, _, err = cli("verify", out)
-    assert_one_line_error(code, err, "no such pack")
-    # the next split cleans the dead process's temp directory and succeeds
+    code, _, err = cli("verify", out)  # removes what the killed split left beside it, then finds no pack
+    removed, *rest = err.strip().splitlines()
+    assert removed.startswith("repack: removed .m.sparkpack.sparkpack-tmp-") and "a run that was killed" in removed, err
+    assert_one_line_error(code, "\n".join(rest), "no such pack")
+    assert [p.name for p in tmp_path.iterdir()] == []
     assert cli("split", slow_model, "-o", out, "--hot-fraction", "0.2")[0] == 0
     assert [p.name for p in tmp_path.iterdir()] == ["m.sparkpack"]
 

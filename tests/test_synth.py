@@ -190,6 +190,26 @@ def test_cli_writes_and_rejects_bad_combinations(tmp_path: Path) -> None:
     assert not (tmp_path / "x.gguf").exists()
 
 
+def test_types_of_a_real_file_replace_the_mix(synth_model, tmp_path: Path) -> None:
+    """``--types-of`` (dynamic quants): every tensor takes the type the given file's header
+    gives it, and its file type; a file of another model is one line naming it."""
+    like = synth_model("qwen35moe", "IQ2_M")
+    out = tmp_path / "like.gguf"
+    r = CliRunner().invoke(cli, ["synth", "--arch", "qwen35moe", "--types-of", str(like), "--seed", "3", "-j", "1",
+                                 "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    with GGUFModel(like) as a, GGUFModel(out) as b:
+        assert {n: t.qtype for n, t in a.tensors.items()} == {n: t.qtype for n, t in b.tensors.items()}
+        assert b.get("general.file_type") == a.get("general.file_type") and "types-of:" in b.get("sparkpack.synthetic")
+    other = synth_model("qwen3moe", "Q8_0")
+    proc = subprocess.run([sys.executable, "-m", "sparkpack.repack.cli", "synth", "--arch", "qwen35moe", "--types-of",
+                           str(other), "-o", str(tmp_path / "x.gguf")], capture_output=True, text=True)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(other) in lines[0] and "has no tensor" in lines[0], lines
+    assert not (tmp_path / "x.gguf").exists()
+
+
 MEDIUM_WRITER = textwrap.dedent("""
     import json, sys
     from dataclasses import replace

@@ -26,6 +26,25 @@ class LayerKind:
     ffn: str  # MOE | DENSE
 
 
+@dataclass(frozen=True)
+class NextNHead:
+    """The multi-token-prediction ("nextn", MTP) head a file carries after its trunk, as llama.cpp's
+    converter writes it: ``{arch}.nextn_predict_layers`` extra blocks counted in ``block_count``,
+    numbered after the trunk's (``blk.N`` with N >= n_layer). Each is a full-attention block with a
+    MoE plus ``nextn.eh_proj``/``enorm``/``hnorm``/``shared_head_norm``. Kept apart from the
+    trunk's layers: nothing that runs or places the trunk (routing profiles, calibration, the
+    pack's expert placement, the --vram plan unless the head is loaded) counts its blocks."""
+
+    layers: tuple[int, ...]
+    n_head: tuple[int, ...]  # per head block
+    n_head_kv: tuple[int, ...]
+    tensors: frozenset[str]  # every tensor of the head's blocks
+    expert_tensors: dict[int, dict[str, str]]  # as ``ModelSpec.expert_tensors``, for the head's blocks
+
+    def expert_names(self) -> set[str]:
+        return {n for roles in self.expert_tensors.values() for n in roles.values()}
+
+
 @dataclass
 class ModelSpec:
     arch: str
@@ -48,6 +67,11 @@ class ModelSpec:
     # Tensor names of the experts of each MoE layer, filled from the file's tensor index:
     # {"gate": ..., "up": ..., "down": ...} or {"gate_up": ..., "down": ...}
     expert_tensors: dict[int, dict[str, str]] = field(default_factory=dict)
+    nextn: NextNHead | None = None  # the file's MTP head, when it has one
+
+    def head_tensor_names(self) -> frozenset[str]:
+        """The tensors of the MTP head (empty without one): loaded only when the head is."""
+        return self.nextn.tensors if self.nextn is not None else frozenset()
 
     @property
     def sliding_window(self) -> int:
@@ -246,25 +270,47 @@ def check_rope(model: "GGUFModel", spec: ModelSpec) -> None:
 def attach_expert_tensors(model: "GGUFModel", spec: ModelSpec) -> None:
     """Find the 3-D expert tensors of every MoE layer (separate gate/up/down or merged gate_up)."""
     for il in spec.moe_layers:
-        p = f"blk.{il}."
-        names = {
-            "gate": p + "ffn_gate_exps.weight",
-            "up": p + "ffn_up_exps.weight",
-            "gate_up": p + "ffn_gate_up_exps.weight",
-            "down": p + "ffn_down_exps.weight",
-        }
-        have = {k: v for k, v in names.items() if v in model.tensors}
-        if "down" in have and "gate_up" in have:
-            spec.expert_tensors[il] = {"gate_up": have["gate_up"], "down": have["down"]}
-        elif "down" in have and "gate" in have and "up" in have:
-            spec.expert_tensors[il] = {"gate": have["gate"], "up": have["up"], "down": have["down"]}
-        else:
-            raise FormatError(model.path, f"layer {il} is a MoE layer but its expert tensors are missing "
-                                          f"(expected {names['gate']} / {names['up']} / {names['down']})")
-        for role, name in spec.expert_tensors[il].items():
-            shape = model.tensors[name].shape
-            if len(shape) != 3 or shape[2] != spec.n_expert:
-                raise FormatError(model.path, f"expert tensor {name} has shape {list(shape)}, "
-                                              f"expected 3 dimensions with {spec.n_expert} experts last")
+        spec.expert_tensors[il] = find_expert_tensors(model, il, spec.n_expert)
         if not spec.n_ff_exp:  # the file gives no expert width: take the first layer's
             spec.n_ff_exp = model.tensors[spec.expert_tensors[il]["down"]].shape[0]
+
+
+def find_expert_tensors(model: "GGUFModel", il: int, n_expert: int) -> dict[str, str]:
+    """Block ``il``'s expert tensors by role, each 3-D with ``n_expert`` experts last."""
+    p = f"blk.{il}."
+    names = {
+        "gate": p + "ffn_gate_exps.weight",
+        "up": p + "ffn_up_exps.weight",
+        "gate_up": p + "ffn_gate_up_exps.weight",
+        "down": p + "ffn_down_exps.weight",
+    }
+    have = {k: v for k, v in names.items() if v in model.tensors}
+    if "down" in have and "gate_up" in have:
+        roles = {"gate_up": have["gate_up"], "down": have["down"]}
+    elif "down" in have and "gate" in have and "up" in have:
+        roles = {"gate": have["gate"], "up": have["up"], "down": have["down"]}
+    else:
+        raise FormatError(model.path, f"layer {il} is a MoE layer but its expert tensors are missing "
+                                      f"(expected {names['gate']} / {names['up']} / {names['down']})")
+    for name in roles.values():
+        shape = model.tensors[name].shape
+        if len(shape) != 3 or shape[2] != n_expert:
+            raise FormatError(model.path, f"expert tensor {name} has shape {list(shape)}, "
+                                          f"expected 3 dimensions with {n_expert} experts last")
+    return roles
+
+
+def nextn_head(model: "GGUFModel", spec: ModelSpec, n_nextn: int) -> NextNHead | None:
+    """The ``n_nextn`` MTP blocks after ``spec``'s trunk (None when 0): their tensors, heads and
+    expert tensors (a head's block is MoE, as the trunk's)."""
+    if not n_nextn:
+        return None
+    m = MetaReader(model)
+    n_all = spec.n_layer + n_nextn
+    heads = m.per_layer("attention.head_count", n_all)
+    heads_kv = m.per_layer("attention.head_count_kv", n_all, default=heads[0])
+    layers = tuple(range(spec.n_layer, n_all))
+    prefixes = tuple(f"blk.{il}." for il in layers)
+    return NextNHead(layers, tuple(heads[il] for il in layers), tuple(heads_kv[il] for il in layers),
+                     frozenset(n for n in model.tensors if n.startswith(prefixes)),
+                     {il: find_expert_tensors(model, il, spec.n_expert) for il in layers})

@@ -3,18 +3,20 @@
 Hybrid stack: Gated DeltaNet linear-attention layers with one gated full-attention layer every
 ``full_attention_interval`` (default 4, the full layer last in each group, as llama.cpp reads it).
 Every layer is MoE: softmax top-k renormalised plus a shared expert behind a sigmoid gate.
-Trailing multi-token-prediction layers (``nextn_predict_layers``) are not part of the trunk.
+Trailing multi-token-prediction blocks (``nextn_predict_layers``, the MTP head some files carry)
+are not part of the trunk: the spec holds them apart (``ModelSpec.nextn``).
 """
 from __future__ import annotations
 
 from ..errors import FormatError
-from .base import FULL, LINEAR, MOE, ArchModule, LayerKind, MetaReader, ModelSpec, common_spec
+from .base import FULL, LINEAR, MOE, ArchModule, LayerKind, MetaReader, ModelSpec, common_spec, nextn_head
 from .shapes import Expected, attention, globals_, one, routed_experts, shared_expert
 
 
 def build(model) -> ModelSpec:
     m = MetaReader(model)
-    n_layer = m.layer_count(minus=m.int("nextn_predict_layers", default=0))
+    n_nextn = m.int("nextn_predict_layers", default=0)
+    n_layer = m.layer_count(minus=n_nextn)
     recurrent = m.optional("attention.recurrent_layers")
     if isinstance(recurrent, list) and len(recurrent) >= n_layer:
         if not all(isinstance(x, (bool, int)) for x in recurrent[:n_layer]):
@@ -32,7 +34,7 @@ def build(model) -> ModelSpec:
         raise FormatError(model.path, f"DeltaNet sizes disagree: inner size {ssm['ssm.inner_size']} must be state "
                                       f"size {ssm['ssm.state_size']} x value heads {ssm['ssm.time_step_rank']}, and "
                                       f"the value heads a multiple of the {ssm['ssm.group_count']} key heads")
-    return common_spec(
+    spec = common_spec(
         model, router="softmax", n_layer=n_layer, layers=layers,
         n_ff_shexp=m.int("expert_shared_feed_forward_length", default=0),
         hparams={
@@ -48,6 +50,8 @@ def build(model) -> ModelSpec:
             "norm_topk": m.bool("expert_weights_norm", True),
         },
     )
+    spec.nextn = nextn_head(model, spec, n_nextn)
+    return spec
 
 
 def tensors(spec: ModelSpec) -> list[Expected]:
@@ -67,6 +71,27 @@ def tensors(spec: ModelSpec) -> list[Expected]:
         else:
             out += attention(spec, il, q_per_head=2)
         out += routed_experts(spec, il) + shared_expert(spec, il, gated=True)
+    return out + nextn_tensors(spec)
+
+
+def nextn_tensors(spec: ModelSpec) -> list[Expected]:
+    """The MTP head's blocks as llama.cpp's ``load_block_mtp`` reads them: a gated full-attention
+    block with the trunk's MoE, plus the projection of [embedding norm | hidden norm] and the
+    head's own output norm (``embed_tokens`` and ``shared_head_head`` are optional: without them
+    the head reads the trunk's embeddings and output)."""
+    head, e = spec.nextn, spec.n_embd
+    if head is None:
+        return []
+    out: list[Expected] = []
+    for il, h, kv in zip(head.layers, head.n_head, head.n_head_kv):
+        p = f"blk.{il}."
+        out += [one(p + "attn_norm.weight", e), one(p + "post_attention_norm.weight", e)]
+        out += attention(spec, il, q_per_head=2, heads=(h, kv))
+        out += routed_experts(spec, il, head.expert_tensors[il]) + shared_expert(spec, il, gated=True)
+        out += [one(p + "nextn.eh_proj.weight", 2 * e, e), one(p + "nextn.enorm.weight", e),
+                one(p + "nextn.hnorm.weight", e), one(p + "nextn.shared_head_norm.weight", e, required=False),
+                one(p + "nextn.embed_tokens.weight", e, spec.n_vocab, required=False),
+                one(p + "nextn.shared_head_head.weight", e, spec.n_vocab, required=False)]
     return out
 
 

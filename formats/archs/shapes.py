@@ -6,7 +6,7 @@ finds out inside a matmul, with a torch error and a traceback; with it, every co
 builds a spec (``inspect``, ``split``, ``calibrate``, ``spark-run``) names the tensor, its shape
 and the shape the hyperparameters imply. Shapes are GGUF order (``ne[0]`` first) and follow
 llama.cpp's ``load_arch_tensors`` for each arch; tensors a file has that the table does not
-name (multi-token-prediction layers, say) are left alone.
+name are left alone.
 """
 from __future__ import annotations
 
@@ -43,20 +43,24 @@ def globals_(spec: "ModelSpec") -> list[Expected]:
             one("output.weight", spec.n_embd, spec.n_vocab, required=False)]
 
 
-def attention(spec: "ModelSpec", il: int, q_per_head: int = 1) -> list[Expected]:
+def attention(spec: "ModelSpec", il: int, q_per_head: int = 1, heads: tuple[int, int] | None = None
+              ) -> list[Expected]:
     """GQA projections with per-head q/k RMSNorm; ``q_per_head`` 2 where each query head carries
-    its output gate (Qwen3.5)."""
-    p, d, h, kv, e = f"blk.{il}.", spec.head_dim, spec.n_head[il], spec.n_head_kv[il], spec.n_embd
+    its output gate (Qwen3.5). ``heads``: (query, KV) heads of a block outside the trunk's layers
+    (an MTP head's), else the spec's of layer ``il``."""
+    h, kv = heads if heads is not None else (spec.n_head[il], spec.n_head_kv[il])
+    p, d, e = f"blk.{il}.", spec.head_dim, spec.n_embd
     return [one(p + "attn_q.weight", e, q_per_head * d * h), one(p + "attn_k.weight", e, d * kv),
             one(p + "attn_v.weight", e, d * kv), one(p + "attn_output.weight", d * h, e),
             one(p + "attn_q_norm.weight", d), one(p + "attn_k_norm.weight", d)]
 
 
-def routed_experts(spec: "ModelSpec", il: int) -> list[Expected]:
-    """The router and the 3-D expert tensors (separate gate/up or merged gate_up)."""
+def routed_experts(spec: "ModelSpec", il: int, roles: Mapping[str, str] | None = None) -> list[Expected]:
+    """The router and the 3-D expert tensors (separate gate/up or merged gate_up); ``roles``: the
+    block's expert tensors where they are not the spec's (an MTP head's)."""
     p, e, f, n = f"blk.{il}.", spec.n_embd, spec.n_ff_exp, spec.n_expert
     out = [one(p + "ffn_gate_inp.weight", e, n), one(p + "ffn_down_exps.weight", f, e, n)]
-    roles = spec.expert_tensors.get(il, {})
+    roles = spec.expert_tensors.get(il, {}) if roles is None else roles
     if "gate_up" in roles:
         out.append(one(p + "ffn_gate_up_exps.weight", e, 2 * f, n))
     else:

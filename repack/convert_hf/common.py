@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from sparkpack.formats.atomic_file import temp_name
 from sparkpack.formats.errors import SparkpackError
 
 from .source import SafetensorsSource
@@ -236,7 +237,7 @@ def write_gguf(out: Path, arch: Arch, fill: Callable[[Any], None]) -> Path:
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp = temp_name(out)
     w = gguf.GGUFWriter(path=None, arch=arch.gguf_arch)
     try:
         fill(w)

@@ -19,7 +19,11 @@ def chat_template(arch: str) -> str:
     return resources.files(__package__).joinpath(TEMPLATES[arch]).read_text(encoding="utf-8")
 
 
-def add_metadata(w: gguf.GGUFWriter, p: Preset, mix: str, skew: float, seed: int) -> None:
+def add_metadata(w: gguf.GGUFWriter, p: Preset, mix: str, skew: float, seed: int, file_type: int | None = None,
+                 n_mtp: int = 0) -> None:
+    """``file_type``: a real file's (``--types-of``) instead of the mix's; ``n_mtp``: MTP blocks after
+    the trunk, counted in ``block_count`` and named by ``nextn_predict_layers`` as the converter
+    writes them."""
     a = p.arch
 
     def key(suffix: str) -> str:
@@ -27,11 +31,14 @@ def add_metadata(w: gguf.GGUFWriter, p: Preset, mix: str, skew: float, seed: int
 
     w.add_type("model")
     w.add_name(p.display_name)
-    w.add_uint32("general.file_type", FILE_TYPE[mix])
+    w.add_uint32("general.file_type", FILE_TYPE[mix] if file_type is None else file_type)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     # provenance, so nobody mistakes the file for a real model
-    w.add_string("sparkpack.synthetic", f"preset={p.name} quant={mix} seed={seed} skew={skew:g}")
-    w.add_uint32(key("block_count"), p.n_layer)
+    w.add_string("sparkpack.synthetic", f"preset={p.name} quant={mix} seed={seed} skew={skew:g}"
+                 + (" mtp" if n_mtp else ""))
+    w.add_uint32(key("block_count"), p.n_layer + n_mtp)
+    if n_mtp:
+        w.add_uint32(key("nextn_predict_layers"), n_mtp)
     w.add_uint32(key("context_length"), p.n_ctx)
     w.add_uint32(key("embedding_length"), p.n_embd)
     if p.n_ff_dense:

@@ -22,7 +22,12 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from sparkpack.formats.quants import FLOAT_QTYPES
 
 FLOAT_TYPES = tuple(T(q) for q in FLOAT_QTYPES)
-SUPPORTED = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K) + FLOAT_TYPES
+# The low-bit types whose blocks are random codes under one f16 scale (``_LOW_BIT_D``): every
+# code, grid index and sign index is valid, so the codes need no quantizer (which for the IQ
+# types costs minutes a tensor), only the scale a target RMS.
+_LOW_BIT_D = {T.Q2_K: 80, T.Q3_K: 108, T.IQ2_XXS: 0, T.IQ2_XS: 0, T.IQ2_S: 0, T.IQ3_XXS: 0, T.IQ3_S: 0,
+              T.IQ1_S: 0, T.IQ1_M: -1}  # IQ1_M's d is the top nibbles of its four scale words
+SUPPORTED = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, *_LOW_BIT_D) + FLOAT_TYPES
 # With ``any_scales`` (kernel tests) also the lookup-table types the kernels read.
 ANY_SCALES_TYPES = SUPPORTED + (T.IQ4_XS, T.MXFP4)
 
@@ -78,6 +83,7 @@ _CODE_RMS = {
     T.Q4_K: _rms_uniform_int(0, 15, 7.5) * _K_SC_RMS,
     T.Q5_K: _rms_uniform_int(0, 31, 15.5) * _K_SC_RMS,
     T.Q6_K: _rms_uniform_int(0, 63, 32.0) * _Q6_SC_RMS,
+    T.IQ4_NL: _rms(gq.IQ4_NL.kvalues),
 }
 # The same with every sub-block scale (and min) byte random: ``any_scales``.
 _ANY_CODE_RMS = {**_CODE_RMS,
@@ -85,6 +91,46 @@ _ANY_CODE_RMS = {**_CODE_RMS,
                  T.Q6_K: _rms_uniform_int(0, 63, 32.0) * _rms_uniform_int(-128, 127, 0.0),
                  T.IQ4_XS: _rms(gq.IQ4_NL.kvalues) * _rms_uniform_int(0, 63, 32.0)}
 _MXFP4_RMS = _rms(gq.MXFP4.kvalues)  # a weight is kvalues[code] * 2^(e - 128) (ggml_e8m0_to_fp32_half)
+
+
+# Q2_K's realistic scales: a random 4-bit scale per sub-block of 16 with the min equal to it, so that
+# with dmin = 1.5 d the codes 0..3 are centred (w = d sc (q - 1.5)).
+_Q2_SC = _PATTERNS.integers(8, 16, size=(256, 16)).astype(np.uint8)
+_Q2_TABLE = _Q2_SC | (_Q2_SC << 4)
+
+
+def _set_low_bit_d(qtype: T, blocks: np.ndarray, d: np.ndarray, any_scales: bool) -> None:
+    """Write the per-block scale ``d`` (float32 ``[n]``) into low-bit blocks, and for Q2_K
+    without ``any_scales`` the centred scale pattern and dmin."""
+    at = _LOW_BIT_D[qtype]
+    if qtype == T.IQ1_M:  # bits 4i..4i+3 of d are the top nibble of scale word i (bytes 48 + 2i, + 1)
+        bits = d.astype(np.float16).view(np.uint16)
+        for i in range(4):
+            hi = 49 + 2 * i
+            blocks[:, hi] = (blocks[:, hi] & 0x0F) | (((bits >> (4 * i)) & 0x0F) << 4).astype(np.uint8)
+        return
+    d16 = d.astype(np.float16)
+    blocks[:, at:at + 2] = d16.view(np.uint8).reshape(-1, 2)
+    if qtype == T.Q2_K:
+        if not any_scales:
+            blocks[:, 0:16] = _Q2_TABLE[blocks[:, 16]]
+            blocks[:, 82:84] = _f16_bytes(1.5 * d16.astype(np.float32))
+        else:
+            blocks[:, 82:84] = _f16_bytes(d)
+
+
+_UNIT_RMS: dict[tuple[T, bool], float] = {}
+
+
+def _low_bit_unit_rms(qtype: T, any_scales: bool) -> float:
+    """RMS of a random block's weights per unit of its ``d``: measured once per type through
+    gguf's dequantizer (the IQ lattices' RMS has no closed form worth keeping)."""
+    key = (qtype, any_scales)
+    if key not in _UNIT_RMS:
+        blocks = random_bytes(make_rng(20260101, int(qtype)), 512 * GGML_QUANT_SIZES[qtype][1]).reshape(512, -1).copy()
+        _set_low_bit_d(qtype, blocks, np.ones(512, np.float32), any_scales)
+        _UNIT_RMS[key] = _rms(gq.dequantize(blocks.reshape(-1), qtype))
+    return _UNIT_RMS[key]
 
 
 def make_rng(*seed: int) -> np.random.Generator:
@@ -122,6 +168,12 @@ def random_blocks(qtype: int, n_blocks: int, scale: float, rng: np.random.Genera
     if qtype in FLOAT_TYPES:
         vals = rng.standard_normal(n_blocks, dtype=np.float32) * np.float32(scale)
         return float_bytes(vals, qtype).reshape(n_blocks, ts)
+    if qtype in _LOW_BIT_D:
+        blocks = random_bytes(rng, n_blocks * ts).reshape(n_blocks, ts)
+        d = _block_d(blocks, 20,  # byte 20: codes in every low-bit type
+                     scale / (_low_bit_unit_rms(qtype, any_scales) * _JITTER_RMS))
+        _set_low_bit_d(qtype, blocks, d, any_scales)
+        return blocks
     code_rms = _ANY_CODE_RMS if any_scales else _CODE_RMS
     if qtype not in code_rms and not (any_scales and qtype == T.MXFP4):
         raise ValueError(f"no random block generator for {qtype.name}" + ("" if any_scales else " (any_scales=False)"))
@@ -131,7 +183,7 @@ def random_blocks(qtype: int, n_blocks: int, scale: float, rng: np.random.Genera
         blocks[:, 0] = e - 1 + blocks[:, 0] % 3
         return blocks
     base = scale / (code_rms[qtype] * _JITTER_RMS)
-    if qtype in (T.Q8_0, T.Q4_0, T.Q5_0, T.IQ4_XS):
+    if qtype in (T.Q8_0, T.Q4_0, T.Q5_0, T.IQ4_NL, T.IQ4_XS):
         blocks[:, 0:2] = _f16_bytes(_block_d(blocks, 0, base))
     elif qtype in (T.Q4_1, T.Q5_1):
         d = _block_d(blocks, 0, base).astype(np.float16)

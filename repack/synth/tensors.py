@@ -53,13 +53,14 @@ def _moe(p: Preset, il: int, shared_gate: bool) -> list[TensorPlan]:
     return out
 
 
-def _attention(p: Preset, il: int, q_rows: int) -> list[TensorPlan]:
+def _attention(p: Preset, il: int, q_rows: int, n_head: int | None = None) -> list[TensorPlan]:
     b, hd = f"blk.{il}.", p.head_dim
+    n_head = p.n_head[il] if n_head is None else n_head
     return [
         TensorPlan(b + "attn_q.weight", (p.n_embd, q_rows)),
         TensorPlan(b + "attn_k.weight", (p.n_embd, hd * p.n_head_kv)),
         TensorPlan(b + "attn_v.weight", (p.n_embd, hd * p.n_head_kv)),
-        TensorPlan(b + "attn_output.weight", (hd * p.n_head[il], p.n_embd)),
+        TensorPlan(b + "attn_output.weight", (hd * n_head, p.n_embd)),
         TensorPlan(b + "attn_q_norm.weight", (hd,), "norm"),
         TensorPlan(b + "attn_k_norm.weight", (hd,), "norm"),
     ]
@@ -118,11 +119,29 @@ def _qwen3moe(p: Preset, il: int) -> list[TensorPlan]:
             + _attention(p, il, p.head_dim * p.n_head[il]) + _moe(p, il, shared_gate=False))
 
 
+def _qwen35moe_mtp(p: Preset, il: int) -> list[TensorPlan]:
+    """The MTP ("nextn") block the converter appends as ``blk.{n_layer}`` (``_QwenMtpMixin``): a
+    gated full-attention block with the trunk's MoE, the projection of [embedding | hidden] back
+    to the width, and the norms before it and before the shared output head. The real files share
+    the trunk's embeddings and output (no ``nextn.embed_tokens`` / ``shared_head_head``)."""
+    b, n_head = f"blk.{il}.", p.n_head[-1]
+    return ([TensorPlan(b + "attn_norm.weight", (p.n_embd,), "norm"),
+             TensorPlan(b + "post_attention_norm.weight", (p.n_embd,), "norm")]
+            + _attention(p, il, 2 * p.head_dim * n_head, n_head) + _moe(p, il, shared_gate=True)
+            + [TensorPlan(b + "nextn.eh_proj.weight", (2 * p.n_embd, p.n_embd)),
+               TensorPlan(b + "nextn.enorm.weight", (p.n_embd,), "norm"),
+               TensorPlan(b + "nextn.hnorm.weight", (p.n_embd,), "norm"),
+               TensorPlan(b + "nextn.shared_head_norm.weight", (p.n_embd,), "norm")])
+
+
 _LAYER_PLANS = {"qwen35moe": _qwen35moe, "laguna": _laguna, "qwen3moe": _qwen3moe}
+# Archs whose files can carry an MTP head, and its block
+MTP_PLANS = {"qwen35moe": _qwen35moe_mtp}
 
 
-def tensor_plan(p: Preset) -> list[TensorPlan]:
-    """Every tensor of the model, in the order llama-quantize writes them."""
+def tensor_plan(p: Preset, mtp: bool = False) -> list[TensorPlan]:
+    """Every tensor of the model (with ``mtp`` its MTP head after the trunk), in the order
+    llama-quantize writes them."""
     plans = [
         TensorPlan("token_embd.weight", (p.n_embd, p.n_vocab)),
         TensorPlan("output_norm.weight", (p.n_embd,), "norm"),
@@ -130,4 +149,6 @@ def tensor_plan(p: Preset) -> list[TensorPlan]:
     ]
     for il in range(p.n_layer):
         plans += _LAYER_PLANS[p.arch](p, il)
+    if mtp:
+        plans += MTP_PLANS[p.arch](p, p.n_layer)
     return sorted(plans, key=lambda t: _llama_order(t.name))

@@ -22,6 +22,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
 from .quant_blocks import float_bytes, make_rng, random_tensor_bytes
+from sparkpack.formats.atomic_file import temp_name
 from sparkpack.formats.quants import row_nbytes, tensor_nbytes
 from .routing_skew import expert_factors
 
@@ -147,7 +148,7 @@ def write_gguf(path: Path, writer_setup, plans: list[TensorPlan], qtypes: list[T
                skew: float, jobs: int, progress: bool) -> Path:
     """Write the whole file to a temp name next to ``path`` and rename it into place."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = temp_name(path)
     w = gguf.GGUFWriter(str(tmp), arch)
     try:
         writer_setup(w)

@@ -7,8 +7,9 @@ codes as 32-bit words (Q4_K) or 16-bit halves (Q6_K, whose 210-byte blocks are o
 and expands each word with constant shifts in registers. With a float activation it matches
 cuBLAS on the bf16 copy at a third of the bytes; with the activation quantized to int8
 (``q8dot``, the runtime's default) the Q4_K/Q6_K bands use int8 dot products on the packed
-words and run 1.2-1.8x faster on the larger groups (docs/benchmarks-history.md, session 9). Byte-per-weight
-loads (``blocks._row_dot``) were ~2x slower than either.
+words (the low-bit bands too: ``q8dot.LOW_BIT_Q8``) and run 1.2-1.8x faster on the larger
+groups (docs/benchmarks-history.md, session 9). Byte-per-weight loads (``blocks._row_dot``) were
+~2x slower than either.
 
 One launch computes the projections of one input that a layer stacks (q/k/v, DeltaNet qkv/z/beta/
 alpha, router + shared expert): up to ``MAX_SEGMENTS`` row bands, each with its own type, write
@@ -27,9 +28,10 @@ import triton.language as tl
 
 from ..dequant import FLOAT_DTYPES
 from . import pdl
-from .blocks import Q4_K, Q6_K, _row_dot, _unpack, row_bytes_of
+from .blocks import Q4_K, Q6_K, _row_dot, _unpack, grid_table, row_bytes_of
 from .pdl import prefetch_l2, wait_prior
-from .q8dot import chunks_per_iteration, q4_k_rows_q8, q4_k_scales, q6_k_rows_q8, q6_k_scales, use_asm
+from .q8dot import (chunks_per_iteration, is_low_bit_q8, low_bit_rows_q8, q4_k_rows_q8, q4_k_scales, q6_k_rows_q8,
+                    q6_k_scales, use_asm)
 
 # Plain float matrices (the routers stay F32 in GGUF files) are read as their dtype
 # (``dequant.FLOAT_DTYPES``); the kernels below name them by GGML id (F32 0, F16 1, BF16 30).
@@ -141,7 +143,7 @@ def _float_rows(w, rows, rmask, x, K, BN: tl.constexpr):
 
 @triton.jit
 def _segment(QT: tl.constexpr, w, row_stride, N, blk, x, xq, xd, xs, y, col, K, BN: tl.constexpr,
-             CPI: tl.constexpr, ACT_Q8: tl.constexpr, ASM: tl.constexpr):
+             CPI: tl.constexpr, ACT_Q8: tl.constexpr, ASM: tl.constexpr, grids):
     """Rows ``blk * BN ..`` of one segment, written to output columns ``col + row``."""
     n = blk * BN + tl.arange(0, BN)
     if QT == 12:
@@ -156,29 +158,32 @@ def _segment(QT: tl.constexpr, w, row_stride, N, blk, x, xq, xd, xs, y, col, K, 
             acc = q6_k_rows_q8(w, n4.to(tl.int64) * row_stride, n4 < N, xq, xd, xs, K, BN, CPI, ASM)
         else:
             acc = _q6_k_rows(w, n4.to(tl.int64) * row_stride, n4 < N, x, K, BN)
+    elif ACT_Q8 and is_low_bit_q8(QT):
+        n2 = n[:, None]
+        acc = low_bit_rows_q8(QT, w, n2.to(tl.int64) * row_stride, n2 < N, xq, xd, xs, K, BN, CPI, ASM, grids)
     elif QT == 0 or QT == 1 or QT == 30:
         n2 = n[:, None]
         acc = _float_rows(w, n2.to(tl.int64) * row_stride, n2 < N, x, K, BN)
     else:  # any other quant type: the byte-wise unpacking of ``blocks``
         n3 = n[:, None, None]
-        acc = _row_dot(QT, w + n3.to(tl.int64) * row_stride, n3 < N, x, K, BN)
+        acc = _row_dot(QT, w + n3.to(tl.int64) * row_stride, n3 < N, x, K, BN, grids)
     tl.store(y + col + n, acc, mask=n < N)
 
 
 @triton.jit
 def _band(QT: tl.constexpr, w, row_stride, N, blk, x, xq, xd, xs, y, col, K, BN: tl.constexpr, CPI: tl.constexpr,
-          ACT_Q8: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+          ACT_Q8: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, grids):
     """One program's rows of one segment: its weight rows into L2 while the previous kernel
     finishes (they depend on no kernel), then the wait, then the rows."""
     if PDL:
         r0 = blk.to(tl.int64) * BN
         prefetch_l2(w + r0 * row_stride, w + tl.minimum(r0 + BN, N) * row_stride, True)
     wait_prior(PDL)
-    _segment(QT, w, row_stride, N, blk, x, xq, xd, xs, y, col, K, BN, CPI, ACT_Q8, ASM)
+    _segment(QT, w, row_stride, N, blk, x, xq, xd, xs, y, col, K, BN, CPI, ACT_Q8, ASM, grids)
 
 
 @triton.jit
-def _gemv_kernel(x, xq, xd, xs, y, K, w0, n0, s0, w1, n1, s1, w2, n2, s2, w3, n3, s3,
+def _gemv_kernel(x, xq, xd, xs, y, grids_ptr, K, w0, n0, s0, w1, n1, s1, w2, n2, s2, w3, n3, s3,
                  QT0: tl.constexpr, QT1: tl.constexpr, QT2: tl.constexpr, QT3: tl.constexpr,
                  NSEG: tl.constexpr, BN: tl.constexpr, CPI: tl.constexpr, ACT_Q8: tl.constexpr,
                  ASM: tl.constexpr, PDL: tl.constexpr):
@@ -186,31 +191,32 @@ def _gemv_kernel(x, xq, xd, xs, y, K, w0, n0, s0, w1, n1, s1, w2, n2, s2, w3, n3
     pid = tl.program_id(0)
     e0 = tl.cdiv(n0, BN)
     if pid < e0:
-        _band(QT0, w0, s0, n0, pid, x, xq, xd, xs, y, 0, K, BN, CPI, ACT_Q8, ASM, PDL)
+        _band(QT0, w0, s0, n0, pid, x, xq, xd, xs, y, 0, K, BN, CPI, ACT_Q8, ASM, PDL, grids_ptr)
     elif NSEG > 1:
         e1 = e0 + tl.cdiv(n1, BN)
         if pid < e1:
-            _band(QT1, w1, s1, n1, pid - e0, x, xq, xd, xs, y, n0, K, BN, CPI, ACT_Q8, ASM, PDL)
+            _band(QT1, w1, s1, n1, pid - e0, x, xq, xd, xs, y, n0, K, BN, CPI, ACT_Q8, ASM, PDL, grids_ptr)
         elif NSEG > 2:
             e2 = e1 + tl.cdiv(n2, BN)
             if pid < e2:
-                _band(QT2, w2, s2, n2, pid - e1, x, xq, xd, xs, y, n0 + n1, K, BN, CPI, ACT_Q8, ASM, PDL)
+                _band(QT2, w2, s2, n2, pid - e1, x, xq, xd, xs, y, n0 + n1, K, BN, CPI, ACT_Q8, ASM, PDL, grids_ptr)
             elif NSEG > 3:
-                _band(QT3, w3, s3, n3, pid - e2, x, xq, xd, xs, y, n0 + n1 + n2, K, BN, CPI, ACT_Q8, ASM, PDL)
+                _band(QT3, w3, s3, n3, pid - e2, x, xq, xd, xs, y, n0 + n1 + n2, K, BN, CPI, ACT_Q8, ASM, PDL,
+                      grids_ptr)
 
 
 @triton.jit(do_not_specialize=["N"])
-def _dequant_kernel(w, ids, out, N, K, row_bytes, stride_out, QT: tl.constexpr, HAS_IDS: tl.constexpr,
-                    BR: tl.constexpr, PDL: tl.constexpr):
+def _dequant_kernel(w, ids, out, grids_ptr, N, K, row_bytes, stride_out, QT: tl.constexpr,
+                    HAS_IDS: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     c = tl.program_id(1)
     rmask = r < N
     src = tl.load(ids + r, mask=rmask, other=0).to(tl.int64) if HAS_IDS else r.to(tl.int64)
     r3, src3, m3 = r[:, None, None], src[:, None, None], rmask[:, None, None]
-    q, scale, offset = _unpack(QT, w + src3 * row_bytes, c, K, m3)
-    NSUB: tl.constexpr = 16 if QT == 14 else 8
-    SUB: tl.constexpr = 256 // NSUB
+    q, scale, offset = _unpack(QT, w + src3 * row_bytes, c, K, m3, grids_ptr)
+    NSUB: tl.constexpr = q.shape[1]
+    SUB: tl.constexpr = q.shape[2]
     k = c * 256 + tl.arange(0, NSUB)[None, :, None] * SUB + tl.arange(0, SUB)[None, None, :]
     tl.store(out + r3.to(tl.int64) * stride_out + k, q * scale - offset, mask=m3 & (k < K))
 
@@ -240,7 +246,7 @@ def gemv(x: torch.Tensor, segments: list[tuple[torch.Tensor, int]], out: torch.T
     """``out[0] = x[0] @ [W_0; W_1; ...]^T`` for one token ``x [1, K]``: the segments
     ``(raw [N_i, row_bytes] uint8, qtype)`` are stacked row bands, written to ``out``'s column
     bands in order (``out [1, sum N_i]``, any float dtype: the fp32 sums are cast on store).
-    ``q8``: x as ``q8dot.quantize`` gives it; the Q4_K/Q6_K bands then multiply the int8
+    ``q8``: x as ``q8dot.quantize`` gives it; the bands of ``q8dot.Q8_TYPES`` then multiply the int8
     activation (``q8dot``), the others still x."""
     if not 1 <= len(segments) <= MAX_SEGMENTS:
         raise ValueError(f"1 to {MAX_SEGMENTS} segments per launch, got {len(segments)}")
@@ -269,7 +275,7 @@ def gemv(x: torch.Tensor, segments: list[tuple[torch.Tensor, int]], out: torch.T
     if q8 is not None and (q8[0].shape != (1, K // 4) or q8[0].dtype != torch.int32):
         raise ValueError(f"q8 must be x quantized by q8dot.quantize ([1, {K // 4}] int32 words)")
     xq, xd, xs = q8 if q8 is not None else (x, x, x)
-    _gemv_kernel[(blocks,)](x, xq, xd, xs, out, K, *args, QT0=qts[0], QT1=qts[1], QT2=qts[2], QT3=qts[3],
+    _gemv_kernel[(blocks,)](x, xq, xd, xs, out, grid_table(x.device), K, *args, QT0=qts[0], QT1=qts[1], QT2=qts[2], QT3=qts[3],
                             NSEG=len(segments), BN=bn, CPI=cpi, ACT_Q8=q8 is not None, ASM=use_asm(x), num_warps=warps,
                             **pdl.flags(x))
     return out
@@ -287,6 +293,6 @@ def dequantize_into(raw: torch.Tensor, qtype: int, K: int, out: torch.Tensor,
         return out
     br = 4 if out.is_cuda else 64
     grid = (triton.cdiv(n, br), triton.cdiv(K, 256))
-    _dequant_kernel[grid](raw, raw if ids is None else ids, out, n, K, raw.shape[1], out.stride(0),
+    _dequant_kernel[grid](raw, raw if ids is None else ids, out, grid_table(raw.device), n, K, raw.shape[1], out.stride(0),
                           QT=qtype, HAS_IDS=ids is not None, BR=br, **pdl.flags(raw))
     return out

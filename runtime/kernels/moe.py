@@ -22,7 +22,7 @@ Three launches:
    (``reduce=False``): their residual epilogue (``kernels/ffn.py``) makes the same sum.
 
 The first two reuse the per-family unpacking of ``blocks`` (one compiled variant per quant type),
-or, with ``act_q8`` (the runtime's choice), ``q8dot``'s int8 dot products for Q4_K/Q6_K experts:
+or, with ``act_q8`` (the runtime's choice), ``q8dot``'s int8 dot products for the experts of ``q8dot.Q8_TYPES``:
 x's int8 form comes from the norm that wrote it (``x_q8``; else one small launch) and h is
 quantized once per pair (one small launch).
 
@@ -41,16 +41,16 @@ from sparkpack.runtime.kernels import pdl
 from sparkpack.runtime.kernels.pdl import prefetch_l2, wait_prior
 from sparkpack.runtime.kernels.q8dot import Int8Rows, chunks_per_iteration, quantize, readable, row_dot_q8, use_asm
 from sparkpack.runtime.kernels.moe_grouped import GROUPED_MIN_PAIRS, group_pairs, grouped_experts
-from sparkpack.runtime.kernels.blocks import _output, _row_dot, rows_per_program
+from sparkpack.runtime.kernels.blocks import _output, _row_dot, grid_table, rows_per_program
 from sparkpack.runtime.kernels.slots import check_pool, slot_base
 
 __all__ = ["GROUPED_MIN_PAIRS", "ExpertPools", "MoELaunch", "group_pairs", "moe_experts"]
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, xq, xd, xs, ids_ptr, slot_ptr, gate_ptr, up_ptr, gate_h_ptr, up_h_ptr, h_ptr, count_ptr,
-                    down_ptr, TOPK, N_FF, K, gate_slot_bytes, up_slot_bytes, up_row0, gate_row_bytes, up_row_bytes,
-                    stride_x, stride_ids, down_slot_bytes, down_bytes,
+def _gate_up_kernel(x_ptr, xq, xd, xs, grids_ptr, ids_ptr, slot_ptr, gate_ptr, up_ptr, gate_h_ptr, up_h_ptr, h_ptr,
+                    count_ptr, down_ptr, TOPK, N_FF, K, gate_slot_bytes, up_slot_bytes, up_row0, gate_row_bytes,
+                    up_row_bytes, stride_x, stride_ids, down_slot_bytes, down_bytes,
                     GATE_QTYPE: tl.constexpr, UP_QTYPE: tl.constexpr, HAS_HOST: tl.constexpr,
                     HAS_COUNT: tl.constexpr, BLOCK_N: tl.constexpr, ACT_Q8: tl.constexpr, ASM: tl.constexpr,
                     CPI: tl.constexpr, PDL: tl.constexpr):
@@ -80,18 +80,20 @@ def _gate_up_kernel(x_ptr, xq, xd, xs, ids_ptr, slot_ptr, gate_ptr, up_ptr, gate
         n4 = n[:, None, None, None]
         m4 = n4 < tl.where((slot >= 0) | HAS_HOST, N_FF, 0)
         q, d, s = xq + t * (K // 4), xd + t * (K // 32), xs + t * (K // 16)
-        g = row_dot_q8(GATE_QTYPE, g_base, n4, m4, gate_row_bytes, q, d, s, K, BLOCK_N, CPI, ASM)
-        u = row_dot_q8(UP_QTYPE, u_base, n4 + up_row0, m4, up_row_bytes, q, d, s, K, BLOCK_N, CPI, ASM)
+        g = row_dot_q8(GATE_QTYPE, g_base, n4, m4, gate_row_bytes, q, d, s, K, BLOCK_N, CPI, ASM, grids_ptr)
+        u = row_dot_q8(UP_QTYPE, u_base, n4 + up_row0, m4, up_row_bytes, q, d, s, K, BLOCK_N, CPI, ASM,
+                       grids_ptr)
     else:
         x_row = x_ptr + t * stride_x
-        g = _row_dot(GATE_QTYPE, g_base + n3.to(tl.int64) * gate_row_bytes, rmask, x_row, K, BLOCK_N)
-        u = _row_dot(UP_QTYPE, u_base + (n3 + up_row0).to(tl.int64) * up_row_bytes, rmask, x_row, K, BLOCK_N)
+        g = _row_dot(GATE_QTYPE, g_base + n3.to(tl.int64) * gate_row_bytes, rmask, x_row, K, BLOCK_N, grids_ptr)
+        u = _row_dot(UP_QTYPE, u_base + (n3 + up_row0).to(tl.int64) * up_row_bytes, rmask, x_row, K, BLOCK_N,
+                     grids_ptr)
     h = g / (1.0 + tl.exp(-g)) * u
     tl.store(h_ptr + pair.to(tl.int64) * N_FF + n, h, mask=n < N_FF)
 
 
 @triton.jit
-def _down_kernel(h_ptr, hq, hd, hs, ids_ptr, wts_ptr, slot_ptr, down_ptr, down_h_ptr, part_ptr,
+def _down_kernel(h_ptr, hq, hd, hs, grids_ptr, ids_ptr, wts_ptr, slot_ptr, down_ptr, down_h_ptr, part_ptr,
                  TOPK, N_EMBD, N_FF, down_slot_bytes, down_row_bytes, stride_ids, stride_wts,
                  DOWN_QTYPE: tl.constexpr, HAS_HOST: tl.constexpr, BLOCK_N: tl.constexpr,
                  ACT_Q8: tl.constexpr, ASM: tl.constexpr, CPI: tl.constexpr, PDL: tl.constexpr):
@@ -111,10 +113,10 @@ def _down_kernel(h_ptr, hq, hd, hs, ids_ptr, wts_ptr, slot_ptr, down_ptr, down_h
         m4 = n4 < tl.where((slot >= 0) | HAS_HOST, N_EMBD, 0)
         p64 = pair.to(tl.int64)
         dot = row_dot_q8(DOWN_QTYPE, base, n4, m4, down_row_bytes, hq + p64 * (N_FF // 4), hd + p64 * (N_FF // 32),
-                         hs + p64 * (N_FF // 16), N_FF, BLOCK_N, CPI, ASM)
+                         hs + p64 * (N_FF // 16), N_FF, BLOCK_N, CPI, ASM, grids_ptr)
     else:
         dot = _row_dot(DOWN_QTYPE, base + n3.to(tl.int64) * down_row_bytes, rmask, h_ptr + pair.to(tl.int64) * N_FF,
-                       N_FF, BLOCK_N)
+                       N_FF, BLOCK_N, grids_ptr)
     part = weight * dot
     tl.store(part_ptr + pair.to(tl.int64) * N_EMBD + n, part, mask=n < N_EMBD)
 
@@ -187,7 +189,7 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     x: [T, n_embd] (f32/f16/bf16); topk_ids/topk_weights: [T, k]; slot_table: int32 [n_expert]
     (expert id -> slot in ``pools``; negative: in the host pool at ``-(slot+1)`` when the pools
     have one, else not resident). ``act_q8``: the per-pair (decode) kernels quantize their
-    inputs to int8 and multiply Q4_K/Q6_K experts with int8 dot products (``q8dot``; a kernel
+    inputs to int8 and multiply experts of ``q8dot.Q8_TYPES`` with int8 dot products (``q8dot``; a kernel
     whose types are others keeps the float input); ``x_q8`` is x's int8 form when the kernel
     that wrote x made it (else it is made here). ``counts``: int32 ``[n_expert]`` incremented
     once per (token, choice) routed to each expert (integer atomics: exact in any order);
@@ -255,17 +257,18 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         q8_gu = act_q8 and readable(gate_qtype, gate_raw, gate_h) and readable(up_qtype, up_raw, up_h)
         q8_down = act_q8 and readable(down_qtype, down_raw, down_h)
         xq, xd, xs = (x_q8 if x_q8 is not None else quantize(x)) if q8_gu else (x, x, x)
+        grids = grid_table(x.device)
         _gate_up_kernel[(T_ * topk, triton.cdiv(n_ff, bn))](
-            x, xq, xd, xs, topk_ids, slot_table, gate_raw, up_raw, gate_h, up_h, h, counts if counts is not None else slot_table,
-            down_raw, topk, n_ff, n_embd, gate_raw.stride(0), up_raw.stride(0), up_row0,
-            gate_raw.shape[2], up_raw.shape[2], x.stride(0), topk_ids.stride(0), down_raw.stride(0),
-            down_raw.shape[1] * down_raw.shape[2],
+            x, xq, xd, xs, grids, topk_ids, slot_table, gate_raw, up_raw, gate_h, up_h, h,
+            counts if counts is not None else slot_table, down_raw, topk, n_ff, n_embd, gate_raw.stride(0),
+            up_raw.stride(0), up_row0, gate_raw.shape[2], up_raw.shape[2], x.stride(0), topk_ids.stride(0),
+            down_raw.stride(0), down_raw.shape[1] * down_raw.shape[2],
             GATE_QTYPE=int(gate_qtype), UP_QTYPE=int(up_qtype), HAS_HOST=has_host, HAS_COUNT=counts is not None,
             BLOCK_N=bn, ACT_Q8=q8_gu, ASM=use_asm(x), CPI=chunks_per_iteration(n_embd, cpi), num_warps=num_warps,
             **pdl.flags(x))
         hq, hd, hs = quantize(h) if q8_down else (h, h, h)
         _down_kernel[(T_ * topk, triton.cdiv(n_embd, bn))](
-            h, hq, hd, hs, topk_ids, topk_weights, slot_table, down_raw, down_h, part,
+            h, hq, hd, hs, grids, topk_ids, topk_weights, slot_table, down_raw, down_h, part,
             topk, n_embd, n_ff, down_raw.stride(0), down_raw.shape[2], topk_ids.stride(0),
             topk_weights.stride(0), DOWN_QTYPE=int(down_qtype), HAS_HOST=has_host, BLOCK_N=bn, ACT_Q8=q8_down,
             ASM=use_asm(x), CPI=chunks_per_iteration(n_ff, cpi), num_warps=num_warps, **pdl.flags(h))

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from . import pdl
 from .pdl import wait_prior
-from .blocks import Q4_K, Q5_K, Q6_K, _f16, _k_scale_min, _tile_dot, _u8
+from .blocks import Q4_K, Q5_K, Q6_K, _f16, _k_scale_min, _tile_dot, _u8, grid_table
 from .slots import slot_base
 
 SUB_TYPES = (Q4_K, Q5_K, Q6_K)  # types with a sub-block kernel; others take the ``_tile_*`` kernels
@@ -199,8 +199,8 @@ def _sub_down_kernel(h_ptr, pairs_ptr, block_expert_ptr, wts_ptr, slot_ptr, down
 # ----------------------------------------------------------------------------- expanded-tile kernels
 
 @triton.jit
-def _tile_gate_up_kernel(x_ptr, pairs_ptr, block_expert_ptr, slot_ptr, gate_ptr, up_ptr, gate_h_ptr, up_h_ptr,
-                            h_ptr, TOPK, N_EXPERT, N_FF, K, gate_slot_bytes, up_slot_bytes, up_row0,
+def _tile_gate_up_kernel(x_ptr, grids_ptr, pairs_ptr, block_expert_ptr, slot_ptr, gate_ptr, up_ptr, gate_h_ptr,
+                            up_h_ptr, h_ptr, TOPK, N_EXPERT, N_FF, K, gate_slot_bytes, up_slot_bytes, up_row0,
                             gate_row_bytes, up_row_bytes, stride_x,
                             GATE_QTYPE: tl.constexpr, UP_QTYPE: tl.constexpr, HAS_HOST: tl.constexpr,
                             DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
@@ -222,16 +222,16 @@ def _tile_gate_up_kernel(x_ptr, pairs_ptr, block_expert_ptr, slot_ptr, gate_ptr,
         g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for c in range(0, tl.cdiv(K, 256)):
-            g = _tile_dot(GATE_QTYPE, g_rows, rmask, a_rows, amask, c, K, g, DOT_FP32, BLOCK_N)
-            u = _tile_dot(UP_QTYPE, u_rows, rmask, a_rows, amask, c, K, u, DOT_FP32, BLOCK_N)
+            g = _tile_dot(GATE_QTYPE, g_rows, rmask, a_rows, amask, c, K, g, DOT_FP32, BLOCK_N, grids_ptr)
+            u = _tile_dot(UP_QTYPE, u_rows, rmask, a_rows, amask, c, K, u, DOT_FP32, BLOCK_N, grids_ptr)
         h = g / (1.0 + tl.exp(-g)) * u
         tl.store(h_ptr + pair.to(tl.int64)[:, None] * N_FF + n[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=amask & (n[None, :] < N_FF))
 
 
 @triton.jit
-def _tile_down_kernel(h_ptr, pairs_ptr, block_expert_ptr, wts_ptr, slot_ptr, down_ptr, down_h_ptr, part_ptr,
-                         N_EXPERT, N_EMBD, N_FF, down_slot_bytes, down_row_bytes,
+def _tile_down_kernel(h_ptr, grids_ptr, pairs_ptr, block_expert_ptr, wts_ptr, slot_ptr, down_ptr, down_h_ptr,
+                         part_ptr, N_EXPERT, N_EMBD, N_FF, down_slot_bytes, down_row_bytes,
                          DOWN_QTYPE: tl.constexpr, HAS_HOST: tl.constexpr, DOT_FP32: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """One block of pairs x ``BLOCK_N`` rows of the expert's down, times each pair's weight."""
@@ -251,7 +251,7 @@ def _tile_down_kernel(h_ptr, pairs_ptr, block_expert_ptr, wts_ptr, slot_ptr, dow
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for c in range(0, tl.cdiv(N_FF, 256)):
             acc = _tile_dot(DOWN_QTYPE, rows, rmask, h_ptr + pair64[:, None] * N_FF, amask, c, N_FF, acc,
-                            DOT_FP32, BLOCK_N)
+                            DOT_FP32, BLOCK_N, grids_ptr)
         weight = tl.load(wts_ptr + pair64, mask=pair >= 0, other=0.0).to(tl.float32)
         tl.store(part_ptr + pair64[:, None] * N_EMBD + n[None, :], acc * weight[:, None],
                  mask=amask & (n[None, :] < N_EMBD))
@@ -425,7 +425,7 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, **flags)
     else:
         _tile_gate_up_kernel[(nb, triton.cdiv(n_ff, bn))](
-            x, pairs, block_expert, slot_table, gate, up, gate_h, up_h, h, topk, n_expert, n_ff, n_embd,
+            x, grid_table(x.device), pairs, block_expert, slot_table, gate, up, gate_h, up_h, h, topk, n_expert, n_ff, n_embd,
             gate.stride(0), up.stride(0), up_row0, gate.shape[2], up.shape[2], x.stride(0),
             GATE_QTYPE=gq, UP_QTYPE=uq, HAS_HOST=host is not None, DOT_FP32=not half,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, **flags)
@@ -436,6 +436,6 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
             KS=_sub_step(dq), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, **flags)
     else:
         _tile_down_kernel[(nb, triton.cdiv(n_embd, bn))](
-            h, pairs, block_expert, topk_weights, slot_table, down, down_h, part, n_expert, n_embd, n_ff,
+            h, grid_table(x.device), pairs, block_expert, topk_weights, slot_table, down, down_h, part, n_expert, n_embd, n_ff,
             down.stride(0), down.shape[2], DOWN_QTYPE=dq, HAS_HOST=host is not None, DOT_FP32=not half,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, **flags)

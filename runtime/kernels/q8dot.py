@@ -16,6 +16,10 @@ activation and the weight bytes, so residency (which pool an expert's bytes sit 
 changes it. Triton's interpreter has no inline assembly: there ``dot4`` is the same integer sum
 written with shifts, bit for bit the instruction's result, so CI runs these kernels too.
 
+The low-bit types (Q2_K, Q3_K, IQ1-IQ3: ``low_bit_rows_q8``) build their words of four signed
+codes from the packed bits or from gguf's lattice tables with their signs, as llama.cpp's
+vecdotq does, and take the same int8 activation.
+
 Quantized activation of a row of K elements (``quantize``): ``xq`` int8 ``[K]`` (read as int32
 words of four), ``xd`` fp32 ``[K/32]`` block scales (x ~ xd * xq), ``xs`` fp32 ``[K/16]`` =
 xd * (sum of xq over each 16 elements): the sub-block sums the K-quant offsets need.
@@ -31,10 +35,23 @@ import triton.language as tl
 
 from . import pdl
 from .pdl import wait_prior
-from .blocks import Q4_K, Q6_K, k_scale_min
+from .blocks import (_IQ1S, _IQ2S, _IQ2XS, _IQ2XXS, _IQ3S, _IQ3XXS, _KSIGNS, Q4_K, Q6_K, _f16, _u8, _u32,
+                     iq1_m_d, iq2_scale, k_scale_min)
+from gguf.constants import GGMLQuantizationType as _T
 
 QBLOCK = 32  # activation elements per int8 scale
-Q8_TYPES = (Q4_K, Q6_K)  # weight types with an int8-activation kernel
+# The low-bit types whose codes the int8 kernels build as words of four signed bytes
+# (``low_bit_rows_q8``): Q2_K, Q3_K and the IQ1/IQ2/IQ3 lattices.
+LOW_BIT_Q8 = tuple(int(q) for q in (_T.Q2_K, _T.Q3_K, _T.IQ2_XXS, _T.IQ2_XS, _T.IQ2_S, _T.IQ3_XXS, _T.IQ3_S,
+                                    _T.IQ1_S, _T.IQ1_M))
+Q8_TYPES = (Q4_K, Q6_K, *LOW_BIT_Q8)  # weight types with an int8-activation kernel
+_LOW_BIT_BITS = tl.constexpr(sum(1 << q for q in LOW_BIT_Q8))
+
+
+@triton.jit
+def is_low_bit_q8(QT: tl.constexpr):
+    """Whether ``low_bit_rows_q8`` reads type ``QT`` (a GGML id; negative ids: no)."""
+    return (_LOW_BIT_BITS >> (QT % 64)) & 1
 
 
 class Int8Rows(NamedTuple):
@@ -65,7 +82,7 @@ def readable(qtype: int, *pools: torch.Tensor) -> bool:
     with rows (and slots) aligned to the unit they load (4 bytes for Q4_K, 2 for Q6_K)."""
     if int(qtype) not in Q8_TYPES:
         return False
-    unit = 4 if int(qtype) == Q4_K else 2
+    unit = 4 if int(qtype) == Q4_K else 2 if int(qtype) == Q6_K else 1  # the low-bit kernels load bytes
     return all(p.data_ptr() % unit == 0 and all(s % unit == 0 for s in p.stride()[:-1]) for p in pools)
 
 
@@ -264,17 +281,151 @@ def q6_k_rows_q8(w, rows, rmask, xq, xd, xs, K, BN: tl.constexpr, CPI: tl.conste
     return acc
 
 
+# ----------------------------------------------------------------------------- low-bit types
+# As llama.cpp's vecdotq does for them: each 4 elements' codes become one int32 word of signed
+# bytes (lattice entries are read as words of gguf's grid table, their signs applied to the
+# word), one ``dot4`` with the activation's word, and the sub-block's scale (16 or 32 elements)
+# applied to the integer sum: sum_k w x = scale * xd * sum_k code * xq.
+
+@triton.jit
+def _signed_word(g, bits):
+    """The four bytes of ``g`` (each 1..127) negated where bits 0-3 of ``bits`` are set."""
+    ones = (bits * 0x00204081) & 0x01010101  # bit j -> byte j
+    return (g ^ (ones * 255)) + ones
+
+
+@triton.jit
+def _ksign_bits(grids, sign_index, half):
+    """Four sign bits (of elements 4 half .. +3 of a group of 8) from ``ksigns[sign_index]``."""
+    return (tl.load(grids + _KSIGNS + sign_index).to(tl.int32) >> (4 * half)) & 15
+
+
+@triton.jit
+def _grid_word(grids, at: tl.constexpr, entry, words: tl.constexpr, half):
+    """Word ``half`` of lattice entry ``entry`` (``words`` int32 words each) of the grid at ``at``."""
+    return tl.load(grids.to(tl.pointer_type(tl.int32)) + at // 4 + entry * words + half)
+
+
+@triton.jit
+def _low_bit_words(QTYPE: tl.constexpr, b, v, rmask, grids):
+    """Words ``[BN, 64]`` of the signed codes of elements 4v .. 4v + 3 of the 256-element blocks
+    at byte pointers ``b [BN, 1]`` (Q3_K's codes are stored + 4: 0..7)."""
+    g8 = v // 2
+    h = v % 2
+    if QTYPE == 16:  # IQ2_XXS: sub-block s = v // 8: grid bytes @2 + 8s, aux u32 @2 + 8s + 4
+        at = b + 2 + 8 * (v // 8)
+        aux = _u32(at + 4, rmask)
+        g = _grid_word(grids, _IQ2XXS, _u8(at + g8 % 4, rmask), 2, h)
+        return _signed_word(g, _ksign_bits(grids, (aux >> (7 * (g8 % 4))) & 127, h))
+    elif QTYPE == 17:  # IQ2_XS: u16 per group of 8 @2: 9-bit index, 7-bit ksigns index
+        q16 = _u8(b + 2 + 2 * g8, rmask) | (_u8(b + 3 + 2 * g8, rmask) << 8)
+        return _signed_word(_grid_word(grids, _IQ2XS, q16 & 511, 2, h), _ksign_bits(grids, q16 >> 9, h))
+    elif QTYPE == 22:  # IQ2_S: index bytes @2, sign bytes @34, high index bits @66
+        idx = _u8(b + 2 + g8, rmask) | (((_u8(b + 66 + g8 // 4, rmask) >> (2 * (g8 % 4))) & 3) << 8)
+        return _signed_word(_grid_word(grids, _IQ2S, idx, 2, h), (_u8(b + 34 + g8, rmask) >> (4 * h)) & 15)
+    elif QTYPE == 18:  # IQ3_XXS: an index byte per word @2, aux u32 per sub-block @66
+        aux = _u32(b + 66 + 4 * (v // 8), rmask)
+        g = _grid_word(grids, _IQ3XXS, _u8(b + 2 + v, rmask), 1, 0)
+        return _signed_word(g, _ksign_bits(grids, (aux >> (7 * (g8 % 4))) & 127, h))
+    elif QTYPE == 21:  # IQ3_S: index bytes @2, index bit 8 @66, sign bits @74
+        idx = _u8(b + 2 + v, rmask) | (((_u8(b + 66 + v // 8, rmask) >> (v % 8)) & 1) << 8)
+        return _signed_word(_grid_word(grids, _IQ3S, idx, 1, 0), (_u8(b + 74 + g8, rmask) >> (4 * h)) & 15)
+    elif QTYPE == 10:  # Q2_K: elements 128i + 32j + m are bits 2j of qs[32i + m] @16
+        return (_u32(b + 16 + 32 * (v // 32) + 4 * (v % 8), rmask) >> (2 * ((v % 32) // 8))) & 0x03030303
+    else:  # Q3_K: low bits as Q2_K @32, bit 4i + j of hmask[m] @0 the third
+        tl.static_assert(QTYPE == 11, "q8dot has no int8 words for this quant type")
+        j = (v % 32) // 8
+        lo = (_u32(b + 32 + 32 * (v // 32) + 4 * (v % 8), rmask) >> (2 * j)) & 0x03030303
+        hb = (_u32(b + 4 * (v % 8), rmask) >> (4 * (v // 32) + j)) & 0x01010101
+        return lo | (hb << 2)
+
+
+@triton.jit
+def _iq1_dots(QTYPE: tl.constexpr, b, v, rmask, a, grids, ASM: tl.constexpr):
+    """IQ1_S / IQ1_M: 8 x the integer dot of each word's lattice values (-1, 0, 1) with the
+    activation's, plus or minus (the group's delta sign) the sum of its activation codes: a
+    weight is (grid + delta) with delta = +-1/8, so this is 8 x sum (grid + delta) x code."""
+    g8 = v // 2
+    if QTYPE == 19:  # IQ1_S: index bytes @2, u16 per sub-block of 32 @34 (index bits 3j, sign 15)
+        qh = _u8(b + 34 + 2 * (v // 8), rmask) | (_u8(b + 35 + 2 * (v // 8), rmask) << 8)
+        idx = _u8(b + 2 + g8, rmask) | (((qh >> (3 * (g8 % 4))) & 7) << 8)
+        neg = (qh >> 15) & 1
+    else:  # IQ1_M: index bytes @0, a nibble per group @32 (index bits, bit 3 the sign)
+        qn = (_u8(b + 32 + g8 // 2, rmask) >> (4 * (g8 % 2))) & 15
+        idx = _u8(b + g8, rmask) | ((qn & 7) << 8)
+        neg = qn >> 3
+    g = _grid_word(grids, _IQ1S, idx, 2, v % 2)
+    return 8 * dot4(g, a, ASM) + (1 - 2 * neg) * dot4(tl.full(g.shape, 0x01010101, tl.int32), a, ASM)
+
+
+@triton.jit
+def low_bit_rows_q8(QTYPE: tl.constexpr, w, rows, rmask, xq, xd, xs, K, BN: tl.constexpr, CPI: tl.constexpr,
+                    ASM: tl.constexpr, grids):
+    """[BN] dots of the rows at byte offsets ``rows [BN, 1]`` of ``w`` (uint8) with one
+    quantized activation row, for the types of ``LOW_BIT_Q8``; CPI chunks of 256 per iteration
+    (more bytes in flight)."""
+    TS: tl.constexpr = 84 if QTYPE == 10 else 110 if QTYPE == 11 or QTYPE == 21 else 66 if QTYPE == 16 else \
+        74 if QTYPE == 17 else 82 if QTYPE == 22 else 50 if QTYPE == 19 else 56 if QTYPE == 29 else 98
+    NS: tl.constexpr = 16 if QTYPE == 10 or QTYPE == 11 or QTYPE == 17 or QTYPE == 22 or QTYPE == 29 else 8
+    cc = tl.arange(0, CPI)[None, :, None]
+    v = tl.arange(0, 64)[None, None, :]
+    s = tl.arange(0, NS)[None, None, :]
+    rows3 = tl.reshape(rows, [BN, 1, 1])
+    rmask3 = tl.reshape(rmask, [BN, 1, 1])
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for c0 in range(0, K // 256, CPI):
+        c = c0 + cc  # [1, CPI, 1]
+        ok = c * 256 < K
+        m = rmask3 & ok
+        b = w + rows3 + c * TS  # [BN, CPI, 1]
+        a = tl.load(xq + c * 64 + v, mask=ok, other=0)
+        if QTYPE == 19 or QTYPE == 29:
+            dots = _iq1_dots(QTYPE, b, v, m, a, grids, ASM)
+        else:
+            dots = dot4(_low_bit_words(QTYPE, b, v, m, grids), a, ASM)
+        dots = tl.sum(tl.reshape(dots, [BN, CPI, NS, 64 // NS]), axis=3).to(tl.float32)  # per sub-block
+        xsc = tl.load(xd + c * 8 + s * 8 // NS, mask=ok, other=0.0)  # the activation scale of each sub-block
+        if QTYPE == 10:  # Q2_K: d * sc * code - dmin * mn, scales[16] @0, d @80, dmin @82
+            sc = _u8(b + s, m)
+            part = _f16(b + 80, m) * (sc & 15).to(tl.float32) * xsc * dots - \
+                _f16(b + 82, m) * (sc >> 4).to(tl.float32) * tl.load(xs + c * 16 + s, mask=ok, other=0.0)
+        elif QTYPE == 11:  # Q3_K: d * (sc - 32) * (code - 4), 6-bit scales @96, d @108
+            sc = ((_u8(b + 96 + s % 8, m) >> (4 * (s // 8))) & 15) | \
+                (((_u8(b + 104 + s % 4, m) >> (2 * (s // 4))) & 3) << 4)
+            part = _f16(b + 108, m) * (sc - 32).to(tl.float32) * \
+                (xsc * dots - 4.0 * tl.load(xs + c * 16 + s, mask=ok, other=0.0))
+        elif QTYPE == 16:  # IQ2_XXS: d (0.5 + aux >> 28) / 4 per 32
+            part = _f16(b, m) * (0.5 + ((_u32(b + 6 + 8 * s, m) >> 28) & 15).to(tl.float32)) * 0.25 * xsc * dots
+        elif QTYPE == 18:  # IQ3_XXS: d (0.5 + aux >> 28) / 2 per 32
+            part = _f16(b, m) * (0.5 + ((_u32(b + 66 + 4 * s, m) >> 28) & 15).to(tl.float32)) * 0.5 * xsc * dots
+        elif QTYPE == 19:  # IQ1_S: d (2 sc + 1) / 8, sc = bits 12-14 of the sub-block's u16 @34
+            part = _f16(b, m) * (2 * ((_u8(b + 35 + 2 * s, m) >> 4) & 7) + 1).to(tl.float32) * 0.125 * xsc * dots
+        elif QTYPE == 29:  # IQ1_M: d (2 sc + 1) / 8, 3-bit sc per 16 in u16s @48, d their top nibbles
+            u = _u8(b + 48 + 2 * (s // 4), m) | (_u8(b + 49 + 2 * (s // 4), m) << 8)
+            part = iq1_m_d(b, m) * (2 * ((u >> (3 * (s % 4))) & 7) + 1).to(tl.float32) * 0.125 * xsc * dots
+        elif QTYPE == 21:  # IQ3_S: d (1 + 2 sc), a nibble per 32 @106
+            sc = (_u8(b + 106 + s // 2, m) >> (4 * (s % 2))) & 15
+            part = _f16(b, m) * (1 + 2 * sc).to(tl.float32) * xsc * dots
+        else:  # IQ2_XS / IQ2_S: d (0.5 + sc) / 4, a nibble per 16 @66 / @74
+            part = iq2_scale(b, 66 if QTYPE == 17 else 74, s, m) * xsc * dots
+        acc += tl.sum(tl.sum(part, axis=2), axis=1)
+    return acc
+
+
 @triton.jit
 def row_dot_q8(QTYPE: tl.constexpr, w_bytes, rows, rmask, row_bytes, xq, xd, xs, K, BN: tl.constexpr,
-               CPI: tl.constexpr, ASM: tl.constexpr):
+               CPI: tl.constexpr, ASM: tl.constexpr, grids):
     """[BN] dots of rows ``rows [BN,1,1,1]`` (row indices) of a byte pointer ``w_bytes`` whose
     rows are ``row_bytes`` long, for the MoE pools (uint8): the pointer is retyped here."""
     if QTYPE == 12:
         return q4_k_rows_q8(w_bytes.to(tl.pointer_type(tl.int32)), rows.to(tl.int64) * (row_bytes // 4), rmask,
                             xq, xd, xs, K, BN, CPI, ASM)
-    else:
+    elif QTYPE == 14:
         return q6_k_rows_q8(w_bytes.to(tl.pointer_type(tl.int16)), rows.to(tl.int64) * (row_bytes // 2), rmask,
                             xq, xd, xs, K, BN, CPI, ASM)
+    else:
+        return low_bit_rows_q8(QTYPE, w_bytes, tl.reshape(rows, [BN, 1]).to(tl.int64) * row_bytes,
+                               tl.reshape(rmask, [BN, 1]), xq, xd, xs, K, BN, CPI, ASM, grids)
 
 
 def chunks_per_iteration(K: int, cap: int = 16) -> int:

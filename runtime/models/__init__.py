@@ -61,7 +61,10 @@ def load_model(path: str | os.PathLike[str] | GGUFModel, device: torch.device | 
 
         for group in model.stack_groups():  # stacked first: no part is ever held twice
             model.w.stacked(group)
-        model.w.preload(n for n in source.tensors if n not in expert_tensor_names(spec))
+        skip = expert_tensor_names(spec) | spec.head_tensor_names()  # the MTP head loads with load_mtp
+        model.w.preload(n for n in source.tensors if n not in skip)
+        if store.mtp:
+            model.load_mtp()  # type: ignore[attr-defined]
     return model
 
 

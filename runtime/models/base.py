@@ -101,8 +101,15 @@ class MoEModel(ABC):
         them itself)."""
         for il, layer in enumerate(cache.layers):
             if isinstance(layer, KVCache) and not layer.fits(n, call):  # (every call: cheap when done)
-                like = torch.empty(0, self.spec.n_head_kv[il], self.spec.head_dim, dtype=self.dtype, device=self.device)
+                like = torch.empty(0, self.kv_heads(il), self.spec.head_dim, dtype=self.dtype, device=self.device)
                 layer.reserve(n, like, call)
+
+    def kv_heads(self, il: int) -> int:
+        """KV heads of block ``il``: a trunk layer's, or past the trunk an MTP head block's (whose
+        cache ``reserve_kv`` grows as the trunk's: ``qwen35moe_mtp.MTPHead.new_cache``)."""
+        if il < self.spec.n_layer or self.spec.nextn is None:
+            return self.spec.n_head_kv[il]
+        return self.spec.nextn.n_head_kv[self.spec.nextn.layers.index(il)]
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor | list[int], cache: Cache | None = None,
@@ -124,8 +131,24 @@ class MoEModel(ABC):
         """
         if real is not None and pos is None:
             raise ValueError("forward: a padded call (real=...) reads its position from the device (pos=...)")
+        x, pre = self.trunk(ids, cache if cache is not None else self.new_cache(), pos, real)
+        return self.head(x, pre, last_only, real)
+
+    @torch.no_grad()
+    def forward_hidden(self, ids: torch.Tensor | list[int], cache: Cache | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s logits ``[T, n_vocab]`` and the rows they come from, the output-normed
+        hidden states ``[T, n_embd]``: what a multi-token-prediction head drafts from
+        (``qwen35moe_mtp.MTPHead``; llama.cpp's ``h_nextn``). The same bits as ``forward``."""
+        x, pre = self.trunk(ids, cache if cache is not None else self.new_cache(), None, None)
+        h = self.norm(x, "output_norm.weight", pre)
+        return self.linear(h, self.output_name()), h.x
+
+    def trunk(self, ids: torch.Tensor | list[int], cache: Cache, pos: torch.Tensor | None,
+              real: torch.Tensor | None) -> tuple[torch.Tensor, Normed | None]:
+        """The residual stream after the last block for ``forward``'s arguments, and the output
+        norm when the last block's epilogue computed it."""
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
-        cache = cache if cache is not None else self.new_cache()
         x = self.w.embed(ids)
         pre = None
         if real is not None:
@@ -139,7 +162,7 @@ class MoEModel(ABC):
         if pos is None:
             cache.pos += ids.numel()
             self.experts.end_step(ids.numel())  # the store learns between tokens
-        return self.head(x, pre, last_only, real)
+        return x, pre
 
     @torch.no_grad()
     def forward_calls(self, calls: Sequence[Call], cache: Cache,
@@ -183,7 +206,11 @@ class MoEModel(ABC):
         if last_only and x.shape[0] > 1:  # (one row: ``pre`` is its output norm, when computed)
             x = x[-1:]
         h = self.norm(x, "output_norm.weight", pre)
-        return self.linear(h, "output.weight" if self.w.has("output.weight") else "token_embd.weight")
+        return self.linear(h, self.output_name())
+
+    def output_name(self) -> str:
+        """The output head: ``output.weight``, or the embeddings where the file ties them."""
+        return "output.weight" if self.w.has("output.weight") else "token_embd.weight"
 
     def linear(self, h: Rows, name: str) -> torch.Tensor:
         """``h @ W^T`` for the weight ``name``, on h's int8 form where its launch made it."""
@@ -211,13 +238,16 @@ class MoEModel(ABC):
         gate, up = self.project(h, prefix, "ffn_gate", "ffn_up")
         return self.linear(silu_mul(gate, up), f"{prefix}ffn_down.weight")
 
-    def ffn(self, il: int, h: Rows, x: torch.Tensor) -> tuple[torch.Tensor, Normed | None]:
+    def ffn(self, il: int, h: Rows, x: torch.Tensor, experts: ExpertProvider | None = None
+            ) -> tuple[torch.Tensor, Normed | None]:
         """The residual stream ``x`` after layer ``il``'s MoE block on its normed input ``h``: the
         routed experts, a shared expert where the file has one (behind a sigmoid gate where it has
-        that too), added in one epilogue launch (``epilogue``)."""
+        that too), added in one epilogue launch (``epilogue``). ``experts``: the provider of a
+        block outside the trunk (an MTP head's), else the model's."""
         p = f"blk.{il}."
         y = self.project_present(h, p, self.FFN_IN)
-        routed = self.experts.moe(il, h.x, *self.route_logits(il, y["ffn_gate_inp"]), h.q8)
+        experts = self.experts if experts is None else experts
+        routed = experts.moe(il, h.x, *self.route_logits(il, y["ffn_gate_inp"]), h.q8)
         shared = gate = None
         if "ffn_up_shexp" in y:
             shared = self.linear(silu_mul(y["ffn_gate_shexp"], y["ffn_up_shexp"]), p + "ffn_down_shexp.weight")
@@ -233,11 +263,11 @@ class MoEModel(ABC):
             return ffn_residual(x, routed, shared, gate), None
         return ffn_residual_and_norm(x, routed, shared, gate, nxt)
 
-    def stack_groups(self) -> list[tuple[str, ...]]:
+    def stack_groups(self, layers: Sequence[int] | None = None) -> list[tuple[str, ...]]:
         """Every layer's ``STACKS`` groups as stacked: the members the file has, two or more
-        (full tensor names)."""
+        (full tensor names); ``layers``: those blocks' only (an MTP head's), else the trunk's."""
         out = []
-        for il in range(self.spec.n_layer):
+        for il in range(self.spec.n_layer) if layers is None else layers:
             for group in self.STACKS:
                 full = tuple(n for n in (f"blk.{il}.{m}.weight" for m in group) if self.w.has(n))
                 if len(full) >= 2:

@@ -11,6 +11,8 @@ math is transformers' recurrent gated delta rule.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,9 @@ from ..cache import Cache, RecurrentState
 from ..layers import (Normed, Rope, Rows, attention, l2_norm, output_gate, positions, rms_norm, rope_inv_freq,
                       route_softmax, wide)
 from .base import MoEModel
+
+if TYPE_CHECKING:
+    from .qwen35moe_mtp import MTPHead
 
 
 CHUNK = DELTANET_CHUNK  # tokens per block of the chunked prefill (formats.memory plans its temporaries)
@@ -109,6 +114,17 @@ class Qwen35MoE(MoEModel):
         self.n_v = int(hp["ssm_time_step_rank"])
         self.d_v = int(hp["ssm_inner_size"]) // self.n_v
         self.norm_topk = bool(hp["norm_topk"])  # expert_weights_norm, read and checked by the spec
+        self._mtp: "MTPHead | None" = None
+
+    def load_mtp(self) -> "MTPHead":
+        """The file's multi-token-prediction head (``qwen35moe_mtp``), its weights loaded on the
+        first call: only a run that drafts pays their memory. A file without one is one error."""
+        if self._mtp is None:
+            from .qwen35moe_mtp import MTPHead
+
+            self._mtp = MTPHead(self)
+            self._mtp.preload()
+        return self._mtp
 
     def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: "int | torch.Tensor", pre: Normed | None
               ) -> tuple[torch.Tensor, Normed | None]:

@@ -16,9 +16,10 @@ from sse_starlette.sse import ServerSentEvent
 
 from .engine import Outcome
 from .errors import ApiError, Dialect, error_body
-from .generation import Collected, complete, conversation, new_id, prompt_for, relay, sampling, served_of, start
-from .http import DialectRoute, check_api_key, read_json, sse
-from .messages import from_anthropic
+from .generation import (Collected, complete, conversation, new_id, prompt_for, sampling, served_of, start, streamed,
+                         structured)
+from .http import DialectRoute, check_api_key, read_json
+from .messages import anthropic_output_schema, from_anthropic
 from .output import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 from .schemas import CountTokensRequest, MessagesRequest, parse
 from .stream import Finished, Started
@@ -43,19 +44,21 @@ def stop_reason(f: Finished, tool_calls: bool) -> str:
 async def count_tokens(request: Request) -> JSONResponse:
     served = served_of(request)
     body = parse(CountTokensRequest, await read_json(request))
-    return JSONResponse({"input_tokens": len(prompt_for(served, conversation(from_anthropic, body)).ids)})
+    return JSONResponse({"input_tokens": len(prompt_for(served, conversation(request, from_anthropic, body)).ids)})
 
 
 @router.post("/v1/messages")
 async def messages(request: Request):
     served = served_of(request)
     body = parse(MessagesRequest, await read_json(request))
-    prompt = prompt_for(served, conversation(from_anthropic, body))
+    given = "output_config.format" if (body.output_config or {}).get("format") is not None else "output_format"
+    constraint = await structured(served, anthropic_output_schema, body, given)
+    prompt = prompt_for(served, conversation(request, from_anthropic, body), constraint)
     job, stream = start(served, prompt, body.max_tokens, sampling(served, body), body.stop_sequences or [], body)
     events = Events(body.model or served.name)
     if not body.stream:
-        return JSONResponse(message(events, await complete(served, "messages", request.receive, job, stream)))
-    return sse(relay(served, "messages", job, stream, events), lambda: events.event("ping", {}))
+        return JSONResponse(message(events, await complete(served, "messages", request, job, stream)))
+    return streamed(served, "messages", request, job, stream, events, lambda: events.event("ping", {}))
 
 
 class Events:

@@ -12,8 +12,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import anthropic_api, openai_api, responses_api
 from .errors import ApiError
 from .generation import served_of
-from .http import DialectRoute, ServerConfig, check_api_key, error_response, read_json
+from .http import DialectRoute, ServerConfig, answer_error, check_api_key, read_json
 from .metrics import CONTENT_TYPE
+from .request_log import RequestRecord, client_name
 from .schemas import DetokenizeRequest, TokenizeRequest, parse
 
 local = APIRouter(route_class=DialectRoute)
@@ -60,8 +61,11 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        """Unknown routes and wrong methods, in the dialect their path suggests."""
+        """Unknown routes and wrong methods, in the dialect their path suggests (and logged)."""
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return error_response(request.url.path, ApiError(exc.status_code, message))
+        record = RequestRecord(request.method, request.url.path, client_name(request.headers.get("user-agent")))
+        response = answer_error(request, record, ApiError(exc.status_code, message))
+        record.write()
+        return response
 
     return app

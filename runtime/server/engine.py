@@ -8,7 +8,10 @@ posts back. The sink runs in the engine thread, per token, so a stop sequence en
 the token that completes it, and cancelling (a client gone) stops it within a token.
 
 Every request's prompt goes through ``Session.prompt``: the prefix shared with the previous
-request is kept (KV rows, DeltaNet checkpoints) wherever that gives a fresh run's bits.
+request is kept (KV rows, DeltaNet checkpoints) wherever that gives a fresh run's bits. With a
+conversation cache (``runtime.conversation_cache``) the engine first asks it for the entry that
+keeps more of the prompt than the live sequence (another conversation, a shared system prompt)
+and the session resumes from it; after the request the live state becomes an entry.
 
 Between requests the same thread does the placement learning's work (``BetweenRequests``:
 saving the profile, moving experts, a background bootstrap), never while a request runs; a
@@ -29,7 +32,8 @@ from typing import Protocol
 
 import torch
 
-from ..generate import Session, continue_tokens
+from ..conversation_cache import ConversationCache
+from ..generate import Session, TokenConstraint, continue_tokens
 from ..options import SamplingOptions
 from .errors import ApiError
 
@@ -72,6 +76,7 @@ class Job:
     sink: TokenSink
     forced: list[int] | None = None  # test-only: teacher-forced tokens (see ForcedTokens)
     fail: str | None = None  # test-only: raise this in the engine thread after the prefill (the 500 path)
+    constraint: TokenConstraint | None = None  # a structured output's grammar (decoded one token at a time)
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -114,8 +119,9 @@ class Engine:
 
     def __init__(self, session: Session, stop_ids: frozenset[int], end_id: int, max_queue: int = 64,
                  on_job: Callable[[Job, Outcome], None] | None = None, dump_logits: Path | None = None,
-                 between: BetweenRequests | None = None):
+                 between: BetweenRequests | None = None, conversations: ConversationCache | None = None):
         self.session = session
+        self.conversations = conversations
         self.between = between
         self.stop_ids = stop_ids
         self.end_id = end_id  # what a forced output ends with (the template's end of turn)
@@ -152,6 +158,8 @@ class Engine:
         self.cancel_all()
         self._queue.put(None)
         self._thread.join(timeout)
+        if self.conversations is not None:
+            self.conversations.close()  # the conversation states queued for the disk are written
 
     def busy(self) -> bool:
         """A request (or the stop) is waiting."""
@@ -192,6 +200,11 @@ class Engine:
                 job.sink.end(outcome)
             except Exception:
                 log.exception("a request's sink failed")
+            if self.conversations is not None and outcome.finish != "error":
+                try:
+                    self.conversations.remember()
+                except Exception:  # the cache must never take the server down
+                    log.exception("keeping the conversation's state failed")
             if self.on_job is not None:
                 self.on_job(job, outcome)
             if self.between is not None:
@@ -206,7 +219,10 @@ class Engine:
         prefill0, decode0 = timing.prefill_seconds, timing.decode_seconds
         self.served += 1
         serial = self.served
-        logits = session.prompt(job.ids)
+        resume = self.conversations.prepare(job.ids) if self.conversations is not None else None
+        logits = session.prompt(job.ids, marks=resume.marks if resume is not None else frozenset())
+        if resume is not None:
+            self.conversations.after_prompt(job.ids, resume)
         outcome.cached_tokens = session.reused
         job.sink.started(outcome)
         if self.dump_logits is not None:
@@ -222,7 +238,8 @@ class Engine:
             sampler = job.sampling.sampler(len(job.ids))
         outcome.finish = "length"
         generated: list[int] = []
-        with contextlib.closing(continue_tokens(session, logits, sampler, job.max_new, self.stop_ids)) as tokens:
+        with contextlib.closing(continue_tokens(session, logits, sampler, job.max_new, self.stop_ids,
+                                                job.constraint)) as tokens:
             for n, tok in enumerate(tokens, 1):
                 generated.append(tok)
                 if outcome.first_token_seconds is None:

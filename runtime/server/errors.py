@@ -2,7 +2,10 @@
 
 OpenAI's clients read ``{"error": {"message", "type", "param", "code"}}``; Anthropic's read
 ``{"type": "error", "error": {"type", "message"}}`` and pick the exception class from the status.
-One table maps a status to each dialect's type, so a route only raises ``ApiError``.
+One table maps a status to each dialect's type, so a route only raises ``ApiError``. Anthropic's
+messages have no ``param``: they open with the field in its dotted form (``messages.2.role: ...``),
+and clients match on some of them (Claude Code compacts on ``prompt is too long: N tokens > M
+maximum``), so an error can carry Anthropic's own wording too.
 """
 from __future__ import annotations
 
@@ -45,20 +48,36 @@ class ApiError(Exception):
     message: str
     param: str | None = None
     code: str | None = None
+    anthropic: str | None = None  # the message as Anthropic words it, where that differs
 
     def __str__(self) -> str:
         return self.message
 
 
+def anthropic_field(param: str) -> str:
+    """``messages[2].content[0].type`` as Anthropic names it: ``messages.2.content.0.type``."""
+    return param.replace("[", ".").replace("]", "")
+
+
+def client_message(dialect: Dialect, err: ApiError) -> str:
+    """The message the client reads (and the request's log line shows)."""
+    if dialect is Dialect.ANTHROPIC and err.anthropic is not None:
+        return err.anthropic
+    return err.message
+
+
 def error_body(dialect: Dialect, err: ApiError) -> dict:
     openai_type, anthropic_type = ERROR_TYPES.get(err.status, ERROR_TYPES[500 if err.status >= 500 else 400])
     if dialect is Dialect.ANTHROPIC:
-        return {"type": "error", "error": {"type": anthropic_type, "message": err.message}}
+        return {"type": "error", "error": {"type": anthropic_type, "message": client_message(dialect, err)}}
     return {"error": {"message": err.message, "type": openai_type, "param": err.param, "code": err.code}}
 
 
-def context_exceeded(prompt_tokens: int, ctx: int) -> ApiError:
-    """OpenAI's wording and code, both numbers named; the request cannot start."""
+def context_exceeded(prompt_tokens: int, ctx: int, param: str) -> ApiError:
+    """The request cannot start: OpenAI's wording and code, and Anthropic's wording, which Claude
+    Code reads to compact by itself. Anthropic's maximum is the longest prompt that leaves room
+    for one token (--ctx minus one), so that its "N > M" holds for every prompt refused."""
     return ApiError(400, f"This model's maximum context length is {ctx} tokens (--ctx). However, your messages "
                          f"resulted in {prompt_tokens} tokens, which leaves no room to generate. Please reduce the "
-                         "length of the messages.", "messages", "context_length_exceeded")
+                         "length of the messages.", param, "context_length_exceeded",
+                    anthropic=f"prompt is too long: {prompt_tokens} tokens > {ctx - 1} maximum")

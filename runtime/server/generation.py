@@ -4,8 +4,8 @@ collecting its events (with the client's disconnect cancelling it).
 A route turns its body into a ``Conversation`` (``conversation``: B's dialect readers), then
 ``prompt_for`` renders it with the model's chat template, appends a forced tool-call prefix where
 ``tool_choice`` asks for one and tokenizes it; ``start`` checks the context and queues the job;
-the route answers with the whole response (``complete``) or streams it (``relay`` driving the
-dialect's ``StreamFormat``).
+the route answers with the whole response (``complete``) or streams it (``streamed``: ``relay``
+driving the dialect's ``StreamFormat``). Both note the job's outcome in the request's log record.
 """
 from __future__ import annotations
 
@@ -21,14 +21,17 @@ from typing import Any, Protocol
 from sparkpack.formats.errors import SparkpackError
 
 from ..chat_template import ChatTemplate
+from ..grammar import GrammarConstraint, GrammarError, SchemaGrammars
 from ..options import SamplingOptions
-from .engine import Engine, Job
-from .errors import ApiError, context_exceeded
+from .engine import Engine, Job, Outcome
+from .errors import ApiError, anthropic_field, context_exceeded
+from .http import sse
 from .messages import Conversation, RequestError
 from .metrics import ServerMetrics
-from .output import (OutputParser, ReasoningDelta, TextDelta, ToolCallEnd, ToolCallStart, ToolSyntax, forced_prefix,
-                     prompt_opens_reasoning)
+from .output import (OutputParser, ReasoningDelta, TextDelta, ToolCallEnd, ToolCallStart, ToolSyntax, closed_reasoning,
+                     forced_prefix, prompt_opens_reasoning)
 from .prompt_tokens import PromptTokens
+from .request_log import RequestRecord, record_of
 from .schemas import Body, Sampling
 from .stream import EventStream, Finished, PlainText, Started
 
@@ -53,13 +56,16 @@ class Served:
     engine: Engine
     metrics: ServerMetrics
     test_hooks: bool = False
+    max_tokens: int | None = None  # spark-run --max-tokens: the cap of requests that set none (else the context)
     learning: Any = None  # runtime.learning.LiveLearning: learns the placement (None without the store)
     trace: Any = None  # runtime.routing_trace.TraceRecorder (--trace-out)
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_tokens: PromptTokens = field(init=False)  # rendered prompts' tokens, reused turn to turn
+    grammars: SchemaGrammars = field(init=False)  # structured outputs' schemas -> token masks
 
     def __post_init__(self) -> None:
         self.prompt_tokens = PromptTokens(self.tokenizer)
+        self.grammars = SchemaGrammars(self.tokenizer, self.model.spec.n_vocab)
 
 
 def served_of(request) -> Served:
@@ -75,6 +81,7 @@ class Prompt:
     ids: list[int]
     parser: OutputParser | PlainText
     tools: bool  # tool calls are parsed (finish_reason tool_calls)
+    constraint: GrammarConstraint | None = None  # a structured output's grammar
 
 
 # Stop strings a model needs besides its stop tokens, not reported as the request's own: after tool
@@ -82,16 +89,42 @@ class Prompt:
 IMPLICIT_STOPS = {"laguna": ("</assistant>",)}
 
 
-def conversation(convert: Callable[[dict], Conversation], body: Body) -> Conversation:
-    """A validated body through one of ``messages``' dialect readers; its errors are 400s."""
+def conversation(request, convert: Callable[[dict], Conversation], body: Body) -> Conversation:
+    """A validated body through one of ``messages``' dialect readers; its errors are 400s (for
+    Anthropic's clients opening with the field, as Anthropic's do). The placeholders it put in
+    go to the request's record (the response header and the log line)."""
     try:
-        return convert(body.model_dump(exclude_unset=False))
+        conv = convert(body.model_dump(exclude_unset=False))
     except RequestError as e:
-        raise ApiError(400, e.message, e.param, e.code) from None
+        worded = f"{anthropic_field(e.param)}: {e.message}" if e.param else e.message
+        raise ApiError(400, e.message, e.param, e.code, anthropic=worded) from None
+    record_of(request).omitted = conv.omitted
+    return conv
 
 
-def prompt_for(served: Served, conv: Conversation) -> Prompt:
-    """Render, force a tool call's start where asked, tokenize (the template writes any BOS)."""
+async def structured(served: Served, read: Callable[[dict], dict | None], body: Body,
+                     param: str) -> GrammarConstraint | None:
+    """The request's structured-output schema (``read``: one of ``messages``' format readers) as
+    a grammar for its reply; a format that is malformed or that llguidance cannot compile is a
+    400 naming ``param``, never a reply that ignores it. Compiled in a worker thread (a large
+    schema, or the first one, which builds the vocabulary, takes a while; other streams go on)."""
+    try:
+        schema = read(body.model_dump(exclude_unset=False))
+    except RequestError as e:  # (the message names the field: Anthropic's errors carry no param)
+        raise ApiError(400, str(e), e.param, e.code) from None
+    if schema is None:
+        return None
+    try:
+        return await asyncio.to_thread(served.grammars.json_schema, schema)
+    except GrammarError as e:
+        raise ApiError(400, f"{param}: {e.message}", param) from None
+
+
+def prompt_for(served: Served, conv: Conversation, constraint: GrammarConstraint | None = None) -> Prompt:
+    """Render, force a tool call's start where asked, tokenize (the template writes any BOS).
+    With a structured output (``constraint``) the reply is the JSON itself: a reasoning block the
+    prompt opened is closed at once (as the templates render thinking off), tool calls are not
+    parsed, and a forced tool call is refused (the two cannot both be the reply)."""
     if served.template is None:
         raise ApiError(400, f"model {served.name} has no chat template; use /v1/completions")
     try:
@@ -99,8 +132,15 @@ def prompt_for(served: Served, conv: Conversation) -> Prompt:
                                       **conv.template_kwargs)
     except SparkpackError as e:
         raise ApiError(400, f"the model's chat template rejected these messages: {e.problem}", "messages") from None
-    parse_tools = bool(conv.tools) and conv.tool_choice != "none"
     reasoning = prompt_opens_reasoning(text)
+    if constraint is not None:
+        if conv.tools and conv.tool_choice not in ("auto", "none"):
+            raise ApiError(400, "tool_choice forces a tool call, which cannot be combined with a structured output "
+                                "format; use tool_choice 'auto' or drop the format", "tool_choice")
+        prefix = closed_reasoning(served.syntax) if reasoning else ""
+        parser = OutputParser(served.syntax, in_reasoning=reasoning, parse_tools=False, prefix=prefix)
+        return Prompt(served.prompt_tokens.encode(text + prefix), parser, False, constraint)
+    parse_tools = bool(conv.tools) and conv.tool_choice != "none"
     prefix = forced_prefix(served.syntax, conv.tool_choice, in_reasoning=reasoning) if parse_tools else ""
     parser = OutputParser(served.syntax, in_reasoning=reasoning, parse_tools=parse_tools, prefix=prefix,
                           tools=conv.tools)
@@ -137,13 +177,12 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
 def start(served: Served, prompt: Prompt, max_tokens: int | None, options: SamplingOptions, stops: list[str],
           body: Sampling, param: str = "messages") -> tuple[Job, EventStream]:
     """Queue the job: a prompt that leaves no room in the context is a 400; generation stops at
-    the context's end (finish ``length``)."""
+    ``max_tokens``, else the server's --max-tokens, and at the context's end (finish ``length``)."""
     n, ctx = len(prompt.ids), served.ctx
     if n >= ctx:
-        err = context_exceeded(n, ctx)
-        err.param = param
-        raise err
+        raise context_exceeded(n, ctx, param)
     room = ctx - n
+    max_tokens = max_tokens or served.max_tokens
     forced = fail = None
     if served.test_hooks:
         extra = body.model_extra or {}
@@ -153,7 +192,8 @@ def start(served: Served, prompt: Prompt, max_tokens: int | None, options: Sampl
             fail = extra[FAIL_FIELD]
     implicit = [s for s in IMPLICIT_STOPS.get(served.model.spec.arch, ()) if isinstance(prompt.parser, OutputParser)]
     stream = EventStream(asyncio.get_running_loop(), served.tokenizer, prompt.parser, stops, implicit)
-    job = Job(prompt.ids, min(max_tokens, room) if max_tokens else room, options, stream, forced, fail)
+    job = Job(prompt.ids, min(max_tokens, room) if max_tokens else room, options, stream, forced, fail,
+              prompt.constraint)
     served.engine.submit(job)
     return job, stream
 
@@ -224,10 +264,12 @@ def failed(finished: Finished) -> ApiError | None:
     return None
 
 
-async def complete(served: Served, route: str, receive, job: Job, stream: EventStream) -> Collected:
-    """A whole response (``collect``), counted in the metrics; a failed generation raises its 500."""
-    out = await collect(receive, job, stream)
+async def complete(served: Served, route: str, request, job: Job, stream: EventStream) -> Collected:
+    """A whole response (``collect``), counted in the metrics and noted for the log line; a
+    failed generation raises its 500."""
+    out = await collect(request.receive, job, stream)
     served.metrics.requests.labels(route, out.finished.outcome.finish).inc()
+    record_of(request).outcome = out.finished.outcome
     err = failed(out.finished)
     if err:
         raise err
@@ -248,9 +290,18 @@ class StreamFormat(Protocol):
     def error(self, err: ApiError) -> list: ...
 
 
-async def relay(served: Served, route: str, job: Job, stream: EventStream, fmt: StreamFormat) -> AsyncIterator:
+def streamed(served: Served, route: str, request, job: Job, stream: EventStream, fmt: StreamFormat,
+             ping_event: Callable[[], Any] | None = None):
+    """The SSE response of a job; its log line is written when the stream ends."""
+    record = record_of(request)
+    record.streamed = True
+    return sse(relay(served, route, job, stream, fmt, record), ping_event)
+
+
+async def relay(served: Served, route: str, job: Job, stream: EventStream, fmt: StreamFormat,
+                record: RequestRecord) -> AsyncIterator:
     """The SSE items of a streamed job. A client that goes away (the generator is closed or
-    cancelled) cancels the job; the outcome is counted in the metrics either way."""
+    cancelled) cancels the job; the outcome is counted in the metrics and logged either way."""
     outcome = "cancelled"
     try:
         for item in fmt.opening():
@@ -260,7 +311,10 @@ async def relay(served: Served, route: str, job: Job, stream: EventStream, fmt: 
                 out = fmt.started(item)
             elif isinstance(item, Finished):
                 outcome = item.outcome.finish
+                record.outcome = item.outcome
                 err = failed(item)
+                if err:
+                    record.error = err.message
                 out = fmt.error(err) if err else fmt.finished(item)
             else:
                 out = fmt.events(item)
@@ -269,6 +323,11 @@ async def relay(served: Served, route: str, job: Job, stream: EventStream, fmt: 
     finally:
         job.cancel()
         served.metrics.requests.labels(route, outcome).inc()
+        if record.outcome is None:  # the client went away first: what the engine counted so far
+            known = stream.outcome
+            record.outcome = (Outcome("cancelled", len(job.ids)) if known is None else
+                              dataclasses.replace(known, finish="cancelled"))
+        record.write()
 
 
 def new_id(prefix: str) -> str:

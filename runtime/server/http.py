@@ -4,7 +4,8 @@ failure into one JSON error in the route's dialect.
 Bodies are read here rather than by FastAPI so that every way a body can be wrong (too large, not
 UTF-8, not JSON, not an object) gets the same one-line 4xx in the right dialect. An unexpected
 exception becomes a 500 whose message is its first line, logged once with its traceback, and the
-server goes on serving.
+server goes on serving. Every request gets its log line (``request_log``) and, when placeholders
+stand for parts the model cannot read, the ``x-sparkpack-omitted`` header.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from sse_starlette.sse import EventSourceResponse, ServerSentEvent
 
-from .errors import ApiError, dialect_of, error_body
+from .errors import ApiError, client_message, dialect_of, error_body
+from .request_log import OMITTED_HEADER, RequestRecord, client_name, omitted_text
 
 log = logging.getLogger("sparkpack.server")
 
@@ -39,21 +41,36 @@ def error_response(path: str, err: ApiError) -> JSONResponse:
     return JSONResponse(error_body(dialect_of(path), err), status_code=err.status)
 
 
+def answer_error(request: Request, record: RequestRecord, err: ApiError) -> JSONResponse:
+    """The error response, its status and message noted for the request's log line."""
+    record.status, record.error = err.status, client_message(dialect_of(request.url.path), err)
+    return error_response(request.url.path, err)
+
+
 class DialectRoute(APIRoute):
-    """A route whose failures answer in its dialect (``ApiError``), internal errors included."""
+    """A route whose failures answer in its dialect (``ApiError``), internal errors included;
+    each request is logged once (a stream when it ends: ``generation.relay``)."""
 
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()
 
         async def guarded(request: Request) -> Response:
+            record = request.state.record = RequestRecord(request.method, request.url.path,
+                                                          client_name(request.headers.get("user-agent")))
             try:
-                return await handler(request)
+                response = await handler(request)
+                record.status = response.status_code
             except ApiError as e:
-                return error_response(request.url.path, e)
+                response = answer_error(request, record, e)
             except Exception as e:
                 log.exception("internal error on %s", request.url.path)
                 line = (str(e).splitlines() or [""])[0]
-                return error_response(request.url.path, ApiError(500, f"internal error: {type(e).__name__}: {line}"))
+                response = answer_error(request, record, ApiError(500, f"internal error: {type(e).__name__}: {line}"))
+            if record.omitted:
+                response.headers[OMITTED_HEADER] = omitted_text(record.omitted)
+            if not record.streamed:
+                record.write()
+            return response
 
         return guarded
 

@@ -5,10 +5,15 @@ The canonical form is what the real templates need, read in llama.cpp's ``models
 string content (Qwen3's template calls ``content.startswith``), tool-call arguments as a dict
 (Qwen3.5/3.6 and Laguna iterate ``arguments|items``), the tool's name on tool results, reasoning as
 ``reasoning_content``, and at most one system message, first (Qwen3.5/3.6 raise "System message
-must be at the beginning"): system and developer messages wherever they stand are merged into it.
+must be at the beginning"). The system and developer messages that open the conversation are
+merged into it; one later in the conversation stays where it stands, as a ``<system-reminder>``
+block in the neighbouring user turn (``_place_systems``), so that adding one never changes the
+tokens before it and prefix reuse keeps everything up to it.
 
 Text parts of one message are joined with a newline, as llama.cpp joins them. The models read text
-only: an image or a file is a 400, never silently dropped. Every ``RequestError`` names the field.
+only: an image, a document, a file or audio becomes a short placeholder the model reads (so that a
+conversation holding one goes on), counted in ``Conversation.omitted`` for the response header
+and the log. Every ``RequestError`` names the field.
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ class Conversation:
     tools: list[dict] | None
     tool_choice: str | dict
     template_kwargs: dict = field(default_factory=dict)
+    omitted: dict[str, int] = field(default_factory=dict)  # placeholders put in, by kind ("image": 2)
 
 
 # --- field access that names the field when it is wrong ----------------------------------------
@@ -82,23 +88,29 @@ def _required(body: dict, key: str, param: str) -> Any:
     return body[key]
 
 
-_IMAGE_TYPES = {"image", "image_url", "input_image"}
-_FILE_TYPES = {"document", "file", "input_file", "input_audio", "audio"}
+# content part type -> what the placeholder calls it: the parts a text-only model cannot read
+MEDIA_KINDS = {"image": "image", "image_url": "image", "input_image": "image",
+               "document": "document", "file": "document", "input_file": "document",
+               "audio": "audio", "input_audio": "audio"}
 
 
-def _unsupported_part(kind: str, param: str) -> RequestError:
-    if kind in _IMAGE_TYPES:
-        return RequestError("images are not supported: this server runs a text-only model", param,
-                            "unsupported_content")
-    if kind in _FILE_TYPES:
-        return RequestError(f"'{kind}' content is not supported: this server runs a text-only model", param,
-                            "unsupported_content")
-    return RequestError(f"unsupported content part type {kind!r}", param)
+def placeholder(kind: str) -> str:
+    """What the model reads instead of an image, a document or audio (README says so)."""
+    return f"[{kind} omitted: this model reads text only]"
 
 
-def _text_of(content: Any, param: str, text_types: dict[str, str]) -> str:
+def _media_text(kind: Any, param: str, omitted: dict[str, int]) -> str:
+    """The placeholder of a media part (counted in ``omitted``); any other unknown part is a 400."""
+    if kind not in MEDIA_KINDS:
+        raise RequestError(f"unsupported content part type {kind!r}", param)
+    name = MEDIA_KINDS[kind]
+    omitted[name] = omitted.get(name, 0) + 1
+    return placeholder(name)
+
+
+def _text_of(content: Any, param: str, text_types: dict[str, str], omitted: dict[str, int]) -> str:
     """A message's content as one string: a string, null, or parts whose type maps to the key
-    holding their text (``text_types``)."""
+    holding their text (``text_types``); media parts become placeholders."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -108,9 +120,10 @@ def _text_of(content: Any, param: str, text_types: dict[str, str]) -> str:
         pp = f"{param}[{j}]"
         part = _object(part, pp)
         kind = part.get("type")
-        if kind not in text_types:
-            raise _unsupported_part(str(kind), f"{pp}.type")
-        texts.append(_string(part.get(text_types[kind]), f"{pp}.{text_types[kind]}"))
+        if kind in text_types:
+            texts.append(_string(part.get(text_types[kind]), f"{pp}.{text_types[kind]}"))
+        else:
+            texts.append(_media_text(kind, f"{pp}.type", omitted))
     return "\n".join(texts)
 
 
@@ -146,8 +159,55 @@ def _function_tool(name: Any, description: Any, parameters: Any, param: str) -> 
     return {"type": "function", "function": fn}
 
 
-def _lead_with_system(systems: list[str], messages: list[dict]) -> list[dict]:
-    return ([{"role": "system", "content": "\n\n".join(systems)}] if systems else []) + messages
+def system_reminder(text: str) -> str:
+    """A mid-conversation system message as the model reads it: the block Claude Code itself
+    writes into a user turn when a server refuses ``role: "system"`` in ``messages``."""
+    return f"<system-reminder>\n{text}\n</system-reminder>"
+
+
+def _joined(*texts: str) -> str:
+    return "\n".join(t for t in texts if t)
+
+
+def _place_systems(lead: list[str], messages: list[dict]) -> list[dict]:
+    """One system message first (``lead``, then the system messages before any other, merged);
+    each later one kept where it stands, as a ``system_reminder`` block:
+
+    - after a user or tool message, at the end of that message (a tool result then reads like
+      Claude Code's own reminders inside tool results; a new user message there would become the
+      templates' "last query" and make Qwen's drop the reasoning of earlier turns, changing them);
+    - after an assistant message (OpenAI clients put one before the next user message; Anthropic
+      allows one only after a user turn), at the start of the next message if that is a user
+      message, else (nothing follows yet, or an assistant or tool message) as a user message of
+      its own (which Qwen's templates then treat as a new query, as they would the user's).
+
+    Either way the tokens before it are those of the same conversation without it, and what the
+    next turn appends (an assistant reply, a user message that the reminder then opens) extends
+    the text: the next request's prompt repeats this one up to and through the reminder. (Putting
+    it first in the next user message whenever one follows would move it there from the end of
+    the previous one as soon as the next user turn arrives, and change the tokens before it.)"""
+    lead = list(lead)
+    out: list[dict] = []
+    waiting: list[str] = []  # reminders after an assistant message, for the next message
+    for m in messages:
+        if m["role"] == "system":
+            if not out:
+                lead.append(m["content"])
+            elif not waiting and out[-1]["role"] in ("user", "tool"):
+                out[-1]["content"] = _joined(out[-1]["content"], system_reminder(m["content"]))
+            else:
+                waiting.append(system_reminder(m["content"]))
+            continue
+        if waiting:
+            if m["role"] == "user":
+                m = {**m, "content": _joined(*waiting, m["content"])}
+            else:
+                out.append({"role": "user", "content": _joined(*waiting)})
+            waiting = []
+        out.append(m)
+    if waiting:
+        out.append({"role": "user", "content": _joined(*waiting)})
+    return ([{"role": "system", "content": "\n\n".join(lead)}] if lead else []) + out
 
 
 def _check_choice(choice: str | dict, tools: list[dict] | None, param: str) -> str | dict:
@@ -206,16 +266,16 @@ def from_openai_chat(body: dict) -> Conversation:
     messages = _array(_required(body, "messages", "messages"), "messages")
     if not messages:
         raise RequestError("must hold at least one message", "messages")
-    systems: list[str] = []
     out: list[dict] = []
     names: dict[str, str] = {}
+    omitted: dict[str, int] = {}
     for i, m in enumerate(messages):
         p = f"messages[{i}]"
         m = _object(m, p)
         role = _string(m.get("role"), f"{p}.role")
-        content = _text_of(m.get("content"), f"{p}.content", _CHAT_TEXT)
+        content = _text_of(m.get("content"), f"{p}.content", _CHAT_TEXT, omitted)
         if role in ("system", "developer"):
-            systems.append(content)
+            out.append({"role": "system", "content": content})
         elif role == "user":
             out.append({"role": "user", "content": content})
         elif role == "assistant":
@@ -247,9 +307,10 @@ def from_openai_chat(body: dict) -> Conversation:
         else:
             raise RequestError(f"unknown role {role!r}", f"{p}.role")
     tools = _function_tools(body.get("tools"), flat=False)
-    return Conversation(messages=_lead_with_system(systems, out), tools=tools,
+    return Conversation(messages=_place_systems([], out), tools=tools,
                         tool_choice=_openai_choice(body.get("tool_choice"), tools),
-                        template_kwargs=_thinking_off_for(body.get("reasoning_effort"), _template_kwargs(body)))
+                        template_kwargs=_thinking_off_for(body.get("reasoning_effort"), _template_kwargs(body)),
+                        omitted=omitted)
 
 
 def _function_tools(value: Any, *, flat: bool) -> list[dict] | None:
@@ -285,11 +346,12 @@ def from_responses(body: dict) -> Conversation:
         if body.get(key) is not None:
             raise RequestError(f"this server is stateless and stores no responses, so '{key}' cannot be used; "
                                "send the whole conversation in 'input' (Codex does with its default settings)", key)
-    systems = [_string(body["instructions"], "instructions")] if body.get("instructions") is not None else []
+    lead = [_string(body["instructions"], "instructions")] if body.get("instructions") is not None else []
     value = _required(body, "input", "input")
     items = [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else _array(value, "input")
     out: list[dict] = []
     names: dict[str, str] = {}
+    omitted: dict[str, int] = {}
     reasoning: list[str] = []   # reasoning items wait for the assistant output they precede
 
     def assistant() -> dict:
@@ -309,9 +371,9 @@ def from_responses(body: dict) -> Conversation:
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             role = _string(item.get("role"), f"{p}.role")
-            content = _text_of(item.get("content"), f"{p}.content", _RESPONSES_TEXT)
+            content = _text_of(item.get("content"), f"{p}.content", _RESPONSES_TEXT, omitted)
             if role in ("system", "developer"):
-                systems.append(content)
+                out.append({"role": "system", "content": content})
             elif role == "user":
                 out.append({"role": "user", "content": content})
             elif role == "assistant":
@@ -327,7 +389,7 @@ def from_responses(body: dict) -> Conversation:
                 _tool_call(call_id, name, _arguments(item.get("arguments"), f"{p}.arguments")))
         elif kind == "function_call_output":
             call_id = _string(_required(item, "call_id", f"{p}.call_id"), f"{p}.call_id")
-            content = _text_of(item.get("output"), f"{p}.output", _RESPONSES_TEXT)
+            content = _text_of(item.get("output"), f"{p}.output", _RESPONSES_TEXT, omitted)
             out.append({"role": "tool", "content": content, "tool_call_id": call_id, "name": names.get(call_id, "")})
         elif kind == "reasoning":
             text = _reasoning_text(item, p)
@@ -344,9 +406,9 @@ def from_responses(body: dict) -> Conversation:
         assistant()
     tools = _function_tools(body.get("tools"), flat=True)
     effort = _object(body["reasoning"], "reasoning").get("effort") if body.get("reasoning") is not None else None
-    return Conversation(messages=_lead_with_system(systems, out), tools=tools,
+    return Conversation(messages=_place_systems(lead, out), tools=tools,
                         tool_choice=_openai_choice(body.get("tool_choice"), tools),
-                        template_kwargs=_thinking_off_for(effort, _template_kwargs(body)))
+                        template_kwargs=_thinking_off_for(effort, _template_kwargs(body)), omitted=omitted)
 
 
 def _reasoning_text(item: dict, p: str) -> str:
@@ -364,10 +426,13 @@ def _reasoning_text(item: dict, p: str) -> str:
 
 # --- Anthropic messages ----------------------------------------------------------------------------
 
+ANTHROPIC_ROLES = ("user", "assistant", "system")  # "system": Anthropic's mid-conversation system messages
+
 def from_anthropic(body: dict) -> Conversation:
     """``/v1/messages`` and ``/v1/messages/count_tokens``."""
     body = _object(body, None)
-    systems = _anthropic_system(body.get("system"))
+    omitted: dict[str, int] = {}
+    lead = _anthropic_system(body.get("system"), omitted)
     messages = _array(_required(body, "messages", "messages"), "messages")
     if not messages:
         raise RequestError("must hold at least one message", "messages")
@@ -377,21 +442,24 @@ def from_anthropic(body: dict) -> Conversation:
         p = f"messages[{i}]"
         m = _object(m, p)
         role = _string(m.get("role"), f"{p}.role")
-        if role not in ("user", "assistant"):
-            raise RequestError(f"must be 'user' or 'assistant', got {role!r}", f"{p}.role")
+        if role not in ANTHROPIC_ROLES:
+            raise RequestError(f'Unexpected role "{role}". The Messages API accepts "user", "assistant" and '
+                               '"system" (mid-conversation) as an input message role', f"{p}.role")
         content = _required(m, "content", f"{p}.content")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else _array(content, f"{p}.content")
         if role == "assistant":
-            out.append(_anthropic_assistant(blocks, f"{p}.content", names))
+            out.append(_anthropic_assistant(blocks, f"{p}.content", names, omitted))
+        elif role == "system":  # a mid-conversation system message (Claude Code sends them)
+            out.append({"role": "system", "content": _text_of(blocks, f"{p}.content", {"text": "text"}, omitted)})
         else:
-            out.extend(_anthropic_user(blocks, f"{p}.content", names))
+            out.extend(_anthropic_user(blocks, f"{p}.content", names, omitted))
     tools = _anthropic_tools(body.get("tools"))
-    return Conversation(messages=_lead_with_system(systems, out), tools=tools,
+    return Conversation(messages=_place_systems(lead, out), tools=tools,
                         tool_choice=_anthropic_choice(body.get("tool_choice"), tools),
-                        template_kwargs=_anthropic_thinking(body))
+                        template_kwargs=_anthropic_thinking(body), omitted=omitted)
 
 
-def _anthropic_system(value: Any) -> list[str]:
+def _anthropic_system(value: Any, omitted: dict[str, int]) -> list[str]:
     """Claude Code opens ``system`` with an ``x-anthropic-billing-header:`` block that changes every
     request and would defeat prefix reuse; it means nothing to the model, so it is dropped."""
     if value is None:
@@ -406,7 +474,8 @@ def _anthropic_system(value: Any) -> list[str]:
         pb = f"system[{k}]"
         block = _object(block, pb)
         if block.get("type") != "text":
-            raise _unsupported_part(str(block.get("type")), f"{pb}.type")
+            texts.append(_media_text(block.get("type"), f"{pb}.type", omitted))
+            continue
         text = _string(block.get("text"), f"{pb}.text")
         if k == 0 and text.startswith(BILLING_HEADER):
             continue
@@ -414,7 +483,7 @@ def _anthropic_system(value: Any) -> list[str]:
     return ["\n\n".join(texts)] if texts else []
 
 
-def _anthropic_assistant(blocks: list, p: str, names: dict[str, str]) -> dict:
+def _anthropic_assistant(blocks: list, p: str, names: dict[str, str], omitted: dict[str, int]) -> dict:
     texts, thoughts, calls = [], [], []
     for j, block in enumerate(blocks):
         pb = f"{p}[{j}]"
@@ -432,7 +501,7 @@ def _anthropic_assistant(blocks: list, p: str, names: dict[str, str]) -> dict:
             names[call_id] = name
             calls.append(_tool_call(call_id, name, _object(block.get("input", {}), f"{pb}.input")))
         else:
-            raise _unsupported_part(str(kind), f"{pb}.type")
+            texts.append(_media_text(kind, f"{pb}.type", omitted))
     message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
     if thoughts:
         message["reasoning_content"] = "\n".join(thoughts)
@@ -441,7 +510,7 @@ def _anthropic_assistant(blocks: list, p: str, names: dict[str, str]) -> dict:
     return message
 
 
-def _anthropic_user(blocks: list, p: str, names: dict[str, str]) -> list[dict]:
+def _anthropic_user(blocks: list, p: str, names: dict[str, str], omitted: dict[str, int]) -> list[dict]:
     """Tool results become tool messages, ahead of the turn's text (they answer the calls just made)."""
     results, texts = [], []
     for j, block in enumerate(blocks):
@@ -452,13 +521,13 @@ def _anthropic_user(blocks: list, p: str, names: dict[str, str]) -> list[dict]:
             texts.append(_string(block.get("text"), f"{pb}.text"))
         elif kind == "tool_result":
             call_id = _string(block.get("tool_use_id"), f"{pb}.tool_use_id", empty=False)
-            content = _text_of(block.get("content"), f"{pb}.content", {"text": "text"})
+            content = _text_of(block.get("content"), f"{pb}.content", {"text": "text"}, omitted)
             if block.get("is_error") is True:
                 content = "Error: " + content if content else "Error"
             results.append({"role": "tool", "content": content, "tool_call_id": call_id,
                             "name": names.get(call_id, "")})
         else:
-            raise _unsupported_part(str(kind), f"{pb}.type")
+            texts.append(_media_text(kind, f"{pb}.type", omitted))
     return results + ([{"role": "user", "content": "\n".join(texts)}] if texts or not results else [])
 
 
@@ -500,3 +569,50 @@ def _anthropic_thinking(body: dict) -> dict:
             raise RequestError(f"must be 'enabled', 'disabled' or 'adaptive', got {kind!r}", "thinking.type")
         kwargs.setdefault("enable_thinking", kind != "disabled")
     return kwargs
+
+
+# --- structured outputs: the JSON schema a reply must match (None: free text) -----------------------
+
+def _json_format(fmt: Any, param: str, schema_of: str | None, types: tuple[str, ...]) -> dict | None:
+    """One dialect's format object: ``{"type": "text"}`` (free), ``json_object`` (any JSON
+    object) or ``json_schema`` with its schema under ``schema_of`` (None: in the object itself)."""
+    if fmt is None:
+        return None
+    fmt = _object(fmt, param)
+    kind = fmt.get("type")
+    if kind not in types:
+        raise RequestError(f"must be {', '.join(repr(t) for t in types)}, got {kind!r}", f"{param}.type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    holder, where = fmt, param
+    if schema_of is not None:
+        holder, where = _object(_required(fmt, schema_of, f"{param}.{schema_of}"), f"{param}.{schema_of}"), \
+            f"{param}.{schema_of}"
+    schema = holder.get("schema")
+    return {} if schema is None else _object(schema, f"{where}.schema")
+
+
+def openai_chat_output_schema(body: dict) -> dict | None:
+    """``response_format``: text, json_object or json_schema (``json_schema.schema``)."""
+    return _json_format(body.get("response_format"), "response_format", "json_schema",
+                        ("text", "json_object", "json_schema"))
+
+
+def responses_output_schema(body: dict) -> dict | None:
+    """``text.format``: text, json_object or json_schema (``schema`` beside ``name``)."""
+    if body.get("text") is None:
+        return None
+    return _json_format(_object(body["text"], "text").get("format"), "text.format", None,
+                        ("text", "json_object", "json_schema"))
+
+
+def anthropic_output_schema(body: dict) -> dict | None:
+    """``output_config.format`` (and its beta predecessor, top-level ``output_format``):
+    ``{"type": "json_schema", "schema"}``."""
+    if body.get("output_config") is not None:
+        fmt = _object(body["output_config"], "output_config").get("format")
+        if fmt is not None:
+            return _json_format(fmt, "output_config.format", None, ("json_schema",))
+    return _json_format(body.get("output_format"), "output_format", None, ("json_schema",))

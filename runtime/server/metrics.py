@@ -61,6 +61,8 @@ class ServerMetrics:
         self.bytes_streamed = Counter(PREFIX + "expert_bytes_streamed", "Host-to-GPU expert bytes", registry=r)
         self.vram_peak = Gauge(PREFIX + "vram_peak_bytes", "Peak GPU memory allocated by the process", registry=r)
         self._store_seen: dict[str, int] = self._store_counts()  # loading's own reads are not traffic
+        self.conversations = None  # a runtime.conversation_cache.ConversationCache, read at scrape time
+        r.register(ConversationCollector(self))
 
     def observe_job(self, job: Job, outcome: Outcome) -> None:
         if outcome.finish == "error":
@@ -155,6 +157,36 @@ class LearningCollector:
         if st.last_write is not None:
             yield GaugeMetricFamily(PREFIX + "profile_last_write_timestamp_seconds", "When the profile was last written "
                                     "(Unix time)", value=st.last_write)
+
+
+class ConversationCollector:
+    """The conversation cache's numbers at scrape time (``runtime.conversation_cache.CacheStats``)."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        cache = self.metrics.conversations
+        if cache is None:
+            return
+        entries = GaugeMetricFamily(PREFIX + "conversation_cache_entries", "Conversation states kept, by tier",
+                                    labels=["tier"])
+        size = GaugeMetricFamily(PREFIX + "conversation_cache_bytes", "Bytes of conversation states kept, by tier",
+                                 labels=["tier"])
+        for tier, (n, nbytes) in cache.tier_counts().items():
+            entries.add_metric([tier], n)
+            size.add_metric([tier], nbytes)
+        st = cache.stats
+        lookups = CounterMetricFamily(PREFIX + "conversation_cache_requests", "Requests by where their kept prefix "
+                                      "came from: an entry (hit), the live sequence, nothing (miss)", labels=["result"])
+        for result, n in (("hit", st.hits), ("live", st.live), ("miss", st.misses)):
+            lookups.add_metric([result], n)
+        yield from (entries, size, lookups)
+        yield _counter("conversation_cache_evictions", "Entries pushed out of the host tier", st.evictions)
+        yield _counter("conversation_cache_restore_seconds", "Time spent putting entries back into the GPU cache",
+                       st.restore_seconds)
+        yield _counter("conversation_cache_ignored_files", "Cache files ignored (corrupt, truncated, not ours)",
+                       st.ignored_files)
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

@@ -16,10 +16,10 @@ from fastapi.responses import JSONResponse
 
 from .engine import Outcome
 from .errors import ApiError, Dialect, error_body
-from .generation import (Collected, complete, conversation, new_id, prompt_for, raw_prompt, relay, sampling, served_of,
-                         start, stop_list)
-from .http import DialectRoute, check_api_key, read_json, sse
-from .messages import from_openai_chat
+from .generation import (Collected, complete, conversation, new_id, prompt_for, raw_prompt, sampling, served_of, start,
+                         stop_list, streamed, structured)
+from .http import DialectRoute, check_api_key, read_json
+from .messages import from_openai_chat, openai_chat_output_schema
 from .output import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 from .schemas import ChatCompletionRequest, CompletionRequest, StreamOptions, parse
 from .stream import Finished, Started
@@ -65,14 +65,15 @@ async def models(request: Request) -> JSONResponse:
 async def chat_completions(request: Request):
     served = served_of(request)
     body = parse(ChatCompletionRequest, await read_json(request))
-    prompt = prompt_for(served, conversation(from_openai_chat, body))
+    constraint = await structured(served, openai_chat_output_schema, body, "response_format")
+    prompt = prompt_for(served, conversation(request, from_openai_chat, body), constraint)
     max_tokens = body.max_completion_tokens or body.max_tokens
     job, stream = start(served, prompt, max_tokens, sampling(served, body), stop_list(body.stop), body)
     chunks = Chunks("chat.completion.chunk", body.model or served.name, body.stream_options)
     if not body.stream:
-        out = await complete(served, "chat", request.receive, job, stream)
+        out = await complete(served, "chat", request, job, stream)
         return JSONResponse(chat_completion(chunks, out))
-    return sse(relay(served, "chat", job, stream, chunks))
+    return streamed(served, "chat", request, job, stream, chunks)
 
 
 @router.post("/v1/completions")
@@ -88,12 +89,12 @@ async def completions(request: Request):
                         param="prompt")
     chunks = Chunks("text_completion", body.model or served.name, body.stream_options)
     if not body.stream:
-        out = await complete(served, "completions", request.receive, job, stream)
+        out = await complete(served, "completions", request, job, stream)
         o = out.finished.outcome
         return JSONResponse({**chunks.head(), "choices": [
             {"index": 0, "text": out.text, "logprobs": None, "finish_reason": finish_reason(o, False)}],
             "usage": usage(o), "timings": timings(o)})
-    return sse(relay(served, "completions", job, stream, chunks))
+    return streamed(served, "completions", request, job, stream, chunks)
 
 
 class Chunks:

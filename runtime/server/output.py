@@ -109,6 +109,11 @@ _CLOSE_REASONING = {ToolSyntax.QWEN_XML: "\n</think>\n\n", ToolSyntax.HERMES_JSO
                     ToolSyntax.LAGUNA: "</think>\n"}
 
 
+def closed_reasoning(syntax: ToolSyntax) -> str:
+    """What closes a reasoning block the prompt opened, as the template renders an empty one."""
+    return _CLOSE_REASONING[syntax]
+
+
 def forced_prefix(syntax: ToolSyntax, tool_choice: str | dict, *, in_reasoning: bool = False) -> str:
     """The start of a tool call, written into the prompt after the generation prompt, so that
     ``required`` gets a call and a named choice gets a call of that tool. ``in_reasoning``: the
@@ -128,7 +133,7 @@ def forced_prefix(syntax: ToolSyntax, tool_choice: str | dict, *, in_reasoning: 
                                            if name is not None else '"')
     else:
         call = "<tool_call>" + (f"{name}\n" if name is not None else "")
-    return (_CLOSE_REASONING[syntax] if in_reasoning else "") + call
+    return (closed_reasoning(syntax) if in_reasoning else "") + call
 
 
 def _random_call_id() -> str:

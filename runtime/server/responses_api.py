@@ -17,9 +17,10 @@ from fastapi.responses import JSONResponse
 from sse_starlette.sse import ServerSentEvent
 
 from .errors import ApiError, Dialect, error_body
-from .generation import Collected, Served, complete, conversation, new_id, prompt_for, relay, sampling, served_of, start
-from .http import DialectRoute, check_api_key, read_json, sse
-from .messages import from_responses
+from .generation import (Collected, Served, complete, conversation, new_id, prompt_for, sampling, served_of, start,
+                         streamed, structured)
+from .http import DialectRoute, check_api_key, read_json
+from .messages import from_responses, responses_output_schema
 from .output import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 from .schemas import ResponsesRequest, parse
 from .stream import Finished, Started
@@ -55,14 +56,14 @@ def call_item(iid: str, call_id: str, name: str, arguments: str, status: str = "
 async def responses(request: Request):
     served = served_of(request)
     body = parse(ResponsesRequest, await read_json(request))
-    conv = conversation(from_responses, body)
-    prompt = prompt_for(served, conv)
+    conv = conversation(request, from_responses, body)
+    prompt = prompt_for(served, conv, await structured(served, responses_output_schema, body, "text.format"))
     job, stream = start(served, prompt, body.max_output_tokens, sampling(served, body), [], body, param="input")
     items = Items(served, body, conv.tool_choice)
     if not body.stream:
-        out = await complete(served, "responses", request.receive, job, stream)
+        out = await complete(served, "responses", request, job, stream)
         return JSONResponse(items.response(status_of(out.finished), output_items(out), out.finished, out.reasoning))
-    return sse(relay(served, "responses", job, stream, items))
+    return streamed(served, "responses", request, job, stream, items)
 
 
 def status_of(finished: Finished) -> str:
@@ -88,7 +89,7 @@ class Items:
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
                 "parallel_tool_calls": True, "tool_choice": self.tool_choice, "tools": b.tools or [],
-                "temperature": b.temperature, "top_p": b.top_p, "text": {"format": {"type": "text"}},
+                "temperature": b.temperature, "top_p": b.top_p, "text": b.text or {"format": {"type": "text"}},
                 "reasoning": b.reasoning or {}, "store": False, "metadata": {},
                 "usage": usage(self.served, finished, reasoning) if finished is not None else None}
 

@@ -48,6 +48,7 @@ class ChatCompletionRequest(Sampling):
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(Sampling):
@@ -72,6 +73,7 @@ class ResponsesRequest(Sampling):
     stream: bool = False
     reasoning: dict[str, Any] | None = None
     previous_response_id: str | None = None
+    text: dict[str, Any] | None = None
 
 
 class MessagesRequest(Sampling):
@@ -84,6 +86,8 @@ class MessagesRequest(Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    output_format: dict[str, Any] | None = None
 
 
 class CountTokensRequest(Body):

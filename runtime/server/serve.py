@@ -1,7 +1,8 @@
 """``spark-run MODEL --serve``: bind, load the model while answering /health with 503, serve.
 
-The socket is bound first (``--port 0`` picks a free port, which is printed), so clients and
-tests can wait on /health while the model loads in a thread. Once loaded, the base URLs and
+The model's index is read first (a bad file is refused in one line before anything else is
+said), then the socket is bound (``--port 0`` picks a free port, which is printed), so clients
+and tests can wait on /health while the model loads in a thread. Once loaded, the base URLs and
 client settings are printed to stdout. Ctrl-C or SIGTERM cancels the running and queued requests
 (their streams end within a token), stops the engine thread, writes the learned profile, frees
 the GPU and returns (exit 0).
@@ -78,7 +79,6 @@ def build_served(model, opts: RunOptions, serve: ServeOptions, stopping: Callabl
     tok = GGUFTokenizer.from_metadata(model.gguf)
     source = model.gguf.get("tokenizer.chat_template")
     template = ChatTemplate.from_tokenizer(source, tok) if source else None
-    end = next((i for i in (tok.eot_id, tok.eos_id) if i is not None), min(tok.stop_ids, default=0))
     flags = opts.learning
     trace = attach_trace(model, flags.trace_out) if flags.trace_out is not None else None  # before any capture
     session = open_session(model, opts, tok.control_ids)
@@ -108,10 +108,36 @@ def build_served(model, opts: RunOptions, serve: ServeOptions, stopping: Callabl
         def on_job(job, outcome) -> None:  # noqa: F811 - the trace made durable after each request too
             metrics.observe_job(job, outcome)  # (reads the store's counts: a deferred step's ids are written)
             trace.sync()
-    engine = Engine(session, tok.stop_ids, end, on_job=on_job, dump_logits=serve.test_hooks, between=learning)
+    conversations = open_conversation_cache(session, opts)
+    metrics.conversations = conversations
+    engine = Engine(session, tok.stop_ids, tok.end_of_turn, on_job=on_job, dump_logits=serve.test_hooks, between=learning,
+                    conversations=conversations)
     return Served(model_name(opts.model_path), model, tok, template, tool_syntax_for(model.spec.arch, source or ""),
                   opts.ctx, opts.sampling, engine, metrics, test_hooks=serve.test_hooks is not None,
-                  learning=learning, trace=trace)
+                  max_tokens=opts.max_tokens, learning=learning, trace=trace)
+
+
+def open_conversation_cache(session, opts: RunOptions):
+    """The conversation cache ``--cache-ram`` and ``--cache-dir`` ask for (None when both are off),
+    with one line saying what it holds."""
+    from ..conversation_cache import DEFAULT_CACHE_RAM, ConversationCache
+    from ..options import default_cache_ram
+
+    ram = opts.cache_ram if opts.cache_ram is not None else default_cache_ram(DEFAULT_CACHE_RAM)
+    if ram == 0 and opts.cache_dir is None:
+        click.echo("sparkpack: conversation cache off: only the live conversation is resumed", err=True)
+        return None
+    try:
+        cache = ConversationCache(session, ram, opts.cache_dir)
+    except OSError as e:
+        raise SparkpackError(opts.cache_dir, f"cannot use it as --cache-dir: {e.strerror or e}") from None
+    where = [f"{ram / 2**30:.2f} GiB of host RAM"] if ram else []
+    if opts.cache_dir is not None:
+        disk = cache.tier_counts()["disk"][0]
+        where.append(f"{opts.cache_dir} ({disk} conversation states there)")
+    click.echo("sparkpack: conversation cache: " + " and ".join(where)
+               + ("" if opts.cache_ram is not None else " (--cache-ram sets it)"), err=True)
+    return cache
 
 
 def start_bootstrap(flags: LearningFlags, learning, session, tok, template, metrics,
@@ -262,7 +288,8 @@ def release(device) -> None:
 
 
 def serve_from_cli(opts: RunOptions, serve: ServeOptions, report_residency: Callable[[object], None]) -> None:
-    """spark-run's --serve branch: the run's sampling options become the requests' defaults."""
+    """spark-run's --serve branch: the run's sampling options become the requests' defaults, and
+    --max-tokens (when given) the output cap of requests that set none."""
     opts.sampling.sampler(0)  # a bad setting is a one-line error now, not a 500 on every request
     if serve.test_hooks is not None:
         serve.test_hooks.mkdir(parents=True, exist_ok=True)
@@ -271,4 +298,20 @@ def serve_from_cli(opts: RunOptions, serve: ServeOptions, report_residency: Call
         if model.residency is not None:
             report_residency(model)
 
+    check_model_index(opts.model_path)
     run_server(opts, serve, lambda: open_model(opts), loaded)
+
+
+def check_model_index(path: Path) -> None:
+    """Read the model's index (a GGUF's header, tensor map included, or a pack's manifest) and
+    its spec before the port is taken: a file every load would refuse is refused in its one line,
+    before the server says it is loading. A fraction of a second, against the minutes of a load."""
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.gguf_file import GGUFModel
+    from sparkpack.formats.sparkpack import Pack, is_pack
+
+    if is_pack(path):
+        Pack.open(path)
+        return
+    with GGUFModel(path) as model:
+        model_spec(model)

@@ -83,8 +83,10 @@ class EventStream:
         self.stops = StopStrings([*stops, *implicit])
         self.implicit = frozenset(implicit) - frozenset(stops)
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.outcome: Outcome | None = None  # the engine's, counting as it goes, once the job started
 
     def started(self, outcome: Outcome) -> None:
+        self.outcome = outcome
         self._post(Started(outcome.prompt_tokens, outcome.cached_tokens))
 
     def token(self, token_id: int) -> bool:
