@@ -116,3 +116,19 @@ def test_while_loading_health_and_routes_answer_503_in_their_dialect():
     assert r.status_code == 503 and r.json()["error"]["type"] == "server_error" and "loading" in r.json()["error"]["message"]
     r = client.post("/v1/messages", json={"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"
+
+
+@pytest.mark.parametrize("ctx", [32768, 65536, 131072, 262144])
+def test_claude_code_settings_compact_inside_the_context(ctx):
+    """Claude Code's auto-compaction threshold, as it computes it from the printed variables
+    (2.1.197 to 2.1.332: the window raised to at least 100k, less the 20k kept for its answer; the
+    lower of that less a 13k buffer and the percentage of it), lands inside --ctx with room for the
+    summary's answer. bench/agents_check.sh shows the real client compacting."""
+    from sparkpack.runtime.server.client_settings import claude_code_compaction
+
+    env = claude_code_compaction(ctx)
+    counted = max(int(env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"]), 100_000) - 20_000
+    threshold = min(counted * int(env["CLAUDE_AUTOCOMPACT_PCT_OVERRIDE"]) // 100, counted - 13_000)
+    assert ctx // 2 < threshold <= ctx * 0.85
+    assert f"CLAUDE_CODE_AUTO_COMPACT_WINDOW={env['CLAUDE_CODE_AUTO_COMPACT_WINDOW']}" in \
+        client_settings("m", "http://127.0.0.1:8080", ctx, None)

@@ -30,6 +30,7 @@ from sparkpack.formats.errors import SparkpackError
 
 from ..learn_flags import LearningFlags
 from ..options import RunOptions, open_model, open_session
+from .client_settings import client_settings
 from .engine import Engine
 from .http import ServerConfig
 
@@ -183,32 +184,6 @@ def start_bootstrap(flags: LearningFlags, learning, session, tok, template, metr
         return more
 
     learning.background = in_idle_time
-
-
-def client_settings(name: str, base: str, ctx: int, api_key: str | None) -> str:
-    """What to paste into the clients (README "Use it from your agent" explains each)."""
-    key = api_key if api_key is not None else "sparkpack"
-    return "\n".join([
-        f"sparkpack: serving {name} at {base} (context {ctx} tokens); Ctrl-C stops it",
-        "",
-        "  OpenAI clients (Aider, OpenCode, Continue, the openai SDK):",
-        f"    export OPENAI_BASE_URL={base}/v1 OPENAI_API_KEY={key}",
-        "  Claude Code (and the anthropic SDK):",
-        f"    export ANTHROPIC_BASE_URL={base} ANTHROPIC_AUTH_TOKEN={key} ANTHROPIC_MODEL={name} "
-        f"ANTHROPIC_DEFAULT_OPUS_MODEL={name} ANTHROPIC_DEFAULT_SONNET_MODEL={name} ANTHROPIC_DEFAULT_HAIKU_MODEL={name} "
-        "CLAUDE_CODE_ATTRIBUTION_HEADER=0",
-        "  Codex CLI (~/.codex/config.toml):",
-        f'    model = "{name}"',
-        '    model_provider = "sparkpack"',
-        f"    model_context_window = {ctx}",
-        f"    model_auto_compact_token_limit = {ctx * 85 // 100}",
-        "    [model_providers.sparkpack]",
-        '    name = "sparkpack"',
-        f'    base_url = "{base}/v1"',
-        '    wire_api = "responses"',
-        '    env_key = "OPENAI_API_KEY"',
-        "",
-    ])
 
 
 def bind(host: str, port: int) -> socket.socket:
