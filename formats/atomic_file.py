@@ -1,9 +1,10 @@
 """Files that are either the old version or the new one, never half of either.
 
-Data goes to a hidden temporary name beside the target (``.NAME.sparkpack-tmp-PID``, one per process: the project's name in it, so that the cleaner never takes another program's temporary for ours), is
-fsynced, renamed over the target, and the folder is fsynced so the rename itself survives a power
-cut. A failed write removes its temporary file; one left by a process killed mid-write carries
-its pid, so the next writer can tell it is stale and remove it (``formats.leftovers``).
+Data goes to a hidden temporary name beside the target (``.NAME.sparkpack-tmp-PID``, one per
+process; the project's name in it, so that the cleaner never takes another program's temporary for
+ours), is fsynced, renamed over the target, and the folder is fsynced so the rename itself survives
+a power cut. A failed write removes its temporary file; one left by a process killed mid-write
+carries its pid, so the next writer can tell it is stale and remove it (``formats.leftovers``).
 """
 from __future__ import annotations
 
