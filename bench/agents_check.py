@@ -161,7 +161,7 @@ def make_reply(syntax: ToolSyntax, table: dict[str, Script]) -> Callable[[Turn, 
     def reply(turn: Turn, path: str) -> str:
         schema = structured_schema(turn.body)
         if schema is not None:
-            return json.dumps(example_of(schema))
+            return json.dumps(example_of(schema), separators=(",", ":"))  # the grammar allows no free blanks
         script = table.get(turn.script) if turn.script else None
         if script is None:
             return DEFAULT_REPLY
