@@ -35,7 +35,7 @@ from sparkpack.formats.memory import (LONG_PAST_TOKENS, PREFILL_CHUNK, PREFILL_G
 from sparkpack.formats.profile import SIDES
 
 from .cache import STATE_CHECKPOINTS, RecurrentState, StateCheckpoints
-from .sequence_state import SequenceState, restore, snapshot
+from .sequence_state import SequenceState, restore
 from .graph import (PREFILL_SIZES, DecodeGraph, PrefillGraphs, capturable, feeds_short_calls, prefill_is_padded,
                     short_prefill_calls)
 from .kernels.moe_grouped import tile_calls
@@ -302,7 +302,7 @@ class Session:
         Keeps the longest prefix of the cache that a fresh session would have computed the same
         way (see the module docstring) and computes the rest; ``reused`` says how many tokens.
         ``marks``: positions (call ends) whose states are copied on the way and kept until the
-        next prompt, for ``snapshot`` (``runtime.conversation_cache``: shared prefixes)."""
+        next prompt, for ``state_at`` (``runtime.conversation_cache``: shared prefixes)."""
         if not ids:
             raise ValueError("nothing to feed: empty token list")
         self.cache.wrote(len(self.fed))
@@ -343,12 +343,13 @@ class Session:
             cuts.append(end)
         return cuts
 
-    def snapshot(self, pos: int | None = None, parent: SequenceState | None = None) -> SequenceState | None:
-        """The sequence's state at ``pos`` (default ``exact``), a call end no later than ``exact``
-        (a mark of the last ``prompt``, or ``exact`` itself), as a value in host memory; None where
-        the session no longer holds it (a DeltaNet state or a ring's window without its copy).
-        ``parent``: a state of a shorter prefix, ending at a call end, whose attention rows are
-        shared (``runtime.sequence_state.snapshot``)."""
+    def state_at(self, pos: int | None = None) -> tuple[list[int], list[int], list | None] | None:
+        """What a copy of the sequence's state at ``pos`` (default ``exact``) is taken from: its
+        tokens, the call ends within them and the ``StateCheckpoints`` copy there (None: the cache's
+        own rows serve); None where the session no longer holds that state (``pos`` not a call end
+        no later than ``exact``, or a DeltaNet state or a ring's window without its copy).
+        ``runtime.sequence_state`` copies it (``runtime.conversation_cache``: after a request, and
+        at the marks of the last ``prompt``)."""
         pos = self.exact if pos is None else pos
         if pos <= 0 or pos > self.exact or pos not in self.cuts:
             return None
@@ -357,13 +358,13 @@ class Session:
             return None
         if saved is not None and self.model.device.type == "cuda":
             torch.cuda.current_stream(self.model.device).synchronize()  # the copy into ``saved`` landed
-        return snapshot(self.cache, self.fed[:pos], self.cuts, saved, parent)
+        return self.fed[:pos], [c for c in self.cuts if c <= pos], saved
 
     def resume(self, state: SequenceState) -> None:
-        """Make the session hold ``state`` (taken by ``snapshot``, of this model with this session's
-        options), as if it had prefilled its tokens: the next ``prompt`` keeps them where it would
-        have kept them."""
-        restore(state, self.cache, self.model.device)
+        """Make the session hold ``state`` (of this model with this session's options, and the
+        cache's device rows no longer needed by copies still running), as if it had prefilled its
+        tokens: the next ``prompt`` keeps them where it would have kept them."""
+        restore(state, self.cache, self.model.device, self.model.dtype)
         self.fed = list(state.tokens)
         self.cuts = list(state.cuts)
         self.exact = state.pos

@@ -9,11 +9,13 @@ import logging
 import pytest
 import torch
 
-from sparkpack.runtime.conversation_cache import SUFFIX, ConversationCache
+from sparkpack.runtime import conversation_cache as cc
+from sparkpack.runtime.conversation_cache import BLOCK_SUFFIX, BLOCKS, SUFFIX, ConversationCache
 from sparkpack.runtime.generate import Session, generate
 from sparkpack.runtime.models import load_model
 
 CALL = 16
+BLOCK = 32  # positions per block (the server's are longer: tiny prompts would fit in one)
 ARCHS = ["qwen3moe", "laguna", "qwen35moe"]
 BREAK = 5  # a stand-in for the chat template's control tokens
 
@@ -42,7 +44,7 @@ class Served:
     def __init__(self, model, ram: int, folder=None):
         self.model = model
         self.session = new_session(model)
-        self.cache = ConversationCache(self.session, ram, folder)
+        self.cache = ConversationCache(self.session, ram, folder, block=BLOCK)
 
     def ask(self, ids: list[int]) -> tuple[int, str, list[int]]:
         resume = self.cache.prepare(ids)
@@ -53,8 +55,27 @@ class Served:
         answer = list(generate(self.model, None, ids, None, 4, stop_ids=(), session=self.session))
         assert answer == list(generate(self.model, None, ids, None, 4, stop_ids=(), session=new_session(self.model)))
         self.cache.remember()
+        check_index(self.cache)
         return reused, resume.tier, answer
 
+
+def check_index(cache: ConversationCache) -> None:
+    """The refcounts: a part in host memory is held by each host entry naming it (and each write
+    queued), a slot is either free or one part's, and the pools' bytes stay within the budget."""
+    with cache._lock:
+        held: dict[str, int] = {}
+        for e in cache.entries.values():
+            for n in e.parts if e.in_host else ():
+                held[n] = held.get(n, 0) + 1
+        for n, p in cache.parts.items():
+            assert p.refs - p.queued == held.get(n, 0), (n, p)
+            assert (p.slot is not None) == (p.refs > 0), (n, p)
+        if cache.pools is not None:
+            for pool, own in ((cache.pools.blocks, False), (cache.pools.own, True)):
+                if pool is not None:
+                    slots = [p.slot for p in cache.parts.values() if p.own == own and p.slot is not None]
+                    assert len(set(slots)) == len(slots) == pool.used and not set(slots) & set(pool.free)
+        assert cache.budget.allocated <= cache.budget.limit
 
 def system(seed: int, n: int) -> list[int]:
     return [BREAK] + ids_of(seed, n) + [BREAK]  # one message: control tokens around its text
@@ -62,19 +83,31 @@ def system(seed: int, n: int) -> list[int]:
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_conversations_taking_turns_resume_from_their_own_states(synth_model, arch, device, tmp_path):
+def test_conversations_taking_turns_resume_from_their_own_states(synth_model, arch, device, tmp_path, monkeypatch):
     """On the CPU, and on the GPU (side-stream copies, pinned host memory, captured calls; the
     GPU machine runs it with CUDA, it skips without)."""
     from tests.test_prefix_reuse import open_model
 
     model = open_model(synth_model(arch, "Q4_K_M" if device == "cuda" else "Q8_0"), device)
+    copied: list[int] = []
+    real = cc.copy_blocks_out
+
+    def counting(cache, pools, pairs, pos):  # how many blocks each state copies out of the device
+        copied.append(len(pairs))
+        real(cache, pools, pairs, pos)
+
+    monkeypatch.setattr(cc, "copy_blocks_out", counting)
     served = Served(model, ram=1 << 30, folder=tmp_path)
     convs = {"A": system(1, 300) + ids_of(2, 40), "B": system(3, 200) + ids_of(4, 30), "side": system(5, 20)}
     seen: dict[str, list[int]] = {}
     order = ["A", "A", "side", "A", "B", "A", "B", "A"]
     for n, name in enumerate(order):
         ids = convs[name]
+        before = len(copied)
         reused, tier, answer = served.ask(ids)
+        if name == "A" and name in seen:  # a later turn copies its new blocks (and those it and a mark end in)
+            assert 0 < sum(copied[before:]) <= (len(ids) - len(seen["A"])) // BLOCK + 4 < len(ids) // BLOCK, \
+                copied[before:]
         if name in seen and name != "side":
             prev = seen[name]
             # the previous turn's prompt but the tail after its last whole call
@@ -85,11 +118,6 @@ def test_conversations_taking_turns_resume_from_their_own_states(synth_model, ar
     served.cache.close()  # (the files written)
     counts = served.cache.tier_counts()
     assert counts["host"][0] >= 3 and counts["disk"][0] == counts["host"][0]
-    # each turn copied only its new rows: the last A turn's rows are A1's, A2's, ... chunks
-    from sparkpack.runtime.sequence_state import Rows
-
-    last = max(served.cache.entries.values(), key=lambda e: e.pos)
-    assert max(len(p.chunks) for p in last.state.layers if isinstance(p, Rows)) >= 4
     assert served.cache.stats.hits >= 3
     # a restart: a new session and cache over the folder resume the last turn of A from disk
     served.cache.close()
@@ -100,9 +128,10 @@ def test_conversations_taking_turns_resume_from_their_own_states(synth_model, ar
     other = system(1, 300) + ids_of(99, 30)
     reused, tier, _ = again.ask(other)
     assert reused >= 300 - CALL, reused
-    # ... whose state shares the rows of that first message with A's (kept once in host memory)
-    states = [e.state for e in again.cache.entries.values() if e.state is not None]
-    assert again.cache.tier_counts()["host"][1] < sum(st.nbytes for st in states)
+    # ... whose state shares the blocks of that first message with A's (kept once in host memory)
+    host = [e for e in again.cache.entries.values() if e.in_host]
+    named = [n for e in host for n in e.parts]
+    assert len(set(named)) <= len(named) - 300 // BLOCK + 1, (len(set(named)), len(named))
 
 
 @pytest.mark.parametrize("arch", ["qwen35moe"])
@@ -114,23 +143,58 @@ def test_tiny_ram_evicts_and_recomputes_and_bad_files_are_ignored(synth_model, a
     served.ask(b)
     reused, tier, _ = served.ask(a + ids_of(5, 10))
     assert tier == "none" and reused == 0 and served.cache.stats.evictions >= 2
-    # the disk tier: corrupt one file, truncate another, add a foreign one
+    # the disk tier: every part corrupted, an entry file truncated, a file not ours
     served = Served(model, ram=0, folder=tmp_path)
     served.ask(a)
     served.ask(b)
     served.cache.close()
-    files = sorted(tmp_path.glob("*" + SUFFIX))
-    assert len(files) >= 2
-    for f in files:
+    entries = sorted(tmp_path.glob("*" + SUFFIX))
+    parts = sorted((tmp_path / BLOCKS).glob("*" + BLOCK_SUFFIX))
+    assert len(entries) >= 2 and len(parts) > len(entries)
+    for f in parts:
         data = bytearray(f.read_bytes())
-        data[len(data) // 2] ^= 0xFF
+        data[-100] ^= 0xFF  # (in the tensors' bytes)
         f.write_bytes(data)
     (tmp_path / ("junk" + SUFFIX)).write_bytes(b"not a state")
     trunc = tmp_path / ("trunc" + SUFFIX)
-    trunc.write_bytes(files[0].read_bytes()[:-100])
+    trunc.write_bytes(entries[0].read_bytes()[:-10])
     with caplog.at_level(logging.WARNING, logger="sparkpack.cache"):
         again = Served(model, ram=0, folder=tmp_path)
         reused, tier, _ = again.ask(a + ids_of(5, 10))
     assert reused == 0 and tier == "none"
     text = caplog.text
-    assert "junk" in text and "trunc" in text and "checksum" in text
+    assert "junk" in text and "trunc" in text and "checksum" in text and BLOCK_SUFFIX in text
+
+
+def test_eviction_keeps_the_blocks_other_entries_share(synth_model, tmp_path, caplog):
+    """A host tier of about one conversation and a half: two conversations with one system
+    prompt share its blocks, a third pushes entries out; every turn is a fresh run's bits, the
+    refcounts stay right (``check_index``), and a part that belongs to another model is ignored."""
+    model = load_model(synth_model("qwen3moe", "Q8_0"))
+    probe = Served(model, ram=1 << 30)
+    a, b, c = system(1, 300) + ids_of(2, 40), system(1, 300) + ids_of(3, 40), system(7, 300) + ids_of(4, 40)
+    probe.ask(a)
+    ram = probe.cache.pools.blocks.slot_bytes * (len(a) // BLOCK + 6)
+    served = Served(model, ram=ram, folder=tmp_path / "states")
+    served.ask(a)
+    reused, tier, _ = served.ask(b)
+    assert reused >= 300 - CALL  # the system prompt A computed (here still in the GPU cache)
+    host = [e for e in served.cache.entries.values() if e.in_host]
+    named = [n for e in host for n in e.parts]
+    assert len(host) == 2 and len(set(named)) <= len(named) - 300 // BLOCK + 1
+    served.ask(c)
+    assert served.cache.stats.evictions >= 1
+    for ids in (a, b, c, a):
+        served.ask(ids + ids_of(len(ids), 20))  # (bits checked in ``ask``)
+    served.cache.close()
+    # a part of another model under a part's name: ignored with one line, the prompt computed
+    part = sorted((tmp_path / "states" / BLOCKS).glob("*" + BLOCK_SUFFIX))[0]
+    raw = bytearray(part.read_bytes())
+    at = raw.index(served.cache.key.encode())
+    raw[at: at + 8] = b"00000000"
+    part.write_bytes(raw)
+    with caplog.at_level(logging.WARNING, logger="sparkpack.cache"):
+        again = Served(model, ram=ram, folder=tmp_path / "states")
+        for ids in (a, b, c):
+            again.ask(ids + ids_of(len(ids), 20) + ids_of(9, 5))
+    assert caplog.text.count("another model") == 1 and str(part) in caplog.text
