@@ -17,7 +17,10 @@ client (its wall time is the time to first token):
 
 Reported per request: prompt and cached tokens, time to first token, for each server (a fresh
 ``spark-run --serve`` with ``--cache-dir`` in a temporary folder, then llama-server with
-``--n-cpu-moe N`` at the same GPU memory, as ``serve_bench.py`` chooses it). Targets (issue 42):
+``--n-cpu-moe N`` at the same GPU memory, as ``serve_bench.py`` chooses it, with its default
+slots and host prompt cache, ``--cache-ram``, unless ``--llama-cache-ram`` sets it: what an agent
+user of llama-server gets). llama-server's column comes when its binary is there
+(``$LLAMA_BUILD/bin/llama-server``, built by ``bench/llama_bench.sh --build-only``). Targets (issue 42):
 every main turn after a side request or the other conversation within 1.5x of A2 (a
 same-conversation turn); B1 computes only what follows the shared system prompt; A6 after the
 restart under 1 s; the server's RSS within ``--cache-ram`` plus the expert pool (its
@@ -53,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--conv-tokens", type=int, default=40000, help="each conversation's first prompt")
     p.add_argument("--shared-tokens", type=int, default=15000, help="the system prompt A and B share")
     p.add_argument("--turn-tokens", type=int, default=300, help="a later turn's new user message")
+    p.add_argument("--llama-cache-ram", type=int, default=None, help="llama-server's --cache-ram in MiB [its default]")
     args = sb.checked(p, p.parse_args(argv))
     if args.shared_tokens >= args.conv_tokens:
         p.error("--shared-tokens must be less than --conv-tokens")
@@ -179,7 +183,7 @@ def markdown(result: dict) -> str:
     cols = [c for c in (result.get("sparkpack"), result.get("llama")) if c]
     head = ["sparkpack --serve" + (f" ({result['vram']})" if result["device"] == "cuda" else "")]
     if result.get("llama"):
-        head.append(f"llama-server --n-cpu-moe {result['n_cpu_moe']}")
+        head.append(f"llama-server --n-cpu-moe {result['n_cpu_moe']} (default slots, --cache-ram)")
     lines = [f"| {result['model']}: request | " + " | ".join(f"{h}: prompt (cached), first token s" for h in head)
              + " |", "| --- |" + " --- |" * len(head)]
     for i, name in enumerate(SEQUENCE):
@@ -224,12 +228,15 @@ def main(argv: list[str] | None = None) -> dict:
         if args.n_cpu_moe == "auto":
             n_layer = model_spec(GGUFModel(args.model)).n_layer
             log(f"== llama-server: the least --n-cpu-moe within {args.vram}")
-            n = sb.choose_n_cpu_moe(args, n_layer, sb.parse_size(args.vram), log)
+            n = sb.choose_n_cpu_moe(args, n_layer, sb.parse_size(args.vram), log, slots=None)
         else:
             n = int(args.n_cpu_moe)
         result["n_cpu_moe"] = n
         log(f"== llama-server --n-cpu-moe {n}: the same sequence")
-        result["llama"] = run_sequence(sb.llama_server(args, n), convs, restart=False)
+        server = sb.llama_server(args, n, slots=None)
+        if args.llama_cache_ram is not None:
+            server.cmd += ["--cache-ram", str(args.llama_cache_ram)]
+        result["llama"] = run_sequence(server, convs, restart=False)
     else:
         log("(no llama-server binary: its column is left out; bash bench/llama_bench.sh --build-only builds one)")
     sb.write_results(args.out, "conversations_bench", result, markdown(result))

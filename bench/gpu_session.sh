@@ -27,8 +27,10 @@
 # serve: served agent session next to llama-server at --vram 14GiB (bench/serve_bench.py, prompts from
 #   .device/corpus/agent_prompts); SERVE_ARGS adds options.
 # conversations: many conversations, one server (issue 42): A1, A2, side, A3, B1, A4, B2, A5 and a restart
-#   with --cache-dir, next to llama-server at --vram 14GiB (bench/conversations_bench.py); CONV_PRESET picks the
-#   shape (qwen35moe:qwen3.6-35b-a3b, the default, or laguna:laguna-xs2); CONV_ARGS adds options.
+#   with --cache-dir, next to llama-server at --vram 14GiB (bench/conversations_bench.py; llama-server built
+#   meanwhile when .device/llama.cpp is carried, else its column is left out); CONV_PRESET picks the shape
+#   (qwen35moe:qwen3.6-35b-a3b, the default, or laguna:laguna-xs2); CONV_ARGS adds options
+#   (e.g. "--n-cpu-moe 17": skips llama-server's probes for the least that fits).
 # learning: bench/learning_bench.py (issue 30): live learning from no profile vs an offline profile, at --vram 14GiB.
 # long: long prompts and long context, fresh spark-run per length next to llama-bench (bench/long_context.py);
 #   LONG_ARGS adds options (e.g. "--lengths 8192 32768 131072 --kv auto q8_0").
@@ -169,7 +171,17 @@ for step in $steps; do
       preset="${CONV_PRESET:-qwen35moe:qwen3.6-35b-a3b}"
       m="$model"
       [ "$preset" = "qwen35moe:qwen3.6-35b-a3b" ] || m="$work/${preset#*:}-q4km.gguf"
+      build=""
+      if [ ! -x "${LLAMA_BUILD:-/tmp/llama-build}/bin/llama-server" ] && [ -d .device/llama.cpp ]; then
+        nice -n 19 bash bench/llama_bench.sh --build-only > "$work/llama_build.log" 2>&1 &  # while the model is written
+        build=$!
+      fi
       ensure_model "$m" "${preset%%:*}" "${preset#*:}"
+      sync  # nothing timed while the model's pages are written back
+      if [ -n "$build" ]; then
+        wait "$build" || { echo "llama-server did not build: its column is left out"; tail -5 "$work/llama_build.log"; }
+      fi
+      [ -x "${LLAMA_BUILD:-/tmp/llama-build}/bin/llama-server" ] || echo "(no llama-server: carry .device/llama.cpp for its column)"
       python3 bench/conversations_bench.py "$m" --prompts .device/corpus/agent_prompts --vram 14GiB --ctx 65536 \
         --out "${OUT:-$work}" ${CONV_ARGS:-} ;;
     learning)

@@ -191,11 +191,12 @@ def placement(args: argparse.Namespace) -> list[str]:
     return (["--vram", args.vram] if args.device == "cuda" else []) + list(args.spark_arg)
 
 
-def llama_server(args: argparse.Namespace, n_cpu_moe: int) -> Server:
+def llama_server(args: argparse.Namespace, n_cpu_moe: int, slots: int | None = 1) -> Server:
+    """llama-server on the same file; ``slots`` None: its default slots (and host prompt cache)."""
     port = free_port()
     cmd = [str(args.llama_server), "-m", str(args.model), "--host", "127.0.0.1", "--port", str(port),
            "-ngl", "99", "--n-cpu-moe", str(n_cpu_moe), "-c", str(args.ctx), "-fa", "on", "--jinja",
-           "--api-key", API_KEY, "-np", "1", "--temp", "0", "--no-ui"]
+           "--api-key", API_KEY, "--temp", "0", "--no-ui", *(["-np", str(slots)] if slots is not None else [])]
     s = Server(f"llama-server-ncmoe{n_cpu_moe}", cmd)
     s.base = f"http://127.0.0.1:{port}"
     return s
@@ -228,11 +229,13 @@ def least_that_fits(fits: Callable[[int], bool], high: int) -> int:
     return lo
 
 
-def choose_n_cpu_moe(args: argparse.Namespace, n_layer: int, budget: int, log: Callable[[str], None]) -> int:
-    """``--n-cpu-moe`` for llama-server under the same GPU memory as ``--vram``: started once per
-    probe (its memory after loading and one short request, as nvidia-smi counts it)."""
+def choose_n_cpu_moe(args: argparse.Namespace, n_layer: int, budget: int, log: Callable[[str], None],
+                     slots: int | None = 1) -> int:
+    """``--n-cpu-moe`` for llama-server (with ``slots``, as ``llama_server``) under the same GPU
+    memory as ``--vram``: started once per probe (its memory after loading and one short request,
+    as nvidia-smi counts it)."""
     def fits(n: int) -> bool:
-        server = llama_server(args, n)
+        server = llama_server(args, n, slots)
         try:
             server.start()
             chat(server.base, [{"role": "user", "content": "hi"}], 1)

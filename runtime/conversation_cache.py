@@ -152,8 +152,9 @@ def model_key(session: Session, block: int = BLOCK_TOKENS) -> str:
 class ConversationCache:
     """The entries of one session's model (``model_key``). ``ram_bytes`` 0: no host tier (the
     parts pass through host memory on their way to and from the folder); ``folder`` None: no
-    disk tier. ``block``: positions per block (``BLOCK_TOKENS``; tests take fewer). Used from the engine thread; files are written by a thread of their own (``close``
-    waits for it), so a request never waits for the disk."""
+    disk tier. ``block``: positions per block (``BLOCK_TOKENS``; tests take fewer). Used from
+    the engine thread; files are written by a thread of their own (``close`` waits for it), so a
+    request never waits for the disk."""
 
     def __init__(self, session: Session, ram_bytes: int, folder: Path | None = None, block: int = BLOCK_TOKENS):
         self.session = session

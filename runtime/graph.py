@@ -36,6 +36,7 @@ from sparkpack.formats.memory import PREFILL_GRAPH_TOKENS, short_calls
 
 from .cache import Cache, KVCache
 from .models.base import Call, MoEModel
+from .pinned import REGISTERING
 
 # The sizes a captured prefill call is padded to (the largest is PREFILL_GRAPH_TOKENS): at most
 # a third of a call's work is padding from 64 tokens up.
@@ -61,7 +62,7 @@ def run_and_capture(call, device: torch.device, stream: torch.cuda.Stream, pool=
         result = call().clone()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):  # records the same call; nothing runs now
+    with REGISTERING, torch.cuda.graph(graph, pool=pool):  # records the same call; nothing runs now
         out = call()
     return result, graph, out
 

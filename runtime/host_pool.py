@@ -21,7 +21,7 @@ import threading
 
 import torch
 
-from .pinned import pinned_empty
+from .pinned import REGISTERING, pinned_empty
 
 Layout = list[tuple[tuple[int, ...], torch.dtype]]
 SLAB_BYTES = 256 << 20  # one registration per slab; slots of at least this size get a slab each
@@ -80,7 +80,8 @@ class SlotPool:
         regions = [_padded(self.per_slab * size) for size in self.sizes]  # each aligned for its dtype
         if not self.budget.claim(sum(regions)):
             return False
-        raw = pinned_empty(sum(regions), self.pin)
+        with REGISTERING:  # (may run in the reserve's thread, never during a capture)
+            raw = pinned_empty(sum(regions), self.pin, tidy=False)
         tensors, at = [], 0
         for (shape, dtype), size, region in zip(self.layout, self.sizes, regions):
             tensors.append(raw[at: at + self.per_slab * size].view(dtype).view(self.per_slab, *shape))

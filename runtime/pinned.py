@@ -12,6 +12,7 @@ the kernels read them over PCIe as they read torch's pinned memory.
 from __future__ import annotations
 
 import mmap
+import threading
 import weakref
 
 import numpy as np
@@ -20,14 +21,20 @@ import torch
 _PORTABLE_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 # Pages whose last tensor went, still registered: ``release`` gives them back.
 _released: list[tuple[int, mmap.mmap]] = []
+# Held while a thread of its own registers pages (``runtime.host_pool``'s reserve) and while a CUDA
+# graph is captured (``runtime.graph.run_and_capture``): a capture forbids such calls in any thread.
+REGISTERING = threading.Lock()
 
 
-def pinned_empty(nbytes: int, pin: bool = True) -> torch.Tensor:
+def pinned_empty(nbytes: int, pin: bool = True, tidy: bool = True) -> torch.Tensor:
     """A uint8 host tensor of ``nbytes`` (zeroed), page-locked when ``pin`` (and CUDA is there).
-    Where the driver refuses to register the pages, torch's own pinned allocator serves it."""
+    Where the driver refuses to register the pages, torch's own pinned allocator serves it.
+    ``tidy``: ``release`` first (it waits for the device: not from a thread of its own, which may
+    run while another captures a graph)."""
     if not pin or nbytes == 0 or not torch.cuda.is_available():
         return torch.zeros(nbytes, dtype=torch.uint8)
-    release()
+    if tidy:
+        release()
     buf = mmap.mmap(-1, nbytes)  # anonymous, page-aligned, zero-filled
     array = np.frombuffer(buf, dtype=np.uint8)
     ptr = array.ctypes.data

@@ -205,8 +205,8 @@ def state_pools(cache: Cache, budget: HostBudget, pin: bool, block: int = BLOCK_
         if [len(paged), len(own)] != [len(known[0]), len(known[1])]:
             return None
         paged, own = known
-    return StatePools(block, SlotPool(paged, budget, pin) if paged else None, SlotPool(own, budget, pin) if own else None,
-                      items)
+    return StatePools(block, SlotPool(paged, budget, pin) if paged else None,
+                      SlotPool(own, budget, pin) if own else None, items)
 
 
 def blocks_of(pos: int, block: int) -> int:
@@ -257,8 +257,9 @@ class SequenceState:
 
     def cut(self, pos: int) -> "SequenceState":
         """A truncatable state (``truncatable``) cut back to ``pos``, one of its cuts."""
-        return SequenceState(self.tokens[:pos], tuple(c for c in self.cuts if c <= pos), self.blocks[:blocks_of(pos, self.pools.block)],
-                             self.own, self.pools, self.ready)
+        blocks = self.blocks[:blocks_of(pos, self.pools.block)]
+        return SequenceState(self.tokens[:pos], tuple(c for c in self.cuts if c <= pos), blocks, self.own, self.pools,
+                             self.ready)
 
 
 class Copier:

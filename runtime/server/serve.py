@@ -131,7 +131,7 @@ def open_conversation_cache(session, opts: RunOptions):
         cache = ConversationCache(session, ram, opts.cache_dir)
     except OSError as e:
         raise SparkpackError(opts.cache_dir, f"cannot use it as --cache-dir: {e.strerror or e}") from None
-    where = [f"{ram / 2**30:.2f} GiB of host RAM"] if ram else []
+    where = [f"{ram / 2**30:.2f} GiB of host RAM ({cache.reserved_bytes / 2**30:.2f} GiB taken now)"] if ram else []
     if opts.cache_dir is not None:
         disk = cache.tier_counts()["disk"][0]
         where.append(f"{opts.cache_dir} ({disk} conversation states there)")
