@@ -116,3 +116,27 @@ def test_conversations_dry_run_on_a_tiny_model(synth_model, tmp_path, prompts):
     assert json.loads((out / "conversations_bench.json").read_text()) == result
     table = (out / "conversations_bench.md").read_text()
     assert table.startswith("| qwen35moe") and "| worst main turn after a switch / A2 (target <= 1.5) |" in table
+
+
+def test_conversations_llama_server_column(tmp_path):
+    """conversations_bench.py's llama-server: its default slots (no ``-np``), ``--cache-ram`` only
+    when asked, and its column in the table beside sparkpack's, request by request."""
+    import conversations_bench as cb
+
+    args = cb.parse_args([str(tmp_path / "m.gguf"), "--prompts", str(tmp_path), "--llama-server", "/bin/true",
+                          "--llama-cache-ram", "4096"])
+    cmd = serve_bench.llama_server(args, 17, slots=None).cmd
+    assert "-np" not in cmd and cmd[cmd.index("--n-cpu-moe") + 1] == "17"
+    assert "-np" in serve_bench.llama_server(args, 17).cmd  # (serve_bench's one slot, as before)
+
+    def run(scale: float, cached: int | None) -> dict:
+        return {"requests": [{"name": n, "seconds": scale * (i + 1), "prompt_tokens": 100 + i,
+                              "cached_tokens": cached} for i, n in enumerate(cb.SEQUENCE)],
+                "rss_bytes": 2**30, "cache_host_bytes": 2**29}
+
+    result = {"model": "m.gguf", "device": "cuda", "vram": "14GiB", "shared_tokens": 50, "n_cpu_moe": 17,
+              "sparkpack": run(0.1, 90), "llama": run(1.0, None)}
+    table = cb.markdown(result).splitlines()
+    assert "llama-server --n-cpu-moe 17" in table[0]
+    row = next(line for line in table if line.startswith("| A4 |"))
+    assert row == "| A4 | 105 (90), 0.600 | 105 (None), 6.000 |"
