@@ -395,27 +395,26 @@ class ConversationCache:
             for n in names + ([own] if own else []):
                 if n not in self.parts:
                     self.parts[n] = Part(n, own=n == own)
-            self._hold(names)
             want = names + ([own] if own else [])
+            self._hold(want)
             need = [i for i, n in enumerate(names) if self.parts[n].slot is None]
+            own_need = own is not None and self.parts[own].slot is None  # (else a queued write still holds it)
             slots = self._take(pools.blocks, len(need)) if need else []
             own_slot = None
-            if slots is not None and own is not None:
+            if slots is not None and own_need:
                 own_slot = self._take(pools.own, 1)
                 if own_slot is None:
                     pools.blocks.give(slots)
                     slots = None
             if slots is None:  # no room: the state is not kept in host memory
-                self._release(names)
-                if own is not None:
-                    self._forget(self.parts[own])
+                self._release(want)
                 self.stats.evictions += 1
                 return False
             if self._pending is not None and self._pending[0] is not None:
                 self._pending[0].synchronize()  # (slots written below on the host may still be read)
             with self.copier.side():
                 copy_blocks_out(self.session.cache, pools, [(need[k], s) for k, s in enumerate(slots)], pos)
-                if own is not None:
+                if own_need:
                     take_own(self.session.cache, pools, own_slot[0], pos, saved)
                 event = self.copier.event()
             ring = saved is None and self.session.cache.windowed
@@ -424,10 +423,9 @@ class ConversationCache:
             for k, s in enumerate(slots):
                 p = self.parts[names[need[k]]]
                 p.slot, p.event = s, event
-            if own is not None:
+            if own_need:
                 p = self.parts[own]
                 p.slot, p.event = own_slot[0], event
-                p.refs += 1
             if e is None:
                 e = Entry(name, tuple(tokens), tuple(cuts), want, own is not None, shared=shared)
                 self.entries[name] = e
