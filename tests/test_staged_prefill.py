@@ -24,7 +24,8 @@ from sparkpack.formats.placement import Budget, default_cache_slots, plan_reside
 from sparkpack.runtime.expert_pools import layout_pool
 from sparkpack.runtime.expert_slots import NOT_RESIDENT
 from sparkpack.runtime.expert_staging import cold_spans, staged_row, staging_units
-from sparkpack.runtime.expert_store import ExpertStore, GGUFSource
+from sparkpack.runtime.expert_source import GGUFSource
+from sparkpack.runtime.expert_store import ExpertStore
 from sparkpack.runtime.generate import Session
 from sparkpack.runtime.models import StoreOptions, load_model
 

@@ -86,7 +86,7 @@ def plan_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOption
     (``runtime.residency.StartProfile``; None: the one ``opts`` names or finds)."""
     from sparkpack.formats.placement import plan_residency
 
-    from ..expert_store import GGUFSource, PackSourceExperts
+    from ..expert_source import GGUFSource, PackSourceExperts
     from ..residency import identity_of, memory_target, start_profile
 
     experts_src = PackSourceExperts(pack, spec) if pack is not None else GGUFSource(source, spec)
