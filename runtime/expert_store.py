@@ -52,7 +52,6 @@ from sparkpack.formats.errors import SparkpackError
 from sparkpack.formats.memory import SLOT_ALIGN
 from sparkpack.formats.placement import Swaps
 from sparkpack.formats.profile import SIDES
-from sparkpack.formats.quants import KERNEL_QTYPES, quant_name
 
 from .expert_misses import STRATEGIES, MissStrategy
 from .expert_pools import ColdTier, DiskTier, HostPool, PoolLayout, fill_device_pool, layout_pool
@@ -61,10 +60,9 @@ from .expert_slots import ExpertSlots
 from .expert_source import ExpertSource
 from .expert_staging import StagedPrefill
 from .expert_stats import RoutingCounts, RoutingObserver, RoutingRecorder, StoreStats
-from .expert_tables import ExpertLayer, KernelTables
-from .experts import ExpertProvider, routed_sum
+from .expert_tables import KernelTables, expert_layers
+from .experts import ExpertProvider, expert_weights, routed_sum
 from .layers import swiglu
-from .weights import dequantize_bytes
 
 if TYPE_CHECKING:
     from .kernels.moe import ExpertPools
@@ -105,7 +103,11 @@ class ExpertStore(ExpertProvider):
         self.hot = hot
         on_cuda = self.device.type == "cuda"
         self.pin = on_cuda and self.PINNED
-        self.layers = self._expert_layers(fused if fused is not None else on_cuda)
+        want_fused = fused if fused is not None else on_cuda
+        self.layers, slow = expert_layers(source, self.moe_layers, want_fused)
+        if want_fused and slow:
+            self.warn(f"{_name(source.path)}: experts in {', '.join(sorted(slow))} have no Triton kernel; their "
+                      f"layers dequantize each expert on use (slower, and decode steps are not captured in CUDA graphs)")
         self.fused_all = all(la.fused for la in self.layers.values())  # every layer on the fused kernel
         nbytes = {il: la.nbytes for il, la in self.layers.items()}
         self.layer_nbytes = np.zeros(spec.n_layer, dtype=np.int64)  # one expert's bytes per layer
@@ -169,20 +171,6 @@ class ExpertStore(ExpertProvider):
         self.recorder: RoutingRecorder | None = None
         self.side = SIDES[0]
         self.mover = HotSetMover(self)
-
-    def _expert_layers(self, want_fused: bool) -> dict[int, ExpertLayer]:
-        """Each MoE layer's parts and whether the fused kernel reads them; one warning names the
-        expert types it does not read."""
-        layers, slow = {}, set()
-        for il in self.moe_layers:
-            parts = self.source.layout(il)
-            slow |= {quant_name(int(p.qtype)) for p in parts if int(p.qtype) not in KERNEL_QTYPES}
-            ok = all(int(p.qtype) in KERNEL_QTYPES for p in parts)
-            layers[il] = ExpertLayer(parts, sum(p.nbytes for p in parts), ok and want_fused)
-        if want_fused and slow:
-            self.warn(f"{_name(self.source.path)}: experts in {', '.join(sorted(slow))} have no Triton kernel; their "
-                      f"layers dequantize each expert on use (slower, and decode steps are not captured in CUDA graphs)")
-        return layers
 
     def _cold_tier(self, layout: PoolLayout, nbytes: dict[int, int], host_bytes: int | None) -> ColdTier:
         """Every cold expert in (pinned) host memory when host RAM allows, else the disk tier."""
@@ -260,16 +248,7 @@ class ExpertStore(ExpertProvider):
 
     def _expert_forward(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
         """The plain path: expand the expert's bytes (wherever they are) and run SwiGLU."""
-        la = self.layers[layer]
-        raw = self._bytes_of(layer, expert)
-        w: dict[str, torch.Tensor] = {}
-        for p in la.parts:
-            w[p.role] = dequantize_bytes(raw[p.offset: p.offset + p.nbytes], p.qtype, p.shape, x.device, self.dtype)
-        if "gate_up" in w:
-            gate, up = w["gate_up"].chunk(2, dim=0)
-        else:
-            gate, up = w["gate"], w["up"]
-        return swiglu(x, gate, up, w["down"])
+        return swiglu(x, *expert_weights(self.layers[layer].parts, self._bytes_of(layer, expert), x.device, self.dtype))
 
     def device_bytes(self, layer: int, expert: int) -> torch.Tensor:
         """The expert's bytes in the device pool (hot or cached)."""
