@@ -91,7 +91,7 @@ def main() -> None:
                         stage_tokens=1)
     t0 = time.perf_counter()
     model = load_model(a.model, device="cuda", dtype=torch.bfloat16, store=opts)
-    store, plan = model.experts, model.residency
+    store, plan = model.store, model.residency
     d = store.describe()
     print(f"loaded {a.model.name} in {time.perf_counter() - t0:.0f} s: {d['hot_experts']}/{d['experts']} hot "
           f"({plan.source}), mode {d['mode']}, staging {fmt_size(d['staging_bytes'])}", flush=True)

@@ -120,7 +120,8 @@ def measure(model, cfg: Config, args: argparse.Namespace, prompt: list[int], cud
         store, residency = open_store(model.gguf, None, model.spec, model.device, model.dtype, opts)
     if not cfg.calibrated and residency.source.find("uniform") < 0:
         raise SystemExit(f"{cfg.name}: expected uniform placement, got {residency.source}")
-    model.experts, model.residency = store, residency
+    model.experts = model.store = store
+    model.residency = residency
     load_s = time.perf_counter() - t0
     run(model, prompt[:16], 4)  # warm-up: Triton compiles, allocator settles (not timed)
     store.reset_stats()

@@ -1,16 +1,13 @@
 """Cache-slot policies replayed on a routing trace: which cold experts the spare GPU slots hold.
 
-The hot set is the long-term choice (the profile); the slots do the short-term part. Three
-policies, each deciding after a token what the slots hold for the next one (the store learns from
-a step once it ran):
+The policies themselves are ``formats.cache_policy``'s, the ones the expert store runs: this module
+only replays a trace through them, one token a step (the store learns from a step once it ran):
 
   lru   every missed expert is copied in; the least recently routed cached expert leaves.
   lfu   every missed expert is copied in; the cached expert routed least often so far leaves
         (ties: the least recent).
-  freq  the store's zero-copy admission (``formats.placement.FREQ_DECAY`` / ``ADMIT_MIN``):
-        routing counts decay by FREQ_DECAY a token; a missed expert is copied in only once its
-        decayed count reaches ADMIT_MIN and exceeds that of the cached expert with the lowest
-        count, which it replaces. One-off misses never evict anything.
+  freq  the store's zero-copy admission (``FrequentAdmission``: ``SlotCache.admit``, the very
+        code the store runs): one-off misses never evict anything.
 
 Slots are one pool shared by all MoE layers (the store's layout, ``shared=True``) or ``slots``
 per layer. What it costs: *cold* routings (served from host memory: a stall in sync/async mode,
@@ -33,14 +30,14 @@ every policy would serve better.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
-from sparkpack.formats.placement import ADMIT_MIN, FREQ_DECAY
+from sparkpack.formats.cache_policy import POLICIES as POLICY_CLASSES
+from sparkpack.formats.cache_policy import LRU, SlotCache
 
-POLICIES = ("lru", "lfu", "freq")
+POLICIES = tuple(POLICY_CLASSES)
 
 
 @dataclass(frozen=True)
@@ -59,10 +56,10 @@ class CacheResult:
         return self.copies / self.tokens if self.tokens else 0.0
 
 
-def simulate(ids: np.ndarray, hot: np.ndarray, slots: int, policy: str, shared: bool = True,
-             decay: float = FREQ_DECAY, admit_min: float = ADMIT_MIN) -> CacheResult:
+def simulate(ids: np.ndarray, hot: np.ndarray, slots: int, policy: str, shared: bool = True) -> CacheResult:
     """Replay ``ids [N, n_moe, k]`` (expert ids per token and MoE layer, a trace's ``ids``) against
-    the hot mask ``hot [n_moe, n_expert]`` and ``slots`` cache slots run by ``policy``."""
+    the hot mask ``hot [n_moe, n_expert]`` and ``slots`` cache slots run by ``policy``, one pool
+    shared by all layers (``shared``, the store's layout) or ``slots`` per layer."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     ids = np.asarray(ids, dtype=np.int64)
@@ -70,73 +67,65 @@ def simulate(ids: np.ndarray, hot: np.ndarray, slots: int, policy: str, shared: 
     n_expert = hot.shape[1]
     keys = ids + (np.arange(n_moe) * n_expert)[None, :, None]  # one key per (layer, expert)
     cold_keys = np.where(hot.reshape(-1)[keys], -1, keys).reshape(n, n_moe * k)
-    pools = [_Pool(slots)] if shared else [_Pool(slots) for _ in range(n_moe)]
-    pool_of = (lambda key: pools[0]) if shared else (lambda key: pools[key // n_expert])
-    count = np.zeros(n_moe * n_expert)  # lfu: routings so far; freq: decayed routings
+    shape = (n_moe * n_expert,)
+    pools = [SlotCache(slots, shape, POLICY_CLASSES[policy]()) for _ in range(1 if shared else n_moe)]
+    pool_of = np.zeros(n_moe * n_expert, dtype=np.int64) if shared else np.arange(n_moe * n_expert) // n_expert
+    slot_of = np.full(n_moe * n_expert, -1, dtype=np.int64)  # key -> its slot in its pool
+    width = n_moe * k
     cold = copies = 0
     for t in range(n):
         row = [int(x) for x in cold_keys[t] if x >= 0]
-        missed = [x for x in row if x not in pool_of(x).cached]
+        missed = [x for x in row if slot_of[x] < 0]
         cold += len(missed)
-        if policy == "freq":
-            count *= decay
-        if policy != "lru":
-            np.add.at(count, keys[t].reshape(-1), 1.0)
+        for i, pool in enumerate(pools):
+            routed = keys[t].reshape(-1) if shared else keys[t, i]
+            pool.learn(routed, np.ones(len(routed)))
         if not slots:
             continue
-        if policy == "freq":
-            for x in row:
-                if x in pool_of(x).cached:
-                    pool_of(x).touch(x, t)
-            copies += _admit_frequent(missed, count, pool_of, admit_min, t)
-            continue
-        # lru / lfu: every routed expert is (or now becomes) cached, in routing order; then each
-        # pool that overflows drops its least recent (lru) or least routed (lfu) experts,
-        # never one just copied in while an older one can go instead
-        for x in row:
-            pool_of(x).touch(x, t)
-        copies += len(missed)
-        fresh = set(missed)
-        for pool in {id(p): p for p in map(pool_of, missed)}.values():
-            while len(pool.cached) > pool.cap:
-                if policy == "lru":
-                    victim = next(iter(pool.cached))
-                else:
-                    old = [v for v in pool.cached if v not in fresh] or list(pool.cached)
-                    victim = min(old, key=lambda v: (count[v], pool.cached[v]))
-                del pool.cached[victim]
+        if pools[0].policy.copies_every_miss:
+            copies += _copy_misses(pools, pool_of, slot_of, row, slots + t * width)
+        else:
+            for i, pool in enumerate(pools):
+                mine = np.unique([x for x in missed if pool_of[x] == i]).astype(np.int64)
+                for key, slot in pool.admit(mine):
+                    _place(pool, slot_of, key, slot)
+                    copies += 1
     return CacheResult(n, n * n_moe * k, cold, copies)
 
 
-def _admit_frequent(missed: list[int], count: np.ndarray, pool_of, admit_min: float, t: int) -> int:
-    """The store's admission: strongest candidates first, each replacing its pool's weakest
-    cached expert only if routed more often lately (an expert copied in for this token is not
-    replaced again by it). Returns the copies made."""
+def _copy_misses(pools: list[SlotCache], pool_of: np.ndarray, slot_of: np.ndarray, row: list[int], at: int) -> int:
+    """One token of a policy that copies every miss in: its routings are used in routing order
+    (stamped ``at``, ``at + 1``, ...); each missed expert takes a free slot, else the slot the
+    policy gives up, and stays out when it scores below all of them. LFU never gives up a slot
+    filled for this token while another can go (a fresh copy's count is low: it would leave
+    first); LRU needs no such rule (a fresh copy is the newest). Returns the copies made."""
     copies = 0
-    filled: set[int] = set()
-    for x in sorted((x for x in missed if count[x] >= admit_min), key=lambda x: -count[x]):
-        pool = pool_of(x)
-        if len(pool.cached) >= pool.cap:
-            left = [v for v in pool.cached if v not in filled]
-            if not left:
-                continue
-            victim = min(left, key=lambda v: (count[v], pool.cached[v]))
-            if count[x] <= count[victim]:
-                continue
-            del pool.cached[victim]
-        pool.touch(x, t)
-        filled.add(x)
+    keeps_fresh = not isinstance(pools[0].policy, LRU)
+    fresh = {id(p): np.zeros(p.n_slots, dtype=bool) for p in pools}
+    missed = [(i, x) for i, x in enumerate(row) if slot_of[x] < 0]
+    for i, x in enumerate(row):
+        if slot_of[x] >= 0:
+            pools[pool_of[x]].use(int(slot_of[x]), at + i)
+    for i, x in missed:
+        pool = pools[pool_of[x]]
         copies += 1
+        free = np.flatnonzero(pool.owner < 0)
+        if len(free):
+            slot = int(free[0])
+        else:
+            protect = fresh[id(pool)] if keeps_fresh else np.ones(pool.n_slots, dtype=bool)
+            slot = pool.victim(protect, (x, at + i) if protect.all() else None)
+            if slot < 0:
+                continue
+        _place(pool, slot_of, x, slot)
+        pool.use(slot, at + i)
+        fresh[id(pool)][slot] = True
     return copies
 
 
-class _Pool:
-    """Cached keys in least-recently-used-first order, each with its last use."""
-
-    def __init__(self, cap: int):
-        self.cap = cap
-        self.cached: OrderedDict[int, int] = OrderedDict()
-
-    def touch(self, key: int, t: int) -> None:
-        self.cached[key] = t
-        self.cached.move_to_end(key)
+def _place(pool: SlotCache, slot_of: np.ndarray, key: int, slot: int) -> None:
+    old = int(pool.owner[slot])
+    if old >= 0:
+        slot_of[old] = -1
+    pool.owner[slot] = key
+    slot_of[key] = slot

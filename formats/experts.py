@@ -17,14 +17,21 @@ ROLE_ORDER = ("gate", "up", "gate_up", "down")
 
 
 @dataclass(frozen=True)
-class ExpertSlice:
+class ExpertPart:
+    """One tensor's block of one expert: the one description of "an expert's part in its byte
+    range" that GGUF reading, packs and the runtime's store share. ``offset`` is where the block
+    starts: in the GGUF file for ``expert_slices``, inside the expert's contiguous range for a
+    pack's manifest (``formats.pack_manifest``) and the store's layouts (``runtime.expert_source``)."""
+
     role: str  # gate | up | gate_up | down
     tensor: str
-    offset: int  # absolute offset in the GGUF file
+    qtype: int
+    shape: tuple[int, int]  # GGUF order (n_in, n_out) of one expert's matrix
+    offset: int
     nbytes: int
 
 
-def expert_slices(model: GGUFModel, spec: ModelSpec, layer: int, expert: int) -> list[ExpertSlice]:
+def expert_slices(model: GGUFModel, spec: ModelSpec, layer: int, expert: int) -> list[ExpertPart]:
     """Where the bytes of expert ``expert`` of MoE layer ``layer`` live, one range per tensor."""
     if layer not in spec.expert_tensors:
         raise KeyError(f"layer {layer} has no experts")
@@ -37,7 +44,7 @@ def expert_slices(model: GGUFModel, spec: ModelSpec, layer: int, expert: int) ->
             continue
         t = model.tensors[name]
         per = t.nbytes // spec.n_expert
-        out.append(ExpertSlice(role, name, t.offset + expert * per, per))
+        out.append(ExpertPart(role, name, t.qtype, (t.shape[0], t.shape[1]), t.offset + expert * per, per))
     return out
 
 

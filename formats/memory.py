@@ -235,13 +235,9 @@ def recurrent_state_bytes(spec: ModelSpec, bytes_per_value: int = 4) -> int:
     n_linear = sum(1 for k in spec.layers if k.attention == LINEAR)
     if not n_linear:
         return 0
-    h = spec.hparams
-    n_v_heads = h["ssm_time_step_rank"]
-    d_state = h["ssm_state_size"]
-    d_inner = h["ssm_inner_size"]
-    head_v = d_inner // max(n_v_heads, 1)
-    conv_channels = d_inner + 2 * h["ssm_group_count"] * d_state
-    per_layer = n_v_heads * d_state * head_v + conv_channels * (h["ssm_conv_kernel"] - 1)
+    d = spec.deltanet
+    conv_channels = d.inner + 2 * d.n_k * d.d_k
+    per_layer = d.n_v * d.d_k * d.d_v + conv_channels * (d.conv_kernel - 1)
     return n_linear * per_layer * bytes_per_value
 
 
@@ -267,9 +263,8 @@ def prefill_activation_bytes(spec: ModelSpec, chunk: int = PREFILL_CHUNK, ctx: i
     worst = 0
     for il, kind in enumerate(spec.layers):
         if kind.attention == LINEAR:
-            h = spec.hparams
-            n_v, d_k = int(h["ssm_time_step_rank"]), int(h["ssm_state_size"])
-            d_v = int(h["ssm_inner_size"]) // max(n_v, 1)
+            d = spec.deltanet
+            n_v, d_k, d_v = d.n_v, d.d_k, d.d_v
             padded = -(-chunk // DELTANET_CHUNK) * DELTANET_CHUNK
             per_head = 2 * (2 * d_k + d_v) + 4 * DELTANET_CHUNK + 2 * (d_k + d_v) + d_k + d_v
             layer = padded * n_v * per_head * 4

@@ -25,7 +25,7 @@ from typing import Any
 
 from .checksums import ALGORITHMS, IDENTITY_ALGORITHM, checksum, is_checksum
 from .errors import FormatError
-from .experts import ROLE_ORDER
+from .experts import ROLE_ORDER, ExpertPart
 from .gguf_header import MAX_DIMS, check_tensor_map
 from .profile import ModelIdentity
 from .quants import quant_name, tensor_nbytes
@@ -92,14 +92,6 @@ class TensorRecord:
     @property
     def type_name(self) -> str:
         return quant_name(self.qtype)
-
-
-@dataclass(frozen=True)
-class ExpertPart:
-    role: str  # gate | up | gate_up | down
-    tensor: str
-    offset: int  # inside the expert's range
-    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -437,7 +429,9 @@ def _experts(r: _Reader, layers: list[Any], spec: SpecSummary, tensors: dict[str
             rel += t.nbytes // spec.n_expert
         r.equal(lay.get("parts"), want, f + ".parts")
         r.equal(lay.get("expert_nbytes"), rel, f + ".expert_nbytes")
-        parts[il] = tuple(ExpertPart(**p) for p in want)
+        parts[il] = tuple(ExpertPart(p["role"], p["tensor"], tensors[p["tensor"]].qtype,
+                                     (tensors[p["tensor"]].shape[0], tensors[p["tensor"]].shape[1]), p["offset"],
+                                     p["nbytes"]) for p in want)
         recs = r.list(r.key(lay, "experts", f), f + ".experts")
         if len(recs) != spec.n_expert:
             raise FormatError(r.where, f"placement is missing layer {il} experts: {f}.experts lists {len(recs)} of "

@@ -35,14 +35,6 @@ GEN_WEIGHT = 0.8
 # tokens) wobble by ~2% on stationary traffic: 10% is five of those, while a swap the traffic
 # really asks for (a new repository, another language) moves scores by far more.
 SWAP_MARGIN = 0.1
-# Cache-slot admission (zero-copy store; calibrate.cache_policies replays it on traces): routing
-# counts decay by FREQ_DECAY per token (a memory of ~20 tokens), and a missed expert must reach
-# ADMIT_MIN (routed three times lately) to be copied into a slot: a copy costs the PCIe bytes of
-# a zero-copy read, so it must be read from the slot again to pay. Measured on the full-size
-# model (BENCHMARKS.md): admitting at 1.5 cost 3% of decode speed at 60% residency against no
-# cache slots at all.
-FREQ_DECAY = 0.95
-ADMIT_MIN = 3.0
 
 
 @dataclass

@@ -63,7 +63,7 @@ def open_router(path: Path, device: str, ctx: int, prefill_chunk: int, vram: int
         # memory of them; beyond that the least recently used are dropped and re-read.
         opts = dataclasses.replace(opts, expert_cache=os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2)
     model = open_model(opts)
-    if model.residency is not None:
+    if model.store is not None:
         report_residency(model)
     return ModelRouter(model, ctx, prefill_chunk, record)
 

@@ -223,7 +223,7 @@ def run_cmd(model_path: Path, prompt: str | None, prompt_file: Path | None, syst
             serve_from_cli(opts, serve_options(host, port, api_key, api_key_file, test_hooks), report_residency)
             return
         model = open_model(opts)
-        if model.residency is not None:
+        if model.store is not None:
             report_residency(model)
         with learning_run(model, opts.learning) as ready:
             session = run_session(model, opts, prompt, system, raw, prompt_ids, logits_out, ready)
@@ -324,8 +324,7 @@ def learning_run(model, flags: LearningFlags):
 
 
 def report_residency(model) -> None:
-    r, st = model.residency, model.experts
-    d = st.describe()
+    r, d = model.residency, model.store.describe()
     line = f"experts: {d['hot_experts']}/{d['experts']} hot ({d['hot_fraction']:.0%}, {r.source})"
     if d["host_tier"] == "none":  # nothing is cold: no misses to stream, no host tier
         line += ", none cold"
@@ -348,7 +347,7 @@ def collect_stats(model, session) -> dict:
            "decode_tokens": t.decode_tokens, "decode_seconds": t.decode_seconds,
            "decode_tok_s": t.decode_tokens / t.decode_seconds if t.decode_seconds else None,
            "graph_capture_seconds": t.capture_seconds, "cpu_threads": torch.get_num_threads()}
-    store = model.experts if model.residency is not None else None
+    store = model.store
     if store is not None:
         store.flush()  # counts still on the device, or a deferred step's
         s = store.stats.as_json()

@@ -20,13 +20,17 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 from .expert_source import ExpertSource
 from .pinned import pinned_empty
+
+if TYPE_CHECKING:
+    from .expert_tables import ExpertLayer
+    from .kernels.moe import ExpertPools
 
 
 @dataclass(frozen=True)
@@ -102,12 +106,34 @@ def fill_device_pool(source: ExpertSource, layout: PoolLayout, pool: torch.Tenso
 
 
 class ColdTier(Protocol):
-    """Where the store finds a cold expert's bytes to copy into a device slot."""
+    """Where the store finds cold experts' bytes: to copy into a device slot, for the kernel to
+    read in place, and where re-placement puts a demoted expert's bytes."""
 
     pinned: bool  # the bytes are in pinned memory: copies may be asynchronous
+    kind: str  # what ``ExpertStore.describe`` calls it: "pinned", "file" (no cold experts), "disk"
 
     def bytes(self, layer: int, expert: int) -> tuple[torch.Tensor, bool]:
         """The expert's bytes (a buffer at least that long), and whether the file was read for them."""
+        ...
+
+    def kernel_pool(self) -> torch.Tensor | None:
+        """The host pool the kernels read every cold expert from in place (zero-copy), or None."""
+        ...
+
+    def kernel_view(self, layer: int, experts: np.ndarray, row: np.ndarray, la: ExpertLayer, slot_units: int,
+                    pin: bool) -> tuple[ExpertPools, torch.Tensor | None, int]:
+        """The pools a fused kernel reads ``experts`` of ``layer`` from host memory with, their
+        entries written into the one-off table ``row``; the host buffer the kernel reads (to keep
+        alive until it ran) or None; the file reads it took."""
+        ...
+
+    def demoted_home(self, layer: int, expert: int) -> torch.Tensor | None:
+        """Re-placement: the host range cold expert (layer, expert) leaves when promoted, which the
+        demoted expert's bytes then take; None where the tier keeps no copy (read from the file)."""
+        ...
+
+    def swapped(self, promoted: tuple[int, int], demoted: tuple[int, int]) -> None:
+        """Re-placement done: the demoted expert now lives at the promoted one's ``demoted_home``."""
         ...
 
 
@@ -117,6 +143,7 @@ class HostPool:
     def __init__(self, source: ExpertSource, layout: PoolLayout, nbytes: dict[int, int], pin: bool):
         self.layout, self.nbytes, self.pinned = layout, nbytes, pin
         self.tensor = pinned_empty(layout.nbytes, pin)  # exactly its size (runtime.pinned)
+        self.kind = "pinned" if layout.n_units else "file"
         flat = self.tensor.numpy()
         U = layout.unit
         read_experts(source, [(il, e, flat[int(layout.offset[il, e]) * U:][: nbytes[il]])
@@ -126,10 +153,27 @@ class HostPool:
         at = int(self.layout.offset[layer, expert]) * self.layout.unit
         return self.tensor[at: at + self.nbytes[layer]], False
 
+    def kernel_pool(self) -> torch.Tensor | None:
+        return self.tensor if self.layout.n_units else None
+
+    def kernel_view(self, layer, experts, row, la, slot_units, pin):
+        row[experts] = -(self.layout.offset[layer, experts] + 1)
+        return la.host_pools, None, 0
+
+    def demoted_home(self, layer: int, expert: int) -> torch.Tensor | None:
+        at = int(self.layout.offset[layer, expert]) * self.layout.unit
+        return self.tensor[at: at + self.layout.units[layer] * self.layout.unit]
+
+    def swapped(self, promoted: tuple[int, int], demoted: tuple[int, int]) -> None:
+        off = self.layout.offset
+        off[demoted], off[promoted] = off[promoted], -1
+
 
 class DiskTier:
     """Cold experts read from the file on demand, the last ``cap`` kept in (pinned) host buffers
     of ``slot_bytes`` each; ``cap`` 0 keeps none (every read is a fresh buffer)."""
+
+    kind = "disk"
 
     def __init__(self, source: ExpertSource, nbytes: dict[int, int], slot_bytes: int, cap: int, pin: bool,
                  before_reuse: Callable[[], None] = lambda: None):
@@ -155,3 +199,23 @@ class DiskTier:
         if self.cap:
             self.cache[key] = buf
         return buf, True
+
+    def kernel_pool(self) -> torch.Tensor | None:
+        return None
+
+    def kernel_view(self, layer, experts, row, la, slot_units, pin):
+        """The experts read (through this tier's buffers) into a staging buffer of slots."""
+        staging = torch.empty(len(experts) * self.slot_bytes, dtype=torch.uint8, pin_memory=pin)
+        reads = 0
+        for i, e in enumerate(experts.tolist()):
+            buf, read = self.bytes(layer, e)
+            reads += read
+            staging[i * self.slot_bytes: (i + 1) * self.slot_bytes].copy_(buf[: self.slot_bytes])
+        row[experts] = -(slot_units * np.arange(len(experts)) + 1)
+        return la.with_host(staging, self.slot_bytes // slot_units), staging, reads
+
+    def demoted_home(self, layer: int, expert: int) -> torch.Tensor | None:
+        return None
+
+    def swapped(self, promoted: tuple[int, int], demoted: tuple[int, int]) -> None:
+        pass

@@ -6,27 +6,15 @@ of ``runtime.experts`` read the same byte ranges.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Protocol
 
 import numpy as np
 
 from sparkpack.formats.archs import ModelSpec
 from sparkpack.formats.errors import SparkpackError
-from sparkpack.formats.experts import expert_slices
+from sparkpack.formats.experts import ExpertPart, expert_slices
 from sparkpack.formats.gguf_file import GGUFModel
-
-
-@dataclass(frozen=True)
-class Part:
-    """One tensor's block inside an expert's contiguous byte range."""
-
-    role: str  # gate | up | gate_up | down
-    tensor: str
-    qtype: int
-    shape: tuple[int, int]  # GGUF order (n_in, n_out) of one expert's matrix
-    offset: int
-    nbytes: int
 
 
 class ExpertSource(Protocol):
@@ -34,7 +22,7 @@ class ExpertSource(Protocol):
 
     path: object
 
-    def layout(self, layer: int) -> list[Part]: ...
+    def layout(self, layer: int) -> list[ExpertPart]: ...
 
     def read(self, layer: int, expert: int, out: np.ndarray) -> None:
         """Fill ``out`` (uint8, the expert's byte count) with the expert's bytes; errors name the file."""
@@ -47,11 +35,10 @@ class GGUFSource:
     def __init__(self, gguf: GGUFModel, spec: ModelSpec):
         self.gguf, self.spec, self.path = gguf, spec, gguf.path
 
-    def layout(self, layer: int) -> list[Part]:
+    def layout(self, layer: int) -> list[ExpertPart]:
         parts, off = [], 0
         for s in expert_slices(self.gguf, self.spec, layer, 0):
-            t = self.gguf.tensors[s.tensor]
-            parts.append(Part(s.role, s.tensor, t.qtype, (t.shape[0], t.shape[1]), off, s.nbytes))
+            parts.append(replace(s, offset=off))  # packed one after another in the expert's range
             off += s.nbytes
         return parts
 
@@ -62,19 +49,15 @@ class GGUFSource:
             off += s.nbytes
 
 
-class PackSourceExperts:
+class PackExpertSource:
     """Experts of a ``.sparkpack``: one contiguous range of the hot shard or of a cold shard,
     checked against its manifest checksum on load (a corrupt shard is named when first needed)."""
 
     def __init__(self, pack, spec: ModelSpec):
         self.pack, self.spec, self.path = pack, spec, pack.path
 
-    def layout(self, layer: int) -> list[Part]:
-        out = []
-        for p in sorted(self.pack.parts[layer], key=lambda p: p.offset):
-            t = self.pack.tensors[p.tensor]
-            out.append(Part(p.role, p.tensor, t.qtype, (t.shape[0], t.shape[1]), p.offset, p.nbytes))
-        return out
+    def layout(self, layer: int) -> list[ExpertPart]:
+        return sorted(self.pack.parts[layer], key=lambda p: p.offset)
 
     def read(self, layer: int, expert: int, out: np.ndarray) -> None:
         try:

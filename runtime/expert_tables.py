@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sparkpack.formats.experts import ROLE_ORDER
+from sparkpack.formats.experts import ROLE_ORDER, ExpertPart
+from sparkpack.formats.quants import KERNEL_QTYPES, quant_name
 
 from .expert_slots import NOT_RESIDENT
-from .expert_source import Part
+from .expert_source import ExpertSource
 
 if TYPE_CHECKING:
     from .kernels.moe import ExpertPools
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 class ExpertLayer:
     """One MoE layer's experts as the store serves them."""
 
-    parts: list[Part]
+    parts: list[ExpertPart]
     nbytes: int  # one expert's bytes
     fused: bool  # every part has a fused-kernel quant type
     pools: "ExpertPools | None" = None  # the device pool as the fused kernel reads it
@@ -47,7 +48,20 @@ class ExpertLayer:
         return replace(self.pools, host=kernel_views(host, self.parts, unit))
 
 
-def kernel_views(pool: torch.Tensor, parts: list[Part], unit: int) -> tuple:
+def expert_layers(source: ExpertSource, moe_layers: list[int], want_fused: bool
+                  ) -> tuple[dict[int, ExpertLayer], set[str]]:
+    """Each MoE layer's parts and whether the fused kernel reads them (where ``want_fused``), and
+    the names of the expert types it has no kernel for."""
+    layers, slow = {}, set()
+    for il in moe_layers:
+        parts = source.layout(il)
+        slow |= {quant_name(int(p.qtype)) for p in parts if int(p.qtype) not in KERNEL_QTYPES}
+        ok = all(int(p.qtype) in KERNEL_QTYPES for p in parts)
+        layers[il] = ExpertLayer(parts, sum(p.nbytes for p in parts), ok and want_fused)
+    return layers, slow
+
+
+def kernel_views(pool: torch.Tensor, parts: list[ExpertPart], unit: int) -> tuple:
     """``(gate, up, down)`` views of a flat pool as ``moe_experts`` takes them (``up`` None when
     the layer has one merged gate_up tensor), with slot stride ``unit``."""
     by = {p.role: p for p in parts}
@@ -55,7 +69,7 @@ def kernel_views(pool: torch.Tensor, parts: list[Part], unit: int) -> tuple:
     return views if len(views) == 3 else (views[0], None, views[1])
 
 
-def _role_view(pool: torch.Tensor, p: Part, unit: int) -> torch.Tensor:
+def _role_view(pool: torch.Tensor, p: ExpertPart, unit: int) -> torch.Tensor:
     """``[n, rows, row_bytes]`` view of one role's block at every unit offset ``0 .. n-1`` of a
     flat pool at which a whole expert fits."""
     n_in, n_out = p.shape

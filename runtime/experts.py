@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from sparkpack.formats.archs import ModelSpec
-from sparkpack.formats.experts import expert_slices
+from sparkpack.formats.experts import ExpertPart
 from sparkpack.formats.gguf_file import GGUFModel
 
 from .layers import swiglu
@@ -120,11 +120,16 @@ class PlainProvider(ExpertProvider):
 
 
 class GGUFExperts(PlainProvider):
-    """Experts dequantized per (layer, expert) from the GGUF bytes, on first use."""
+    """Experts dequantized per (layer, expert) on first use, from a GGUF's expert tensors or a
+    ``.sparkpack``'s expert ranges (read through the store's sources, ``runtime.expert_source``:
+    a pack's ranges are checked against their checksums)."""
 
-    def __init__(self, gguf: GGUFModel, spec: ModelSpec, device: torch.device | str = "cpu",
+    def __init__(self, gguf: GGUFModel | PackSource, spec: ModelSpec, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, max_bytes: int | None = None):
-        self.gguf, self.spec = gguf, spec
+        from .expert_source import GGUFSource, PackExpertSource
+
+        self.source = PackExpertSource(gguf.pack, spec) if isinstance(gguf, PackSource) else GGUFSource(gguf, spec)
+        self.spec = spec
         self.device, self.dtype = torch.device(device), dtype
         self.max_bytes = max_bytes
         self.cached_bytes = 0
@@ -137,42 +142,31 @@ class GGUFExperts(PlainProvider):
         if w is not None:
             self._cache.move_to_end(key)
             return w
-        parts: dict[str, torch.Tensor] = {}
-        for role, tensor, raw in self.expert_raw(layer, expert):
-            info = self.gguf.tensors[tensor]
-            parts[role] = dequantize_bytes(raw, info.qtype, info.shape[:2], self.device, self.dtype)
-        if "gate_up" in parts:  # merged tensor: gate rows first, then up rows
-            gate, up = parts["gate_up"].chunk(2, dim=0)
-        else:
-            gate, up = parts["gate"], parts["up"]
-        w = (gate, up, parts["down"])
+        layout = self.source.layout(layer)
+        raw = np.empty(max(p.offset + p.nbytes for p in layout), dtype=np.uint8)
+        self.source.read(layer, expert, raw)
+        w = expert_weights(layout, raw, self.device, self.dtype)
         self._cache[key] = w
         self.cached_bytes += _nbytes(w)
         while self.max_bytes is not None and self.cached_bytes > self.max_bytes and len(self._cache) > 1:
             self.cached_bytes -= _nbytes(self._cache.popitem(last=False)[1])
         return w
 
-    def expert_raw(self, layer: int, expert: int) -> list[tuple[str, str, np.ndarray]]:
-        """``(role, tensor name, bytes)`` of each part of one expert, as the GGUF stores it."""
-        return [(s.role, s.tensor, self.gguf.bytes_at(s.offset, s.nbytes))
-                for s in expert_slices(self.gguf, self.spec, layer, expert)]
-
     def forward(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
         return swiglu(x, *self.weights(layer, expert))
 
 
-class PackExperts(GGUFExperts):
-    """The same provider over a ``.sparkpack``: each expert is one range of its hot or cold shard
-    (read, and decompressed when the pack is compressed, on first use), checked against its checksum."""
-
-    def __init__(self, source: PackSource, spec: ModelSpec, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, max_bytes: int | None = None):
-        super().__init__(source, spec, device, dtype, max_bytes)  # type: ignore[arg-type]
-        self.pack = source.pack
-
-    def expert_raw(self, layer: int, expert: int) -> list[tuple[str, str, np.ndarray]]:
-        roles = {p.role: p.tensor for p in self.pack.parts[layer]}
-        return [(role, roles[role], raw) for role, raw in self.pack.expert_parts(layer, expert).items()]
+def expert_weights(parts: list[ExpertPart], raw, device: torch.device, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(gate, up, down)`` of one expert expanded from its bytes ``raw`` (its contiguous range,
+    numpy or torch, laid out as ``parts`` say)."""
+    w = {p.role: dequantize_bytes(raw[p.offset: p.offset + p.nbytes], p.qtype, p.shape, device, dtype)
+         for p in parts}
+    if "gate_up" in w:  # merged tensor: gate rows first, then up rows
+        gate, up = w["gate_up"].chunk(2, dim=0)
+    else:
+        gate, up = w["gate"], w["up"]
+    return gate, up, w["down"]
 
 
 def _nbytes(tensors: tuple[torch.Tensor, ...]) -> int:

@@ -223,6 +223,6 @@ def start_learning(model, opts: LearnOptions | None, gen_weight: float) -> LiveL
     (``runtime.residency.StartProfile``), or None where there is nothing to learn with: no
     store (the CPU path), or learning off (``--no-learn``)."""
     start = model.start_profile
-    if opts is None or model.residency is None or start is None or start.file is None:
+    if opts is None or model.store is None or start is None or start.file is None:
         return None
-    return LiveLearning(model.experts, start.file, start.loaded, opts, gen_weight)
+    return LiveLearning(model.store, start.file, start.loaded, opts, gen_weight)

@@ -116,5 +116,6 @@ def attach_trace(model, path: str | os.PathLike[str]) -> TraceRecorder:
     from .residency import identity_of
 
     recorder = TraceRecorder(path, model.spec, identity_of(model.gguf), model.device)
-    model.experts.recorder = recorder
+    if model.store is not None:  # the plain path (no store) routes nothing through a recorder
+        model.store.recorder = recorder
     return recorder

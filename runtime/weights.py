@@ -167,7 +167,7 @@ class PackSource:
     """A ``.sparkpack`` seen through the few ``GGUFModel`` members the runtime and
     ``formats.archs.model_spec`` use (path, arch, metadata, tensor index, non-expert bytes), so
     the model files need not know which container they run from. Experts come through
-    ``runtime.experts.PackExperts``."""
+    ``runtime.experts.GGUFExperts`` (through ``runtime.expert_source.PackExpertSource``)."""
 
     def __init__(self, pack):
         from sparkpack.formats.gguf_file import TensorInfo

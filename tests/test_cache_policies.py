@@ -10,7 +10,7 @@ import pytest
 from sparkpack.calibrate.cache_policies import POLICIES, simulate
 from sparkpack.calibrate.evaluate import cold_rate, cold_rate_lru
 from sparkpack.calibrate.trace import read_trace
-from sparkpack.formats.placement import ADMIT_MIN
+from sparkpack.formats.cache_policy import ADMIT_MIN
 
 from tests.test_calibrate import invoke
 

@@ -16,7 +16,8 @@ import torch
 from bench.naive_store import NaiveStore
 from sparkpack.formats.sparkpack import Pack
 from sparkpack.runtime.expert_pools import DiskTier, HostPool
-from sparkpack.runtime.expert_store import ExpertStore, GGUFSource
+from sparkpack.runtime.expert_source import GGUFSource
+from sparkpack.runtime.expert_store import ExpertStore
 from sparkpack.runtime.generate import Session, generate
 from sparkpack.runtime.models import StoreOptions, load_model, plan_store
 

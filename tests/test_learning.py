@@ -73,9 +73,9 @@ def test_swaps_keep_results_bit_identical(model_path, tmp_path, monkeypatch, mod
     every expert's bytes are where the table says (device pool, or the host pool range the
     promoted expert left), and the same requests give the same bits and tokens. (The staging
     buffer is made to hold one expert: every swap is its own batch.)"""
-    from sparkpack.runtime import expert_store
+    from sparkpack.runtime import expert_replacement
 
-    monkeypatch.setattr(expert_store, "SWAP_STAGING_BYTES", 1)
+    monkeypatch.setattr(expert_replacement, "SWAP_STAGING_BYTES", 1)
     model = load(model_path, tmp_path, hot_fraction, mode)
     store = model.experts
     session = Session(model, ctx=64)

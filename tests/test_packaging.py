@@ -83,6 +83,28 @@ def test_imports_follow_the_data_flow():
     assert set(ALLOWED) == {n.removeprefix("sparkpack.") for n in cfg if n.count(".") == 1}, "a new stage needs its row"
 
 
+def test_the_cache_policy_has_one_home():
+    """The expert store and the trace simulator of ``repack calibrate --eval`` run the same policy
+    code (``formats.cache_policy``): the store's modules import no policy (nothing) from calibrate,
+    and neither side defines policies of its own."""
+    runtime, calibrate = REPO / "runtime", REPO / "calibrate"
+    store = sorted(runtime.glob("expert_*.py"))
+    wrong = [f"{p.relative_to(REPO)}:{line} imports {t}" for p in store
+             for line, t in _imports(p, f"sparkpack.runtime.{p.stem}") if t.startswith("sparkpack.calibrate")]
+    assert store and not wrong, wrong
+    users = {"runtime/expert_slots.py", "runtime/expert_misses.py", "calibrate/cache_policies.py"}
+    for rel in users:
+        name = "sparkpack." + rel.removesuffix(".py").replace("/", ".")
+        assert any(t == "sparkpack.formats.cache_policy" for _, t in _imports(REPO / rel, name)), rel
+    import ast
+
+    for path in [*store, *sorted(calibrate.rglob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = {getattr(b, "id", getattr(b, "attr", "")) for b in node.bases}
+                assert "SlotPolicy" not in bases, f"{path.relative_to(REPO)}: policy {node.name} outside formats"
+
+
 def test_the_import_check_sees_what_it_checks(tmp_path):
     """The walker finds lazy, relative and `from sparkpack import x` imports (or the test above
     could pass by seeing nothing)."""

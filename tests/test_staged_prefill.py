@@ -24,7 +24,8 @@ from sparkpack.formats.placement import Budget, default_cache_slots, plan_reside
 from sparkpack.runtime.expert_pools import layout_pool
 from sparkpack.runtime.expert_slots import NOT_RESIDENT
 from sparkpack.runtime.expert_staging import cold_spans, staged_row, staging_units
-from sparkpack.runtime.expert_store import ExpertStore, GGUFSource
+from sparkpack.runtime.expert_source import GGUFSource
+from sparkpack.runtime.expert_store import ExpertStore
 from sparkpack.runtime.generate import Session
 from sparkpack.runtime.models import StoreOptions, load_model
 
@@ -526,7 +527,7 @@ def test_a_vram_budget_allocates_the_planned_staging(synth_model):
         + default_cache_slots(spec) * full.cache_slot_bytes
     model = load_model(path, device="cuda", dtype=torch.bfloat16,
                        store=StoreOptions(vram=fixed + full.hot_bytes * 3 // 4, ctx=512))
-    plan, store = model.residency, model.experts
+    plan, store = model.residency, model.store
     if not store.fused_all:
         pytest.skip("not every expert layer has fused-kernel quant types")
     assert plan.staging_bytes > 0 and store.staging is not None and store.staging.nbytes == plan.staging_bytes

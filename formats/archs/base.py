@@ -45,6 +45,32 @@ class NextNHead:
         return {n for roles in self.expert_tensors.values() for n in roles.values()}
 
 
+@dataclass(frozen=True)
+class RopeShape:
+    """A rotary embedding: over the first ``dim`` channels of a head, base ``freq_base``;
+    ``sections``: multimodal rope's sections (empty: plain rope)."""
+
+    dim: int
+    freq_base: float
+    sections: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class DeltaNetShape:
+    """A linear-attention (Gated DeltaNet) layer's shape: ``n_v`` value heads of ``d_v`` over
+    ``n_k`` key groups of state width ``d_k``, and the causal conv's kernel."""
+
+    conv_kernel: int
+    n_k: int  # ssm.group_count
+    d_k: int  # ssm.state_size
+    n_v: int  # ssm.time_step_rank
+    inner: int  # ssm.inner_size: n_v * d_v
+
+    @property
+    def d_v(self) -> int:
+        return self.inner // max(self.n_v, 1)
+
+
 @dataclass
 class ModelSpec:
     arch: str
@@ -72,6 +98,30 @@ class ModelSpec:
     def head_tensor_names(self) -> frozenset[str]:
         """The tensors of the MTP head (empty without one): loaded only when the head is."""
         return self.nextn.tensors if self.nextn is not None else frozenset()
+
+    @property
+    def rope(self) -> RopeShape:
+        """The rope of (full-attention) layers (an arch with rope reads and checks it)."""
+        h = self.hparams
+        return RopeShape(int(h["rope_dim"]), float(h["rope_freq_base"]), tuple(int(s) for s in h.get("rope_sections") or ()))
+
+    @property
+    def rope_swa(self) -> RopeShape:
+        """The rope of sliding-window layers, where the arch has its own for them."""
+        h = self.hparams
+        return RopeShape(int(h["rope_dim_swa"]), float(h["rope_freq_base_swa"]))
+
+    @property
+    def deltanet(self) -> DeltaNetShape:
+        """The linear-attention layers' shape (an arch that has them reads and checks it)."""
+        h = self.hparams
+        return DeltaNetShape(int(h["ssm_conv_kernel"]), int(h["ssm_group_count"]), int(h["ssm_state_size"]),
+                             int(h["ssm_time_step_rank"]), int(h["ssm_inner_size"]))
+
+    @property
+    def norm_topk(self) -> bool:
+        """The router renormalises its top-k weights (``expert_weights_norm``)."""
+        return bool(self.hparams["norm_topk"])
 
     @property
     def sliding_window(self) -> int:

@@ -55,16 +55,16 @@ def build(model) -> ModelSpec:
 
 
 def tensors(spec: ModelSpec) -> list[Expected]:
-    hp, e = spec.hparams, spec.n_embd
-    n_v, d_state = hp["ssm_time_step_rank"], hp["ssm_state_size"]
-    key_dim, value_dim = d_state * hp["ssm_group_count"], d_state * n_v
+    d, e = spec.deltanet, spec.n_embd
+    n_v, d_state = d.n_v, d.d_k
+    key_dim, value_dim = d_state * d.n_k, d_state * n_v
     out = globals_(spec)
     for il, kind in enumerate(spec.layers):
         p = f"blk.{il}."
         out += [one(p + "attn_norm.weight", e), one(p + "post_attention_norm.weight", e)]
         if kind.attention == LINEAR:
             out += [one(p + "attn_qkv.weight", e, 2 * key_dim + value_dim), one(p + "attn_gate.weight", e, value_dim),
-                    one(p + "ssm_conv1d.weight", hp["ssm_conv_kernel"], 2 * key_dim + value_dim),
+                    one(p + "ssm_conv1d.weight", d.conv_kernel, 2 * key_dim + value_dim),
                     one(p + "ssm_dt.bias", n_v), one(p + "ssm_a", n_v), one(p + "ssm_beta.weight", e, n_v),
                     one(p + "ssm_alpha.weight", e, n_v), one(p + "ssm_norm.weight", d_state),
                     one(p + "ssm_out.weight", value_dim, e)]

@@ -10,7 +10,7 @@ from sparkpack.formats.archs import model_spec
 from sparkpack.formats.errors import UnsupportedError
 from sparkpack.formats.gguf_file import GGUFModel
 
-from ..experts import ExpertProvider, GGUFExperts, PackExperts
+from ..experts import ExpertProvider, GGUFExperts
 from ..residency import StoreOptions
 from ..weights import PackSource
 from .base import MoEModel
@@ -30,7 +30,7 @@ def load_model(path: str | os.PathLike[str] | GGUFModel, device: torch.device | 
     Without ``store`` experts are expanded on first use (``expert_cache_bytes`` bounds what stays
     expanded; None keeps all): the simple path, used on CPU. With ``store`` the tiered expert store
     holds them quantized (hot set, cache slots, host tier) as ``store`` asks; the plan is kept on
-    the model as ``model.residency`` and the profile it was placed with (and, learning, the
+    the model as ``model.residency`` (the store as ``model.store``) and the profile it was placed with (and, learning, the
     profile file to learn into) as ``model.start_profile``."""
     from sparkpack.formats.sparkpack import Pack, is_pack
 
@@ -49,12 +49,11 @@ def load_model(path: str | os.PathLike[str] | GGUFModel, device: torch.device | 
 
         start = start_profile(store, Path(source.path), identity_of(source), spec)
         experts, residency = open_store(source, pack, spec, device, dtype, store, start)
-    elif pack is not None:
-        experts = PackExperts(source, spec, device, dtype, max_bytes=expert_cache_bytes)  # type: ignore[arg-type]
     else:
         experts = GGUFExperts(source, spec, device, dtype, max_bytes=expert_cache_bytes)  # type: ignore[arg-type]
     model = cls(source, spec, device=device, dtype=dtype, experts=experts)  # type: ignore[arg-type]
     model.residency = residency
+    model.store = experts if store is not None else None  # type: ignore[assignment]
     model.start_profile = start
     if store is not None:  # a budget must fail (or hold) at load, not in the middle of a reply
         from sparkpack.formats.experts import expert_tensor_names
@@ -86,10 +85,10 @@ def plan_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOption
     (``runtime.residency.StartProfile``; None: the one ``opts`` names or finds)."""
     from sparkpack.formats.placement import plan_residency
 
-    from ..expert_store import GGUFSource, PackSourceExperts
+    from ..expert_source import GGUFSource, PackExpertSource
     from ..residency import identity_of, memory_target, start_profile
 
-    experts_src = PackSourceExperts(pack, spec) if pack is not None else GGUFSource(source, spec)
+    experts_src = PackExpertSource(pack, spec) if pack is not None else GGUFSource(source, spec)
     if start is None:
         start = start_profile(opts, Path(source.path), identity_of(source), spec)
     residency = plan_residency(spec, source.tensors, opts.budget, memory_target(device, dtype, spec, opts),

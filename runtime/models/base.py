@@ -9,6 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,11 @@ from ..layers import (Normed, Rope, Rows, attend_buffers, causal_sdpa_after, ffn
                       fused_sdpa_runs, norm_rows, output_gate, silu_mul)
 from ..quant_linear import QuantLinear, linear
 from ..weights import Weights, quantizes_dense
+
+if TYPE_CHECKING:
+    from sparkpack.formats.placement import ResidencyPlan
+
+    from ..expert_store import ExpertStore
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,11 @@ class Call:
 
 class MoEModel(ABC):
     arch = ""
-    residency = None  # the expert store's plan (formats.placement.ResidencyPlan) when one is used
+    # The tiered expert store when the experts are one (``experts`` is then the store, or a tap
+    # wrapping it while calibrating), with its plan; None on the plain path. Code that needs the
+    # store's own methods (statistics, re-placement, traces) asks ``store``, never ``experts``.
+    store: ExpertStore | None = None
+    residency: ResidencyPlan | None = None
     start_profile = None  # the profile it was placed with / learns into (runtime.residency.StartProfile)
     ffn_norm = "ffn_norm"  # the norm in front of a block's MoE (``blk.N.<ffn_norm>.weight``)
     # Projections of one input that run as one GEMM (``project``): per layer, the members of a

@@ -105,15 +105,11 @@ class Qwen35MoE(MoEModel):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        hp = self.spec.hparams
-        sections = tuple(int(s) for s in hp.get("rope_sections") or ())
-        self.rope = Rope(hp["rope_dim"], rope_inv_freq(hp["rope_freq_base"], hp["rope_dim"]), 1.0, sections)
-        self.kernel = int(hp["ssm_conv_kernel"])
-        self.n_k = int(hp["ssm_group_count"])
-        self.d_k = int(hp["ssm_state_size"])
-        self.n_v = int(hp["ssm_time_step_rank"])
-        self.d_v = int(hp["ssm_inner_size"]) // self.n_v
-        self.norm_topk = bool(hp["norm_topk"])  # expert_weights_norm, read and checked by the spec
+        rope = self.spec.rope
+        self.rope = Rope(rope.dim, rope_inv_freq(rope.freq_base, rope.dim), 1.0, rope.sections)
+        d = self.spec.deltanet
+        self.kernel, self.n_k, self.d_k, self.n_v, self.d_v = d.conv_kernel, d.n_k, d.d_k, d.n_v, d.d_v
+        self.norm_topk = self.spec.norm_topk
         self._mtp: "MTPHead | None" = None
 
     def load_mtp(self) -> "MTPHead":

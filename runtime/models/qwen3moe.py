@@ -16,9 +16,9 @@ class Qwen3MoE(MoEModel):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        hp = self.spec.hparams
-        self.rope = Rope(hp["rope_dim"], rope_inv_freq(hp["rope_freq_base"], hp["rope_dim"]))
-        self.norm_topk = bool(hp["norm_topk"])  # expert_weights_norm, read and checked by the spec
+        rope = self.spec.rope
+        self.rope = Rope(rope.dim, rope_inv_freq(rope.freq_base, rope.dim))
+        self.norm_topk = self.spec.norm_topk
 
     def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: "int | torch.Tensor", pre: Normed | None
               ) -> tuple[torch.Tensor, Normed | None]:

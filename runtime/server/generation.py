@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sparkpack.formats.errors import SparkpackError
 
@@ -35,6 +35,12 @@ from .request_log import RequestRecord, record_of
 from .schemas import Body, Sampling
 from .stream import EventStream, Finished, PlainText, Started
 
+if TYPE_CHECKING:
+    from ..learning import LiveLearning
+    from ..models.base import MoEModel
+    from ..routing_trace import TraceRecorder
+    from ..tokenizer import GGUFTokenizer
+
 # Test-only body fields, honoured with spark-run --serve's hidden --test-hooks: the text the
 # engine teacher-forces (the model runs; only the choice of each token is overridden), and a
 # message the engine thread raises after the prefill (the internal-error path).
@@ -47,8 +53,8 @@ class Served:
     """The loaded model and everything routes need about it."""
 
     name: str
-    model: Any  # runtime.models.base.MoEModel
-    tokenizer: Any  # runtime.tokenizer.GGUFTokenizer
+    model: MoEModel
+    tokenizer: GGUFTokenizer
     template: ChatTemplate | None
     syntax: ToolSyntax
     ctx: int
@@ -57,8 +63,8 @@ class Served:
     metrics: ServerMetrics
     test_hooks: bool = False
     max_tokens: int | None = None  # spark-run --max-tokens: the cap of requests that set none (else the context)
-    learning: Any = None  # runtime.learning.LiveLearning: learns the placement (None without the store)
-    trace: Any = None  # runtime.routing_trace.TraceRecorder (--trace-out)
+    learning: LiveLearning | None = None  # learns the placement (None without the store)
+    trace: TraceRecorder | None = None  # --trace-out
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_tokens: PromptTokens = field(init=False)  # rendered prompts' tokens, reused turn to turn
     grammars: SchemaGrammars = field(init=False)  # structured outputs' schemas -> token masks

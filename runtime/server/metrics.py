@@ -85,10 +85,10 @@ class ServerMetrics:
     def _store_counts(self) -> dict[str, int]:
         """The expert store's counters now (empty without a store: the CPU path has none)."""
         model = self.model
-        if model is None or model.residency is None:
+        if model is None or model.store is None:
             return {}
-        model.experts.flush()  # counts still on the device, or a deferred step's (the engine's thread)
-        counts = dataclasses.asdict(model.experts.stats)  # a runtime.expert_stats.StoreStats
+        model.store.flush()  # counts still on the device, or a deferred step's (the engine's thread)
+        counts = dataclasses.asdict(model.store.stats)
         return {name: int(counts[name]) for name in (*STORE_ROUTINGS.values(), "tokens", "bytes_streamed")}
 
     def observe_store(self) -> None:

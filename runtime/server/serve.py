@@ -295,7 +295,7 @@ def serve_from_cli(opts: RunOptions, serve: ServeOptions, report_residency: Call
         serve.test_hooks.mkdir(parents=True, exist_ok=True)
 
     def loaded(model) -> None:
-        if model.residency is not None:
+        if model.store is not None:
             report_residency(model)
 
     check_model_index(opts.model_path)
