@@ -29,7 +29,7 @@ import torch
 
 from sparkpack.formats.units import fmt_size, parse_size
 from sparkpack.runtime.generate import Session
-from sparkpack.runtime.models import StoreOptions, load_model, open_store
+from sparkpack.runtime.models import SessionOptions, StoreOptions, load_model, open_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench/ importable
 from bench.prefill_profile import ids_of, timed_feed  # noqa: E402
@@ -87,10 +87,10 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=out / "staged_prefill.json")
     a = ap.parse_args()
     ctx = max(a.tokens) + 64
-    opts = StoreOptions(vram=a.vram, hot_fraction=a.hot_fraction, profile=a.profile, ctx=ctx, prefill_chunk=a.chunk,
-                        stage_tokens=1)
+    opts = StoreOptions(vram=a.vram, hot_fraction=a.hot_fraction, profile=a.profile, stage_tokens=1)
+    session = SessionOptions(ctx=ctx, prefill_chunk=a.chunk)
     t0 = time.perf_counter()
-    model = load_model(a.model, device="cuda", dtype=torch.bfloat16, store=opts)
+    model = load_model(a.model, device="cuda", dtype=torch.bfloat16, store=opts, session=session)
     store, plan = model.experts, model.residency
     d = store.describe()
     print(f"loaded {a.model.name} in {time.perf_counter() - t0:.0f} s: {d['hot_experts']}/{d['experts']} hot "
@@ -115,7 +115,7 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         model.experts, _ = open_store(model.gguf, None, model.spec, model.device, model.dtype,
-                                      StoreOptions(hot_fraction=1.0, ctx=ctx, prefill_chunk=a.chunk))
+                                      StoreOptions(hot_fraction=1.0), session=session)
         for n in a.tokens:
             all_gpu[n] = measure(model, n, a.chunk)["tok_s"]
             print(f"N={n:6} all-GPU: {all_gpu[n]:7.0f} tok/s", flush=True)

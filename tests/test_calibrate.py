@@ -21,6 +21,7 @@ from sparkpack.formats.archs import model_spec
 from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.repack.calibrate_cmd import calibrate_cmd
 from sparkpack.runtime.calibration import open_router
+from sparkpack.runtime.options import run_options
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_CORPORA = REPO / ".." / "shared" / "corpora"
@@ -59,7 +60,7 @@ def renderer_of(path: Path):
     """The renderer calibrate uses for this model: its template and tokenizer."""
     from sparkpack.calibrate.render import ChatRenderer
 
-    router = open_router(path, "cpu", ctx=512, prefill_chunk=512)
+    router = open_router(run_options(path, device="cpu", ctx=512, prefill_chunk=512, no_learn=True))
     return ChatRenderer(router.tokenizer, router.render_chat)
 
 
@@ -185,7 +186,7 @@ def test_refused_conversations_are_reported_and_not_recounted_on_resume(synth_mo
     convs = [Conversation(messages=[{"role": "user", "content": t}], source="t") for t in ("a b", "REFUSE", "c d")]
 
     def replayer() -> Replayer:
-        router = open_router(path, "cpu", ctx=64, prefill_chunk=16)
+        router = open_router(run_options(path, device="cpu", ctx=64, prefill_chunk=16, no_learn=True))
         tmpl = ChatTemplate.from_tokenizer(gguf.get("tokenizer.chat_template"), router.tokenizer)
 
         def render(messages, **kw):
