@@ -45,7 +45,7 @@ if TYPE_CHECKING:
               show_default=True, help="Tokens per forward call, as spark-run's --prefill-chunk.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--vram", type=SizeParam(), help="GPU memory budget: replay through the expert store on a GPU that "
-              "cannot hold the model (hot experts sized to fit, the rest streamed from RAM).")
+              "cannot hold the model (hot experts sized to fit, the rest read from RAM).")
 @click.option("--host-ram", type=SizeParam(), help="Pinned host memory for cold experts [80% of available]; "
               "less than they need reads them from disk.")
 @click.option("--hot-fraction", type=click.FloatRange(0, 1), help="Share of expert bytes kept on the GPU.")

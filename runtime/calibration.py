@@ -30,11 +30,11 @@ from sparkpack.formats.archs import ModelSpec
 from sparkpack.formats.memory import call_rows
 
 from .chat_template import ChatTemplate
-from .cli import report_residency
 from .experts import ExpertProvider
 from .generate import Session
 from .models.base import MoEModel
 from .options import RunOptions, open_model
+from .run_report import report_residency
 from .tokenizer import GGUFTokenizer
 
 if TYPE_CHECKING:

@@ -164,11 +164,6 @@ class RunOptions:
         """The cap of a one-shot run's or the chat's reply."""
         return self.max_tokens if self.max_tokens is not None else ONE_SHOT_MAX_TOKENS
 
-    @property
-    def learn(self) -> LearnOptions | None:
-        """The learner's options (None: no store, or --no-learn)."""
-        return self.store.learn if self.store is not None else None
-
 
 def run_options(model_path: Path, *, device: str = "auto", dtype: str = "auto", threads: int | None = None,
                 dequant_limit: int = DEFAULT_DEQUANT_LIMIT, use_store: bool | None = None,

@@ -59,10 +59,12 @@ class ForcedReplies:
             served.learning.save_when_idle = True
 
     def sampler(self, job):
+        from sparkpack.runtime.server.engine import own_sampler
+
         forced = job.extra.get(FORCED)
         if isinstance(forced, str):
             return ForcedTokens(self.tokenizer.encode(forced, add_special=False), self.tokenizer.end_of_turn)
-        return job.sampling.sampler(len(job.ids))
+        return own_sampler(job)
 
     def after_prefill(self, job, logits) -> None:
         import numpy as np
@@ -79,17 +81,19 @@ class DumpAtEnd:
     response ends (a client that got its answer finds them there), unless generation failed."""
 
     def __init__(self, job, path: Path):
-        self.job, self.path, self.inner = job, path, job.sink
+        self.prompt, self.path, self.inner = job.ids, path, job.sink
+        self.tokens: list[int] = []
 
     def started(self, outcome) -> None:
         self.inner.started(outcome)
 
     def token(self, token_id: int) -> bool:
+        self.tokens.append(token_id)
         return self.inner.token(token_id)
 
     def end(self, outcome) -> None:
         if outcome.finish != "error":
-            self.path.write_text(json.dumps({"prompt": self.job.ids, "tokens": self.job.generated}))
+            self.path.write_text(json.dumps({"prompt": self.prompt, "tokens": self.tokens}))
         self.inner.end(outcome)
 
 
@@ -98,7 +102,7 @@ def main() -> None:
     import click
 
     from sparkpack.formats.errors import cli_entry
-    from sparkpack.runtime.cli import report_residency, run_cmd, running
+    from sparkpack.runtime.cli import run_cmd, running
     from sparkpack.runtime.options import run_options
     from sparkpack.runtime.server.serve import serve_from_cli
 
@@ -108,7 +112,7 @@ def main() -> None:
         opts = run_options(model_path, serve=True, **flags)
         replies = ForcedReplies(folder, save_when_idle=flags["profile_save_every"] == 0)
         with running(opts):
-            serve_from_cli(opts, report_residency, replies.hooks)
+            serve_from_cli(opts, replies.hooks)
 
     params = [click.Argument(["folder"], type=click.Path(file_okay=False, path_type=Path)),
               *(p for p in run_cmd.params if p.name not in prompt_only)]

@@ -79,7 +79,6 @@ class Job:
     # the request body's fields outside the API's schema: no product code reads them; a sampler or
     # hook injected into the engine may (the tests' forced replies: tests/hooked_server.py)
     extra: dict[str, Any] = field(default_factory=dict)
-    generated: list[int] = field(default_factory=list)  # the tokens generated so far
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -227,7 +226,6 @@ class Engine:
         with contextlib.closing(continue_tokens(session, logits, sampler, job.max_new, self.stop_ids,
                                                 job.constraint)) as tokens:
             for n, tok in enumerate(tokens, 1):
-                job.generated.append(tok)
                 if outcome.first_token_seconds is None:
                     outcome.first_token_seconds = time.perf_counter() - job.arrived
                 outcome.completion_tokens = n

@@ -281,11 +281,12 @@ def release(device) -> None:
         torch.cuda.empty_cache()
 
 
-def serve_from_cli(opts: RunOptions, report_residency: Callable[[object], None],
-                   hooks: ServeHooks = ServeHooks()) -> None:
+def serve_from_cli(opts: RunOptions, hooks: ServeHooks = ServeHooks()) -> None:
     """spark-run's --serve branch: the run's sampling options become the requests' defaults, and
     --max-tokens (when given) the output cap of requests that set none."""
     opts.sampling.sampler(0)  # a bad setting is a one-line error now, not a 500 on every request
+
+    from ..run_report import report_residency
 
     def loaded(model) -> None:
         if model.residency is not None:
