@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -89,7 +89,7 @@ def calibrate_cmd(model_path: Path, **flags: Any) -> None:
         """The model, opened to route (the one place the runtime is reached)."""
         from sparkpack.runtime.calibration import open_router
 
-        r = open_router(opts.model, record)
+        r = open_router(opts.router.run_options(opts.model_path), record)
         warm = r.warm_up()
         if warm is not None:
             click.echo(f"warmed up in {warm:.2f} s", err=True)
@@ -100,6 +100,25 @@ def calibrate_cmd(model_path: Path, **flags: Any) -> None:
         return
     assert opts.job is not None
     run_calibrate(opts, spec, identity, lambda: router(opts.job.trace_path is not None))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterOptions:
+    """How the model is opened to route windows, in spark-run's flags of those names; translated
+    by ``runtime.options.run_options`` when it is opened (an ``--eval`` of a trace never is)."""
+
+    device: str = "auto"
+    ctx: int = 4096
+    prefill_chunk: int = PREFILL_CHUNK
+    vram: int | None = None
+    host_ram: int | None = None
+    hot_fraction: float | None = None
+
+    def run_options(self, model_path: Path) -> "RunOptions":
+        """Learning off: calibration writes its own profile."""
+        from sparkpack.runtime.options import run_options
+
+        return run_options(model_path, **asdict(self), no_learn=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,11 +136,11 @@ class EvalOptions:
 @dataclass(frozen=True, kw_only=True)
 class CalibrateOptions:
     """What ``repack calibrate`` was asked, translated once from its flags (``calibrate_options``):
-    the model as spark-run's options open it (``runtime.options.RunOptions``: device, budget,
-    context and calls; learning off, calibration writes its own profile), and either the
-    replay (``job``, calibrate's own) or the evaluation."""
+    the model and how it is opened to route, and either the replay (``job``, calibrate's own) or
+    the evaluation."""
 
-    model: RunOptions
+    model_path: Path
+    router: RouterOptions
     job: CalibrationJob | None = None
     evaluation: EvalOptions | None = None
     merge: bool = False
@@ -139,14 +158,13 @@ def calibrate_options(model_path: Path, *, corpus: Path | None = None, output: P
                       as_json: bool = False, quiet: bool = False, stop_after: int | None = None) -> CalibrateOptions:
     """The command's flags (as click names them) as one ``CalibrateOptions``."""
     from sparkpack.calibrate.job import CalibrationJob
-    from sparkpack.runtime.options import run_options
 
     if eval_path is not None and corpus is not None:
         raise SparkpackError(None, "give either --corpus (calibrate) or --eval (evaluate), not both")
     if eval_path is None and corpus is None:
         raise SparkpackError(None, "--corpus is required (a file or folder of traffic to replay), or use --eval")
-    model = run_options(model_path, device=device, ctx=ctx, prefill_chunk=prefill_chunk, vram=vram, host_ram=host_ram,
-                        hot_fraction=hot_fraction, no_learn=True)
+    router = RouterOptions(device=device, ctx=ctx, prefill_chunk=prefill_chunk, vram=vram, host_ram=host_ram,
+                           hot_fraction=hot_fraction)
     job = evaluation = None
     if eval_path is not None:
         evaluation = EvalOptions(heldout=eval_path, profile=profile_path or default_profile_path(model_path),
@@ -155,7 +173,7 @@ def calibrate_options(model_path: Path, *, corpus: Path | None = None, output: P
         job = CalibrationJob(corpus=corpus, output=output or default_profile_path(model_path), ctx=ctx,
                              prefill_chunk=prefill_chunk, max_tokens=max_tokens, trace_path=trace_path, strict=strict,
                              resume=resume, stop_after=stop_after)
-    return CalibrateOptions(model=model, job=job, evaluation=evaluation, merge=merge, force=force, decay=decay,
+    return CalibrateOptions(model_path=model_path, router=router, job=job, evaluation=evaluation, merge=merge, force=force, decay=decay,
                             quiet=quiet)
 
 
@@ -238,7 +256,7 @@ def run_eval(gguf: "GGUFModel", spec: "ModelSpec", identity: "ModelIdentity", op
     def replay():
         router = connect()
         return heldout_routings(router, ChatRenderer(router.tokenizer, router.render_chat), eval_path,
-                                opts.model.session.ctx, _Bars(opts.quiet), ev.strict, max_tokens)
+                                opts.router.ctx, _Bars(opts.quiet), ev.strict, max_tokens)
 
     held = heldout(eval_path, identity, spec, replay, max_tokens)
     nbytes = {il: expert_nbytes(gguf, spec, il) for il in spec.moe_layers}

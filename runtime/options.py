@@ -11,9 +11,10 @@ flags (``run_options``) and read by each layer directly.
     ├── learning: LearningFlags  around the learner: bootstrap replay, routing trace
     └── serve: ServeOptions    the HTTP server (None: a one-shot run or the chat)
 
-A field keeps its flag's name (``--miss-mode`` is ``store.miss_mode``), so an option is one
-flag and one field, not a parameter threaded and renamed through every caller. Every dataclass
-is keyword-only. The planner's inputs (``formats.placement.Budget``, ``formats.memory.MemoryTarget``)
+A field keeps its flag's name (``--miss-mode`` is ``store.miss_mode``; ``LearnOptions`` names
+its units: ``--half-life`` is ``half_life_tokens``, ``--profile-save-every`` ``save_every_s``), so
+an option is one flag and one field, not a parameter threaded and renamed through every caller.
+Every dataclass is keyword-only. The planner's inputs (``formats.placement.Budget``, ``formats.memory.MemoryTarget``)
 are formats' own, derived from this tree where the store plans (``runtime.residency``), because
 ``repack split`` plans with them too.
 

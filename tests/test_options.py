@@ -87,3 +87,16 @@ def test_request_fields_are_the_sampling_options():
     from sparkpack.runtime.server.schemas import Sampling
 
     assert set(Sampling.model_fields) == {f.name for f in dataclasses.fields(SamplingOptions)}
+
+
+def test_calibrate_opens_the_model_as_spark_run_does():
+    """repack calibrate's model flags are spark-run's of those names, learning off."""
+    from sparkpack.repack.calibrate_cmd import calibrate_options
+
+    opts = calibrate_options(Path("m.gguf"), corpus=Path("logs"), device="cpu", ctx=512, prefill_chunk=64,
+                             hot_fraction=0.5, host_ram=2**30)
+    assert opts.router.run_options(opts.model_path) == parsed(
+        "--device", "cpu", "--ctx", "512", "--prefill-chunk", "64", "--hot-fraction", "0.5", "--host-ram", "1GiB",
+        "--no-learn")
+    with pytest.raises(SparkpackError, match="either --corpus"):
+        calibrate_options(Path("m.gguf"), corpus=Path("logs"), eval_path=Path("held.trace"))
