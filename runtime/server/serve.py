@@ -102,9 +102,9 @@ def build_served(model, opts: RunOptions, *, hooks: ServeHooks = ServeHooks(),
     metrics.conversations = conversations
     engine = Engine(session, tok.stop_ids, on_job=on_job, between=learning, conversations=conversations,
                     sampler=hooks.sampler or own_sampler, after_prefill=hooks.after_prefill)
-    served = Served(model_name(opts.model_path), model, tok, template, tool_syntax_for(model.spec.arch, source or ""),
-                    opts.session.ctx, opts.sampling, engine, metrics, max_tokens=opts.max_tokens, learning=learning,
-                    trace=trace)
+    served = Served(name=model_name(opts.model_path), model=model, tokenizer=tok, template=template,
+                    syntax=tool_syntax_for(model.spec.arch, source or ""), ctx=opts.session.ctx, defaults=opts.sampling,
+                    engine=engine, metrics=metrics, max_tokens=opts.max_tokens, learning=learning, trace=trace)
     if hooks.loaded is not None:
         hooks.loaded(served)
     return served
