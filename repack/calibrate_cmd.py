@@ -141,11 +141,11 @@ class CalibrateOptions:
 
     model_path: Path
     router: RouterOptions
-    job: CalibrationJob | None = None
-    evaluation: EvalOptions | None = None
-    merge: bool = False
-    force: bool = False
+    job: CalibrationJob | None = None  # --corpus
+    merge: bool = False  # ... into the existing profile, its counts weighted by decay
     decay: float = 0.5
+    force: bool = False
+    evaluation: EvalOptions | None = None  # --eval
     quiet: bool = False
 
 
