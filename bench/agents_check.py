@@ -6,7 +6,8 @@ arch: ``bash bench/agents_check.sh`` installs the pinned clients and runs this.
 
 ``DIR`` holds what agents_check.sh installed (``claude-code-VERSION/``, ``codex/``, ``opencode/``,
 ``aider/`` with their executables). For each arch a synthetic model is written (``repack synth``),
-one server started on the CPU with the hidden ``--test-hooks``, and each client run in turn
+one server started on the CPU through tests/hooked_server.py (spark-run --serve with replies
+that can be forced), and each client run in turn
 through ``agents_proxy`` (which scripts the replies: a tiny random model writes random text) with
 a throwaway HOME and work folder, non-interactively:
 

@@ -1,9 +1,9 @@
 """A proxy between a real agent CLI and a real ``spark-run --serve`` that records every request
 and scripts the replies, for ``bench/agents_check.py``.
 
-A tiny random model writes random text, so a client's tool loop would never start. The server's
-hidden ``--test-hooks`` teacher-force a reply given in a body field no real client sends; this
-proxy adds that field. The reply comes from a script named by a marker in the user's prompt
+A tiny random model writes random text, so a client's tool loop would never start. The server,
+started through tests/hooked_server.py, teacher-forces a reply given in a body field no real
+client sends; this proxy adds that field. The reply comes from a script named by a marker in the user's prompt
 (``[agents-check:NAME]``), read in every dialect (Anthropic messages, OpenAI chat, Responses):
 the script sees how many tool results followed the marked prompt and the tools offered, and
 answers with the text the model is made to write (a tool call in the model's own syntax, or
@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from sparkpack.runtime.server.generation import FORCED_OUTPUT_FIELD
+from tests.hooked_server import FORCED  # (agents_check.py puts the repository on the path)
 
 MARKER = re.compile(r"\[agents-check:([a-z0-9-]+)\]")
 # Headers worth keeping in a recording (what a server may branch on); the key is never kept.
@@ -193,7 +193,7 @@ def create_proxy(upstream: str, reply: Callable[[Turn, str], str | None], record
             ex.script = turn.script
             ex.forced = reply(turn, path)
             if ex.forced is not None:
-                raw = json.dumps({**body, FORCED_OUTPUT_FIELD: ex.forced}).encode()
+                raw = json.dumps({**body, FORCED: ex.forced}).encode()
         query = scope.get("query_string", b"").decode()
         request = client.build_request(scope["method"], path + (f"?{query}" if query else ""), headers=forward,
                                        content=raw)

@@ -88,9 +88,10 @@ def prefill_child(a: argparse.Namespace) -> None:
     import torch
 
     from sparkpack.runtime.calibration import open_router
+    from sparkpack.runtime.options import run_options
     from sparkpack.runtime.generate import Session
 
-    router = open_router(a.model, a.device, a.ctx, a.prefill_chunk)
+    router = open_router(run_options(a.model, device=a.device, ctx=a.ctx, prefill_chunk=a.prefill_chunk, no_learn=True))
     session = router.session
     sync = torch.cuda.synchronize if router.model.device.type == "cuda" else (lambda: None)
     if router.model.device.type == "cuda":

@@ -29,7 +29,7 @@ import torch
 
 from sparkpack.formats.memory import PREFILL_CHUNK, PREFILL_GRAPH_TOKENS, prefill_activation_bytes, prefill_graph_bytes
 from sparkpack.runtime.generate import Session
-from sparkpack.runtime.models import StoreOptions, load_model
+from sparkpack.runtime.models import SessionOptions, StoreOptions, load_model
 
 
 def prompt(n: int, n_vocab: int) -> list[int]:
@@ -128,7 +128,8 @@ def main() -> None:
     ctx = max(args.depths) + args.tokens + 8
     t0 = time.perf_counter()
     model = load_model(args.model, device="cuda", dtype=torch.bfloat16,
-                       store=StoreOptions(hot_fraction=1.0, cache_slots=0, mode="zerocopy", ctx=ctx))
+                       store=StoreOptions(hot_fraction=1.0, cache_slots=0, miss_mode="zerocopy"),
+                       session=SessionOptions(ctx=ctx))
     print(f"loaded {args.model.name} in {time.perf_counter() - t0:.1f} s", flush=True)
     res: dict = {"model": args.model.name, "device": torch.cuda.get_device_name(), "decode": [], "prefill": []}
     for depth in args.depths:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from sparkpack.runtime.generate import Session
-from sparkpack.runtime.models import StoreOptions, load_model
+from sparkpack.runtime.models import SessionOptions, StoreOptions, load_model
 
 
 def ids_of(n: int, n_vocab: int, seed: int) -> list[int]:
@@ -38,11 +38,12 @@ def main() -> None:
     ap.add_argument("--profile-chunk", action="store_true")
     a = ap.parse_args()
     t0 = time.perf_counter()
-    opts = StoreOptions(hot_fraction=a.hot_fraction, ctx=a.ctx or max(a.tokens) + 64, prefill_chunk=a.chunk)
-    model = load_model(a.model, device="cuda", dtype=torch.bfloat16, store=opts)
+    opts = StoreOptions(hot_fraction=a.hot_fraction)
+    model = load_model(a.model, device="cuda", dtype=torch.bfloat16, store=opts,
+                       session=SessionOptions(ctx=a.ctx or max(a.tokens) + 64, prefill_chunk=a.chunk))
     torch.cuda.synchronize()
     print(f"load {time.perf_counter() - t0:.1f} s; hot_fraction={a.hot_fraction}", flush=True)
-    st = model.experts
+    st = model.store
 
     def streamed() -> int:
         st.flush()  # learn the deferred calls' counts first

@@ -32,7 +32,7 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.perf_counter()
     model = load_model(args.model, device="cuda", dtype=torch.bfloat16,
-                       store=StoreOptions(hot_fraction=args.hot_fraction, mode=args.mode))
+                       store=StoreOptions(hot_fraction=args.hot_fraction, miss_mode=args.mode))
     print(f"load {time.perf_counter() - t0:.1f} s", flush=True)
     session = Session(model)
     ids = list(range(100, 100 + args.prompt))

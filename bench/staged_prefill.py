@@ -29,7 +29,7 @@ import torch
 
 from sparkpack.formats.units import fmt_size, parse_size
 from sparkpack.runtime.generate import Session
-from sparkpack.runtime.models import StoreOptions, load_model, open_store
+from sparkpack.runtime.models import SessionOptions, StoreOptions, load_model, open_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench/ importable
 from bench.prefill_profile import ids_of, timed_feed  # noqa: E402
@@ -39,7 +39,7 @@ NEVER = sys.maxsize  # a threshold no call reaches: staging off
 
 def measure(model, n: int, chunk: int) -> dict:
     """tok/s of the second of two prefills of ``n`` tokens in a fresh session, and what it streamed."""
-    store = model.experts
+    store = model.store
     session = Session(model, ctx=n + 64, prefill_chunk=chunk)
     ids = ids_of(n, model.spec.n_vocab, n)
     first = timed_feed(session, ids)
@@ -87,10 +87,10 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=out / "staged_prefill.json")
     a = ap.parse_args()
     ctx = max(a.tokens) + 64
-    opts = StoreOptions(vram=a.vram, hot_fraction=a.hot_fraction, profile=a.profile, ctx=ctx, prefill_chunk=a.chunk,
-                        stage_tokens=1)
+    opts = StoreOptions(vram=a.vram, hot_fraction=a.hot_fraction, profile=a.profile, stage_tokens=1)
+    session = SessionOptions(ctx=ctx, prefill_chunk=a.chunk)
     t0 = time.perf_counter()
-    model = load_model(a.model, device="cuda", dtype=torch.bfloat16, store=opts)
+    model = load_model(a.model, device="cuda", dtype=torch.bfloat16, store=opts, session=session)
     store, plan = model.store, model.residency
     d = store.describe()
     print(f"loaded {a.model.name} in {time.perf_counter() - t0:.0f} s: {d['hot_experts']}/{d['experts']} hot "
@@ -110,12 +110,13 @@ def main() -> None:
         rows.append(row)
     all_gpu: dict[int, float] = {}
     if a.all_gpu:
-        model.experts = None
+        model.experts = model.store = None
         del store
         gc.collect()
         torch.cuda.empty_cache()
         model.experts, _ = open_store(model.gguf, None, model.spec, model.device, model.dtype,
-                                      StoreOptions(hot_fraction=1.0, ctx=ctx, prefill_chunk=a.chunk))
+                                      StoreOptions(hot_fraction=1.0), session=session)
+        model.store = model.experts
         for n in a.tokens:
             all_gpu[n] = measure(model, n, a.chunk)["tok_s"]
             print(f"N={n:6} all-GPU: {all_gpu[n]:7.0f} tok/s", flush=True)

@@ -111,8 +111,8 @@ def measure(model, cfg: Config, args: argparse.Namespace, prompt: list[int], cud
     """Swap in a fresh store for ``cfg``, warm up, then time prefill + greedy decode."""
     t0 = time.perf_counter()
     naive = cfg.mode == "naive"
-    opts = StoreOptions(hot_fraction=cfg.hot_fraction, cache_slots=cfg.cache_slots, mode="async" if naive else cfg.mode,
-                        profile=args.profile if cfg.calibrated else None)
+    opts = StoreOptions(hot_fraction=cfg.hot_fraction, cache_slots=cfg.cache_slots,
+                        miss_mode="async" if naive else cfg.mode, profile=args.profile if cfg.calibrated else None)
     if naive:
         src, residency = plan_store(model.gguf, None, model.spec, model.device, model.dtype, opts)
         store = NaiveStore(src, model.spec, model.device, model.dtype, residency.hot, residency.cache_slots)
@@ -163,7 +163,7 @@ def main() -> None:
     cuda = args.device == "cuda"
     t0 = time.perf_counter()
     model = load_model(args.model, device=args.device, dtype=torch.bfloat16 if cuda else torch.float32,
-                       store=StoreOptions(hot_fraction=1.0, cache_slots=0, mode="zerocopy"))
+                       store=StoreOptions(hot_fraction=1.0, cache_slots=0, miss_mode="zerocopy"))
     prompt = held_out_prompt(model, args.prompts, args.prompt_tokens)
     print(f"loaded {args.model.name} in {time.perf_counter() - t0:.1f} s; prompt {len(prompt)} tokens from "
           f"{args.prompts.name}, {args.tokens} decoded; profile {args.profile.name}", flush=True)

@@ -116,7 +116,7 @@ def main() -> None:
     model = open_model(opts)
     tok = GGUFTokenizer.from_metadata(model.gguf)
     template = model.gguf.get("tokenizer.chat_template")
-    session = open_session(model, opts, tok.control_ids)
+    session = open_session(model, opts.session, tok.control_ids)
     loaded = time.perf_counter() - t0
     entries = cache_entries()
     warm = session.warm_up()

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -26,6 +27,7 @@ from .outputs import check_output, reported_as
 
 if TYPE_CHECKING:
     from sparkpack.calibrate.job import CalibrationJob
+    from sparkpack.runtime.options import RunOptions
     from sparkpack.formats.archs import ModelSpec
     from sparkpack.formats.gguf_file import GGUFModel
     from sparkpack.formats.profile import ModelIdentity
@@ -43,7 +45,7 @@ if TYPE_CHECKING:
               show_default=True, help="Tokens per forward call, as spark-run's --prefill-chunk.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--vram", type=SizeParam(), help="GPU memory budget: replay through the expert store on a GPU that "
-              "cannot hold the model (hot experts sized to fit, the rest streamed from RAM).")
+              "cannot hold the model (hot experts sized to fit, the rest read from RAM).")
 @click.option("--host-ram", type=SizeParam(), help="Pinned host memory for cold experts [80% of available]; "
               "less than they need reads them from disk.")
 @click.option("--hot-fraction", type=click.FloatRange(0, 1), help="Share of expert bytes kept on the GPU.")
@@ -64,11 +66,7 @@ if TYPE_CHECKING:
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--stop-after", type=click.IntRange(min=1), hidden=True,
               help="Stop as if interrupted after N conversations (tests --resume).")
-def calibrate_cmd(model_path: Path, corpus: Path | None, output: Path | None, max_tokens: int | None, ctx: int,
-                  prefill_chunk: int, device: str, vram: int | None, host_ram: int | None,
-                  hot_fraction: float | None, resume: bool, merge: bool, force: bool, decay: float,
-                  trace_path: Path | None, strict: bool, eval_path: Path | None, profile_path: Path | None,
-                  cache_slots: int, as_json: bool, quiet: bool, stop_after: int | None) -> None:
+def calibrate_cmd(model_path: Path, **flags: Any) -> None:
     """Learn which experts your traffic uses: replay CORPUS through MODEL and count routings.
 
     \b
@@ -85,40 +83,110 @@ def calibrate_cmd(model_path: Path, corpus: Path | None, output: Path | None, ma
     gguf = GGUFModel(model_path)
     spec = model_spec(gguf)
     identity = model_identity(gguf)
+    opts = calibrate_options(model_path, **flags)
 
     def router(record: bool) -> "ModelRouter":
         """The model, opened to route (the one place the runtime is reached)."""
         from sparkpack.runtime.calibration import open_router
 
-        r = open_router(model_path, device, ctx, prefill_chunk, vram, host_ram, hot_fraction, record)
+        r = open_router(opts.router.run_options(opts.model_path), record)
         warm = r.warm_up()
         if warm is not None:
             click.echo(f"warmed up in {warm:.2f} s", err=True)
         return r
 
-    if eval_path is not None:
-        if corpus is not None:
-            raise SparkpackError(None, "give either --corpus (calibrate) or --eval (evaluate), not both")
-        run_eval(gguf, spec, identity, eval_path, profile_path or default_profile_path(model_path), ctx,
-                 lambda: router(True), cache_slots, as_json, quiet, strict, max_tokens)
+    if opts.evaluation is not None:
+        run_eval(gguf, spec, identity, opts, lambda: router(True))
         return
-    if corpus is None:
-        raise SparkpackError(None, "--corpus is required (a file or folder of traffic to replay), or use --eval")
+    assert opts.job is not None
+    run_calibrate(opts, spec, identity, lambda: router(opts.job.trace_path is not None))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterOptions:
+    """How the model is opened to route windows, in spark-run's flags of those names; translated
+    by ``runtime.options.run_options`` when it is opened (an ``--eval`` of a trace never is)."""
+
+    device: str = "auto"
+    ctx: int = 4096
+    prefill_chunk: int = PREFILL_CHUNK
+    vram: int | None = None
+    host_ram: int | None = None
+    hot_fraction: float | None = None
+
+    def run_options(self, model_path: Path) -> "RunOptions":
+        """Learning off: calibration writes its own profile."""
+        from sparkpack.runtime.options import run_options
+
+        return run_options(model_path, **asdict(self), no_learn=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalOptions:
+    """``--eval``: the held-out traffic, the profile judged, and how the result is shown."""
+
+    heldout: Path
+    profile: Path
+    cache_slots: int = 0
+    as_json: bool = False
+    strict: bool = False
+    max_tokens: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalibrateOptions:
+    """What ``repack calibrate`` was asked, translated once from its flags (``calibrate_options``):
+    the model and how it is opened to route, and either the replay (``job``, calibrate's own) or
+    the evaluation."""
+
+    model_path: Path
+    router: RouterOptions
+    job: CalibrationJob | None = None  # --corpus
+    merge: bool = False  # ... into the existing profile, its counts weighted by decay
+    decay: float = 0.5
+    force: bool = False
+    evaluation: EvalOptions | None = None  # --eval
+    quiet: bool = False
+
+
+def calibrate_options(model_path: Path, *, corpus: Path | None = None, output: Path | None = None,
+                      max_tokens: int | None = None, ctx: int = 4096, prefill_chunk: int = PREFILL_CHUNK,
+                      device: str = "auto", vram: int | None = None, host_ram: int | None = None,
+                      hot_fraction: float | None = None, resume: bool = False, merge: bool = False,
+                      force: bool = False, decay: float = 0.5, trace_path: Path | None = None, strict: bool = False,
+                      eval_path: Path | None = None, profile_path: Path | None = None, cache_slots: int = 0,
+                      as_json: bool = False, quiet: bool = False, stop_after: int | None = None) -> CalibrateOptions:
+    """The command's flags (as click names them) as one ``CalibrateOptions``."""
     from sparkpack.calibrate.job import CalibrationJob
 
-    output = output or default_profile_path(model_path)
-    job = CalibrationJob(corpus, output, ctx, prefill_chunk, max_tokens, trace_path, strict, resume, stop_after)
-    run_calibrate(job, spec, identity, lambda: router(trace_path is not None), merge, force, decay, quiet)
+    if eval_path is not None and corpus is not None:
+        raise SparkpackError(None, "give either --corpus (calibrate) or --eval (evaluate), not both")
+    if eval_path is None and corpus is None:
+        raise SparkpackError(None, "--corpus is required (a file or folder of traffic to replay), or use --eval")
+    router = RouterOptions(device=device, ctx=ctx, prefill_chunk=prefill_chunk, vram=vram, host_ram=host_ram,
+                           hot_fraction=hot_fraction)
+    job = evaluation = None
+    if eval_path is not None:
+        evaluation = EvalOptions(heldout=eval_path, profile=profile_path or default_profile_path(model_path),
+                                 cache_slots=cache_slots, as_json=as_json, strict=strict, max_tokens=max_tokens)
+    else:
+        job = CalibrationJob(corpus=corpus, output=output or default_profile_path(model_path), ctx=ctx,
+                             prefill_chunk=prefill_chunk, max_tokens=max_tokens, trace_path=trace_path, strict=strict,
+                             resume=resume, stop_after=stop_after)
+    return CalibrateOptions(model_path=model_path, router=router, job=job, evaluation=evaluation, merge=merge, force=force, decay=decay,
+                            quiet=quiet)
 
 
-def run_calibrate(job: "CalibrationJob", spec: "ModelSpec", identity: "ModelIdentity", connect: Callable[[], "ModelRouter"],
-                  merge: bool, force: bool, decay: float, quiet: bool) -> None:
+def run_calibrate(opts: CalibrateOptions, spec: "ModelSpec", identity: "ModelIdentity",
+                  connect: Callable[[], "ModelRouter"]) -> None:
     from sparkpack.calibrate.evaluate import top_share
     from sparkpack.calibrate.job import calibrate
     from sparkpack.calibrate.render import ChatRenderer
     from sparkpack.calibrate.replay import GENERATED, PROMPT
     from sparkpack.formats.profile import Profile
 
+    job, merge, force, decay = opts.job, opts.merge, opts.force, opts.decay
+    assert job is not None
     # everything that can refuse is checked before hours of replay, not after
     base = None
     if merge:
@@ -137,7 +205,7 @@ def run_calibrate(job: "CalibrationJob", spec: "ModelSpec", identity: "ModelIden
             prof.save(job.output)
 
     done = calibrate(router, ChatRenderer(router.tokenizer, router.render_chat), identity, job, save,
-                     _Bars(quiet), lambda line: click.echo(f"warning: {line}", err=True), base, decay)
+                     _Bars(opts.quiet), lambda line: click.echo(f"warning: {line}", err=True), base, decay)
     state = done.state
     if done.profile is None:
         click.echo(f"stopped after {job.stop_after} conversations; checkpoint {job.checkpoint}; rerun with --resume",
@@ -173,26 +241,28 @@ def check_corpus(job: "CalibrationJob") -> None:
         convs.close()  # (the file it stopped in)
 
 
-def run_eval(gguf: "GGUFModel", spec: "ModelSpec", identity: "ModelIdentity", eval_path: Path, profile_path: Path,
-             ctx: int, connect: Callable[[], "ModelRouter"], slots: int, as_json: bool, quiet: bool, strict: bool,
-             max_tokens: int | None) -> None:
+def run_eval(gguf: "GGUFModel", spec: "ModelSpec", identity: "ModelIdentity", opts: CalibrateOptions,
+             connect: Callable[[], "ModelRouter"]) -> None:
     from sparkpack.calibrate.evaluate import evaluate, format_table, rows_json
     from sparkpack.calibrate.job import heldout, heldout_routings, profile_to_judge
     from sparkpack.calibrate.render import ChatRenderer
     from sparkpack.formats.experts import expert_nbytes
 
+    ev = opts.evaluation
+    assert ev is not None
+    eval_path, profile_path, slots, max_tokens = ev.heldout, ev.profile, ev.cache_slots, ev.max_tokens
     prof = profile_to_judge(profile_path, identity, spec)
 
     def replay():
         router = connect()
-        return heldout_routings(router, ChatRenderer(router.tokenizer, router.render_chat), eval_path, ctx,
-                                _Bars(quiet), strict, max_tokens)
+        return heldout_routings(router, ChatRenderer(router.tokenizer, router.render_chat), eval_path,
+                                opts.router.ctx, _Bars(opts.quiet), ev.strict, max_tokens)
 
     held = heldout(eval_path, identity, spec, replay, max_tokens)
     nbytes = {il: expert_nbytes(gguf, spec, il) for il in spec.moe_layers}
     rows = evaluate(held.ids, held.generated, spec.n_expert, spec.moe_layers, prof.counts, prof.tokens, nbytes,
                     slots=slots)
-    if as_json:
+    if ev.as_json:
         click.echo(json.dumps({"model": str(gguf.path), "profile": str(profile_path), "heldout": str(eval_path),
                                "source": held.source, "tokens": int(len(held.ids)),
                                "generated_tokens": int(held.generated.sum()), "cache_slots": slots,

@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,12 +30,11 @@ from sparkpack.formats.archs import ModelSpec
 from sparkpack.formats.memory import call_rows
 
 from .chat_template import ChatTemplate
-from .cli import report_residency
 from .experts import ExpertProvider
 from .generate import Session
-from .learn_flags import LearningFlags
 from .models.base import MoEModel
-from .options import open_model, run_options, store_options
+from .options import RunOptions, open_model
+from .run_report import report_residency
 from .tokenizer import GGUFTokenizer
 
 if TYPE_CHECKING:
@@ -45,27 +43,23 @@ if TYPE_CHECKING:
 DISCARD = 2  # the side of rows not to count: a padded call's padding, a warm-up's dummy tokens
 
 
-def open_router(path: Path, device: str, ctx: int, prefill_chunk: int, vram: int | None = None,
-                host_ram: int | None = None, hot_fraction: float | None = None, record: bool = False
-                ) -> "ModelRouter":
-    """The model at ``path`` opened as spark-run opens it (``device`` auto/cpu/cuda), ready to route
-    windows of up to ``ctx`` tokens."""
-    # the store by spark-run's rule (on a GPU, or when a store option is given); learning off:
-    # calibration writes its own profile
-    opts = run_options(path, device=device, ctx=ctx, prefill_chunk=prefill_chunk, vram=vram, host_ram=host_ram,
-                       hot_fraction=hot_fraction, learning=LearningFlags(learn=None))
-    if opts.device == "cuda" and vram is None and hot_fraction is None:
+def open_router(opts: RunOptions, record: bool = False) -> "ModelRouter":
+    """The model ``opts`` describes (``run_options``: the flags spark-run takes, learning off, as
+    calibration writes its own profile) opened as spark-run opens it, ready to route windows of
+    up to ``opts.session.ctx`` tokens."""
+    store = opts.store
+    if opts.device == "cuda" and store is not None and store.vram is None and store.hot_fraction is None:
         # Without a budget, 90% of the free memory: calibration must run where the model does not
         # fit, and a uniform placement under that budget routes exactly as all-GPU.
-        opts = dataclasses.replace(opts, vram=int(torch.cuda.mem_get_info()[0] * 0.9))
-    if store_options(opts) is None:
+        opts = dataclasses.replace(opts, store=dataclasses.replace(store, vram=int(torch.cuda.mem_get_info()[0] * 0.9)))
+    if store is None:
         # The plain provider dequantizes experts on first use and keeps up to half the available
         # memory of them; beyond that the least recently used are dropped and re-read.
-        opts = dataclasses.replace(opts, expert_cache=os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2)
+        opts = dataclasses.replace(opts, dequant_limit=os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2)
     model = open_model(opts)
     if model.store is not None:
         report_residency(model)
-    return ModelRouter(model, ctx, prefill_chunk, record)
+    return ModelRouter(model, opts.session.ctx, opts.session.prefill_chunk, record)
 
 
 class ModelRouter:

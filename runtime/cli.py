@@ -8,7 +8,7 @@
   spark-run model.gguf --prompt-ids 1,2,3 --logits-out l.npy
                                             logits [n_ids, vocab] of exactly those ids
   spark-run model.sparkpack --vram 14GiB    fit a 16 GB card: hot experts, cache and KV
-                                            sized to the budget, misses streamed from RAM
+                                            sized to the budget, misses read from RAM
   spark-run model.gguf --serve --vram 14GiB --ctx 65536
                                             serve it to coding agents (OpenAI and Anthropic
                                             APIs on 127.0.0.1:8080); prints the client settings
@@ -36,9 +36,10 @@ from sparkpack.formats.errors import SparkpackError, Terminated, cli_entry
 from sparkpack.formats.memory import KV_BYTES_PER_VALUE, PREFILL_CHUNK
 from sparkpack.formats.units import SizeParam
 
-from .learn_flags import LearningFlags, learning_options
-from .options import (DEVICES, DTYPES, ONE_SHOT_MAX_TOKENS, STREAM_MODES, RunOptions, SamplingOptions, open_model,
-                      open_session, run_options)
+from .learn_flags import learning_options
+from .options import (DEFAULT_DEQUANT_LIMIT, DEVICES, DTYPES, MISS_MODES, ONE_SHOT_MAX_TOKENS, RunOptions,
+                      SamplingOptions, open_model, open_session, run_options)
+from .run_report import report_residency, report_stats
 
 
 def load_tokenizer(model):
@@ -94,7 +95,7 @@ def stream(model, tok, ids: list[int], sampler, max_tokens: int, session, ctx: i
     check_prompt(len(ids), ctx)
     room = ctx - len(ids)
     out = [] if out is None else out
-    decoder = tok.stream(skip_special=True)  # holds back partial UTF-8 characters
+    decoder = tok.decoder(skip_special=True)  # holds back partial UTF-8 characters
     try:
         for t in generate(model, tok, ids, sampler, min(max_tokens, room), session=session):
             out.append(t)
@@ -141,16 +142,17 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
 @click.option("--threads", type=click.IntRange(min=1), help="CPU threads for torch [torch's default: one per core].")
 @click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
               help="Compute dtype (auto: float32 on cpu, bfloat16 on cuda).")
-@click.option("--expert-cache", type=SizeParam(), default="8GiB", show_default=True,
-              help="Without the store (CPU): memory for dequantized experts (LRU, re-expanded when needed).")
+@click.option("--dequant-limit", type=SizeParam(), default=DEFAULT_DEQUANT_LIMIT, show_default="8GiB",
+              help="Without the store (CPU): most memory for dequantized experts (the least recently used are "
+                   "dropped and re-expanded when needed).")
 @click.option("--vram", type=SizeParam(), help="GPU memory budget: hot experts, cache slots and KV cache sized to fit.")
 @click.option("--hot-fraction", type=click.FloatRange(0, 1), help="Share of expert bytes kept on the GPU.")
 @click.option("--cache-slots", type=click.IntRange(min=0), help="GPU slots caching cold experts [max(4 x top-k, half of one token's "
               "routings over all MoE layers)].")
 @click.option("--profile", type=click.Path(dir_okay=False, path_type=Path),
               help="Routing profile choosing the hot experts [MODEL.profile.json when present].")
-@click.option("--stream", "stream_mode", type=click.Choice(STREAM_MODES), default="auto",
-              show_default=True, help="How misses reach the GPU (see runtime/expert_store.py).")
+@click.option("--miss-mode", type=click.Choice(MISS_MODES), default="auto", show_default=True,
+              help="How a cold expert's bytes reach the GPU on a miss (see runtime/expert_store.py).")
 @click.option("--host-ram", type=SizeParam(), help="Pinned host memory for cold experts [80% of available]; "
               "less than they need reads misses from disk.")
 @click.option("--ctx", type=click.IntRange(min=1), default=4096, show_default=True,
@@ -188,57 +190,55 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
               help="With --serve: also keep conversations' states in this folder, so that a restarted server "
                    "resumes them.")
-@click.option("--test-hooks", type=click.Path(file_okay=False, path_type=Path), hidden=True,
-              help="Tests only: honour forced outputs in requests and dump each prompt's logits here.")
 @learning_options  # --no-learn --force --half-life --generated-weight --profile-save-every --bootstrap --trace-out
 def run_cmd(model_path: Path, prompt: str | None, prompt_file: Path | None, system: str | None, raw: bool,
-            prompt_ids: str | None, prompt_ids_file: Path | None, logits_out: Path | None, serve: bool,
-            host: str, port: int, api_key: str | None, api_key_file: Path | None, test_hooks: Path | None,
-            **options: Any) -> None:
-    """The prompt's and the server's flags are handled here; every other flag (``options``) goes
-    into the one ``RunOptions`` the run, the chat and the server share."""
+            prompt_ids: str | None, prompt_ids_file: Path | None, logits_out: Path | None, **flags: Any) -> None:
+    """The prompt's flags are handled here; every other flag (``flags``) is translated into the
+    one ``RunOptions`` the run, the chat and the server read (``run_options``)."""
     prompt = _from_file(prompt, prompt_file, "-p/--prompt", "--prompt-file")
     prompt_ids = _from_file(prompt_ids, prompt_ids_file, "--prompt-ids", "--prompt-ids-file")
     if prompt_ids is not None:
         prompt_ids = ",".join(prompt_ids.replace(",", " ").split())
-    if serve and (prompt is not None or prompt_ids is not None or raw or system is not None):
+    if flags["serve"] and (prompt is not None or prompt_ids is not None or raw or system is not None):
         raise SparkpackError(None, "--serve takes its prompts from HTTP requests: drop -p/--prompt-file/--prompt-ids/--raw/--system")
     if logits_out is not None and prompt_ids is None:
         raise SparkpackError(None, "--logits-out needs --prompt-ids")
     if prompt_ids is not None and prompt is not None:
         raise SparkpackError(None, "give either -p/--prompt or --prompt-ids, not both")
-    opts = run_options(model_path, **options)
-    opts.learning.check(serve)
-    if not serve and (opts.cache_ram is not None or opts.cache_dir is not None):
-        raise SparkpackError(None, "--cache-ram and --cache-dir keep a server's conversations: use them with --serve")
-    import torch
+    opts = run_options(model_path, **flags)
+    with running(opts):
+        if opts.serve is not None:
+            from .server.serve import serve_from_cli
 
-    if opts.threads is not None:  # here, in the main thread: the server loads and runs in others
-        torch.set_num_threads(opts.threads)
-
-    try:
-        if serve:
-            from .server.serve import serve_from_cli, serve_options
-
-            serve_from_cli(opts, serve_options(host, port, api_key, api_key_file, test_hooks), report_residency)
+            serve_from_cli(opts)
             return
         model = open_model(opts)
         if model.store is not None:
             report_residency(model)
-        with learning_run(model, opts.learning) as ready:
+        with learning_run(model, opts) as ready:
             session = run_session(model, opts, prompt, system, raw, prompt_ids, logits_out, ready)
+    if session is not None:
+        report_stats(model, session, opts.stats_json)
+
+
+@contextlib.contextmanager
+def running(opts: RunOptions):
+    """A run's process settings: torch's CPU threads set here, in the main thread (the server
+    loads and runs in others); a GPU out of memory becomes one line saying what to lower."""
+    import torch
+
+    if opts.threads is not None:
+        torch.set_num_threads(opts.threads)
+    try:
+        yield
     except torch.cuda.OutOfMemoryError as e:
         if os.environ.get("SPARKPACK_DEBUG"):
             raise
         asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(e))
         more = f"needed {asked.group(1)} more " if asked else ""
-        raise SparkpackError(model_path, f"the GPU ran out of memory ({more}with "
-                                         f"{torch.cuda.memory_reserved() / 1024**3:.2f} GiB reserved): lower "
-                                         "--vram's share for experts (--hot-fraction, --cache-slots) or --ctx") from None
-    if session is not None:
-        report_stats(model, session, opts.stats_json)
-
-
+        raise SparkpackError(opts.model_path, f"the GPU ran out of memory ({more}with "
+                                              f"{torch.cuda.memory_reserved() / 1024**3:.2f} GiB reserved): lower "
+                                              "--vram's share for experts (--hot-fraction, --cache-slots) or --ctx") from None
 def _from_file(value: str | None, path: Path | None, flag: str, file_flag: str) -> str | None:
     """The option's text, or the file's when ``file_flag`` was given instead."""
     if path is None:
@@ -256,7 +256,7 @@ def run_session(model, opts: RunOptions, prompt: str | None, system: str | None,
     """The run itself; returns the generation session (for statistics) or None. ``ready()`` is
     called once the warm-up is done and the real tokens follow."""
     tok = load_tokenizer(model)
-    session = open_session(model, opts, tok.control_ids)
+    session = open_session(model, opts.session, tok.control_ids)
     sampler = one_shot_sampler(opts.sampling)
     if model.device.type == "cuda" and logits_out is None:  # kernels and graphs ready before the prompt
         click.echo(f"warmed up in {session.warm_up():.2f} s", err=True)
@@ -266,12 +266,12 @@ def run_session(model, opts: RunOptions, prompt: str | None, system: str | None,
         if logits_out is not None:
             import numpy as np
 
-            check_prompt(len(ids), opts.ctx, reply=False)
-            cache = model.new_cache(kv_type=opts.kv_type)
-            logits = model.forward(ids, cache).float().cpu().numpy().astype(np.float32)
+            check_prompt(len(ids), opts.session.ctx, reply=False)
+            kv = model.new_cache(kv_type=opts.session.kv_type)
+            logits = model.forward(ids, kv).float().cpu().numpy().astype(np.float32)
             save_npy_atomic(logits_out, logits)
             return None
-        stream(model, tok, ids, sampler, opts.reply_tokens, session, opts.ctx)
+        stream(model, tok, ids, sampler, opts.reply_tokens, session, opts.session.ctx)
         return session
 
     if prompt is not None:
@@ -282,21 +282,22 @@ def run_session(model, opts: RunOptions, prompt: str | None, system: str | None,
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}]
             ids = chat_ids(tok, template, messages)
-        stream(model, tok, ids, sampler, opts.reply_tokens, session, opts.ctx)
+        stream(model, tok, ids, sampler, opts.reply_tokens, session, opts.session.ctx)
         return session
-    chat(model, tok, chat_template(model, False), system, sampler, opts.reply_tokens, session, opts.ctx)
+    chat(model, tok, chat_template(model, False), system, sampler, opts.reply_tokens, session, opts.session.ctx)
     return session
 
 
 @contextlib.contextmanager
-def learning_run(model, flags: LearningFlags):
+def learning_run(model, opts: RunOptions):
     """A one-shot run (prompt, chat, logits) that learns: the trace is attached before any CUDA
     graph is captured, the learner once the warm-up is over (the ``ready`` this yields); however
     the run ends (normally, an error, Ctrl-C, SIGTERM) the profile is written and the trace sealed."""
     from .learning import LiveLearning, start_learning
     from .routing_trace import attach_trace
 
-    trace = attach_trace(model, flags.trace_out) if flags.trace_out is not None else None
+    trace_out = opts.learning.trace_out
+    trace = attach_trace(model, trace_out) if trace_out is not None else None
     learner: list[LiveLearning] = []
     new = model.start_profile is not None and model.start_profile.file is not None \
         and not model.start_profile.file.path.exists()
@@ -304,7 +305,8 @@ def learning_run(model, flags: LearningFlags):
     def ready() -> None:
         if trace is not None:
             trace.active = True
-        started = start_learning(model, flags.learn, flags.gen_weight)
+        started = (start_learning(model, opts.store.learn, opts.store.generated_weight) if opts.store is not None
+                   else None)
         if started is not None:
             if model.start_profile.profile is not None:
                 started.replace_all()  # a pack's placement moves to where the profile says
@@ -321,69 +323,6 @@ def learning_run(model, flags: LearningFlags):
                            "--no-learn: not)", err=True)
         if trace is not None:
             click.echo(f"trace: {trace.close()} ({trace.tokens} tokens)", err=True)
-
-
-def report_residency(model) -> None:
-    r, d = model.residency, model.store.describe()
-    line = f"experts: {d['hot_experts']}/{d['experts']} hot ({d['hot_fraction']:.0%}, {r.source})"
-    if d["host_tier"] == "none":  # nothing is cold: no misses to stream, no host tier
-        line += ", none cold"
-    else:
-        line += f", {d['cache_slots']} cache slots, misses via {d['mode']}, cold experts in {d['host_tier']} memory"
-        if d["staging_bytes"]:  # runtime.expert_staging
-            line += f", calls of {d['stage_tokens']}+ tokens staged (2 x {d['staging_bytes'] / 2 / 1024**2:.0f} MiB)"
-    if r.expected_cold_rate is not None:
-        line += f", expected cold-hit rate {r.expected_cold_rate:.1%}"
-    click.echo(line, err=True)
-
-
-def collect_stats(model, session) -> dict:
-    """The run's numbers: speed, where routings were served, bytes streamed, memory peak."""
-    import torch
-
-    t = session.timing
-    out = {"prefill_tokens": t.prefill_tokens, "prefill_seconds": t.prefill_seconds,
-           "prefill_tok_s": t.prefill_tokens / t.prefill_seconds if t.prefill_seconds else None,
-           "decode_tokens": t.decode_tokens, "decode_seconds": t.decode_seconds,
-           "decode_tok_s": t.decode_tokens / t.decode_seconds if t.decode_seconds else None,
-           "graph_capture_seconds": t.capture_seconds, "cpu_threads": torch.get_num_threads()}
-    store = model.store
-    if store is not None:
-        store.flush()  # counts still on the device, or a deferred step's
-        s = store.stats.as_json()
-        out["store"] = {**store.describe(), **s}
-        busy = t.prefill_seconds + t.decode_seconds + t.capture_seconds
-        out["store"]["stream_gb_s"] = s["bytes_streamed"] / busy / 1e9 if busy else None
-        out["residency"] = model.residency.as_json()
-    if model.device.type == "cuda":
-        out["vram_peak_allocated"] = torch.cuda.max_memory_allocated()
-        out["vram_peak_reserved"] = torch.cuda.max_memory_reserved()
-    return out
-
-
-def report_stats(model, session, stats_json: Path | None) -> None:
-    s = collect_stats(model, session)
-    parts = []
-    if s["prefill_tok_s"]:
-        parts.append(f"prefill {s['prefill_tokens']} tok at {s['prefill_tok_s']:.1f} tok/s")
-    if s["decode_tok_s"]:
-        parts.append(f"decode {s['decode_tokens']} tok at {s['decode_tok_s']:.1f} tok/s")
-    if s["graph_capture_seconds"]:
-        parts.append(f"CUDA graph captured in {s['graph_capture_seconds']:.2f} s")
-    st = s.get("store")
-    if st:
-        parts.append(f"per token: {st['hot_hits_per_token']:.1f} hot, {st['cache_hits_per_token']:.1f} cached, "
-                     f"{st['misses_per_token']:.1f} missed; {st['bytes_streamed'] / 1e9:.2f} GB streamed"
-                     + (f" at {st['stream_gb_s']:.1f} GB/s" if st.get("stream_gb_s") else ""))
-    if "vram_peak_reserved" in s:
-        parts.append(f"VRAM peak {s['vram_peak_allocated'] / 1024**3:.2f} GiB allocated, "
-                     f"{s['vram_peak_reserved'] / 1024**3:.2f} GiB reserved")
-    if parts:
-        click.echo("[" + "; ".join(parts) + "]", err=True)
-    if stats_json is not None:
-        import json
-
-        write_atomic(stats_json, json.dumps(s, indent=1) + "\n")
 
 
 CHAT_HELP = """\

@@ -132,7 +132,7 @@ class ExpertStore(ExpertProvider):
             mode = "zerocopy" if (on_cuda and self.host_all and self.fused_all) else "async"
         if mode == "zerocopy" and not self.host_all:
             raise SparkpackError(source.path, "zero-copy streaming needs every cold expert in host memory; "
-                                              "raise the host RAM budget or use --stream async")
+                                              "raise the host RAM budget or use --miss-mode async")
         self.misses: MissStrategy = STRATEGIES[mode](self)
         self.copy_stream = torch.cuda.Stream(self.device) if self.pin else None
         self.pool = torch.empty(self.device_layout.nbytes, dtype=torch.uint8, device=self.device)

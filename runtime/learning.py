@@ -26,11 +26,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sparkpack.calibrate.evaluate import min_calibration_tokens
-from sparkpack.formats.decayed_routing import HALF_LIFE_TOKENS, DecayedRouting
+from sparkpack.formats.decayed_routing import DecayedRouting
 from sparkpack.formats.errors import SparkpackError
 from sparkpack.formats.placement import SWAP_MARGIN, plan_swaps_in_place
 from sparkpack.formats.profile import SIDES, Profile
-from sparkpack.formats.profile_file import SAVE_EVERY_S, ProfileFile
+from sparkpack.formats.profile_file import ProfileFile
+
+from .options import LearnOptions
 
 if TYPE_CHECKING:
     from .expert_store import ExpertStore
@@ -42,15 +44,6 @@ log = logging.getLogger("sparkpack.learning")
 # shape, ~70 us at the GPU machine's 52 GB/s, so a step of 64 is ~5 ms and a request that
 # arrives meanwhile waits at most that long.
 SWAP_STEP = 64
-
-
-@dataclass(frozen=True)
-class LearnOptions:
-    """spark-run's learning flags (README, "Gets faster the more you use it")."""
-
-    half_life_tokens: float = HALF_LIFE_TOKENS
-    save_every_s: float = SAVE_EVERY_S  # 0: after every request
-    force: bool = False  # replace a file that is not this model's profile
 
 
 @dataclass

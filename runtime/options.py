@@ -1,43 +1,55 @@
-"""What a run of a model was asked: one frozen ``RunOptions``, built once from spark-run's flags.
+"""What a run of a model was asked: one frozen tree of settings, translated once from spark-run's
+flags (``run_options``) and read by each layer directly.
 
-The one-shot run, the chat, the server and ``repack calibrate`` read the same object, so a new
-option is one field here and one flag, not a parameter threaded through every caller.
-``store_options`` says how it translates into the expert store's ``StoreOptions`` (or none: the
-plain CPU path), ``open_model`` opens the model it describes.
+::
+
+    RunOptions                 the model file, device, dtype, threads, stats
+    ├── store: StoreOptions    the expert store (None: the plain path); read by runtime.residency,
+    │   └── learn              runtime.models and runtime.learning; LearnOptions (None: --no-learn)
+    ├── session: SessionOptions  every Session on the model: context, KV type, prompt calls
+    ├── sampling: SamplingOptions  a one-shot run's sampling, a server's request defaults
+    ├── learning: LearningFlags  around the learner: bootstrap replay, routing trace
+    └── serve: ServeOptions    the HTTP server (None: a one-shot run or the chat)
+
+A field keeps its flag's name (``--miss-mode`` is ``store.miss_mode``; ``LearnOptions`` names
+its units: ``--half-life`` is ``half_life_tokens``, ``--profile-save-every`` ``save_every_s``), so
+an option is one flag and one field, not a parameter threaded and renamed through every caller.
+Every dataclass is keyword-only. The planner's inputs (``formats.placement.Budget``, ``formats.memory.MemoryTarget``)
+are formats' own, derived from this tree where the store plans (``runtime.residency``), because
+``repack split`` plans with them too.
 
 Importing this module does not import torch (``spark-run --help`` stays fast).
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sparkpack.formats.decayed_routing import HALF_LIFE_TOKENS
 from sparkpack.formats.errors import SparkpackError
-from sparkpack.formats.memory import PREFILL_CHUNK
-
-from .learn_flags import LearningFlags
+from sparkpack.formats.memory import PREFILL_CHUNK, STAGE_TOKENS
+from sparkpack.formats.placement import GEN_WEIGHT, Budget
+from sparkpack.formats.profile_file import SAVE_EVERY_S
 
 if TYPE_CHECKING:
     import torch
 
     from .generate import Session
     from .models.base import MoEModel
-    from .residency import StoreOptions
     from .sampling import Sampler
 
 DEVICES = ("auto", "cpu", "cuda")
 # compute dtypes by name; "auto" is bfloat16 on a GPU, float32 on the CPU
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
-STREAM_MODES = ("auto", "zerocopy", "async")  # how misses reach the GPU (runtime.expert_store)
-DEFAULT_EXPERT_CACHE = 8 * 2**30
+MISS_MODES = ("auto", "zerocopy", "async")  # how a cold expert's bytes reach the GPU (runtime.expert_store)
+DEFAULT_DEQUANT_LIMIT = 8 * 2**30
 # a one-shot run's or the chat's reply without --max-tokens; a served request that sets no cap of
 # its own runs to --max-tokens when given, else to the context's end (agents stop at end of turn)
 ONE_SHOT_MAX_TOKENS = 256
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SamplingOptions:
     """How tokens are drawn: spark-run's sampling flags, the server's defaults, one request's choice."""
 
@@ -62,34 +74,86 @@ class SamplingOptions:
                        frequency_penalty=self.frequency_penalty, seed=self.seed, prompt_len=prompt_len)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class LearnOptions:
+    """Learning the placement from the run's traffic (README, "Gets faster the more you use it")."""
+
+    half_life_tokens: float = HALF_LIFE_TOKENS
+    save_every_s: float = SAVE_EVERY_S  # 0: after every request
+    force: bool = False  # replace a file that is not this model's profile
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreOptions:
+    """The tiered expert store: its budget, where misses come from, the profile it places with
+    and learns into. None of a field means "as the plan decides"."""
+
+    vram: int | None = None
+    hot_fraction: float | None = None
+    cache_slots: int | None = None
+    profile: Path | None = None
+    miss_mode: str = "auto"  # MISS_MODES
+    host_ram: int | None = None  # pinned host bytes for cold experts (None: no limit)
+    # calls of at least this many tokens stage their cold experts in bulk (runtime.expert_staging);
+    # None: never (every call reads them zero-copy)
+    stage_tokens: int | None = STAGE_TOKENS
+    generated_weight: float = GEN_WEIGHT  # weight of generated-side routings when placing from a profile
+    learn: LearnOptions | None = None  # learn into the profile file (None: read it only)
+    mtp: bool = False  # load the file's multi-token-prediction head too (drafting); the plan counts it
+
+    @property
+    def budget(self) -> Budget:
+        return Budget(self.vram, self.hot_fraction, self.cache_slots)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionOptions:
+    """How every generation session on the model is opened; a ``--vram`` plan reserves for them."""
+
+    ctx: int = 4096
+    kv_type: str = "auto"  # KV cache element type (runtime.cache.KV_TYPES)
+    prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per forward call (their temporaries are planned for)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LearningFlags:
+    """What a run does around its learner: replay past sessions first, record every routing."""
+
+    bootstrap: str | None = None  # a path, or "auto" (needs --serve)
+    bootstrap_background: bool = False
+    trace_out: Path | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeOptions:
+    """The HTTP server: where it listens, its key, the conversation cache it keeps."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    cache_ram: int | None = None  # conversation states in host RAM (None: default_cache_ram)
+    cache_dir: Path | None = None  # ... and in this folder (None: none)
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunOptions:
     """A model, how to hold it, the sessions run on it and how they sample.
 
-    ``device`` is resolved (``cpu`` or ``cuda``) by ``run_options``; the placement fields are the
-    store's (``store_options``), None meaning "as the plan decides"."""
+    ``device`` is resolved (``cpu`` or ``cuda``) by ``run_options``, and so is whether the store
+    runs (``store``)."""
 
     model_path: Path
     device: str = "cpu"
     dtype: str = "auto"
     threads: int | None = None  # torch's CPU threads (None: its default), set by the CLI's main thread
-    expert_cache: int = DEFAULT_EXPERT_CACHE  # without the store: bytes of dequantized experts kept
-    use_store: bool | None = None  # None: the store on a GPU or when a placement option is given
-    vram: int | None = None
-    hot_fraction: float | None = None
-    cache_slots: int | None = None
-    profile: Path | None = None
-    stream_mode: str = "auto"
-    host_ram: int | None = None  # None: 80% of the memory available (default_host_ram)
-    ctx: int = 4096
-    kv_type: str = "auto"
-    prefill_chunk: int = PREFILL_CHUNK
-    max_tokens: int | None = None  # --max-tokens; None: ONE_SHOT_MAX_TOKENS, or a served request's room
+    dequant_limit: int = DEFAULT_DEQUANT_LIMIT  # without the store: bytes of dequantized experts kept (LRU)
+    store: StoreOptions | None = None
+    session: SessionOptions = field(default_factory=SessionOptions)
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    max_tokens: int | None = None  # --max-tokens; None: ONE_SHOT_MAX_TOKENS, or a served request's room
+    learning: LearningFlags = field(default_factory=LearningFlags)
+    serve: ServeOptions | None = None
     stats_json: Path | None = None
-    cache_ram: int | None = None  # the server's conversation cache in host RAM (None: default_cache_ram)
-    cache_dir: Path | None = None  # ... and in this folder (None: none)
-    learning: LearningFlags = field(default_factory=LearningFlags)  # learn the placement, bootstrap, trace
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -101,26 +165,62 @@ class RunOptions:
         """The cap of a one-shot run's or the chat's reply."""
         return self.max_tokens if self.max_tokens is not None else ONE_SHOT_MAX_TOKENS
 
-    @property
-    def placement_asked(self) -> bool:
-        """Whether any of the store's own options was given."""
-        return ((self.vram, self.hot_fraction, self.cache_slots, self.profile, self.host_ram) != (None,) * 5
-                or self.stream_mode != "auto" or self.learning.needs_store)
 
-
-SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingOptions))
-
-
-def run_options(model_path: Path, *, device: str = "auto", **flags: Any) -> RunOptions:
-    """The one place flags become a ``RunOptions``: the device resolved, the sampling flags
-    gathered into ``SamplingOptions``, the store's options checked against ``--no-store``.
-    ``flags`` are RunOptions' and SamplingOptions' field names (a misspelt one is a TypeError);
-    any left out keep their defaults."""
-    sampling = SamplingOptions(**{name: flags.pop(name) for name in SAMPLING_FIELDS if name in flags})
-    opts = RunOptions(model_path, device=resolve_device(device), sampling=sampling, **flags)
-    if opts.use_store is False and opts.placement_asked:
+def run_options(model_path: Path, *, device: str = "auto", dtype: str = "auto", threads: int | None = None,
+                dequant_limit: int = DEFAULT_DEQUANT_LIMIT, use_store: bool | None = None,
+                vram: int | None = None, hot_fraction: float | None = None, cache_slots: int | None = None,
+                profile: Path | None = None, miss_mode: str = "auto", host_ram: int | None = None,
+                ctx: int = 4096, kv_type: str = "auto", prefill_chunk: int = PREFILL_CHUNK,
+                max_tokens: int | None = None, stats_json: Path | None = None,
+                no_learn: bool = False, force: bool = False, half_life: float = HALF_LIFE_TOKENS,
+                generated_weight: float = GEN_WEIGHT, profile_save_every: float = SAVE_EVERY_S,
+                bootstrap: str | None = None, bootstrap_background: bool = False, trace_out: Path | None = None,
+                serve: bool = False, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
+                api_key_file: Path | None = None, cache_ram: int | None = None, cache_dir: Path | None = None,
+                **sampling: Any) -> RunOptions:
+    """The one place flags become a ``RunOptions``: keyword arguments named as click names
+    spark-run's flags (a misspelt one is a TypeError), any left out at the flag's default. The
+    device is resolved, the store turned on where it runs (asked with ``--store``, on a GPU, or
+    when one of its options is given), and combinations that cannot work refused in one line."""
+    learning = LearningFlags(bootstrap=bootstrap, bootstrap_background=bootstrap_background, trace_out=trace_out)
+    if bootstrap is not None and not serve:
+        raise SparkpackError(None, "--bootstrap replays past sessions before serving: it needs --serve")
+    if bootstrap is not None and no_learn:
+        raise SparkpackError(None, "--bootstrap teaches the placement: it cannot be combined with --no-learn")
+    if bootstrap_background and bootstrap is None:
+        raise SparkpackError(None, "--bootstrap-background needs --bootstrap PATH|auto")
+    if not serve and (cache_ram is not None or cache_dir is not None):
+        raise SparkpackError(None, "--cache-ram and --cache-dir keep a server's conversations: use them with --serve")
+    device = resolve_device(device)
+    store_asked = ((vram, hot_fraction, cache_slots, profile, host_ram) != (None,) * 5 or miss_mode != "auto"
+                   or bootstrap is not None or trace_out is not None)  # (only the store sees the routings)
+    if use_store is False and store_asked:
         raise SparkpackError(None, "--no-store cannot be combined with the store's options")
-    return opts
+    store = None
+    if use_store or (use_store is None and (device == "cuda" or store_asked)):
+        learn = None if no_learn else LearnOptions(half_life_tokens=half_life, save_every_s=profile_save_every,
+                                                   force=force)
+        store = StoreOptions(vram=vram, hot_fraction=hot_fraction, cache_slots=cache_slots, profile=profile,
+                             miss_mode=miss_mode, host_ram=host_ram if host_ram is not None else default_host_ram(),
+                             generated_weight=generated_weight, learn=learn)
+    return RunOptions(model_path=model_path, device=device, dtype=dtype, threads=threads, dequant_limit=dequant_limit,
+                      store=store, session=SessionOptions(ctx=ctx, kv_type=kv_type, prefill_chunk=prefill_chunk),
+                      sampling=SamplingOptions(**sampling), max_tokens=max_tokens, learning=learning,
+                      serve=serve_options(host=host, port=port, api_key=api_key, api_key_file=api_key_file,
+                                          cache_ram=cache_ram, cache_dir=cache_dir) if serve else None,
+                      stats_json=stats_json)
+
+
+def serve_options(*, host: str, port: int, api_key: str | None, api_key_file: Path | None,
+                  cache_ram: int | None, cache_dir: Path | None) -> ServeOptions:
+    """The --serve flags as ``ServeOptions`` (the key read from its file)."""
+    if api_key is not None and api_key_file is not None:
+        raise SparkpackError(None, "give either --api-key or --api-key-file, not both")
+    if api_key_file is not None:
+        api_key = api_key_file.read_text(encoding="utf-8").strip()
+        if not api_key:
+            raise SparkpackError(api_key_file, "is empty: it should hold the API key")
+    return ServeOptions(host=host, port=port, api_key=api_key, cache_ram=cache_ram, cache_dir=cache_dir)
 
 
 def resolve_device(device: str) -> str:
@@ -146,19 +246,6 @@ def compute_dtype(opts: RunOptions) -> torch.dtype:
     if name not in table:
         raise SparkpackError(None, f"--dtype must be one of {', '.join(DTYPES)}, got {opts.dtype!r}")
     return table[name]
-
-
-def store_options(opts: RunOptions) -> StoreOptions | None:
-    """The expert store's options for this run, or None for the plain path (the CPU default):
-    the store runs when asked (``--store``), on a GPU, or when a placement option is given."""
-    if not (opts.use_store or (opts.use_store is None and (opts.device == "cuda" or opts.placement_asked))):
-        return None
-    from .residency import StoreOptions
-
-    host = opts.host_ram if opts.host_ram is not None else default_host_ram()
-    return StoreOptions(opts.vram, opts.hot_fraction, opts.cache_slots, opts.profile, opts.stream_mode, host,
-                        opts.ctx, kv_type=opts.kv_type, prefill_chunk=opts.prefill_chunk,
-                        gen_weight=opts.learning.gen_weight, learn=opts.learning.learn)
 
 
 def default_host_ram() -> int | None:
@@ -194,7 +281,7 @@ def open_model(opts: RunOptions) -> MoEModel:
 
     from .models import load_model
 
-    store = store_options(opts)
+    store = opts.store
     if store is not None and store.vram is not None and opts.device == "cuda":
         total = torch.cuda.get_device_properties(0).total_memory
         if store.vram > total:
@@ -202,10 +289,10 @@ def open_model(opts: RunOptions) -> MoEModel:
                                        f"({total / 1024**3:.2f} GiB)")
         torch.cuda.set_per_process_memory_fraction(store.vram / total)  # the allocator enforces the budget
     return load_model(opts.model_path, device=opts.device, dtype=compute_dtype(opts),
-                      expert_cache_bytes=opts.expert_cache, store=store)
+                      dequant_limit=opts.dequant_limit, store=store, session=opts.session)
 
 
-def open_session(model: MoEModel, opts: RunOptions, breaks: frozenset[int]) -> Session:
+def open_session(model: MoEModel, opts: SessionOptions, breaks: frozenset[int]) -> Session:
     """A generation session on ``model`` with the run's context, KV cache type and prefill calls;
     ``breaks``: the tokenizer's ``control_ids`` (a one-shot run and a server cut their prompts'
     calls alike, so a served reply has the one-shot bits)."""

@@ -1,5 +1,5 @@
-"""What the user asks of the expert store, the profile it starts from, and the memory target the
-runtime plans it for.
+"""The profile the expert store starts from, and the memory target the runtime plans it for
+(what the user asked of the store is ``runtime.options.StoreOptions``).
 
 The plan itself is ``formats.placement.plan_residency``, the one ``repack split`` uses: here the
 runtime only says how it will hold the model (``memory_target``: its dtype, whether dense
@@ -15,37 +15,11 @@ from pathlib import Path
 import torch
 
 from sparkpack.formats.archs import ModelSpec
-from sparkpack.formats.memory import PREFILL_CHUNK, STAGE_TOKENS, MemoryTarget, short_call_tokens, staged_call_tokens
-from sparkpack.formats.placement import GEN_WEIGHT, Budget
+from sparkpack.formats.memory import MemoryTarget, short_call_tokens, staged_call_tokens
 from sparkpack.formats.profile import Profile, choose_profile, default_profile_path, model_identity
 from sparkpack.formats.profile_file import ProfileFile
 
-from .learning import LearnOptions
-
-
-@dataclass
-class StoreOptions:
-    """What the user asked of the expert store (spark-run's flags)."""
-
-    vram: int | None = None
-    hot_fraction: float | None = None
-    cache_slots: int | None = None
-    profile: Path | None = None
-    mode: str = "auto"
-    host_bytes: int | None = None
-    ctx: int = 4096
-    kv_type: str = "auto"  # KV cache element type (runtime.cache.KV_TYPES)
-    prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per forward call (their temporaries are planned for)
-    # calls of at least this many tokens stage their cold experts in bulk (runtime.expert_staging);
-    # None: never (every call reads them zero-copy)
-    stage_tokens: int | None = STAGE_TOKENS
-    gen_weight: float = GEN_WEIGHT  # weight of generated-side routings when placing from a profile
-    learn: LearnOptions | None = None  # learn into the profile file (None: read it only)
-    mtp: bool = False  # load the file's multi-token-prediction head too (drafting); the plan counts it
-
-    @property
-    def budget(self) -> Budget:
-        return Budget(self.vram, self.hot_fraction, self.cache_slots)
+from .options import SessionOptions, StoreOptions
 
 
 @dataclass
@@ -87,9 +61,10 @@ def identity_of(source) -> object:
     return source.pack.identity if isinstance(source, PackSource) else model_identity(source)
 
 
-def memory_target(device: torch.device | str, dtype: torch.dtype, spec: ModelSpec, opts: StoreOptions) -> MemoryTarget:
-    """How a model of ``spec`` will be held on ``device`` in ``dtype`` with ``opts``' session
-    options: on a GPU the dense matrices stay GGUF bytes, sessions of the models that capture
+def memory_target(device: torch.device | str, dtype: torch.dtype, spec: ModelSpec, opts: StoreOptions,
+                  session: SessionOptions) -> MemoryTarget:
+    """How a model of ``spec`` will be held on ``device`` in ``dtype`` by a store of ``opts`` for
+    sessions of ``session``: on a GPU the dense matrices stay GGUF bytes, sessions of the models that capture
     prefill calls make none longer than ``PREFILL_GRAPH_TOKENS`` unless the context reaches past
     a long past (``formats.memory.short_call_tokens``, ``runtime.graph``), and a zero-copy store
     on a GPU stages prompt calls (``staged_chunk``: the plan decides whether the buffers fit,
@@ -97,10 +72,12 @@ def memory_target(device: torch.device | str, dtype: torch.dtype, spec: ModelSpe
     from .graph import short_prefill_calls
     from .weights import quantizes_dense
 
-    chunk = opts.prefill_chunk
-    if short_prefill_calls(device, dtype, spec, opts.kv_type):
-        chunk = short_call_tokens(opts.ctx, chunk)
-    can_stage = torch.device(device).type == "cuda" and opts.mode != "async"
-    return MemoryTarget(torch.empty((), dtype=dtype).element_size(), quantizes_dense(torch.device(device), dtype),
-                        opts.kv_type, opts.ctx, chunk, staged_call_tokens(chunk, opts.stage_tokens) if can_stage else 0,
-                        opts.host_bytes, opts.mtp)
+    chunk = session.prefill_chunk
+    if short_prefill_calls(device, dtype, spec, session.kv_type):
+        chunk = short_call_tokens(session.ctx, chunk)
+    can_stage = torch.device(device).type == "cuda" and opts.miss_mode != "async"
+    return MemoryTarget(dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+                        quantized_dense=quantizes_dense(torch.device(device), dtype), kv_type=session.kv_type,
+                        ctx=session.ctx, prefill_chunk=chunk,
+                        staged_chunk=staged_call_tokens(chunk, opts.stage_tokens) if can_stage else 0,
+                        host_bytes=opts.host_ram, mtp=opts.mtp)

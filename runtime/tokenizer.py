@@ -68,7 +68,7 @@ class ModelMetadata(Protocol):
     def get(self, key: str, default: Any = None) -> Any: ...
 
 
-class StreamDecoder:
+class IncrementalDecoder:
     """Incremental detokenizer: ``push(id)`` returns only complete text, holding back the bytes
     of a UTF-8 character split across tokens (emoji and CJK often are) until it is whole."""
 
@@ -226,8 +226,8 @@ class GGUFTokenizer:
         except KeyError:  # a token outside the byte alphabet: its text is its bytes
             return text.encode("utf-8")
 
-    def stream(self, skip_special: bool = False) -> StreamDecoder:
-        return StreamDecoder(self, skip_special)
+    def decoder(self, skip_special: bool = False) -> IncrementalDecoder:
+        return IncrementalDecoder(self, skip_special)
 
     def is_special(self, token_id: int) -> bool:
         return int(token_id) in self._special

@@ -1,7 +1,8 @@
 """A real ``spark-run MODEL --serve`` subprocess for the server tests (one per test module).
 
-It listens on a free port (``--port 0``) on the CPU; ``start`` returns once /health answers 200
-and the client settings are printed. ``stop`` sends SIGTERM and returns the exit status.
+It listens on a free port (``--port 0``) on the CPU (with ``hooks``, started through
+tests/hooked_server.py); ``start`` returns once /health answers 200 and the client settings are
+printed. ``stop`` sends SIGTERM and returns the exit status.
 """
 from __future__ import annotations
 
@@ -69,12 +70,12 @@ def kept_tokens(previous: list[int], ids: list[int], call: int, breaks: frozense
 class ServerProcess:
     def __init__(self, model: Path, *args: str, hooks: Path | None = None, api_key: str | None = API_KEY,
                  device: str = "cpu", env: dict[str, str] | None = None):
-        cmd = [sys.executable, "-m", "sparkpack.runtime.cli", str(model), "--serve", "--port", "0", "--device", device,
-               "--temperature", "0", *args]
+        # with ``hooks``: the same server with tests/hooked_server.py's hooks writing into that folder
+        cmd = ([sys.executable, "-m", "sparkpack.runtime.cli", str(model), "--serve"] if hooks is None else
+               [sys.executable, str(Path(__file__).with_name("hooked_server.py")), str(hooks), str(model)])
+        cmd += ["--port", "0", "--device", device, "--temperature", "0", *args]
         if api_key is not None:
             cmd += ["--api-key", api_key]
-        if hooks is not None:
-            cmd += ["--test-hooks", str(hooks)]
         self.api_key = api_key
         self.hooks = hooks
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -16,10 +16,10 @@ import json
 from pathlib import Path
 
 import pytest
+from tests.hooked_server import FORCED
 
 DATA = Path(__file__).parent / "data" / "agent_requests"
 RECORDED = sorted(p.stem for p in DATA.glob("*.json"))
-FORCED = "sparkpack_test_output"
 ANSWER = "The recorded request was answered."
 REPLY = f"<think>\nA short thought.\n</think>\n\n{ANSWER}"
 CTX = 32768
@@ -32,12 +32,13 @@ def client(synth_model, tmp_path_factory):
 
     from sparkpack.runtime.options import open_model, run_options
     from sparkpack.runtime.server.app import create_app
-    from sparkpack.runtime.server.http import ServerConfig
-    from sparkpack.runtime.server.serve import ServeOptions, build_served
+    from sparkpack.runtime.server.serve import build_served
+    from tests.hooked_server import ForcedReplies
 
-    opts = run_options(synth_model("qwen35moe"), device="cpu", ctx=CTX)
-    app = create_app(ServerConfig())
-    app.state.served = build_served(open_model(opts), opts, ServeOptions(test_hooks=tmp_path_factory.mktemp("hooks")))
+    opts = run_options(synth_model("qwen35moe"), device="cpu", ctx=CTX, serve=True)
+    app = create_app(opts.serve)
+    replies = ForcedReplies(tmp_path_factory.mktemp("hooks"))
+    app.state.served = build_served(open_model(opts), opts, hooks=replies.hooks)
     try:
         with TestClient(app) as c:
             yield c

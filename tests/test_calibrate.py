@@ -21,6 +21,7 @@ from sparkpack.formats.archs import model_spec
 from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.repack.calibrate_cmd import calibrate_cmd
 from sparkpack.runtime.calibration import open_router
+from sparkpack.runtime.options import run_options
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_CORPORA = REPO / ".." / "shared" / "corpora"
@@ -59,7 +60,7 @@ def renderer_of(path: Path):
     """The renderer calibrate uses for this model: its template and tokenizer."""
     from sparkpack.calibrate.render import ChatRenderer
 
-    router = open_router(path, "cpu", ctx=512, prefill_chunk=512)
+    router = open_router(run_options(path, device="cpu", ctx=512, prefill_chunk=512, no_learn=True))
     return ChatRenderer(router.tokenizer, router.render_chat)
 
 
@@ -185,7 +186,7 @@ def test_refused_conversations_are_reported_and_not_recounted_on_resume(synth_mo
     convs = [Conversation(messages=[{"role": "user", "content": t}], source="t") for t in ("a b", "REFUSE", "c d")]
 
     def replayer() -> Replayer:
-        router = open_router(path, "cpu", ctx=64, prefill_chunk=16)
+        router = open_router(run_options(path, device="cpu", ctx=64, prefill_chunk=16, no_learn=True))
         tmpl = ChatTemplate.from_tokenizer(gguf.get("tokenizer.chat_template"), router.tokenizer)
 
         def render(messages, **kw):
@@ -366,12 +367,12 @@ def test_missing_corpus(synth_model, tmp_path):
 def test_an_empty_corpus_is_refused_before_the_model_loads(synth_model, tmp_path):
     """On a GPU loading and warming a model up takes a minute: a corpus with nothing to replay
     (a missing path, an empty folder, files of no conversation) is refused before that."""
-    from sparkpack.calibrate.job import CalibrationJob
     from sparkpack.formats.errors import SparkpackError
     from sparkpack.formats.profile import model_identity
-    from sparkpack.repack.calibrate_cmd import run_calibrate
+    from sparkpack.repack.calibrate_cmd import calibrate_options, run_calibrate
 
-    gguf = GGUFModel(synth_model("qwen3moe"))
+    path = synth_model("qwen3moe")
+    gguf = GGUFModel(path)
     (tmp_path / "empty").mkdir()
     (tmp_path / "blank.jsonl").write_text("\n\n")
 
@@ -380,9 +381,10 @@ def test_an_empty_corpus_is_refused_before_the_model_loads(synth_model, tmp_path
 
     for corpus, says in [(tmp_path / "nope", "no such file or folder"), (tmp_path / "empty", "nothing to replay"),
                          (tmp_path / "blank.jsonl", "nothing to replay")]:
-        job = CalibrationJob(corpus, tmp_path / "p.json", 4096, 2048, None, None, False, False, None)
+        opts = calibrate_options(path, corpus=corpus, output=tmp_path / "p.json", ctx=4096, prefill_chunk=2048,
+                                 device="cpu", quiet=True)
         with pytest.raises(SparkpackError, match=says):
-            run_calibrate(job, model_spec(gguf), model_identity(gguf), connect, False, False, 0.5, True)
+            run_calibrate(opts, model_spec(gguf), model_identity(gguf), connect)
     assert not (tmp_path / "p.json").exists()
 
 

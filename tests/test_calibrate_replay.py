@@ -225,7 +225,7 @@ def test_a_padded_call_counts_its_real_tokens_alone(synth_model):
     from sparkpack.runtime.models import StoreOptions
 
     path = synth_model("qwen3moe", "Q4_K_M", skew=1.0)
-    opts = StoreOptions(hot_fraction=0.5, mode="zerocopy")
+    opts = StoreOptions(hot_fraction=0.5, miss_mode="zerocopy")
     padded = ModelRouter(load_model(path, store=opts), ctx=128, prefill_chunk=16, record=True)
     graphs = padded.session.prefill = PrefillGraphs(padded.model, padded.session.cache, capture=False)
     sizes, call = [], graphs._call
@@ -255,7 +255,7 @@ def test_one_pass_over_the_turns_counts_what_replaying_each_turn_from_scratch_co
     device = device_or_skip()
     path = synth_model(arch, "Q4_K_M", skew=1.0)
     model = load_model(path) if device == "cpu" else load_model(
-        path, device="cuda", dtype=torch.bfloat16, store=StoreOptions(hot_fraction=0.5, mode="zerocopy"))
+        path, device="cuda", dtype=torch.bfloat16, store=StoreOptions(hot_fraction=0.5, miss_mode="zerocopy"))
     router = ModelRouter(model, ctx=128, prefill_chunk=16)
     ids = [3 + (11 * i) % 199 for i in range(64)]
     generated = (np.arange(64) // 16) % 2 == 1

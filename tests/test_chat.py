@@ -123,7 +123,7 @@ def test_chat_commands_are_not_sent_to_the_model(synth_model, tmp_path):
     assert "[unknown command /bogus" in res.stderr and "/system TEXT" in res.stderr
     assert len(res.stdout.splitlines()) == 2  # two replies: "hello" and "again"
     # the second reply saw the system message and not the cleared turn, and no command text
-    model = open_model(RunOptions(model_path, device="cpu", dtype="float32"))
+    model = open_model(RunOptions(model_path=model_path, device="cpu", dtype="float32"))
     tok = load_tokenizer(model)
     import json
 

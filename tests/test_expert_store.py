@@ -56,9 +56,9 @@ def load_with_store(model_path, mode: str, **opts):
     """The model with its tiered store in ``mode``, or ("naive") the benchmarks' baseline store
     (bench/naive_store.py) planned the same way."""
     if mode != "naive":
-        return load_model(model_path, store=StoreOptions(mode=mode, **opts))
-    model = load_model(model_path, store=StoreOptions(mode="async", **opts))
-    src, plan = plan_store(model.gguf, None, model.spec, model.device, model.dtype, StoreOptions(mode="async", **opts))
+        return load_model(model_path, store=StoreOptions(miss_mode=mode, **opts))
+    model = load_model(model_path, store=StoreOptions(miss_mode="async", **opts))
+    src, plan = plan_store(model.gguf, None, model.spec, model.device, model.dtype, StoreOptions(miss_mode="async", **opts))
     model.experts = NaiveStore(src, model.spec, model.device, model.dtype, plan.hot, plan.cache_slots)
     return model
 
@@ -100,7 +100,7 @@ def test_any_residency_gives_identical_outputs(model_path, reference, mode, hot_
 def test_all_hot_store_counts_when_flushed(model_path):
     """An all-hot zero-copy store reads no counts between tokens; resetting its stats drops the
     counts not read yet, so the new stats hold only what came after."""
-    model = load_model(model_path, store=StoreOptions(hot_fraction=1.0, mode="zerocopy"))
+    model = load_model(model_path, store=StoreOptions(hot_fraction=1.0, miss_mode="zerocopy"))
     store = model.experts
     assert store.all_hot
     session = Session(model)

@@ -10,7 +10,7 @@ import torch
 
 from sparkpack.runtime import cli
 from sparkpack.runtime.generate import Session, generate, shared_len
-from sparkpack.runtime.models import StoreOptions, load_model
+from sparkpack.runtime.models import SessionOptions, StoreOptions, load_model
 
 
 @pytest.fixture(scope="module")
@@ -366,7 +366,7 @@ def test_kv_type_flag_reaches_the_cache_and_the_vram_plan(synth_model, qwen, tmp
                            monkeypatch, capsys)
     assert code == 0, err
     spec = model_spec(GGUFModel(qwen))
-    q8 = load_model(qwen, store=StoreOptions(vram=2**30, ctx=512, kv_type="q8_0")).residency.kv_bytes
+    q8 = load_model(qwen, store=StoreOptions(vram=2**30), session=SessionOptions(ctx=512, kv_type="q8_0")).residency.kv_bytes
     assert q8 == kv_cache_bytes(spec, 512, 34 / 32) < kv_cache_bytes(spec, 512, 4)
 
 
@@ -402,12 +402,13 @@ def test_prefill_chunk_temporaries_are_planned_for(synth_model):
     spec = model_spec(GGUFModel(gguf))
     small, large = prefill_activation_bytes(spec, 64, 512), prefill_activation_bytes(spec, 4096, 512)
     assert 0 < small < large
-    plans = [load_model(gguf, store=StoreOptions(vram=2**31, ctx=512, prefill_chunk=c)).residency for c in (64, 4096)]
+    plans = [load_model(gguf, store=StoreOptions(vram=2**31),
+                        session=SessionOptions(ctx=512, prefill_chunk=c)).residency for c in (64, 4096)]
     assert [p.overhead_bytes for p in plans] == [runtime_bytes(spec, 512, c) for c in (64, 4096)]
     assert plans[1].hot_bytes <= plans[0].hot_bytes
     need = plans[0].vram - (plans[0].overhead_bytes - small)  # what 64-token chunks leave, minus their temporaries
     with pytest.raises(SparkpackError, match="prefill chunks of 1000000"):
-        load_model(gguf, store=StoreOptions(vram=need, ctx=512, prefill_chunk=1_000_000))
+        load_model(gguf, store=StoreOptions(vram=need), session=SessionOptions(ctx=512, prefill_chunk=1_000_000))
 
 
 def test_short_prefill_calls_depend_on_the_model_device_and_kv_type_only(synth_model):
@@ -437,11 +438,12 @@ def test_vram_plan_counts_short_prefill_calls(synth_model):
 
     for arch, chunk in (("laguna", PREFILL_GRAPH_TOKENS), ("qwen35moe", 4096)):
         model = load_model(synth_model(arch, "Q8_0"), device="cuda", dtype=torch.bfloat16,
-                           store=StoreOptions(vram=2**31, ctx=512, prefill_chunk=4096))
+                           store=StoreOptions(vram=2**31), session=SessionOptions(ctx=512, prefill_chunk=4096))
         assert model.residency.overhead_bytes == runtime_bytes(model.spec, 512, chunk)
     calls: list[int] = []
     model = load_model(synth_model("laguna", "Q8_0"), device="cuda", dtype=torch.bfloat16,
-                       store=StoreOptions(hot_fraction=0.5, mode="async", ctx=2048))  # a store that cannot be captured
+                       store=StoreOptions(hot_fraction=0.5, miss_mode="async"),
+                       session=SessionOptions(ctx=2048))  # a store that cannot be captured
     forward = model.forward
     model.forward = lambda ids, *a, **k: calls.append(len(ids)) or forward(ids, *a, **k)
     session = Session(model, ctx=2048, prefill_chunk=2048)
@@ -462,7 +464,7 @@ def test_prefill_temporaries_stay_within_the_plan(synth_model, arch):
     from sparkpack.formats.memory import PREFILL_GRAPH_TOKENS, prefill_activation_bytes
 
     model = load_model(synth_model(arch, "Q8_0"), device="cuda", dtype=torch.bfloat16,
-                       store=StoreOptions(hot_fraction=1.0, ctx=2048))
+                       store=StoreOptions(hot_fraction=1.0), session=SessionOptions(ctx=2048))
     for chunk in (128, 700):
         n = chunk + chunk // 2
         session = Session(model, ctx=2048, prefill_chunk=chunk)

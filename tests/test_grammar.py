@@ -34,7 +34,7 @@ class Loaded:
     def __init__(self, path, device: str = "cpu"):
         gguf = GGUFModel(path)
         self.tok = GGUFTokenizer.from_metadata(gguf)
-        resident = StoreOptions(hot_fraction=1.0, cache_slots=0, mode="zerocopy")
+        resident = StoreOptions(hot_fraction=1.0, cache_slots=0, miss_mode="zerocopy")
         self.model = load_model(path) if device == "cpu" else load_model(path, device=device, dtype=torch.bfloat16,
                                                                           store=resident)
         self.grammars = SchemaGrammars(self.tok, self.model.spec.n_vocab)

@@ -37,7 +37,7 @@ def greedy(model, graphs: bool, n: int = 12, ctx: int = 64, kv_type: str = "auto
 @pytest.mark.parametrize("hot_fraction,slots", [(1.0, 0), (0.3, 0), (0.3, 6)])
 def test_graph_replay_equals_eager(model_path, hot_fraction, slots):
     model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
-                       store=StoreOptions(hot_fraction=hot_fraction, cache_slots=slots, mode="zerocopy"))
+                       store=StoreOptions(hot_fraction=hot_fraction, cache_slots=slots, miss_mode="zerocopy"))
     if not capturable(model):  # tiny shapes may give some layer a quant type without a fused kernel
         pytest.skip("not every expert layer has fused-kernel quant types")
     tok_g, log_g, s = greedy(model, True)
@@ -49,7 +49,7 @@ def test_graph_replay_equals_eager(model_path, hot_fraction, slots):
     tok_e, log_e, _ = greedy(model, False)
     assert tok_g == tok_e and torch.equal(log_g, log_e)
     ref = load_model(model_path, device="cuda", dtype=torch.bfloat16,
-                     store=StoreOptions(hot_fraction=1.0, cache_slots=0, mode="zerocopy"))
+                     store=StoreOptions(hot_fraction=1.0, cache_slots=0, miss_mode="zerocopy"))
     tok_r, log_r, _ = greedy(ref, True)
     assert tok_r == tok_g and torch.equal(log_r, log_g)
 
@@ -58,7 +58,7 @@ def test_graph_replay_equals_eager(model_path, hot_fraction, slots):
 def test_graph_replay_with_a_q8_0_kv_cache_equals_eager(model_path):
     """The q8_0 cache's quantize-on-write and expand-on-read inside the captured step."""
     model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
-                       store=StoreOptions(hot_fraction=1.0, cache_slots=0, mode="zerocopy"))
+                       store=StoreOptions(hot_fraction=1.0, cache_slots=0, miss_mode="zerocopy"))
     tok_g, log_g, s = greedy(model, True, kv_type="q8_0")
     assert s.graph is not None and s.graph.replays >= 10
     tok_e, log_e, _ = greedy(model, False, kv_type="q8_0")
@@ -72,7 +72,7 @@ def test_reset_keeps_the_graph_valid(model_path):
     their own (all-attention models) or attend differently from a whole prompt (torch's fused
     attention from position 0 on qwen35moe), so the reference eager session is fed the same pieces."""
     model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
-                       store=StoreOptions(hot_fraction=0.5, mode="zerocopy"))
+                       store=StoreOptions(hot_fraction=0.5, miss_mode="zerocopy"))
 
     def pieces(session: Session) -> tuple[list[int], torch.Tensor]:
         ids = list(PROMPT)
@@ -98,7 +98,7 @@ def test_decoding_past_ctx_captures_again_on_the_grown_buffers(model_path):
     """Past --ctx a step runs eagerly and the KV buffers double; the graph captured on the old
     buffers must not be replayed on stale memory."""
     model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
-                       store=StoreOptions(hot_fraction=0.5, mode="zerocopy"))
+                       store=StoreOptions(hot_fraction=0.5, miss_mode="zerocopy"))
     tok_g, log_g, s = greedy(model, True, n=20, ctx=16)  # 10 prompt tokens + 20: one growth, to 32
     assert s.graph is not None and s.graph.captures == 2 and s.graph.replays > 10
     tok_e, log_e, _ = greedy(model, False, n=20, ctx=16)
@@ -116,7 +116,7 @@ def test_programmatic_dependent_launch_changes_no_bit(model_path, hot_fraction, 
         monkeypatch.setenv("SPARKPACK_PDL", flag)
         pdl.reset()
         model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
-                           store=StoreOptions(hot_fraction=hot_fraction, cache_slots=4, mode="zerocopy"))
+                           store=StoreOptions(hot_fraction=hot_fraction, cache_slots=4, miss_mode="zerocopy"))
         on = pdl.enabled(torch.empty(0, device="cuda"))
         tokens, logits, _ = greedy(model, True, n=16)
         return on, tokens, logits
@@ -141,7 +141,7 @@ def test_decoding_one_step_ahead_gives_the_one_token_at_a_time_bits(model_path, 
     from sparkpack.runtime.generate import generate
 
     model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
-                       store=StoreOptions(hot_fraction=hot_fraction, cache_slots=2, mode="zerocopy"))
+                       store=StoreOptions(hot_fraction=hot_fraction, cache_slots=2, miss_mode="zerocopy"))
     if not capturable(model):  # as test_graph_replay_equals_eager
         pytest.skip("not every expert layer has fused-kernel quant types")
     tok_e, log_e, _ = greedy(model, False, n=20, ctx=16)
@@ -184,7 +184,7 @@ def test_a_prefill_is_padded_call_computes_the_real_tokens_alone(synth_model, ar
     routing counts take the torch forms; the GPU kernels of a captured call are tested on CUDA
     below and in test_attention_kernel / test_kernels.)"""
     path = synth_model(arch, "Q4_K_M", skew=1.0)
-    opts = StoreOptions(hot_fraction=0.5, cache_slots=2, mode="zerocopy")
+    opts = StoreOptions(hot_fraction=0.5, cache_slots=2, miss_mode="zerocopy")
     prompts = [PROMPT[:3], PROMPT, PROMPT + list(range(40, 57))]  # 3 -> 16, 7 -> 16, 17 -> 32
     prompts.append(prompts[-1] + [3 + i % 89 for i in range(520)])
     ref_model, pad_model = load_model(path, store=opts), load_model(path, store=opts)
@@ -208,7 +208,7 @@ def test_a_prefill_is_padded_call_computes_the_real_tokens_alone(synth_model, ar
 def test_padding_that_would_grow_the_kv_cache_runs_eagerly(synth_model):
     """A call whose real tokens fit the KV buffers but whose padding would not is left to the
     eager path: padding never doubles the cache."""
-    model = load_model(synth_model("qwen3moe", "Q4_K_M"), store=StoreOptions(hot_fraction=1.0, mode="zerocopy"))
+    model = load_model(synth_model("qwen3moe", "Q4_K_M"), store=StoreOptions(hot_fraction=1.0, miss_mode="zerocopy"))
     session = Session(model, ctx=16)
     graphs = PrefillGraphs(model, session.cache, capture=False)
     assert graphs.feed(PROMPT) is not None and session.cache.pos == 10  # 16 positions: fits
@@ -226,7 +226,7 @@ def test_captured_prefill_replays_the_eager_padded_calls(model_path, hot_fractio
     unpadded calls, and the store's device counts hold the real tokens' routings alone. (Staging
     off: a staging store runs the calls it stages eagerly, in groups; it too gives these bits.)"""
     model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
-                       store=StoreOptions(hot_fraction=hot_fraction, cache_slots=2, mode="zerocopy", stage_tokens=None))
+                       store=StoreOptions(hot_fraction=hot_fraction, cache_slots=2, miss_mode="zerocopy", stage_tokens=None))
     session = Session(model, ctx=64)
     if not prefill_is_padded(model, session.cache):
         assert model.arch == "qwen35moe" or not capturable(model)
@@ -260,10 +260,10 @@ def test_captured_prefill_replays_the_eager_padded_calls(model_path, hot_fractio
     assert torch.equal(got, want)
     if hot_fraction < 1.0:
         ref = load_model(model_path, device="cuda", dtype=torch.bfloat16,
-                         store=StoreOptions(hot_fraction=1.0, cache_slots=0, mode="zerocopy"))
+                         store=StoreOptions(hot_fraction=1.0, cache_slots=0, miss_mode="zerocopy"))
         assert torch.equal(run(True, ref)[0], got)
         staging = load_model(model_path, device="cuda", dtype=torch.bfloat16,
-                             store=StoreOptions(hot_fraction=hot_fraction, cache_slots=2, mode="zerocopy"))
+                             store=StoreOptions(hot_fraction=hot_fraction, cache_slots=2, miss_mode="zerocopy"))
         staged, s = run(True, staging)
         staging.experts.flush()
         assert staging.experts.stats.staged_layers > 0 and s.prefill.captures == 2  # 16, again after the growth (32, 64 stage)
@@ -278,7 +278,7 @@ def test_warm_up_captures_before_the_prompt_and_changes_no_bit(model_path):
     """After ``Session.warm_up`` a prompt and its reply run on graphs captured beforehand (no
     capture inside the user's prompt or first decode step), with the bits of an unwarmed session."""
     model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
-                       store=StoreOptions(hot_fraction=0.5, cache_slots=4, mode="zerocopy"))
+                       store=StoreOptions(hot_fraction=0.5, cache_slots=4, miss_mode="zerocopy"))
     tok_ref, log_ref, _ = greedy(model, True, ctx=1024)
     warm = Session(model, ctx=1024)
     warm.warm_up()

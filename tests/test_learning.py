@@ -43,7 +43,7 @@ def load(model_path, tmp_path, hot_fraction: float, mode: str = "auto", learn: L
     """The model with its store, placed uniformly; learning into ``tmp_path/p.profile.json`` when
     ``learn`` (a profile path that does not exist yet: uniform placement)."""
     return load_model(model_path, device=DEVICE, dtype=DTYPE,
-                      store=StoreOptions(hot_fraction=hot_fraction, cache_slots=cache_slots, mode=mode,
+                      store=StoreOptions(hot_fraction=hot_fraction, cache_slots=cache_slots, miss_mode=mode,
                                          profile=tmp_path / "p.profile.json", learn=learn or LearnOptions()))
 
 
@@ -132,7 +132,7 @@ def test_learner_gets_each_sides_routings(model_path, tmp_path, mode, hot_fracti
     assert st.routings["generated"] == fed * spec.n_expert_used * len(spec.moe_layers)
 
     # an all-hot store (the same kernels: the same routing) counted as calibrate counts, call by call
-    ref = load_model(model_path, device=DEVICE, dtype=DTYPE, store=StoreOptions(hot_fraction=1.0, mode="zerocopy"))
+    ref = load_model(model_path, device=DEVICE, dtype=DTYPE, store=StoreOptions(hot_fraction=1.0, miss_mode="zerocopy"))
     tap = RoutingTap(ref.experts, spec, ref.device, len(IDS), record=False)
     ref.experts = tap
     cache = ref.new_cache(64)
@@ -185,7 +185,7 @@ def test_engine_replaces_only_between_requests(model_path, tmp_path):
         seen.append(engine._running)
         return apply(swaps)
     store.apply_swaps = watched
-    engine = Engine(Session(model, ctx=128), frozenset(), 0, between=learning)
+    engine = Engine(Session(model, ctx=128), frozenset(), between=learning)
     done = threading.Semaphore(0)
 
     class Sink:

@@ -169,7 +169,7 @@ def test_split_plans_what_the_runtime_allocates(synth_model, tmp_path, monkeypat
     the CPU; the stores are built on the CPU from it."""
     from sparkpack.repack.cli import main
     from sparkpack.runtime.expert_store import ExpertStore
-    from sparkpack.runtime.models import StoreOptions, plan_store
+    from sparkpack.runtime.models import SessionOptions, StoreOptions, plan_store
     from sparkpack.runtime.weights import PackSource
 
     path = synth_model(arch, quant)
@@ -189,8 +189,8 @@ def test_split_plans_what_the_runtime_allocates(synth_model, tmp_path, monkeypat
     placement = json.loads((out / "manifest.json").read_text())["placement"]
     split = placement["budget"]
     pack = Pack.open(out)
-    opts = StoreOptions(vram=vram, ctx=512)
-    src, plan = plan_store(PackSource(pack), pack, spec, "cuda", torch.bfloat16, opts)
+    opts, session = StoreOptions(vram=vram), SessionOptions(ctx=512)
+    src, plan = plan_store(PackSource(pack), pack, spec, "cuda", torch.bfloat16, opts, session=session)
     assert np.array_equal(plan.hot, pack.hot) and 0 < plan.hot.sum() < len(spec.moe_layers) * spec.n_expert
     assert (plan.hot_bytes, plan.cache_slots, plan.cache_slot_bytes, plan.dense_bytes, plan.expert_budget,
             plan.overhead_bytes, plan.staging_bytes) == \
@@ -202,7 +202,7 @@ def test_split_plans_what_the_runtime_allocates(synth_model, tmp_path, monkeypat
     assert plan.overhead_bytes == runtime_bytes(spec, 512, chunk) + group_bytes(spec, 512, chunk)
     assert plan.hot_bytes + plan.staging_bytes + plan.overhead_bytes + plan.dense_bytes + plan.kv_bytes + \
         plan.state_bytes + plan.cache_bytes <= vram
-    assert np.array_equal(plan_store(gguf, None, spec, "cuda", torch.bfloat16, opts)[1].hot, pack.hot)  # from the GGUF too
+    assert np.array_equal(plan_store(gguf, None, spec, "cuda", torch.bfloat16, opts, session=session)[1].hot, pack.hot)  # from the GGUF too
     store = ExpertStore(src, spec, "cpu", torch.float32, plan.hot, plan.cache_slots, "async")
     assert store.pool.numel() == plan.pool_bytes == placement["hot_bytes"] + split["cache_slots"] * split["cache_slot_bytes"]
     assert (store.n_hot, store.n_cache) == (int(pack.hot.sum()), split["cache_slots"])

@@ -36,7 +36,7 @@ def open_model(path, device: str):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     return load_model(path, device="cuda", dtype=torch.bfloat16,
-                      store=StoreOptions(hot_fraction=0.5, cache_slots=4, mode="zerocopy"))
+                      store=StoreOptions(hot_fraction=0.5, cache_slots=4, miss_mode="zerocopy"))
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

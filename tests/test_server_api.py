@@ -2,7 +2,7 @@
 the CPU, the official ``openai`` and ``anthropic`` SDKs, and raw HTTP for malformed requests.
 
 A tiny random model writes random text, so tool calls, reasoning and stop strings are driven
-through the hidden ``--test-hooks`` path: the engine teacher-forces a given text's tokens through
+through the test hooks (tests/hooked_server.py): the engine teacher-forces a given text's tokens through
 the real model (only the choice of each token is overridden), and the route -> engine -> parser ->
 SSE path runs for real. The same hooks dump each request's prompt logits and token ids.
 """
@@ -23,11 +23,11 @@ import numpy as np
 import openai
 import pytest
 from sparkpack.runtime.tokenizer import GGUFTokenizer
+from tests.hooked_server import FAIL, FORCED
 from tests.serve_proc import API_KEY, ENV, ServerProcess, fresh_session, kept_tokens, one_thread
 
 CALL = 16  # --prefill-chunk: prefix reuse happens at multiples of it
 CTX = 512
-FORCED = "sparkpack_test_output"
 READ_FILE = {"type": "function", "function": {"name": "read_file", "description": "Read a file",
                                               "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
                                                              "required": ["path"]}}}
@@ -449,9 +449,9 @@ def test_limits_auth_and_unknown_routes(server, oai, claude):
 
 def test_an_internal_error_is_a_500_logged_once_and_the_server_goes_on(server, oai, claude):
     with pytest.raises(openai.InternalServerError, match="boom"):
-        oai.chat.completions.create(model="x", messages=user("hi"), max_tokens=2, extra_body={"sparkpack_test_fail": "boom"})
+        oai.chat.completions.create(model="x", messages=user("hi"), max_tokens=2, extra_body={FAIL: "boom"})
     with pytest.raises(anthropic.InternalServerError, match="boom"):
-        claude.messages.create(model="x", max_tokens=2, messages=user("hi"), extra_body={"sparkpack_test_fail": "boom"})
+        claude.messages.create(model="x", max_tokens=2, messages=user("hi"), extra_body={FAIL: "boom"})
     assert oai.chat.completions.create(model="x", messages=user("hi"), max_tokens=2).choices[0].finish_reason == "length"
     log = "".join(server.stderr)
     assert log.count("Traceback") == 2  # once per failure, and in each request's line

@@ -108,9 +108,9 @@ def test_while_loading_health_and_routes_answer_503_in_their_dialect():
     from fastapi.testclient import TestClient
 
     from sparkpack.runtime.server.app import create_app
-    from sparkpack.runtime.server.http import ServerConfig
+    from sparkpack.runtime.options import ServeOptions
 
-    client = TestClient(create_app(ServerConfig()))
+    client = TestClient(create_app(ServeOptions()))
     assert client.get("/health").status_code == 503
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 503 and r.json()["error"]["type"] == "server_error" and "loading" in r.json()["error"]["message"]

@@ -27,7 +27,7 @@ from sparkpack.runtime.expert_staging import cold_spans, staged_row, staging_uni
 from sparkpack.runtime.expert_source import GGUFSource
 from sparkpack.runtime.expert_store import ExpertStore
 from sparkpack.runtime.generate import Session
-from sparkpack.runtime.models import StoreOptions, load_model
+from sparkpack.runtime.models import SessionOptions, StoreOptions, load_model
 
 DEVICE = os.environ.get("SPARKPACK_TEST_DEVICE", "cpu")
 cuda = pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(),
@@ -364,7 +364,7 @@ ARCHS = ["qwen35moe", "qwen3moe", "laguna"]
 
 def gpu_model(path: Path, fraction: float, stage_tokens: int | None, **kw):
     model = load_model(path, device="cuda", dtype=torch.bfloat16,
-                       store=StoreOptions(hot_fraction=fraction, mode="zerocopy", stage_tokens=stage_tokens, **kw))
+                       store=StoreOptions(hot_fraction=fraction, miss_mode="zerocopy", stage_tokens=stage_tokens, **kw))
     if not model.experts.fused_all:  # tiny shapes may give a layer a quant type without a fused kernel
         pytest.skip("not every expert layer has fused-kernel quant types")
     return model
@@ -526,7 +526,7 @@ def test_a_vram_budget_allocates_the_planned_staging(synth_model):
     fixed = full.dense_bytes + full.kv_bytes + full.state_bytes + full.overhead_bytes \
         + default_cache_slots(spec) * full.cache_slot_bytes
     model = load_model(path, device="cuda", dtype=torch.bfloat16,
-                       store=StoreOptions(vram=fixed + full.hot_bytes * 3 // 4, ctx=512))
+                       store=StoreOptions(vram=fixed + full.hot_bytes * 3 // 4), session=SessionOptions(ctx=512))
     plan, store = model.residency, model.store
     if not store.fused_all:
         pytest.skip("not every expert layer has fused-kernel quant types")

@@ -120,11 +120,11 @@ def test_streaming_never_splits_characters(qwen_dir):
     text = "emoji 😀👍🏽 CJK 你好 mixed<|im_end|> done é"
     ids = tok.encode(text)
     assert any(len(tok.token_bytes(i)) and not _is_utf8(tok.token_bytes(i)) for i in ids)  # some split chars
-    s = tok.stream()
+    s = tok.decoder()
     pieces = [s.push(i) for i in ids] + [s.flush()]
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
-    quiet = tok.stream(skip_special=True)
+    quiet = tok.decoder(skip_special=True)
     assert "".join(quiet.push(i) for i in ids) + quiet.flush() == text.replace("<|im_end|>", "")
 
 

@@ -11,7 +11,7 @@ from sparkpack.formats.errors import UnsupportedError
 from sparkpack.formats.gguf_file import GGUFModel
 
 from ..experts import ExpertProvider, GGUFExperts
-from ..residency import StoreOptions
+from ..options import SessionOptions, StoreOptions
 from ..weights import PackSource
 from .base import MoEModel
 from .laguna import Laguna
@@ -22,14 +22,15 @@ MODELS: dict[str, type[MoEModel]] = {m.arch: m for m in (Qwen3MoE, Qwen35MoE, La
 
 
 def load_model(path: str | os.PathLike[str] | GGUFModel, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32, expert_cache_bytes: int | None = None,
-               store: StoreOptions | None = None) -> MoEModel:
+               dtype: torch.dtype = torch.float32, dequant_limit: int | None = None,
+               store: StoreOptions | None = None, session: SessionOptions = SessionOptions()) -> MoEModel:
     """Open a GGUF or a .sparkpack directory and build the runtime model of its architecture
     (dense weights load lazily, or at once with ``store``).
 
-    Without ``store`` experts are expanded on first use (``expert_cache_bytes`` bounds what stays
-    expanded; None keeps all): the simple path, used on CPU. With ``store`` the tiered expert store
-    holds them quantized (hot set, cache slots, host tier) as ``store`` asks; the plan is kept on
+    Without ``store`` experts are expanded on first use (``dequant_limit`` bounds the bytes that
+    stay expanded; None keeps all): the simple path, used on CPU. With ``store`` the tiered expert
+    store holds them quantized (hot set, cache slots, host tier) as ``store`` asks, planned for
+    sessions of ``session`` (its context, KV type and prompt calls); the plan is kept on
     the model as ``model.residency`` (the store as ``model.store``) and the profile it was placed with (and, learning, the
     profile file to learn into) as ``model.start_profile``."""
     from sparkpack.formats.sparkpack import Pack, is_pack
@@ -48,9 +49,9 @@ def load_model(path: str | os.PathLike[str] | GGUFModel, device: torch.device | 
         from ..residency import identity_of, start_profile
 
         start = start_profile(store, Path(source.path), identity_of(source), spec)
-        experts, residency = open_store(source, pack, spec, device, dtype, store, start)
+        experts, residency = open_store(source, pack, spec, device, dtype, store, session=session, start=start)
     else:
-        experts = GGUFExperts(source, spec, device, dtype, max_bytes=expert_cache_bytes)  # type: ignore[arg-type]
+        experts = GGUFExperts(source, spec, device, dtype, max_bytes=dequant_limit)  # type: ignore[arg-type]
     model = cls(source, spec, device=device, dtype=dtype, experts=experts)  # type: ignore[arg-type]
     model.residency = residency
     model.store = experts if store is not None else None  # type: ignore[assignment]
@@ -67,21 +68,23 @@ def load_model(path: str | os.PathLike[str] | GGUFModel, device: torch.device | 
     return model
 
 
-def open_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOptions, start=None):
+def open_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOptions, *,
+               session: SessionOptions = SessionOptions(), start=None):
     """The tiered expert store and its residency plan for an opened model file (``pack`` the
     ``.sparkpack`` or None for a GGUF). Benchmarks use it to swap stores under one loaded model."""
     from ..expert_store import ExpertStore
 
-    experts_src, residency = plan_store(source, pack, spec, device, dtype, opts, start)
-    store = ExpertStore(experts_src, spec, device, dtype, residency.hot, residency.cache_slots, opts.mode,
-                        opts.host_bytes, stage_tokens=opts.stage_tokens if residency.staging_bytes else None)
+    experts_src, residency = plan_store(source, pack, spec, device, dtype, opts, session=session, start=start)
+    store = ExpertStore(experts_src, spec, device, dtype, residency.hot, residency.cache_slots, opts.miss_mode,
+                        opts.host_ram, stage_tokens=opts.stage_tokens if residency.staging_bytes else None)
     return store, residency
 
 
-def plan_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOptions, start=None):
+def plan_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOptions, *,
+               session: SessionOptions = SessionOptions(), start=None):
     """Where an opened model file's experts come from and the residency plan ``opts`` asks for
-    (what ``open_store`` builds its store from): ``formats.placement.plan_residency``, the plan
-    ``repack split`` makes, for this device and dtype, with the profile ``start``
+    sessions of ``session`` (what ``open_store`` builds its store from):
+    ``formats.placement.plan_residency``, the plan ``repack split`` makes, for this device and dtype, with the profile ``start``
     (``runtime.residency.StartProfile``; None: the one ``opts`` names or finds)."""
     from sparkpack.formats.placement import plan_residency
 
@@ -91,10 +94,10 @@ def plan_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOption
     experts_src = PackExpertSource(pack, spec) if pack is not None else GGUFSource(source, spec)
     if start is None:
         start = start_profile(opts, Path(source.path), identity_of(source), spec)
-    residency = plan_residency(spec, source.tensors, opts.budget, memory_target(device, dtype, spec, opts),
+    residency = plan_residency(spec, source.tensors, opts.budget, memory_target(device, dtype, spec, opts, session),
                                profile=start.profile, profile_name=start.name,
                                pack_hot=pack.hot if pack is not None else None, where=source.path,
-                               gen_weight=opts.gen_weight)
+                               gen_weight=opts.generated_weight)
     return experts_src, residency
 
 
@@ -106,4 +109,4 @@ def _model_class(source, spec) -> type[MoEModel]:
     return cls
 
 
-__all__ = ["MODELS", "MoEModel", "StoreOptions", "load_model", "open_store", "plan_store"]
+__all__ = ["MODELS", "MoEModel", "SessionOptions", "StoreOptions", "load_model", "open_store", "plan_store"]

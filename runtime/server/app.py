@@ -10,9 +10,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import anthropic_api, openai_api, responses_api
+from ..options import ServeOptions
 from .errors import ApiError
 from .generation import served_of
-from .http import DialectRoute, ServerConfig, answer_error, check_api_key, read_json
+from .http import DialectRoute, answer_error, check_api_key, read_json
 from .metrics import CONTENT_TYPE
 from .request_log import RequestRecord, client_name
 from .schemas import DetokenizeRequest, TokenizeRequest, parse
@@ -52,9 +53,9 @@ async def detokenize(request: Request) -> JSONResponse:
     return JSONResponse({"content": served.tokenizer.decode(body.tokens)})
 
 
-def create_app(config: ServerConfig) -> FastAPI:
+def create_app(options: ServeOptions) -> FastAPI:
     app = FastAPI(title="sparkpack", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.config = config
+    app.state.options = options
     app.state.served = None
     for router in (local, openai_api.router, responses_api.router, anthropic_api.router):
         app.include_router(router)

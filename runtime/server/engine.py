@@ -20,15 +20,13 @@ request that arrives meanwhile waits for the step in progress only.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -36,6 +34,9 @@ from ..conversation_cache import ConversationCache
 from ..generate import Session, TokenConstraint, continue_tokens
 from ..options import SamplingOptions
 from .errors import ApiError
+
+if TYPE_CHECKING:
+    from ..sampling import Sampler
 
 log = logging.getLogger("sparkpack.server")
 
@@ -74,9 +75,10 @@ class Job:
     max_new: int
     sampling: SamplingOptions
     sink: TokenSink
-    forced: list[int] | None = None  # test-only: teacher-forced tokens (see ForcedTokens)
-    fail: str | None = None  # test-only: raise this in the engine thread after the prefill (the 500 path)
     constraint: TokenConstraint | None = None  # a structured output's grammar (decoded one token at a time)
+    # the request body's fields outside the API's schema: no product code reads them; a sampler or
+    # hook injected into the engine may (the tests' forced replies: tests/hooked_server.py)
+    extra: dict[str, Any] = field(default_factory=dict)
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -85,18 +87,9 @@ class Job:
         self.cancelled.set()
 
 
-class ForcedTokens:
-    """Test-only sampler: returns ``tokens`` in order, then ``stop``. The model still computes
-    every step on its own tokens; only the choice of the next token is overridden, so a tiny random
-    model can drive the real tool-call and reasoning paths with a known text."""
-
-    history_free = False
-
-    def __init__(self, tokens: list[int], stop: int):
-        self.tokens, self.stop = list(tokens), stop
-
-    def sample(self, logits: torch.Tensor, history: list[int]) -> int:
-        return self.tokens.pop(0) if self.tokens else self.stop
+def own_sampler(job: Job) -> Sampler | None:
+    """The job's sampler by its own sampling options (None: greedy, argmax on the device)."""
+    return job.sampling.sampler(len(job.ids))
 
 
 class BetweenRequests(Protocol):
@@ -112,23 +105,25 @@ class BetweenRequests(Protocol):
 
 class Engine:
     """``submit`` queues a job (503 past ``max_queue`` waiting); one thread computes them in
-    order. ``on_job`` (metrics) sees each finished job's outcome in that thread. ``dump_logits``:
-    test-only, a folder receiving, per computed request N (from 1), its last prompt token's logits
-    (``N.npy``, to compare with a fresh run bit for bit) and its prompt and generated token ids
-    (``N.json``). ``between``: the work done between requests."""
+    order. ``on_job`` (metrics) sees each finished job's outcome in that thread. ``between``: the
+    work done between requests. ``sampler`` chooses a job's sampler (its own sampling options;
+    a test injects one that forces a known reply), ``after_prefill`` sees each computed job's last
+    prompt logits before its first token is chosen (a test dumps them, or raises to take the
+    failure path): injected, never set from the command line."""
 
-    def __init__(self, session: Session, stop_ids: frozenset[int], end_id: int, max_queue: int = 64,
-                 on_job: Callable[[Job, Outcome], None] | None = None, dump_logits: Path | None = None,
-                 between: BetweenRequests | None = None, conversations: ConversationCache | None = None):
+    def __init__(self, session: Session, stop_ids: frozenset[int], *, max_queue: int = 64,
+                 on_job: Callable[[Job, Outcome], None] | None = None, between: BetweenRequests | None = None,
+                 conversations: ConversationCache | None = None,
+                 sampler: Callable[[Job], Sampler | None] = own_sampler,
+                 after_prefill: Callable[[Job, torch.Tensor], None] | None = None):
         self.session = session
         self.conversations = conversations
         self.between = between
         self.stop_ids = stop_ids
-        self.end_id = end_id  # what a forced output ends with (the template's end of turn)
         self.max_queue = max_queue
         self.on_job = on_job
-        self.dump_logits = dump_logits
-        self.served = 0
+        self.sampler = sampler
+        self.after_prefill = after_prefill
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._running: Job | None = None
         self._lock = threading.Lock()
@@ -217,31 +212,20 @@ class Engine:
         session = self.session
         timing = session.timing
         prefill0, decode0 = timing.prefill_seconds, timing.decode_seconds
-        self.served += 1
-        serial = self.served
         resume = self.conversations.prepare(job.ids) if self.conversations is not None else None
         logits = session.prompt(job.ids, marks=resume.marks if resume is not None else frozenset())
         if resume is not None:
             self.conversations.after_prompt(job.ids, resume)
         outcome.cached_tokens = session.reused
         job.sink.started(outcome)
-        if self.dump_logits is not None:
-            import numpy as np
-
-            np.save(self.dump_logits / f"{serial}.npy", logits.float().cpu().numpy())
-        if job.fail is not None:
-            raise RuntimeError(job.fail)
+        if self.after_prefill is not None:
+            self.after_prefill(job, logits)
         outcome.prefill_seconds = timing.prefill_seconds - prefill0
-        if job.forced is not None:
-            sampler = ForcedTokens(job.forced, self.end_id)
-        else:
-            sampler = job.sampling.sampler(len(job.ids))
+        sampler = self.sampler(job)
         outcome.finish = "length"
-        generated: list[int] = []
         with contextlib.closing(continue_tokens(session, logits, sampler, job.max_new, self.stop_ids,
                                                 job.constraint)) as tokens:
             for n, tok in enumerate(tokens, 1):
-                generated.append(tok)
                 if outcome.first_token_seconds is None:
                     outcome.first_token_seconds = time.perf_counter() - job.arrived
                 outcome.completion_tokens = n
@@ -255,5 +239,3 @@ class Engine:
                 if outcome.completion_tokens < job.max_new:
                     outcome.finish = "stop"  # a stop token
         outcome.decode_seconds = timing.decode_seconds - decode0
-        if self.dump_logits is not None:
-            (self.dump_logits / f"{serial}.json").write_text(json.dumps({"prompt": job.ids, "tokens": generated}))

@@ -41,13 +41,6 @@ if TYPE_CHECKING:
     from ..routing_trace import TraceRecorder
     from ..tokenizer import GGUFTokenizer
 
-# Test-only body fields, honoured with spark-run --serve's hidden --test-hooks: the text the
-# engine teacher-forces (the model runs; only the choice of each token is overridden), and a
-# message the engine thread raises after the prefill (the internal-error path).
-FORCED_OUTPUT_FIELD = "sparkpack_test_output"
-FAIL_FIELD = "sparkpack_test_fail"
-
-
 @dataclass
 class Served:
     """The loaded model and everything routes need about it."""
@@ -61,7 +54,6 @@ class Served:
     defaults: SamplingOptions
     engine: Engine
     metrics: ServerMetrics
-    test_hooks: bool = False
     max_tokens: int | None = None  # spark-run --max-tokens: the cap of requests that set none (else the context)
     learning: LiveLearning | None = None  # learns the placement (None without the store)
     trace: TraceRecorder | None = None  # --trace-out
@@ -189,17 +181,10 @@ def start(served: Served, prompt: Prompt, max_tokens: int | None, options: Sampl
         raise context_exceeded(n, ctx, param)
     room = ctx - n
     max_tokens = max_tokens or served.max_tokens
-    forced = fail = None
-    if served.test_hooks:
-        extra = body.model_extra or {}
-        if isinstance(extra.get(FORCED_OUTPUT_FIELD), str):
-            forced = served.tokenizer.encode(extra[FORCED_OUTPUT_FIELD], add_special=False)
-        if isinstance(extra.get(FAIL_FIELD), str):
-            fail = extra[FAIL_FIELD]
     implicit = [s for s in IMPLICIT_STOPS.get(served.model.spec.arch, ()) if isinstance(prompt.parser, OutputParser)]
     stream = EventStream(asyncio.get_running_loop(), served.tokenizer, prompt.parser, stops, implicit)
-    job = Job(prompt.ids, min(max_tokens, room) if max_tokens else room, options, stream, forced, fail,
-              prompt.constraint)
+    job = Job(prompt.ids, min(max_tokens, room) if max_tokens else room, options, stream,
+              constraint=prompt.constraint, extra=dict(body.model_extra or {}))
     served.engine.submit(job)
     return job, stream
 

@@ -13,7 +13,6 @@ import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request, Response
@@ -29,12 +28,6 @@ log = logging.getLogger("sparkpack.server")
 MAX_BODY_BYTES = 32 * 1024**2  # a 256k-token conversation is ~1 MB of JSON; tool results can be large
 PING_SECONDS = 15  # SSE pings keep idle proxies from closing a stream during a long prefill
 SHUTDOWN_GRACE_SECONDS = 5
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    api_key: str | None = None
-    max_body_bytes: int = MAX_BODY_BYTES
 
 
 def error_response(path: str, err: ApiError) -> JSONResponse:
@@ -76,8 +69,7 @@ class DialectRoute(APIRoute):
 
 
 async def read_json(request: Request) -> Any:
-    config: ServerConfig = request.app.state.config
-    limit = config.max_body_bytes
+    limit = MAX_BODY_BYTES
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body has {int(declared)} bytes; the limit is {limit}")
@@ -102,7 +94,7 @@ async def read_json(request: Request) -> Any:
 
 def check_api_key(request: Request) -> None:
     """``Authorization: Bearer K`` (OpenAI clients) or ``x-api-key: K`` (Anthropic's)."""
-    key = request.app.state.config.api_key
+    key = request.app.state.options.api_key  # runtime.options.ServeOptions
     if key is None:
         return
     sent = request.headers.get("x-api-key")

@@ -23,41 +23,30 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 
 from sparkpack.formats.errors import SparkpackError
 
-from ..learn_flags import LearningFlags
-from ..options import RunOptions, open_model, open_session
+from ..options import LearningFlags, RunOptions, ServeOptions, open_model, open_session
 from .client_settings import client_settings
-from .engine import Engine
-from .http import ServerConfig
+from .engine import Engine, Job, own_sampler
+from .generation import Served
 
 log = logging.getLogger("sparkpack.server")
 
 
-@dataclass(frozen=True)
-class ServeOptions:
-    """What serving adds to the run's options (``RunOptions``: the model, its store, the sessions,
-    the sampling defaults)."""
+@dataclass(frozen=True, kw_only=True)
+class ServeHooks:
+    """What a test, or bench's check of the real agents, injects into a server to force its
+    replies (tests/hooked_server.py): no flag of the product sets them. ``sampler`` and
+    ``after_prefill`` go to the ``Engine``; ``loaded`` sees the served model before the first
+    request."""
 
-    host: str = "127.0.0.1"
-    port: int = 8080
-    api_key: str | None = None
-    test_hooks: Path | None = None  # test-only: forced outputs honoured, prompt logits dumped here
-
-
-def serve_options(host: str, port: int, api_key: str | None, api_key_file: Path | None,
-                  test_hooks: Path | None) -> ServeOptions:
-    """spark-run's --serve flags as ``ServeOptions`` (the key read from its file)."""
-    if api_key is not None and api_key_file is not None:
-        raise SparkpackError(None, "give either --api-key or --api-key-file, not both")
-    if api_key_file is not None:
-        api_key = api_key_file.read_text(encoding="utf-8").strip()
-        if not api_key:
-            raise SparkpackError(api_key_file, "is empty: it should hold the API key")
-    return ServeOptions(host, port, api_key, test_hooks)
+    sampler: Callable[[Job], Any] | None = None
+    after_prefill: Callable[[Job, Any], None] | None = None
+    loaded: Callable[[Served], None] | None = None
 
 
 def model_name(path: Path) -> str:
@@ -65,31 +54,31 @@ def model_name(path: Path) -> str:
     return name[:-5] if name.endswith(".gguf") else name
 
 
-def build_served(model, opts: RunOptions, serve: ServeOptions, stopping: Callable[[], bool] = lambda: False):
+def build_served(model, opts: RunOptions, *, hooks: ServeHooks = ServeHooks(),
+                 stopping: Callable[[], bool] = lambda: False) -> Served:
     """The engine and everything routes need around a loaded model. ``stopping``: the server is
     shutting down (a bootstrap before serving stops early)."""
     from ..chat_template import ChatTemplate
     from ..learning import start_learning
     from ..routing_trace import attach_trace
     from ..tokenizer import GGUFTokenizer
-    from .output import tool_syntax_for
-    from .generation import Served
     from .metrics import ServerMetrics
+    from .output import tool_syntax_for
 
     tok = GGUFTokenizer.from_metadata(model.gguf)
     source = model.gguf.get("tokenizer.chat_template")
     template = ChatTemplate.from_tokenizer(source, tok) if source else None
     flags = opts.learning
     trace = attach_trace(model, flags.trace_out) if flags.trace_out is not None else None  # before any capture
-    session = open_session(model, opts, tok.control_ids)
+    session = open_session(model, opts.session, tok.control_ids)
     if model.device.type == "cuda":  # kernels compiled and graphs captured before /health says ready
         click.echo(f"sparkpack: warmed up in {session.warm_up():.2f} s", err=True)
-    learning = start_learning(model, flags.learn, flags.gen_weight)  # (after the warm-up: dummy tokens teach nothing)
+    learning = (start_learning(model, opts.store.learn, opts.store.generated_weight) if opts.store is not None
+                else None)  # (after the warm-up: dummy tokens teach nothing)
     if trace is not None:
         trace.active = True
         click.echo(f"sparkpack: recording every token's routing to {trace.path}", err=True)
     if learning is not None:
-        learning.save_when_idle = serve.test_hooks is not None and flags.learn.save_every_s == 0
         start = model.start_profile
         click.echo(f"sparkpack: learning the placement into {learning.file.path} "
                    + ("(no profile yet: uniform placement)" if start.profile is None else
@@ -108,16 +97,20 @@ def build_served(model, opts: RunOptions, serve: ServeOptions, stopping: Callabl
         def on_job(job, outcome) -> None:  # noqa: F811 - the trace made durable after each request too
             metrics.observe_job(job, outcome)  # (reads the store's counts: a deferred step's ids are written)
             trace.sync()
-    conversations = open_conversation_cache(session, opts)
+    serve = opts.serve if opts.serve is not None else ServeOptions()
+    conversations = open_conversation_cache(session, serve)
     metrics.conversations = conversations
-    engine = Engine(session, tok.stop_ids, tok.end_of_turn, on_job=on_job, dump_logits=serve.test_hooks, between=learning,
-                    conversations=conversations)
-    return Served(model_name(opts.model_path), model, tok, template, tool_syntax_for(model.spec.arch, source or ""),
-                  opts.ctx, opts.sampling, engine, metrics, test_hooks=serve.test_hooks is not None,
-                  max_tokens=opts.max_tokens, learning=learning, trace=trace)
+    engine = Engine(session, tok.stop_ids, on_job=on_job, between=learning, conversations=conversations,
+                    sampler=hooks.sampler or own_sampler, after_prefill=hooks.after_prefill)
+    served = Served(name=model_name(opts.model_path), model=model, tokenizer=tok, template=template,
+                    syntax=tool_syntax_for(model.spec.arch, source or ""), ctx=opts.session.ctx, defaults=opts.sampling,
+                    engine=engine, metrics=metrics, max_tokens=opts.max_tokens, learning=learning, trace=trace)
+    if hooks.loaded is not None:
+        hooks.loaded(served)
+    return served
 
 
-def open_conversation_cache(session, opts: RunOptions):
+def open_conversation_cache(session, opts: ServeOptions):
     """The conversation cache ``--cache-ram`` and ``--cache-dir`` ask for (None when both are off),
     with one line saying what it holds."""
     from ..conversation_cache import DEFAULT_CACHE_RAM, ConversationCache
@@ -200,8 +193,8 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(opts: RunOptions, serve: ServeOptions, load: Callable[[], object],
-               on_loaded: Callable[[object], None] | None = None) -> None:
+def run_server(opts: RunOptions, load: Callable[[], object], on_loaded: Callable[[object], None] | None = None,
+               hooks: ServeHooks = ServeHooks()) -> None:
     """Serve until Ctrl-C/SIGTERM. ``load`` opens the model (in a thread, while /health says
     503); a load failure ends the server with that error."""
     import uvicorn
@@ -209,11 +202,12 @@ def run_server(opts: RunOptions, serve: ServeOptions, load: Callable[[], object]
     from .app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    serve = opts.serve if opts.serve is not None else ServeOptions()
     sock = bind(serve.host, serve.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     base = f"http://{shown}:{port}"
-    app = create_app(ServerConfig(api_key=serve.api_key))
+    app = create_app(serve)
     click.echo(f"sparkpack: loading {opts.model_path} (listening on {base}, /health answers 503 until ready)", err=True)
 
     class Server(uvicorn.Server):
@@ -231,12 +225,12 @@ def run_server(opts: RunOptions, serve: ServeOptions, load: Callable[[], object]
             model = load()
             if on_loaded is not None:
                 on_loaded(model)
-            app.state.served = build_served(model, opts, serve, lambda: server.should_exit)
+            app.state.served = build_served(model, opts, hooks=hooks, stopping=lambda: server.should_exit)
         except BaseException as e:  # reported by the main thread after the server stops
             failure.append(e)
             server.should_exit = True
             return
-        click.echo(client_settings(app.state.served.name, base, opts.ctx, serve.api_key))
+        click.echo(client_settings(app.state.served.name, base, opts.session.ctx, serve.api_key))
         sys.stdout.flush()
 
     thread = threading.Thread(target=loader, name="sparkpack-load", daemon=True)
@@ -287,19 +281,19 @@ def release(device) -> None:
         torch.cuda.empty_cache()
 
 
-def serve_from_cli(opts: RunOptions, serve: ServeOptions, report_residency: Callable[[object], None]) -> None:
+def serve_from_cli(opts: RunOptions, hooks: ServeHooks = ServeHooks()) -> None:
     """spark-run's --serve branch: the run's sampling options become the requests' defaults, and
     --max-tokens (when given) the output cap of requests that set none."""
     opts.sampling.sampler(0)  # a bad setting is a one-line error now, not a 500 on every request
-    if serve.test_hooks is not None:
-        serve.test_hooks.mkdir(parents=True, exist_ok=True)
+
+    from ..run_report import report_residency
 
     def loaded(model) -> None:
         if model.store is not None:
             report_residency(model)
 
     check_model_index(opts.model_path)
-    run_server(opts, serve, lambda: open_model(opts), loaded)
+    run_server(opts, lambda: open_model(opts), loaded, hooks)
 
 
 def check_model_index(path: Path) -> None:

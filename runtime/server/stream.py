@@ -78,7 +78,7 @@ class EventStream:
                  implicit: list[str] = ()):
         """``implicit``: stop strings of the model rather than the request (not reported)."""
         self.loop = loop
-        self.decoder = tokenizer.stream(skip_special=True)  # what spark-run prints
+        self.decoder = tokenizer.decoder(skip_special=True)  # what spark-run prints
         self.parser = parser
         self.stops = StopStrings([*stops, *implicit])
         self.implicit = frozenset(implicit) - frozenset(stops)
