@@ -42,7 +42,7 @@ def main() -> None:
     model = load_model(a.model, device="cuda", dtype=torch.bfloat16, store=opts)
     torch.cuda.synchronize()
     print(f"load {time.perf_counter() - t0:.1f} s; hot_fraction={a.hot_fraction}", flush=True)
-    st = model.experts
+    st = model.store
 
     def streamed() -> int:
         st.flush()  # learn the deferred calls' counts first

@@ -39,7 +39,7 @@ NEVER = sys.maxsize  # a threshold no call reaches: staging off
 
 def measure(model, n: int, chunk: int) -> dict:
     """tok/s of the second of two prefills of ``n`` tokens in a fresh session, and what it streamed."""
-    store = model.experts
+    store = model.store
     session = Session(model, ctx=n + 64, prefill_chunk=chunk)
     ids = ids_of(n, model.spec.n_vocab, n)
     first = timed_feed(session, ids)
@@ -110,12 +110,12 @@ def main() -> None:
         rows.append(row)
     all_gpu: dict[int, float] = {}
     if a.all_gpu:
-        model.experts = None
+        model.experts = model.store = None
         del store
         gc.collect()
         torch.cuda.empty_cache()
-        model.experts, _ = open_store(model.gguf, None, model.spec, model.device, model.dtype,
-                                      StoreOptions(hot_fraction=1.0, ctx=ctx, prefill_chunk=a.chunk))
+        model.experts = model.store = open_store(model.gguf, None, model.spec, model.device, model.dtype,
+                                                 StoreOptions(hot_fraction=1.0, ctx=ctx, prefill_chunk=a.chunk))[0]
         for n in a.tokens:
             all_gpu[n] = measure(model, n, a.chunk)["tok_s"]
             print(f"N={n:6} all-GPU: {all_gpu[n]:7.0f} tok/s", flush=True)
