@@ -114,9 +114,8 @@ def main() -> None:
         del store
         gc.collect()
         torch.cuda.empty_cache()
-        model.experts, _ = open_store(model.gguf, None, model.spec, model.device, model.dtype,
-                                      StoreOptions(hot_fraction=1.0), session=session)
-        model.store = model.experts
+        model.experts = model.store = open_store(model.gguf, None, model.spec, model.device, model.dtype,
+                                                 StoreOptions(hot_fraction=1.0), session=session)[0]
         for n in a.tokens:
             all_gpu[n] = measure(model, n, a.chunk)["tok_s"]
             print(f"N={n:6} all-GPU: {all_gpu[n]:7.0f} tok/s", flush=True)

@@ -178,7 +178,7 @@ def main() -> None:
     # prefill read 50 tok/s instead of ~1500). A throwaway store, so no row inherits what it learnt.
     measure(model, Config("compile", 0.5, True, "zerocopy"), args, prompt, cuda)
     for cfg in cfgs:
-        model.experts = None
+        model.experts = model.store = None
         free_memory(cuda)
         t0 = time.perf_counter()
         try:
@@ -199,7 +199,7 @@ def main() -> None:
               f"{row['prefill_tok_s']:7.1f}  hot/cached/missed per token {row['hot_per_token']:.1f}/"
               f"{row['cached_per_token']:.1f}/{row['missed_per_token']:.2f}  host {row['host_ms_per_token']:.2f} ms/token  pool {row['pool_gib']:.2f} GiB  "
               f"load {load_s:.1f} s  identical {same}", flush=True)
-    model.experts = None
+    model.experts = model.store = None
     del model
     free_memory(cuda)
     vr = vram_run(args.model, args.profile, args.vram, prompt, args.tokens, args.json.parent) if cuda and args.vram else {}

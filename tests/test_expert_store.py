@@ -59,7 +59,7 @@ def load_with_store(model_path, mode: str, **opts):
         return load_model(model_path, store=StoreOptions(miss_mode=mode, **opts))
     model = load_model(model_path, store=StoreOptions(miss_mode="async", **opts))
     src, plan = plan_store(model.gguf, None, model.spec, model.device, model.dtype, StoreOptions(miss_mode="async", **opts))
-    model.experts = NaiveStore(src, model.spec, model.device, model.dtype, plan.hot, plan.cache_slots)
+    model.experts = model.store = NaiveStore(src, model.spec, model.device, model.dtype, plan.hot, plan.cache_slots)
     return model
 
 
@@ -134,7 +134,7 @@ def test_fused_kernel_path_is_residency_independent(model_path):
         if isinstance(store.cold, HostPool) and store.cold.tensor.numel():
             assert store.cold.tensor.is_pinned() == (DEVICE == "cuda")
         model = load_model(gguf, device=DEVICE)
-        model.experts = store
+        model.experts = model.store = store
         session = Session(model)
         session.feed(IDS[:2])  # prefill: plain path
         return torch.stack([session.feed(IDS[: i + 1]) for i in range(2, 5)]), store
@@ -187,7 +187,7 @@ def test_low_bit_files_run_on_the_kernels_at_any_residency(synth_model, mix, mon
         assert all(la.fused for la in store.layers.values())
         model = load_model(gguf, device=DEVICE)
         model.w.int8_activations = int8  # the dense matrices' products (held as bytes on a GPU)
-        model.experts = store
+        model.experts = model.store = store
         session = Session(model)
         return torch.stack([session.feed(IDS[: i + 1]) for i in range(n_ids)]), store
 
@@ -297,7 +297,7 @@ def test_small_host_budget_falls_back_to_disk_tier(model_path, reference):
     assert isinstance(store.cold, DiskTier) and store.cold.cap >= 1
     assert len(warnings) == 1 and "disk tier" in warnings[0] and model_path.name in warnings[0]
     model = load_model(gguf)
-    model.experts = store
+    model.experts = model.store = store
     assert torch.equal(model.forward(IDS), reference[0])
     assert store.stats.disk_reads > 0 and len(store.cold.cache) <= store.cold.cap
 

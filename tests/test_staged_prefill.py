@@ -153,8 +153,9 @@ def test_sessions_stage_where_the_store_does(synth_model, monkeypatch):
     for short in (True, False):
         monkeypatch.setattr(generate, "feeds_short_calls", lambda model, cache, short=short: short)
         for stage_tokens, chunk, staged in ((1024, 2048, True), (256, 2048, True), (None, 2048, False), (4096, 2048, False)):
-            model.experts = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot_mask(spec, 0.6),
-                                        mode="zerocopy", fused=True, stage_tokens=stage_tokens)
+            model.experts = model.store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32,
+                                                      hot_mask(spec, 0.6), mode="zerocopy", fused=True,
+                                                      stage_tokens=stage_tokens)
             session = Session(model, prefill_chunk=chunk)
             assert session.call_tokens == (512 if short else chunk)
             assert session.staged == (staged and (stage_tokens or 0) <= session.call_tokens)
@@ -234,7 +235,7 @@ def test_a_group_of_calls_gives_the_bits_of_its_calls_one_by_one(synth_model, ar
         store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot_mask(spec, 0.5), mode="zerocopy")
         if grouped:
             store.staged_prefill = lambda n_tokens: n_tokens >= 2
-        model.experts = store
+        model.experts = model.store = store
         attach_trace(model, tmp_path / trace).active = True
         return Session(model, prefill_chunk=chunk, ctx=128, breaks=breaks)
 
