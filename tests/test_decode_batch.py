@@ -1,0 +1,106 @@
+"""A batched decode step (``MoEModel.decode_batch``): each sequence's logits are bit for bit its
+own single-sequence step's, whatever the other sequences, their number, order and lengths, on
+every arch and at any residency. On the CPU the dense products and the plain experts run their
+torch forms one row at a time (``runtime.decode_rows``), and the fused MoE kernels run under
+Triton's interpreter; ``SPARKPACK_TEST_DEVICE=cuda`` runs the same tests compiled on a GPU, every
+product through its kernel with the row axis."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from sparkpack.formats.archs import model_spec
+from sparkpack.formats.gguf_file import GGUFModel
+from sparkpack.runtime.expert_store import ExpertStore, GGUFSource
+from sparkpack.runtime.models import StoreOptions, load_model
+
+DEVICE = os.environ.get("SPARKPACK_TEST_DEVICE", "cpu")
+ARCHS = ("qwen35moe", "laguna", "qwen3moe")
+# Three conversations of different lengths, each with the tokens it is fed step by step after its
+# prompt (teacher-forced: the same ids alone and batched).
+PROMPTS = ([3, 14, 15, 92, 65, 35, 89], [7, 1], [46, 26, 43, 38, 32, 79, 50, 28, 84, 19, 71])
+FED = ([5, 9, 2, 6], [53, 58, 97, 93], [23, 84, 62, 64])
+# Which sequences decode together at each step: all, a sequence leaving, joining, another order.
+STEPS = ((0, 1, 2), (2, 0), (1, 2, 0), (1,))
+
+
+def alone(model) -> list[list[torch.Tensor]]:
+    """Each sequence's logits per fed token, decoding alone (one token per ``forward``)."""
+    out = []
+    for prompt, fed in zip(PROMPTS, FED):
+        cache = model.new_cache()
+        model.forward(prompt, cache, last_only=True)
+        out.append([model.forward([t], cache)[0] for t in fed])
+    return out
+
+
+def batched(model) -> list[list[torch.Tensor]]:
+    """The same, the sequences decoding together in the batches of ``STEPS`` (a sequence's later
+    tokens alone once it has no batch left)."""
+    caches = [model.new_cache() for _ in PROMPTS]
+    for prompt, cache in zip(PROMPTS, caches):
+        model.forward(prompt, cache, last_only=True)
+    out: list[list[torch.Tensor]] = [[] for _ in PROMPTS]
+    for step in STEPS:
+        logits = model.decode_batch([FED[b][len(out[b])] for b in step], [caches[b] for b in step])
+        for row, b in enumerate(step):
+            out[b].append(logits[row])
+    for b, fed in enumerate(FED):
+        for t in fed[len(out[b]):]:
+            out[b].append(model.decode_batch([t], [caches[b]])[0])
+    return out
+
+
+def assert_same(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> None:
+    for b, (g, w) in enumerate(zip(got, want)):
+        assert len(g) == len(w) == len(FED[b])
+        for i, (x, y) in enumerate(zip(g, w)):
+            assert torch.equal(x, y), f"sequence {b}, fed token {i}: {(x - y).abs().max().item()}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("hot_fraction", [1.0, 0.6, 0.1])
+def test_batched_step_is_each_sequence_alone(synth_model, arch, hot_fraction):
+    """Through the tiered store (async: misses copied into two cache slots, or read from the host
+    when a step's union of misses does not fit)."""
+    path = synth_model(arch, "Q4_K_M", skew=1.0)
+    model = load_model(path, device=DEVICE, store=StoreOptions(hot_fraction=hot_fraction, mode="async",
+                                                               cache_slots=2))
+    want = alone(model)
+    before = model.experts.stats.tokens
+    got = batched(model)
+    assert_same(got, want)
+    assert model.experts.stats.tokens - before == sum(len(p) for p in PROMPTS) + sum(len(f) for f in FED)
+
+
+def test_batched_step_without_a_store(synth_model):
+    """The plain providers (experts expanded one by one) give the same."""
+    model = load_model(synth_model("laguna", "Q4_K_M", skew=1.0), device=DEVICE)
+    assert_same(batched(model), alone(model))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_moe_kernels_batched(synth_model, arch):
+    """The fused MoE kernels (interpreted on the CPU) serving a batch: all experts on the device,
+    and 10% there with the rest read from the host pool in the kernel (zero-copy)."""
+    gguf = GGUFModel(synth_model(arch, "Q4_K_M", skew=1.0))
+    spec = model_spec(gguf)
+    for hot_fraction, mode in ((1.0, "async"), (0.1, "zerocopy")):
+        hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
+        hot[list(spec.moe_layers), :max(1, int(hot_fraction * spec.n_expert))] = True
+        model = load_model(gguf, device=DEVICE)
+        model.experts = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, torch.float32, hot, 0, mode, fused=True)
+        assert all(la.fused for la in model.experts.layers.values())
+        assert_same(batched(model), alone(model))
+
+
+def test_one_cache_per_sequence(synth_model):
+    model = load_model(synth_model("qwen3moe", "Q4_K_M", skew=1.0))
+    cache = model.new_cache()
+    with pytest.raises(ValueError, match="one distinct cache per sequence"):
+        model.decode_batch([1, 2], [cache, cache])
+    with pytest.raises(ValueError, match="one distinct cache per sequence"):
+        model.decode_batch([1, 2], [cache])
