@@ -188,13 +188,16 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
               help="With --serve: also keep conversations' states in this folder, so that a restarted server "
                    "resumes them.")
+@click.option("--parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --serve: requests decoded together, one token each per step (each reply the one it "
+                   "gets alone); 1 computes one request at a time.")
 @click.option("--test-hooks", type=click.Path(file_okay=False, path_type=Path), hidden=True,
               help="Tests only: honour forced outputs in requests and dump each prompt's logits here.")
 @learning_options  # --no-learn --force --half-life --generated-weight --profile-save-every --bootstrap --trace-out
 def run_cmd(model_path: Path, prompt: str | None, prompt_file: Path | None, system: str | None, raw: bool,
             prompt_ids: str | None, prompt_ids_file: Path | None, logits_out: Path | None, serve: bool,
             host: str, port: int, api_key: str | None, api_key_file: Path | None, test_hooks: Path | None,
-            **options: Any) -> None:
+            parallel: int, **options: Any) -> None:
     """The prompt's and the server's flags are handled here; every other flag (``options``) goes
     into the one ``RunOptions`` the run, the chat and the server share."""
     prompt = _from_file(prompt, prompt_file, "-p/--prompt", "--prompt-file")
@@ -203,6 +206,8 @@ def run_cmd(model_path: Path, prompt: str | None, prompt_file: Path | None, syst
         prompt_ids = ",".join(prompt_ids.replace(",", " ").split())
     if serve and (prompt is not None or prompt_ids is not None or raw or system is not None):
         raise SparkpackError(None, "--serve takes its prompts from HTTP requests: drop -p/--prompt-file/--prompt-ids/--raw/--system")
+    if parallel != 1 and not serve:
+        raise SparkpackError(None, "--parallel is the number of requests a server decodes together: use it with --serve")
     if logits_out is not None and prompt_ids is None:
         raise SparkpackError(None, "--logits-out needs --prompt-ids")
     if prompt_ids is not None and prompt is not None:
@@ -220,7 +225,8 @@ def run_cmd(model_path: Path, prompt: str | None, prompt_file: Path | None, syst
         if serve:
             from .server.serve import serve_from_cli, serve_options
 
-            serve_from_cli(opts, serve_options(host, port, api_key, api_key_file, test_hooks), report_residency)
+            serve_from_cli(opts, serve_options(host, port, api_key, api_key_file, test_hooks, parallel),
+                           report_residency)
             return
         model = open_model(opts)
         if model.residency is not None:

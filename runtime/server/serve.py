@@ -46,10 +46,11 @@ class ServeOptions:
     port: int = 8080
     api_key: str | None = None
     test_hooks: Path | None = None  # test-only: forced outputs honoured, prompt logits dumped here
+    parallel: int = 1  # requests decoded together (``parallel.ParallelEngine``); 1: ``engine.Engine``
 
 
 def serve_options(host: str, port: int, api_key: str | None, api_key_file: Path | None,
-                  test_hooks: Path | None) -> ServeOptions:
+                  test_hooks: Path | None, parallel: int = 1) -> ServeOptions:
     """spark-run's --serve flags as ``ServeOptions`` (the key read from its file)."""
     if api_key is not None and api_key_file is not None:
         raise SparkpackError(None, "give either --api-key or --api-key-file, not both")
@@ -57,7 +58,7 @@ def serve_options(host: str, port: int, api_key: str | None, api_key_file: Path 
         api_key = api_key_file.read_text(encoding="utf-8").strip()
         if not api_key:
             raise SparkpackError(api_key_file, "is empty: it should hold the API key")
-    return ServeOptions(host, port, api_key, test_hooks)
+    return ServeOptions(host, port, api_key, test_hooks, parallel)
 
 
 def model_name(path: Path) -> str:
@@ -108,13 +109,30 @@ def build_served(model, opts: RunOptions, serve: ServeOptions, stopping: Callabl
         def on_job(job, outcome) -> None:  # noqa: F811 - the trace made durable after each request too
             metrics.observe_job(job, outcome)  # (reads the store's counts: a deferred step's ids are written)
             trace.sync()
-    conversations = open_conversation_cache(session, opts)
-    metrics.conversations = conversations
-    engine = Engine(session, tok.stop_ids, tok.end_of_turn, on_job=on_job, dump_logits=serve.test_hooks, between=learning,
-                    conversations=conversations)
+    if serve.parallel > 1:
+        from .parallel import BatchCollector
+
+        engine = parallel_engine(model, opts, serve, session, tok, on_job, learning)
+        metrics.registry.register(BatchCollector(engine))
+    else:
+        conversations = open_conversation_cache(session, opts)
+        metrics.conversations = conversations
+        engine = Engine(session, tok.stop_ids, tok.end_of_turn, on_job=on_job, dump_logits=serve.test_hooks,
+                        between=learning, conversations=conversations)
     return Served(model_name(opts.model_path), model, tok, template, tool_syntax_for(model.spec.arch, source or ""),
                   opts.ctx, opts.sampling, engine, metrics, test_hooks=serve.test_hooks is not None,
                   max_tokens=opts.max_tokens, learning=learning, trace=trace)
+
+
+def parallel_engine(model, opts: RunOptions, serve: ServeOptions, session, tok, on_job, learning):
+    """``--parallel N``: N sessions (the warmed-up one and N - 1 more), decoded together."""
+    from .parallel import ParallelEngine
+
+    sessions = [session] + [open_session(model, opts, tok.control_ids) for _ in range(serve.parallel - 1)]
+    click.echo(f"sparkpack: up to {serve.parallel} requests decoded together; the conversation cache is off "
+               "(each of them resumes only its own previous sequence)", err=True)
+    return ParallelEngine(sessions, tok.stop_ids, tok.end_of_turn, on_job=on_job, dump_logits=serve.test_hooks,
+                          between=learning)
 
 
 def open_conversation_cache(session, opts: RunOptions):

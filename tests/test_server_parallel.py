@@ -1,0 +1,101 @@
+"""``--parallel N``: requests decoded together (runtime.server.parallel). 8 concurrent streaming
+clients in bounded loops, some closing their stream midway, against a server decoding up to 4
+sequences per step: every request completes or is cancelled cleanly, the server stays up, and
+every greedy completion equals the one a one-at-a-time server (``--parallel 1``) gives, bit for
+bit (each row of a batched step is its sequence's own step: tests/test_decode_batch.py)."""
+from __future__ import annotations
+
+import re
+import signal
+import threading
+
+import httpx
+import openai
+import pytest
+
+from tests.procs import SPARK_RUN, error_lines, run
+from tests.serve_proc import API_KEY, ServerProcess
+
+CLIENTS = 8
+REQUESTS = 2  # per client
+MAX_TOKENS = 12
+SYSTEM = "You are a careful assistant. Answer in one short sentence."
+QUESTIONS = ["What is a mixture of experts?", "Why is the sky blue?", "Name a prime number.",
+             "What does a compiler do?", "How far is the moon?"]
+
+
+def request(q: int) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[q]}]
+
+
+def client_of(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", "laguna"])
+def test_busy_parallel_server_gives_the_serial_completions(synth_model, arch):
+    path = synth_model(arch)
+    serial_server = ServerProcess(path, "--ctx", "1024", "--prefill-chunk", "16")
+    try:
+        serial = {q: client_of(serial_server).chat.completions.create(model="x", messages=request(q),
+                                                                      max_tokens=MAX_TOKENS).choices[0].message.content
+                  for q in range(len(QUESTIONS))}
+    finally:
+        assert serial_server.stop(signal.SIGTERM) == 0
+    server = ServerProcess(path, "--ctx", "1024", "--prefill-chunk", "16", "--parallel", "4")
+    try:
+        client = client_of(server)
+        results: list[tuple[int, str, bool]] = []  # (question, text, cancelled)
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        def run_client(i: int) -> None:
+            try:
+                for j in range(REQUESTS):
+                    q, cancel = (i + j) % len(QUESTIONS), (i + j) % 4 == 0  # a quarter close after 3 chunks
+                    stream = client.chat.completions.create(model="x", messages=request(q), max_tokens=MAX_TOKENS,
+                                                            stream=True)
+                    text, n = "", 0
+                    for chunk in stream:
+                        if chunk.choices:
+                            text += chunk.choices[0].delta.content or ""
+                        n += 1
+                        if cancel and n == 3:
+                            stream.close()
+                            break
+                    with lock:
+                        results.append((q, text, cancel))
+            except BaseException as e:  # reported by the main thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=run_client, args=(i,)) for i in range(CLIENTS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        assert not errors, errors
+        assert httpx.get(server.base + "/health").status_code == 200
+        assert len(results) == CLIENTS * REQUESTS
+        for q, text, cancelled in results:
+            if cancelled:
+                assert serial[q].startswith(text)
+            else:
+                assert text == serial[q], (q, text, serial[q])
+        metrics = httpx.get(server.base + "/metrics").text
+        counts = {m.group(1): float(m.group(2))
+                  for m in re.finditer(r'sparkpack_requests_total\{outcome="(\w+)",route="chat"\} (\S+)', metrics)}
+        n_cancelled = sum(c for _, _, c in results)
+        assert n_cancelled - 2 <= counts.get("cancelled", 0) <= n_cancelled  # (a stream may end first)
+        assert sum(counts.values()) == len(results)
+        steps = {int(m.group(1)): float(m.group(2))
+                 for m in re.finditer(r'sparkpack_batched_steps_total\{size="(\d+)"\} (\S+)', metrics)}
+        assert max(steps) > 1 and max(steps) <= 4, steps  # sequences did decode together, 4 at most
+        assert "sparkpack_running_sequences 0.0" in metrics
+    finally:
+        assert server.stop(signal.SIGINT) == 0
+
+
+def test_parallel_needs_serve(synth_model):
+    res = run([*SPARK_RUN, str(synth_model("qwen3moe")), "-p", "hi", "--parallel", "2"])
+    assert res.returncode == 1 and error_lines(res.stderr) == [
+        "spark-run: error: --parallel is the number of requests a server decodes together: use it with --serve"]
