@@ -144,3 +144,17 @@ class ServerProcess:
         for t in self._readers:
             t.join(5)
         return self.proc.returncode
+
+
+def stream_text(client, messages: list[dict], max_tokens: int, close_after: int | None = None) -> str:
+    """A streamed chat completion's text through the openai client; ``close_after``: the client
+    closes the stream after that many chunks (a user gone midway)."""
+    stream = client.chat.completions.create(model="x", messages=messages, max_tokens=max_tokens, stream=True)
+    text = ""
+    for n, chunk in enumerate(stream, 1):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        if close_after is not None and n == close_after:
+            stream.close()
+            break
+    return text

@@ -27,36 +27,36 @@ FED = ([5, 9, 2, 6], [53, 58, 97, 93], [23, 84, 62, 64])
 STEPS = ((0, 1, 2), (2, 0), (1, 2, 0), (1,))
 
 
-def alone(model) -> list[list[torch.Tensor]]:
+def alone(model, prompts=PROMPTS, fed=FED) -> list[list[torch.Tensor]]:
     """Each sequence's logits per fed token, decoding alone (one token per ``forward``)."""
     out = []
-    for prompt, fed in zip(PROMPTS, FED):
+    for prompt, tokens in zip(prompts, fed):
         cache = model.new_cache()
         model.forward(prompt, cache, last_only=True)
-        out.append([model.forward([t], cache)[0] for t in fed])
+        out.append([model.forward([t], cache)[0] for t in tokens])
     return out
 
 
-def batched(model) -> list[list[torch.Tensor]]:
-    """The same, the sequences decoding together in the batches of ``STEPS`` (a sequence's later
+def batched(model, prompts=PROMPTS, fed=FED, steps=STEPS) -> list[list[torch.Tensor]]:
+    """The same, the sequences decoding together in the batches of ``steps`` (a sequence's later
     tokens alone once it has no batch left)."""
-    caches = [model.new_cache() for _ in PROMPTS]
-    for prompt, cache in zip(PROMPTS, caches):
+    caches = [model.new_cache() for _ in prompts]
+    for prompt, cache in zip(prompts, caches):
         model.forward(prompt, cache, last_only=True)
-    out: list[list[torch.Tensor]] = [[] for _ in PROMPTS]
-    for step in STEPS:
-        logits = model.decode_batch([FED[b][len(out[b])] for b in step], [caches[b] for b in step])
+    out: list[list[torch.Tensor]] = [[] for _ in prompts]
+    for step in steps:
+        logits = model.decode_batch([fed[b][len(out[b])] for b in step], [caches[b] for b in step])
         for row, b in enumerate(step):
             out[b].append(logits[row])
-    for b, fed in enumerate(FED):
-        for t in fed[len(out[b]):]:
+    for b, tokens in enumerate(fed):
+        for t in tokens[len(out[b]):]:
             out[b].append(model.decode_batch([t], [caches[b]])[0])
     return out
 
 
 def assert_same(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> None:
     for b, (g, w) in enumerate(zip(got, want)):
-        assert len(g) == len(w) == len(FED[b])
+        assert len(g) == len(w) > 0
         for i, (x, y) in enumerate(zip(g, w)):
             assert torch.equal(x, y), f"sequence {b}, fed token {i}: {(x - y).abs().max().item()}"
 
@@ -84,17 +84,18 @@ def test_batched_step_without_a_store(synth_model):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fused_moe_kernels_batched(synth_model, arch):
-    """The fused MoE kernels (interpreted on the CPU) serving a batch: all experts on the device,
-    and 10% there with the rest read from the host pool in the kernel (zero-copy)."""
+    """The fused MoE kernels (interpreted on the CPU: few, short sequences) serving a batch, 10% of
+    the experts on the device and the rest read from the host pool in the kernel (zero-copy)."""
     gguf = GGUFModel(synth_model(arch, "Q4_K_M", skew=1.0))
     spec = model_spec(gguf)
-    for hot_fraction, mode in ((1.0, "async"), (0.1, "zerocopy")):
-        hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
-        hot[list(spec.moe_layers), :max(1, int(hot_fraction * spec.n_expert))] = True
-        model = load_model(gguf, device=DEVICE)
-        model.experts = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, torch.float32, hot, 0, mode, fused=True)
-        assert all(la.fused for la in model.experts.layers.values())
-        assert_same(batched(model), alone(model))
+    hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
+    hot[list(spec.moe_layers), :max(1, spec.n_expert // 10)] = True
+    model = load_model(gguf, device=DEVICE)
+    model.experts = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, torch.float32, hot, 0, "zerocopy", fused=True)
+    assert all(la.fused for la in model.experts.layers.values())
+    prompts, fed = ([3, 14], [7], [46, 26, 43]), ([5, 9], [53, 58], [23])
+    assert_same(batched(model, prompts, fed, ((0, 1, 2), (1, 0))), alone(model, prompts, fed))
+    assert model.experts.stats.zero_copy_reads > 0
 
 
 def test_one_cache_per_sequence(synth_model):

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve_proc import API_KEY, ServerProcess
+from tests.serve_proc import API_KEY, ServerProcess, stream_text
 
 CLIENTS = 8
 REQUESTS = 3  # per client and round
@@ -50,16 +50,7 @@ def test_concurrent_streams_some_cancelled(server):
         try:
             for j in range(REQUESTS):
                 cancel = (i + j) % 4 == 0  # a quarter of the requests close their stream after 3 chunks
-                stream = client.chat.completions.create(model="x", messages=request(i, j), max_tokens=MAX_TOKENS,
-                                                        stream=True)
-                text, n = "", 0
-                for chunk in stream:
-                    if chunk.choices:
-                        text += chunk.choices[0].delta.content or ""
-                    n += 1
-                    if cancel and n == 3:
-                        stream.close()
-                        break
+                text = stream_text(client, request(i, j), MAX_TOKENS, 3 if cancel else None)
                 with lock:
                     results.append(((i + j) % len(QUESTIONS), text, cancel))
         except BaseException as e:  # reported by the main thread

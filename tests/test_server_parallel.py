@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.procs import SPARK_RUN, error_lines, run
-from tests.serve_proc import API_KEY, ServerProcess
+from tests.serve_proc import API_KEY, ServerProcess, stream_text
 
 CLIENTS = 8
 REQUESTS = 2  # per client
@@ -53,16 +53,7 @@ def test_busy_parallel_server_gives_the_serial_completions(synth_model, arch):
             try:
                 for j in range(REQUESTS):
                     q, cancel = (i + j) % len(QUESTIONS), (i + j) % 4 == 0  # a quarter close after 3 chunks
-                    stream = client.chat.completions.create(model="x", messages=request(q), max_tokens=MAX_TOKENS,
-                                                            stream=True)
-                    text, n = "", 0
-                    for chunk in stream:
-                        if chunk.choices:
-                            text += chunk.choices[0].delta.content or ""
-                        n += 1
-                        if cancel and n == 3:
-                            stream.close()
-                            break
+                    text = stream_text(client, request(q), MAX_TOKENS, 3 if cancel else None)
                     with lock:
                         results.append((q, text, cancel))
             except BaseException as e:  # reported by the main thread
@@ -99,3 +90,34 @@ def test_parallel_needs_serve(synth_model):
     res = run([*SPARK_RUN, str(synth_model("qwen3moe")), "-p", "hi", "--parallel", "2"])
     assert res.returncode == 1 and error_lines(res.stderr) == [
         "spark-run: error: --parallel is the number of requests a server decodes together: use it with --serve"]
+
+
+def test_a_short_request_is_answered_during_a_long_one(synth_model, tmp_path):
+    """A short request arriving while another streams a long reply gets its whole reply before that
+    one ends (one at a time, it would wait for all of it)."""
+    server = ServerProcess(synth_model("qwen3moe"), "--ctx", "2048", "--parallel", "2", hooks=tmp_path)
+    try:
+        client = client_of(server)
+        long_text = " ".join(f"word{i}" for i in range(300))
+        chunks: list[str] = []
+        ended = threading.Event()
+
+        def long_stream() -> None:
+            stream = client.chat.completions.create(model="x", messages=request(0), max_tokens=1500, stream=True,
+                                                    extra_body={"sparkpack_test_output": long_text})
+            for chunk in stream:
+                if chunk.choices:
+                    chunks.append(chunk.choices[0].delta.content or "")
+            ended.set()
+
+        t = threading.Thread(target=long_stream)
+        t.start()
+        while not chunks and t.is_alive():
+            ended.wait(0.01)
+        short = client.chat.completions.create(model="x", messages=request(1), max_tokens=4)
+        long_still_running = not ended.is_set()
+        t.join(600)
+        assert short.choices[0].message.content and long_still_running
+        assert "".join(chunks).strip() == long_text
+    finally:
+        assert server.stop(signal.SIGINT) == 0
