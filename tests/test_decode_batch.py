@@ -18,6 +18,7 @@ from sparkpack.runtime.expert_store import ExpertStore, GGUFSource
 from sparkpack.runtime.models import StoreOptions, load_model
 
 DEVICE = os.environ.get("SPARKPACK_TEST_DEVICE", "cpu")
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # a GPU runs the runtime's dtype
 ARCHS = ("qwen35moe", "laguna", "qwen3moe")
 # Three conversations of different lengths, each with the tokens it is fed step by step after its
 # prompt (teacher-forced: the same ids alone and batched).
@@ -67,7 +68,7 @@ def test_batched_step_is_each_sequence_alone(synth_model, arch, hot_fraction):
     """Through the tiered store (async: misses copied into two cache slots, or read from the host
     when a step's union of misses does not fit)."""
     path = synth_model(arch, "Q4_K_M", skew=1.0)
-    model = load_model(path, device=DEVICE, store=StoreOptions(hot_fraction=hot_fraction, mode="async",
+    model = load_model(path, device=DEVICE, dtype=DTYPE, store=StoreOptions(hot_fraction=hot_fraction, mode="async",
                                                                cache_slots=2))
     want = alone(model)
     before = model.experts.stats.tokens
@@ -78,7 +79,7 @@ def test_batched_step_is_each_sequence_alone(synth_model, arch, hot_fraction):
 
 def test_batched_step_without_a_store(synth_model):
     """The plain providers (experts expanded one by one) give the same."""
-    model = load_model(synth_model("laguna", "Q4_K_M", skew=1.0), device=DEVICE)
+    model = load_model(synth_model("laguna", "Q4_K_M", skew=1.0), device=DEVICE, dtype=DTYPE)
     assert_same(batched(model), alone(model))
 
 
@@ -90,12 +91,30 @@ def test_fused_moe_kernels_batched(synth_model, arch):
     spec = model_spec(gguf)
     hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
     hot[list(spec.moe_layers), :max(1, spec.n_expert // 10)] = True
-    model = load_model(gguf, device=DEVICE)
-    model.experts = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, torch.float32, hot, 0, "zerocopy", fused=True)
+    model = load_model(gguf, device=DEVICE, dtype=DTYPE)
+    model.experts = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, DTYPE, hot, 0, "zerocopy", fused=True)
     assert all(la.fused for la in model.experts.layers.values())
     prompts, fed = ([3, 14], [7], [46, 26, 43]), ([5, 9], [53, 58], [23])
     assert_same(batched(model, prompts, fed, ((0, 1, 2), (1, 0))), alone(model, prompts, fed))
     assert model.experts.stats.zero_copy_reads > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_run_of_tokens_is_its_single_steps(synth_model, arch):
+    """``decode_run``: K consecutive tokens of one sequence in one batched step (a draft's
+    verification, issue 47) give the K single steps' logits and leave the cache as they do (the
+    next single step after it is the same too), at 10% residency."""
+    model = load_model(synth_model(arch, "Q4_K_M", skew=1.0), device=DEVICE, dtype=DTYPE,
+                       store=StoreOptions(hot_fraction=0.1, mode="async", cache_slots=2))
+    prompt, run, after = PROMPTS[0], FED[2], FED[0][0]
+    one = model.new_cache()
+    model.forward(prompt, one, last_only=True)
+    want = [model.forward([t], one)[0] for t in [*run, after]]
+    cache = model.new_cache()
+    model.forward(prompt, cache, last_only=True)
+    got = [*model.decode_run(run, cache), model.forward([after], cache)[0]]
+    assert cache.pos == one.pos
+    assert_same([got], [want])
 
 
 def test_one_cache_per_sequence(synth_model):

@@ -42,9 +42,10 @@ class Call:
 
 @dataclass(frozen=True)
 class Batch:
-    """The sequences of a batched decode step (``MoEModel.decode_batch``), passed to the blocks
-    where one sequence's cache goes: each sequence's cache and the position of its new token.
-    What reads per-sequence state (attention, DeltaNet) runs once per sequence on its row."""
+    """The rows of a batched decode step (``MoEModel.decode_batch``, ``decode_run``), passed to
+    the blocks where one sequence's cache goes: each row's cache and the position of its token.
+    What reads per-sequence state (attention, DeltaNet) runs once per row, in row order (rows of
+    one sequence at consecutive positions: one after another on its state)."""
 
     caches: tuple[Cache, ...]
     pos: tuple[int, ...]
@@ -158,7 +159,27 @@ class MoEModel(ABC):
         batch at once: the union of its routed experts per layer, each miss read once."""
         if len(caches) != len(ids) or len({id(c) for c in caches}) != len(caches) or not len(caches):
             raise ValueError("decode_batch: one token and one distinct cache per sequence")
-        batch = Batch(tuple(caches), tuple(c.pos for c in caches))
+        logits = self._decode_rows(ids, Batch(tuple(caches), tuple(c.pos for c in caches)))
+        for c in caches:
+            c.pos += 1
+        return logits
+
+    @torch.no_grad()
+    def decode_run(self, ids: Sequence[int] | torch.Tensor, cache: Cache) -> torch.Tensor:
+        """Logits ``[K, n_vocab]`` of K consecutive tokens of one sequence appended to ``cache``,
+        row i bit for bit what the i-th of K single steps (``forward([ids[i]], cache)``) gives: a
+        batched step whose rows are the same sequence at consecutive positions, so attention and
+        DeltaNet take them one after another on the one state. What a drafted run's verification
+        needs (the logits of the step that would have produced each token), at the cost of one
+        read of the weights and of each missed expert for the K tokens."""
+        if not len(ids):
+            raise ValueError("decode_run: no tokens")
+        logits = self._decode_rows(ids, Batch((cache,) * len(ids), tuple(cache.pos + i for i in range(len(ids)))))
+        cache.pos += len(ids)
+        return logits
+
+    def _decode_rows(self, ids: Sequence[int] | torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The logits of ``batch``'s rows (one token each, ``ids``), every row a one-token step."""
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
         with decoding_rows():
             x = self.w.embed(ids)
@@ -166,9 +187,7 @@ class MoEModel(ABC):
             for il in range(self.spec.n_layer):
                 x, pre = self.block(il, x, batch, 0, pre)
             logits = self.head(x, pre, False, None)
-        for c in caches:
-            c.pos += 1
-        self.experts.end_step(len(caches))
+        self.experts.end_step(len(ids))
         return logits
 
     @torch.no_grad()

@@ -146,8 +146,8 @@ class Qwen35MoE(MoEModel):
 
     def delta_net(self, il: int, h: Rows, cache: "Cache | Batch") -> torch.Tensor:
         """The Gated DeltaNet block on its normed input: the projections, the recurrence over the
-        layer's state (``delta_rule``; a batched decode step's sequences one at a time, each on
-        its own state), the output projection."""
+        layer's state (``delta_rule``; a batched decode step's rows one at a time, each on its
+        sequence's state), the output projection."""
         p, T = f"blk.{il}.", h.x.shape[0]
         qkv, z, beta, alpha = self.project(h, p, "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")  # qkv [T, C]
         z = z.view(T, self.n_v, self.d_v)
