@@ -121,3 +121,61 @@ def test_a_short_request_is_answered_during_a_long_one(synth_model, tmp_path):
         assert "".join(chunks).strip() == long_text
     finally:
         assert server.stop(signal.SIGINT) == 0
+
+
+class Sink:
+    """A job's tokens as the engine thread posts them; ``fail_at``: raise on that token (a sink
+    gone wrong)."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.tokens: list[int] = []
+        self.outcome = None
+        self.done = threading.Event()
+        self.fail_at = fail_at
+
+    def started(self, outcome) -> None:
+        pass
+
+    def token(self, token_id: int) -> bool:
+        if len(self.tokens) == self.fail_at:
+            raise RuntimeError("the sink broke")
+        self.tokens.append(token_id)
+        return False
+
+    def end(self, outcome) -> None:
+        self.outcome = outcome
+        self.done.set()
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", "laguna", "qwen3moe"])
+def test_engine_in_process(synth_model, arch):
+    """In process: greedy and seeded-sampling jobs of different prompts through 3 sessions give the
+    serial engine's tokens; a job whose sink fails ends in error and the others go on."""
+    from sparkpack.runtime.generate import Session
+    from sparkpack.runtime.models import load_model
+    from sparkpack.runtime.options import SamplingOptions
+    from sparkpack.runtime.server.engine import Engine, Job
+    from sparkpack.runtime.server.parallel import ParallelEngine
+
+    model = load_model(synth_model(arch))
+    prompts = [[3, 14, 15, 92, 65], [7, 1], [46, 26, 43, 38, 32, 79, 50], [5, 9, 2], [88]]
+    sampling = [SamplingOptions(temperature=0), SamplingOptions(temperature=0.8, seed=5)]
+
+    def run(engine, fail: int | None = None) -> list[Sink]:
+        sinks = [Sink(3 if i == fail else None) for i in range(len(prompts))]
+        for i, (ids, sink) in enumerate(zip(prompts, sinks)):
+            engine.submit(Job(ids, 6 + i, sampling[i % 2], sink))
+        for sink in sinks:
+            assert sink.done.wait(300)
+        engine.close()
+        return sinks
+
+    serial = run(Engine(Session(model), frozenset(), 0))
+    engine = ParallelEngine([Session(model) for _ in range(3)], frozenset(), 0)
+    together = run(engine, fail=1)
+    assert max(engine.batch_sizes) == 3  # (the jobs queued while the first one's prompt was computed)
+    for i, (s, t) in enumerate(zip(serial, together)):
+        if i == 1:
+            assert t.outcome.finish == "error" and t.tokens == s.tokens[:3]
+        else:
+            assert (t.tokens, t.outcome.finish) == (s.tokens, s.outcome.finish) == (s.tokens, "length")

@@ -178,34 +178,16 @@ class ParallelEngine(Engine):
         """Each running sequence takes its next token; those that go on decode one batched step."""
         going: list[tuple[Running, int]] = []
         for r in list(self._flight):
-            o = r.outcome
             try:
-                tok = self._next_token(r)
-            except Exception as e:
+                tok = self._take(r)
+            except Exception as e:  # a bug, a sink gone wrong: this request fails, the others go on
                 log.exception("request failed")
-                o.finish, o.error = "error", f"{type(e).__name__}: {e}".splitlines()[0]
-                r.session.reset()
-                self._leave(r)
+                self._failed(r, e)
                 continue
-            if tok in self.stop_ids:
-                o.finish = "stop"
+            if tok is None:
                 self._leave(r)
-                continue
-            r.generated.append(tok)
-            if o.first_token_seconds is None:
-                o.first_token_seconds = time.perf_counter() - r.job.arrived
-            o.completion_tokens = len(r.generated)
-            if r.job.sink.token(tok):
-                o.finish = "stop"
-            elif r.job.cancelled.is_set():
-                o.finish = "cancelled"
-            elif o.completion_tokens >= r.job.max_new:
-                o.finish = "length"
             else:
-                r.history.append(tok)
                 going.append((r, tok))
-                continue
-            self._leave(r)
         if not going:
             return
         try:
@@ -213,13 +195,39 @@ class ParallelEngine(Engine):
         except Exception as e:  # every sequence of the step fails; the server goes on
             log.exception("a batched step failed")
             for r, _ in going:
-                r.outcome.finish, r.outcome.error = "error", f"{type(e).__name__}: {e}".splitlines()[0]
-                r.session.reset()
-                self._leave(r)
+                self._failed(r, e)
             return
         self.batch_sizes[len(going)] += 1
         for i, (r, _) in enumerate(going):
             r.logits = logits[i]
+
+    def _take(self, r: Running) -> int | None:
+        """``r``'s next token, reported to its client: the token to feed, or None when ``r`` ends
+        here (its outcome says why), as the serial engine's loop over ``continue_tokens``."""
+        o = r.outcome
+        tok = self._next_token(r)
+        if tok in self.stop_ids:
+            o.finish = "stop"
+            return None
+        r.generated.append(tok)
+        if o.first_token_seconds is None:
+            o.first_token_seconds = time.perf_counter() - r.job.arrived
+        o.completion_tokens = len(r.generated)
+        if r.job.sink.token(tok):
+            o.finish = "stop"
+        elif r.job.cancelled.is_set():
+            o.finish = "cancelled"
+        elif o.completion_tokens >= r.job.max_new:
+            o.finish = "length"
+        else:
+            r.history.append(tok)
+            return tok
+        return None
+
+    def _failed(self, r: Running, e: Exception) -> None:
+        r.outcome.finish, r.outcome.error = "error", f"{type(e).__name__}: {e}".splitlines()[0]
+        r.session.reset()  # whatever state the failure left is not trusted
+        self._leave(r)
 
     def _leave(self, r: Running) -> None:
         """``r`` is done: its session is free for the next request, its outcome reported."""
