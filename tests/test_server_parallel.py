@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.procs import SPARK_RUN, error_lines, run
-from tests.serve_proc import API_KEY, ServerProcess, stream_text
+from tests.serve_proc import API_KEY, ServerProcess, streaming_clients
 
 CLIENTS = 8
 REQUESTS = 2  # per client
@@ -45,26 +45,9 @@ def test_busy_parallel_server_gives_the_serial_completions(synth_model, arch):
     server = ServerProcess(path, "--ctx", "1024", "--prefill-chunk", "16", "--parallel", "4")
     try:
         client = client_of(server)
-        results: list[tuple[int, str, bool]] = []  # (question, text, cancelled)
-        errors: list[BaseException] = []
-        lock = threading.Lock()
-
-        def run_client(i: int) -> None:
-            try:
-                for j in range(REQUESTS):
-                    q, cancel = (i + j) % len(QUESTIONS), (i + j) % 4 == 0  # a quarter close after 3 chunks
-                    text = stream_text(client, request(q), MAX_TOKENS, 3 if cancel else None)
-                    with lock:
-                        results.append((q, text, cancel))
-            except BaseException as e:  # reported by the main thread
-                errors.append(e)
-
-        threads = [threading.Thread(target=run_client, args=(i,)) for i in range(CLIENTS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(600)
-        assert not errors, errors
+        results = streaming_clients(client, CLIENTS, REQUESTS,
+                                    lambda i, j: ((i + j) % len(QUESTIONS), request((i + j) % len(QUESTIONS))),
+                                    MAX_TOKENS)  # (question, text, cancelled)
         assert httpx.get(server.base + "/health").status_code == 200
         assert len(results) == CLIENTS * REQUESTS
         for q, text, cancelled in results:
