@@ -24,6 +24,7 @@ from sparkpack.formats.archs import ModelSpec
 from sparkpack.formats.experts import ExpertPart
 from sparkpack.formats.gguf_file import GGUFModel
 
+from .decode_rows import each_row
 from .layers import swiglu
 from .weights import PackSource, dequantize_bytes
 
@@ -180,6 +181,6 @@ def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
         rows, slot = torch.nonzero(ids == e, as_tuple=True)
-        y = expert_forward(e, x[rows]) * weights[rows, slot, None].to(x.dtype)
+        y = each_row(lambda r: expert_forward(e, r), x[rows]) * weights[rows, slot, None].to(x.dtype)
         out.index_add_(0, rows, y)
     return out

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from sparkpack.formats.memory import ATTN_SCORES_MAX
 
 from .cache import KVCache, prefill_rows
+from .decode_rows import each_row
 
 if TYPE_CHECKING:
     from .kernels.q8dot import Int8Rows
@@ -40,6 +41,16 @@ class Rows(NamedTuple):
 
     x: torch.Tensor
     q8: "Int8Rows | None" = None
+
+
+def cat_rows(parts: "list[Rows]") -> Rows:
+    """Rows computed apart (a batched decode step's sequences, one at a time) as one set, their
+    int8 forms too where each has one."""
+    x = torch.cat([p.x for p in parts])
+    if any(p.q8 is None for p in parts):
+        return Rows(x)
+    q8 = parts[0].q8
+    return Rows(x, type(q8)(*(torch.cat(t) for t in zip(*(p.q8 for p in parts)))))
 
 
 class Normed(NamedTuple):
@@ -85,8 +96,12 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual
     s = None
     if residual is not None:
         x = s = x + residual
-    xw = wide(x)
-    y = (xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def normed(r: torch.Tensor) -> torch.Tensor:
+        rw = wide(r)
+        return (rw * torch.rsqrt(rw.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype)
+
+    y = each_row(normed, x)  # (a batched decode step's rows one at a time: ``decode_rows``)
     return s, (y if weight is None else y * weight), None
 
 

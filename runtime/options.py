@@ -133,6 +133,7 @@ class ServeOptions:
     api_key: str | None = None
     cache_ram: int | None = None  # conversation states in host RAM (None: default_cache_ram)
     cache_dir: Path | None = None  # ... and in this folder (None: none)
+    parallel: int = 1  # requests decoded together (``server.parallel.ParallelEngine``); 1: ``server.engine.Engine``
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,6 +178,7 @@ def run_options(model_path: Path, *, device: str = "auto", dtype: str = "auto", 
                 bootstrap: str | None = None, bootstrap_background: bool = False, trace_out: Path | None = None,
                 serve: bool = False, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
                 api_key_file: Path | None = None, cache_ram: int | None = None, cache_dir: Path | None = None,
+                parallel: int = 1,
                 **sampling: Any) -> RunOptions:
     """The one place flags become a ``RunOptions``: keyword arguments named as click names
     spark-run's flags (a misspelt one is a TypeError), any left out at the flag's default. The
@@ -191,6 +193,8 @@ def run_options(model_path: Path, *, device: str = "auto", dtype: str = "auto", 
         raise SparkpackError(None, "--bootstrap-background needs --bootstrap PATH|auto")
     if not serve and (cache_ram is not None or cache_dir is not None):
         raise SparkpackError(None, "--cache-ram and --cache-dir keep a server's conversations: use them with --serve")
+    if not serve and parallel != 1:
+        raise SparkpackError(None, "--parallel is the number of requests a server decodes together: use it with --serve")
     device = resolve_device(device)
     store_asked = ((vram, hot_fraction, cache_slots, profile, host_ram) != (None,) * 5 or miss_mode != "auto"
                    or bootstrap is not None or trace_out is not None)  # (only the store sees the routings)
@@ -207,12 +211,12 @@ def run_options(model_path: Path, *, device: str = "auto", dtype: str = "auto", 
                       store=store, session=SessionOptions(ctx=ctx, kv_type=kv_type, prefill_chunk=prefill_chunk),
                       sampling=SamplingOptions(**sampling), max_tokens=max_tokens, learning=learning,
                       serve=serve_options(host=host, port=port, api_key=api_key, api_key_file=api_key_file,
-                                          cache_ram=cache_ram, cache_dir=cache_dir) if serve else None,
+                                          cache_ram=cache_ram, cache_dir=cache_dir, parallel=parallel) if serve else None,
                       stats_json=stats_json)
 
 
 def serve_options(*, host: str, port: int, api_key: str | None, api_key_file: Path | None,
-                  cache_ram: int | None, cache_dir: Path | None) -> ServeOptions:
+                  cache_ram: int | None, cache_dir: Path | None, parallel: int = 1) -> ServeOptions:
     """The --serve flags as ``ServeOptions`` (the key read from its file)."""
     if api_key is not None and api_key_file is not None:
         raise SparkpackError(None, "give either --api-key or --api-key-file, not both")
@@ -220,7 +224,8 @@ def serve_options(*, host: str, port: int, api_key: str | None, api_key_file: Pa
         api_key = api_key_file.read_text(encoding="utf-8").strip()
         if not api_key:
             raise SparkpackError(api_key_file, "is empty: it should hold the API key")
-    return ServeOptions(host=host, port=port, api_key=api_key, cache_ram=cache_ram, cache_dir=cache_dir)
+    return ServeOptions(host=host, port=port, api_key=api_key, cache_ram=cache_ram, cache_dir=cache_dir,
+                        parallel=parallel)
 
 
 def resolve_device(device: str) -> str:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from sparkpack.formats.memory import DEQUANT_SCRATCH_ELEMENTS
 
+from .decode_rows import each_row, one_token_rows
 from .kernels import q8dot
 from .kernels.dense import MAX_SEGMENTS, dequantize_into, gemv, row_bytes
 
@@ -42,12 +43,13 @@ class QuantLinear:
         raise ValueError(f"rows {r0}:{r1} cross a type boundary")
 
     def __call__(self, x: torch.Tensor, q8: q8dot.Int8Rows | None = None, int8: bool = True) -> torch.Tensor:
-        """``x [T, K]`` -> ``[T, rows]`` in x's dtype. One token (``int8``) goes through the int8
+        """``x [T, K]`` -> ``[T, rows]`` in x's dtype. One token, or the rows of a batched decode
+        step (``decode_rows``), takes the GEMV; with ``int8`` it goes through the int8
         products where a band has them, on ``q8`` (x's int8 form, when the launch that wrote x
         made it) or on x quantized here."""
         x = x.contiguous()
-        if x.shape[0] == 1:
-            out = torch.empty(1, self.rows, dtype=x.dtype, device=x.device)
+        if one_token_rows(x.shape[0]):  # (several: a batched decode step's rows, each as alone)
+            out = torch.empty(x.shape[0], self.rows, dtype=x.dtype, device=x.device)
             if not (self.int8_bands and int8):
                 q8 = None
             elif q8 is None:
@@ -110,5 +112,8 @@ def stack(parts: list[tuple[int, int, object]], K: int, device: torch.device) ->
 
 def linear(x: torch.Tensor, w: "torch.Tensor | QuantLinear", q8: q8dot.Int8Rows | None = None,
            int8: bool = True) -> torch.Tensor:
-    """``F.linear`` for a dense weight or a ``QuantLinear`` (``q8``, ``int8``: as it takes them)."""
-    return w(x, q8, int8) if isinstance(w, QuantLinear) else F.linear(x, w)
+    """``F.linear`` for a dense weight (a batched decode step's rows one at a time:
+    ``decode_rows.each_row``) or a ``QuantLinear`` (``q8``, ``int8``: as it takes them)."""
+    if isinstance(w, QuantLinear):
+        return w(x, q8, int8)
+    return each_row(lambda rows: F.linear(rows, w), x)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -145,3 +146,47 @@ class ServerProcess:
         for t in self._readers:
             t.join(5)
         return self.proc.returncode
+
+
+def stream_text(client, messages: list[dict], max_tokens: int, close_after: int | None = None) -> str:
+    """A streamed chat completion's text through the openai client; ``close_after``: the client
+    closes the stream after that many chunks (a user gone midway)."""
+    stream = client.chat.completions.create(model="x", messages=messages, max_tokens=max_tokens, stream=True)
+    text = ""
+    for n, chunk in enumerate(stream, 1):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        if close_after is not None and n == close_after:
+            stream.close()
+            break
+    return text
+
+
+def streaming_clients(client, clients: int, requests: int, ask: Callable[[int, int], tuple[int, list[dict]]],
+                      max_tokens: int) -> list[tuple[int, str, bool]]:
+    """``clients`` threads, client i streaming its requests j one after another (``ask(i, j)``:
+    a key and the messages), a quarter of them (``(i + j) % 4 == 0``) closing their stream after
+    3 chunks: ``(key, text, cancelled)`` of every request; the first client error is raised."""
+    results: list[tuple[int, str, bool]] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def run_client(i: int) -> None:
+        try:
+            for j in range(requests):
+                key, messages = ask(i, j)
+                cancel = (i + j) % 4 == 0
+                text = stream_text(client, messages, max_tokens, 3 if cancel else None)
+                with lock:
+                    results.append((key, text, cancel))
+        except BaseException as e:  # reported by the calling thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run_client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    if errors:
+        raise errors[0]
+    return results

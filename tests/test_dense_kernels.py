@@ -73,7 +73,9 @@ def test_gemv_rejects_bad_segments() -> None:
         gemv(x, [(raw[:, :100], int(T.Q4_K))], torch.zeros(1, 4, device=DEVICE))
     with pytest.raises(ValueError, match="out must be"):
         gemv(x, [(raw, int(T.Q4_K))], torch.zeros(1, 5, device=DEVICE))
-    with pytest.raises(ValueError, match="one contiguous row"):
+    with pytest.raises(ValueError, match="contiguous rows"):
+        gemv(torch.zeros(512, 2, device=DEVICE).T, [(raw, int(T.Q4_K))], torch.zeros(2, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="out must be"):  # one output row per activation row
         gemv(torch.zeros(2, 512, device=DEVICE), [(raw, int(T.Q4_K))], torch.zeros(1, 4, device=DEVICE))
     with pytest.raises(ValueError, match="segments per launch"):
         gemv(x, [(raw, int(T.Q4_K))] * 5, torch.zeros(1, 20, device=DEVICE))

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import re
 import signal
-import threading
 
 import httpx
 import openai
 import pytest
 
-from tests.serve_proc import API_KEY, ServerProcess
+from tests.serve_proc import API_KEY, ServerProcess, streaming_clients
 
 CLIENTS = 8
 REQUESTS = 3  # per client and round
@@ -43,35 +42,10 @@ def test_concurrent_streams_some_cancelled(server):
         serial[q] = r.choices[0].message.content
 
     results: list[tuple[int, str, bool]] = []  # (question, text, cancelled)
-    errors: list[BaseException] = []
-    lock = threading.Lock()
-
-    def run_client(i: int) -> None:
-        try:
-            for j in range(REQUESTS):
-                cancel = (i + j) % 4 == 0  # a quarter of the requests close their stream after 3 chunks
-                stream = client.chat.completions.create(model="x", messages=request(i, j), max_tokens=MAX_TOKENS,
-                                                        stream=True)
-                text, n = "", 0
-                for chunk in stream:
-                    if chunk.choices:
-                        text += chunk.choices[0].delta.content or ""
-                    n += 1
-                    if cancel and n == 3:
-                        stream.close()
-                        break
-                with lock:
-                    results.append(((i + j) % len(QUESTIONS), text, cancel))
-        except BaseException as e:  # reported by the main thread
-            errors.append(e)
 
     def round_of_load() -> None:
-        threads = [threading.Thread(target=run_client, args=(i,)) for i in range(CLIENTS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        assert not errors, errors
+        results.extend(streaming_clients(client, CLIENTS, REQUESTS,
+                                         lambda i, j: ((i + j) % len(QUESTIONS), request(i, j)), MAX_TOKENS))
         assert httpx.get(server.base + "/health").status_code == 200
 
     round_of_load()  # warm: allocator pools, graph of the code paths

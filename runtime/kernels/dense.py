@@ -182,13 +182,23 @@ def _band(QT: tl.constexpr, w, row_stride, N, blk, x, xq, xd, xs, y, col, K, BN:
     _segment(QT, w, row_stride, N, blk, x, xq, xd, xs, y, col, K, BN, CPI, ACT_Q8, ASM, grids)
 
 
-@triton.jit
-def _gemv_kernel(x, xq, xd, xs, y, grids_ptr, K, w0, n0, s0, w1, n1, s1, w2, n2, s2, w3, n3, s3,
+@triton.jit(do_not_specialize=["B"])
+def _gemv_kernel(x, xq, xd, xs, y, grids_ptr, K, B, stride_y, w0, n0, s0, w1, n1, s1, w2, n2, s2, w3, n3, s3,
                  QT0: tl.constexpr, QT1: tl.constexpr, QT2: tl.constexpr, QT3: tl.constexpr,
                  NSEG: tl.constexpr, BN: tl.constexpr, CPI: tl.constexpr, ACT_Q8: tl.constexpr,
                  ASM: tl.constexpr, PDL: tl.constexpr):
-    # The grid is exactly the segments' blocks: every program takes one branch (and waits once).
-    pid = tl.program_id(0)
+    # The grid is exactly the segments' blocks times the B activation rows, the row the fastest
+    # axis: the B programs of one weight block run next to each other (its bytes come from L2
+    # for all but the first), and each runs the one-row program on its own row. B is not
+    # specialized (B = 1 would be compiled apart): one binary for every B, so a row's sums are
+    # the same instructions alone or batched. Every program takes one branch (and waits once).
+    row = tl.program_id(0) % B
+    pid = tl.program_id(0) // B
+    x = x + row * K
+    xq = xq + row * (K // 4)
+    xd = xd + row * (K // 32)
+    xs = xs + row * (K // 16)
+    y = y + row.to(tl.int64) * stride_y
     e0 = tl.cdiv(n0, BN)
     if pid < e0:
         _band(QT0, w0, s0, n0, pid, x, xq, xd, xs, y, 0, K, BN, CPI, ACT_Q8, ASM, PDL, grids_ptr)
@@ -243,16 +253,18 @@ def row_bytes(qtype: int, K: int) -> int:
 def gemv(x: torch.Tensor, segments: list[tuple[torch.Tensor, int]], out: torch.Tensor,
          tile: tuple[int, ...] | None = None,  # (rows, warps[, chunks per iteration]) for tuning
          q8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """``out[0] = x[0] @ [W_0; W_1; ...]^T`` for one token ``x [1, K]``: the segments
-    ``(raw [N_i, row_bytes] uint8, qtype)`` are stacked row bands, written to ``out``'s column
-    bands in order (``out [1, sum N_i]``, any float dtype: the fp32 sums are cast on store).
-    ``q8``: x as ``q8dot.quantize`` gives it; the bands of ``q8dot.Q8_TYPES`` then multiply the int8
+    """``out[b] = x[b] @ [W_0; W_1; ...]^T`` for one-token rows ``x [B, K]`` (B = 1: one token;
+    more: the tokens of a batched decode step, each row computed exactly as alone: the tile
+    depends on the weights, never on B): the segments ``(raw [N_i, row_bytes] uint8, qtype)``
+    are stacked row bands, written to ``out``'s column bands in order (``out [B, sum N_i]``, unit
+    inner stride, any float dtype: the fp32 sums are cast on store). ``q8``: x as
+    ``q8dot.quantize`` gives it; the bands of ``q8dot.Q8_TYPES`` then multiply the int8
     activation (``q8dot``), the others still x."""
     if not 1 <= len(segments) <= MAX_SEGMENTS:
         raise ValueError(f"1 to {MAX_SEGMENTS} segments per launch, got {len(segments)}")
-    if x.dim() != 2 or x.shape[0] != 1 or not x.is_contiguous():
-        raise ValueError(f"x must be one contiguous row [1, K], got {tuple(x.shape)}")
-    K = x.shape[-1]
+    if x.dim() != 2 or x.shape[0] < 1 or not x.is_contiguous():
+        raise ValueError(f"x must be contiguous rows [B, K], got {tuple(x.shape)}")
+    B, K = x.shape
     rows = sum(r.shape[0] for r, _ in segments)
     if tile is None:  # (the interpreter's cost is per program: few, wide ones there)
         tile = (64, 4) if not x.is_cuda else Q8_TILE if q8 is not None else (8 if rows >= WIDE_ROWS else 4, GEMV_WARPS)
@@ -267,15 +279,16 @@ def gemv(x: torch.Tensor, segments: list[tuple[torch.Tensor, int]], out: torch.T
         args += [view, raw.shape[0], view.shape[1]]
         qts.append(qt)
         blocks += triton.cdiv(raw.shape[0], bn)
-    if out.shape != (1, rows) or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous [1, {rows}], got {tuple(out.shape)}")
+    if out.shape != (B, rows) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{B}, {rows}] with unit inner stride, got {tuple(out.shape)}")
     while len(qts) < MAX_SEGMENTS:  # unused segments: never reached (NSEG), any pointer will do
         args += [x, 0, 0]
         qts.append(-1)
-    if q8 is not None and (q8[0].shape != (1, K // 4) or q8[0].dtype != torch.int32):
-        raise ValueError(f"q8 must be x quantized by q8dot.quantize ([1, {K // 4}] int32 words)")
+    if q8 is not None and (q8[0].shape != (B, K // 4) or q8[0].dtype != torch.int32
+                           or not all(t.is_contiguous() for t in q8)):
+        raise ValueError(f"q8 must be x quantized by q8dot.quantize ([{B}, {K // 4}] int32 words)")
     xq, xd, xs = q8 if q8 is not None else (x, x, x)
-    _gemv_kernel[(blocks,)](x, xq, xd, xs, out, grid_table(x.device), K, *args, QT0=qts[0], QT1=qts[1], QT2=qts[2], QT3=qts[3],
+    _gemv_kernel[(blocks * B,)](x, xq, xd, xs, out, grid_table(x.device), K, B, out.stride(0), *args, QT0=qts[0], QT1=qts[1], QT2=qts[2], QT3=qts[3],
                             NSEG=len(segments), BN=bn, CPI=cpi, ACT_Q8=q8 is not None, ASM=use_asm(x), num_warps=warps,
                             **pdl.flags(x))
     return out

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparkpack.runtime import decode_rows
 from sparkpack.runtime.kernels import pdl
 from sparkpack.runtime.kernels.pdl import prefetch_l2, wait_prior
 from sparkpack.runtime.kernels.q8dot import Int8Rows, chunks_per_iteration, quantize, readable, row_dot_q8, use_asm
@@ -243,13 +244,18 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if T_ == 0 or topk == 0:
         return y.zero_()
     has_host = host is not None
-    grouped = launch.grouped if launch.grouped is not None else T_ * topk >= GROUPED_MIN_PAIRS
+    # A batched decode step's tokens (``runtime.decode_rows``) take the per-pair kernels with
+    # one token's launch, whatever their number: each pair's program is then the one it runs
+    # when its token decodes alone.
+    one_token = decode_rows.active()
+    pairs = topk if one_token else T_ * topk
+    grouped = launch.grouped if launch.grouped is not None else pairs >= GROUPED_MIN_PAIRS
     if count_tokens is not None or grouped:
         grouped_experts(x, topk_ids, topk_weights, slot_table, (gate_raw, up_raw, down_raw),
                         (gate_h, up_h, down_h) if has_host else None, (gate_qtype, up_qtype, down_qtype), n_ff,
                         up_row0, part, counts, launch.tiles, launch.sub, count_tokens)
     else:
-        rows, warps = _launch(T_ * topk)
+        rows, warps = _launch(pairs)
         h = torch.empty((T_ * topk, n_ff), dtype=torch.float32, device=x.device)
         bn = launch.block_n or rows_per_program(x.device, rows)
         num_warps = launch.num_warps or warps

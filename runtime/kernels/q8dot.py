@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..decode_rows import one_token_rows
 from . import pdl
 from .pdl import wait_prior
 from .blocks import (_IQ1S, _IQ2S, _IQ2XS, _IQ2XXS, _IQ3S, _IQ3XXS, _KSIGNS, Q4_K, Q6_K, _f16, _u8, _u32,
@@ -64,9 +65,10 @@ class Int8Rows(NamedTuple):
 
 def wanted(rows: int, unit: int) -> bool:
     """Whether a kernel writing ``rows`` activation rows should also write their int8 form: one
-    row (only one-token products read it), in whole blocks of 32 (``unit``: the width, or the
-    piece of it one program writes)."""
-    return rows == 1 and unit % QBLOCK == 0
+    row, or a batched decode step's rows (only one-token products read it:
+    ``runtime.decode_rows``), in whole blocks of 32 (``unit``: the width, or the piece of it one
+    program writes)."""
+    return one_token_rows(rows) and unit % QBLOCK == 0
 
 
 def use_asm(t: torch.Tensor) -> bool:

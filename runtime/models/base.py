@@ -1,8 +1,10 @@
 """What every model file shares: loading, the embedding -> blocks -> norm -> head loop, caches.
 
 A model file subclasses ``MoEModel`` and writes ``block(il, x, cache, pos0, pre)``: the residual
-block of layer ``il`` on hidden states ``x [T, n_embd]``. Batch size is one sequence; prefill is a call
-with many tokens, decode a call with one, and both go through the same code.
+block of layer ``il`` on hidden states ``x [T, n_embd]``. A call is one sequence; prefill is a call
+with many tokens, decode a call with one, and both go through the same code. A batched decode
+step (``decode_batch``) is one token of each of several sequences through the same blocks, with
+a ``Batch`` in place of the cache: its attention (``attend``) runs per sequence.
 """
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.formats.memory import PREFILL_CHUNK
 
 from ..cache import Q8_BLOCK, Cache, KVCache, RecurrentState, prefill_rows
+from ..decode_rows import decoding_rows, one_token_rows
 from ..experts import ExpertProvider, GGUFExperts
-from ..layers import (Normed, Rope, Rows, attend_buffers, causal_sdpa_after, ffn_residual, ffn_residual_and_norm,
-                      fused_sdpa_runs, norm_rows, output_gate, silu_mul)
+from ..layers import (Normed, Rope, Rows, attend_buffers, attention, cat_rows, causal_sdpa_after, ffn_residual,
+                      ffn_residual_and_norm, fused_sdpa_runs, norm_rows, output_gate, positions, rms_norm, silu_mul)
 from ..quant_linear import QuantLinear, linear
 from ..weights import Weights, quantizes_dense
 
@@ -41,6 +44,17 @@ class Call:
     n: int
     pos: torch.Tensor | None = None
     real: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The rows of a batched decode step (``MoEModel.decode_batch``, ``decode_run``), passed to
+    the blocks where one sequence's cache goes: each row's cache and the position of its token.
+    What reads per-sequence state (attention, DeltaNet) runs once per row, in row order (rows of
+    one sequence at consecutive positions: one after another on its state)."""
+
+    caches: tuple[Cache, ...]
+    pos: tuple[int, ...]
 
 
 class MoEModel(ABC):
@@ -143,6 +157,48 @@ class MoEModel(ABC):
             raise ValueError("forward: a padded call (real=...) reads its position from the device (pos=...)")
         x, pre = self.trunk(ids, cache if cache is not None else self.new_cache(), pos, real)
         return self.head(x, pre, last_only, real)
+
+    @torch.no_grad()
+    def decode_batch(self, ids: Sequence[int] | torch.Tensor, caches: Sequence[Cache]) -> torch.Tensor:
+        """Logits ``[B, n_vocab]`` of one new token for each of B sequences: ``ids[b]`` appended to
+        ``caches[b]`` (each its own sequence, at its own position). Row b is bit for bit what
+        ``forward([ids[b]], caches[b])`` gives alone: every product that reads weights runs its
+        one-token program once per row (``runtime.decode_rows``; on a GPU the rows of one weight
+        tile next to each other, so the weights are read from memory about once for the batch),
+        and attention and DeltaNet run on each sequence's own state. The expert store serves the
+        batch at once: the union of its routed experts per layer, each miss read once."""
+        if len(caches) != len(ids) or len({id(c) for c in caches}) != len(caches) or not len(caches):
+            raise ValueError("decode_batch: one token and one distinct cache per sequence")
+        logits = self._decode_rows(ids, Batch(tuple(caches), tuple(c.pos for c in caches)))
+        for c in caches:
+            c.pos += 1
+        return logits
+
+    @torch.no_grad()
+    def decode_run(self, ids: Sequence[int] | torch.Tensor, cache: Cache) -> torch.Tensor:
+        """Logits ``[K, n_vocab]`` of K consecutive tokens of one sequence appended to ``cache``,
+        row i bit for bit what the i-th of K single steps (``forward([ids[i]], cache)``) gives: a
+        batched step whose rows are the same sequence at consecutive positions, so attention and
+        DeltaNet take them one after another on the one state. What a drafted run's verification
+        needs (the logits of the step that would have produced each token), at the cost of one
+        read of the weights and of each missed expert for the K tokens."""
+        if not len(ids):
+            raise ValueError("decode_run: no tokens")
+        logits = self._decode_rows(ids, Batch((cache,) * len(ids), tuple(cache.pos + i for i in range(len(ids)))))
+        cache.pos += len(ids)
+        return logits
+
+    def _decode_rows(self, ids: Sequence[int] | torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The logits of ``batch``'s rows (one token each, ``ids``), every row a one-token step."""
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
+        with decoding_rows():
+            x = self.w.embed(ids)
+            pre = None
+            for il in range(self.spec.n_layer):
+                x, pre = self.block(il, x, batch, 0, pre)
+            logits = self.head(x, pre, False, None)
+        self.experts.end_step(len(ids))
+        return logits
 
     @torch.no_grad()
     def forward_hidden(self, ids: torch.Tensor | list[int], cache: Cache | None = None
@@ -284,6 +340,30 @@ class MoEModel(ABC):
                     out.append(full)
         return out
 
+    def attend(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: "Cache | Batch",
+               pos0: "int | torch.Tensor", rope: Rope, window: int = 0, gate: torch.Tensor | None = None,
+               gate_kind: str = "none") -> Rows:
+        """Attention of layer ``il`` from the raw projections (``q [T, H, d]``, k and v
+        ``[T, H_kv, d]``, ``gate`` as ``layers.output_gate`` takes it): the q/k RMSNorms
+        (``attn_q_norm``, ``attn_k_norm``), rope, the KV append and the gated attention, as
+        ``attn_output``'s input ``[T, H * d]``. The one entry of every arch: the kernels
+        (``attend_step``) where they run, else the torch form (the reference); a batched decode
+        step's sequences (``Batch``) one at a time, each over its own cache at its position."""
+        if isinstance(cache, Batch):
+            return cat_rows([self.attend(il, q[b:b + 1], k[b:b + 1], v[b:b + 1], c, at, rope, window,
+                                         None if gate is None else gate[b:b + 1], gate_kind)
+                             for b, (c, at) in enumerate(zip(cache.caches, cache.pos))])
+        o = self.attend_step(il, q, k, v, cache, pos0, rope, window, gate, gate_kind)
+        if o is not None:
+            return o
+        p, w, T = f"blk.{il}.", self.w, q.shape[0]
+        q = rms_norm(q, w(p + "attn_q_norm.weight"), self.eps)
+        k = rms_norm(k, w(p + "attn_k_norm.weight"), self.eps)
+        cos, sin = rope.cos_sin(positions(pos0, T, q.device), q.dtype)
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        o = attention(q, k, v, cache.layers[il], pos0, window)  # [T, H, d]
+        return Rows(output_gate(o, gate, gate_kind).reshape(T, -1))
+
     def attend_step(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Cache,
                     pos0: "int | torch.Tensor", rope: Rope, window: int = 0, gate: torch.Tensor | None = None,
                     gate_kind: str = "none") -> Rows | None:
@@ -341,7 +421,7 @@ class MoEModel(ABC):
     def next_norm(self, il: int, x: torch.Tensor) -> tuple[torch.Tensor, float] | None:
         """For layer ``il``'s epilogue on ``x``: the norm that opens the next block (the output norm
         after the last), when a one-token GPU step can compute it in the same launch."""
-        if not (self.kernels and x.shape[0] == 1):
+        if not (self.kernels and one_token_rows(x.shape[0])):
             return None
         return self.w(f"blk.{il + 1}.attn_norm.weight" if il + 1 < self.spec.n_layer else "output_norm.weight"), self.eps
 

@@ -11,9 +11,8 @@ import torch
 from sparkpack.formats.archs import DENSE, SLIDING
 
 from ..cache import Cache
-from ..layers import (Normed, Rope, Rows, attention, output_gate, positions, rms_norm, rope_inv_freq, route_sigmoid,
-                      yarn_rope)
-from .base import MoEModel
+from ..layers import Normed, Rope, Rows, rope_inv_freq, route_sigmoid, yarn_rope
+from .base import Batch, MoEModel
 
 
 class Laguna(MoEModel):
@@ -38,30 +37,22 @@ class Laguna(MoEModel):
         self.scale = float(hp["expert_weights_scale"])
         self.norm_topk = self.spec.norm_topk
 
-    def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: "int | torch.Tensor", pre: Normed | None
+    def block(self, il: int, x: torch.Tensor, cache: "Cache | Batch", pos0: "int | torch.Tensor", pre: Normed | None
               ) -> tuple[torch.Tensor, Normed | None]:
         a = self.attn(il, self.norm(x, f"blk.{il}.attn_norm.weight", pre), cache, pos0)
         x, h = self.add_norm(x, a, f"blk.{il}.ffn_norm.weight")
         return self.ffn(il, h, x)
 
-    def attn(self, il: int, h: Rows, cache: Cache, pos0: "int | torch.Tensor") -> torch.Tensor:
-        p, w, d, T = f"blk.{il}.", self.w, self.spec.head_dim, h.x.shape[0]
+    def attn(self, il: int, h: Rows, cache: "Cache | Batch", pos0: "int | torch.Tensor") -> torch.Tensor:
+        p, d, T = f"blk.{il}.", self.spec.head_dim, h.x.shape[0]
         swa = self.spec.layers[il].attention == SLIDING
         q, k, v, gate = self.project(h, p, "attn_q", "attn_k", "attn_v", "attn_gate")
         q, k, v = q.view(T, -1, d), k.view(T, -1, d), v.view(T, -1, d)
-        rope = self.rope_swa if swa else self.rope_full
         per_head = gate.shape[-1] == q.shape[1]  # one gate per head, or one per channel
         gate, kind = (gate, "softplus_head") if per_head else (gate.view(T, -1, d), "softplus")
-        o = self.attend_step(il, q, k, v, cache, pos0, rope, self.window if swa else 0, gate, kind)
-        if o is not None:
-            return self.linear(o, p + "attn_output.weight")
-        q = rms_norm(q, w(p + "attn_q_norm.weight"), self.eps)
-        k = rms_norm(k, w(p + "attn_k_norm.weight"), self.eps)
-        cos, sin = rope.cos_sin(positions(pos0, T, h.x.device), h.x.dtype)
-        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-        o = attention(q, k, v, cache.layers[il], pos0, self.window if swa else 0)  # [T, H, d]
-        o = output_gate(o, gate, kind)
-        return self.w.linear(o.reshape(T, -1), p + "attn_output.weight")
+        o = self.attend(il, q, k, v, cache, pos0, self.rope_swa if swa else self.rope_full, self.window if swa else 0,
+                        gate, kind)
+        return self.linear(o, p + "attn_output.weight")
 
     def route_logits(self, il: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         bias = self.w.opt(f"blk.{il}.exp_probs_b.bias")

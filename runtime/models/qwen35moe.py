@@ -20,9 +20,8 @@ from sparkpack.formats.archs import LINEAR
 from sparkpack.formats.memory import DELTANET_CHUNK
 
 from ..cache import Cache, RecurrentState
-from ..layers import (Normed, Rope, Rows, attention, l2_norm, output_gate, positions, rms_norm, rope_inv_freq,
-                      route_softmax, wide)
-from .base import MoEModel
+from ..layers import Normed, Rope, Rows, cat_rows, l2_norm, rms_norm, rope_inv_freq, route_softmax, wide
+from .base import Batch, MoEModel
 
 if TYPE_CHECKING:
     from .qwen35moe_mtp import MTPHead
@@ -122,41 +121,50 @@ class Qwen35MoE(MoEModel):
             self._mtp.preload()
         return self._mtp
 
-    def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: "int | torch.Tensor", pre: Normed | None
+    def block(self, il: int, x: torch.Tensor, cache: "Cache | Batch", pos0: "int | torch.Tensor", pre: Normed | None
               ) -> tuple[torch.Tensor, Normed | None]:
         h = self.norm(x, f"blk.{il}.attn_norm.weight", pre)
         if self.spec.layers[il].attention == LINEAR:
-            a = self.delta_net(il, h, cache.layers[il])
+            a = self.delta_net(il, h, cache)
         else:
             a = self.attn(il, h, cache, pos0)
         x, h = self.add_norm(x, a, f"blk.{il}.post_attention_norm.weight")
         return self.ffn(il, h, x)
 
-    def attn(self, il: int, h: Rows, cache: Cache, pos0: "int | torch.Tensor") -> torch.Tensor:
-        p, w, d, T = f"blk.{il}.", self.w, self.spec.head_dim, h.x.shape[0]
+    def attn(self, il: int, h: Rows, cache: "Cache | Batch", pos0: "int | torch.Tensor") -> torch.Tensor:
+        p, d, T = f"blk.{il}.", self.spec.head_dim, h.x.shape[0]
         qg, k, v = self.project(h, p, "attn_q", "attn_k", "attn_v")
         qg = qg.view(T, -1, 2 * d)  # per head: [query | gate]
         q, gate = qg[..., :d], qg[..., d:]
         k, v = k.view(T, -1, d), v.view(T, -1, d)
-        o = self.attend_step(il, q, k, v, cache, pos0, self.rope, gate=gate, gate_kind="sigmoid")
-        if o is not None:
-            return self.linear(o, p + "attn_output.weight")
-        q = rms_norm(q, w(p + "attn_q_norm.weight"), self.eps)
-        k = rms_norm(k, w(p + "attn_k_norm.weight"), self.eps)
-        cos, sin = self.rope.cos_sin(positions(pos0, T, h.x.device), h.x.dtype)
-        q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
-        o = output_gate(attention(q, k, v, cache.layers[il], pos0), gate, "sigmoid")
-        return self.w.linear(o.reshape(T, -1), p + "attn_output.weight")
+        o = self.attend(il, q, k, v, cache, pos0, self.rope, gate=gate, gate_kind="sigmoid")
+        return self.linear(o, p + "attn_output.weight")
 
-    def delta_net(self, il: int, h: Rows, st: RecurrentState) -> torch.Tensor:
-        p, w, T = f"blk.{il}.", self.w, h.x.shape[0]
+    def delta_net(self, il: int, h: Rows, cache: "Cache | Batch") -> torch.Tensor:
+        """The Gated DeltaNet block on its normed input: the projections, the recurrence over the
+        layer's state (``delta_rule``; a batched decode step's rows one at a time, each on its
+        sequence's state), the output projection."""
+        p, T = f"blk.{il}.", h.x.shape[0]
         qkv, z, beta, alpha = self.project(h, p, "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")  # qkv [T, C]
         z = z.view(T, self.n_v, self.d_v)
+        if isinstance(cache, Batch):
+            o = cat_rows([self.delta_rule(il, qkv[b:b + 1], z[b:b + 1], beta[b:b + 1], alpha[b:b + 1], c.layers[il])
+                          for b, c in enumerate(cache.caches)])
+        else:
+            o = self.delta_rule(il, qkv, z, beta, alpha, cache.layers[il])
+        return self.linear(o, p + "ssm_out.weight")
+
+    def delta_rule(self, il: int, qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alpha: torch.Tensor,
+                   st: RecurrentState) -> Rows:
+        """One sequence's DeltaNet from its projections (``qkv [T, C]``, ``z [T, n_v, d_v]``, beta
+        and alpha ``[T, n_v]``) over its state ``st`` (updated): the gated normed output rows
+        ``[T, n_v * d_v]`` that ``ssm_out`` projects."""
+        p, w, T = f"blk.{il}.", self.w, qkv.shape[0]
         if st.conv is None:  # allocated once, then updated in place: see RecurrentState
             st.conv = qkv.new_zeros(self.kernel - 1, qkv.shape[1])
             # the recurrent state accumulates over the whole sequence: keep it in >= float32
-            st.ssm = wide(h.x.new_zeros(self.n_v, self.d_k, self.d_v))
-        if self.kernels and h.x.dtype != torch.float64:
+            st.ssm = wide(qkv.new_zeros(self.n_v, self.d_k, self.d_v))
+        if self.kernels and qkv.dtype != torch.float64:
             if T == 1:
                 return self.delta_net_step(il, qkv, z, beta, alpha, st)
             return self.delta_net_prefill(il, qkv, z, beta, alpha, st)
@@ -183,15 +191,15 @@ class Qwen35MoE(MoEModel):
         else:
             o, state = gated_delta_rule(q, k, v, g, beta, st.ssm)
         st.ssm.copy_(state)
-        o = rms_norm(o.to(h.x.dtype), w(p + "ssm_norm.weight"), self.eps) * F.silu(z)
-        return self.w.linear(o.reshape(T, -1), p + "ssm_out.weight")
+        o = rms_norm(o.to(qkv.dtype), w(p + "ssm_norm.weight"), self.eps) * F.silu(z)
+        return Rows(o.reshape(T, -1))
 
     def route_logits(self, il: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route_softmax(logits, self.spec.n_expert_used, self.norm_topk)
 
     def delta_net_step(self, il: int, qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alpha: torch.Tensor,
-                       st: RecurrentState) -> torch.Tensor:
-        """``delta_net`` for one token with the fused Triton decode step (``kernels/deltanet.py``):
+                       st: RecurrentState) -> Rows:
+        """``delta_rule`` for one token with the fused Triton decode step (``kernels/deltanet.py``):
         the same math as the torch form below the projections, in two launches."""
         from ..kernels import q8dot
         from ..kernels.deltanet import deltanet_decode
@@ -201,11 +209,11 @@ class Qwen35MoE(MoEModel):
         o = deltanet_decode(qkv[0], z.reshape(-1), beta[0], alpha[0], w(p + "ssm_dt.bias"), w(p + "ssm_a"),
                             w(p + "ssm_conv1d.weight"), st.conv, st.ssm, w(p + "ssm_norm.weight"),
                             self.n_k, self.d_k, self.eps, q8=q8)
-        return self.linear(Rows(*o) if q8 else Rows(o), p + "ssm_out.weight")
+        return Rows(*o) if q8 else Rows(o)
 
     def delta_net_prefill(self, il: int, qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor,
-                          alpha: torch.Tensor, st: RecurrentState) -> torch.Tensor:
-        """``delta_net`` for several tokens with the Triton kernels (``kernels/deltanet.py``): the
+                          alpha: torch.Tensor, st: RecurrentState) -> Rows:
+        """``delta_rule`` for several tokens with the Triton kernels (``kernels/deltanet.py``): the
         conv, norms and gates in one launch, the chunked delta rule in two (its state updated in
         place), the gated output norm in one; a prefill call issues its launches from Python, so
         each torch kernel saved is host time saved."""
@@ -216,5 +224,4 @@ class Qwen35MoE(MoEModel):
                                                 w(p + "ssm_conv1d.weight"), st.conv, self.n_k, self.d_k, self.n_v)
         st.conv.copy_(qkv[T - keep:] if T >= keep else torch.cat((st.conv, qkv))[-keep:])  # after the read above
         o = deltanet_chunked(q, k, v, g, b, st.ssm, CHUNK)
-        o = gated_rms_norm(o, z.reshape(T, -1), w(p + "ssm_norm.weight"), self.eps)
-        return self.w.linear(o, p + "ssm_out.weight")
+        return Rows(gated_rms_norm(o, z.reshape(T, -1), w(p + "ssm_norm.weight"), self.eps))

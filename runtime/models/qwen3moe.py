@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..cache import Cache
-from ..layers import Normed, Rope, Rows, attention, positions, rms_norm, rope_inv_freq, route_softmax
-from .base import MoEModel
+from ..layers import Normed, Rope, Rows, rope_inv_freq, route_softmax
+from .base import Batch, MoEModel
 
 
 class Qwen3MoE(MoEModel):
@@ -20,24 +20,16 @@ class Qwen3MoE(MoEModel):
         self.rope = Rope(rope.dim, rope_inv_freq(rope.freq_base, rope.dim))
         self.norm_topk = self.spec.norm_topk
 
-    def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: "int | torch.Tensor", pre: Normed | None
+    def block(self, il: int, x: torch.Tensor, cache: "Cache | Batch", pos0: "int | torch.Tensor", pre: Normed | None
               ) -> tuple[torch.Tensor, Normed | None]:
         a = self.attn(il, self.norm(x, f"blk.{il}.attn_norm.weight", pre), cache, pos0)
         x, h = self.add_norm(x, a, f"blk.{il}.ffn_norm.weight")
         return self.ffn(il, h, x)
 
-    def attn(self, il: int, h: Rows, cache: Cache, pos0: "int | torch.Tensor") -> torch.Tensor:
-        p, w, d, T = f"blk.{il}.", self.w, self.spec.head_dim, h.x.shape[0]
+    def attn(self, il: int, h: Rows, cache: "Cache | Batch", pos0: "int | torch.Tensor") -> torch.Tensor:
+        p, d, T = f"blk.{il}.", self.spec.head_dim, h.x.shape[0]
         q, k, v = (t.view(T, -1, d) for t in self.project(h, p, "attn_q", "attn_k", "attn_v"))
-        o = self.attend_step(il, q, k, v, cache, pos0, self.rope)
-        if o is not None:
-            return self.linear(o, p + "attn_output.weight")
-        q = rms_norm(q, w(p + "attn_q_norm.weight"), self.eps)
-        k = rms_norm(k, w(p + "attn_k_norm.weight"), self.eps)
-        cos, sin = self.rope.cos_sin(positions(pos0, T, h.x.device), h.x.dtype)
-        q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
-        o = attention(q, k, v, cache.layers[il], pos0)
-        return self.w.linear(o.reshape(T, -1), p + "attn_output.weight")
+        return self.linear(self.attend(il, q, k, v, cache, pos0, self.rope), p + "attn_output.weight")
 
     def route_logits(self, il: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route_softmax(logits, self.spec.n_expert_used, self.norm_topk)

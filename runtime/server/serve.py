@@ -98,16 +98,35 @@ def build_served(model, opts: RunOptions, *, hooks: ServeHooks = ServeHooks(),
             metrics.observe_job(job, outcome)  # (reads the store's counts: a deferred step's ids are written)
             trace.sync()
     serve = opts.serve if opts.serve is not None else ServeOptions()
-    conversations = open_conversation_cache(session, serve)
-    metrics.conversations = conversations
-    engine = Engine(session, tok.stop_ids, on_job=on_job, between=learning, conversations=conversations,
-                    sampler=hooks.sampler or own_sampler, after_prefill=hooks.after_prefill)
+    engine: Engine
+    if serve.parallel > 1:
+        from .parallel import BatchCollector
+
+        engine = parallel_engine(model, opts, serve, session, tok, on_job, learning, hooks)
+        metrics.registry.register(BatchCollector(engine))
+    else:
+        conversations = open_conversation_cache(session, serve)
+        metrics.conversations = conversations
+        engine = Engine(session, tok.stop_ids, on_job=on_job, between=learning, conversations=conversations,
+                        sampler=hooks.sampler or own_sampler, after_prefill=hooks.after_prefill)
     served = Served(name=model_name(opts.model_path), model=model, tokenizer=tok, template=template,
                     syntax=tool_syntax_for(model.spec.arch, source or ""), ctx=opts.session.ctx, defaults=opts.sampling,
                     engine=engine, metrics=metrics, max_tokens=opts.max_tokens, learning=learning, trace=trace)
     if hooks.loaded is not None:
         hooks.loaded(served)
     return served
+
+
+def parallel_engine(model, opts: RunOptions, serve: ServeOptions, session, tok, on_job, learning,
+                    hooks: ServeHooks):
+    """``--parallel N``: N sessions (the warmed-up one and N - 1 more), decoded together."""
+    from .parallel import ParallelEngine
+
+    sessions = [session] + [open_session(model, opts.session, tok.control_ids) for _ in range(serve.parallel - 1)]
+    click.echo(f"sparkpack: up to {serve.parallel} requests decoded together; the conversation cache is off "
+               "(each of them resumes only its own previous sequence)", err=True)
+    return ParallelEngine(sessions, tok.stop_ids, on_job=on_job, between=learning,
+                          sampler=hooks.sampler or own_sampler, after_prefill=hooks.after_prefill)
 
 
 def open_conversation_cache(session, opts: ServeOptions):

@@ -1,0 +1,34 @@
+"""One generated token for each of several sessions in one batched forward (``MoEModel.decode_batch``):
+what a server decoding several sequences at once (``runtime.server.parallel``) steps them with.
+
+Each session keeps its own sequence (its cache, its fed tokens); a row of the step's logits is bit
+for bit what that session's ``feed(fed + [token])`` gives alone, so a session can go on alone, or
+take its next prompt, as after its own steps.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from .generate import GENERATED, Session
+
+
+def decode_together(sessions: Sequence[Session], tokens: Sequence[int]) -> torch.Tensor:
+    """The logits ``[B, n_vocab]`` of ``tokens[b]`` fed to ``sessions[b]`` (distinct sessions of
+    one model), each appended to its session's fed tokens."""
+    model = sessions[0].model
+    if any(s.model is not model for s in sessions):
+        raise ValueError("decode_together: sessions of one model")
+    model.experts.routing_side(GENERATED)
+    t0 = time.perf_counter()
+    logits = model.decode_batch([int(t) for t in tokens], [s.cache for s in sessions])
+    if logits.is_cuda:
+        torch.cuda.synchronize(logits.device)
+    dt = time.perf_counter() - t0
+    for s, t in zip(sessions, tokens):
+        s.fed = s.fed + [int(t)]
+        s.timing.decode_tokens += 1
+        s.timing.decode_seconds += dt  # (each sequence waited for the whole step)
+    return logits

@@ -1,0 +1,252 @@
+"""``--parallel N``: up to N requests in flight, their sequences decoded together, one token each
+per step (continuous batching; nano-vllm's scheduler is the model).
+
+A waiting list (the queue) and a running list: at every step the requests that arrived join (their
+prompt prefilled in its own session, one of N kept between requests: a session whose previous
+sequence shares the prompt's prefix keeps it, ``Session.prompt``), then each running sequence
+takes its next token from its last logits, and those still running decode one batched step
+(``runtime.batch_step.decode_together``). A sequence that finishes, hits a stop, or whose client
+is gone leaves at once, and its session takes the next waiting request. Each row of a batched
+step is the bits of the sequence decoding alone (``MoEModel.decode_batch``), so a greedy reply is
+the one the serial engine gives.
+
+What the serial engine (``engine.Engine``) has and this does not yet: the conversation cache
+(each session resumes only its own previous sequence), captured batched steps (the batched step
+runs eagerly), prompts prefilled in chunks between decode steps (a joining prompt is prefilled
+whole before the step), and a structured output's grammar is applied per sequence as there.
+Work between requests (placement learning) runs when no sequence is in flight.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from ..batch_step import decode_together
+from ..generate import Session
+from .engine import Engine, Job, Outcome
+from .metrics import PREFIX
+
+log = logging.getLogger("sparkpack.server")
+
+
+@dataclass
+class Running:
+    """A request in flight: its session, how it samples, what it generated, the logits its next
+    token comes from."""
+
+    job: Job
+    session: Session
+    outcome: Outcome
+    sampler: object
+    logits: torch.Tensor
+    history: list[int]
+    generated: list[int] = field(default_factory=list)
+    decode0: float = 0.0  # the session's decode time when the request joined
+
+
+class ParallelEngine(Engine):
+    """``engine.Engine``'s interface (``submit``, ``cancel_all``, ``close``, ``waiting``: its
+    queue is the waiting list) over ``sessions`` (one per sequence in flight, all of one model)."""
+
+    def __init__(self, sessions: list[Session], stop_ids: frozenset[int], **engine: Any):
+        if not sessions or any(s.model is not sessions[0].model for s in sessions):
+            raise ValueError("ParallelEngine: one session or more, all of one model")
+        self.sessions = sessions
+        self.batch_sizes: Counter[int] = Counter()  # batched steps run, by their number of sequences
+        self._flight: list[Running] = []  # the running list
+        self._free = list(sessions)
+        self._stopping = False
+        super().__init__(sessions[0], stop_ids, **engine)
+
+    @property
+    def running(self) -> int:
+        return len(self._flight)
+
+    def cancel_all(self) -> None:
+        """Cancel every running and queued job (each still ends with an outcome)."""
+        with self._lock:
+            for r in self._flight:
+                r.job.cancel()
+            for job in list(self._queue.queue):
+                if job is not None:
+                    job.cancel()
+
+    # --- the engine thread ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not (self._stopping and not self._flight):
+            if not self._flight:
+                self._between()
+                job = self._queue.get()  # nothing in flight: wait for a request
+                if job is None:
+                    return
+                self._admit(job)
+            while self._free and not self._stopping:  # the requests that arrived join this step
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    self._stopping = True
+                    break
+                self._admit(job)
+            self._step()
+
+    def _between(self) -> None:
+        """Work between requests (placement learning) while nothing is in flight."""
+        if self.between is None:
+            return
+        try:
+            self.between.after_request(self.busy)
+            while not self.busy() and self.between.idle(self.busy):
+                pass
+        except Exception:  # learning must never take the server down
+            log.exception("work between requests failed")
+
+    def _session_for(self, ids: list[int]) -> Session:
+        """The free session that keeps the most of ``ids`` (its previous sequence's prefix)."""
+        best = max(self._free, key=lambda s: s.reusable(ids))
+        self._free.remove(best)
+        return best
+
+    def _admit(self, job: Job) -> None:
+        """Prefill ``job``'s prompt in a free session; it takes its first token at the next step."""
+        outcome = Outcome(prompt_tokens=len(job.ids), queued_seconds=time.perf_counter() - job.arrived)
+        if job.cancelled.is_set():
+            outcome.finish = "cancelled"
+            self._end(job, outcome)
+            return
+        session = self._session_for(job.ids)
+        try:
+            timing = session.timing
+            prefill0 = timing.prefill_seconds
+            logits = session.prompt(job.ids)
+            outcome.cached_tokens = session.reused
+            job.sink.started(outcome)
+            if self.after_prefill is not None:
+                self.after_prefill(job, logits)
+            outcome.prefill_seconds = timing.prefill_seconds - prefill0
+        except Exception as e:  # a bug or an out-of-memory: this request fails, the server goes on
+            log.exception("request failed")
+            outcome.finish, outcome.error = "error", f"{type(e).__name__}: {e}".splitlines()[0]
+            session.reset()  # whatever state the failure left is not trusted
+            self._free.append(session)
+            self._end(job, outcome)
+            return
+        sampler = self.sampler(job)
+        outcome.finish = "length"
+        r = Running(job, session, outcome, sampler, logits, list(session.fed),
+                    decode0=session.timing.decode_seconds)
+        with self._lock:
+            self._flight.append(r)
+        if job.max_new <= 0:
+            self._leave(r)
+
+    def _next_token(self, r: Running) -> int:
+        """``continue_tokens``' choice of the next token from ``r.logits`` (the same calls, so the
+        same token as the serial engine's)."""
+        sampler, constraint, logits = r.sampler, r.job.constraint, r.logits
+        if constraint is None and (sampler is None or getattr(sampler, "history_free", False)):
+            pick = torch.argmax if sampler is None else sampler.pick
+            return int(pick(logits).reshape(-1)[0])
+        if constraint is not None:
+            logits = constraint.mask(logits)
+        tok = int(torch.argmax(logits)) if sampler is None else int(sampler.sample(logits, r.history))
+        if constraint is not None:
+            constraint.accept(tok)
+        return tok
+
+    def _step(self) -> None:
+        """Each running sequence takes its next token; those that go on decode one batched step."""
+        going: list[tuple[Running, int]] = []
+        for r in list(self._flight):
+            try:
+                tok = self._take(r)
+            except Exception as e:  # a bug, a sink gone wrong: this request fails, the others go on
+                log.exception("request failed")
+                self._failed(r, e)
+                continue
+            if tok is None:
+                self._leave(r)
+            else:
+                going.append((r, tok))
+        if not going:
+            return
+        try:
+            logits = decode_together([r.session for r, _ in going], [t for _, t in going])
+        except Exception as e:  # every sequence of the step fails; the server goes on
+            log.exception("a batched step failed")
+            for r, _ in going:
+                self._failed(r, e)
+            return
+        self.batch_sizes[len(going)] += 1
+        for i, (r, _) in enumerate(going):
+            r.logits = logits[i]
+
+    def _take(self, r: Running) -> int | None:
+        """``r``'s next token, reported to its client: the token to feed, or None when ``r`` ends
+        here (its outcome says why), as the serial engine's loop over ``continue_tokens``."""
+        o = r.outcome
+        tok = self._next_token(r)
+        if tok in self.stop_ids:
+            o.finish = "stop"
+            return None
+        r.generated.append(tok)
+        if o.first_token_seconds is None:
+            o.first_token_seconds = time.perf_counter() - r.job.arrived
+        o.completion_tokens = len(r.generated)
+        if r.job.sink.token(tok):
+            o.finish = "stop"
+        elif r.job.cancelled.is_set():
+            o.finish = "cancelled"
+        elif o.completion_tokens >= r.job.max_new:
+            o.finish = "length"
+        else:
+            r.history.append(tok)
+            return tok
+        return None
+
+    def _failed(self, r: Running, e: Exception) -> None:
+        r.outcome.finish, r.outcome.error = "error", f"{type(e).__name__}: {e}".splitlines()[0]
+        r.session.reset()  # whatever state the failure left is not trusted
+        self._leave(r)
+
+    def _leave(self, r: Running) -> None:
+        """``r`` is done: its session is free for the next request, its outcome reported."""
+        with self._lock:
+            self._flight.remove(r)
+        self._free.append(r.session)
+        r.outcome.decode_seconds = r.session.timing.decode_seconds - r.decode0
+        self._end(r.job, r.outcome)
+
+    def _end(self, job: Job, outcome: Outcome) -> None:
+        try:
+            job.sink.end(outcome)
+        except Exception:
+            log.exception("a request's sink failed")
+        if self.on_job is not None:
+            self.on_job(job, outcome)
+
+
+class BatchCollector:
+    """``/metrics``' view of a ``ParallelEngine`` at scrape time: the sequences in flight and the
+    batched steps by size (the waiting ones are ``sparkpack_waiting_requests``)."""
+
+    def __init__(self, engine: ParallelEngine):
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(PREFIX + "running_sequences", "Sequences decoding now", value=self.engine.running)
+        steps = CounterMetricFamily(PREFIX + "batched_steps", "Decode steps, by the sequences each computed",
+                                    labels=["size"])
+        for size, n in sorted(self.engine.batch_sizes.items()):
+            steps.add_metric([str(size)], n)
+        yield steps

@@ -1,0 +1,127 @@
+"""A batched decode step (``MoEModel.decode_batch``): each sequence's logits are bit for bit its
+own single-sequence step's, whatever the other sequences, their number, order and lengths, on
+every arch and at any residency. On the CPU the dense products and the plain experts run their
+torch forms one row at a time (``runtime.decode_rows``), and the fused MoE kernels run under
+Triton's interpreter; ``SPARKPACK_TEST_DEVICE=cuda`` runs the same tests compiled on a GPU, every
+product through its kernel with the row axis."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from sparkpack.formats.archs import model_spec
+from sparkpack.formats.gguf_file import GGUFModel
+from sparkpack.runtime.expert_store import ExpertStore, GGUFSource
+from sparkpack.runtime.models import StoreOptions, load_model
+
+DEVICE = os.environ.get("SPARKPACK_TEST_DEVICE", "cpu")
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # a GPU runs the runtime's dtype
+ARCHS = ("qwen35moe", "laguna", "qwen3moe")
+# Three conversations of different lengths, each with the tokens it is fed step by step after its
+# prompt (teacher-forced: the same ids alone and batched).
+PROMPTS = ([3, 14, 15, 92, 65, 35, 89], [7, 1], [46, 26, 43, 38, 32, 79, 50, 28, 84, 19, 71])
+FED = ([5, 9, 2, 6], [53, 58, 97, 93], [23, 84, 62, 64])
+# Which sequences decode together at each step: all, a sequence leaving, joining, another order.
+STEPS = ((0, 1, 2), (2, 0), (1, 2, 0), (1,))
+
+
+def alone(model, prompts=PROMPTS, fed=FED) -> list[list[torch.Tensor]]:
+    """Each sequence's logits per fed token, decoding alone (one token per ``forward``)."""
+    out = []
+    for prompt, tokens in zip(prompts, fed):
+        cache = model.new_cache()
+        model.forward(prompt, cache, last_only=True)
+        out.append([model.forward([t], cache)[0] for t in tokens])
+    return out
+
+
+def batched(model, prompts=PROMPTS, fed=FED, steps=STEPS) -> list[list[torch.Tensor]]:
+    """The same, the sequences decoding together in the batches of ``steps`` (a sequence's later
+    tokens alone once it has no batch left)."""
+    caches = [model.new_cache() for _ in prompts]
+    for prompt, cache in zip(prompts, caches):
+        model.forward(prompt, cache, last_only=True)
+    out: list[list[torch.Tensor]] = [[] for _ in prompts]
+    for step in steps:
+        logits = model.decode_batch([fed[b][len(out[b])] for b in step], [caches[b] for b in step])
+        for row, b in enumerate(step):
+            out[b].append(logits[row])
+    for b, tokens in enumerate(fed):
+        for t in tokens[len(out[b]):]:
+            out[b].append(model.decode_batch([t], [caches[b]])[0])
+    return out
+
+
+def assert_same(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> None:
+    for b, (g, w) in enumerate(zip(got, want)):
+        assert len(g) == len(w) > 0
+        for i, (x, y) in enumerate(zip(g, w)):
+            assert torch.equal(x, y), f"sequence {b}, fed token {i}: {(x - y).abs().max().item()}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("hot_fraction", [1.0, 0.6, 0.1])
+def test_batched_step_is_each_sequence_alone(synth_model, arch, hot_fraction):
+    """Through the tiered store (async: misses copied into two cache slots, or read from the host
+    when a step's union of misses does not fit)."""
+    path = synth_model(arch, "Q4_K_M", skew=1.0)
+    model = load_model(path, device=DEVICE, dtype=DTYPE, store=StoreOptions(hot_fraction=hot_fraction, mode="async",
+                                                               cache_slots=2))
+    want = alone(model)
+    before = model.experts.stats.tokens
+    got = batched(model)
+    assert_same(got, want)
+    assert model.experts.stats.tokens - before == sum(len(p) for p in PROMPTS) + sum(len(f) for f in FED)
+
+
+def test_batched_step_without_a_store(synth_model):
+    """The plain providers (experts expanded one by one) give the same."""
+    model = load_model(synth_model("laguna", "Q4_K_M", skew=1.0), device=DEVICE, dtype=DTYPE)
+    assert_same(batched(model), alone(model))
+
+
+@pytest.mark.parametrize("arch", ARCHS if DEVICE == "cuda" else ARCHS[:1])
+def test_fused_moe_kernels_batched(synth_model, arch):
+    """The fused MoE kernels serving a batch, 10% of the experts on the device and the rest read
+    from the host pool in the kernel (zero-copy). Interpreted on the CPU, few short sequences of
+    one arch (minutes an arch there; the MoE call is the same for every arch); a GPU runs all."""
+    gguf = GGUFModel(synth_model(arch, "Q4_K_M", skew=1.0))
+    spec = model_spec(gguf)
+    hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
+    hot[list(spec.moe_layers), :max(1, spec.n_expert // 10)] = True
+    model = load_model(gguf, device=DEVICE, dtype=DTYPE)
+    model.experts = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, DTYPE, hot, 0, "zerocopy", fused=True)
+    assert all(la.fused for la in model.experts.layers.values())
+    prompts, fed = ([3, 14], [7], [46, 26, 43]), ([5, 9], [53, 58], [23])
+    assert_same(batched(model, prompts, fed, ((0, 1, 2), (1, 0))), alone(model, prompts, fed))
+    assert model.experts.stats.zero_copy_reads > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_run_of_tokens_is_its_single_steps(synth_model, arch):
+    """``decode_run``: K consecutive tokens of one sequence in one batched step (a draft's
+    verification, issue 47) give the K single steps' logits and leave the cache as they do (the
+    next single step after it is the same too), at 10% residency."""
+    model = load_model(synth_model(arch, "Q4_K_M", skew=1.0), device=DEVICE, dtype=DTYPE,
+                       store=StoreOptions(hot_fraction=0.1, mode="async", cache_slots=2))
+    prompt, run, after = PROMPTS[0], FED[2], FED[0][0]
+    one = model.new_cache()
+    model.forward(prompt, one, last_only=True)
+    want = [model.forward([t], one)[0] for t in [*run, after]]
+    cache = model.new_cache()
+    model.forward(prompt, cache, last_only=True)
+    got = [*model.decode_run(run, cache), model.forward([after], cache)[0]]
+    assert cache.pos == one.pos
+    assert_same([got], [want])
+
+
+def test_one_cache_per_sequence(synth_model):
+    model = load_model(synth_model("qwen3moe", "Q4_K_M", skew=1.0))
+    cache = model.new_cache()
+    with pytest.raises(ValueError, match="one distinct cache per sequence"):
+        model.decode_batch([1, 2], [cache, cache])
+    with pytest.raises(ValueError, match="one distinct cache per sequence"):
+        model.decode_batch([1, 2], [cache])

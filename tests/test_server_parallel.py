@@ -1,0 +1,164 @@
+"""``--parallel N``: requests decoded together (runtime.server.parallel). 8 concurrent streaming
+clients in bounded loops, some closing their stream midway, against a server decoding up to 4
+sequences per step: every request completes or is cancelled cleanly, the server stays up, and
+every greedy completion equals the one a one-at-a-time server (``--parallel 1``) gives, bit for
+bit (each row of a batched step is its sequence's own step: tests/test_decode_batch.py)."""
+from __future__ import annotations
+
+import re
+import signal
+import threading
+
+import httpx
+import openai
+import pytest
+
+from tests.procs import SPARK_RUN, error_lines, run
+from tests.serve_proc import API_KEY, ServerProcess, streaming_clients
+
+CLIENTS = 8
+REQUESTS = 2  # per client
+MAX_TOKENS = 12
+SYSTEM = "You are a careful assistant. Answer in one short sentence."
+QUESTIONS = ["What is a mixture of experts?", "Why is the sky blue?", "Name a prime number.",
+             "What does a compiler do?", "How far is the moon?"]
+
+
+def request(q: int) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[q]}]
+
+
+def client_of(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", "laguna"])
+def test_busy_parallel_server_gives_the_serial_completions(synth_model, arch):
+    path = synth_model(arch)
+    serial_server = ServerProcess(path, "--ctx", "1024", "--prefill-chunk", "16")
+    try:
+        serial = {q: client_of(serial_server).chat.completions.create(model="x", messages=request(q),
+                                                                      max_tokens=MAX_TOKENS).choices[0].message.content
+                  for q in range(len(QUESTIONS))}
+    finally:
+        assert serial_server.stop(signal.SIGTERM) == 0
+    server = ServerProcess(path, "--ctx", "1024", "--prefill-chunk", "16", "--parallel", "4")
+    try:
+        client = client_of(server)
+        results = streaming_clients(client, CLIENTS, REQUESTS,
+                                    lambda i, j: ((i + j) % len(QUESTIONS), request((i + j) % len(QUESTIONS))),
+                                    MAX_TOKENS)  # (question, text, cancelled)
+        assert httpx.get(server.base + "/health").status_code == 200
+        assert len(results) == CLIENTS * REQUESTS
+        for q, text, cancelled in results:
+            if cancelled:
+                assert serial[q].startswith(text)
+            else:
+                assert text == serial[q], (q, text, serial[q])
+        metrics = httpx.get(server.base + "/metrics").text
+        counts = {m.group(1): float(m.group(2))
+                  for m in re.finditer(r'sparkpack_requests_total\{outcome="(\w+)",route="chat"\} (\S+)', metrics)}
+        n_cancelled = sum(c for _, _, c in results)
+        assert n_cancelled - 2 <= counts.get("cancelled", 0) <= n_cancelled  # (a stream may end first)
+        assert sum(counts.values()) == len(results)
+        steps = {int(m.group(1)): float(m.group(2))
+                 for m in re.finditer(r'sparkpack_batched_steps_total\{size="(\d+)"\} (\S+)', metrics)}
+        assert max(steps) > 1 and max(steps) <= 4, steps  # sequences did decode together, 4 at most
+        assert "sparkpack_running_sequences 0.0" in metrics
+    finally:
+        assert server.stop(signal.SIGINT) == 0
+
+
+def test_parallel_needs_serve(synth_model):
+    res = run([*SPARK_RUN, str(synth_model("qwen3moe")), "-p", "hi", "--parallel", "2"])
+    assert res.returncode == 1 and error_lines(res.stderr) == [
+        "spark-run: error: --parallel is the number of requests a server decodes together: use it with --serve"]
+
+
+def test_a_short_request_is_answered_during_a_long_one(synth_model, tmp_path):
+    """A short request arriving while another streams a long reply gets its whole reply before that
+    one ends (one at a time, it would wait for all of it)."""
+    server = ServerProcess(synth_model("qwen3moe"), "--ctx", "2048", "--parallel", "2", hooks=tmp_path)
+    try:
+        client = client_of(server)
+        long_text = " ".join(f"word{i}" for i in range(300))
+        chunks: list[str] = []
+        ended = threading.Event()
+
+        def long_stream() -> None:
+            stream = client.chat.completions.create(model="x", messages=request(0), max_tokens=1500, stream=True,
+                                                    extra_body={"sparkpack_test_output": long_text})
+            for chunk in stream:
+                if chunk.choices:
+                    chunks.append(chunk.choices[0].delta.content or "")
+            ended.set()
+
+        t = threading.Thread(target=long_stream)
+        t.start()
+        while not chunks and t.is_alive():
+            ended.wait(0.01)
+        short = client.chat.completions.create(model="x", messages=request(1), max_tokens=4)
+        long_still_running = not ended.is_set()
+        t.join(600)
+        assert short.choices[0].message.content and long_still_running
+        assert "".join(chunks).strip() == long_text
+    finally:
+        assert server.stop(signal.SIGINT) == 0
+
+
+class Sink:
+    """A job's tokens as the engine thread posts them; ``fail_at``: raise on that token (a sink
+    gone wrong)."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.tokens: list[int] = []
+        self.outcome = None
+        self.done = threading.Event()
+        self.fail_at = fail_at
+
+    def started(self, outcome) -> None:
+        pass
+
+    def token(self, token_id: int) -> bool:
+        if len(self.tokens) == self.fail_at:
+            raise RuntimeError("the sink broke")
+        self.tokens.append(token_id)
+        return False
+
+    def end(self, outcome) -> None:
+        self.outcome = outcome
+        self.done.set()
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", "laguna", "qwen3moe"])
+def test_engine_in_process(synth_model, arch):
+    """In process: greedy and seeded-sampling jobs of different prompts through 3 sessions give the
+    serial engine's tokens; a job whose sink fails ends in error and the others go on."""
+    from sparkpack.runtime.generate import Session
+    from sparkpack.runtime.models import load_model
+    from sparkpack.runtime.options import SamplingOptions
+    from sparkpack.runtime.server.engine import Engine, Job
+    from sparkpack.runtime.server.parallel import ParallelEngine
+
+    model = load_model(synth_model(arch))
+    prompts = [[3, 14, 15, 92, 65], [7, 1], [46, 26, 43, 38, 32, 79, 50], [5, 9, 2], [88]]
+    sampling = [SamplingOptions(temperature=0), SamplingOptions(temperature=0.8, seed=5)]
+
+    def run(engine, fail: int | None = None) -> list[Sink]:
+        sinks = [Sink(3 if i == fail else None) for i in range(len(prompts))]
+        for i, (ids, sink) in enumerate(zip(prompts, sinks)):
+            engine.submit(Job(ids, 6 + i, sampling[i % 2], sink))
+        for sink in sinks:
+            assert sink.done.wait(300)
+        engine.close()
+        return sinks
+
+    serial = run(Engine(Session(model), frozenset()))
+    engine = ParallelEngine([Session(model) for _ in range(3)], frozenset())
+    together = run(engine, fail=1)
+    assert max(engine.batch_sizes) == 3  # (the jobs queued while the first one's prompt was computed)
+    for i, (s, t) in enumerate(zip(serial, together)):
+        if i == 1:
+            assert t.outcome.finish == "error" and t.tokens == s.tokens[:3]
+        else:
+            assert (t.tokens, t.outcome.finish) == (s.tokens, s.outcome.finish) == (s.tokens, "length")
