@@ -31,7 +31,9 @@ import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
 from sparkpack.repack.synth.quant_blocks import make_rng, random_blocks
-from sparkpack.formats.quants import block_size, quant_name, quant_type
+from gguf import GGMLQuantizationType
+
+from sparkpack.formats.quants import block_size, quant_name
 from sparkpack.runtime.dequant import FLOAT_DTYPES, dequantize_rows
 from sparkpack.runtime.kernels import blocks, dense
 from sparkpack.runtime.kernels.moe import ExpertPools, MoELaunch, moe_experts
@@ -70,7 +72,7 @@ def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
 def moe_types(pair: str) -> tuple[int, int]:
     """``--moe-types`` entry GATE_UP,DOWN (GGML names) -> their ids."""
     gate, down = pair.split(",")
-    return int(quant_type(gate)), int(quant_type(down))
+    return int(GGMLQuantizationType[gate.upper()]), int(GGMLQuantizationType[down.upper()])
 
 
 def bench_moe(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator, gq: int, dq: int) -> bool:

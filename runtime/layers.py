@@ -418,18 +418,15 @@ def route_softmax(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tenso
 
 
 def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor | None, k: int, norm: bool,
-                  scale: float = 1.0, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Laguna router: experts chosen on sigmoid + correction bias, weighted by the unbiased
     sigmoids (renormalised), times the routed scaling factor. On a GPU one Triton launch
     (``kernels/router.py``) instead of about nine."""
-    if _router_kernel_takes(logits) and softcap == 0:
+    if _router_kernel_takes(logits):
         from .kernels.router import sigmoid_topk
 
         return sigmoid_topk(logits, bias, k, norm, scale)
-    logits = wide(logits)
-    if softcap > 0:
-        logits = torch.tanh(logits / softcap) * softcap
-    scores = torch.sigmoid(logits)
+    scores = torch.sigmoid(wide(logits))
     choose = scores if bias is None else scores + bias
     _, ids = torch.topk(choose, k, dim=-1)
     w = scores.gather(-1, ids)

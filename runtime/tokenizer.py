@@ -229,9 +229,6 @@ class GGUFTokenizer:
     def stream(self, skip_special: bool = False) -> StreamDecoder:
         return StreamDecoder(self, skip_special)
 
-    def is_special(self, token_id: int) -> bool:
-        return int(token_id) in self._special
-
     @property
     def control_ids(self) -> frozenset[int]:
         """The CONTROL tokens: where a chat template starts and ends messages (``<|im_start|>``,

@@ -65,7 +65,7 @@ def softmax_topk(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor
 
 def sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor | None, k: int, norm: bool,
                  scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``route_sigmoid`` (no softcap) of ``logits [T, n_expert]``: experts chosen on sigmoid +
+    """``route_sigmoid`` of ``logits [T, n_expert]``: experts chosen on sigmoid +
     ``bias`` (float ``[n_expert]`` or None), weighted by the unbiased sigmoids, renormalised with
     ``norm``, times ``scale``."""
     if bias is not None and (bias.numel() != logits.shape[-1] or not bias.is_contiguous()):
