@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
 from sparkpack.repack.synth.quant_blocks import make_rng, random_blocks
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from sparkpack.formats.quants import block_size, quant_name
-from sparkpack.runtime.dequant import FLOAT_DTYPES, dequantize_rows
+from sparkpack.formats.quants import quant_name
+from sparkpack.runtime.dequant import FLOAT_DTYPES, dequantize
 from sparkpack.runtime.kernels import blocks, dense
 from sparkpack.runtime.kernels.moe import ExpertPools, MoELaunch, moe_experts
 from sparkpack.runtime.kernels.q8dot import quantize
@@ -44,8 +44,14 @@ _SEEDS = itertools.count()
 
 def random_rows(qtype: int, rows: int, K: int) -> torch.Tensor:
     """uint8 ``[rows, row_bytes]`` of random valid blocks (weights of RMS ~0.02) on the GPU."""
-    raw = random_blocks(qtype, rows * K // block_size(qtype), 0.02, make_rng(next(_SEEDS)), any_scales=True)
+    raw = random_blocks(qtype, rows * K // GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][0], 0.02, make_rng(next(_SEEDS)), any_scales=True)
     return torch.from_numpy(raw.reshape(rows, -1)).cuda()
+
+
+def dequantize_rows(raw: torch.Tensor, qtype: int, K: int) -> torch.Tensor:
+    """uint8 rows ``[..., row_bytes]`` of ``K`` elements each -> float32 ``[..., K]`` (the references)."""
+    lead = tuple(raw.shape[:-1])
+    return dequantize(raw, qtype, (K, raw[..., 0].numel())).reshape(*lead, K)
 
 
 def median_ms(fn) -> float:

@@ -73,11 +73,6 @@ def quant_name(qtype: int) -> str:
         return f"type{qtype}"
 
 
-def block_size(qtype: int) -> int:
-    """Elements per block (1 for plain float/int types)."""
-    return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][0]
-
-
 def type_size(qtype: int) -> int:
     """Bytes per block."""
     return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1]

@@ -244,13 +244,6 @@ def _fallback(flat: torch.Tensor, qtype: int, shape: tuple[int, ...]) -> torch.T
     return torch.from_numpy(np.ascontiguousarray(gq.dequantize(rows, T(qtype)), dtype=np.float32))
 
 
-def dequantize_rows(raw: torch.Tensor | np.ndarray, qtype: int, K: int) -> torch.Tensor:
-    """uint8 rows ``[..., row_bytes]`` of ``K`` elements each -> float32 ``[..., K]``, on the
-    device the bytes are on (references of kernel tests and benchmarks)."""
-    lead = tuple(raw.shape[:-1])
-    return dequantize(raw, qtype, (K, prod(lead))).reshape(*lead, K)
-
-
 def dequantize(raw: np.ndarray | torch.Tensor | bytes, qtype: int, shape: tuple[int, ...],
                device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Expand one tensor's GGML bytes; ``shape`` is GGUF order (ne[0] first), the result is the
