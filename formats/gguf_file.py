@@ -7,9 +7,9 @@ needs from a GGUF goes through ``GGUFModel``; parse failures of any kind become 
 
 The header is read by ``gguf_header.scan_header``, a walk that bounds every count by the bytes
 left, not by ``gguf.GGUFReader``: that reader trusts counts (a corrupted array count makes it
-loop for hours), needed a private method overridden to check tensor ranges, and takes 17 s and
-hundreds of MB to parse a 248k-token vocabulary that the walk steps over in 0.09 s (values are
-decoded only when asked for). tests/test_gguf_header.py checks every value against gguf-py's
+loop for hours), needed a private method overridden to check tensor ranges, and builds a Python
+object per array element, slow and large for a 248k-token vocabulary that the walk steps over
+(values are decoded only when asked for). tests/test_gguf_header.py checks every value against gguf-py's
 reader, which stays the referee.
 """
 from __future__ import annotations

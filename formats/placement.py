@@ -38,9 +38,8 @@ SWAP_MARGIN = 0.1
 # Cache-slot admission (zero-copy store; calibrate.cache_policies replays it on traces): routing
 # counts decay by FREQ_DECAY per token (a memory of ~20 tokens), and a missed expert must reach
 # ADMIT_MIN (routed three times lately) to be copied into a slot: a copy costs the PCIe bytes of
-# a zero-copy read, so it must be read from the slot again to pay. Measured on the full-size
-# model (BENCHMARKS.md): admitting at 1.5 cost 3% of decode speed at 60% residency against no
-# cache slots at all.
+# a zero-copy read, so it must be read from the slot again to pay: a lower threshold copies
+# experts that are not read again and decodes slower than no cache slots at all (BENCHMARKS.md).
 FREQ_DECAY = 0.95
 ADMIT_MIN = 3.0
 

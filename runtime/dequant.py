@@ -1,7 +1,7 @@
 """GGML quantized bytes -> torch tensors, vectorised, on the device the bytes live on.
 
 gguf-py's numpy dequantizer is the reference (it matches llama.cpp bit for bit), but it runs on
-the CPU at a few hundred MB/s; expert weights are re-expanded on every cache miss, so the runtime
+the CPU and slowly; expert weights are re-expanded on every cache miss, so the runtime
 needs the same arithmetic as whole-tensor torch ops that also run on CUDA. Each function below
 repeats the reference's float32 operations *in the same order* (``d * sc`` before ``* q`` and so
 on): float32 products are not associative, and the tests demand bit-exact agreement.

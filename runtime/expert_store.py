@@ -171,8 +171,7 @@ class ExpertStore(ExpertProvider):
         self._group: int | None = None  # tokens of the group of calls being run (stage_calls)
 
         # What is counted. Every expert on the device: nothing can move, so the per-token count
-        # read (a wait on the device, then ~20 small numpy passes with the GPU idle: ~0.2 ms a
-        # token on the H100) is put off; the counts add up on the device until ``flush``.
+        # read (a wait on the device, then ~20 small numpy passes with the GPU idle) is put off; the counts add up on the device until ``flush``.
         self.all_hot = n_cold == 0
         self.counts = RoutingCounts((spec.n_layer, self.n_expert), self.device, self.pin)
         self._stats = StoreStats()
@@ -525,8 +524,7 @@ class ExpertStore(ExpertProvider):
         """``staged``: the counts are a staged call's, whose cold experts were copied in bulk
         (counted when staged), not read zero-copy."""
         # On the few (layer, expert) pairs routed this step (8 a layer a token), not the whole
-        # [n_layer, n_expert] table: whole-table masks cost ~0.3 ms a token (40 x 256 experts)
-        # against ~0.05 ms so.
+        # [n_layer, n_expert] table: whole-table masks cost several times more host time a token.
         self.tables.wait_sent()  # the pinned table is rewritten below
         st, slots = self._stats, self.slots
         st.tokens += n_tokens
