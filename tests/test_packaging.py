@@ -84,6 +84,28 @@ def test_imports_follow_the_data_flow():
     assert set(ALLOWED) == {n.removeprefix("sparkpack.") for n in cfg if n.count(".") == 1}, "a new stage needs its row"
 
 
+# Boundaries inside a stage: (folder, what its modules may not import). The kernels know no server;
+# a tool-call syntax's parser reads the shared streaming machinery through ``CallStream`` only.
+INSIDE = [
+    ("runtime/kernels", "sparkpack.runtime.kernels", ("sparkpack.runtime.server",)),
+    ("runtime/server/tool_parsers", "sparkpack.runtime.server.tool_parsers",
+     ("sparkpack.runtime.server.", "torch", "triton")),
+]
+
+
+def test_boundaries_inside_the_runtime():
+    wrong = []
+    for folder, package, forbidden in INSIDE:
+        for path in sorted((REPO / folder).glob("*.py")):
+            module = package if path.name == "__init__.py" else f"{package}.{path.stem}"
+            for line, target in _imports(path, module):
+                if target.startswith(package):
+                    continue
+                if any(target == f.rstrip(".") or target.startswith(f.rstrip(".") + ".") for f in forbidden):
+                    wrong.append(f"{path.relative_to(REPO)}:{line} imports {target}")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_import_check_sees_what_it_checks(tmp_path):
     """The walker finds lazy, relative and `from sparkpack import x` imports (or the test above
     could pass by seeing nothing)."""
