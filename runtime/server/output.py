@@ -358,6 +358,18 @@ class OutputParser:
         if call.streams:
             self.emit_arguments(("{" if not call.args else ", ") + json_text(key) + ': "')
 
+    def begin_call(self, end: int, name: str, first_key: str | None, then: Callable[[bool], bool]) -> None:
+        """The call's name (and its first parameter's key, if any) was read up to ``end``: the call
+        starts, then that parameter's value is read in ``then``, or the call ends (no parameters)."""
+        self.consume(end)
+        self.call.name = name
+        self.start_call()
+        if first_key is None:
+            self.end_tagged_call()
+        else:
+            self.begin_value(first_key)
+            self.state = then
+
     def _value_text(self, text: str) -> None:
         call = self.call
         call.value.append(text)

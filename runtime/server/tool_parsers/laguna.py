@@ -48,14 +48,7 @@ class Laguna(ToolParser):
         if status == FAIL or not name:
             s.fail()
             return True
-        s.consume(end)
-        s.call.name = name
-        s.start_call()
-        if which == 1:
-            s.end_tagged_call()
-        else:
-            s.begin_value(names[0])
-            s.state = self.value
+        s.begin_call(end, name, names[0] if which == 0 else None, self.value)
         return True
 
     def ends(self) -> tuple[tuple, ...]:

@@ -46,14 +46,7 @@ class XmlCall:
         if status == FAIL:
             s.fail()
             return True
-        s.consume(end)
-        s.call.name = names[0]
-        s.start_call()
-        if which == 1:
-            s.end_tagged_call()
-        else:
-            s.begin_value(names[1])
-            s.state = self.value_start
+        s.begin_call(end, names[0], names[1] if which == 0 else None, self.value_start)
         return True
 
     def value_start(self, final: bool) -> bool:
