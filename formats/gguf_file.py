@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from .errors import FormatError, SparkpackError
+from .gguf_header import ARRAY as _ARRAY
 from .gguf_header import GGUF_MAGIC, SUPPORTED_VERSIONS, scan_header
 from .quants import quant_name
 from .safe_read import require_regular
@@ -105,6 +106,13 @@ class GGUFModel:
 
     def has(self, key: str) -> bool:
         return key in self._index.fields
+
+    def value_type(self, key: str) -> tuple[int, int | None]:
+        """The GGUF value type a key is stored with, and its elements' type for an array (what an
+        edit that keeps the key's type writes)."""
+        vtype, pos = self._index.fields[key]
+        sub = int(np.frombuffer(self._data[pos:pos + 4].tobytes(), "<u4")[0]) if vtype == _ARRAY else None
+        return int(vtype), sub
 
     def get(self, key: str, default: Any = None) -> Any:
         """Metadata value as a Python scalar, str or list (arrays of strings become list[str]).

@@ -286,6 +286,11 @@ class StateCheckpoints:
         return sorted(self.saved)
 
     @property
+    def spare(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor] | None], ...]:
+        """The host buffers reserved for the next copies (``reserve``)."""
+        return tuple(self._spare)
+
+    @property
     def nbytes(self) -> int:
         return sum(t.nbytes for copy in self.saved.values() for pair in copy if pair is not None for t in pair)
 

@@ -229,6 +229,10 @@ class GGUFTokenizer:
     def stream(self, skip_special: bool = False) -> StreamDecoder:
         return StreamDecoder(self, skip_special)
 
+    def pre_tokenize(self, text: str) -> list[str]:
+        """The pieces the pre-tokenizer (the GGUF's ``tokenizer.ggml.pre`` pattern) cuts ``text`` into."""
+        return [p for p, _ in self._tok.pre_tokenizer.pre_tokenize_str(text)]
+
     @property
     def control_ids(self) -> frozenset[int]:
         """The CONTROL tokens: where a chat template starts and ends messages (``<|im_start|>``,
