@@ -31,8 +31,10 @@ import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
 from sparkpack.repack.synth.quant_blocks import make_rng, random_blocks
-from sparkpack.formats.quants import block_size, quant_name, quant_type
-from sparkpack.runtime.dequant import FLOAT_DTYPES, dequantize_rows
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from sparkpack.formats.quants import quant_name
+from sparkpack.runtime.dequant import FLOAT_DTYPES, dequantize
 from sparkpack.runtime.kernels import blocks, dense
 from sparkpack.runtime.kernels.moe import ExpertPools, MoELaunch, moe_experts
 from sparkpack.runtime.kernels.q8dot import quantize
@@ -42,8 +44,14 @@ _SEEDS = itertools.count()
 
 def random_rows(qtype: int, rows: int, K: int) -> torch.Tensor:
     """uint8 ``[rows, row_bytes]`` of random valid blocks (weights of RMS ~0.02) on the GPU."""
-    raw = random_blocks(qtype, rows * K // block_size(qtype), 0.02, make_rng(next(_SEEDS)), any_scales=True)
+    raw = random_blocks(qtype, rows * K // GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][0], 0.02, make_rng(next(_SEEDS)), any_scales=True)
     return torch.from_numpy(raw.reshape(rows, -1)).cuda()
+
+
+def dequantize_rows(raw: torch.Tensor, qtype: int, K: int) -> torch.Tensor:
+    """uint8 rows ``[..., row_bytes]`` of ``K`` elements each -> float32 ``[..., K]`` (the references)."""
+    lead = tuple(raw.shape[:-1])
+    return dequantize(raw, qtype, (K, raw[..., 0].numel())).reshape(*lead, K)
 
 
 def median_ms(fn) -> float:
@@ -70,7 +78,7 @@ def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
 def moe_types(pair: str) -> tuple[int, int]:
     """``--moe-types`` entry GATE_UP,DOWN (GGML names) -> their ids."""
     gate, down = pair.split(",")
-    return int(quant_type(gate)), int(quant_type(down))
+    return int(GGMLQuantizationType[gate.upper()]), int(GGMLQuantizationType[down.upper()])
 
 
 def bench_moe(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator, gq: int, dq: int) -> bool:

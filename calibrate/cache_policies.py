@@ -12,19 +12,16 @@ only replays a trace through them, one token a step (the store learns from a ste
 Slots are one pool shared by all MoE layers (the store's layout, ``shared=True``) or ``slots``
 per layer. What it costs: *cold* routings (served from host memory: a stall in sync/async mode,
 a PCIe read inside the kernel in zero-copy mode) and *copies* (experts copied into slots, each
-one more PCIe transfer). Pure Python over the cold routings only, so a trace of a full-size
-model runs at a few seconds per 100k tokens.
+one more PCIe transfer). Pure Python over the cold routings only, so a full-size model's trace
+stays quick to replay.
 
-Measured (``bench/cache_policies.py``, traces of tiny synthetic models with ``--skew reference``
-over the real corpora, hot set from SWE-bench problem statements, the runtime's default slot
-count shared by all layers: 4 per layer, as on the full-size models): on a 256-expert top-8
-model (Qwen3.5/3.6's routing shape) at 40% hot, ``freq`` leaves 18.4% of routings cold against
-18.9% for LRU and 18.6% for LFU, with 0.04 copies a token against 12: half the PCIe transfers
-(11.8 against 24 a token; at 60% hot 4.05 against 8.2). On a 128-expert top-8 model, whose
-routing is more concentrated, LRU serves slightly more (at 30% hot 0.4-1.7% cold against
-0.9-2.4%) when the cold working set fits the slots, while ``freq`` still needs fewer transfers
-where it does not (at 20% hot 1.6-4.2 a token against 2.8-8.0). LFU never wins. So ``freq``
-stays the store's policy. The synthetic router draws each token's experts independently, so
+Compared with ``bench/cache_policies.py`` (traces of tiny synthetic models with ``--skew
+reference`` over the real corpora, hot set from SWE-bench problem statements, the runtime's
+default slot count shared by all layers): on a 256-expert top-8 model (Qwen3.5/3.6's routing
+shape) ``freq`` leaves about as many routings cold as LRU and LFU with far fewer copies, about
+half the PCIe transfers. On a 128-expert top-8 model, whose routing is more concentrated, LRU
+serves slightly more when the cold working set fits the slots, while ``freq`` still needs fewer
+transfers where it does not. LFU never wins. So ``freq`` stays the store's policy. The synthetic router draws each token's experts independently, so
 these traces underestimate the reuse between neighbouring tokens that real routers show, which
 every policy would serve better.
 """

@@ -29,8 +29,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-ROLES = ("system", "user", "assistant", "tool")
-
 
 @dataclass(frozen=True)
 class Conversation:

@@ -8,7 +8,7 @@ so ``counts / tokens`` stays a per-token rate (``formats.placement.expert_scores
 chosen from it follows the recent mix. Steady state holds ``1 / (1 - d)`` (about
 ``1.44 x half_life_tokens``) tokens' worth of traffic.
 
-Why ``HALF_LIFE_TOKENS`` = 200k (measured with ``bench/decay_half_life.py`` on recorded traces of
+Why ``HALF_LIFE_TOKENS`` = 200k (chosen with ``bench/decay_half_life.py`` on recorded traces of
 tiny synthetic models over the real corpora; docs/FORMAT.md, "Decay", has the tables): the
 placement's sampling noise stays under 1% of the cold-hit rate once every expert has a few
 thousand routings of memory, which a 256-expert top-8 model (Qwen3.5/3.6) reaches at a half-life

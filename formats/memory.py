@@ -19,13 +19,12 @@ from dataclasses import dataclass
 from .archs import DENSE, FULL, LINEAR, MOE, SLIDING, ModelSpec
 from .quants import kernels_read
 
-# CUDA context, cuBLAS/Triton workspaces and the allocator's slack. Measured on the GPU machine
-# as the reserved-minus-tensors gap of a decode run; see BENCHMARKS.md.
+# CUDA context, cuBLAS/Triton workspaces and the allocator's slack: the reserved-minus-tensors gap
+# of a decode run (BENCHMARKS.md).
 RUNTIME_OVERHEAD_BYTES = 768 * 1024**2
 
 # Tokens per forward call of a long prompt. A call costs a few thousand launches whatever its
-# length, so larger chunks prefill faster (on the H100, a 4096-token prompt went 2.4x faster in
-# 2048-token chunks than in 512-token ones: BENCHMARKS.md) for activation memory, counted by
+# length, so larger chunks prefill faster (BENCHMARKS.md) for activation memory, counted by
 # ``prefill_activation_bytes``.
 PREFILL_CHUNK = 2048
 # Tokens per block of the chunked DeltaNet prefill (runtime.models.qwen35moe).
@@ -41,26 +40,23 @@ PREFILL_GRAPH_TOKENS = 512
 # The models whose sessions make those short captured calls keep to them while the past is
 # shorter than this: a call that starts after it takes PREFILL_CHUNK tokens and runs eagerly,
 # where attention over the past is torch's fused kernel (runtime.layers.causal_sdpa_after; the
-# captured calls' attend_prefill reads the position from memory, which that kernel cannot). On
-# the H200 at Laguna's shape a full layer's attention after a 32k past took 2.53 ms in
-# attend_prefill against 1.61 fused, 9.70 against 6.35 after 130k, and Laguna's q8_0 sessions,
-# which feed eager 2048-token calls throughout, prefilled a 32k prompt 24% faster than its
-# captured 512-token calls (BENCHMARKS.md). A session whose context is no longer makes no such
+# captured calls' attend_prefill reads the position from memory, which that kernel cannot). After
+# a long past the fused kernel is the faster attention, and eager 2048-token calls prefill a
+# long prompt faster than captured 512-token ones (BENCHMARKS.md). A session whose context is no longer makes no such
 # call, so the plan counts their temporaries only beyond it (``short_call_tokens``).
 LONG_PAST_TOKENS = 16384
 # Prompt calls of at least this many tokens stage their cold experts in bulk, one copy per layer
 # into one of two device buffers, instead of reading them zero-copy tile by tile
-# (runtime.expert_staging; the plan reserves the buffers: formats.placement). Measured with
-# bench/staged_prefill.py on the GPU machine (Qwen3.6 Q4_K_M, --vram 14GiB, BENCHMARKS.md): staged
-# calls won from the smallest measured, 32 tokens (1.9x; 6.1x at 512), because a few dozen tokens
-# already route to most of a layer's cold experts. Decode steps and calls of a few tokens stay
+# (runtime.expert_staging; the plan reserves the buffers: formats.placement). Chosen with
+# bench/staged_prefill.py (BENCHMARKS.md): staged calls win from the smallest call tried, because
+# a few dozen tokens already route to most of a layer's cold experts. Decode steps and calls of a few tokens stay
 # zero-copy.
 STAGE_TOKENS = 32
 # A staged prompt's consecutive calls run layer by layer in groups of up to this many tokens,
 # each layer's cold experts copied once for the whole group (runtime.generate.Session,
 # MoEModel.forward_calls): the copy then hides behind the group's compute, as it does not behind
-# one 512-token call (~50 ms of compute against ~175 ms to copy Qwen3.6's cold experts at
-# --vram 14GiB). The group holds every call's residual rows between layers, which the plan
+# one 512-token call (whose compute is shorter than the copy of a layer's cold experts at a
+# partial residency). The group holds every call's residual rows between layers, which the plan
 # counts with the staging buffers (``group_bytes``).
 GROUP_TOKENS = 8192
 # A sliding-window layer keeps its keys and values in a ring of rows (runtime.cache.KVCache):

@@ -73,22 +73,6 @@ def quant_name(qtype: int) -> str:
         return f"type{qtype}"
 
 
-def quant_type(name: str | int) -> GGMLQuantizationType:
-    """Parse 'Q4_K', 'q8_0', 'F16' or a numeric id."""
-    if isinstance(name, int):
-        return GGMLQuantizationType(name)
-    try:
-        return GGMLQuantizationType[name.upper()]
-    except KeyError:
-        known = ", ".join(t.name for t in GGML_QUANT_SIZES)
-        raise ValueError(f"unknown quant type {name!r} (known: {known})") from None
-
-
-def block_size(qtype: int) -> int:
-    """Elements per block (1 for plain float/int types)."""
-    return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][0]
-
-
 def type_size(qtype: int) -> int:
     """Bytes per block."""
     return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1]
@@ -108,7 +92,3 @@ def tensor_nbytes(shape: Sequence[int], qtype: int) -> int:
     for d in shape[1:]:
         n_rows *= int(d)
     return row_nbytes(int(shape[0]), qtype) * n_rows if shape else 0
-
-
-def fits_blocks(n_cols: int, qtype: int) -> bool:
-    return n_cols % block_size(qtype) == 0

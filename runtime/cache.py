@@ -286,14 +286,19 @@ class StateCheckpoints:
         return sorted(self.saved)
 
     @property
+    def spare(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor] | None], ...]:
+        """The host buffers reserved for the next copies (``reserve``)."""
+        return tuple(self._spare)
+
+    @property
     def nbytes(self) -> int:
         return sum(t.nbytes for copy in self.saved.values() for pair in copy if pair is not None for t in pair)
 
     def reserve(self, cache: Cache) -> None:
         """Allocate every host buffer the copies can take (``limit + 1``: one more is saved
         before the drop) now, while loading. Why: pinned host memory is slow to allocate, and a
-        first long Qwen3.6 prompt saving a copy after each of its calls spent 0.27-0.41 s
-        outside its calls on the GPU machine, 0.11 s once reserved (bench/turn_profile.py). Nothing is reserved with checkpoints off (``limit``
+        first long Qwen3.6 prompt saving a copy after each of its calls spent several times
+        longer outside its calls than once reserved (bench/turn_profile.py). Nothing is reserved with checkpoints off (``limit``
         0: calibration's sessions) or before the states exist (their shapes are known from the
         first token on)."""
         if self.limit <= 0 or any(isinstance(la, RecurrentState) and la.conv is None

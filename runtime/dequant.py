@@ -1,7 +1,7 @@
 """GGML quantized bytes -> torch tensors, vectorised, on the device the bytes live on.
 
 gguf-py's numpy dequantizer is the reference (it matches llama.cpp bit for bit), but it runs on
-the CPU at a few hundred MB/s; expert weights are re-expanded on every cache miss, so the runtime
+the CPU and slowly; expert weights are re-expanded on every cache miss, so the runtime
 needs the same arithmetic as whole-tensor torch ops that also run on CUDA. Each function below
 repeats the reference's float32 operations *in the same order* (``d * sc`` before ``* q`` and so
 on): float32 products are not associative, and the tests demand bit-exact agreement.
@@ -242,13 +242,6 @@ def _fallback(flat: torch.Tensor, qtype: int, shape: tuple[int, ...]) -> torch.T
         log.info("no torch dequantizer for %s; using gguf-py's numpy one (slower)", T(qtype).name)
     rows = flat.cpu().numpy().reshape(-1, flat.numel() // max(1, prod(shape[1:])))
     return torch.from_numpy(np.ascontiguousarray(gq.dequantize(rows, T(qtype)), dtype=np.float32))
-
-
-def dequantize_rows(raw: torch.Tensor | np.ndarray, qtype: int, K: int) -> torch.Tensor:
-    """uint8 rows ``[..., row_bytes]`` of ``K`` elements each -> float32 ``[..., K]``, on the
-    device the bytes are on (references of kernel tests and benchmarks)."""
-    lead = tuple(raw.shape[:-1])
-    return dequantize(raw, qtype, (K, prod(lead))).reshape(*lead, K)
 
 
 def dequantize(raw: np.ndarray | torch.Tensor | bytes, qtype: int, shape: tuple[int, ...],

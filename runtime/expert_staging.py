@@ -1,11 +1,11 @@
 """Staged prefill: a long call's cold experts copied to the device in bulk, one copy per layer.
 
 Why: in zero-copy mode (``runtime.expert_store``) the fused kernel reads a cold expert from pinned
-host memory once per tile of tokens that routes to it, over PCIe, at a few GB/s. A decode step
+host memory once per tile of tokens that routes to it, over PCIe. A decode step
 routes a few experts a layer and that is the cheapest way to serve them; a call of many tokens
 routes nearly every expert of every layer, many tiles each, and re-reads the same bytes again
-and again (measured on the H100, Qwen3.6 Q4_K_M at 60% residency: an 8192-token prompt streamed
-29 GB and prefilled at 1540 tok/s against 11566 all-GPU). A bulk DMA copy runs at full PCIe
+and again (a long prompt at partial residency streams many times the cold experts' bytes and
+prefills far slower than all-GPU; BENCHMARKS.md). A bulk DMA copy runs at full PCIe
 speed instead, and the host pool keeps each layer's cold experts in one contiguous range
 (``expert_pools.layout_pool``), so a layer takes ONE copy into a device staging buffer. Two
 buffers take turns: while layer k computes from one, layer k+1's copy fills the other on the

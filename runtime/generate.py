@@ -16,8 +16,8 @@ call ends after ``call_tokens`` tokens, or earlier before a break token (the cha
 control tokens, where a message starts or ends) once it holds ``call_tokens // 8``. Why: the
 next request of a conversation repeats this one's prompt up to about where the reply starts,
 and ends in the middle of a fixed-size call; a call that ended before the last message's
-control tokens lets it keep all but a few tokens of it (on the GPU machine, a 17k-token agent
-prompt kept 16384 of its 17018 tokens with fixed 2048-token calls). A schedule that looks only
+control tokens lets it keep all but a few tokens of it (fixed 2048-token calls lose up to a
+whole call of it). A schedule that looks only
 backwards cuts a prompt and every longer prompt starting with it at the same places, so the
 kept rows are those a fresh session computes.
 """
@@ -110,8 +110,8 @@ def call_end(ids: list[int], start: int, call_tokens: int, breaks: frozenset[int
 
 def shared_len(a: Sequence, b: Sequence, step: int = 1024) -> int:
     """How many items (tokens, or characters of a prompt's text) ``a`` and ``b`` share from the
-    start. Compared a slice at a time (in C): one by one in Python, a 100k-token conversation
-    took 17 ms a request on the development machine, against 1 ms."""
+    start. Compared a slice at a time (in C): one by one in Python, a long conversation costs
+    many times more a request."""
     if type(a) is not type(b):  # (a list's slice never equals a tuple's)
         a, b = list(a), list(b)
     n, i = min(len(a), len(b)), 0
@@ -164,12 +164,12 @@ class Session:
         # Calls of at most PREFILL_GRAPH_TOKENS on such models even when the store cannot be
         # captured: the --vram plan counts those calls' temporaries, not prefill_chunk's.
         self.short_calls = feeds_short_calls(model, self.cache)
-        # Models whose prefill calls are captured take every prompt in captured calls: on the
-        # GPU machine a 4096-token Qwen3-30B prompt went 1.7x faster in replayed 512-token
-        # calls than in eager 2048-token ones (docs/benchmarks-history.md, session 15). Staging
+        # Models whose prefill calls are captured take every prompt in captured calls: replayed
+        # 512-token calls are faster than eager 2048-token ones (docs/benchmarks-history.md,
+        # session 15). Staging
         # (runtime.expert_staging, partial residency) keeps those calls: a residency must give
-        # the all-GPU session's bits, and those come from the 512-token calls (on the GPU machine
-        # staged 2048-token calls on qwen3moe changed tied routings: tests/test_calibrate_replay.py).
+        # the all-GPU session's bits, and those come from the 512-token calls (on a GPU staged
+        # 2048-token calls on qwen3moe changed tied routings: tests/test_calibrate_replay.py).
         # It runs them eagerly, padded as captured, in groups (``_groups``).
         self.call_tokens = min(prefill_chunk, PREFILL_GRAPH_TOKENS) if self.short_calls else prefill_chunk
         # Except after a long past: there a call takes prefill_chunk tokens and runs eagerly, its
@@ -209,15 +209,14 @@ class Session:
         """Run every call shape a first prompt and its reply will use on dummy tokens, then forget
         them; returns the seconds it took. Why: the first call of each shape compiles (or loads)
         its Triton kernels, grows the allocator and captures its CUDA graph, and a user's first
-        prompt paid that: on the GPU machine a one-shot 8192-token prompt of the Qwen3.6 shape
-        prefilled at ~4000 tok/s against ~10000 warm (BENCHMARKS.md). Padded sessions
+        prompt paid that: a one-shot prompt prefilled far slower than a warm one (BENCHMARKS.md). Padded sessions
         (``PrefillGraphs``) take every padded call size, a whole group of calls where the store
         stages (captured: ``PrefillGraphs.run_group``), then a 37-token call, and where the
         context reaches past ``long_past``, the eager calls after it (every tile shape). Eager
         sessions take calls of every length that picks another tile shape of the grouped MoE
         kernels (``tile_calls``) up to a whole chunk, each once from position 0 and once after a
-        past (attention over a past: with a q8_0 KV cache a one-shot 8192-token prompt ran at
-        4606 tok/s when only the first call was warmed) and with a count that is and one that is
+        past (attention over a past: with a q8_0 KV cache a one-shot prompt ran slower when only
+        the first call was warmed) and with a count that is and one that is
         not a multiple of 16 (Triton compiles the two apart): a prompt's calls end at control
         tokens and at its end, so any length comes. Then two decode steps (capture, replay), and
         the host buffers of every DeltaNet state checkpoint are allocated. The
@@ -540,7 +539,7 @@ class Session:
         logits each token was picked from (benchmarks compare them across residencies).
 
         Why: read back at once, every token costs a host round trip in which the GPU idles (the
-        read, then the launch of the next step: ~0.2 ms of a ~3 ms step on the H100). Once the
+        read, then the launch of the next step). Once the
         decode step is captured, the step that feeds token i is launched from the device copy of
         i before the host reads i, so the GPU always has the next step queued. A token the
         consumer then rejects (a stop token) has been fed already: ``fed`` includes it, as the

@@ -1,7 +1,7 @@
 """Decode steps and short prefill calls captured in CUDA graphs and replayed.
 
-An eager decode step of these models launches a few thousand small kernels; on the GPU machine
-the host needs ~90 ms to issue them while the GPU works ~12 ms. Replaying a captured graph
+An eager decode step of these models launches a few thousand small kernels; the host needs
+several times longer to issue them than the GPU needs to run them. Replaying a captured graph
 issues the whole step at once. What makes the step capturable:
   - the token id and its position are read from device memory (``ids``, ``pos``), so nothing
     of the step is a Python value that changes between tokens;
@@ -16,8 +16,8 @@ A replayed step runs exactly the kernels of an eager step with the same shapes, 
 the same bits either way.
 
 Prefill calls of up to ``PREFILL_GRAPH_TOKENS`` tokens are captured too (``PrefillGraphs``), for
-the all-attention models: a 512-token call of the Qwen3-30B shape issues ~750 kernels, and on the
-GPU machine's host that took 55-127 ms against ~35 ms of GPU work. A call is padded to the next
+the all-attention models: a 512-token call of the Qwen3-30B shape issues ~750 kernels, which
+takes the host longer than the GPU's work. A call is padded to the next
 of a few sizes (one graph each, one shared memory pool); its first position and the number of
 real tokens are read from device memory. The padding sits after the real tokens, so causal
 attention keeps it out of their results, and the expert store counts only their routings.
@@ -222,8 +222,7 @@ class PrefillGraphs:
         reserved as ``feed`` reserves them; None when ``feed`` would leave one of them to the
         caller's unpadded path. Each call has its own ids, position and count on the device.
         ``capture`` (whole calls only): the group is replayed from a CUDA graph, captured the
-        first time with its copies (eagerly run calls are launch-bound: on the GPU machine an
-        8192-token Laguna prompt ran at 8465 tok/s in eager 512-token calls, 13518 replayed)."""
+        first time with its copies (eagerly run calls are launch-bound)."""
         pos, sizes = self.cache.pos, []
         for ids in chunks:
             size = self._reserve(pos, len(ids))

@@ -319,7 +319,7 @@ def _flash_prompt(q: torch.Tensor, pos0: "int | torch.Tensor", window: int) -> b
     with no sliding window that could bite (``T <= window``): then the mask is plain causal and
     torch's fused attention (flash) takes it in one launch. The unfused form of ``_attend`` is
     ~10 launches a layer plus its mask, and a 512-token prefill of the all-attention shapes
-    (Qwen3-30B, Laguna) was host-bound on issuing them (64 ms of host time, 43 ms of GPU work).
+    (Qwen3-30B, Laguna) was host-bound on issuing them.
     Only where a fused kernel runs (Ampere or newer, head size a multiple of 8 up to 256): torch's
     fallback (the math kernel) would build the whole score matrix, which the prefill's memory plan
     does not count (the unfused form scores in pieces of ``ATTN_SCORES_MAX``)."""
@@ -342,9 +342,9 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
 def causal_sdpa_after(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal GQA attention of ``q [T, H, d]``, the last T positions, over ``k, v [H_kv, S, d]``
     (positions 0..S-1, S >= T; any row stride): a prefill call after a past. torch's fused
-    kernels take the lower-right causal mask in one launch; at the Qwen3.6 shape, 2048 queries
-    over 32k keys ran in 3.6 ms against 5.3 ms for ``kernels.attention.attend_prefill`` and 24 ms
-    for the unfused form (``bench/kernels_bench.py --only prefill-attention``). Only the fused
+    kernels take the lower-right causal mask in one launch, faster over a long past than
+    ``kernels.attention.attend_prefill`` and the unfused form (``bench/kernels_bench.py --only
+    prefill-attention``). Only the fused
     backends are allowed: the math fallback would hold the whole score matrix."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
@@ -433,18 +433,15 @@ def route_softmax(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tenso
 
 
 def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor | None, k: int, norm: bool,
-                  scale: float = 1.0, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Laguna router: experts chosen on sigmoid + correction bias, weighted by the unbiased
     sigmoids (renormalised), times the routed scaling factor. On a GPU one Triton launch
     (``kernels/router.py``) instead of about nine."""
-    if _router_kernel_takes(logits) and softcap == 0:
+    if _router_kernel_takes(logits):
         from .kernels.router import sigmoid_topk
 
         return sigmoid_topk(logits, bias, k, norm, scale)
-    logits = wide(logits)
-    if softcap > 0:
-        logits = torch.tanh(logits / softcap) * softcap
-    scores = torch.sigmoid(logits)
+    scores = torch.sigmoid(wide(logits))
     choose = scores if bias is None else scores + bias
     _, ids = torch.topk(choose, k, dim=-1)
     w = scores.gather(-1, ids)

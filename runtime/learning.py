@@ -10,7 +10,7 @@ saved profile, so it starts where the last run stopped.
 Where the counts come from: the store reads every call's routing counts anyway (one small copy
 after a call, or a host read per layer in async mode); it hands each to ``observe`` with the side
 the session set (prompt while a request's prompt runs, generated while decoding). ``observe``
-only adds them to a host array (4 us a step at 40 x 256 experts here); they reach the learner when the side changes
+only adds them to a host array (a few microseconds a step); they reach the learner when the side changes
 and after each request (``commit``), so learning adds no device sync and almost no host time
 per token. Everything here runs in the thread that runs the model (the server's engine thread,
 or the one-shot command's), never concurrently with a forward call.
@@ -41,8 +41,8 @@ log = logging.getLogger("sparkpack.learning")
 
 # Experts swapped per re-placement step. Each costs its bytes twice over PCIe (the promoted
 # expert in, the demoted one out to the host pool): ~3.6 MB for a Q4_K expert of the Qwen3.6
-# shape, ~70 us at the GPU machine's 52 GB/s, so a step of 64 is ~5 ms and a request that
-# arrives meanwhile waits at most that long.
+# shape, so a step of 64 is a few milliseconds of PCIe, the longest a request that arrives
+# meanwhile waits.
 SWAP_STEP = 64
 
 

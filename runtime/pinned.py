@@ -1,9 +1,9 @@
 """Pinned host memory of exactly the size asked for.
 
 Why: torch's pinned allocator (``pin_memory=True``) rounds every block up to a power of two and
-keeps freed blocks for reuse, so the 8.7 GiB of cold experts that ``--vram 14GiB`` leaves a
-Qwen3.6-35B-A3B model took 16 GiB of locked RAM (``repack calibrate --vram 14GiB`` peaked at
-19.0 GiB RSS on the GPU machine; PyTorch, vLLM and SGLang users report the same rounding).
+keeps freed blocks for reuse, so the cold experts that ``--vram 14GiB`` leaves a Qwen3.6-35B-A3B
+model took nearly twice their size in locked RAM (PyTorch, vLLM and SGLang users report the same
+rounding).
 Anonymous pages from ``mmap``, page-locked with ``cudaHostRegister``, are locked at their size
 and unlocked once the last tensor over them has gone (``release``). torch sees them as pinned (``is_pinned``:
 asynchronous copies), and, registered as mapped, the GPU addresses them at the same pointer, so
@@ -44,7 +44,7 @@ def pinned_empty(nbytes: int, pin: bool = True, tidy: bool = True) -> torch.Tens
         buf.close()
         return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
     # only noted here: the garbage collector may run this inside a CUDA graph capture, where
-    # cudaHostUnregister breaks the capture (it did, in test_calibrate on the GPU machine)
+    # cudaHostUnregister breaks the capture (it did, in test_calibrate on a GPU)
     done = weakref.finalize(array, _released.append, (ptr, buf))
     done.atexit = False  # at exit the process's pages go anyway (and CUDA may be gone first)
     return torch.from_numpy(array)

@@ -5,8 +5,8 @@ third of their bf16 size, in VRAM (room for experts under a ``--vram`` budget) a
 token reads. One token takes the GEMV kernel (``kernels/dense.py``) straight from the bytes; more
 tokens (prefill) expand a band of rows at a time into a transient scratch and use cuBLAS, since a
 prefill call reuses each weight for hundreds of tokens. The one-token product quantizes its input
-to int8 first when a band has an int8 kernel (``kernels/q8dot.py``, Q4_K/Q6_K and the low-bit types): 1.2-1.8x
-faster GEMVs on the H100 for all but the smallest groups.
+to int8 first when a band has an int8 kernel (``kernels/q8dot.py``, Q4_K/Q6_K and the low-bit types): faster
+GEMVs for all but the smallest groups.
 """
 from __future__ import annotations
 

@@ -229,8 +229,9 @@ class GGUFTokenizer:
     def decoder(self, skip_special: bool = False) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special)
 
-    def is_special(self, token_id: int) -> bool:
-        return int(token_id) in self._special
+    def pre_tokenize(self, text: str) -> list[str]:
+        """The pieces the pre-tokenizer (the GGUF's ``tokenizer.ggml.pre`` pattern) cuts ``text`` into."""
+        return [p for p, _ in self._tok.pre_tokenizer.pre_tokenize_str(text)]
 
     @property
     def control_ids(self) -> frozenset[int]:

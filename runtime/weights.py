@@ -8,6 +8,8 @@ becomes the ``[n_out, n_in]`` weight ``F.linear`` expects).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -75,6 +77,16 @@ class Weights:
         self.int8_activations = int8_activations
         self._cache: dict[str, torch.Tensor] = {}
         self._lin: dict[str, QuantLinear] = {}
+
+    @property
+    def expanded(self) -> Mapping[str, torch.Tensor]:
+        """The tensors held expanded to the compute dtype, by name (a stack's by its joined names)."""
+        return MappingProxyType(self._cache)
+
+    @property
+    def as_stored(self) -> Mapping[str, QuantLinear]:
+        """The matrices held as their GGUF bytes, by name (a stack's by its joined names)."""
+        return MappingProxyType(self._lin)
 
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors

@@ -63,3 +63,12 @@ def slow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     p = replace(get_preset("qwen3moe", "tiny"), n_layer=8, n_head=(4,) * 8, n_expert=32, n_ff_exp=256)
     return write_synthetic(tmp_path_factory.mktemp("slow") / "slow.gguf", "qwen3moe", p, "F16")
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys) -> Callable[..., tuple[int, str, str]]:
+    """``cli(*args) -> (exit code, stdout, stderr)``: ``repack ARGS`` in-process through its real
+    entry point (tests/commands.py)."""
+    from tests.commands import run_repack
+
+    return lambda *a: run_repack(monkeypatch, capsys, *a)

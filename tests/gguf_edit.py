@@ -18,11 +18,8 @@ PLAIN = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F1
 
 
 def field_types(model: GGUFModel, key: str) -> tuple[gguf.GGUFValueType, gguf.GGUFValueType | None]:
-    vtype, pos = model._index.fields[key]
-    sub = None
-    if vtype == gguf.GGUFValueType.ARRAY:
-        sub = gguf.GGUFValueType(struct.unpack_from("<I", model._data, pos)[0])
-    return gguf.GGUFValueType(vtype), sub
+    vtype, sub = model.value_type(key)
+    return gguf.GGUFValueType(vtype), None if sub is None else gguf.GGUFValueType(sub)
 
 
 def rewrite(src: Path, dst: Path, edits: dict[str, Any], add_tensors: dict[str, np.ndarray] | None = None) -> Path:

@@ -228,3 +228,25 @@ def load_tiny_hf(out_dir: Path):
 
     model = AutoModelForCausalLM.from_pretrained(Path(out_dir), dtype=torch.float32)
     return model.eval()
+
+
+def tokenizer_metadata(hf_dir, pre: str) -> dict:
+    """The GGUF tokenizer metadata of an HF tokenizer folder (vocabulary, merges, special ids),
+    with pre-tokenizer ``pre``: what ``GGUFTokenizer.from_metadata`` reads."""
+    import json
+
+    from sparkpack.repack.convert_hf.vocab import read_vocab
+
+    tokens, types = read_vocab(hf_dir, None)
+    tj = json.loads((hf_dir / "tokenizer.json").read_text())
+    merges = [" ".join(m) if isinstance(m, list) else m for m in tj["model"]["merges"]]
+    cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    md = {
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.eos_token_id": tokens.index(cfg["eos_token"]),
+    }
+    if cfg.get("bos_token"):
+        md["tokenizer.ggml.bos_token_id"] = tokens.index(cfg["bos_token"])
+        md["tokenizer.ggml.add_bos_token"] = True
+    return md

@@ -25,7 +25,7 @@ from sparkpack.runtime.cache import KVCache  # noqa: E402
 from sparkpack.runtime.kernels.attention import (  # noqa: E402
     attend_decode, attend_prefill, decode_split, qk_norm_rope_append)
 from sparkpack.runtime.layers import Rope, attention, rms_norm, rope_inv_freq, yarn_rope  # noqa: E402
-from tests.test_kernels import DEVICE, compile_in_subprocess, rel_l2  # noqa: E402
+from tests.kernel_refs import DEVICE, compile_in_subprocess, rel_l2  # noqa: E402
 
 EPS = 1e-6
 

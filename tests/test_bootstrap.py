@@ -20,11 +20,10 @@ from sparkpack.runtime.learning import LearnOptions, start_learning
 from sparkpack.runtime.models import StoreOptions, load_model
 from sparkpack.runtime.server.bootstrap import BootstrapReplay, bootstrap_sources, select
 from sparkpack.runtime.tokenizer import GGUFTokenizer
-from tests.test_calibrate import SHARED_CORPORA, invoke
+from tests.commands import calibrate_in_process
+from tests.paths import CLAUDE, CODEX, SHARED_CORPORA
 
 REPO = Path(__file__).resolve().parents[1]
-CLAUDE = REPO / "corpora" / "claude_code"
-CODEX = REPO / "corpora" / "codex"
 EVERYTHING = 10**9  # a token budget that selects every conversation
 
 
@@ -88,6 +87,7 @@ def replay(model: Path, tmp_path: Path, files: list[Path], half_life: float, bud
     return learning, run
 
 
+@pytest.mark.slow
 def test_bootstrap_learns_what_calibrate_counts(home, model, tmp_path):
     """With decay out of the picture (an enormous half-life) the learner holds the counts
     `repack calibrate` gets from the same session files: the same tokens of each side and the
@@ -102,7 +102,7 @@ def test_bootstrap_learns_what_calibrate_counts(home, model, tmp_path):
     logs.mkdir()
     for p in find_agent_logs(home).all:
         shutil.copy(p, logs / p.name)
-    invoke(model, "--corpus", logs, "-o", tmp_path / "p.json")
+    calibrate_in_process(model, "--corpus", logs, "-o", tmp_path / "p.json")
     ref = json.loads((tmp_path / "p.json").read_text())
     assert ref["tokens"]["generated"] > 0  # the sessions' assistant turns count as generated
     for side in ("prompt", "generated"):

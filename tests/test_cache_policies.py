@@ -12,7 +12,7 @@ from sparkpack.calibrate.evaluate import cold_rate, cold_rate_lru
 from sparkpack.calibrate.trace import read_trace
 from sparkpack.formats.cache_policy import ADMIT_MIN
 
-from tests.test_calibrate import invoke
+from tests.commands import calibrate_in_process
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,7 +74,7 @@ def test_policies_on_a_recorded_trace(synth_model, tmp_path):
     """A trace recorded by `repack calibrate --trace` on the bundled corpus: every policy's
     slots only ever help, and frequency-aware admission copies fewer experts than LRU."""
     model = synth_model("qwen3moe", skew="reference")
-    invoke(model, "--corpus", REPO / "corpora", "-o", tmp_path / "p.json", "--trace", tmp_path / "t.trace",
+    calibrate_in_process(model, "--corpus", REPO / "corpora", "-o", tmp_path / "p.json", "--trace", tmp_path / "t.trace",
            "--max-tokens", "3000")
     tr = read_trace(tmp_path / "t.trace")
     hot = np.zeros((len(tr.moe_layers), tr.n_expert), bool)

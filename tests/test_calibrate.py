@@ -22,10 +22,10 @@ from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.repack.calibrate_cmd import calibrate_cmd
 from sparkpack.runtime.calibration import open_router
 from sparkpack.runtime.options import run_options
+from tests.commands import calibrate_in_process
+from tests.paths import SHARED_CORPORA
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_CORPORA = REPO / ".." / "shared" / "corpora"
-
 CHAT = Conversation(messages=[
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "What is the capital of France?"},
@@ -62,13 +62,6 @@ def renderer_of(path: Path):
 
     router = open_router(run_options(path, device="cpu", ctx=512, prefill_chunk=512, no_learn=True))
     return ChatRenderer(router.tokenizer, router.render_chat)
-
-
-def invoke(*args: str) -> str:
-    """In-process run (fast: torch is already imported); fails the test on any error."""
-    res = CliRunner().invoke(calibrate_cmd, [*map(str, args), "--quiet"], catch_exceptions=False)
-    assert res.exit_code == 0, res.output
-    return res.stdout  # (on a GPU, stderr also says where the experts sit and how long the warm-up took)
 
 
 # --- rendering --------------------------------------------------------------------------------
@@ -119,7 +112,7 @@ def test_counts_equal_transformers_router_choices(tiny_hf_gguf, tmp_path):
     corpus.write_text(json.dumps({"messages": CHAT.messages}) + "\n"
                       + json.dumps({"prompt": "def main():\n    print('hello world')"}) + "\n")
     out = tmp_path / "p.json"
-    invoke(path, "--corpus", corpus, "-o", out, "--prefill-chunk", "7", "--ctx", "512")
+    calibrate_in_process(path, "--corpus", corpus, "-o", out, "--prefill-chunk", "7", "--ctx", "512")
     prof = json.loads(out.read_text())
 
     hf = load_tiny_hf(hf_dir)
@@ -153,14 +146,14 @@ def test_resume_gives_the_uninterrupted_profile_and_trace(synth_model, tmp_path)
     texts = ["alpha beta", "gamma delta epsilon", "alpha beta", "zeta eta theta iota", "kappa", "lambda mu nu"]
     corpus = write_prompts(tmp_path / "c.jsonl", texts)  # "alpha beta" twice: skipped only once on resume
     whole, part = tmp_path / "whole.json", tmp_path / "part.json"
-    out = invoke(model, "--corpus", corpus, "-o", whole, "--trace", tmp_path / "whole.trace", "--ctx", "9",
+    out = calibrate_in_process(model, "--corpus", corpus, "-o", whole, "--trace", tmp_path / "whole.trace", "--ctx", "9",
                  "--prefill-chunk", "4")
     assert "split into windows" in out  # the chats are longer than 9 tokens
 
     common = ["--corpus", corpus, "-o", part, "--trace", tmp_path / "part.trace", "--ctx", "9", "--prefill-chunk", "4"]
-    invoke(model, *common, "--stop-after", "3")
+    calibrate_in_process(model, *common, "--stop-after", "3")
     assert not part.exists() and (tmp_path / "part.json.checkpoint.json").exists()
-    invoke(model, *common, "--resume")
+    calibrate_in_process(model, *common, "--resume")
     assert not (tmp_path / "part.json.checkpoint.json").exists()
     a, b = json.loads(whole.read_text()), json.loads(part.read_text())
     assert a["counts"] == b["counts"] and a["tokens"] == b["tokens"]
@@ -211,9 +204,9 @@ def test_merge_applies_decay(synth_model, tmp_path):
     model = synth_model("qwen3moe", skew="reference")
     corpus = write_prompts(tmp_path / "c.jsonl", ["one two three", "four five"])
     out, once = tmp_path / "p.json", tmp_path / "once.json"
-    invoke(model, "--corpus", corpus, "-o", once)
-    invoke(model, "--corpus", corpus, "-o", out)
-    invoke(model, "--corpus", corpus, "-o", out, "--merge", "--decay", "0.25")
+    calibrate_in_process(model, "--corpus", corpus, "-o", once)
+    calibrate_in_process(model, "--corpus", corpus, "-o", out)
+    calibrate_in_process(model, "--corpus", corpus, "-o", out, "--merge", "--decay", "0.25")
     single, merged = json.loads(once.read_text()), json.loads(out.read_text())
     for side in ("prompt", "generated"):
         assert np.allclose(np.array(merged["counts"][side]), 1.25 * np.array(single["counts"][side]))
@@ -272,13 +265,13 @@ def test_calibrated_placement_misses_less_than_uniform(synth_model, tmp_path):
     """Calibrate on the project's sample corpus, evaluate on other prompts (the held-out traffic)."""
     model = synth_model("qwen3moe", skew="reference")
     prof = tmp_path / "p.json"
-    invoke(model, "--corpus", REPO / "corpora" / "openai_chat.jsonl", "-o", prof)
+    calibrate_in_process(model, "--corpus", REPO / "corpora" / "openai_chat.jsonl", "-o", prof)
     held = write_prompts(tmp_path / "held.jsonl", [
         "Summarise the design of a key-value store with a write-ahead log.",
         "for i in range(10):\n    print(i * i)  # squares",
         "Translate to French: the weather is nice today and the dog sleeps.",
     ])
-    out = invoke(model, "--eval", held, "--profile", prof, "--cache-slots", "2", "--json")
+    out = calibrate_in_process(model, "--eval", held, "--profile", prof, "--cache-slots", "2", "--json")
     rows = {r["fraction"]: r for r in json.loads(out)["rows"]}
     r60 = rows[0.6]
     assert r60["profile"] < 0.5 * r60["uniform"]
@@ -286,7 +279,7 @@ def test_calibrated_placement_misses_less_than_uniform(synth_model, tmp_path):
     assert [rows[f]["profile"] for f in (0.2, 0.4, 0.6, 0.8)] == sorted(
         (rows[f]["profile"] for f in (0.2, 0.4, 0.6, 0.8)), reverse=True)
 
-    table = invoke(model, "--eval", held, "--profile", prof)
+    table = calibrate_in_process(model, "--eval", held, "--profile", prof)
     assert "60%" in table and "uniform" in table and "37.5%" in table  # 10 of 16 experts hot
 
 
@@ -294,7 +287,7 @@ def test_calibrates_on_the_real_shared_corpora(synth_model, tmp_path):
     if not SHARED_CORPORA.is_dir():
         pytest.skip(f"real-data folder {SHARED_CORPORA} is absent")
     model = synth_model("qwen3moe", skew="reference")
-    out = invoke(model, "--corpus", SHARED_CORPORA, "-o", tmp_path / "p.json", "--max-tokens", "600")
+    out = calibrate_in_process(model, "--corpus", SHARED_CORPORA, "-o", tmp_path / "p.json", "--max-tokens", "600")
     prof = json.loads((tmp_path / "p.json").read_text())
     assert sum(prof["tokens"].values()) == 600 and "stopped at --max-tokens" in out
 
@@ -405,7 +398,7 @@ def test_not_a_moe_model(tmp_path):
 def test_profile_of_another_model_is_refused(synth_model, tmp_path):
     model = synth_model("qwen3moe", skew="reference")
     prof = tmp_path / "p.json"
-    invoke(model, "--corpus", write_prompts(tmp_path / "c.jsonl", ["hello"]), "-o", prof)
+    calibrate_in_process(model, "--corpus", write_prompts(tmp_path / "c.jsonl", ["hello"]), "-o", prof)
     d = json.loads(prof.read_text())
     d["identity"]["header_hash"] = "sha256:" + "0" * 64
     prof.write_text(json.dumps(d))
@@ -418,7 +411,7 @@ def test_profile_of_another_model_is_refused(synth_model, tmp_path):
 def test_malformed_trace(synth_model, tmp_path):
     model = synth_model("qwen3moe", skew="reference")
     prof = tmp_path / "p.json"
-    invoke(model, "--corpus", write_prompts(tmp_path / "c.jsonl", ["hello"]), "-o", prof, "--trace",
+    calibrate_in_process(model, "--corpus", write_prompts(tmp_path / "c.jsonl", ["hello"]), "-o", prof, "--trace",
            tmp_path / "t.trace")
     data = (tmp_path / "t.trace").read_bytes()
     (tmp_path / "cut.trace").write_bytes(data[:-3])

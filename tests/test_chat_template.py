@@ -189,11 +189,11 @@ def test_special_tokens_come_from_the_gguf_tokenizer(tmp_path):
     from transformers import AutoTokenizer
 
     from sparkpack.runtime.tokenizer import GGUFTokenizer
-    from tests.test_tokenizer import _metadata
+    from tests.hf_tiny import tokenizer_metadata
 
     build_tokenizer("laguna", tmp_path)
     hf = AutoTokenizer.from_pretrained(tmp_path)
-    tok = GGUFTokenizer.from_metadata(_metadata(tmp_path, "laguna"))
+    tok = GGUFTokenizer.from_metadata(tokenizer_metadata(tmp_path, "laguna"))
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     ref = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert ref.startswith("<|endoftext|>")

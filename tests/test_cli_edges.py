@@ -49,6 +49,7 @@ def test_compress_says_what_it_did(synth_model, tmp_path, quant, said):
     assert ("zstd saved nothing" in inspect) == (said == "zstd saved nothing")
 
 
+@pytest.mark.slow
 def test_inspect_describes_a_profile(synth_model, tmp_path):
     from click.testing import CliRunner
 

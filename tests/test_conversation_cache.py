@@ -83,10 +83,11 @@ def system(seed: int, n: int) -> list[int]:
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.slow
 def test_conversations_taking_turns_resume_from_their_own_states(synth_model, arch, device, tmp_path, monkeypatch):
     """On the CPU, and on the GPU (side-stream copies, pinned host memory, captured calls; the
     GPU machine runs it with CUDA, it skips without)."""
-    from tests.test_prefix_reuse import open_model
+    from tests.devices import open_model
 
     model = open_model(synth_model(arch, "Q4_K_M" if device == "cuda" else "Q8_0"), device)
     copied: list[int] = []

@@ -5,7 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow
 def test_demo_runs_the_whole_pipeline(tmp_path: Path) -> None:
     work = tmp_path / "demo"
     r = subprocess.run([sys.executable, "-m", "sparkpack.repack.cli", "demo", "--workdir", str(work)],

@@ -13,22 +13,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from gguf.constants import GGMLQuantizationType as T  # noqa: E402
 
 from sparkpack.runtime.kernels.dense import dequantize_into, gemv  # noqa: E402
-from tests.test_kernels import DEVICE, dequant64, random_weight, rel_l2  # noqa: E402
-
-
-def segment(qtype: T, rows: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(raw uint8 rows on the device, float64 reference weights) for one segment."""
-    if qtype in (T.F32, T.F16, T.BF16):
-        dt = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}[qtype]
-        w = torch.randn(rows, K, generator=torch.Generator().manual_seed(seed)).to(dt)
-        return w.view(torch.uint8).reshape(rows, -1).to(DEVICE), w.double()
-    raw = random_weight(qtype, rows, K, seed)
-    return torch.from_numpy(raw).to(DEVICE), dequant64(raw, qtype, K)
+from tests.kernel_refs import DEVICE, rel_l2, segment  # noqa: E402
 
 
 @pytest.mark.parametrize("tile", [None, (2, 1)], ids=["default", "2rows"])

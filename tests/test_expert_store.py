@@ -157,6 +157,7 @@ INTERPRETER_MIXES = ("IQ2_M", "IQ1_M", "Q3_K_M", "Q5_1")
 
 
 @pytest.mark.parametrize("mix", LOW_BIT_MIXES)
+@pytest.mark.slow
 def test_low_bit_files_run_on_the_kernels_at_any_residency(synth_model, mix, monkeypatch):
     """A file of each low-bit mix (llama.cpp's per-tensor types, tiny qwen35moe shapes) decodes
     with every expert read as stored by the Triton kernels on int8 activations (the runtime's
@@ -351,7 +352,7 @@ def test_vram_budget_sizes_the_hot_set(model_path):
     # The plan counts what is really allocated: the expert pool, and the dense weights (loaded
     # with the model, so a budget fails at load rather than mid-reply).
     assert r.hot_bytes + r.cache_bytes == mid.experts.pool.numel()
-    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in mid.w._cache.values()}
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in mid.w.expanded.values()}
     assert r.dense_bytes == sum(held.values())  # stacked projections: parts are views, counted once
 
 
@@ -370,9 +371,9 @@ def test_vram_plan_counts_dense_matrices_held_as_gguf_bytes(model_path):
         w.stacked(group)
     names = expert_tensor_names(model.spec)
     w.preload(n for n in model.gguf.tensors if n not in names)
-    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in w._cache.values()}
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in w.expanded.values()}
     held.update({raw.untyped_storage().data_ptr(): raw.untyped_storage().nbytes()
-                 for q in w._lin.values() for raw, _ in q.segments})
+                 for q in w.as_stored.values() for raw, _ in q.segments})
 
     def dense(quantized: bool) -> int:
         return plan_residency(model.spec, model.gguf.tensors, Budget(vram=10**12),

@@ -91,6 +91,7 @@ int main(int argc, char ** argv) {
 """
 
 
+@pytest.mark.slow
 def test_std_regex_agrees(deep, tmp_path):
     cxx = shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
@@ -167,6 +168,7 @@ def export(*args: object) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
+@pytest.mark.slow
 def test_cli_prints_paste_ready_arguments_and_rates(synth_model, tmp_path):
     model = tmp_path / "tiny.gguf"
     model.write_bytes(synth_model("qwen3moe", skew="reference").read_bytes())

@@ -350,7 +350,7 @@ def test_projections_use_the_stacks_built_at_load(arch, tiny_hf_gguf):
 
     model = load(tiny_hf_gguf(arch)[1], store=StoreOptions(hot_fraction=1.0))
     def held_stacks():  # expanded (CPU) or as GGUF bytes (GPU)
-        return {k for k in (*model.w._cache, *model.w._lin) if "+" in k}
+        return {k for k in (*model.w.expanded, *model.w.as_stored) if "+" in k}
 
     stacks = held_stacks()
     assert stacks == {"+".join(g) for g in model.stack_groups()} and stacks
@@ -416,9 +416,9 @@ def test_dense_matrices_held_as_gguf_bytes_give_the_expanded_forward(arch, synth
             assert 1e-6 < err < 3e-2, err  # rounded, and by no more than the activations' rounding
         else:
             assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
-    held = quant.w._lin
+    held = quant.w.as_stored
     assert held and all(isinstance(m, QuantLinear) for m in held.values())
-    assert not any(n in quant.w._cache for n in held), "a matrix held expanded as well as quantized"
+    assert not any(n in quant.w.expanded for n in held), "a matrix held expanded as well as quantized"
     assert "token_embd.weight" in held and any(k.count("+") for k in held)
 
 
@@ -441,7 +441,7 @@ def test_low_bit_dense_matrices_held_as_gguf_bytes(mix, synth_model):
     for chunk in (ids[:3], ids[3:4], ids[4:5]):
         want, got = (m.forward(chunk, c) for m, c in zip((ref, quant), caches))
         assert row_rel_err(got, want) < 1e-4, mix
-    held = {quant.gguf.tensor(n.split("+")[0]).qtype for n in quant.w._lin}
+    held = {quant.gguf.tensor(n.split("+")[0]).qtype for n in quant.w.as_stored}
     assert held and all(kernels_read(q) for q in held)
 
 

@@ -19,7 +19,7 @@ from sparkpack.runtime.kernels import q8dot  # noqa: E402
 from sparkpack.runtime.kernels.ffn import ffn_residual_rows, silu_mul_rows  # noqa: E402
 from sparkpack.runtime.kernels.norm import rms_norm_rows  # noqa: E402
 from sparkpack.runtime.layers import ffn_residual, rms_norm  # noqa: E402
-from tests.test_kernels import DEVICE  # noqa: E402
+from tests.devices import DEVICE  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from sparkpack.runtime import cli
 from sparkpack.runtime.generate import Session, generate, shared_len
 from sparkpack.runtime.models import SessionOptions, StoreOptions, load_model
+from tests.commands import run_cli
 
 
 @pytest.fixture(scope="module")
@@ -21,23 +21,6 @@ def qwen(tiny_hf_gguf) -> Path:
 @pytest.fixture(scope="module")
 def qwen35(tiny_hf_gguf) -> Path:
     return tiny_hf_gguf("qwen35moe")[1]
-
-
-def run_cli(args: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
-    """Run spark-run in-process through its real entry point (cli_entry, one-line errors).
-
-    On the CPU unless the test names a device: the references here are the CPU float32 model,
-    also when the suite runs on the GPU machine (the GPU run has its own test below)."""
-    if "--device" not in args:
-        args = [*args, "--device", "cpu"]
-    monkeypatch.setattr(sys, "argv", ["spark-run", *args])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 class ScriptedSampler:

@@ -145,9 +145,9 @@ def real_vocab(tmp_path, name: str) -> GGUFTokenizer:
     without the alignment padding before their (empty) tensor data, which is added here."""
     import tarfile
 
-    from tests.test_server_messages import SDIST_HINT, _sdist_candidates
+    from tests.paths import SDIST_HINT, sdist_candidates
 
-    for source in _sdist_candidates():
+    for source in sdist_candidates():
         found = next(source.rglob(f"models/{name}"), None) if source.is_dir() else None
         data = found.read_bytes() if found is not None else None
         if source.is_file():

@@ -20,38 +20,12 @@ if not torch.cuda.is_available():
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402
-from gguf.quants import dequantize  # noqa: E402
 
 from sparkpack.formats.quants import KERNEL_QTYPES  # noqa: E402
-from sparkpack.repack.synth.quant_blocks import make_rng, random_blocks  # noqa: E402
 from sparkpack.runtime.kernels.blocks import BLOCK_LAYOUT  # noqa: E402
 from sparkpack.runtime.kernels.dense import gemv  # noqa: E402
 from sparkpack.runtime.kernels.moe import GROUPED_MIN_PAIRS, ExpertPools, MoELaunch, group_pairs, moe_experts  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def random_weight(qtype: T, rows: int, K: int, seed: int, *lead: int) -> np.ndarray:
-    """uint8 ``[*lead, rows, row_bytes]`` of random valid blocks, every scale pattern occurring."""
-    n_rows = int(np.prod(lead, dtype=np.int64)) * rows
-    raw = random_blocks(qtype, n_rows * K // BLOCK_LAYOUT[int(qtype)][0], 0.02, make_rng(seed), any_scales=True)
-    return raw.reshape(*lead, rows, -1)
-
-
-def dequant64(raw: np.ndarray, qtype: T, K: int) -> torch.Tensor:
-    """The reference weights: gguf's numpy dequantizer, as float64 ``[..., rows, K]``."""
-    w = dequantize(raw.reshape(-1, raw.shape[-1]), qtype).reshape(*raw.shape[:-1], K)
-    return torch.from_numpy(w.astype(np.float64))
-
-
-def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
-    got = got.double().cpu()
-    assert torch.isfinite(got).all(), "non-finite output (poisoned entry left unwritten?)"
-    return float((got - ref).norm() / ref.norm())
-
-
-QTYPES = [T(q) for q in KERNEL_QTYPES]  # the registry's: a type added there is tested here
-
+from tests.kernel_refs import DEVICE, QTYPES, compile_in_subprocess, dequant64, pools, random_weight, rel_l2  # noqa: E402
 
 def test_block_table_is_ggufs() -> None:
     """The kernels' types and block sizes are gguf's (one table, ``formats.quants``)."""
@@ -160,16 +134,6 @@ def moe_reference(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, gate: t
             g, u = gate[e] @ x[t], up[e] @ x[t]
             y[t] += float(wts[t, j]) * (down[e] @ (torch.nn.functional.silu(g) * u))
     return y
-
-
-def pools(experts: np.ndarray, slot_of: list[int], n_slots: int) -> torch.Tensor:
-    """Place expert e's bytes at slot ``slot_of[e]`` of a garbage-filled pool (unused slots must
-    never be read)."""
-    pool = np.full((n_slots, *experts.shape[1:]), 0xFF, dtype=np.uint8)
-    for e, s in enumerate(slot_of):
-        if s >= 0:
-            pool[s] = experts[e]
-    return torch.from_numpy(pool).to(DEVICE)
 
 
 @pytest.fixture(scope="module")
@@ -765,24 +729,6 @@ def aot_compile_all(arch: int = 90) -> None:
         kernel = triton.compile(ASTSource(fn, _signature(fn, ptrs), {"PDL": True, **consts}), target=target)
         assert kernel.asm["cubin"], (fn.__name__, consts)
     print("compiled", len(jobs))
-
-
-def compile_in_subprocess(call: str, count: int) -> None:
-    """Run ``call`` (a ``from tests... import f; f()`` line that prints "compiled N") with Triton's
-    compiler rather than its interpreter, in a fresh process (Triton fixes the mode at import)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import triton
-
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this triton install has no CUDA backend (ptxas)")
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "0",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-c", call], cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and f"compiled {count}" in proc.stdout, proc.stderr[-3000:]
 
 
 def test_kernel_conditions_fold_on_every_triton() -> None:

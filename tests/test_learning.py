@@ -24,7 +24,7 @@ from sparkpack.runtime.calibration import RoutingTap
 from sparkpack.runtime.generate import Session, generate
 from sparkpack.runtime.learning import LearnOptions, start_learning
 from sparkpack.runtime.models import StoreOptions, load_model
-from tests.test_generate import run_cli
+from tests.commands import run_cli
 
 DEVICE = os.environ.get("SPARKPACK_TEST_DEVICE", "cpu")
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32

@@ -20,8 +20,10 @@ import pytest
 from sparkpack.calibrate.trace import read_trace
 from sparkpack.formats.profile import Profile
 from tests.serve_proc import ServerProcess
-from tests.test_bootstrap import CLAUDE, CODEX
-from tests.test_calibrate import SHARED_CORPORA, invoke
+from tests.commands import calibrate_in_process
+from tests.paths import CLAUDE, CODEX, SHARED_CORPORA
+
+pytestmark = pytest.mark.slow  # every test starts real servers (spark-run --serve processes)
 
 STORE = ["--hot-fraction", "0.5", "--cache-slots", "2"]
 
@@ -128,7 +130,7 @@ def test_trace_metrics_and_restart(model, tmp_path, home):
         for j, il in enumerate(tr.moe_layers):
             counts[il] = np.bincount(np.asarray(tr.ids[mask, j]).ravel(), minlength=tr.n_expert)
         assert np.allclose(counts, prof.counts[side]), side
-    out = invoke(model, "--eval", trace, "--profile", tmp_path / "m.profile.json")
+    out = calibrate_in_process(model, "--eval", trace, "--profile", tmp_path / "m.profile.json")
     assert "uniform" in out and "profile" in out
 
     again = ServerProcess(model, *STORE, "--half-life", "1e15")

@@ -31,8 +31,7 @@ from sparkpack.repack.synth import write_synthetic
 from sparkpack.repack.synth.presets import get_preset
 from sparkpack.runtime.models import StoreOptions, load_model
 from tests.gguf_edit import rewrite
-from tests.test_server_messages import _sdist_candidates
-from tests.test_sparkpack import cli  # noqa: F401  (fixture)
+from tests.paths import sdist_candidates
 
 TINY = get_preset("qwen35moe", "tiny")
 HEAD = TINY.n_layer  # the head's block comes after the trunk's
@@ -59,7 +58,7 @@ def llama_cpp_sources() -> dict[str, str]:
     """gguf-py's constants and the qwen35moe model file of llama.cpp's source package (the one the
     chat-template tests read), at test time."""
     want = ("gguf-py/gguf/constants.py", "src/models/qwen35moe.cpp")
-    for source in _sdist_candidates():
+    for source in sdist_candidates():
         got: dict[str, str] = {}
         if source.is_dir():
             for suffix in want:
@@ -149,7 +148,7 @@ def test_head_without_its_tensors_is_one_error(mtp_file, tmp_path) -> None:
 # --- inspect, split/join, the plan, loading ----------------------------------------------------
 
 
-def test_inspect_shows_the_head(mtp_file, cli) -> None:  # noqa: F811
+def test_inspect_shows_the_head(mtp_file, cli) -> None:
     code, out, _ = cli("inspect", mtp_file())
     assert code == 0 and "MTP head" in out and f"blk.{HEAD}" in out
     code, plain, _ = cli("inspect", mtp_file(mtp=False))
@@ -212,7 +211,7 @@ def test_vram_plan_counts_the_head_only_when_loaded(mtp_file) -> None:
 
 
 def _loaded(model) -> set[str]:
-    return {n for key in [*model.w._cache, *model.w._lin] for n in key.split("+")}
+    return {n for key in [*model.w.expanded, *model.w.as_stored] for n in key.split("+")}
 
 
 def test_runs_load_the_head_only_when_asked(mtp_file) -> None:

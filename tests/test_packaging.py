@@ -1,6 +1,7 @@
 """The install puts one name on the path, ``sparkpack``, and the package list covers every folder."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tomllib
@@ -105,6 +106,26 @@ def test_the_cache_policy_has_one_home():
             if isinstance(node, ast.ClassDef):
                 bases = {getattr(b, "id", getattr(b, "attr", "")) for b in node.bases}
                 assert "SlotPolicy" not in bases, f"{path.relative_to(REPO)}: policy {node.name} outside formats"
+# Boundaries inside a stage: (folder, what its modules may not import). The kernels know no server;
+# a tool-call syntax's parser reads the shared streaming machinery through ``CallStream`` only.
+INSIDE = [
+    ("runtime/kernels", "sparkpack.runtime.kernels", ("sparkpack.runtime.server",)),
+    ("runtime/server/tool_parsers", "sparkpack.runtime.server.tool_parsers",
+     ("sparkpack.runtime.server.", "torch", "triton")),
+]
+
+
+def test_boundaries_inside_the_runtime():
+    wrong = []
+    for folder, package, forbidden in INSIDE:
+        for path in sorted((REPO / folder).glob("*.py")):
+            module = package if path.name == "__init__.py" else f"{package}.{path.stem}"
+            for line, target in _imports(path, module):
+                if target.startswith(package):
+                    continue
+                if any(target == f.rstrip(".") or target.startswith(f.rstrip(".") + ".") for f in forbidden):
+                    wrong.append(f"{path.relative_to(REPO)}:{line} imports {target}")
+    assert not wrong, "\n".join(wrong)
 
 
 def test_the_import_check_sees_what_it_checks(tmp_path):
@@ -127,3 +148,25 @@ def test_repack_commands_table_loads_each_command():
     for name in COMMANDS:
         cmd = cli.get_command(ctx, name)
         assert isinstance(cmd, click.Command) and cmd.name == name
+
+
+# Figures belong in BENCHMARKS.md: product code keeps the reason for a choice, not the machine it
+# was timed on or the speed it reached there.
+MACHINE_OR_FIGURE = re.compile(r"\b[HA]100\b|\bH200\b|GPU machine|development (?:machine|VM)|[Mm]easured on\b"
+                               r"|\d ?(?:tok/s|GB/s|MB/s)\b")
+
+
+def test_product_code_cites_no_machine_or_measurement():
+    hits = []
+    for folder in ("formats", "calibrate", "repack", "runtime"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if MACHINE_OR_FIGURE.search(line):
+                    hits.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
+    assert not hits, "\n".join(hits)
+
+
+def test_the_figure_check_sees_figures():
+    for line in ("# on the H100 it ran at 40 us", "ran at 12 tok/s", "13 GB/s here", "measured on the GPU machine"):
+        assert MACHINE_OR_FIGURE.search(line), line
+    assert not MACHINE_OR_FIGURE.search('parts.append(f"decode {n} tok at {rate:.1f} tok/s")')

@@ -9,7 +9,8 @@ import torch
 from sparkpack.formats.memory import recurrent_state_bytes
 from sparkpack.runtime.cache import Cache, RecurrentState, StateCheckpoints
 from sparkpack.runtime.generate import Session, call_end, generate
-from sparkpack.runtime.models import StoreOptions, load_model
+from sparkpack.runtime.models import load_model
+from tests.devices import open_model
 
 CALL = 16  # prefill tokens per call: reuse happens at multiples of it
 ARCHS = ["qwen3moe", "laguna", "qwen35moe"]
@@ -28,15 +29,6 @@ def _one_thread():
 def ids_of(seed: int, n: int, vocab: int = 1700) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(10, vocab, (n,), generator=g).tolist()
-
-
-def open_model(path, device: str):
-    if device == "cpu":
-        return load_model(path)
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    return load_model(path, device="cuda", dtype=torch.bfloat16,
-                      store=StoreOptions(hot_fraction=0.5, cache_slots=4, miss_mode="zerocopy"))
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -291,17 +283,17 @@ def test_warm_up_allocates_every_checkpoint_buffer_and_the_copies_stay_exact(syn
     fresh = Cache([RecurrentState()])
     cp = StateCheckpoints(limit=2)
     cp.reserve(fresh)  # no state yet: nothing to size buffers by
-    assert not cp._spare
+    assert not cp.spare
     started = Cache([RecurrentState(torch.zeros(2, 3), torch.zeros(1, 2, 2))])
     off = StateCheckpoints(limit=0)  # checkpoints off (calibration's sessions): nothing is allocated
     off.reserve(started)
-    assert not off._spare
+    assert not off.spare
     cp.reserve(started)
-    assert len(cp._spare) == 3
+    assert len(cp.spare) == 3
     session = Session(model, prefill_chunk=8, ctx=256, checkpoints=4)
     session.warm_up()
-    buffers = {id(t) for copy in session.checkpoints._spare for pair in copy if pair is not None for t in pair}
-    assert len(session.checkpoints._spare) == 5 and not session.checkpoints.saved
+    buffers = {id(t) for copy in session.checkpoints.spare for pair in copy if pair is not None for t in pair}
+    assert len(session.checkpoints.spare) == 5 and not session.checkpoints.saved
     ids = ids_of(7, 90)
     session.prompt(ids)
     used = {id(t) for copy in session.checkpoints.saved.values() for pair in copy if pair is not None for t in pair}

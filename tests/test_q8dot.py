@@ -21,8 +21,7 @@ from gguf.constants import GGMLQuantizationType as T  # noqa: E402
 from sparkpack.runtime.kernels.dense import gemv  # noqa: E402
 from sparkpack.runtime.kernels.moe import ExpertPools, MoELaunch, moe_experts  # noqa: E402
 from sparkpack.runtime.kernels.q8dot import LOW_BIT_Q8, quantize  # noqa: E402
-from tests.test_dense_kernels import segment  # noqa: E402
-from tests.test_kernels import DEVICE, dequant64, pools, random_weight, rel_l2  # noqa: E402
+from tests.kernel_refs import DEVICE, dequant64, pools, random_weight, rel_l2, segment  # noqa: E402
 
 
 def dequantized(xq: torch.Tensor, xd: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from sparkpack.formats.placement import cold_hit_rates
 from sparkpack.formats.profile import Profile
 from sparkpack.formats.sparkpack import Pack
 from sparkpack.repack.cli import cli
-from tests.test_calibrate import invoke
+from tests.commands import calibrate_in_process
 
 REPO = Path(__file__).resolve().parents[1]
 FIGURES = ("heatmap of expert use per layer", "coverage curve", "skew per layer and side", "hit rate over the trace")
@@ -36,13 +36,13 @@ def learned(synth_model, tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("report")
     model = root / "tiny.gguf"
     model.write_bytes(synth_model("qwen35moe", skew="reference").read_bytes())
-    invoke(model, "--corpus", REPO / "corpora", "--max-tokens", "3000")  # README.md, then chats
+    calibrate_in_process(model, "--corpus", REPO / "corpora", "--max-tokens", "3000")  # README.md, then chats
     held = root / "held.jsonl"
     held.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in [
         "Write a Python function that parses ISO dates and explain the edge cases.",
         "Why does my Rust borrow checker complain about a mutable reference in a loop?",
     ]))
-    invoke(model, "--corpus", held, "-o", root / "held.profile.json", "--trace", root / "held.trace")
+    calibrate_in_process(model, "--corpus", held, "-o", root / "held.profile.json", "--trace", root / "held.trace")
     return model, root / "held.trace"
 
 

@@ -66,7 +66,7 @@ def test_repetition_penalty_changes_argmax():
     assert Sampler().sample(x) == 0
     s = Sampler(repetition_penalty=1.5)
     assert s.sample(x, [0]) == 1  # 3.0 / 1.5 = 2.0 < 2.5
-    pen = s._penalise(x.unsqueeze(0), [2, 2, 0])[0]
+    pen = Sampler(repetition_penalty=1.5, temperature=1.0).filtered_logits(x.unsqueeze(0), [2, 2, 0])[0]
     assert pen.tolist() == [2.0, 2.5, -1.5, -0.5]  # negative logits are multiplied
     assert Sampler(repetition_penalty=1.5).sample(x, torch.tensor([0])) == 1
 
@@ -87,13 +87,14 @@ def test_presence_and_frequency_penalties_count_generated_tokens_only():
     counts are over the tokens after the prompt (the first ``prompt_len`` of the history)."""
     x = torch.tensor([3.0, 2.5, 1.0, -0.5])
     s = Sampler(presence_penalty=0.5, frequency_penalty=0.25, prompt_len=2)
-    pen = s._penalise(x.unsqueeze(0), [0, 1, 2, 2, 0])[0]  # prompt 0, 1; generated 2, 2, 0
+    pen = Sampler(presence_penalty=0.5, frequency_penalty=0.25, prompt_len=2,
+                  temperature=1.0).filtered_logits(x.unsqueeze(0), [0, 1, 2, 2, 0])[0]  # prompt 0, 1; generated 2, 2, 0
     assert pen.tolist() == [3.0 - 0.25 - 0.5, 2.5, 1.0 - 0.5 - 0.5, -0.5]
     assert s.sample(x, [0, 1]) == 0 and Sampler(presence_penalty=2.0).sample(x, [0]) == 1
     assert Sampler(frequency_penalty=-1.0).sample(x, [3, 3, 3, 3]) == 3  # negative values encourage
     assert not s.history_free and Sampler(temperature=1.0).history_free
-    both = Sampler(repetition_penalty=2.0, presence_penalty=1.0)  # repetition first, then presence
-    assert both._penalise(x.unsqueeze(0), [0])[0].tolist() == [0.5, 2.5, 1.0, -0.5]
+    both = Sampler(repetition_penalty=2.0, presence_penalty=1.0, temperature=1.0)  # repetition first, then presence
+    assert both.filtered_logits(x.unsqueeze(0), [0])[0].tolist() == [0.5, 2.5, 1.0, -0.5]
 
 
 def test_seeded_draws_depend_on_the_seed_only():

@@ -9,7 +9,7 @@ import pytest
 
 from sparkpack.runtime.server.serve import client_settings
 from tests.serve_proc import ServerProcess
-from tests.test_generate import run_cli
+from tests.commands import run_cli
 
 
 @dataclass

@@ -27,6 +27,8 @@ from sparkpack.runtime.generate import generate
 from sparkpack.runtime.tokenizer import GGUFTokenizer
 from tests.serve_proc import API_KEY, ServerProcess, fresh_session, kept_tokens, one_thread
 
+pytestmark = pytest.mark.slow  # every test starts real servers (spark-run --serve processes)
+
 PROMPTS = Path(__file__).resolve().parents[1] / ".." / "shared" / "corpora" / "lucebox-hub" / "agent_prompts"
 CALL = 64
 CTX = 8192

@@ -6,7 +6,6 @@ by the model's own template, parses back to the same calls."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import tarfile
 from functools import lru_cache
@@ -21,32 +20,21 @@ from sparkpack.runtime.server.messages import (Conversation, RequestError, from_
                                                from_responses)
 from sparkpack.runtime.server.output import (ReasoningDelta, TextDelta, ToolCallEnd, ToolCallStart, ToolSyntax,
                                              OutputParser, prompt_opens_reasoning)
+from tests.paths import SDIST_HINT, sdist_candidates
 from tests.server_outputs import CASES, TOOLS, Case
 
 # --- where the real templates come from --------------------------------------------------------
 
-SDIST_HINT = ("llama.cpp's real chat templates not found: the README's test command downloads llama-cpp-python "
-              "0.3.36's source package into .cache/ (pip download --no-deps --no-binary :all: -d .cache "
-              "llama-cpp-python==0.3.36); or set SPARKPACK_LLAMA_CPP_SDIST to it or to its unpacked folder")
 REAL = {"qwen3.5": "Qwen3.5-4B.jinja", "qwen3-coder": "Qwen3-Coder.jinja", "qwen3": "Qwen-Qwen3-0.6B.jinja",
         "laguna-xs.2": "poolside-Laguna-XS.2.jinja", "laguna-xs-2.1": "poolside-Laguna-XS-2.1.jinja",
         "laguna-s-2.1": "poolside-Laguna-S-2.1.jinja"}
-
-
-def _sdist_candidates() -> list[Path]:
-    found = [Path(os.environ["SPARKPACK_LLAMA_CPP_SDIST"])] if os.environ.get("SPARKPACK_LLAMA_CPP_SDIST") else []
-    found += sorted((Path(__file__).resolve().parents[1] / ".cache").glob("llama_cpp_python-*.tar.gz"))  # README's test command
-    cache = Path(os.environ.get("PIP_CACHE_DIR") or Path.home() / ".cache" / "pip")
-    if cache.is_dir():
-        found += sorted(cache.rglob("llama_cpp_python-*.tar.gz"))
-    return found
 
 
 @lru_cache(maxsize=1)
 def real_templates() -> dict[str, str]:
     """llama.cpp's templates (``vendor/llama.cpp/models/templates``), read at test time, never copied here."""
     want = set(REAL.values())
-    for source in _sdist_candidates():
+    for source in sdist_candidates():
         got: dict[str, str] = {}
         if source.is_dir():
             for path in source.rglob("models/templates/*.jinja"):

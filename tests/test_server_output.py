@@ -11,6 +11,7 @@ import pytest
 from sparkpack.runtime.server.output import (OutputParser, ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd,
                                              ToolCallStart, ToolSyntax, convert_value, forced_prefix,
                                              prompt_opens_reasoning, tool_syntax_for)
+from sparkpack.runtime.server.tool_parsers import BY_SYNTAX
 from tests.server_outputs import CASES, HERMES, LAGUNA, QWEN, TOOLS, Case
 
 
@@ -73,12 +74,12 @@ def _expect(case: Case, events: list) -> None:
     assert calls == [(n, a) for n, a in case.calls]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.syntax.value}-{c.name}" for c in CASES])
 def test_recorded_output_parses_to_its_calls(case: Case) -> None:
     _expect(case, run(case, [case.text]))
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.syntax.value}-{c.name}" for c in CASES])
 def test_every_split_point_gives_the_same_events(case: Case) -> None:
     whole = merged(run(case, [case.text]))
     text = case.text
@@ -89,7 +90,7 @@ def test_every_split_point_gives_the_same_events(case: Case) -> None:
     _expect(case, one_by_one)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.syntax.value}-{c.name}" for c in CASES])
 def test_random_chunks_give_the_same_events(case: Case) -> None:
     whole = merged(run(case, [case.text]))
     rng = random.Random(case.name)
@@ -97,6 +98,11 @@ def test_random_chunks_give_the_same_events(case: Case) -> None:
         cuts = sorted(rng.sample(range(1, len(case.text)), k=min(len(case.text) - 1, rng.randint(1, 12))))
         chunks = [case.text[a:b] for a, b in zip([0, *cuts], [*cuts, len(case.text)])]
         assert merged(run(case, chunks)) == whole, cuts
+
+
+def test_every_registered_syntax_has_recorded_cases() -> None:
+    """The split and chunk tests above run each parser in the registry on its own outputs."""
+    assert {c.syntax for c in CASES} == set(BY_SYNTAX)
 
 
 def test_held_back_text_waits_only_for_a_possible_tag() -> None:

@@ -24,31 +24,12 @@ from tests.pack_edit import edit_manifest, first_cold
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """The real ``repack`` entry point in-process: (exit code, stdout, stderr)."""
-    from sparkpack.repack.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["repack", *map(str, args)])
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def assert_one_line_error(code: int, err: str, needle: str) -> None:
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code != 0
     assert "Traceback" not in err
     assert len(lines) == 1 and lines[0].startswith("repack: error:"), err
     assert needle in lines[0], lines[0]
-
-
-@pytest.fixture
-def cli(monkeypatch, capsys):
-    return lambda *a: run_cli(monkeypatch, capsys, *a)
 
 
 @pytest.mark.parametrize("arch, quant", [

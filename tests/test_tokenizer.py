@@ -6,9 +6,9 @@ import json
 import pytest
 
 from sparkpack.formats.errors import SparkpackError
-from sparkpack.repack.convert_hf.vocab import CONTROL, read_vocab
+from sparkpack.repack.convert_hf.vocab import CONTROL
 from sparkpack.runtime.tokenizer import GGUFTokenizer
-from tests.hf_tiny import build_tokenizer
+from tests.hf_tiny import build_tokenizer, tokenizer_metadata
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -20,22 +20,6 @@ TEXTS = [
     "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n",
     "",
 ]
-
-
-def _metadata(hf_dir, pre: str) -> dict:
-    tokens, types = read_vocab(hf_dir, None)
-    tj = json.loads((hf_dir / "tokenizer.json").read_text())
-    merges = [" ".join(m) if isinstance(m, list) else m for m in tj["model"]["merges"]]
-    cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
-    md = {
-        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges,
-        "tokenizer.ggml.eos_token_id": tokens.index(cfg["eos_token"]),
-    }
-    if cfg.get("bos_token"):
-        md["tokenizer.ggml.bos_token_id"] = tokens.index(cfg["bos_token"])
-        md["tokenizer.ggml.add_bos_token"] = True
-    return md
 
 
 def _hf_with_splits(hf_dir, regexes: list[str]):
@@ -75,7 +59,7 @@ def laguna_dir(tmp_path_factory):
 def test_ids_match_hf_tokenizer(qwen_dir, pre, regexes):
     from tokenizers import Tokenizer
 
-    ours = GGUFTokenizer.from_metadata(_metadata(qwen_dir, pre))
+    ours = GGUFTokenizer.from_metadata(tokenizer_metadata(qwen_dir, pre))
     hf = Tokenizer.from_file(str(qwen_dir / "tokenizer.json")) if pre == "qwen2" else _hf_with_splits(qwen_dir, regexes)
     for text in TEXTS:
         assert ours.encode(text) == hf.encode(text, add_special_tokens=False).ids, text
@@ -84,18 +68,15 @@ def test_ids_match_hf_tokenizer(qwen_dir, pre, regexes):
 
 def test_pre_tokenizers_really_differ(qwen_dir):
     """The qwen35 pattern keeps combining marks with their letter; laguna cuts at newlines first."""
-    q2 = GGUFTokenizer.from_metadata(_metadata(qwen_dir, "qwen2"))
-    q35 = GGUFTokenizer.from_metadata(_metadata(qwen_dir, "qwen35"))
-    lag = GGUFTokenizer.from_metadata(_metadata(qwen_dir, "laguna"))
-    def pieces(tok, text):
-        return [p for p, _ in tok._tok.pre_tokenizer.pre_tokenize_str(text)]
-
-    assert len(pieces(q2, "cafe\u0301s")) == 2 and len(pieces(q35, "cafe\u0301s")) == 1
-    assert pieces(q2, "ab  \ncd") != pieces(lag, "ab  \ncd")
+    q2 = GGUFTokenizer.from_metadata(tokenizer_metadata(qwen_dir, "qwen2"))
+    q35 = GGUFTokenizer.from_metadata(tokenizer_metadata(qwen_dir, "qwen35"))
+    lag = GGUFTokenizer.from_metadata(tokenizer_metadata(qwen_dir, "laguna"))
+    assert len(q2.pre_tokenize("cafe\u0301s")) == 2 and len(q35.pre_tokenize("cafe\u0301s")) == 1
+    assert q2.pre_tokenize("ab  \ncd") != lag.pre_tokenize("ab  \ncd")
 
 
 def test_special_tokens_single_ids_and_stops(qwen_dir):
-    tok = GGUFTokenizer.from_metadata(_metadata(qwen_dir, "qwen2"))
+    tok = GGUFTokenizer.from_metadata(tokenizer_metadata(qwen_dir, "qwen2"))
     start, end = tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>")
     ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
     assert ids[0] == start and ids[-1] == end
@@ -104,11 +85,11 @@ def test_special_tokens_single_ids_and_stops(qwen_dir):
     assert start not in tok.stop_ids
     assert tok.eos_id == end and tok.bos_id is None
     assert tok.encode("hi", add_special=True) == tok.encode("hi")  # Qwen adds no BOS
-    assert tok.vocab_size == len(_metadata(qwen_dir, "qwen2")["tokenizer.ggml.tokens"])
+    assert tok.vocab_size == len(tokenizer_metadata(qwen_dir, "qwen2")["tokenizer.ggml.tokens"])
 
 
 def test_laguna_bos_and_turn_end(laguna_dir):
-    md = _metadata(laguna_dir, "laguna")
+    md = tokenizer_metadata(laguna_dir, "laguna")
     tok = GGUFTokenizer.from_metadata(md)
     assert tok.encode("hi", add_special=True) == [tok.bos_id, *tok.encode("hi")]
     assert tok.token_to_id("</assistant>") in tok.stop_ids
@@ -116,7 +97,7 @@ def test_laguna_bos_and_turn_end(laguna_dir):
 
 
 def test_streaming_never_splits_characters(qwen_dir):
-    tok = GGUFTokenizer.from_metadata(_metadata(qwen_dir, "qwen2"))
+    tok = GGUFTokenizer.from_metadata(tokenizer_metadata(qwen_dir, "qwen2"))
     text = "emoji 😀👍🏽 CJK 你好 mixed<|im_end|> done é"
     ids = tok.encode(text)
     assert any(len(tok.token_bytes(i)) and not _is_utf8(tok.token_bytes(i)) for i in ids)  # some split chars
@@ -142,7 +123,7 @@ def test_gguf_model_source(qwen_dir, tmp_path):
 
     from sparkpack.formats.gguf_file import GGUFModel
 
-    md = _metadata(qwen_dir, "qwen2")
+    md = tokenizer_metadata(qwen_dir, "qwen2")
     path = tmp_path / "t.gguf"
     w = gguf.GGUFWriter(str(path), "qwen3moe")
     w.add_tokenizer_model("gpt2")
@@ -167,7 +148,7 @@ def test_gguf_model_source(qwen_dir, tmp_path):
     ({"tokenizer.ggml.merges": []}, "merges is missing or empty"),
 ])
 def test_unsupported_tokenizers_are_user_errors(qwen_dir, change, message):
-    md = {**_metadata(qwen_dir, "qwen2"), **change}
+    md = {**tokenizer_metadata(qwen_dir, "qwen2"), **change}
     with pytest.raises(SparkpackError, match=message):
         GGUFTokenizer.from_metadata(md)
 
@@ -175,7 +156,7 @@ def test_unsupported_tokenizers_are_user_errors(qwen_dir, change, message):
 def test_a_merge_of_unknown_tokens_is_a_user_error(qwen_dir):
     """A merge whose halves or result are not tokens (a mutated file: the fuzzer found one) is
     one line naming both fields, not the tokenizer library's exception."""
-    md = _metadata(qwen_dir, "qwen2")
+    md = tokenizer_metadata(qwen_dir, "qwen2")
     md = {**md, "tokenizer.ggml.merges": md["tokenizer.ggml.merges"] + ["\u0120zz\u00e9 q\u00e9q"]}
     with pytest.raises(SparkpackError, match=r"tokenizer.ggml.merges does not fit tokenizer.ggml.tokens"):
         GGUFTokenizer.from_metadata(md)

@@ -115,8 +115,8 @@ def open_text(path: Path) -> IO[str]:
     return io.TextIOWrapper(open_bytes(path), encoding="utf-8", errors="replace")
 
 
-# Caps on what one record may hold. Tokenizing costs ~200-400 bytes of memory per character (a
-# 4M-character line took +1.5 GB here), and a 16-64 MB line ran the tokenizer past 4 GB; real
+# Caps on what one record may hold. Tokenizing costs hundreds of bytes of memory per character,
+# so a line of tens of MB runs the tokenizer into gigabytes; real
 # records are far smaller (a long agent session is a few hundred thousand characters).
 MAX_LINE_CHARS = 8 << 20  # one JSONL line; longer ones are skipped without being read whole
 MAX_RECORD_CHARS = 2 << 20  # all text of one conversation or document: ~500k tokens, twice the longest context

@@ -14,7 +14,6 @@ from typing import Any
 
 from .base import FileContext, RecordError, tag
 
-TEXT_PARTS = {"text", "input_text", "output_text", "summary_text", "reasoning_text"}
 IMAGE_PARTS = {"image", "image_url", "input_image", "image_file", "input_audio", "audio", "file",
                "input_file", "document"}
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import UnsupportedError
-from . import laguna, olmoe, qwen2moe, qwen3moe, qwen35moe
+from . import laguna, qwen3moe, qwen35moe
 from .base import DENSE, FULL, LINEAR, MOE, SLIDING, ArchModule, LayerKind, ModelSpec
 from .shapes import check_shapes
 
 if TYPE_CHECKING:
     from ..gguf_file import GGUFModel
 
-ARCHS: dict[str, ArchModule] = {a.ARCH.name: a.ARCH for a in (qwen35moe, laguna, qwen3moe, olmoe, qwen2moe)}
+ARCHS: dict[str, ArchModule] = {a.ARCH.name: a.ARCH for a in (qwen35moe, laguna, qwen3moe)}
 
 
 def model_spec(model: "GGUFModel") -> ModelSpec:

@@ -2,8 +2,8 @@
 
 Synthetic models must look like real quantized weights to every consumer (gguf's dequantizer,
 llama.cpp, our kernels): finite f16 scales, every code in range, dequantized RMS near a target.
-Quantizing Gaussian noise through ``gguf.quants.quantize`` would be exact but runs at a few MB/s,
-so instead each block starts as raw random bytes (the packed codes are uniform over their range,
+Quantizing Gaussian noise through ``gguf.quants.quantize`` would be exact but far too slow for
+model-sized tensors, so instead each block starts as raw random bytes (the packed codes are uniform over their range,
 which is a valid quantized tensor) and only the per-block scale fields are overwritten with values
 chosen so the dequantized RMS hits the target. Offsets (``m``/``dmin``) are set to centre the codes,
 so the weights are zero-mean like real ones.
@@ -140,7 +140,7 @@ def make_rng(*seed: int) -> np.random.Generator:
 
 
 def random_bytes(rng: np.random.Generator, n: int) -> np.ndarray:
-    """``n`` uniform random bytes at several GB/s (``Generator.bytes`` is ~10x slower)."""
+    """``n`` uniform random bytes, from the generator's raw words (faster than ``Generator.bytes``)."""
     words = rng.bit_generator.random_raw((n + 7) // 8)
     return words.view(np.uint8)[:n]
 

@@ -31,10 +31,8 @@ permute back and the output gate. Three kernels cover all of it:
 
 ``split`` trades the first kernel's parallelism against the partials to merge; ``decode_split``
 picks it from the buffer's capacity and kv heads (the caller's default), and long buffers also
-take wider, pipelined tiles (``_split_tiles``). Measured on an H200 (bf16, CUDA-graph replays of
-both launches, the position near the buffer's end; BENCHMARKS.md): a 131k buffer of Laguna's 8
-kv heads of 128 took 250 us at split 512 with 64-position single-stage tiles and 168 us at split
-2048 with 128-position tiles in three stages; Qwen3.6's 2 kv heads of 256, 136 against 69 us.
+take wider, pipelined tiles (``_split_tiles``): over a long buffer, long splits of pipelined
+tiles beat short single-stage ones for every shape tried (BENCHMARKS.md).
 
 4. ``_attend_prefill_kernel`` (``attend_prefill``): a prefill call's queries whose first position
    is read from memory, for a prefill step captured in a CUDA graph (``runtime.graph``), where
@@ -423,15 +421,14 @@ def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, xq, xd, xs,
 
 def decode_split(S: int, n_kv: int, q8: bool = False) -> int:
     """Positions per program of ``attend_decode``'s first kernel over a buffer of ``S`` positions
-    with ``n_kv`` kv heads. Up to 8192 positions, 64 (a program per tile, as measured best at 4k
-    on the H100). Beyond, about 128 programs in all (one per SM), in powers of two from 256 to
-    2048: on the H200 that was the best split measured for each shape (Qwen3.6, Qwen3-30B and
-    Laguna kv heads at 8k, 32k and 131k positions), since fewer, longer programs stream their
-    keys in deeper pipelines and leave fewer partials to merge. A Q8_0 cache (``q8``) takes 256
-    in single-stage tiles (``_split_tiles``): expanding codes in registers, Laguna decoded 124
-    tok/s at 131k in the long pipelined splits against 140 in single-stage splits of 512 (H200),
-    and single-stage 256 was within 3% of the best split at 32k and 131k for Laguna and Qwen3-30B
-    (H100: Laguna 74.8 us at 32k, 262.8 at 131k against 270.4 at 512; BENCHMARKS.md)."""
+    with ``n_kv`` kv heads. Up to 8192 positions, 64 (a program per tile, the best at short
+    buffers). Beyond, about 128 programs in all (one per SM), in powers of two from 256 to 2048:
+    the best split for each shape tried (Qwen3.6, Qwen3-30B and Laguna kv heads at 8k, 32k and
+    131k positions), since fewer, longer programs stream their keys in deeper pipelines and leave
+    fewer partials to merge. A Q8_0 cache (``q8``) takes 256 in single-stage tiles
+    (``_split_tiles``): expanding codes in registers, the long pipelined splits decoded slower
+    than single-stage ones, and single-stage 256 was close to the best split at long buffers
+    (BENCHMARKS.md)."""
     if S <= 8192:
         return 64
     if q8:
@@ -442,9 +439,9 @@ def decode_split(S: int, n_kv: int, q8: bool = False) -> int:
 def _split_tiles(split: int, block_d: int, fp32: bool, q8: bool = False) -> tuple[int, int]:
     """``(BLOCK_S, num_stages)`` of the split kernel. A split of one or a few tiles gains nothing
     from a software pipeline, which only multiplies shared memory (float32 at d=256 would not fit
-    in an H100's 227 KiB at three stages), so short splits keep single-stage tiles of 64 or less.
+    in a GPU's shared memory at three stages), so short splits keep single-stage tiles of 64 or less.
     Half precision splits of 256 or more take three stages of 128 positions (64 at d=256, where
-    128 would not fit): 1.3-2x faster on long buffers (``decode_split``); not over a Q8_0 cache,
+    128 would not fit): faster on long buffers (``decode_split``); not over a Q8_0 cache,
     whose tiles expand codes in registers."""
     if fp32 or q8 or split < 256:
         return (64 if split % 64 == 0 else 32 if split % 32 == 0 else 16), 1

@@ -7,9 +7,9 @@ codes as 32-bit words (Q4_K) or 16-bit halves (Q6_K, whose 210-byte blocks are o
 and expands each word with constant shifts in registers. With a float activation it matches
 cuBLAS on the bf16 copy at a third of the bytes; with the activation quantized to int8
 (``q8dot``, the runtime's default) the Q4_K/Q6_K bands use int8 dot products on the packed
-words (the low-bit bands too: ``q8dot.LOW_BIT_Q8``) and run 1.2-1.8x faster on the larger
-groups (docs/benchmarks-history.md, session 9). Byte-per-weight loads (``blocks._row_dot``) were
-~2x slower than either.
+words (the low-bit bands too: ``q8dot.LOW_BIT_Q8``) and run faster on the larger groups
+(docs/benchmarks-history.md, session 9). Byte-per-weight loads (``blocks._row_dot``) were slower
+than either.
 
 One launch computes the projections of one input that a layer stacks (q/k/v, DeltaNet qkv/z/beta/
 alpha, router + shared expert): up to ``MAX_SEGMENTS`` row bands, each with its own type, write
@@ -39,7 +39,7 @@ MAX_SEGMENTS = 4
 # Float activations: rows per program (8 from ``WIDE_ROWS`` output rows, 4 below) and warps of the
 # one-token kernel, and Q4_K chunks per loop iteration (Q6_K takes one: two spill). Int8
 # activations: rows, warps and chunks per iteration for every band (few rows per program with a
-# row's whole K in flight: these kernels wait on memory latency). Chosen on the H100 with
+# row's whole K in flight: these kernels wait on memory latency). Chosen with
 # ``bench/kernels_bench.py --only dense --gemv-tiles ...`` (docs/benchmarks-history.md).
 GEMV_WARPS = 4
 WIDE_ROWS = 8192

@@ -1,7 +1,7 @@
 """The small elementwise steps around a one-token MoE block, one launch each instead of several.
 
-Why: at batch 1 these steps move a few kilobytes, so each torch kernel costs its launch (~2 us of
-a ~5 ms token, 40 layers over) and nothing else. Two kernels:
+Why: at batch 1 these steps move a few kilobytes, so each torch kernel costs its launch (40
+layers over) and nothing else. Two kernels:
 
 1. ``_silu_mul_kernel``: the shared expert's activation ``silu(gate) * up`` (torch: two kernels),
    plus, for the int8 products that read it, its int8 form (``q8dot.store_q8``; a third kernel).

@@ -345,11 +345,8 @@ def group_pairs(ids: torch.Tensor, n_expert: int, block_m: int, counts: torch.Te
 
 def _tile_tiles(pairs_per_expert: float) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, warps) of the ``_tile_*`` kernels, by the average pairs per expert (padding
-    rows cost a weight-tile unpack too). Measured on the H100 at the qwen3.6 shape, 256 experts
-    top-8 (``bench/kernels_bench.py --only prefill --moe-tiles ...``, us per layer):
-    T=16: 16x64x4 517, 16x32x4 671, 32x32x4 621; T=512: 32x32x4 1512, 32x64x4 1647, 16x64x4 1776,
-    64x64x8 2120; T=2048: 64x64x8 3125, 64x64x4 3648, 32x32x4 3584; T=4096: 64x64x8 5273,
-    64x64x4 6148, 32x32x4 6571."""
+    rows cost a weight-tile unpack too): the fastest shape at each call length of the qwen3.6
+    shape, 256 experts top-8 (``bench/kernels_bench.py --only prefill --moe-tiles ...``)."""
     if pairs_per_expert < 4:
         return 16, 64, 4
     return (32, 32, 4) if pairs_per_expert < 32 else (64, 64, 8)
@@ -357,11 +354,8 @@ def _tile_tiles(pairs_per_expert: float) -> tuple[int, int, int]:
 
 def _sub_tiles(pairs_per_expert: float) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, warps) of the sub-block kernels, by the average pairs per expert.
-    Measured on the H100 (``bench/kernels_bench.py --only prefill --moe-tiles ...``, us per layer,
-    top-8): Qwen3-30B shape (128 x 768), T=512 (32 a expert): 64x64x4 1042, 64x128x8 1059,
-    32x64x4 1177, 32x128x4 1336, 16x64x4 1760; T=4096 (256): 64x64x4 4571, 64x128x8 4750,
-    32x64x4 6632. qwen3.6 shape (256 x 512), T=512 (16): 32x64x4 1149, 32x128x4 1285, 64x128x8
-    1418, 16x64x4 1512; T=4096 (128): 64x128x8 3823, 32x128x4 5114."""
+    The fastest shapes at each call length of the Qwen3-30B (128 x 768) and qwen3.6 (256 x 512)
+    shapes, top-8 (``bench/kernels_bench.py --only prefill --moe-tiles ...``)."""
     if pairs_per_expert < 8:
         return 16, 64, 4
     if pairs_per_expert < 24:
@@ -372,8 +366,8 @@ def _sub_tiles(pairs_per_expert: float) -> tuple[int, int, int]:
 def tile_calls(n_expert: int, topk: int, max_tokens: int) -> list[int]:
     """The fewest tokens of a call that picks each tile shape (``_sub_tiles``, ``_tile_tiles``),
     for calls of up to ``max_tokens``: each shape is a kernel compiled on its first call, which
-    a session's warm-up makes rather than a user's prompt (on the GPU machine a calibration
-    window whose last call picked a new shape took 1-9 s instead of ~0.1 s)."""
+    a session's warm-up makes rather than a user's prompt (a calibration window whose last call
+    picked a new shape took many times longer)."""
     first: dict[tuple, int] = {}
     for t in range(2, max_tokens + 1):
         per = t * topk / n_expert

@@ -4,8 +4,8 @@ norm. Same rounding points as ``runtime.layers.rms_norm``: the statistic in floa
 normalised value rounded to the activation dtype, then multiplied by the weight and rounded again,
 so results differ from the torch form only by the order of the float32 sum of squares.
 
-Two more jobs ride in the same launch for one-token decode, where each saved launch is ~2 us of a
-~5 ms token: the residual add in front of the norm (``x + r``, rounded to the dtype as torch's add
+Two more jobs ride in the same launch for one-token decode, where each saved launch is time off
+a launch-bound token: the residual add in front of the norm (``x + r``, rounded to the dtype as torch's add
 rounds, written out as the new residual stream), and the int8 form of the normed row
 (``q8dot.store_q8``), which the projections and the MoE kernels that read the row would
 otherwise each compute in a launch of their own. The int8 form is computed from the rounded

@@ -2,13 +2,13 @@
 weight codes times four activations per ``dp4a`` instruction.
 
 Why: the one-token kernels (dense GEMV, MoE decode) unpacked each weight code on its own (shift,
-mask, convert to float, multiply-add: ~5 instructions a weight) and reached 20-37% of the H100's
-copy bandwidth. With the activation as int8 in blocks of 32 (one fp32 scale each, as llama.cpp's
+mask, convert to float, multiply-add: ~5 instructions a weight) and reached a fraction of the
+GPU's copy bandwidth. With the activation as int8 in blocks of 32 (one fp32 scale each, as llama.cpp's
 ``q8_1``), a 32-bit word of Q4_K codes is two masks and two ``dp4a``: eight weights in ~5
 instructions. The block scales and the activation's per-block sums turn the integer dots back
 into ``sum w x`` once per sub-block. With fewer instructions a program can also hold a row's
 whole K in flight (``chunks_per_iteration``), which these latency-bound kernels need as much:
-together 1.2-1.8x faster GEMVs and a one-token MoE layer in 19 us instead of 30 (docs/benchmarks-history.md).
+together faster GEMVs and one-token MoE layers (docs/benchmarks-history.md).
 
 The price is the activation's rounding (relative error ~0.5% per element, the same as llama.cpp's
 quantized matmuls); the weights are used exactly as stored. The result depends only on the

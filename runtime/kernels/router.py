@@ -3,7 +3,7 @@ experts, the k largest, renormalised.
 
 The torch forms are five to nine launches per MoE layer (widen, softmax or sigmoid and the bias
 add, a sort-based top-k of two kernels, the gather of the unbiased scores, sum, divide, scale);
-at batch 1 each costs more than its arithmetic (~20 us a layer on the Laguna shape). One
+at batch 1 each costs more than its arithmetic. One
 program per token holds the token's logits in registers and picks the k largest by repeated
 arg-max (largest first, the lowest expert id on ties), the order ``torch.topk`` returns them in.
 """
@@ -65,7 +65,7 @@ def softmax_topk(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor
 
 def sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor | None, k: int, norm: bool,
                  scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``route_sigmoid`` (no softcap) of ``logits [T, n_expert]``: experts chosen on sigmoid +
+    """``route_sigmoid`` of ``logits [T, n_expert]``: experts chosen on sigmoid +
     ``bias`` (float ``[n_expert]`` or None), weighted by the unbiased sigmoids, renormalised with
     ``norm``, times ``scale``."""
     if bias is not None and (bias.numel() != logits.shape[-1] or not bias.is_contiguous()):
@@ -83,7 +83,7 @@ def _route(logits: torch.Tensor, bias: torch.Tensor | None, k: int, norm: bool, 
     if T:
         block = triton.next_power_of_2(N)
         # one warp up to 512 experts: the 2k + 2 reductions then stay inside a warp (shuffles);
-        # with 4 warps each went through shared memory (3.4 us a layer on the H100 at 256 experts)
+        # with 4 warps each went through shared memory (slower)
         _route_topk_kernel[(T,)](logits, bias if bias is not None else logits, w, ids, N, logits.stride(0), scale,
                                  K=k, K_P2=triton.next_power_of_2(k), SIGMOID=sigmoid, HAS_BIAS=bias is not None,
                                  NORM=norm, BLOCK=block, num_warps=1 if block <= 512 else 4, **pdl.flags(logits))

@@ -393,8 +393,8 @@ class MoEModel(ABC):
                                  self.eps, rope.inv_on(q.device), rope.scale, pos0, kv.k, kv.v, *scales, ring=kv.ring)
         if T > 1:
             # After a past (a long prompt's later chunks, a chat's next turn) the unfused form
-            # scored in pieces (~10 launches) over a past that grows with the prompt: a 32k-token
-            # Qwen3.6 prompt prefilled at 7161 tok/s with it, 10522 with attend_prefill.
+            # scored in pieces (~10 launches) over a past that grows with the prompt: a long
+            # prompt prefills faster with attend_prefill.
             if not kv.q8 and isinstance(pos0, int) and pos0 > 0 and window <= 0 and fused_sdpa_runs(qr):
                 o = causal_sdpa_after(qr, kv.k[:, : pos0 + T], kv.v[:, : pos0 + T])
             elif not kv.q8 and (isinstance(pos0, torch.Tensor) or pos0 > 0):

@@ -20,7 +20,7 @@ from ..learning import LearningStats
 from .engine import Job, Outcome
 
 PREFIX = "sparkpack_"
-# tokens/s buckets spanning a CPU test model to an H100 prefill
+# tokens/s buckets spanning a CPU test model to a GPU prefill
 RATE_BUCKETS = (1, 5, 10, 25, 50, 100, 200, 300, 500, 1000, 2000, 4000, 8000, 16000)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
 # the expert store's counters exported as routings by where they were served

@@ -1,30 +1,20 @@
 """Model text -> visible text, reasoning and tool calls, decided incrementally as tokens arrive.
 
-The three formats are the ones the models' chat templates teach them (llama.cpp's
-``models/templates``):
-
-* Qwen3.5/3.6 and Qwen3-Coder (``QWEN_XML``)::
-
-      <tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>
-
-* Qwen3 (``HERMES_JSON``): ``<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>``
-* Laguna (``LAGUNA``): ``<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n</tool_call>``
-
-A JSON body inside ``<tool_call>`` is accepted in every format (Qwen models fall back to it), an
-XML body in the hermes one, and, as llama.cpp does for Qwen3-Coder, an XML call whose ``<tool_call>``
-was left out when it opens with ``<function=NAME>`` of a tool in the request.
+This module is what every tool-call syntax shares: text and reasoning spans, finding where a call
+opens, holding back text that may be a tag, streaming a call's values as JSON argument deltas,
+and giving a call that never completes back as text. Each syntax's own structure (Qwen XML,
+hermes JSON, Laguna) is one module of ``runtime.server.tool_parsers``, read through the
+``CallStream`` methods below; a JSON body inside ``<tool_call>`` is accepted in every syntax
+(the Qwen models fall back to it).
 
 Values are raw text, so where a value ends is a choice. llama.cpp ends it at the first
 ``\\n</parameter>\\n`` (``</arg_value>`` for Laguna); ollama at the first ``</tool_call>``. Both cut
 a file whose text contains those tags. Here a value ends only where the rest of the call's
-structure follows: ``</parameter>``, optional whitespace, then ``<parameter=NAME>`` or
-``</function>`` + ``</tool_call>`` (Laguna: ``</arg_value>`` then ``<arg_key>NAME</arg_key><arg_value>``
-or ``</tool_call>``); when the tool's schema lists its properties, NAME must be one of them, which
-is what llama.cpp's grammar would have forced. (A value that quotes the whole closing sequence,
-``</parameter>`` ``</function>`` ``</tool_call>``, still ends there: while streaming nothing can tell
-it from the real end.) As in llama.cpp a value is converted with the
-tool's JSON schema (a string stays raw text; number, integer, boolean, null, object and array are
-parsed, falling back to the raw text when they do not parse).
+structure follows (each syntax's ``ends``); when the tool's schema lists its properties, the next
+parameter's name must be one of them, which is what llama.cpp's grammar would have forced. (A
+value that quotes the whole closing sequence still ends there: while streaming nothing can tell
+it from the real end.) As in llama.cpp a value is converted with the tool's JSON schema
+(``tool_parsers.values.convert_value``).
 
 Every decision depends on the text only, never on where it was split: text that may be the start
 of a tag is held back until the next characters decide it, so any split gives the same events once
@@ -33,14 +23,16 @@ before ``<tool_call>``, between calls) is dropped, as ollama and the templates' 
 """
 from __future__ import annotations
 
-import enum
-import json
 import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
+from .tool_parsers import BY_SYNTAX, ToolSyntax, closed_reasoning, forced_prefix, tool_syntax_for
+from .tool_parsers.base import TOOL_OPEN as _TOOL_OPEN
+from .tool_parsers.hermes_json import JsonBody
+from .tool_parsers.matching import FAIL, FULL, Name, held, match, match_any
+from .tool_parsers.values import ANY, STRING, convert_value, json_text, tool_params
 
 @dataclass(frozen=True)
 class TextDelta:
@@ -76,28 +68,6 @@ class ToolCallEnd:
 Event = TextDelta | ReasoningDelta | ToolCallStart | ToolCallDelta | ToolCallEnd
 
 
-class ToolSyntax(enum.Enum):
-    QWEN_XML = "qwen_xml"
-    HERMES_JSON = "hermes_json"
-    LAGUNA = "laguna"
-
-
-_ARCH_SYNTAX = {"qwen35moe": ToolSyntax.QWEN_XML, "qwen3moe": ToolSyntax.HERMES_JSON, "laguna": ToolSyntax.LAGUNA}
-
-
-def tool_syntax_for(arch: str, chat_template: str) -> ToolSyntax:
-    """The template decides (a Qwen3-Coder GGUF is arch ``qwen3moe`` but teaches XML calls); the
-    arch only where the template shows no tool-call format."""
-    template = chat_template or ""
-    if "<arg_key>" in template:
-        return ToolSyntax.LAGUNA
-    if "<function=" in template and "<parameter=" in template:
-        return ToolSyntax.QWEN_XML
-    if "<tool_call>" in template:
-        return ToolSyntax.HERMES_JSON
-    return _ARCH_SYNTAX.get(arch, ToolSyntax.HERMES_JSON)
-
-
 def prompt_opens_reasoning(prompt_text: str) -> bool:
     """Qwen3.5/3.6 (thinking on) end the generation prompt with ``<think>\\n`` and Laguna with
     ``<think>``: the model's first tokens are then reasoning. Only the very end counts, so a
@@ -105,204 +75,11 @@ def prompt_opens_reasoning(prompt_text: str) -> bool:
     return prompt_text.rstrip().endswith("<think>")
 
 
-_CLOSE_REASONING = {ToolSyntax.QWEN_XML: "\n</think>\n\n", ToolSyntax.HERMES_JSON: "\n</think>\n\n",
-                    ToolSyntax.LAGUNA: "</think>\n"}
-
-
-def closed_reasoning(syntax: ToolSyntax) -> str:
-    """What closes a reasoning block the prompt opened, as the template renders an empty one."""
-    return _CLOSE_REASONING[syntax]
-
-
-def forced_prefix(syntax: ToolSyntax, tool_choice: str | dict, *, in_reasoning: bool = False) -> str:
-    """The start of a tool call, written into the prompt after the generation prompt, so that
-    ``required`` gets a call and a named choice gets a call of that tool. ``in_reasoning``: the
-    prompt opened ``<think>``; the prefix closes it first (as the templates render an empty one)."""
-    if tool_choice in ("auto", "none"):
-        return ""
-    if tool_choice == "required":
-        name = None
-    elif isinstance(tool_choice, dict) and isinstance(tool_choice.get("name"), str):
-        name = tool_choice["name"]
-    else:
-        raise ValueError(f"tool_choice must be 'auto', 'none', 'required' or {{'name': ...}}, got {tool_choice!r}")
-    if syntax is ToolSyntax.QWEN_XML:
-        call = "<tool_call>\n<function=" + (f"{name}>\n" if name is not None else "")
-    elif syntax is ToolSyntax.HERMES_JSON:
-        call = '<tool_call>\n{"name": ' + (f'{json.dumps(name, ensure_ascii=False)}, "arguments": '
-                                           if name is not None else '"')
-    else:
-        call = "<tool_call>" + (f"{name}\n" if name is not None else "")
-    return (closed_reasoning(syntax) if in_reasoning else "") + call
-
-
 def _random_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-# --- tool schemas: which JSON types a parameter takes ------------------------------------------
-
-_ANY = frozenset({"string", "number", "integer", "boolean", "null", "object", "array"})
-_STRING = frozenset({"string"})
-
-
-def _schema_types(schema: Any, depth: int = 0) -> frozenset[str]:
-    """Every JSON type a schema admits (``_ANY`` when it does not say)."""
-    if not isinstance(schema, dict) or depth > 8:
-        return _ANY
-    types: set[str] = set()
-    t = schema.get("type")
-    if isinstance(t, str):
-        types.add(t)
-    elif isinstance(t, list):
-        types.update(x for x in t if isinstance(x, str))
-    for key in ("anyOf", "oneOf", "allOf"):
-        if isinstance(schema.get(key), list):
-            for sub in schema[key]:
-                types |= _schema_types(sub, depth + 1)
-    if "enum" in schema and isinstance(schema["enum"], list) and not t:
-        types.update(_json_type(v) for v in schema["enum"])
-    if schema.get("nullable") is True:
-        types.add("null")
-    if not types:
-        if isinstance(schema.get("properties"), dict):
-            return frozenset({"object"})
-        if "items" in schema:
-            return frozenset({"array"})
-        return _ANY
-    return frozenset(types)
-
-
-def _json_type(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "boolean"
-    if isinstance(v, int):
-        return "integer"
-    if isinstance(v, float):
-        return "number"
-    if isinstance(v, str):
-        return "string"
-    return "array" if isinstance(v, list) else "object"
-
-
-_PY_LITERALS = {"True": True, "False": False, "None": None}  # what Qwen3.5's template renders for Python values
-
-
-def convert_value(raw: str, types: frozenset[str]) -> Any:
-    """A parameter's raw text as the JSON type its schema asks for; raw text when it does not
-    parse as one of them (never dropped)."""
-    if types == _STRING:
-        return raw
-    text = raw.strip()
-    try:
-        value = json.loads(text)
-    except ValueError:
-        if text not in _PY_LITERALS:
-            return raw
-        value = _PY_LITERALS[text]
-    kind = _json_type(value)
-    if kind == "integer" and "integer" not in types and "number" in types:
-        return value
-    if kind == "number" and "integer" in types and value.is_integer() and "number" not in types:
-        return int(value)
-    return value if kind in types and kind != "string" else raw
-
-
-def _tool_params(tools: list[dict] | None) -> dict[str, dict[str, frozenset[str]] | None]:
-    """name -> {parameter: types} (None where the tool lists no properties)."""
-    out: dict[str, dict[str, frozenset[str]] | None] = {}
-    for tool in tools or []:
-        fn = tool.get("function", tool) if isinstance(tool, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            continue
-        props = fn.get("parameters", {}).get("properties") if isinstance(fn.get("parameters"), dict) else None
-        out[fn["name"]] = ({k: _schema_types(v) for k, v in props.items()}
-                           if isinstance(props, dict) and props else None)
-    return out
-
-
-# --- matching structure against a buffer that may end early ------------------------------------
-
-_WS = object()          # zero or more whitespace characters
-_FULL, _PARTIAL, _FAIL = "full", "partial", "fail"
-_MAX_NAME = 256
-
-
-@dataclass(frozen=True)
-class _Name:
-    """A function/parameter name up to ``close``; with ``known``, only those names match."""
-    close: str
-    known: frozenset[str] | None = None
-
-
-def _match(buf: str, pos: int, parts: tuple) -> tuple[str, int, list[str]]:
-    """Match ``parts`` (literals, ``_WS``, ``_Name``) at ``buf[pos:]``: full (with the end and the
-    names read), partial (the buffer ended while it could still match) or fail."""
-    names: list[str] = []
-    p = pos
-    for part in parts:
-        if part is _WS:
-            while p < len(buf) and buf[p].isspace():
-                p += 1
-        elif isinstance(part, str):
-            if buf.startswith(part, p):
-                p += len(part)
-            elif part.startswith(buf[p:]):
-                return _PARTIAL, p, names
-            else:
-                return _FAIL, p, names
-        else:
-            q = p
-            while True:
-                if buf.startswith(part.close, q):
-                    break
-                if q == len(buf) or part.close.startswith(buf[q:]):
-                    return _PARTIAL, q, names
-                if buf[q] in "<>\n" or q - p >= _MAX_NAME:
-                    return _FAIL, q, names
-                q += 1
-            name = buf[p:q].strip()
-            if not name or (part.known is not None and name not in part.known):
-                return _FAIL, q, names
-            names.append(name)
-            p = q + len(part.close)
-    if p == len(buf) and parts and parts[-1] is _WS:
-        return _PARTIAL, p, names
-    return _FULL, p, names
-
-
-def _match_any(buf: str, pos: int, alternatives: tuple[tuple, ...]) -> tuple[str, int, int, list[str]]:
-    """The first alternative that matches fully, else partial if any may still match, else fail;
-    returns (status, which alternative, end, names)."""
-    partial = False
-    for i, parts in enumerate(alternatives):
-        status, end, names = _match(buf, pos, parts)
-        if status == _FULL:
-            return _FULL, i, end, names
-        partial |= status == _PARTIAL
-    return (_PARTIAL if partial else _FAIL), -1, pos, []
-
-
-def _held(buf: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest end of ``buf`` that is the start of one of ``tags``."""
-    best = 0
-    for tag in tags:
-        for n in range(min(len(tag) - 1, len(buf)), best, -1):
-            if buf.endswith(tag[:n]):
-                best = n
-                break
-    return best
-
-
-_TOOL_OPEN, _TOOL_CLOSE, _THINK_OPEN, _THINK_CLOSE = "<tool_call>", "</tool_call>", "<think>", "</think>"
-_FUNCTION_OPEN = "<function="
-_VALUE_CANDIDATE = re.compile(r"[\n<]")
-
-
-def _json_text(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 
 
 @dataclass
@@ -315,92 +92,16 @@ class _Call:
     name: str = ""
     args: dict = field(default_factory=dict)
     key: str = ""                        # the parameter being read
-    types: frozenset[str] = _ANY
+    types: frozenset[str] = ANY
     streams: bool = False                # this parameter's text goes out as it arrives
     value: list[str] = field(default_factory=list)
-    scan: _JsonScan | None = None
-    streamed_json: int = -1              # hermes: how much of the arguments object went out (-1: none)
-
-
-class _JsonScan:
-    """One JSON object read incrementally: where each top-level member's value starts and ends, so
-    that a hermes call's name is known and its arguments can stream before the object closes."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.depth = 0
-        self.closed = False
-        self.members: dict[str, tuple[int, int | None]] = {}
-        self._in_str = self._esc = False
-        self._expect = "key"            # key | colon | value | in_value | comma
-        self._key_start = 0
-        self._key = ""
-
-    def feed(self, s: str) -> int:
-        """Scan ``s``; returns how many characters belong to the object (all of them until it closes)."""
-        base, text = len(self.text), self.text + s
-        for k in range(base, len(text)):
-            ch = text[k]
-            if self._in_str:
-                if self._esc:
-                    self._esc = False
-                elif ch == "\\":
-                    self._esc = True
-                elif ch == '"':
-                    self._in_str = False
-                    if self.depth == 1 and self._expect == "in_key":
-                        try:
-                            self._key = json.loads(text[self._key_start:k + 1])
-                        except ValueError:
-                            self._key = ""
-                        self._expect = "colon"
-                    elif self.depth == 1 and self._expect == "in_value":
-                        self._end_value(k + 1)
-                continue
-            if ch == '"':
-                self._in_str = True
-                if self.depth == 1 and self._expect == "key":
-                    self._key_start, self._expect = k, "in_key"
-                elif self.depth == 1 and self._expect == "value":
-                    self._start_value(k)
-            elif ch in "{[":
-                if self.depth == 1 and self._expect == "value":
-                    self._start_value(k)
-                self.depth += 1
-            elif ch in "}]":
-                self.depth -= 1
-                if self.depth == 1 and self._expect == "in_value":
-                    self._end_value(k + 1)
-                elif self.depth <= 0:
-                    if self._expect == "in_value":
-                        self._end_value(len(text[:k].rstrip()))
-                    self.closed = True
-                    self.text = text[:k + 1]
-                    return k + 1 - base
-            elif self.depth == 1:
-                if ch == ":" and self._expect == "colon":
-                    self._expect = "value"
-                elif ch == ",":
-                    if self._expect == "in_value":
-                        self._end_value(len(text[:k].rstrip()))
-                    self._expect = "key"
-                elif not ch.isspace() and self._expect == "value":
-                    self._start_value(k)
-        self.text = text
-        return len(s)
-
-    def _start_value(self, k: int) -> None:
-        self.members[self._key] = (k, None)
-        self._expect = "in_value"
-
-    def _end_value(self, k: int) -> None:
-        start, _ = self.members[self._key]
-        self.members[self._key] = (start, k)
-        self._expect = "comma"
 
 
 class OutputParser:
-    """Feed the model's text as it is decoded; get events back. One parser per generation."""
+    """Feed the model's text as it is decoded; get events back. One parser per generation.
+
+    While a call is read, the syntax's parser (``tool_parsers``) drives it through ``buf``,
+    ``state``, ``call`` and the methods under "the call stream" (``tool_parsers.CallStream``)."""
 
     def __init__(self, syntax: ToolSyntax, *, in_reasoning: bool, parse_tools: bool, prefix: str = "",
                  tools: list[dict] | None = None, new_id: Callable[[], str] = _random_call_id):
@@ -408,26 +109,27 @@ class OutputParser:
         before; ``new_id`` makes each call's id. ``prefix`` is parsed first, its events returned by
         the first ``feed``/``finish``."""
         self.syntax = syntax
+        self._tool = BY_SYNTAX[syntax](self)
         self._parse_tools = parse_tools
-        self._tools = _tool_params(tools)
-        self._bare_names = (frozenset(self._tools) if syntax is ToolSyntax.QWEN_XML and parse_tools and self._tools
-                            else None)
+        self._tools = tool_params(tools)
+        opener = self._tool.bare_opener
+        self._bare = (opener, frozenset(self._tools)) if opener and parse_tools and self._tools else None
         self._new_id = new_id
-        self._buf = ""
+        self.buf = ""
         self._out: list[Event] = []
         self._calls = 0
         self._lead = True               # drop the whitespace that opens a text or reasoning span
         self._think_tag = True          # a leading <think> opens (or, in reasoning, repeats) the reasoning
-        self._call: _Call | None = None
-        self._state: Callable[[bool], bool] = self._reasoning if in_reasoning else self._text
+        self.call: _Call | None = None
+        self.state: Callable[[bool], bool] = self._reasoning if in_reasoning else self._text
         if prefix:
-            self._buf = prefix
+            self.buf = prefix
             self._run(final=False)
 
     # public -----------------------------------------------------------------------------------
 
     def feed(self, text: str) -> list[Event]:
-        self._buf += text
+        self.buf += text
         self._run(final=False)
         return self._take_events()
 
@@ -439,9 +141,9 @@ class OutputParser:
 
     def _run(self, final: bool) -> None:
         while True:
-            if self._state(final):
+            if self.state(final):
                 continue
-            if final and self._call is not None:
+            if final and self.call is not None:
                 self._unterminated()
                 continue
             return
@@ -466,17 +168,11 @@ class OutputParser:
             return
         self._out.append(event)
 
-    def _consume(self, n: int) -> str:
-        taken, self._buf = self._buf[:n], self._buf[n:]
-        if self._call is not None:
-            self._call.raw.append(taken)
-        return taken
-
     def _strip_lead(self) -> bool:
         """Drop the span's leading whitespace; False while nothing else has arrived."""
         if self._lead:
-            stripped = self._buf.lstrip()
-            self._buf = stripped
+            stripped = self.buf.lstrip()
+            self.buf = stripped
             if not stripped:
                 return False
             self._lead = False
@@ -488,11 +184,11 @@ class OutputParser:
         if not self._think_tag:
             return ""
         for tag in tags:
-            if self._buf.startswith(tag):
-                self._buf = self._buf[len(tag):]
+            if self.buf.startswith(tag):
+                self.buf = self.buf[len(tag):]
                 self._think_tag, self._lead = False, True
                 return tag
-        if not final and any(tag.startswith(self._buf) for tag in tags):
+        if not final and any(tag.startswith(self.buf) for tag in tags):
             return None
         self._think_tag = False
         return ""
@@ -509,41 +205,43 @@ class OutputParser:
             return False
         if tag:
             if tag == _THINK_OPEN:
-                self._state = self._reasoning
+                self.state = self._reasoning
             return True
-        buf = self._buf
+        buf = self.buf
         if not self._parse_tools:
             self._emit(TextDelta(buf))
-            self._buf = ""
+            self.buf = ""
             return False
         i = buf.find(_TOOL_OPEN)
-        bare = self._bare_function(buf, i if i >= 0 else len(buf))
+        bare = self._bare_opener(buf, i if i >= 0 else len(buf))
         if bare is not None and bare[1]:
-            self._open_call(buf[:bare[0]], back=self._text, kind=TextDelta, tag=_FUNCTION_OPEN)
+            self._open_call(buf[:bare[0]], back=self._text, kind=TextDelta, tag=self._bare[0])
             return True
         if bare is not None and not final:  # hold the opener and the whitespace before it
             cut = len(buf[:bare[0]].rstrip())
             self._emit(TextDelta(buf[:cut]))
-            self._buf = buf[cut:]
+            self.buf = buf[cut:]
             return False
         if i >= 0:
             self._open_call(buf[:i], back=self._text, kind=TextDelta)
             return True
-        self._flush_before_tags(TextDelta, (_TOOL_OPEN, _FUNCTION_OPEN) if self._bare_names else (_TOOL_OPEN,), final)
+        self._flush_before_tags(TextDelta, (_TOOL_OPEN, self._bare[0]) if self._bare else (_TOOL_OPEN,), final)
         return False
 
-    def _bare_function(self, buf: str, before: int) -> tuple[int, bool] | None:
+    def _bare_opener(self, buf: str, before: int) -> tuple[int, bool] | None:
         """Qwen3-Coder sometimes leaves out ``<tool_call>``; llama.cpp then takes ``<function=NAME>``
-        of a tool in the request as the call's start. Returns where such an opener starts before
-        ``before`` and whether it is complete (False: the name is still arriving)."""
-        if not self._bare_names:
+        of a tool in the request as the call's start (a syntax's ``bare_opener``). Returns where
+        such an opener starts before ``before`` and whether it is complete (False: the name is
+        still arriving)."""
+        if not self._bare:
             return None
-        k = buf.find(_FUNCTION_OPEN)
+        opener, names = self._bare
+        k = buf.find(opener)
         while 0 <= k < before:
-            status, _, _ = _match(buf, k, (_FUNCTION_OPEN, _Name(">", self._bare_names)))
-            if status != _FAIL:
-                return k, status == _FULL
-            k = buf.find(_FUNCTION_OPEN, k + 1)
+            status, _, _ = match(buf, k, (opener, Name(">", names)))
+            if status != FAIL:
+                return k, status == FULL
+            k = buf.find(opener, k + 1)
         return None
 
     def _reasoning(self, final: bool) -> bool:
@@ -555,15 +253,15 @@ class OutputParser:
             return False
         if tag:
             return True
-        buf = self._buf
+        buf = self.buf
         tags = (_THINK_CLOSE, _TOOL_OPEN) if self._parse_tools else (_THINK_CLOSE,)
         found = [(i, t) for t in tags if (i := buf.find(t)) >= 0]
         if found:
             i, tag = min(found)
             if tag == _THINK_CLOSE:
                 self._emit(ReasoningDelta(buf[:i].rstrip()))
-                self._buf = buf[i + len(tag):]
-                self._state, self._lead, self._think_tag = self._text, True, False
+                self.buf = buf[i + len(tag):]
+                self.state, self._lead, self._think_tag = self._text, True, False
             else:  # Qwen3.5 and Laguna may open a call without closing the reasoning (llama.cpp, ollama)
                 self._open_call(buf[:i], back=self._reasoning, kind=ReasoningDelta)
             return True
@@ -572,290 +270,153 @@ class OutputParser:
 
     def _flush_before_tags(self, kind: type, tags: tuple[str, ...], final: bool) -> None:
         """Emit the buffer but what may start a tag and the whitespace before it."""
-        buf = self._buf
+        buf = self.buf
         if final:
             keep = 0
         else:
-            cut = len(buf) - _held(buf, tags)
+            cut = len(buf) - held(buf, tags)
             keep = len(buf) - len(buf[:cut].rstrip())
         self._emit(kind(buf[:len(buf) - keep]))
-        self._buf = buf[len(buf) - keep:]
+        self.buf = buf[len(buf) - keep:]
 
     def _open_call(self, before: str, back: Callable[[bool], bool], kind: type, tag: str = _TOOL_OPEN) -> None:
         body = before.rstrip()
         self._emit(kind(body))
-        self._buf = self._buf[len(before) + len(tag):]
-        self._call = _Call(back=back, gap=before[len(body):], raw=[tag])
-        self._state = self._call_body if tag == _TOOL_OPEN else self._xml_function
+        self.buf = self.buf[len(before) + len(tag):]
+        self.call = _Call(back=back, gap=before[len(body):], raw=[tag])
+        self.state = self._call_body if tag == _TOOL_OPEN else self._tool.after_bare_opener
+
+    def _call_body(self, final: bool) -> bool:
+        """A JSON body (every syntax) or the syntax's own."""
+        stripped = self.buf.lstrip()
+        if not stripped:
+            return False
+        if stripped[0] == "{":
+            self.consume(len(self.buf) - len(stripped))
+            self.state = JsonBody(self).body
+            return True
+        self.state = self._tool.body
+        return True
 
     # the end of a call, good or bad -----------------------------------------------------------
 
-    def _start(self) -> None:
-        call = self._call
+    def _unterminated(self) -> None:
+        self.call.raw.append(self.buf)
+        self.buf = ""
+        self.fail()
+
+    # the call stream: what a syntax's parser reads and ends a call through ---------------------
+
+    def consume(self, n: int) -> str:
+        taken, self.buf = self.buf[:n], self.buf[n:]
+        if self.call is not None:
+            self.call.raw.append(taken)
+        return taken
+
+    def start_call(self) -> None:
+        call = self.call
         if call.index is None:
             call.index = self._calls
             self._calls += 1
             self._emit(ToolCallStart(call.index, self._new_id(), call.name))
 
-    def _end_call(self) -> None:
-        call = self._call
-        self._start()
+    def end_call(self) -> None:
+        call = self.call
+        self.start_call()
         self._emit(ToolCallEnd(call.index, call.args))
-        self._call = None
-        self._state, self._lead, self._think_tag = self._text, True, False
+        self.call = None
+        self.state, self._lead, self._think_tag = self._text, True, False
 
-    def _fail(self) -> None:
+    def fail(self) -> None:
         """Not a tool call after all: its text goes back where it came from; once a
         ToolCallStart is out (that call then never ends), it is visible text."""
-        call = self._call
+        call = self.call
         text = call.gap + "".join(call.raw)
-        self._call = None
+        self.call = None
         if call.index is None and call.back == self._reasoning:
             self._emit(ReasoningDelta(text))
-            self._state = self._reasoning
+            self.state = self._reasoning
         else:
             self._emit(TextDelta(text))
-            self._state = self._text
+            self.state = self._text
         self._lead = self._think_tag = False
 
-    def _unterminated(self) -> None:
-        self._call.raw.append(self._buf)
-        self._buf = ""
-        self._fail()
+    def emit_arguments(self, text: str) -> None:
+        self._emit(ToolCallDelta(self.call.index, text))
 
-    # the call's body --------------------------------------------------------------------------
-
-    def _call_body(self, final: bool) -> bool:
-        buf = self._buf
-        stripped = buf.lstrip()
-        if not stripped:
-            return False
-        if stripped[0] == "{":
-            self._consume(len(buf) - len(stripped))
-            self._call.scan = _JsonScan()
-            self._state = self._json_body
-            return True
-        if self.syntax is ToolSyntax.LAGUNA:
-            self._consume(len(buf) - len(stripped))
-            self._state = self._laguna_name
-            return True
-        status, _, end, _ = _match_any(buf, 0, ((_WS, "<function="),))
-        if status == _FULL:
-            self._consume(end)
-            self._state = self._xml_function
-            return True
-        if status == _PARTIAL:
-            return False
-        self._fail()
-        return True
-
-    def _known(self) -> frozenset[str] | None:
-        params = self._tools.get(self._call.name)
+    def known_params(self) -> frozenset[str] | None:
+        params = self._tools.get(self.call.name)
         return frozenset(params) if params else None
 
-    def _begin_value(self, key: str) -> None:
-        call = self._call
+    def begin_value(self, key: str) -> None:
+        call = self.call
         params = self._tools.get(call.name)
         call.key = key
-        call.types = params.get(key, _STRING) if params else _STRING
-        call.streams = call.types == _STRING
+        call.types = params.get(key, STRING) if params else STRING
+        call.streams = call.types == STRING
         call.value = []
         if call.streams:
-            self._emit(ToolCallDelta(call.index, ("{" if not call.args else ", ") + _json_text(key) + ': "'))
+            self.emit_arguments(("{" if not call.args else ", ") + json_text(key) + ': "')
+
+    def begin_call(self, end: int, name: str, first_key: str | None, then: Callable[[bool], bool]) -> None:
+        """The call's name (and its first parameter's key, if any) was read up to ``end``: the call
+        starts, then that parameter's value is read in ``then``, or the call ends (no parameters)."""
+        self.consume(end)
+        self.call.name = name
+        self.start_call()
+        if first_key is None:
+            self.end_tagged_call()
+        else:
+            self.begin_value(first_key)
+            self.state = then
 
     def _value_text(self, text: str) -> None:
-        call = self._call
+        call = self.call
         call.value.append(text)
         if call.streams:
-            self._emit(ToolCallDelta(call.index, _json_text(text)[1:-1]))
+            self.emit_arguments(json_text(text)[1:-1])
 
     def _end_value(self) -> None:
-        call = self._call
+        call = self.call
         raw = "".join(call.value)
         if call.streams:
             value, piece = raw, '"'
         else:
             value = convert_value(raw, call.types)
-            piece = ("{" if not call.args else ", ") + _json_text(call.key) + ": " + _json_text(value)
+            piece = ("{" if not call.args else ", ") + json_text(call.key) + ": " + json_text(value)
         call.args[call.key] = value  # a repeated key: the last value wins, as json.loads does
-        self._emit(ToolCallDelta(call.index, piece))
+        self.emit_arguments(piece)
 
-    def _value(self, ends: Callable[[], tuple[tuple, ...]], candidates: re.Pattern, next_key: set[int],
-               then: Callable[[bool], bool]) -> bool:
+    def read_value(self, ends: Callable[[], tuple[tuple, ...]], candidates: re.Pattern, next_key: set[int],
+                   then: Callable[[bool], bool]) -> bool:
         """Move the value's text out of the buffer up to where the call's structure may resume
         (``ends``, tried where ``candidates`` match); once it does, start the next parameter (the
         alternatives in ``next_key``, continuing in ``then``) or end the call."""
-        buf = self._buf
+        buf = self.buf
         alts = ends()
         for m in candidates.finditer(buf):
-            status, which, end, names = _match_any(buf, m.start(), alts)
-            if status == _FAIL:
+            status, which, end, names = match_any(buf, m.start(), alts)
+            if status == FAIL:
                 continue
-            self._value_text(self._consume(m.start()))
-            if status == _PARTIAL:
+            self._value_text(self.consume(m.start()))
+            if status != FULL:
                 return False
-            self._consume(end - m.start())
+            self.consume(end - m.start())
             self._end_value()
             if which in next_key:
-                self._begin_value(names[0])
-                self._state = then
+                self.begin_value(names[0])
+                self.state = then
             else:
-                self._end_tagged_call()
+                self.end_tagged_call()
             return True
-        self._value_text(self._consume(len(buf)))
+        self._value_text(self.consume(len(buf)))
         return False
 
-    def _end_tagged_call(self) -> None:
-        self._emit(ToolCallDelta(self._call.index, "}" if self._call.args else "{}"))
-        self._end_call()
-
-    # Qwen XML -----------------------------------------------------------------------------------
-
-    def _xml_function(self, final: bool) -> bool:
-        """``<function=NAME>``, then the first parameter or the call's end."""
-        status, which, end, names = _match_any(self._buf, 0, ((_Name(">"), _WS, "<parameter=", _Name(">")),
-                                                              (_Name(">"), _WS, "</function>", _WS, _TOOL_CLOSE)))
-        if status == _PARTIAL:
-            return False
-        if status == _FAIL:
-            self._fail()
-            return True
-        self._consume(end)
-        self._call.name = names[0]
-        self._start()
-        if which == 1:
-            self._end_tagged_call()
-        else:
-            self._begin_value(names[1])
-            self._state = self._xml_value_start
-        return True
-
-    def _xml_value_start(self, final: bool) -> bool:
-        """The template writes a newline after ``<parameter=KEY>``; it is not part of the value."""
-        if not self._buf:
-            return False
-        if self._buf[0] == "\n":
-            self._consume(1)
-        self._state = self._xml_value
-        return True
-
-    def _xml_ends(self) -> tuple[tuple, ...]:
-        known = self._known()
-        return (("</parameter>", _WS, "<parameter=", _Name(">", known)),
-                ("</parameter>", _WS, "</function>", _WS, _TOOL_CLOSE),
-                ("\n</parameter>", _WS, "<parameter=", _Name(">", known)),
-                ("\n</parameter>", _WS, "</function>", _WS, _TOOL_CLOSE))
-
-    def _xml_value(self, final: bool) -> bool:
-        return self._value(self._xml_ends, _VALUE_CANDIDATE, {0, 2}, self._xml_value_start)
-
-    # Laguna ---------------------------------------------------------------------------------------
-
-    def _laguna_name(self, final: bool) -> bool:
-        buf = self._buf
-        m = re.match(r"[^\s<>]*", buf)
-        if m.end() == len(buf):
-            if len(buf) > _MAX_NAME:
-                self._fail()
-                return True
-            return False
-        name = m.group()
-        status, which, end, names = _match_any(buf, m.end(), ((_WS, "<arg_key>", _Name("</arg_key>"), _WS, "<arg_value>"),
-                                                              (_WS, _TOOL_CLOSE)))
-        if status == _PARTIAL:
-            return False
-        if status == _FAIL or not name:
-            self._fail()
-            return True
-        self._consume(end)
-        self._call.name = name
-        self._start()
-        if which == 1:
-            self._end_tagged_call()
-        else:
-            self._begin_value(names[0])
-            self._state = self._laguna_value
-        return True
-
-    def _laguna_ends(self) -> tuple[tuple, ...]:
-        return (("</arg_value>", _WS, "<arg_key>", _Name("</arg_key>", self._known()), _WS, "<arg_value>"),
-                ("</arg_value>", _WS, _TOOL_CLOSE))
-
-    def _laguna_value(self, final: bool) -> bool:
-        return self._value(self._laguna_ends, _LAGUNA_CANDIDATE, {0}, self._laguna_value)
-
-    # JSON body (hermes; accepted in every format) -------------------------------------------------
-
-    def _json_body(self, final: bool) -> bool:
-        call = self._call
-        scan = call.scan
-        n = scan.feed(self._buf)
-        self._consume(n)
-        self._stream_json_arguments()
-        if scan.closed:
-            self._state = self._json_close
-            return True
-        return False
-
-    def _json_member(self, *keys: str) -> tuple[int, int | None] | None:
-        members = self._call.scan.members
-        return next((members[k] for k in keys if k in members), None)
-
-    def _stream_json_arguments(self) -> None:
-        """Once the name is read and an arguments object has begun, its text goes out as it comes."""
-        call, scan = self._call, self._call.scan
-        if call.index is None:
-            name = self._json_member("name")
-            args = self._json_member("arguments", "parameters")
-            if not (name and name[1] is not None and args and scan.text[args[0]] == "{"):
-                return
-            try:
-                call.name = json.loads(scan.text[name[0]:name[1]])
-            except ValueError:
-                return
-            if not isinstance(call.name, str) or not call.name:
-                return
-            self._start()
-            call.streamed_json = args[0]
-        if call.streamed_json >= 0:
-            start, end = self._json_member("arguments", "parameters")
-            stop = end if end is not None else len(scan.text)
-            self._emit(ToolCallDelta(call.index, scan.text[call.streamed_json:stop]))
-            call.streamed_json = stop
-
-    def _json_close(self, final: bool) -> bool:
-        status, _, end, _ = _match_any(self._buf, 0, ((_WS, _TOOL_CLOSE),))
-        if status == _PARTIAL:
-            return False
-        call = self._call
-        parsed = _hermes_call(call.scan.text) if status == _FULL else None
-        if parsed is None or (call.index is not None and parsed[0] != call.name):
-            self._fail()
-            return True
-        self._consume(end)
-        call.name, call.args = parsed
-        if call.index is None:
-            self._start()
-            self._emit(ToolCallDelta(call.index, _json_text(call.args)))
-        self._end_call()
-        return True
+    def end_tagged_call(self) -> None:
+        self.emit_arguments("}" if self.call.args else "{}")
+        self.end_call()
 
 
-_LAGUNA_CANDIDATE = re.compile(r"<")
-
-
-def _hermes_call(text: str) -> tuple[str, dict] | None:
-    """``{"name": ..., "arguments": {...}}`` (``parameters`` too; arguments as a JSON string too)."""
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError:
-            return None
-    return (obj["name"], args) if isinstance(args, dict) else None
+__all__ = ["Event", "OutputParser", "ReasoningDelta", "TextDelta", "ToolCallDelta", "ToolCallEnd", "ToolCallStart",
+           "ToolSyntax", "closed_reasoning", "convert_value", "forced_prefix", "prompt_opens_reasoning",
+           "tool_syntax_for"]

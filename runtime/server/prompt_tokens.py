@@ -1,8 +1,8 @@
 """The tokens of a rendered prompt, reusing those of a recent prompt it repeats.
 
 Why: an agent resends its whole conversation every turn, and tokenizing it is most of what the
-server does before the prefill: a 26k-token Qwen3.5 prompt took ~40 ms to tokenize and under 1
-ms to render on the development machine, and the time grows with the conversation, while the
+server does before the prefill (rendering the template is much cheaper), and the time grows
+with the conversation, while the
 prefill of a turn (prefix reuse: ``runtime.generate.Session.prompt``) does not.
 
 Exact, by how the tokenizer works (``GGUFTokenizer.encode_marked``): it splits the text at added
