@@ -28,9 +28,9 @@ from typing import ClassVar
 import numpy as np
 
 # Zero-copy admission: counts decay by FREQ_DECAY per token (a memory of ~20 tokens), and a missed
-# expert must reach ADMIT_MIN (routed three times lately) to be copied into a slot. Measured on the
-# full-size model (BENCHMARKS.md): admitting at 1.5 cost 3% of decode speed at 60% residency
-# against no cache slots at all.
+# expert must reach ADMIT_MIN (routed three times lately) to be copied into a slot: a copy costs
+# the PCIe bytes of a zero-copy read, so it pays only if the slot is read again; a lower threshold
+# copies experts that are not, and decodes slower than no cache slots at all (BENCHMARKS.md).
 FREQ_DECAY = 0.95
 ADMIT_MIN = 3.0
 

@@ -1,10 +1,10 @@
 """Host memory for conversation states: slots of one fixed layout in pinned slabs, reused.
 
 Why: each snapshot used to take pinned buffers of its own (``runtime.pinned.pinned_empty``: an
-mmap whose pages are faulted in and locked by ``cudaHostRegister``), and a 40k-token Qwen3.6
-state is ~0.9 GB: on the development VM faulting in 0.82 GiB of fresh pages took 0.39 s, a copy
-into buffers touched before 0.14 s, and the GPU machine's turn after a new conversation's first
-paid the registration too (BENCHMARKS.md, issue 42). Here the registration is paid once per slab,
+mmap whose pages are faulted in and locked by ``cudaHostRegister``), and a long conversation's
+state is most of a gigabyte: faulting in fresh pages costs several times a copy into buffers
+touched before, and the turn after a new conversation's first paid the registration too
+(BENCHMARKS.md, issue 42). Here the registration is paid once per slab,
 freed slots go back to a free list, and ``grow`` can be called from a thread of its own, so the
 pool is ready before the engine asks.
 
