@@ -38,7 +38,7 @@ import triton.language as tl
 
 from . import pdl
 from .pdl import wait_prior
-from .blocks import _IQ1S, _IQ2S, _IQ2XS, _IQ2XXS, _IQ3S, _IQ3XXS, Q4_K, Q6_K, k_scale_min
+from .blocks import _IQ1S, _IQ2S, _IQ2XS, _IQ2XXS, _IQ3S, _IQ3XXS, Q4_K, Q6_K, _ksign, k_scale_min
 from gguf.constants import GGMLQuantizationType as _T
 from sparkpack.formats.quant_grids import GRID_AT, GRID_WIDTH, KSIGNS
 
@@ -331,17 +331,6 @@ def _signed_word(g, bits):
     """The four bytes of ``g`` (each 1..127) negated where bits 0-3 of ``bits`` are set."""
     ones = ((bits & 15) * 0x00204081) & 0x01010101  # bit j -> byte j
     return (g ^ (ones * 255)) + ones
-
-
-@triton.jit
-def _ksign(k):
-    """``ksigns[k & 127]``: the 7 stored sign bits and their parity as the eighth (an even
-    count of negatives per group of 8)."""
-    k = k & 127
-    p = k ^ (k >> 4)
-    p = p ^ (p >> 2)
-    p = p ^ (p >> 1)
-    return k | ((p & 1) << 7)
 
 
 @triton.jit
