@@ -375,41 +375,30 @@ def _iq2_xxs_sub(b, s, m, a, ok, grids, ASM: tl.constexpr):
 
 
 @triton.jit
-def _iq2_xs_sub(b, s, m, a, ok, grids, ASM: tl.constexpr):
-    # block_iq2_xs as 37 halves: d @0, group g's u16 @1 + g (9-bit grid index, 7-bit ksigns index
-    # above it), the scale byte of sub-block s in half 33 + s // 2 (a nibble per 16 elements).
+def _iq2_xs_s_sub(QTYPE: tl.constexpr, b, s, m, a, ok, grids, ASM: tl.constexpr):
+    # IQ2_XS (17), block_iq2_xs as 37 halves: d @0, group g's u16 @1 + g (9-bit grid index,
+    # 7-bit ksigns index above it), the scale byte of sub-block s in halves 33-36.
+    # IQ2_S (22), block_iq2_s as 41 halves: d @0, low index bytes (one per group of 8) @1 + 2s,
+    # sign bytes @17 + 2s, index bits 8-9 in byte s of halves 33-36 (2 bits a group), the scale
+    # byte of sub-block s in halves 37-40. Both: d (0.5 + sc) / 4, a scale nibble per 16 elements.
+    if QTYPE == 22:
+        idx = _pair(b, 1 + 2 * s, m)
+        sign = _pair(b, 17 + 2 * s, m)
+        qh = _half(b, 33 + s // 2, m) >> (8 * (s % 2))
     lo16 = tl.zeros(s.shape, dtype=tl.int32) + tl.zeros(b.shape, dtype=tl.int32)
     hi16 = lo16
     for g in tl.static_range(4):
-        q16 = _half(b, 1 + 4 * s + g, m)
-        dot = _lattice8_dot(grids, _IQ2XS, q16 & 511, _ksign(q16 >> 9), a + 2 * g, ok, ASM)
+        if QTYPE == 17:
+            q16 = _half(b, 1 + 4 * s + g, m)
+            dot = _lattice8_dot(grids, _IQ2XS, q16 & 511, _ksign(q16 >> 9), a + 2 * g, ok, ASM)
+        else:
+            entry = ((idx >> (8 * g)) & 255) | (((qh >> (2 * g)) & 3) << 8)
+            dot = _lattice8_dot(grids, _IQ2S, entry, sign >> (8 * g), a + 2 * g, ok, ASM)
         if g < 2:
             lo16 += dot
         else:
             hi16 += dot
-    sc = _half(b, 33 + s // 2, m) >> (8 * (s % 2))
-    return _f16_of(_half(b, 0, m)) * 0.25 * ((0.5 + (sc & 15).to(tl.float32)) * lo16.to(tl.float32) +
-                                             (0.5 + ((sc >> 4) & 15).to(tl.float32)) * hi16.to(tl.float32))
-
-
-@triton.jit
-def _iq2_s_sub(b, s, m, a, ok, grids, ASM: tl.constexpr):
-    # block_iq2_s as 41 halves: d @0, low index bytes (one per group of 8) @1 + 2s, sign bytes
-    # @17 + 2s, index bits 8-9 in byte s of halves 33-36 (2 bits a group), the scale byte of
-    # sub-block s in halves 37-40 (a nibble per 16 elements).
-    idx = _pair(b, 1 + 2 * s, m)
-    sign = _pair(b, 17 + 2 * s, m)
-    qh = _half(b, 33 + s // 2, m) >> (8 * (s % 2))
-    lo16 = tl.zeros(idx.shape, dtype=tl.int32)
-    hi16 = lo16
-    for g in tl.static_range(4):
-        entry = ((idx >> (8 * g)) & 255) | (((qh >> (2 * g)) & 3) << 8)
-        dot = _lattice8_dot(grids, _IQ2S, entry, sign >> (8 * g), a + 2 * g, ok, ASM)
-        if g < 2:
-            lo16 += dot
-        else:
-            hi16 += dot
-    sc = _half(b, 37 + s // 2, m) >> (8 * (s % 2))
+    sc = _half(b, (33 if QTYPE == 17 else 37) + s // 2, m) >> (8 * (s % 2))
     return _f16_of(_half(b, 0, m)) * 0.25 * ((0.5 + (sc & 15).to(tl.float32)) * lo16.to(tl.float32) +
                                              (0.5 + ((sc >> 4) & 15).to(tl.float32)) * hi16.to(tl.float32))
 
@@ -580,10 +569,8 @@ def low_bit_rows_q8(QTYPE: tl.constexpr, w, rows, rmask, xq, xd, xs, K, BN: tl.c
             a = xq + c * 64 + 8 * s  # the sub-block's eight activation words
             if QTYPE == 16:
                 part = _iq2_xxs_sub(b, s, m, a, ok, grids, ASM)
-            elif QTYPE == 17:
-                part = _iq2_xs_sub(b, s, m, a, ok, grids, ASM)
-            elif QTYPE == 22:
-                part = _iq2_s_sub(b, s, m, a, ok, grids, ASM)
+            elif QTYPE == 17 or QTYPE == 22:
+                part = _iq2_xs_s_sub(QTYPE, b, s, m, a, ok, grids, ASM)
             elif QTYPE == 18:
                 part = _iq3_xxs_sub(b, s, m, a, ok, grids, ASM)
             elif QTYPE == 21:
