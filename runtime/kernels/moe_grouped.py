@@ -114,6 +114,7 @@ def _sub_block(QTYPE: tl.constexpr, rows, nmask, c, ST: tl.constexpr, KS: tl.con
         # block_q2_K (84 B) / block_q3_K (110 B), sub-blocks of 16 (KS == 16: ST is the sub-block):
         # element 16 ST + l is bits 2J of code byte 32H + M0 + l (H = ST // 8, J = (ST % 8) // 2,
         # M0 = 16 (ST % 2)); Q3_K's third bit is bit 4H + J of hmask[M0 + l] @0 (set: no -4).
+        tl.static_assert(KS == 16, "Q2_K / Q3_K sub-steps are their 16-element sub-blocks")
         H: tl.constexpr = ST // 8
         J: tl.constexpr = (ST % 8) // 2
         M0: tl.constexpr = 16 * (ST % 2)
@@ -145,12 +146,14 @@ def _sub_block(QTYPE: tl.constexpr, rows, nmask, c, ST: tl.constexpr, KS: tl.con
             v = g * (1 - 2 * ((_ksign(aux >> (7 * (l // 8))) >> (l % 8)) & 1))
             scale = _f16(base, nmask) * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.25
         elif QTYPE == 17:  # IQ2_XS (74 B, KS == 16): u16 per group @2, scale nibbles @66
+            tl.static_assert(KS == 16, "its scales are per 16: ST is the sub-block")
             base = rows + c * 74
             q16 = _u8(base + 2 + 2 * (e // 8), nmask) | (_u8(base + 3 + 2 * (e // 8), nmask) << 8)
             g = tl.load(grids + _IQ2XS + (q16 & 511) * 8 + e % 8).to(tl.int32)
             v = g * (1 - 2 * ((_ksign(q16 >> 9) >> (e % 8)) & 1))
             scale = iq2_scale(base, 66, ST, nmask)
         elif QTYPE == 22:  # IQ2_S (82 B, KS == 16): index bytes @2, signs @34, high bits @66, scales @74
+            tl.static_assert(KS == 16, "its scales are per 16: ST is the sub-block")
             base = rows + c * 82
             grp = e // 8
             idx = _u8(base + 2 + grp, nmask) | (((_u8(base + 66 + grp // 4, nmask) >> (2 * (grp % 4))) & 3) << 8)
@@ -179,6 +182,7 @@ def _sub_block(QTYPE: tl.constexpr, rows, nmask, c, ST: tl.constexpr, KS: tl.con
             scale = _f16(base, nmask) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32) * 0.125
         else:  # IQ1_M (56 B, KS == 16): index bytes @0, a nibble per group @32, scales u16[4] @48
             tl.static_assert(QTYPE == 29, "moe_grouped has no sub-block branch for this quant type")
+            tl.static_assert(KS == 16, "its scales are per 16: ST is the sub-block")
             base = rows + c * 56
             grp = e // 8
             qn = (_u8(base + 32 + grp // 2, nmask) >> (4 * (grp % 2))) & 15
