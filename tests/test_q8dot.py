@@ -169,6 +169,10 @@ def test_low_bit_types_on_int8_activations(qtype: T) -> None:
     assert readable(qtype, raw) and not readable(qtype, odd)
     with pytest.raises(ValueError, match="not aligned"):
         gemv(x, [(odd, int(qtype))], out, q8=q8)
+    codes = torch.zeros(K // 4 + 1, dtype=torch.int32, device=DEVICE)  # codes 4 bytes off 8: refused too
+    codes[1:] = q8[0].reshape(-1)
+    with pytest.raises(ValueError, match="8-byte aligned"):
+        gemv(x, [(raw, int(qtype))], out, q8=(codes[1:].view(1, -1), q8[1], q8[2]))
     n_embd, n_ff, n_exp, topk, n_tok = 256, 256, 3, 2, 2
     rng = torch.Generator().manual_seed(7)
     x = torch.randn(n_tok, n_embd, generator=rng)

@@ -69,9 +69,16 @@ class Int8Rows(NamedTuple):
     writes an activation row can return this beside it (``new_q8`` / ``store_q8``), and the
     products that read the row then skip their own ``quantize`` launch."""
 
-    q: torch.Tensor  # int32 [T, K/4]: the int8 codes, four to a word
+    q: torch.Tensor  # int32 [T, K/4]: the int8 codes, four to a word (8-byte aligned: eight at a time)
     d: torch.Tensor  # fp32 [T, K/32]: block scales (x ~ d * code)
     s: torch.Tensor  # fp32 [T, K/16]: d times the sum of the codes of each 16 elements
+
+
+def check_codes(q: torch.Tensor) -> None:
+    """The low-bit kernels load eight activation codes as one int64: ``Int8Rows.q`` must start
+    8-byte aligned (its rows then are too: K is a multiple of 32). Fresh tensors always are."""
+    if q.data_ptr() % 8:
+        raise ValueError("int8 activation codes must start 8-byte aligned")
 
 
 def wanted(rows: int, unit: int) -> bool:
@@ -348,9 +355,9 @@ def _entry4(grids, at: tl.constexpr, entry):
 
 
 @triton.jit
-def _dot8(lo, hi, a, ok, ASM: tl.constexpr):
-    """Dot of the words of eight codes with activation words ``a``, ``a + 1``."""
-    return dot4(lo, tl.load(a, mask=ok, other=0), ASM) + dot4(hi, tl.load(a + 1, mask=ok, other=0), ASM)
+def _dot8(lo, hi, x, ASM: tl.constexpr):
+    """Dot of the words of eight codes with eight activation codes ``x`` (int64: one load)."""
+    return dot4(lo, x.to(tl.int32), ASM) + dot4(hi, (x >> 32).to(tl.int32), ASM)
 
 
 @triton.jit
@@ -358,7 +365,7 @@ def _lattice8_dot(grids, at: tl.constexpr, entry, signs, a, ok, ASM: tl.constexp
     """A group of eight: lattice entry ``entry`` with sign bits ``signs`` (bit j: element j
     negative) times the activation words at ``a``."""
     lo, hi = _entry8(grids, at, entry)
-    return _dot8(_signed_word(lo, signs), _signed_word(hi, signs >> 4), a, ok, ASM)
+    return _dot8(_signed_word(lo, signs), _signed_word(hi, signs >> 4), tl.load(a, mask=ok, other=0), ASM)
 
 
 @triton.jit
@@ -370,7 +377,7 @@ def _iq2_xxs_sub(b, s, m, a, ok, grids, ASM: tl.constexpr):
     aux = _pair(b, 3 + 4 * s, m)
     dot = tl.zeros(idx.shape, dtype=tl.int32)
     for g in tl.static_range(4):
-        dot += _lattice8_dot(grids, _IQ2XXS, (idx >> (8 * g)) & 255, _ksign(aux >> (7 * g)), a + 2 * g, ok, ASM)
+        dot += _lattice8_dot(grids, _IQ2XXS, (idx >> (8 * g)) & 255, _ksign(aux >> (7 * g)), a + g, ok, ASM)
     return _f16_of(_half(b, 0, m)) * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.25 * dot.to(tl.float32)
 
 
@@ -390,10 +397,10 @@ def _iq2_xs_s_sub(QTYPE: tl.constexpr, b, s, m, a, ok, grids, ASM: tl.constexpr)
     for g in tl.static_range(4):
         if QTYPE == 17:
             q16 = _half(b, 1 + 4 * s + g, m)
-            dot = _lattice8_dot(grids, _IQ2XS, q16 & 511, _ksign(q16 >> 9), a + 2 * g, ok, ASM)
+            dot = _lattice8_dot(grids, _IQ2XS, q16 & 511, _ksign(q16 >> 9), a + g, ok, ASM)
         else:
             entry = ((idx >> (8 * g)) & 255) | (((qh >> (2 * g)) & 3) << 8)
-            dot = _lattice8_dot(grids, _IQ2S, entry, sign >> (8 * g), a + 2 * g, ok, ASM)
+            dot = _lattice8_dot(grids, _IQ2S, entry, sign >> (8 * g), a + g, ok, ASM)
         if g < 2:
             lo16 += dot
         else:
@@ -416,7 +423,7 @@ def _iq3_xxs_sub(b, s, m, a, ok, grids, ASM: tl.constexpr):
             signs = _ksign(aux >> (7 * (2 * h + g)))
             lo = _signed_word(_entry4(grids, _IQ3XXS, (idx >> (16 * g)) & 255), signs)
             hi = _signed_word(_entry4(grids, _IQ3XXS, (idx >> (16 * g + 8)) & 255), signs >> 4)
-            dot += _dot8(lo, hi, a + 4 * h + 2 * g, ok, ASM)
+            dot += _dot8(lo, hi, tl.load(a + 2 * h + g, mask=ok, other=0), ASM)
     return _f16_of(_half(b, 0, m)) * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.5 * dot.to(tl.float32)
 
 
@@ -435,7 +442,8 @@ def _iq3_s_sub(b, s, m, a, ok, grids, ASM: tl.constexpr):
             lo = _entry4(grids, _IQ3S, ((idx >> (16 * g)) & 255) | (((qh >> j) & 1) << 8))
             hi = _entry4(grids, _IQ3S, ((idx >> (16 * g + 8)) & 255) | (((qh >> (j + 1)) & 1) << 8))
             signs = sign >> (4 * j)
-            dot += _dot8(_signed_word(lo, signs), _signed_word(hi, signs >> 4), a + j, ok, ASM)
+            x = tl.load(a + j // 2, mask=ok, other=0)
+            dot += _dot8(_signed_word(lo, signs), _signed_word(hi, signs >> 4), x, ASM)
     sc = (_half(b, 53 + s // 4, m) >> (4 * (s % 4))) & 15
     return _f16_of(_half(b, 0, m)) * (1 + 2 * sc).to(tl.float32) * dot.to(tl.float32)
 
@@ -446,7 +454,8 @@ def _iq1_dot(grids, entry, neg, a, ok, ASM: tl.constexpr):
     the activation words at ``a``, times 8 (an integer): 8 sum grid x + -+ sum x."""
     lo, hi = _entry8(grids, _IQ1S, entry)
     ones = tl.full(lo.shape, 0x01010101, tl.int32)
-    return 8 * _dot8(lo, hi, a, ok, ASM) + (1 - 2 * neg) * _dot8(ones, ones, a, ok, ASM)
+    x = tl.load(a, mask=ok, other=0)
+    return 8 * _dot8(lo, hi, x, ASM) + (1 - 2 * neg) * _dot8(ones, ones, x, ASM)
 
 
 @triton.jit
@@ -458,7 +467,7 @@ def _iq1_s_sub(b, s, m, a, ok, grids, ASM: tl.constexpr):
     qh = _half(b, 17 + s, m)
     dot = tl.zeros(idx.shape, dtype=tl.int32)
     for g in tl.static_range(4):
-        dot += _iq1_dot(grids, ((idx >> (8 * g)) & 255) | (((qh >> (3 * g)) & 7) << 8), qh >> 15, a + 2 * g, ok,
+        dot += _iq1_dot(grids, ((idx >> (8 * g)) & 255) | (((qh >> (3 * g)) & 7) << 8), qh >> 15, a + g, ok,
                         ASM)
     return _f16_of(_half(b, 0, m)) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32) * 0.125 * dot.to(tl.float32)
 
@@ -474,7 +483,7 @@ def _iq1_m_sub(b, s, m, a, ok, grids, ASM: tl.constexpr):
     hi16 = lo16
     for g in tl.static_range(4):
         n = qn >> (4 * g)
-        dot = _iq1_dot(grids, ((idx >> (8 * g)) & 255) | ((n & 7) << 8), (n >> 3) & 1, a + 2 * g, ok, ASM)
+        dot = _iq1_dot(grids, ((idx >> (8 * g)) & 255) | ((n & 7) << 8), (n >> 3) & 1, a + g, ok, ASM)
         if g < 2:
             lo16 += dot
         else:
@@ -566,7 +575,7 @@ def low_bit_rows_q8(QTYPE: tl.constexpr, w, rows, rmask, xq, xd, xs, K, BN: tl.c
             ok = c * 256 < K
             m = rmask3 & ok
             b = wu + rows3 + c * (TS // UNIT)  # [BN, CPI, 1]
-            a = xq + c * 64 + 8 * s  # the sub-block's eight activation words
+            a = xq.to(tl.pointer_type(tl.int64)) + c * 32 + 4 * s  # its 32 activation codes (``check_codes``)
             if QTYPE == 16:
                 part = _iq2_xxs_sub(b, s, m, a, ok, grids, ASM)
             elif QTYPE == 17 or QTYPE == 22:
