@@ -7,7 +7,7 @@
 #   (the server and its test clients; the device has torch, triton, transformers, xxhash, prometheus-client,
 #   pytest-xdist, not these); then carry .whl (and .device/corpus, a copy of ../shared/corpora/lucebox-hub).
 # QUANT=IQ2_M (any repack synth --quant) makes the synthetic models of that mix instead of Q4_K_M.
-# steps: any of synth split compress tests cudatests kernels calib store staged decode llama side presets serve conversations learning long (default: synth split compress tests)
+# steps: any of synth split compress tests cudatests kernels calib store staged decode llama side presets serve conversations learning long lowbit_llama build (default: synth split compress tests)
 # cudatests: the runtime's CUDA tests (kernels, expert store, pack integrity, graphs, prefix reuse, served
 #   GPU path, generation, learning, calibration replay, staged prefill) on 15 xdist workers (CUDA_TESTS: other files).
 # calib: bench/calibrate_speed.py on BENCH_CORPUS (default: corpora/): repack calibrate's tok/s and peak
@@ -34,6 +34,11 @@
 # learning: bench/learning_bench.py (issue 30): live learning from no profile vs an offline profile, at --vram 14GiB.
 # long: long prompts and long context, fresh spark-run per length next to llama-bench (bench/long_context.py);
 #   LONG_ARGS adds options (e.g. "--lengths 8192 32768 131072 --kv auto q8_0").
+# lowbit_llama: issue 45's llama.cpp side on the low-bit synthetic files (LOWBIT_QUANTS, default IQ2_M IQ2_XXS
+#   IQ3_XXS; the same files QUANT=<quant> gives the other steps): llama-bench pp8192 + tg128 all-GPU, and at
+#   LOWBIT_VRAM (8GiB) with -ncmoe N from `repack export --llama-cpp --ctx 8320` (the bench's prompt + generated
+#   tokens) per KV type (LOWBIT_KV: f16 q8_0);
+#   LOWBIT_REPS (2) repetitions; json in $OUT/llama_lowbit_<quant>_<config>.json. Builds llama-bench meanwhile.
 # build: only build llama-bench (then side/presets on the same warm machine skip the build).
 #   PRESETS="qwen3moe:qwen3-30b-a3b" runs one (each takes ~4-5 minutes: one per call fits the limit).
 set -euo pipefail
@@ -195,6 +200,37 @@ for step in $steps; do
     long)
       ensure_model "$model" qwen35moe qwen3.6-35b-a3b
       python3 bench/long_context.py "$model" --out "${OUT:-$work}" ${LONG_ARGS:-} ;;
+    lowbit_llama)
+      build=""
+      if [ ! -x "${LLAMA_BUILD:-/tmp/llama-build}/bin/llama-bench" ]; then  # a fresh machine: build meanwhile
+        nice -n 19 bash bench/llama_bench.sh --build-only > "$work/llama_build.log" 2>&1 &
+        build=$!
+      fi
+      for q in ${LOWBIT_QUANTS:-IQ2_M IQ2_XXS IQ3_XXS}; do
+        m="$work/qwen36-$(echo "$q" | tr 'A-Z' 'a-z').gguf"
+        [ -f "$m" ] || python3 -m sparkpack.repack.cli synth --arch qwen35moe --preset qwen3.6-35b-a3b --quant "$q" -j 16 \
+          --skew reference -o "$m" >/dev/null
+      done
+      sync  # nothing timed while the files are flushed or llama.cpp compiles
+      if [ -n "$build" ]; then wait "$build" || { tail -20 "$work/llama_build.log"; exit 1; }; fi
+      bin="${LLAMA_BUILD:-/tmp/llama-build}/bin/llama-bench"
+      mkdir -p "${OUT:-$work}"
+      for q in ${LOWBIT_QUANTS:-IQ2_M IQ2_XXS IQ3_XXS}; do
+        m="$work/qwen36-$(echo "$q" | tr 'A-Z' 'a-z').gguf"
+        configs="all-gpu|-ngl 99"
+        for kv in ${LOWBIT_KV:-f16 q8_0}; do  # the least expert layers on the CPU within LOWBIT_VRAM
+          n=$(python3 -m sparkpack.repack.cli export "$m" --llama-cpp --vram "${LOWBIT_VRAM:-8GiB}" --kv-type "$kv" \
+            --ctx 8320 --json \
+            | python3 -c "import json, sys; print(json.load(sys.stdin)['n_cpu_moe'] or 0)") || { echo "export failed on $m"; continue; }
+          configs="$configs
+${LOWBIT_VRAM:-8GiB}-$kv|-ngl 99 -ncmoe $n -ctk $kv -ctv $kv"
+        done
+        while IFS='|' read -r name args; do
+          echo "== llama-bench $q $name: $args"
+          "$bin" -m "$m" $args -fa 1 -p 8192 -n 128 -r "${LOWBIT_REPS:-2}" -o json -oe md \
+            2>&1 >"${OUT:-$work}/llama_lowbit_${q}_${name}.json" || echo "llama-bench FAILED ($q $name)"
+        done <<< "$configs"
+      done ;;
     build)
       bash bench/llama_bench.sh --build-only ;;
     kernels)

@@ -169,7 +169,7 @@ def test_low_bit_files_run_on_the_kernels_at_any_residency(synth_model, mix, mon
     from sparkpack.formats.archs import model_spec
     from sparkpack.formats.gguf_file import GGUFModel
     from sparkpack.formats.quants import kernels_read
-    from sparkpack.runtime.kernels.q8dot import Q8_TYPES
+    from sparkpack.runtime.kernels.q8dot import Q8_TYPES, readable
 
     if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("kernels on CPU tensors need Triton's interpreter")
@@ -197,6 +197,11 @@ def test_low_bit_files_run_on_the_kernels_at_any_residency(synth_model, mix, mon
     copied, cs = steps(0.1, "async", 4)
     assert torch.equal(zero, all_dev) and torch.equal(copied, all_dev)
     assert zs.stats.zero_copy_reads > 0 and cs.stats.loads > 0
+    for la in zs.layers.values():  # every pool (device and host) aligned for the int8 kernels' loads
+        p = la.host_pools
+        for qt, views in ((p.gate_qtype, (p.gate, p.host[0])), (p.up_qtype, (p.up, p.host[1])),
+                          (p.down_qtype, (p.down, p.host[2]))):
+            assert qt is None or int(qt) not in Q8_TYPES or readable(qt, *views), (mix, qt)
     monkeypatch.setattr("sparkpack.runtime.kernels.moe.readable", lambda *a: False)  # float activations
     on_float, _ = steps(0.6, "zerocopy", 0, int8=False)
     ref = Session(load_model(gguf, dtype=torch.float64))

@@ -172,12 +172,18 @@ def test_moe_matches_reference_and_ignores_slot_placement(moe_case: dict, groupe
     assert torch.equal(first, moved)
 
 
-@pytest.mark.parametrize("types", [(T.Q4_K, T.Q5_K, T.Q6_K), (T.Q6_K, T.Q4_K, T.Q5_K), (T.Q4_K, T.Q4_K, T.Q4_K)],
-                         ids=["q4k-q5k-q6k", "q6k-q4k-q5k", "q4k"])
+@pytest.mark.parametrize("types", [(T.Q4_K, T.Q5_K, T.Q6_K), (T.Q6_K, T.Q4_K, T.Q5_K), (T.Q4_K, T.Q4_K, T.Q4_K),
+                                   # each low-bit type whole and, beside a type of 16, in halves
+                                   (T.IQ2_XXS, T.IQ2_XS, T.IQ3_XXS), (T.IQ3_S, T.IQ2_S, T.IQ1_S),
+                                   (T.IQ1_S, T.IQ1_M, T.Q2_K), (T.IQ3_XXS, T.Q3_K, T.IQ3_S),
+                                   (T.IQ2_XXS, T.IQ2_XXS, T.IQ2_XXS)],
+                         ids=["q4k-q5k-q6k", "q6k-q4k-q5k", "q4k", "iq2xxs-iq2xs-iq3xxs", "iq3s-iq2s-iq1s",
+                              "iq1s-iq1m-q2k", "iq3xxs-q3k-iq3s", "iq2xxs"])
 def test_grouped_sub_block_kernels_match_the_expanded_ones(types: tuple) -> None:
     """The sub-block kernels (integer codes on the tensor cores, scales after) against the
-    reference and the expanded-tile kernels, for each K-quant in each role (with a Q6_K beside a
-    Q4_K, the Q4_K sub-blocks are read in halves of 16). Uneven experts: some blocks padded."""
+    reference and the expanded-tile kernels, for each K-quant and low-bit type in each role (with
+    a 16-element type beside a 32-element one, the latter's sub-blocks are read in halves of 16;
+    the lattice types of 32 also whole). Uneven experts: some blocks padded."""
     gq, uq, dq = types
     rng = torch.Generator().manual_seed(11)
     n_embd, n_ff, n_exp, topk, n_tok = 256, 256, 3, 2, 20  # n_ff: down's K, one super-block
@@ -633,6 +639,9 @@ def _gemv_groups() -> list[list[int]]:
     return groups
 
 
+LOW_SUB_TYPES = (T.Q2_K, T.Q3_K, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M)
+
+
 def aot_compile_all(arch: int = 90) -> None:
     """Compile every kernel family for sm_``arch`` (PTX -> cubin with the bundled ptxas): catches
     what the interpreter accepts but the compiler rejects. Needs TRITON_INTERPRET unset."""
@@ -724,7 +733,12 @@ def aot_compile_all(arch: int = 90) -> None:
              (moe._gate_up_kernel, {"x_ptr": "*fp32", "ids_ptr": "*i64", "slot_ptr": "*i32", "h_ptr": "*fp32",
                                     "count_ptr": "*i32", **q8_args},
               {"GATE_QTYPE": int(T.IQ2_S), "UP_QTYPE": int(T.IQ2_S), "HAS_HOST": True, "HAS_COUNT": True,
-               "BLOCK_N": 2, "ACT_Q8": True, "ASM": True, "CPI": 8})]
+               "BLOCK_N": 2, "ACT_Q8": True, "ASM": True, "CPI": 8}),
+             # the low-bit types' sub-block prefill on bf16 tensor-core operands
+             *[(moe_grouped._sub_down_kernel, {"h_ptr": "*bf16", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
+                                               "wts_ptr": "*fp32", "slot_ptr": "*i32", "part_ptr": "*fp32"},
+                {"DOWN_QTYPE": int(q), "HAS_HOST": True, "OPER": 1, "KS": 16, "BLOCK_M": 16, "BLOCK_N": 64})
+               for q in LOW_SUB_TYPES]]
     for fn, ptrs, consts in jobs:
         kernel = triton.compile(ASTSource(fn, _signature(fn, ptrs), {"PDL": True, **consts}), target=target)
         assert kernel.asm["cubin"], (fn.__name__, consts)
@@ -766,7 +780,7 @@ def test_kernel_conditions_fold_on_every_triton() -> None:
 
 def test_kernels_compile_for_h100() -> None:
     compile_in_subprocess("from tests.test_kernels import aot_compile_all; aot_compile_all()",
-                          28 + len(QTYPES) + 2 * len(_gemv_groups()))
+                          28 + len(QTYPES) + 2 * len(_gemv_groups()) + len(LOW_SUB_TYPES))
 
 
 @pytest.mark.parametrize("T,d_k,d_v,chunk", [(150, 16, 24, 64), (40, 20, 16, 16), (64, 32, 32, 32)])

@@ -20,7 +20,7 @@ from gguf.constants import GGMLQuantizationType as T  # noqa: E402
 
 from sparkpack.runtime.kernels.dense import gemv  # noqa: E402
 from sparkpack.runtime.kernels.moe import ExpertPools, MoELaunch, moe_experts  # noqa: E402
-from sparkpack.runtime.kernels.q8dot import LOW_BIT_Q8, quantize  # noqa: E402
+from sparkpack.runtime.kernels.q8dot import LOW_BIT_Q8, quantize, readable  # noqa: E402
 from tests.kernel_refs import DEVICE, dequant64, pools, random_weight, rel_l2, segment  # noqa: E402
 
 
@@ -130,8 +130,6 @@ def test_moe_decode_on_int8_activations(merged: bool) -> None:
 def test_misaligned_pools_fall_back_to_float_activations() -> None:
     """A pool view the int8 kernels cannot load words from (an odd byte offset) is read with
     float activations, giving exactly the float kernels' result instead of a faulting load."""
-    from sparkpack.runtime.kernels.q8dot import readable
-
     n_embd, n_ff, n_exp = 256, 256, 3
     gate, up = random_weight(T.Q4_K, n_ff, n_embd, 51, n_exp), random_weight(T.Q4_K, n_ff, n_embd, 52, n_exp)
     down = random_weight(T.Q6_K, n_embd, n_ff, 53, n_exp)
@@ -163,6 +161,17 @@ def test_low_bit_types_on_int8_activations(qtype: T) -> None:
     out = torch.full((1, N), float("nan"), device=DEVICE)
     gemv(x, [(raw, int(qtype))], out, q8=q8)
     assert rel_l2(out, dequantized(q8[0].cpu(), q8[1].cpu()).double() @ w.T) < 1e-6
+    # the kernel loads 16/32-bit units: rows off that alignment are refused, never misread
+    odd = torch.zeros(raw.numel() + 1, dtype=torch.uint8, device=DEVICE)
+    odd[1:] = raw.reshape(-1)
+    odd = odd[1:].view(raw.shape)
+    assert readable(qtype, raw) and not readable(qtype, odd)
+    with pytest.raises(ValueError, match="not aligned"):
+        gemv(x, [(odd, int(qtype))], out, q8=q8)
+    codes = torch.zeros(K // 4 + 1, dtype=torch.int32, device=DEVICE)  # codes 4 bytes off 8: refused too
+    codes[1:] = q8[0].reshape(-1)
+    with pytest.raises(ValueError, match="8-byte aligned"):
+        gemv(x, [(raw, int(qtype))], out, q8=(codes[1:].view(1, -1), q8[1], q8[2]))
     n_embd, n_ff, n_exp, topk, n_tok = 256, 256, 3, 2, 2
     rng = torch.Generator().manual_seed(7)
     x = torch.randn(n_tok, n_embd, generator=rng)

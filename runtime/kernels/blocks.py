@@ -298,6 +298,17 @@ def _u32(ptr, mask):
 
 
 @triton.jit
+def _ksign(k):
+    """``ksigns[k & 127]``: the 7 stored sign bits and their parity as the eighth (an even
+    count of negatives per group of 8; gguf's table, as ``q8dot`` checks at import)."""
+    k = k & 127
+    p = k ^ (k >> 4)
+    p = p ^ (p >> 2)
+    p = p ^ (p >> 1)
+    return k | ((p & 1) << 7)
+
+
+@triton.jit
 def _signed(grids, sign_index, l):
     """+1/-1 for bit ``l % 8`` of ``ksigns[sign_index]`` (set: negative)."""
     bit = (tl.load(grids + _KSIGNS + sign_index).to(tl.int32) >> (l % 8)) & 1

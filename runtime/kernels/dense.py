@@ -30,8 +30,8 @@ from ..dequant import FLOAT_DTYPES
 from . import pdl
 from .blocks import Q4_K, Q6_K, _row_dot, _unpack, grid_table, row_bytes_of
 from .pdl import prefetch_l2, wait_prior
-from .q8dot import (LOW_BIT_BITS, chunks_per_iteration, low_bit_rows_q8, q4_k_rows_q8, q4_k_scales, q6_k_rows_q8,
-                    q6_k_scales, use_asm)
+from .q8dot import (LOW_BIT_BITS, LOW_BIT_UNIT, check_codes, chunks_per_iteration, low_bit_rows_q8, q4_k_rows_q8,
+                    q4_k_scales, q6_k_rows_q8, q6_k_scales, readable, use_asm)
 
 # Plain float matrices (the routers stay F32 in GGUF files) are read as their dtype
 # (``dequant.FLOAT_DTYPES``); the kernels below name them by GGML id (F32 0, F16 1, BF16 30).
@@ -275,6 +275,9 @@ def gemv(x: torch.Tensor, segments: list[tuple[torch.Tensor, int]], out: torch.T
         if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != row_bytes(qt, K) or not raw.is_contiguous():
             raise ValueError(f"segment of type {qt} must be contiguous uint8 [N, {row_bytes(qt, K)}], "
                              f"got {raw.dtype} {tuple(raw.shape)}")
+        if q8 is not None and qt in LOW_BIT_UNIT and not readable(qt, raw):
+            raise ValueError(f"segment of type {qt}: the int8 kernel loads it in {LOW_BIT_UNIT[qt]}-byte units, "
+                             f"its rows are not aligned to them")
         view = load_view(raw, qt)
         args += [view, raw.shape[0], view.shape[1]]
         qts.append(qt)
@@ -287,6 +290,8 @@ def gemv(x: torch.Tensor, segments: list[tuple[torch.Tensor, int]], out: torch.T
     if q8 is not None and (q8[0].shape != (B, K // 4) or q8[0].dtype != torch.int32
                            or not all(t.is_contiguous() for t in q8)):
         raise ValueError(f"q8 must be x quantized by q8dot.quantize ([{B}, {K // 4}] int32 words)")
+    if q8 is not None:
+        check_codes(q8[0])
     xq, xd, xs = q8 if q8 is not None else (x, x, x)
     _gemv_kernel[(blocks * B,)](x, xq, xd, xs, out, grid_table(x.device), K, B, out.stride(0), *args, QT0=qts[0], QT1=qts[1], QT2=qts[2], QT3=qts[3],
                             NSEG=len(segments), BN=bn, CPI=cpi, ACT_Q8=q8 is not None, ASM=use_asm(x), num_warps=warps,

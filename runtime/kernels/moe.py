@@ -40,7 +40,8 @@ import triton.language as tl
 from sparkpack.runtime import decode_rows
 from sparkpack.runtime.kernels import pdl
 from sparkpack.runtime.kernels.pdl import prefetch_l2, wait_prior
-from sparkpack.runtime.kernels.q8dot import Int8Rows, chunks_per_iteration, quantize, readable, row_dot_q8, use_asm
+from sparkpack.runtime.kernels.q8dot import (Int8Rows, check_codes, chunks_per_iteration, quantize, readable, row_dot_q8,
+                                             use_asm)
 from sparkpack.runtime.kernels.moe_grouped import GROUPED_MIN_PAIRS, group_pairs, grouped_experts
 from sparkpack.runtime.kernels.blocks import _output, _row_dot, grid_table, rows_per_program
 from sparkpack.runtime.kernels.slots import check_pool, slot_base
@@ -262,6 +263,8 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         q8_gu = act_q8 and readable(gate_qtype, gate_raw, gate_h) and readable(up_qtype, up_raw, up_h)
         q8_down = act_q8 and readable(down_qtype, down_raw, down_h)
         xq, xd, xs = (x_q8 if x_q8 is not None else quantize(x)) if q8_gu else (x, x, x)
+        if q8_gu:
+            check_codes(xq)
         grids = grid_table(x.device)
         _gate_up_kernel[(T_ * topk, triton.cdiv(n_ff, bn))](
             x, xq, xd, xs, grids, topk_ids, slot_table, gate_raw, up_raw, gate_h, up_h, h,

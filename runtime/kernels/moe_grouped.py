@@ -6,7 +6,7 @@ to it; at 512 tokens that is ~16-32 unpacks of every expert per layer. Here the 
 by expert into blocks of ``BLOCK_M`` rows of one expert (padded; built on the device in one
 launch, ``group_pairs``, no host sync), and each program unpacks a weight tile once for its block.
 
-Why sub-blocks (``_sub_*`` kernels, Q4_K / Q5_K / Q6_K): the first grouped kernels (``_tile_*``,
+Why sub-blocks (``_sub_*`` kernels, the K-quants and the low-bit types of ``SUB_TYPES``): the first grouped kernels (``_tile_*``,
 kept for the other types) expanded each 256-element chunk of weights to ``scale * q - offset`` in
 fp32, rounded it to bf16 and fed one ``tl.dot``: per weight a byte load, shifts, an int-to-float
 conversion (a quarter-rate instruction), a multiply-add and a rounding, and at 512 tokens that
@@ -19,7 +19,10 @@ scale and offset are applied to the fp32 product afterwards::
 
 A code (0..63) becomes a bf16/f16 operand without a conversion: OR-ed into the mantissa of 128.0
 (bf16) or 1024.0 (f16) it *is* ``bias + code``, exactly, and the bias comes off with the column
-sums (``- scale * bias * sum_k a``). The products are exact (integer codes, no rounded weights),
+sums (``- scale * bias * sum_k a``). The low-bit types fit the same form: Q2_K/Q3_K codes are
+0..3/0..7 per 16-element sub-block, and a lattice weight is its sub-block's scale times a signed
+integer (grid * sign, or for IQ1 8 * grid +- 1, its delta of +-1/8 scaled by 8), stored as the
+code ``v + 64`` with ``64 * scale`` in the offset. The products are exact (integer codes, no rounded weights),
 so these kernels are more accurate than the expanded ones, not less. The weight tile is the dot's
 first operand (``[BLOCK_N, KS] @ [KS, BLOCK_M]``): Hopper's wgmma wants 64 rows there and takes it
 from registers, where the codes are made, and a block of an expert's pairs is often fewer than 64.
@@ -32,13 +35,20 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from gguf.constants import GGMLQuantizationType as T
+
+from sparkpack.formats.quants import KERNEL_QUANTS
 
 from . import pdl
 from .pdl import wait_prior
-from .blocks import Q4_K, Q5_K, Q6_K, _f16, _k_scale_min, _tile_dot, _u8, grid_table
+from .blocks import (_IQ1S, _IQ2S, _IQ2XS, _IQ2XXS, _IQ3S, _IQ3XXS, Q4_K, Q5_K, Q6_K, _f16, _k_scale_min, _ksign,
+                     _tile_dot, _u8, _u32, grid_table, iq1_m_d, iq2_scale)
 from .slots import slot_base
 
-SUB_TYPES = (Q4_K, Q5_K, Q6_K)  # types with a sub-block kernel; others take the ``_tile_*`` kernels
+# types with a sub-block kernel (the K-quants and the low-bit types: Q2_K, Q3_K, the IQ1-IQ3
+# lattices); the others take the ``_tile_*`` kernels
+SUB_TYPES = (Q4_K, Q5_K, Q6_K, *(int(q) for q in (T.Q2_K, T.Q3_K, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S,
+                                                   T.IQ1_S, T.IQ1_M)))
 GROUPED_MIN_PAIRS = 64  # (token, choice) pairs from which the grouped (prefill) kernels run
 # dot operand kinds of the sub-block kernels: fp32 (exact ``ieee`` products: fp32 activations and
 # Triton's interpreter, which gets bf16 tl.dot wrong), bf16, f16
@@ -60,11 +70,12 @@ def _operand(code, OPER: tl.constexpr):
 
 
 @triton.jit
-def _sub_block(QTYPE: tl.constexpr, rows, nmask, c, ST: tl.constexpr, KS: tl.constexpr):
+def _sub_block(QTYPE: tl.constexpr, rows, nmask, c, ST: tl.constexpr, KS: tl.constexpr, grids):
     """Codes ``[BN, KS]`` (int32) of elements ``c*256 + ST*KS ...`` of the byte rows ``rows
     [BN, 1]``, with their sub-block's scale and offset ``[BN, 1]`` (value = scale * code - offset).
-    ``KS`` divides the sub-block (32 for Q4_K/Q5_K, 16 for Q6_K); everything but ``c`` is known at
-    compile time, so the byte offsets and shifts below fold to constants."""
+    ``KS`` divides the sub-block (the registry's ``sub``: 32 for Q4_K/Q5_K, 16 for Q6_K); everything
+    but ``c`` is known at compile time, so the byte offsets and shifts below fold to constants.
+    ``grids``: ``blocks.grid_table`` (the lattice types)."""
     kk = tl.arange(0, KS)[None, :]
     if QTYPE == 12:
         # block_q4_K (144 B): d @0, dmin @2, scales[12] @4, qs[128] @16; element 64i + 32h + l is
@@ -86,7 +97,7 @@ def _sub_block(QTYPE: tl.constexpr, rows, nmask, c, ST: tl.constexpr, KS: tl.con
         code = ((b >> (4 * (S % 2))) & 15) | (((qh >> S) & 1) << 4)
         sc, mn = _k_scale_min(base + 4, S, nmask)
         return code, _f16(base, nmask) * sc, _f16(base + 2, nmask) * mn
-    else:
+    elif QTYPE == 14:
         # block_q6_K (210 B): ql[128] @0, qh[64] @128, int8 scales[16] @192, d @208; sub-blocks of
         # 16 (KS == 16, so ST is the sub-block). Element 128h + r: low 4 bits = nibble r // 64 of
         # ql[64h + r % 64], high 2 bits = bits 2 (r // 32) of qh[32h + r % 32]; value = code - 32.
@@ -99,6 +110,87 @@ def _sub_block(QTYPE: tl.constexpr, rows, nmask, c, ST: tl.constexpr, KS: tl.con
         sc = tl.load(base + 192 + ST, mask=nmask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         scale = _f16(base + 208, nmask) * sc
         return code, scale, 32.0 * scale
+    elif QTYPE == 10 or QTYPE == 11:
+        # block_q2_K (84 B) / block_q3_K (110 B), sub-blocks of 16 (KS == 16: ST is the sub-block):
+        # element 16 ST + l is bits 2J of code byte 32H + M0 + l (H = ST // 8, J = (ST % 8) // 2,
+        # M0 = 16 (ST % 2)); Q3_K's third bit is bit 4H + J of hmask[M0 + l] @0 (set: no -4).
+        tl.static_assert(KS == 16, "Q2_K / Q3_K sub-steps are their 16-element sub-blocks")
+        H: tl.constexpr = ST // 8
+        J: tl.constexpr = (ST % 8) // 2
+        M0: tl.constexpr = 16 * (ST % 2)
+        if QTYPE == 10:  # scales[16] @0 (scale | min << 4), qs @16, d @80, dmin @82: d sc code - dmin mn
+            base = rows + c * 84
+            code = (_u8(base + 16 + 32 * H + M0 + kk, nmask) >> (2 * J)) & 3
+            sc = _u8(base + ST, nmask)
+            return code, _f16(base + 80, nmask) * (sc & 15).to(tl.float32), \
+                _f16(base + 82, nmask) * (sc >> 4).to(tl.float32)
+        else:  # hmask @0, qs @32, 6-bit scales @96 (minus 32), d @108: d (sc - 32) (code - 4)
+            base = rows + c * 110
+            code = ((_u8(base + 32 + 32 * H + M0 + kk, nmask) >> (2 * J)) & 3) | \
+                (((_u8(base + M0 + kk, nmask) >> (4 * H + J)) & 1) << 2)
+            sc = ((_u8(base + 96 + ST % 8, nmask) >> (4 * (ST // 8))) & 15) | \
+                (((_u8(base + 104 + ST % 4, nmask) >> (2 * (ST // 4))) & 3) << 4)
+            scale = _f16(base + 108, nmask) * (sc - 32).to(tl.float32)
+            return code, scale, 4.0 * scale
+    else:
+        # the lattice types: weight = scale * v with v a signed integer (grid * sign; IQ1: 8 grid
+        # +- 1, its delta times 8), |v| < 64: the code is v + 64 and the offset 64 * scale
+        # (byte offsets: blocks.py's unpacking helpers of each type)
+        e = ST * KS + kk  # elements of the chunk
+        l = e % 32
+        S: tl.constexpr = ST * KS // 32  # the 32-element sub-block (KS divides it)
+        if QTYPE == 16:  # IQ2_XXS (66 B): sub-block S @2 + 8S: 4 index bytes, aux u32
+            base = rows + c * 66
+            aux = _u32(base + 6 + 8 * S, nmask)
+            g = tl.load(grids + _IQ2XXS + _u8(base + 2 + 8 * S + l // 8, nmask) * 8 + l % 8).to(tl.int32)
+            v = g * (1 - 2 * ((_ksign(aux >> (7 * (l // 8))) >> (l % 8)) & 1))
+            scale = _f16(base, nmask) * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.25
+        elif QTYPE == 17:  # IQ2_XS (74 B, KS == 16): u16 per group @2, scale nibbles @66
+            tl.static_assert(KS == 16, "its scales are per 16: ST is the sub-block")
+            base = rows + c * 74
+            q16 = _u8(base + 2 + 2 * (e // 8), nmask) | (_u8(base + 3 + 2 * (e // 8), nmask) << 8)
+            g = tl.load(grids + _IQ2XS + (q16 & 511) * 8 + e % 8).to(tl.int32)
+            v = g * (1 - 2 * ((_ksign(q16 >> 9) >> (e % 8)) & 1))
+            scale = iq2_scale(base, 66, ST, nmask)
+        elif QTYPE == 22:  # IQ2_S (82 B, KS == 16): index bytes @2, signs @34, high bits @66, scales @74
+            tl.static_assert(KS == 16, "its scales are per 16: ST is the sub-block")
+            base = rows + c * 82
+            grp = e // 8
+            idx = _u8(base + 2 + grp, nmask) | (((_u8(base + 66 + grp // 4, nmask) >> (2 * (grp % 4))) & 3) << 8)
+            g = tl.load(grids + _IQ2S + idx * 8 + e % 8).to(tl.int32)
+            v = g * (1 - 2 * ((_u8(base + 34 + grp, nmask) >> (e % 8)) & 1))
+            scale = iq2_scale(base, 74, ST, nmask)
+        elif QTYPE == 18:  # IQ3_XXS (98 B): index byte per 4 @2, aux u32 per sub-block @66
+            base = rows + c * 98
+            aux = _u32(base + 66 + 4 * S, nmask)
+            g = tl.load(grids + _IQ3XXS + _u8(base + 2 + e // 4, nmask) * 4 + e % 4).to(tl.int32)
+            v = g * (1 - 2 * ((_ksign(aux >> (7 * (l // 8))) >> (l % 8)) & 1))
+            scale = _f16(base, nmask) * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.5
+        elif QTYPE == 21:  # IQ3_S (110 B): index bytes @2, bit 8 @66, signs @74, scale nibbles @106
+            base = rows + c * 110
+            idx = _u8(base + 2 + e // 4, nmask) | (((_u8(base + 66 + S, nmask) >> (l // 4)) & 1) << 8)
+            g = tl.load(grids + _IQ3S + idx * 4 + e % 4).to(tl.int32)
+            v = g * (1 - 2 * ((_u8(base + 74 + e // 8, nmask) >> (e % 8)) & 1))
+            sc = (_u8(base + 106 + S // 2, nmask) >> (4 * (S % 2))) & 15
+            scale = _f16(base, nmask) * (1 + 2 * sc).to(tl.float32)
+        elif QTYPE == 19:  # IQ1_S (50 B): index bytes @2, u16 per sub-block @34 (high bits, scale, sign)
+            base = rows + c * 50
+            qh = _u8(base + 34 + 2 * S, nmask) | (_u8(base + 35 + 2 * S, nmask) << 8)
+            idx = _u8(base + 2 + e // 8, nmask) | (((qh >> (3 * (l // 8))) & 7) << 8)
+            g = tl.load(grids + _IQ1S + idx * 8 + e % 8).to(tl.int8, bitcast=True).to(tl.int32)
+            v = 8 * g + 1 - 2 * ((qh >> 15) & 1)
+            scale = _f16(base, nmask) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32) * 0.125
+        else:  # IQ1_M (56 B, KS == 16): index bytes @0, a nibble per group @32, scales u16[4] @48
+            tl.static_assert(QTYPE == 29, "moe_grouped has no sub-block branch for this quant type")
+            tl.static_assert(KS == 16, "its scales are per 16: ST is the sub-block")
+            base = rows + c * 56
+            grp = e // 8
+            qn = (_u8(base + 32 + grp // 2, nmask) >> (4 * (grp % 2))) & 15
+            g = tl.load(grids + _IQ1S + (_u8(base + grp, nmask) | ((qn & 7) << 8)) * 8 + e % 8)
+            v = 8 * g.to(tl.int8, bitcast=True).to(tl.int32) + 1 - 2 * (qn >> 3)
+            u = _u8(base + 48 + 2 * (ST // 4), nmask) | (_u8(base + 49 + 2 * (ST // 4), nmask) << 8)
+            scale = iq1_m_d(base, nmask) * (2 * ((u >> (3 * (ST % 4))) & 7) + 1).to(tl.float32) * 0.125
+        return v + 64, scale, 64.0 * scale
 
 
 @triton.jit
@@ -119,10 +211,10 @@ def _act_sub(a_rows, mmask, k0, KS: tl.constexpr, OPER: tl.constexpr):
 
 @triton.jit
 def _mma_sub(acc, QTYPE: tl.constexpr, rows, nmask, c, ST: tl.constexpr, KS: tl.constexpr, a, asum,
-             OPER: tl.constexpr):
+             OPER: tl.constexpr, grids):
     """``acc [BN, BM] +=`` one sub-step of weights times activations: codes on the tensor cores,
     then the sub-block's scale, offset and the operand's bias on the fp32 product."""
-    code, scale, off = _sub_block(QTYPE, rows, nmask, c, ST, KS)
+    code, scale, off = _sub_block(QTYPE, rows, nmask, c, ST, KS, grids)
     w = _operand(code, OPER)
     if OPER == 0:
         d = tl.dot(w, a, input_precision="ieee")
@@ -133,7 +225,7 @@ def _mma_sub(acc, QTYPE: tl.constexpr, rows, nmask, c, ST: tl.constexpr, KS: tl.
 
 
 @triton.jit
-def _sub_gate_up_kernel(x_ptr, pairs_ptr, block_expert_ptr, slot_ptr, gate_ptr, up_ptr, gate_h_ptr, up_h_ptr, h_ptr,
+def _sub_gate_up_kernel(x_ptr, grids_ptr, pairs_ptr, block_expert_ptr, slot_ptr, gate_ptr, up_ptr, gate_h_ptr, up_h_ptr, h_ptr,
                         TOPK, N_EXPERT, N_FF, K, gate_slot_bytes, up_slot_bytes, up_row0, gate_row_bytes,
                         up_row_bytes, stride_x, GATE_QTYPE: tl.constexpr, UP_QTYPE: tl.constexpr,
                         HAS_HOST: tl.constexpr, OPER: tl.constexpr, KS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -159,15 +251,15 @@ def _sub_gate_up_kernel(x_ptr, pairs_ptr, block_expert_ptr, slot_ptr, gate_ptr, 
         for c in range(0, K // 256):
             for st in tl.static_range(256 // KS):
                 a, asum = _act_sub(a_rows, amask, c * 256 + st * KS, KS, OPER)
-                g = _mma_sub(g, GATE_QTYPE, g_rows, nmask, c, st, KS, a, asum, OPER)
-                u = _mma_sub(u, UP_QTYPE, u_rows, nmask, c, st, KS, a, asum, OPER)
+                g = _mma_sub(g, GATE_QTYPE, g_rows, nmask, c, st, KS, a, asum, OPER, grids_ptr)
+                u = _mma_sub(u, UP_QTYPE, u_rows, nmask, c, st, KS, a, asum, OPER, grids_ptr)
         h = g / (1.0 + tl.exp(-g)) * u
         tl.store(h_ptr + pair.to(tl.int64)[None, :] * N_FF + n[:, None], h.to(h_ptr.dtype.element_ty),
                  mask=mmask & (n[:, None] < N_FF))
 
 
 @triton.jit
-def _sub_down_kernel(h_ptr, pairs_ptr, block_expert_ptr, wts_ptr, slot_ptr, down_ptr, down_h_ptr, part_ptr,
+def _sub_down_kernel(h_ptr, grids_ptr, pairs_ptr, block_expert_ptr, wts_ptr, slot_ptr, down_ptr, down_h_ptr, part_ptr,
                      N_EXPERT, N_EMBD, N_FF, down_slot_bytes, down_row_bytes, DOWN_QTYPE: tl.constexpr,
                      HAS_HOST: tl.constexpr, OPER: tl.constexpr, KS: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, PDL: tl.constexpr):
@@ -190,7 +282,7 @@ def _sub_down_kernel(h_ptr, pairs_ptr, block_expert_ptr, wts_ptr, slot_ptr, down
         for c in range(0, N_FF // 256):
             for st in tl.static_range(256 // KS):
                 a, asum = _act_sub(a_rows, amask, c * 256 + st * KS, KS, OPER)
-                acc = _mma_sub(acc, DOWN_QTYPE, rows, nmask, c, st, KS, a, asum, OPER)
+                acc = _mma_sub(acc, DOWN_QTYPE, rows, nmask, c, st, KS, a, asum, OPER, grids_ptr)
         weight = tl.load(wts_ptr + pair64, mask=pair >= 0, other=0.0).to(tl.float32)
         tl.store(part_ptr + pair64[None, :] * N_EMBD + n[:, None], acc * weight[None, :],
                  mask=mmask & (n[:, None] < N_EMBD))
@@ -377,7 +469,7 @@ def tile_calls(n_expert: int, topk: int, max_tokens: int) -> list[int]:
 
 def _sub_step(*qtypes: int) -> int:
     """Elements per sub-step of the sub-block kernels reading these types: the smallest sub-block."""
-    return 16 if Q6_K in qtypes else 32
+    return min(KERNEL_QUANTS[q].sub for q in qtypes)
 
 
 def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, slot_table: torch.Tensor,
@@ -413,7 +505,7 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     oper = (OPER_BF16 if x.dtype == torch.bfloat16 else OPER_F16) if half else OPER_F32
     if sub_gu:
         _sub_gate_up_kernel[(nb, triton.cdiv(n_ff, bn))](
-            x, pairs, block_expert, slot_table, gate, up, gate_h, up_h, h, topk, n_expert, n_ff, n_embd,
+            x, grid_table(x.device), pairs, block_expert, slot_table, gate, up, gate_h, up_h, h, topk, n_expert, n_ff, n_embd,
             gate.stride(0), up.stride(0), up_row0, gate.shape[2], up.shape[2], x.stride(0),
             GATE_QTYPE=gq, UP_QTYPE=uq, HAS_HOST=host is not None, OPER=oper, KS=_sub_step(gq, uq),
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, **flags)
@@ -425,7 +517,7 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, **flags)
     if sub_down:
         _sub_down_kernel[(nb, triton.cdiv(n_embd, bn))](
-            h, pairs, block_expert, topk_weights, slot_table, down, down_h, part, n_expert, n_embd, n_ff,
+            h, grid_table(x.device), pairs, block_expert, topk_weights, slot_table, down, down_h, part, n_expert, n_embd, n_ff,
             down.stride(0), down.shape[2], DOWN_QTYPE=dq, HAS_HOST=host is not None, OPER=oper,
             KS=_sub_step(dq), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, **flags)
     else:

@@ -18,7 +18,10 @@ written with shifts, bit for bit the instruction's result, so CI runs these kern
 
 The low-bit types (Q2_K, Q3_K, IQ1-IQ3: ``low_bit_rows_q8``) build their words of four signed
 codes from the packed bits or from gguf's lattice tables with their signs, as llama.cpp's
-vecdotq does, and take the same int8 activation.
+vecdotq does, and take the same int8 activation. They read their blocks as Q4_K does: each field
+loaded once in 16- or 32-bit units, cut up with shifts in registers, one gather per lattice
+entry (8 weights for the IQ2/IQ1 lattices); byte-by-byte loads with a table lookup per 4 weights
+issued 2-4x more load instructions per weight (see the section's comment).
 
 Quantized activation of a row of K elements (``quantize``): ``xq`` int8 ``[K]`` (read as int32
 words of four), ``xd`` fp32 ``[K/32]`` block scales (x ~ xd * xq), ``xs`` fp32 ``[K/16]`` =
@@ -36,9 +39,9 @@ import triton.language as tl
 from ..decode_rows import one_token_rows
 from . import pdl
 from .pdl import wait_prior
-from .blocks import (_IQ1S, _IQ2S, _IQ2XS, _IQ2XXS, _IQ3S, _IQ3XXS, _KSIGNS, Q4_K, Q6_K, _f16, _u8, _u32,
-                     iq1_m_d, iq2_scale, k_scale_min)
+from .blocks import _IQ1S, _IQ2S, _IQ2XS, _IQ2XXS, _IQ3S, _IQ3XXS, Q4_K, Q6_K, _ksign, k_scale_min
 from gguf.constants import GGMLQuantizationType as _T
+from sparkpack.formats.quant_grids import GRID_AT, GRID_WIDTH, KSIGNS
 
 QBLOCK = 32  # activation elements per int8 scale
 # The low-bit types whose codes the int8 kernels build as words of four signed bytes
@@ -51,6 +54,15 @@ Q8_TYPES = (Q4_K, Q6_K, *LOW_BIT_Q8)  # weight types with an int8-activation ker
 # an expression of constexprs: a @triton.jit helper's return value is a tensor there, so the branch
 # would be compiled for every type (and its static_assert fire).
 LOW_BIT_BITS = tl.constexpr(sum(1 << q for q in LOW_BIT_Q8))
+# The unit the low-bit kernels load their blocks in: 32-bit words where every block is 4-aligned
+# (Q2_K's 84 bytes, IQ1_M's 56), else 16-bit halves (all the others' sizes are even).
+LOW_BIT_UNIT = {q: 4 if q in (int(_T.Q2_K), int(_T.IQ1_M)) else 2 for q in LOW_BIT_Q8}
+# What the kernels assume of gguf's tables instead of reading them: ksigns[i] is i with the
+# parity of its bits as bit 7 (``_ksign``), and each 8-wide lattice starts on an 8-byte boundary
+# (``_entry8``'s int64 gathers; the table itself is a fresh allocation).
+if any(int(KSIGNS[i]) != i | (bin(i).count("1") & 1) << 7 for i in range(128)) or \
+        any(GRID_AT[n] % 8 for n, w in GRID_WIDTH.items() if w == 8):
+    raise ImportError("gguf's ksigns or lattice layout is not what q8dot's low-bit kernels compute")
 
 
 class Int8Rows(NamedTuple):
@@ -58,9 +70,16 @@ class Int8Rows(NamedTuple):
     writes an activation row can return this beside it (``new_q8`` / ``store_q8``), and the
     products that read the row then skip their own ``quantize`` launch."""
 
-    q: torch.Tensor  # int32 [T, K/4]: the int8 codes, four to a word
+    q: torch.Tensor  # int32 [T, K/4]: the int8 codes, four to a word (8-byte aligned: eight at a time)
     d: torch.Tensor  # fp32 [T, K/32]: block scales (x ~ d * code)
     s: torch.Tensor  # fp32 [T, K/16]: d times the sum of the codes of each 16 elements
+
+
+def check_codes(q: torch.Tensor) -> None:
+    """The low-bit kernels load eight activation codes as one int64: ``Int8Rows.q`` must start
+    8-byte aligned (its rows then are too: K is a multiple of 32). Fresh tensors always are."""
+    if q.data_ptr() % 8:
+        raise ValueError("int8 activation codes must start 8-byte aligned")
 
 
 def wanted(rows: int, unit: int) -> bool:
@@ -79,10 +98,11 @@ def use_asm(t: torch.Tensor) -> bool:
 
 def readable(qtype: int, *pools: torch.Tensor) -> bool:
     """Whether the int8 kernels can read these uint8 weight views of ``qtype``: a type they have,
-    with rows (and slots) aligned to the unit they load (4 bytes for Q4_K, 2 for Q6_K)."""
+    with rows (and slots) aligned to the unit they load (4 bytes for Q4_K, 2 for Q6_K, the
+    low-bit types' ``LOW_BIT_UNIT``)."""
     if int(qtype) not in Q8_TYPES:
         return False
-    unit = 4 if int(qtype) == Q4_K else 2 if int(qtype) == Q6_K else 1  # the low-bit kernels load bytes
+    unit = 4 if int(qtype) == Q4_K else 2 if int(qtype) == Q6_K else LOW_BIT_UNIT[int(qtype)]
     return all(p.data_ptr() % unit == 0 and all(s % unit == 0 for s in p.stride()[:-1]) for p in pools)
 
 
@@ -283,132 +303,295 @@ def q6_k_rows_q8(w, rows, rmask, xq, xd, xs, K, BN: tl.constexpr, CPI: tl.conste
 
 # ----------------------------------------------------------------------------- low-bit types
 # As llama.cpp's vecdotq does for them: each 4 elements' codes become one int32 word of signed
-# bytes (lattice entries are read as words of gguf's grid table, their signs applied to the
-# word), one ``dot4`` with the activation's word, and the sub-block's scale (16 or 32 elements)
+# bytes, one ``dot4`` with the activation's word, and the sub-block's scale (16 or 32 elements)
 # applied to the integer sum: sum_k w x = scale * xd * sum_k code * xq.
+#
+# How the bytes are read (the Q4_K kernel is the model): a block is loaded in its widest aligned
+# unit (``LOW_BIT_UNIT``: 16-bit halves, since most of these blocks are 2-aligned only; 32-bit
+# words for Q2_K and IQ1_M), each field of a sub-block once, and the per-group fields (grid
+# indices, sign bits, index high bits, scales) are cut out of those registers with shifts. The
+# lattice types work on one 32-element sub-block per tensor element and unroll its groups of
+# eight (``tl.static_range``): an 8-wide lattice entry is one int64 gather (two words), a 4-wide
+# one an int32 gather; ksigns are computed (bit 7 = parity of the 7 stored bits: gguf's table,
+# checked at import by ``formats.quant_grids``) instead of looked up. Per 32 weights of IQ2_XXS
+# that is 4 halves + 4 gathers + 8 activation words (~0.5 loads a weight, like Q4_K's) where
+# the byte-wise version issued ~2.2.
+
+@triton.jit
+def _half(b, at, m):
+    """Half ``at`` of the blocks at int16 pointers ``b``, unsigned, as int32."""
+    return tl.load(b + at, mask=m, other=0).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _pair(b, at, m):
+    """The little-endian 32-bit word of halves ``at`` and ``at + 1`` (a 2-aligned u32 field)."""
+    return _half(b, at, m) | (tl.load(b + at + 1, mask=m, other=0).to(tl.int32) << 16)
+
+
+@triton.jit
+def _f16_of(bits):
+    """An f16 given by the low 16 bits of an int32, as fp32."""
+    return (bits & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
 
 @triton.jit
 def _signed_word(g, bits):
     """The four bytes of ``g`` (each 1..127) negated where bits 0-3 of ``bits`` are set."""
-    ones = (bits * 0x00204081) & 0x01010101  # bit j -> byte j
+    ones = ((bits & 15) * 0x00204081) & 0x01010101  # bit j -> byte j
     return (g ^ (ones * 255)) + ones
 
 
 @triton.jit
-def _ksign_bits(grids, sign_index, half):
-    """Four sign bits (of elements 4 half .. +3 of a group of 8) from ``ksigns[sign_index]``."""
-    return (tl.load(grids + _KSIGNS + sign_index).to(tl.int32) >> (4 * half)) & 15
+def _entry8(grids, at: tl.constexpr, entry):
+    """The two words (elements 0-3, 4-7) of entry ``entry`` of the 8-wide lattice at byte ``at``:
+    one int64 gather."""
+    g = tl.load(grids.to(tl.pointer_type(tl.int64)) + at // 8 + entry)
+    return g.to(tl.int32), (g >> 32).to(tl.int32)
 
 
 @triton.jit
-def _grid_word(grids, at: tl.constexpr, entry, words: tl.constexpr, half):
-    """Word ``half`` of lattice entry ``entry`` (``words`` int32 words each) of the grid at ``at``."""
-    return tl.load(grids.to(tl.pointer_type(tl.int32)) + at // 4 + entry * words + half)
+def _entry4(grids, at: tl.constexpr, entry):
+    """Entry ``entry`` (one word) of the 4-wide lattice at byte ``at``."""
+    return tl.load(grids.to(tl.pointer_type(tl.int32)) + at // 4 + entry)
 
 
 @triton.jit
-def _low_bit_words(QTYPE: tl.constexpr, b, v, rmask, grids):
-    """Words ``[BN, 64]`` of the signed codes of elements 4v .. 4v + 3 of the 256-element blocks
-    at byte pointers ``b [BN, 1]`` (Q3_K's codes are stored + 4: 0..7)."""
-    g8 = v // 2
-    h = v % 2
-    if QTYPE == 16:  # IQ2_XXS: sub-block s = v // 8: grid bytes @2 + 8s, aux u32 @2 + 8s + 4
-        at = b + 2 + 8 * (v // 8)
-        aux = _u32(at + 4, rmask)
-        g = _grid_word(grids, _IQ2XXS, _u8(at + g8 % 4, rmask), 2, h)
-        return _signed_word(g, _ksign_bits(grids, (aux >> (7 * (g8 % 4))) & 127, h))
-    elif QTYPE == 17:  # IQ2_XS: u16 per group of 8 @2: 9-bit index, 7-bit ksigns index
-        q16 = _u8(b + 2 + 2 * g8, rmask) | (_u8(b + 3 + 2 * g8, rmask) << 8)
-        return _signed_word(_grid_word(grids, _IQ2XS, q16 & 511, 2, h), _ksign_bits(grids, q16 >> 9, h))
-    elif QTYPE == 22:  # IQ2_S: index bytes @2, sign bytes @34, high index bits @66
-        idx = _u8(b + 2 + g8, rmask) | (((_u8(b + 66 + g8 // 4, rmask) >> (2 * (g8 % 4))) & 3) << 8)
-        return _signed_word(_grid_word(grids, _IQ2S, idx, 2, h), (_u8(b + 34 + g8, rmask) >> (4 * h)) & 15)
-    elif QTYPE == 18:  # IQ3_XXS: an index byte per word @2, aux u32 per sub-block @66
-        aux = _u32(b + 66 + 4 * (v // 8), rmask)
-        g = _grid_word(grids, _IQ3XXS, _u8(b + 2 + v, rmask), 1, 0)
-        return _signed_word(g, _ksign_bits(grids, (aux >> (7 * (g8 % 4))) & 127, h))
-    elif QTYPE == 21:  # IQ3_S: index bytes @2, index bit 8 @66, sign bits @74
-        idx = _u8(b + 2 + v, rmask) | (((_u8(b + 66 + v // 8, rmask) >> (v % 8)) & 1) << 8)
-        return _signed_word(_grid_word(grids, _IQ3S, idx, 1, 0), (_u8(b + 74 + g8, rmask) >> (4 * h)) & 15)
-    elif QTYPE == 10:  # Q2_K: elements 128i + 32j + m are bits 2j of qs[32i + m] @16
-        return (_u32(b + 16 + 32 * (v // 32) + 4 * (v % 8), rmask) >> (2 * ((v % 32) // 8))) & 0x03030303
-    else:  # Q3_K: low bits as Q2_K @32, bit 4i + j of hmask[m] @0 the third
-        tl.static_assert(QTYPE == 11, "q8dot has no int8 words for this quant type")
-        j = (v % 32) // 8
-        lo = (_u32(b + 32 + 32 * (v // 32) + 4 * (v % 8), rmask) >> (2 * j)) & 0x03030303
-        hb = (_u32(b + 4 * (v % 8), rmask) >> (4 * (v // 32) + j)) & 0x01010101
-        return lo | (hb << 2)
+def _dot8(lo, hi, x, ASM: tl.constexpr):
+    """Dot of the words of eight codes with eight activation codes ``x`` (int64: one load)."""
+    return dot4(lo, x.to(tl.int32), ASM) + dot4(hi, (x >> 32).to(tl.int32), ASM)
 
 
 @triton.jit
-def _iq1_dots(QTYPE: tl.constexpr, b, v, rmask, a, grids, ASM: tl.constexpr):
-    """IQ1_S / IQ1_M: 8 x the integer dot of each word's lattice values (-1, 0, 1) with the
-    activation's, plus or minus (the group's delta sign) the sum of its activation codes: a
-    weight is (grid + delta) with delta = +-1/8, so this is 8 x sum (grid + delta) x code."""
-    g8 = v // 2
-    if QTYPE == 19:  # IQ1_S: index bytes @2, u16 per sub-block of 32 @34 (index bits 3j, sign 15)
-        qh = _u8(b + 34 + 2 * (v // 8), rmask) | (_u8(b + 35 + 2 * (v // 8), rmask) << 8)
-        idx = _u8(b + 2 + g8, rmask) | (((qh >> (3 * (g8 % 4))) & 7) << 8)
-        neg = (qh >> 15) & 1
-    else:  # IQ1_M: index bytes @0, a nibble per group @32 (index bits, bit 3 the sign)
-        qn = (_u8(b + 32 + g8 // 2, rmask) >> (4 * (g8 % 2))) & 15
-        idx = _u8(b + g8, rmask) | ((qn & 7) << 8)
-        neg = qn >> 3
-    g = _grid_word(grids, _IQ1S, idx, 2, v % 2)
-    return 8 * dot4(g, a, ASM) + (1 - 2 * neg) * dot4(tl.full(g.shape, 0x01010101, tl.int32), a, ASM)
+def _lattice8_dot(grids, at: tl.constexpr, entry, signs, a, ok, ASM: tl.constexpr):
+    """A group of eight: lattice entry ``entry`` with sign bits ``signs`` (bit j: element j
+    negative) times the activation words at ``a``."""
+    lo, hi = _entry8(grids, at, entry)
+    return _dot8(_signed_word(lo, signs), _signed_word(hi, signs >> 4), tl.load(a, mask=ok, other=0), ASM)
+
+
+@triton.jit
+def _iq2_xxs_sub(b, s, m, a, ok, grids, ASM: tl.constexpr):
+    # block_iq2_xxs as 33 halves: d @0; sub-block s: halves 1 + 4s, 2 + 4s its four grid
+    # indices (a byte per group of 8), 3 + 4s, 4 + 4s the aux u32 (ksigns indices at bits
+    # 0, 7, 14, 21, scale at 28): d (0.5 + sc) / 4 * sum grid * sign * x.
+    idx = _pair(b, 1 + 4 * s, m)
+    aux = _pair(b, 3 + 4 * s, m)
+    dot = tl.zeros(idx.shape, dtype=tl.int32)
+    for g in tl.static_range(4):
+        dot += _lattice8_dot(grids, _IQ2XXS, (idx >> (8 * g)) & 255, _ksign(aux >> (7 * g)), a + g, ok, ASM)
+    return _f16_of(_half(b, 0, m)) * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.25 * dot.to(tl.float32)
+
+
+@triton.jit
+def _iq2_xs_s_sub(QTYPE: tl.constexpr, b, s, m, a, ok, grids, ASM: tl.constexpr):
+    # IQ2_XS (17), block_iq2_xs as 37 halves: d @0, group g's u16 @1 + g (9-bit grid index,
+    # 7-bit ksigns index above it), the scale byte of sub-block s in halves 33-36.
+    # IQ2_S (22), block_iq2_s as 41 halves: d @0, low index bytes (one per group of 8) @1 + 2s,
+    # sign bytes @17 + 2s, index bits 8-9 in byte s of halves 33-36 (2 bits a group), the scale
+    # byte of sub-block s in halves 37-40. Both: d (0.5 + sc) / 4, a scale nibble per 16 elements.
+    if QTYPE == 22:
+        idx = _pair(b, 1 + 2 * s, m)
+        sign = _pair(b, 17 + 2 * s, m)
+        qh = _half(b, 33 + s // 2, m) >> (8 * (s % 2))
+    lo16 = tl.zeros(s.shape, dtype=tl.int32) + tl.zeros(b.shape, dtype=tl.int32)
+    hi16 = lo16
+    for g in tl.static_range(4):
+        if QTYPE == 17:
+            q16 = _half(b, 1 + 4 * s + g, m)
+            dot = _lattice8_dot(grids, _IQ2XS, q16 & 511, _ksign(q16 >> 9), a + g, ok, ASM)
+        else:
+            entry = ((idx >> (8 * g)) & 255) | (((qh >> (2 * g)) & 3) << 8)
+            dot = _lattice8_dot(grids, _IQ2S, entry, sign >> (8 * g), a + g, ok, ASM)
+        if g < 2:
+            lo16 += dot
+        else:
+            hi16 += dot
+    sc = _half(b, (33 if QTYPE == 17 else 37) + s // 2, m) >> (8 * (s % 2))
+    return _f16_of(_half(b, 0, m)) * 0.25 * ((0.5 + (sc & 15).to(tl.float32)) * lo16.to(tl.float32) +
+                                             (0.5 + ((sc >> 4) & 15).to(tl.float32)) * hi16.to(tl.float32))
+
+
+@triton.jit
+def _iq3_xxs_sub(b, s, m, a, ok, grids, ASM: tl.constexpr):
+    # block_iq3_xxs as 49 halves: d @0, sub-block s's eight grid indices (a byte per group of 4)
+    # @1 + 4s .. 4 + 4s, its aux u32 @33 + 2s (ksigns indices at 0, 7, 14, 21, scale at 28):
+    # d (0.5 + sc) / 2 * sum grid * sign * x.
+    aux = _pair(b, 33 + 2 * s, m)
+    dot = tl.zeros(aux.shape, dtype=tl.int32)
+    for h in tl.static_range(2):
+        idx = _pair(b, 1 + 4 * s + 2 * h, m)
+        for g in tl.static_range(2):
+            signs = _ksign(aux >> (7 * (2 * h + g)))
+            lo = _signed_word(_entry4(grids, _IQ3XXS, (idx >> (16 * g)) & 255), signs)
+            hi = _signed_word(_entry4(grids, _IQ3XXS, (idx >> (16 * g + 8)) & 255), signs >> 4)
+            dot += _dot8(lo, hi, tl.load(a + 2 * h + g, mask=ok, other=0), ASM)
+    return _f16_of(_half(b, 0, m)) * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.5 * dot.to(tl.float32)
+
+
+@triton.jit
+def _iq3_s_sub(b, s, m, a, ok, grids, ASM: tl.constexpr):
+    # block_iq3_s as 55 halves: d @0, sub-block s's eight low index bytes (one per group of 4)
+    # @1 + 4s .. 4 + 4s, their index bit 8 in byte s of halves 33-36, its 32 sign bits @37 + 2s,
+    # its scale nibble in byte s // 2 of halves 53-54: d (1 + 2 sc) * sum grid * sign * x.
+    qh = _half(b, 33 + s // 2, m) >> (8 * (s % 2))
+    sign = _pair(b, 37 + 2 * s, m)
+    dot = tl.zeros(sign.shape, dtype=tl.int32)
+    for h in tl.static_range(2):
+        idx = _pair(b, 1 + 4 * s + 2 * h, m)
+        for g in tl.static_range(2):
+            j = 4 * h + 2 * g  # the sub-block's group of 4 (word) of the low half
+            lo = _entry4(grids, _IQ3S, ((idx >> (16 * g)) & 255) | (((qh >> j) & 1) << 8))
+            hi = _entry4(grids, _IQ3S, ((idx >> (16 * g + 8)) & 255) | (((qh >> (j + 1)) & 1) << 8))
+            signs = sign >> (4 * j)
+            x = tl.load(a + j // 2, mask=ok, other=0)
+            dot += _dot8(_signed_word(lo, signs), _signed_word(hi, signs >> 4), x, ASM)
+    sc = (_half(b, 53 + s // 4, m) >> (4 * (s % 4))) & 15
+    return _f16_of(_half(b, 0, m)) * (1 + 2 * sc).to(tl.float32) * dot.to(tl.float32)
+
+
+@triton.jit
+def _iq1_dot(grids, entry, neg, a, ok, ASM: tl.constexpr):
+    """A group of eight IQ1 weights (lattice -1/0/1 plus a delta of -+1/8, ``neg`` its sign) times
+    the activation words at ``a``, times 8 (an integer): 8 sum grid x + -+ sum x."""
+    lo, hi = _entry8(grids, _IQ1S, entry)
+    ones = tl.full(lo.shape, 0x01010101, tl.int32)
+    x = tl.load(a, mask=ok, other=0)
+    return 8 * _dot8(lo, hi, x, ASM) + (1 - 2 * neg) * _dot8(ones, ones, x, ASM)
+
+
+@triton.jit
+def _iq1_s_sub(b, s, m, a, ok, grids, ASM: tl.constexpr):
+    # block_iq1_s as 25 halves: d @0, low index bytes (a byte per group of 8) @1 + 2s, the
+    # sub-block's u16 @17 + s (index bits 8-10 of group g at 3g, scale at 12, delta sign at 15):
+    # d (2 sc + 1) * sum (grid + delta) x.
+    idx = _pair(b, 1 + 2 * s, m)
+    qh = _half(b, 17 + s, m)
+    dot = tl.zeros(idx.shape, dtype=tl.int32)
+    for g in tl.static_range(4):
+        dot += _iq1_dot(grids, ((idx >> (8 * g)) & 255) | (((qh >> (3 * g)) & 7) << 8), qh >> 15, a + g, ok,
+                        ASM)
+    return _f16_of(_half(b, 0, m)) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32) * 0.125 * dot.to(tl.float32)
+
+
+@triton.jit
+def _iq1_m_sub(b, s, m, a, ok, grids, ASM: tl.constexpr):
+    # block_iq1_m as 14 words: low index bytes (a byte per group of 8) word s, a nibble per group
+    # @32 (index bits 8-10, bit 3 the delta's sign: half s % 2 of word 8 + s // 2), scales u16[4]
+    # words 12-13 (3 bits per 16 elements at 3 (j % 4) of u16 j // 4; d = the u16s' top nibbles).
+    idx = tl.load(b + s, mask=m, other=0)
+    qn = tl.load(b + 8 + s // 2, mask=m, other=0) >> (16 * (s % 2))
+    lo16 = tl.zeros(idx.shape, dtype=tl.int32)
+    hi16 = lo16
+    for g in tl.static_range(4):
+        n = qn >> (4 * g)
+        dot = _iq1_dot(grids, ((idx >> (8 * g)) & 255) | ((n & 7) << 8), (n >> 3) & 1, a + g, ok, ASM)
+        if g < 2:
+            lo16 += dot
+        else:
+            hi16 += dot
+    w12 = tl.load(b + 12, mask=m, other=0)
+    w13 = tl.load(b + 13, mask=m, other=0)
+    d = _f16_of(((w12 >> 12) & 15) | (((w12 >> 28) & 15) << 4) | (((w13 >> 12) & 15) << 8) | (((w13 >> 28) & 15) << 12))
+    u = tl.where(s < 4, w12, w13) >> (16 * ((s // 2) % 2) + 6 * (s % 2))  # scale of sub-16 2s at bit 0, 2s + 1 at 3
+    return d * 0.125 * ((2 * (u & 7) + 1).to(tl.float32) * lo16.to(tl.float32) +
+                        (2 * ((u >> 3) & 7) + 1).to(tl.float32) * hi16.to(tl.float32))
+
+
+@triton.jit
+def _q2_q3_k_chunk(QTYPE: tl.constexpr, b, m, xq, xd, xs, c, ok, ASM: tl.constexpr):
+    """Q2_K (words ``b``) / Q3_K (halves ``b``) chunks ``c [1, CPI, 1, 1, 1]``: [BN, CPI, 2, 2]
+    partial sums. Element 128i + 32j + 4(4h + k) + e is bits 2j of byte e of code word 8i + 4h + k,
+    in the 16-element sub-block 8i + 2j + h: each code word is loaded once and gives four words
+    of codes (one per j) by shifts, as Q4_K's gives two."""
+    i = tl.arange(0, 2)[None, None, :, None, None]
+    h = tl.arange(0, 2)[None, None, None, :, None]
+    k = tl.arange(0, 4)[None, None, None, None, :]
+    mw = 4 * h + k
+    i4 = tl.reshape(i, [1, 1, 2, 1])
+    h4 = tl.reshape(h, [1, 1, 1, 2])
+    b4 = tl.reshape(b, [b.shape[0], b.shape[1], 1, 1])
+    m4 = tl.reshape(m, [m.shape[0], m.shape[1], 1, 1])
+    c4 = tl.reshape(c, [1, c.shape[1], 1, 1])
+    ok4 = tl.reshape(ok, [1, ok.shape[1], 1, 1])
+    if QTYPE == 10:
+        # block_q2_K as 21 words: scales[16] words 0-3 (low nibble scale, high nibble min of
+        # sub-block s in byte s), code words 4-19, d | dmin << 16 word 20: d sc code - dmin mn.
+        qs = tl.load(b + 4 + 8 * i + mw, mask=m, other=0)
+        dd = tl.load(b4 + 20, mask=m4, other=0)
+    else:
+        # block_q3_K as 55 halves: hmask[32] halves 0-15 (bit 4i + j of byte m: the code's third
+        # bit), code words at halves 16 + 2 (8i + w), scales[12] halves 48-53, d half 54;
+        # d (sc - 32) (code - 4), the 6-bit scale of sub-block s: nibble s // 8 of byte s % 8,
+        # high bits 2 (s // 4) of byte 8 + s % 4.
+        qs = _pair(b, 16 + 2 * (8 * i + mw), m)
+        hm = _pair(b, 2 * mw, m)
+        dd = _half(b4, 54, m4)
+    acc = tl.zeros([b.shape[0], b.shape[1], 2, 2], dtype=tl.float32)
+    for j in tl.static_range(4):
+        code = (qs >> (2 * j)) & 0x03030303
+        if QTYPE == 11:
+            code = code | (((hm >> (4 * i + j)) & 0x01010101) << 2)
+        a = tl.load(xq + c * 64 + 32 * i + 8 * j + mw, mask=ok, other=0)
+        dot = tl.sum(dot4(code, a, ASM), axis=4).to(tl.float32)  # [BN, CPI, 2, 2]: sub-blocks 8i + 2j + h
+        x32 = tl.load(xd + c4 * 8 + 4 * i4 + j, mask=ok4, other=0.0)
+        x16 = tl.load(xs + c4 * 16 + 8 * i4 + 2 * j + h4, mask=ok4, other=0.0)
+        if QTYPE == 10:
+            sc = tl.load(b4 + 2 * i4 + j // 2, mask=m4, other=0) >> (8 * (2 * (j % 2) + h4))
+            acc += _f16_of(dd) * (sc & 15).to(tl.float32) * x32 * dot - \
+                _f16_of(dd >> 16) * ((sc >> 4) & 15).to(tl.float32) * x16
+        else:
+            sc = ((_half(b4, 48 + j, m4) >> (8 * h4 + 4 * i4)) & 15) | \
+                (((_half(b4, 52 + j % 2, m4) >> (8 * h4 + 2 * (2 * i4 + j // 2))) & 3) << 4)
+            acc += _f16_of(dd) * (sc - 32).to(tl.float32) * (x32 * dot - 4.0 * x16)
+    return acc
 
 
 @triton.jit
 def low_bit_rows_q8(QTYPE: tl.constexpr, w, rows, rmask, xq, xd, xs, K, BN: tl.constexpr, CPI: tl.constexpr,
                     ASM: tl.constexpr, grids):
-    """[BN] dots of the rows at byte offsets ``rows [BN, 1]`` of ``w`` (uint8) with one
-    quantized activation row, for the types of ``LOW_BIT_Q8``; CPI chunks of 256 per iteration
-    (more bytes in flight)."""
+    """[BN] dots of the rows at byte offsets ``rows [BN, 1]`` of ``w`` (uint8, aligned to the
+    type's ``LOW_BIT_UNIT``) with one quantized activation row, for the types of ``LOW_BIT_Q8``;
+    CPI chunks of 256 per iteration (more bytes in flight)."""
     TS: tl.constexpr = 84 if QTYPE == 10 else 110 if QTYPE == 11 or QTYPE == 21 else 66 if QTYPE == 16 else \
         74 if QTYPE == 17 else 82 if QTYPE == 22 else 50 if QTYPE == 19 else 56 if QTYPE == 29 else 98
-    NS: tl.constexpr = 16 if QTYPE == 10 or QTYPE == 11 or QTYPE == 17 or QTYPE == 22 or QTYPE == 29 else 8
-    cc = tl.arange(0, CPI)[None, :, None]
-    v = tl.arange(0, 64)[None, None, :]
-    s = tl.arange(0, NS)[None, None, :]
-    rows3 = tl.reshape(rows, [BN, 1, 1])
+    UNIT: tl.constexpr = 4 if QTYPE == 10 or QTYPE == 29 else 2
+    wu = w.to(tl.pointer_type(tl.int32 if UNIT == 4 else tl.int16))
+    rows3 = tl.reshape(rows // UNIT, [BN, 1, 1])
     rmask3 = tl.reshape(rmask, [BN, 1, 1])
     acc = tl.zeros([BN], dtype=tl.float32)
-    for c0 in range(0, K // 256, CPI):
-        c = c0 + cc  # [1, CPI, 1]
-        ok = c * 256 < K
-        m = rmask3 & ok
-        b = w + rows3 + c * TS  # [BN, CPI, 1]
-        a = tl.load(xq + c * 64 + v, mask=ok, other=0)
-        if QTYPE == 19 or QTYPE == 29:
-            dots = _iq1_dots(QTYPE, b, v, m, a, grids, ASM)
-        else:
-            dots = dot4(_low_bit_words(QTYPE, b, v, m, grids), a, ASM)
-        dots = tl.sum(tl.reshape(dots, [BN, CPI, NS, 64 // NS]), axis=3).to(tl.float32)  # per sub-block
-        xsc = tl.load(xd + c * 8 + s * 8 // NS, mask=ok, other=0.0)  # the activation scale of each sub-block
-        if QTYPE == 10:  # Q2_K: d * sc * code - dmin * mn, scales[16] @0, d @80, dmin @82
-            sc = _u8(b + s, m)
-            part = _f16(b + 80, m) * (sc & 15).to(tl.float32) * xsc * dots - \
-                _f16(b + 82, m) * (sc >> 4).to(tl.float32) * tl.load(xs + c * 16 + s, mask=ok, other=0.0)
-        elif QTYPE == 11:  # Q3_K: d * (sc - 32) * (code - 4), 6-bit scales @96, d @108
-            sc = ((_u8(b + 96 + s % 8, m) >> (4 * (s // 8))) & 15) | \
-                (((_u8(b + 104 + s % 4, m) >> (2 * (s // 4))) & 3) << 4)
-            part = _f16(b + 108, m) * (sc - 32).to(tl.float32) * \
-                (xsc * dots - 4.0 * tl.load(xs + c * 16 + s, mask=ok, other=0.0))
-        elif QTYPE == 16:  # IQ2_XXS: d (0.5 + aux >> 28) / 4 per 32
-            part = _f16(b, m) * (0.5 + ((_u32(b + 6 + 8 * s, m) >> 28) & 15).to(tl.float32)) * 0.25 * xsc * dots
-        elif QTYPE == 18:  # IQ3_XXS: d (0.5 + aux >> 28) / 2 per 32
-            part = _f16(b, m) * (0.5 + ((_u32(b + 66 + 4 * s, m) >> 28) & 15).to(tl.float32)) * 0.5 * xsc * dots
-        elif QTYPE == 19:  # IQ1_S: d (2 sc + 1) / 8, sc = bits 12-14 of the sub-block's u16 @34
-            part = _f16(b, m) * (2 * ((_u8(b + 35 + 2 * s, m) >> 4) & 7) + 1).to(tl.float32) * 0.125 * xsc * dots
-        elif QTYPE == 29:  # IQ1_M: d (2 sc + 1) / 8, 3-bit sc per 16 in u16s @48, d their top nibbles
-            u = _u8(b + 48 + 2 * (s // 4), m) | (_u8(b + 49 + 2 * (s // 4), m) << 8)
-            part = iq1_m_d(b, m) * (2 * ((u >> (3 * (s % 4))) & 7) + 1).to(tl.float32) * 0.125 * xsc * dots
-        elif QTYPE == 21:  # IQ3_S: d (1 + 2 sc), a nibble per 32 @106
-            sc = (_u8(b + 106 + s // 2, m) >> (4 * (s % 2))) & 15
-            part = _f16(b, m) * (1 + 2 * sc).to(tl.float32) * xsc * dots
-        else:  # IQ2_XS / IQ2_S: d (0.5 + sc) / 4, a nibble per 16 @66 / @74
-            part = iq2_scale(b, 66 if QTYPE == 17 else 74, s, m) * xsc * dots
-        acc += tl.sum(tl.sum(part, axis=2), axis=1)
+    if QTYPE == 10 or QTYPE == 11:
+        rows5 = tl.reshape(rows // UNIT, [BN, 1, 1, 1, 1])
+        rmask5 = tl.reshape(rmask, [BN, 1, 1, 1, 1])
+        cc = tl.arange(0, CPI)[None, :, None, None, None]
+        for c0 in range(0, K // 256, CPI):
+            c = c0 + cc
+            ok = c * 256 < K
+            part = _q2_q3_k_chunk(QTYPE, wu + rows5 + c * (TS // UNIT), rmask5 & ok, xq, xd, xs, c, ok, ASM)
+            acc += tl.sum(tl.sum(tl.sum(part, axis=3), axis=2), axis=1)
+    else:
+        cc = tl.arange(0, CPI)[None, :, None]
+        s = tl.arange(0, 8)[None, None, :]  # the 32-element sub-blocks of a chunk
+        for c0 in range(0, K // 256, CPI):
+            c = c0 + cc  # [1, CPI, 1]
+            ok = c * 256 < K
+            m = rmask3 & ok
+            b = wu + rows3 + c * (TS // UNIT)  # [BN, CPI, 1]
+            a = xq.to(tl.pointer_type(tl.int64)) + c * 32 + 4 * s  # its 32 activation codes (``check_codes``)
+            if QTYPE == 16:
+                part = _iq2_xxs_sub(b, s, m, a, ok, grids, ASM)
+            elif QTYPE == 17 or QTYPE == 22:
+                part = _iq2_xs_s_sub(QTYPE, b, s, m, a, ok, grids, ASM)
+            elif QTYPE == 18:
+                part = _iq3_xxs_sub(b, s, m, a, ok, grids, ASM)
+            elif QTYPE == 21:
+                part = _iq3_s_sub(b, s, m, a, ok, grids, ASM)
+            elif QTYPE == 19:
+                part = _iq1_s_sub(b, s, m, a, ok, grids, ASM)
+            else:
+                tl.static_assert(QTYPE == 29, "q8dot has no int8 kernel for this quant type")
+                part = _iq1_m_sub(b, s, m, a, ok, grids, ASM)
+            acc += tl.sum(tl.sum(part * tl.load(xd + c * 8 + s, mask=ok, other=0.0), axis=2), axis=1)
     return acc
 
 
