@@ -140,3 +140,20 @@ def test_conversations_llama_server_column(tmp_path):
     assert "llama-server --n-cpu-moe 17" in table[0]
     row = next(line for line in table if line.startswith("| A4 |"))
     assert row == "| A4 | 105 (90), 0.600 | 105 (None), 6.000 |"
+
+
+def test_parallel_dry_run_on_a_tiny_model(synth_model, tmp_path, prompts):
+    """bench/parallel_bench.py end to end: a real spark-run --serve --parallel 2, one and two
+    streams at once, a short request during a long reply, and its table."""
+    import parallel_bench as pb
+
+    out = tmp_path / "out"
+    result = pb.main([str(synth_model("qwen3moe")), "--prompts", str(prompts), "--device", "cpu", "--vram", "all",
+                      "--ctx", "2048", "--parallel", "2", "--streams", "1", "2", "--decode-tokens", "12",
+                      "--prompt-tokens", "60", "--out", str(out)])
+    (spark,) = result["results"]
+    assert spark["server"] == "sparkpack --parallel 2"
+    assert [r["streams"] for r in spark["rows"]] == [1, 2] and all(sum(r["tokens"]) > 0 for r in spark["rows"])
+    assert spark["idle_first_token_s"] > 0 and spark["busy_first_token_s"] > 0
+    assert json.loads((out / "parallel_bench.json").read_text()) == result["results"]
+    assert "| sparkpack --parallel 2 | 2 |" in (out / "parallel_bench.md").read_text()
