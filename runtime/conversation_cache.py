@@ -54,6 +54,7 @@ from sparkpack.formats.checksums import PACK_ALGORITHM, new_hasher
 
 from .generate import Session, shared_len
 from .host_pool import HostBudget, SlotPool
+from .pinned import REGISTERING
 from .sequence_state import (BLOCK_TOKENS, Copier, SequenceState, StatePools, block_keys, blocks_of, copy_blocks_out,
                              state_pools, take_own, truncatable)
 
@@ -601,7 +602,8 @@ class ConversationCache:
             for p in parts:
                 if not p.on_disk and p.slot is not None:
                     if p.event is not None:
-                        p.event.synchronize()
+                        with REGISTERING:  # (a wait on the device from this thread would break a capture)
+                            p.event.synchronize()
                     pool = self.pools.own if p.own else self.pools.blocks
                     path = self._part_path(p.name)
                     write_part(path, self.key, p.name, pool, p.slot)

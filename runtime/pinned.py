@@ -21,8 +21,9 @@ import torch
 _PORTABLE_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 # Pages whose last tensor went, still registered: ``release`` gives them back.
 _released: list[tuple[int, mmap.mmap]] = []
-# Held while a thread of its own registers pages (``runtime.host_pool``'s reserve) and while a CUDA
-# graph is captured (``runtime.graph.run_and_capture``): a capture forbids such calls in any thread.
+# Held while a thread of its own registers pages (``runtime.host_pool``'s reserve) or waits on the
+# device (``runtime.conversation_cache``'s writer), and while a CUDA graph is captured
+# (``runtime.graph.run_and_capture``): a capture forbids such calls in any thread.
 REGISTERING = threading.Lock()
 
 

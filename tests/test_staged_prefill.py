@@ -363,10 +363,12 @@ def test_a_full_size_plan_at_14gib_stages_within_the_budget(tmp_path, monkeypatc
 ARCHS = ["qwen35moe", "qwen3moe", "laguna"]
 
 
-def gpu_model(path: Path, fraction: float, stage_tokens: int | None, **kw):
+def gpu_model(path: Path, fraction: float, stage_tokens: int | None, **session):
+    """``session``: ``SessionOptions``' fields (context, prompt calls) the plan is made for."""
     model = load_model(path, device="cuda", dtype=torch.bfloat16,
-                       store=StoreOptions(hot_fraction=fraction, miss_mode="zerocopy", stage_tokens=stage_tokens, **kw))
-    if not model.experts.fused_all:  # tiny shapes may give a layer a quant type without a fused kernel
+                       store=StoreOptions(hot_fraction=fraction, miss_mode="zerocopy", stage_tokens=stage_tokens),
+                       session=SessionOptions(**session))
+    if not model.store.fused_all:  # tiny shapes may give a layer a quant type without a fused kernel
         pytest.skip("not every expert layer has fused-kernel quant types")
     return model
 
