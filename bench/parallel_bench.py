@@ -137,7 +137,7 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     results = [measure(spark(args), args)]
-    if args.llama_server is not None:
+    if args.llama_server is not None and args.llama_server.is_file():
         if args.vram == "all":
             n = 0
         elif args.n_cpu_moe == "auto":

@@ -69,7 +69,7 @@ def test_batched_step_is_each_sequence_alone(synth_model, arch, hot_fraction):
     """Through the tiered store (async: misses copied into two cache slots, or read from the host
     when a step's union of misses does not fit)."""
     path = synth_model(arch, "Q4_K_M", skew=1.0)
-    model = load_model(path, device=DEVICE, dtype=DTYPE, store=StoreOptions(hot_fraction=hot_fraction, mode="async",
+    model = load_model(path, device=DEVICE, dtype=DTYPE, store=StoreOptions(hot_fraction=hot_fraction, miss_mode="async",
                                                                cache_slots=2))
     want = alone(model)
     before = model.experts.stats.tokens
@@ -107,7 +107,7 @@ def test_a_run_of_tokens_is_its_single_steps(synth_model, arch):
     verification, issue 47) give the K single steps' logits and leave the cache as they do (the
     next single step after it is the same too), at 10% residency."""
     model = load_model(synth_model(arch, "Q4_K_M", skew=1.0), device=DEVICE, dtype=DTYPE,
-                       store=StoreOptions(hot_fraction=0.1, mode="async", cache_slots=2))
+                       store=StoreOptions(hot_fraction=0.1, miss_mode="async", cache_slots=2))
     prompt, run, after = PROMPTS[0], FED[2], FED[0][0]
     one = model.new_cache()
     model.forward(prompt, one, last_only=True)
