@@ -11,8 +11,8 @@ step is the bits of the sequence decoding alone (``MoEModel.decode_batch``), so 
 the one the serial engine gives.
 
 What the serial engine (``engine.Engine``) has and this does not yet: the conversation cache
-(each session resumes only its own previous sequence), captured batched steps (the batched step
-runs eagerly), prompts prefilled in chunks between decode steps (a joining prompt is prefilled
+(each session resumes only its own previous sequence), a captured batched step (on a GPU the
+sequences take their own captured steps in turn: ``runtime.batch_step``), prompts prefilled in chunks between decode steps (a joining prompt is prefilled
 whole before the step), and a structured output's grammar is applied per sequence as there.
 Work between requests (placement learning) runs when no sequence is in flight.
 """
@@ -22,17 +22,20 @@ import logging
 import queue
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..batch_step import decode_together
 from ..generate import Session
-from .engine import Engine, Job, Outcome
+from .engine import BetweenRequests, Engine, Job, Outcome, own_sampler
 from .metrics import PREFIX
+
+if TYPE_CHECKING:
+    from ..sampling import Sampler
 
 log = logging.getLogger("sparkpack.server")
 
@@ -56,7 +59,10 @@ class ParallelEngine(Engine):
     """``engine.Engine``'s interface (``submit``, ``cancel_all``, ``close``, ``waiting``: its
     queue is the waiting list) over ``sessions`` (one per sequence in flight, all of one model)."""
 
-    def __init__(self, sessions: list[Session], stop_ids: frozenset[int], **engine: Any):
+    def __init__(self, sessions: list[Session], stop_ids: frozenset[int], *, max_queue: int = 64,
+                 on_job: Callable[[Job, Outcome], None] | None = None, between: BetweenRequests | None = None,
+                 sampler: Callable[[Job], Sampler | None] = own_sampler,
+                 after_prefill: Callable[[Job, torch.Tensor], None] | None = None):
         if not sessions or any(s.model is not sessions[0].model for s in sessions):
             raise ValueError("ParallelEngine: one session or more, all of one model")
         self.sessions = sessions
@@ -64,7 +70,8 @@ class ParallelEngine(Engine):
         self._flight: list[Running] = []  # the running list
         self._free = list(sessions)
         self._stopping = False
-        super().__init__(sessions[0], stop_ids, **engine)
+        super().__init__(sessions[0], stop_ids, max_queue=max_queue, on_job=on_job, between=between,
+                         sampler=sampler, after_prefill=after_prefill)
 
     @property
     def running(self) -> int:
