@@ -32,9 +32,10 @@ session's call ends, so a resumed request gives a fresh run's bits.
 - The folder: every part a file (``blocks/NAME.spkb``), every entry a small file naming its
   parts (``NAME.spkv``), each written once by a thread of its own (temp file, fsync, rename;
   an XXH3-128 checksum, several times faster than zlib's crc32: BENCHMARKS.md); a dropped
-  entry's file goes, and the parts no other entry names. A restarted server indexes the entry files (headers only) and reads a resumed entry's parts straight into
-  slots, checking each as it is read; a file that is another model's, truncated or fails its
-  checksum is ignored with one log line and the prompt is computed.
+  entry's file goes, and the parts no other entry names. A restarted server indexes the entry
+  files (headers only) and reads a resumed entry's parts straight into slots, checking each as it
+  is read; a file that is another model's, truncated or fails its checksum is ignored with one
+  log line and the prompt is computed.
 """
 from __future__ import annotations
 
