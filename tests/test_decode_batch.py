@@ -14,7 +14,8 @@ import torch
 
 from sparkpack.formats.archs import model_spec
 from sparkpack.formats.gguf_file import GGUFModel
-from sparkpack.runtime.expert_store import ExpertStore, GGUFSource
+from sparkpack.runtime.expert_source import GGUFSource
+from sparkpack.runtime.expert_store import ExpertStore
 from sparkpack.runtime.models import StoreOptions, load_model
 
 DEVICE = os.environ.get("SPARKPACK_TEST_DEVICE", "cpu")
