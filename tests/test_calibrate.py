@@ -66,6 +66,7 @@ def renderer_of(path: Path):
 
 # --- rendering --------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_rendering_uses_the_model_template(tiny_hf_gguf):
     """Text equals the GGUF template rendered directly and transformers' apply_chat_template;
     ids equal the HF tokenizer's; the generated mask covers exactly the assistant turns."""

@@ -65,6 +65,7 @@ def test_convert_hf_removes_its_temp_gguf(tmp_path):
                    signal.SIGTERM, out)
 
 
+@pytest.mark.slow
 def test_calibrate_checkpoints_on_sigterm_and_resumes(synth_model, tmp_path):
     model = synth_model("qwen3moe", skew="reference")
     corpus = tmp_path / "c.jsonl"

@@ -201,7 +201,8 @@ COMMANDS = {
 }
 
 
-@pytest.mark.parametrize("command", sorted(COMMANDS))
+@pytest.mark.parametrize("command", [pytest.param(c, marks=pytest.mark.slow) if c in ("calibrate", "report") else c
+                                     for c in sorted(COMMANDS)])
 def test_every_writer_and_verify_clear_the_folder_first(sources, tmp_path, command):
     """Whatever killed writers left in the folder a command writes into (or a verified pack lies
     in) is cleared at its start, whichever output it belonged to, one line each; a live writer's

@@ -22,6 +22,7 @@ from sparkpack.runtime.kernels.dense import gemv  # noqa: E402
 from sparkpack.runtime.kernels.moe import ExpertPools, MoELaunch, moe_experts  # noqa: E402
 from sparkpack.runtime.kernels.q8dot import LOW_BIT_Q8, quantize, readable  # noqa: E402
 from tests.kernel_refs import DEVICE, dequant64, pools, random_weight, rel_l2, segment  # noqa: E402
+from tests.marks import quick_first  # noqa: E402
 
 
 def dequantized(xq: torch.Tensor, xd: torch.Tensor) -> torch.Tensor:
@@ -84,7 +85,7 @@ def q8_moe_reference(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, gate
     return y
 
 
-@pytest.mark.parametrize("merged", [False, True], ids=["gate+up", "gate_up"])
+@pytest.mark.parametrize("merged", quick_first([True, False]), ids=["gate_up", "gate+up"])
 def test_moe_decode_on_int8_activations(merged: bool) -> None:
     """Q4_K gate/up and Q6_K down on int8 inputs (x per token, h per pair): the quantized
     reference, and the same bits from other slots and from a host pool."""
@@ -149,7 +150,7 @@ def test_misaligned_pools_fall_back_to_float_activations() -> None:
     assert torch.equal(moe_experts(*args, act_q8=True, launch=launch), moe_experts(*args, launch=launch))
 
 
-@pytest.mark.parametrize("qtype", [T(q) for q in LOW_BIT_Q8], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", quick_first([T(q) for q in LOW_BIT_Q8]), ids=lambda q: q.name)
 def test_low_bit_types_on_int8_activations(qtype: T) -> None:
     """The low-bit types' int8 words (lattice entries with their signs, Q2_K/Q3_K codes) in the
     dense GEMV and the MoE decode kernels: the product of gguf's dequantized weights with the

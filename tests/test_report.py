@@ -57,6 +57,7 @@ def pngs(html: str) -> dict[str, Image.Image]:
     return {alt: Image.open(io.BytesIO(base64.b64decode(data))) for alt, data in found}
 
 
+@pytest.mark.slow
 def test_page_holds_every_figure(learned, tmp_path):
     model, trace = learned
     out = tmp_path / "r.html"

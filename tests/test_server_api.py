@@ -130,6 +130,7 @@ def test_chat_plain_and_streamed_agree_and_report_usage(server, oai, tokenizer):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == kept > 0
 
 
+@pytest.mark.slow
 def test_greedy_through_the_server_is_spark_run_p(server, oai, model_path, tokenizer):
     """Same prompt, same options: the server's tokens are the one-shot command's."""
     oai.chat.completions.create(model="x", messages=user("Tell me a story."), max_tokens=6, temperature=0)
@@ -155,6 +156,7 @@ def test_a_follow_up_turn_reuses_the_prefix_with_the_bits_of_a_fresh_run(server,
     assert np.array_equal(logits, fresh.float().numpy())
 
 
+@pytest.mark.slow
 def test_tool_calls_and_reasoning(server, oai):
     kw = dict(model="x", messages=user("Read a.py"), tools=[READ_FILE], max_tokens=100, extra_body={FORCED: CALL_TEXT})
     msg = oai.chat.completions.create(**kw).choices[0]
@@ -228,6 +230,7 @@ def reused_through(tokenizer, prompt: list[int], cached: int, text: str) -> bool
     return text in tokenizer.decode(prompt[:cached])
 
 
+@pytest.mark.slow
 def test_mid_conversation_system_messages_keep_the_prefix_before_them(server, claude, oai, tokenizer):
     """Claude Code's ``role: "system"`` messages (and OpenAI's later system/developer ones) are
     accepted and stay where they stand: the next turn reuses everything up to them."""

@@ -32,6 +32,7 @@ def client_of(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen35moe", "laguna"])
 def test_busy_parallel_server_gives_the_serial_completions(synth_model, arch):
     path = synth_model(arch)

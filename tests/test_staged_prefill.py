@@ -108,6 +108,7 @@ def test_staged_bytes_are_the_bytes_each_expert_has_on_the_device(synth_model, a
     assert staging.nbytes == staging_bytes(store.hot, expert_slot_bytes(spec, gguf.tensors))
 
 
+@pytest.mark.slow
 def test_a_staged_call_through_the_fused_kernel_gives_the_same_bits(synth_model):
     """Two MoE layers (two buffers, the second copied ahead) through the Triton kernel
     (interpreted): a call of ``stage_tokens`` tokens stages, a shorter one reads zero-copy, and
@@ -161,6 +162,7 @@ def test_sessions_stage_where_the_store_does(synth_model, monkeypatch):
             assert session.staged == (staged and (stage_tokens or 0) <= session.call_tokens)
 
 
+@pytest.mark.slow
 def test_calls_after_a_long_past_take_a_whole_chunk(synth_model, monkeypatch):
     """Sessions of short captured calls (taken as given here, with a long past of 1024 tokens)
     end their calls every 512 tokens up to the long past and every ``prefill_chunk`` after it;
@@ -189,6 +191,7 @@ def test_calls_after_a_long_past_take_a_whole_chunk(synth_model, monkeypatch):
     assert MemoryTarget.gpu(spec, ctx=LONG_PAST_TOKENS + 1, kv_type="q8_0").prefill_chunk == PREFILL_CHUNK
 
 
+@pytest.mark.slow
 def test_a_staged_groups_deferred_counts_are_no_zero_copy_reads(synth_model):
     """A group's routings learned a step later (``end_step(defer=True)``, as a replayed group's
     are) count as staged, like those learned at once: its cold experts were copied in bulk, and
