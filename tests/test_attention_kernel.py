@@ -26,6 +26,7 @@ from sparkpack.runtime.kernels.attention import (  # noqa: E402
     attend_decode, attend_prefill, decode_split, qk_norm_rope_append)
 from sparkpack.runtime.layers import Rope, attention, rms_norm, rope_inv_freq, yarn_rope  # noqa: E402
 from tests.kernel_refs import DEVICE, compile_in_subprocess, rel_l2  # noqa: E402
+from tests.marks import quick_first  # noqa: E402
 
 EPS = 1e-6
 
@@ -150,7 +151,7 @@ def run_attention(H_kv: int, rep: int, d: int, S: int, split: int, pos: int, win
 TOL = {torch.float32: 1e-5, torch.bfloat16: 6e-3}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", quick_first([torch.float32, torch.bfloat16]))
 @pytest.mark.parametrize("H_kv,rep,d,S,split,pos,window", [
     (2, 1, 32, 64, 32, 0, 0),  # first position: one key
     (2, 2, 64, 96, 32, 45, 0),  # inside the second split
@@ -332,8 +333,8 @@ def test_attend_prefill_matches_torch(dtype, T, H_kv, rep, d, S, pos, window) ->
     assert rel_l2(outs[0].cpu(), ref) < TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("q8", [False, True])
+@pytest.mark.parametrize("dtype", quick_first([torch.float32, torch.bfloat16]))
+@pytest.mark.parametrize("q8", quick_first([False, True]))
 def test_a_ring_gives_the_whole_buffers_bits(dtype, q8) -> None:
     """A sliding-window layer's ring (``KVCache.ring``: position p in row p % S) against a whole
     buffer holding the same keys: the append writes row ``p % S`` and nothing else; decode

@@ -135,6 +135,7 @@ def test_conversations_taking_turns_resume_from_their_own_states(synth_model, ar
     assert len(set(named)) <= len(named) - 300 // BLOCK + 1, (len(set(named)), len(named))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen35moe"])
 def test_tiny_ram_evicts_and_recomputes_and_bad_files_are_ignored(synth_model, arch, tmp_path, caplog):
     model = load_model(synth_model(arch, "Q8_0"))

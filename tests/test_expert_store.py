@@ -321,7 +321,8 @@ def corrupt_one_cold_shard(pack: Path) -> str:
     return rec.shard
 
 
-@pytest.mark.parametrize("host_ram", quick_first([None, "300KB"]))
+@pytest.mark.slow
+@pytest.mark.parametrize("host_ram", [None, "300KB"])
 def test_corrupt_cold_shard_is_named_and_stops_cleanly(model_path, tmp_path, host_ram):
     pack = tmp_path / "m.sparkpack"
     assert run_cli(["-m", "sparkpack.repack.cli", "split", str(model_path), "--hot-fraction", "0.3", "-o", str(pack)]).returncode == 0

@@ -20,7 +20,6 @@ from sparkpack.runtime.experts import GGUFExperts, PlainProvider
 from sparkpack.runtime.generate import generate
 from sparkpack.runtime.layers import Normed, Rope, Rows, rope_inv_freq, yarn_rope
 from sparkpack.runtime.models import load_model
-from tests.marks import quick_first
 
 ARCHS = ("qwen3moe", "laguna", "qwen35moe")
 # CI runs this file on the CPU; on the GPU machine the same file runs with SPARKPACK_TEST_DEVICE=cuda.
@@ -249,7 +248,8 @@ def test_yarn_matches_transformers():
     assert not torch.allclose(rope.inv_freq, rope_inv_freq(500000.0, 64))
 
 
-@pytest.mark.parametrize("arch", quick_first(ARCHS))
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
 def test_spark_run_logits_out_matches_transformers(arch, tiny_hf_gguf, hf_ref, tmp_path):
     hf = hf_ref(arch)
     ids = token_ids(hf.config.vocab_size, 12, seed=3)

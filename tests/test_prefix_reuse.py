@@ -109,7 +109,8 @@ def test_rings_go_back_by_their_rows_or_by_a_copy_of_the_window(synth_model, kv_
     assert tail == list(generate(model, None, turns[0], None, 6, stop_ids=(), session=new()))
 
 
-@pytest.mark.parametrize("arch", quick_first(ARCHS))
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
 def test_any_sequence_of_conversations_reuses_what_a_fresh_session_would(synth_model, arch):
     """Conversations of any lengths one after another in one session (a long one, then shorter
     ones: after compaction, ``/clear`` or a new session): each turn reuses what a session that
