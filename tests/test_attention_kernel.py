@@ -333,8 +333,9 @@ def test_attend_prefill_matches_torch(dtype, T, H_kv, rep, d, S, pos, window) ->
     assert rel_l2(outs[0].cpu(), ref) < TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", quick_first([torch.float32, torch.bfloat16]))
-@pytest.mark.parametrize("q8", quick_first([False, True]))
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q8", [False, True])
 def test_a_ring_gives_the_whole_buffers_bits(dtype, q8) -> None:
     """A sliding-window layer's ring (``KVCache.ring``: position p in row p % S) against a whole
     buffer holding the same keys: the append writes row ``p % S`` and nothing else; decode

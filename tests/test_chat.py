@@ -54,6 +54,7 @@ class Terminal:
         return code
 
 
+@pytest.mark.slow
 def test_chat_in_a_terminal(synth_model):
     term = Terminal([*SPARK_RUN, str(synth_model("qwen3moe")), *CHAT, "--max-tokens", "2000"])
     try:

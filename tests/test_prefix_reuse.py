@@ -165,6 +165,7 @@ def test_a_ring_grown_for_a_longer_call_keeps_the_window_before_it():
     assert ring.holds(pos - window + 1, pos) and not ring.holds(pos - window, pos)
 
 
+@pytest.mark.slow
 def test_an_eager_session_sizes_its_rings_for_whole_chunks(synth_model):
     """Where prompts go in whole chunks at any context (the CPU here), the rings are sized for
     them: a long prompt wraps them without growing them, so no window is given up."""

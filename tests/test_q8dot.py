@@ -22,7 +22,6 @@ from sparkpack.runtime.kernels.dense import gemv  # noqa: E402
 from sparkpack.runtime.kernels.moe import ExpertPools, MoELaunch, moe_experts  # noqa: E402
 from sparkpack.runtime.kernels.q8dot import LOW_BIT_Q8, quantize, readable  # noqa: E402
 from tests.kernel_refs import DEVICE, dequant64, pools, random_weight, rel_l2, segment  # noqa: E402
-from tests.marks import quick_first  # noqa: E402
 
 
 def dequantized(xq: torch.Tensor, xd: torch.Tensor) -> torch.Tensor:
@@ -151,7 +150,8 @@ def test_misaligned_pools_fall_back_to_float_activations() -> None:
     assert torch.equal(moe_experts(*args, act_q8=True, launch=launch), moe_experts(*args, launch=launch))
 
 
-@pytest.mark.parametrize("qtype", quick_first([T(q) for q in LOW_BIT_Q8]), ids=lambda q: q.name)
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", [T(q) for q in LOW_BIT_Q8], ids=lambda q: q.name)
 def test_low_bit_types_on_int8_activations(qtype: T) -> None:
     """The low-bit types' int8 words (lattice entries with their signs, Q2_K/Q3_K codes) in the
     dense GEMV and the MoE decode kernels: the product of gguf's dequantized weights with the

@@ -347,6 +347,7 @@ def test_each_request_is_one_log_line(server, claude, oai):
     assert len(lines) == 6, lines  # one a request
 
 
+@pytest.mark.slow
 def test_responses_api(server, oai):
     r = oai.responses.create(model="x", input="Say hi", max_output_tokens=3)
     assert r.status == "incomplete" and r.output[0].type == "message" and r.usage.output_tokens == 3
@@ -461,6 +462,7 @@ def test_an_internal_error_is_a_500_logged_once_and_the_server_goes_on(server, o
     assert len([line for line in server.stderr if " 500 " in line and "generation failed: RuntimeError: boom" in line]) == 2
 
 
+@pytest.mark.slow
 def test_a_client_that_goes_away_cancels_its_generation_and_its_queued_request(server, oai):
     def dumps() -> list[dict]:
         return [json.loads((server.hooks / f"{n}.json").read_text())

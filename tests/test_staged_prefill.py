@@ -28,6 +28,7 @@ from sparkpack.runtime.expert_source import GGUFSource
 from sparkpack.runtime.expert_store import ExpertStore
 from sparkpack.runtime.generate import Session
 from sparkpack.runtime.models import SessionOptions, StoreOptions, load_model
+from tests.marks import quick_first
 
 DEVICE = os.environ.get("SPARKPACK_TEST_DEVICE", "cpu")
 cuda = pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(),
@@ -217,7 +218,7 @@ def test_a_staged_groups_deferred_counts_are_no_zero_copy_reads(synth_model):
         assert st.staged_layers == len(spec.moe_layers) and st.bytes_streamed == st.staged_bytes
 
 
-@pytest.mark.parametrize("arch", ["qwen35moe", "laguna", "qwen3moe"])
+@pytest.mark.parametrize("arch", quick_first(["qwen35moe", "laguna", "qwen3moe"]))
 def test_a_group_of_calls_gives_the_bits_of_its_calls_one_by_one(synth_model, arch, tmp_path):
     """A staging session runs a prompt's calls layer by layer in groups (``forward_calls``): its
     logits are those of the calls one by one bit for bit, its DeltaNet state copies (taken layer
@@ -539,6 +540,7 @@ def test_a_vram_budget_allocates_the_planned_staging(synth_model):
     assert d["staging_bytes"] == plan.staging_bytes and d["stage_tokens"] == StoreOptions().stage_tokens
 
 
+@pytest.mark.slow
 def test_re_placement_keeps_a_staging_stores_layer_ranges(synth_model):
     """Live re-placement on a store that stages: the swaps stay within each layer (a swap across
     layers would leave a layer's cold experts outside the host range its staged copy takes, and
