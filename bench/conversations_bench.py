@@ -202,8 +202,8 @@ def markdown(result: dict) -> str:
                  + " | ".join(str(summary(c)["b1_cached"]) for c in cols) + " |")
     s = result["sparkpack"]
     lines.append(f"| sparkpack RSS after A5 (GiB) / conversation cache host bytes (GiB) | "
-                 f"{sb._num(s['rss_bytes'] and s['rss_bytes'] / 1024**3, '.2f')} / "
-                 f"{sb._num(s['cache_host_bytes'] and s['cache_host_bytes'] / 1024**3, '.2f')} |"
+                 f"{sb.num(s['rss_bytes'] and s['rss_bytes'] / 1024**3, '.2f')} / "
+                 f"{sb.num(s['cache_host_bytes'] and s['cache_host_bytes'] / 1024**3, '.2f')} |"
                  + " - |" * (len(head) - 1))
     return "\n".join(lines)
 

@@ -316,7 +316,7 @@ def bench_prefill_attention(args: argparse.Namespace, gen: torch.Generator) -> b
     from torch.nn.attention.bias import causal_lower_right
 
     from sparkpack.runtime.kernels.attention import attend_prefill
-    from sparkpack.runtime.layers import _attend, attend_buffers
+    from sparkpack.runtime.layers import attend_positions, attend_buffers
 
     def sdpa_lr(q, k, v):
         T, S = q.shape[0], k.shape[1]
@@ -344,7 +344,7 @@ def bench_prefill_attention(args: argparse.Namespace, gen: torch.Generator) -> b
                         continue
                     if S <= 16384 + 2048:
                         at = torch.arange(past, S, device="cuda")
-                        want = _attend(q.float(), k.float(), v.float(), at[:, None],
+                        want = attend_positions(q.float(), k.float(), v.float(), at[:, None],
                                        torch.arange(S, device="cuda")[None, :], 0)
                         err = rel_l2(got.float(), want)
                         ok &= err < 2e-2

@@ -365,7 +365,7 @@ def one_shot(args: argparse.Namespace, turns: Turns) -> dict:
 
 # --- report -------------------------------------------------------------------------------------
 
-def _num(x: float | None, fmt: str) -> str:
+def num(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
@@ -376,20 +376,20 @@ def markdown(result: dict) -> str:
     if result.get("llama"):
         head.append(f"llama-server --n-cpu-moe {result['n_cpu_moe']}")
     rows = [
-        ("turn 1: prompt tokens", [_num(c["turn1_prompt_tokens"], "d") for c in cols]),
-        ("turn 1: time to first token (s)", [_num(c["turn1_ttft_s"], ".3f") for c in cols]),
-        ("turn 1: the server's prompt time (timings.prompt_ms, s)", [_num(c.get("turn1_server_prompt_s"), ".3f")
+        ("turn 1: prompt tokens", [num(c["turn1_prompt_tokens"], "d") for c in cols]),
+        ("turn 1: time to first token (s)", [num(c["turn1_ttft_s"], ".3f") for c in cols]),
+        ("turn 1: the server's prompt time (timings.prompt_ms, s)", [num(c.get("turn1_server_prompt_s"), ".3f")
                                                                      for c in cols]),
-        ("turn 2: prompt tokens (cached)", [f"{_num(c['turn2_prompt_tokens'], 'd')} ({_num(c['turn2_cached_tokens'], 'd')})"
+        ("turn 2: prompt tokens (cached)", [f"{num(c['turn2_prompt_tokens'], 'd')} ({num(c['turn2_cached_tokens'], 'd')})"
                                             for c in cols]),
-        ("turn 2: time to first token (s)", [_num(c["turn2_ttft_s"], ".3f") for c in cols]),
-        ("turn 2: the server's prompt time (timings.prompt_ms, s)", [_num(c.get("turn2_server_prompt_s"), ".3f")
+        ("turn 2: time to first token (s)", [num(c["turn2_ttft_s"], ".3f") for c in cols]),
+        ("turn 2: the server's prompt time (timings.prompt_ms, s)", [num(c.get("turn2_server_prompt_s"), ".3f")
                                                                      for c in cols]),
-        ("turn 2 / turn 1 (target < 0.10)", [_num(c["turn2_over_turn1"], ".3f") for c in cols]),
-        ("decode tok/s, streamed (openai client)", [_num(c["decode_tok_s"], ".1f") for c in cols]),
+        ("turn 2 / turn 1 (target < 0.10)", [num(c["turn2_over_turn1"], ".3f") for c in cols]),
+        ("decode tok/s, streamed (openai client)", [num(c["decode_tok_s"], ".1f") for c in cols]),
         ("decode tok/s, whole requests (N - 1 tokens / time difference)",
-         [_num(c.get("decode_tok_s_whole"), ".1f") for c in cols]),
-        ("GPU memory (nvidia-smi, GiB)", [_num(c["gpu_memory_bytes"] and c["gpu_memory_bytes"] / 1024**3, ".2f")
+         [num(c.get("decode_tok_s_whole"), ".1f") for c in cols]),
+        ("GPU memory (nvidia-smi, GiB)", [num(c["gpu_memory_bytes"] and c["gpu_memory_bytes"] / 1024**3, ".2f")
                                          for c in cols]),
     ]
     shot = result.get("one_shot") or {}
@@ -397,9 +397,9 @@ def markdown(result: dict) -> str:
     ratio = ours / shot["decode_tok_s"] if shot.get("decode_tok_s") and ours else None
     lines = [f"| {result['model']} | " + " | ".join(head) + " |", "| --- |" + " --- |" * len(head)]
     lines += [f"| {name} | " + " | ".join(vals) + " |" for name, vals in rows]
-    lines.append(f"| one-shot spark-run -p decode tok/s | {_num(shot.get('decode_tok_s'), '.1f')} |"
+    lines.append(f"| one-shot spark-run -p decode tok/s | {num(shot.get('decode_tok_s'), '.1f')} |"
                  + " |" * (len(head) - 1))
-    lines.append(f"| served / one-shot decode (target >= 0.97) | {_num(ratio, '.3f')} |" + " |" * (len(head) - 1))
+    lines.append(f"| served / one-shot decode (target >= 0.97) | {num(ratio, '.3f')} |" + " |" * (len(head) - 1))
     return "\n".join(lines)
 
 

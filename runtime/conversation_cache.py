@@ -168,7 +168,7 @@ class ConversationCache:
         self.parts: dict[str, Part] = {}
         self.stats = CacheStats()
         self._tick = 0
-        self._lock = threading.RLock()  # the index, between the engine thread and the writer
+        self.lock = threading.RLock()  # the index, between the engine thread, the writer and any reader of it
         device = session.model.device
         self.copier = Copier(device)
         self.budget = HostBudget(ram_bytes)
@@ -281,7 +281,7 @@ class ConversationCache:
             self.parts.pop(p.name, None)
 
     def _leave_host(self, e: Entry) -> None:
-        with self._lock:
+        with self.lock:
             if not e.in_host:
                 return
             e.in_host = False
@@ -293,7 +293,7 @@ class ConversationCache:
     def tier_counts(self) -> dict[str, tuple[int, int]]:
         """(entries, bytes) per tier, a part shared by entries counted once. (Read by /metrics in
         another thread: it works on copies of the index.)"""
-        with self._lock:
+        with self.lock:
             entries = list(self.entries.values())
             parts = list(self.parts.values())
         host = sum(_slot_bytes(self.pools.own if p.own else self.pools.blocks) for p in parts if p.slot is not None) \
@@ -312,7 +312,7 @@ class ConversationCache:
         cuts = set(session.cuts_of(ids))
         live = session.reusable(ids)
         best, keep = None, live
-        with self._lock:
+        with self.lock:
             candidates = list(self.entries.values())
         for e in candidates:
             n = self._usable(e, ids, cuts)
@@ -385,7 +385,7 @@ class ConversationCache:
         tokens, cuts, saved = source
         pos = len(tokens)
         name = self._name(tokens)
-        with self._lock:
+        with self.lock:
             e = self.entries.get(name)
             if e is not None and e.in_host:
                 e.shared = e.shared or shared
@@ -465,7 +465,7 @@ class ConversationCache:
         first = next((c for c in cuts if c > 0 and ids[c] in session.breaks), None)
         if first is not None:
             marks.add(first)
-        with self._lock:
+        with self.lock:
             entries = list(self.entries.values())
         shared = max([shared_len(ids, e.tokens) for e in entries] + [shared_len(ids, session.fed)])
         limit = min(shared, len(ids) - 1)
@@ -479,7 +479,7 @@ class ConversationCache:
 
     def _drop(self, e: Entry) -> None:
         """Forget ``e``: its holds, its file, the part files no other entry file names."""
-        with self._lock:
+        with self.lock:
             self.entries.pop(e.name, None)
             if e.in_host:
                 e.in_host = False
@@ -509,7 +509,7 @@ class ConversationCache:
 
     def state(self, e: Entry) -> SequenceState | None:
         """``e``'s state when it is in host memory."""
-        with self._lock:
+        with self.lock:
             if not e.in_host:
                 return None
             parts = [self.parts[n] for n in e.parts]
@@ -537,7 +537,7 @@ class ConversationCache:
         pools = self._open_pools(e)
         if pools is None or e.path is None:
             return None
-        with self._lock:
+        with self.lock:
             missing = [self.parts[n] for n in e.parts if self.parts[n].slot is None]
             self._hold(e.parts)
             got: list[tuple[Part, int]] = []
@@ -560,13 +560,13 @@ class ConversationCache:
             log.warning("ignoring conversation cache file %s: %s (recomputing)", path,
                         err.strerror if isinstance(err, OSError) and err.strerror else err)
             self.stats.ignored_files += 1
-            with self._lock:
+            with self.lock:
                 for q, s in got:
                     (pools.own if q.own else pools.blocks).give([s])
                 self._release(e.parts)
                 self.entries.pop(e.name, None)
             return None
-        with self._lock:
+        with self.lock:
             for p, s in got:
                 p.slot, p.event = s, None
             e.in_host = True
@@ -592,7 +592,7 @@ class ConversationCache:
 
     def _write(self, e: Entry) -> None:
         name = e.name
-        with self._lock:
+        with self.lock:
             parts = [self.parts[n] for n in e.parts]
             if self.entries.get(name) is not e:  # dropped meanwhile: nothing to write
                 for p in parts:
@@ -608,18 +608,18 @@ class ConversationCache:
                     pool = self.pools.own if p.own else self.pools.blocks
                     path = self._part_path(p.name)
                     write_part(path, self.key, p.name, pool, p.slot)
-                    with self._lock:
+                    with self.lock:
                         p.on_disk, p.file_bytes = True, path.stat().st_size
             path = self.folder / (name + SUFFIX)
             write_entry(path, self.key, e)
         except OSError as err:
             log.warning("cannot write conversation cache file: %s", err)
-            with self._lock:
+            with self.lock:
                 for p in parts:
                     p.queued -= 1
                 self._release(e.parts)
             return
-        with self._lock:
+        with self.lock:
             for p in parts:
                 p.disk_refs += 1
                 p.queued -= 1

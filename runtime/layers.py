@@ -284,8 +284,8 @@ def attend_buffers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: "int
     a 512-token prompt in a 32k buffer would otherwise score 64 times the keys it needs. One
     token keeps the whole buffer (shapes independent of the position, as a captured step needs)."""
     T = q.shape[0]
-    if k.dtype == q.dtype and _flash_prompt(q, pos0, window):
-        return _causal_sdpa(q, k[:, :T], v[:, :T])
+    if k.dtype == q.dtype and flash_prompt(q, pos0, window):
+        return causal_sdpa(q, k[:, :T], v[:, :T])
     if ring:
         return _attend_ring(q, k, v, pos0, window)
     lo, hi = 0, k.shape[1]
@@ -314,10 +314,10 @@ def _attend_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: "int |
     return _in_pieces(q, k, v, positions(pos0, T, q.device)[:, None], kpos[None, :], window)
 
 
-def _flash_prompt(q: torch.Tensor, pos0: "int | torch.Tensor", window: int) -> bool:
+def flash_prompt(q: torch.Tensor, pos0: "int | torch.Tensor", window: int) -> bool:
     """Whether a prefill call is a prompt's first tokens (position 0) in half precision on a GPU,
     with no sliding window that could bite (``T <= window``): then the mask is plain causal and
-    torch's fused attention (flash) takes it in one launch. The unfused form of ``_attend`` is
+    torch's fused attention (flash) takes it in one launch. The unfused form of ``attend_positions`` is
     ~10 launches a layer plus its mask, and a 512-token prefill of the all-attention shapes
     (Qwen3-30B, Laguna) was host-bound on issuing them.
     Only where a fused kernel runs (Ampere or newer, head size a multiple of 8 up to 256): torch's
@@ -332,9 +332,9 @@ def _ampere_or_newer(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 8
 
 
-def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal GQA attention of ``q [T, H, d]`` over ``k, v [H_kv, T, d]`` (positions 0..T-1),
-    scaled by ``d ** -0.5`` as ``_attend``; returns ``[T, H, d]``."""
+    scaled by ``d ** -0.5`` as ``attend_positions``; returns ``[T, H, d]``."""
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], is_causal=True, enable_gqa=True)
     return out[0].transpose(0, 1)
 
@@ -379,18 +379,18 @@ def output_gate(o: torch.Tensor, gate: torch.Tensor | None, kind: str) -> torch.
 
 def _in_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,
                window: int) -> torch.Tensor:
-    """``_attend`` over query pieces: the scores of a long prefill chunk over a long cache would be
+    """``attend_positions`` over query pieces: the scores of a long prefill chunk over a long cache would be
     a large transient (512 queries x 32k keys x 16 heads is 1 GiB in fp32, twice over with the
     softmax), so queries go in pieces holding at most ATTN_SCORES_MAX scores. Each query row's
     result does not depend on the others."""
     T, H, _ = q.shape
     rows = max(1, ATTN_SCORES_MAX // (H * k.shape[1]))
     if T <= rows:
-        return _attend(q, k, v, qpos, kpos, window)
-    return torch.cat([_attend(q[i:i + rows], k, v, qpos[i:i + rows], kpos, window) for i in range(0, T, rows)])
+        return attend_positions(q, k, v, qpos, kpos, window)
+    return torch.cat([attend_positions(q[i:i + rows], k, v, qpos[i:i + rows], kpos, window) for i in range(0, T, rows)])
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,
+def attend_positions(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,
             window: int) -> torch.Tensor:
     """``attention`` for queries ``q [T, H, d]`` at positions ``qpos [T, 1]`` over keys/values
     ``[Hkv, S, d]`` at ``kpos [1, S]``."""

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from tests.hooked_server import FORCED
+from tests.marks import quick_first
 
 DATA = Path(__file__).parent / "data" / "agent_requests"
 RECORDED = sorted(p.stem for p in DATA.glob("*.json"))
@@ -107,7 +108,7 @@ def cached_of(usage: dict) -> int:
         or (usage.get("input_tokens_details") or {}).get("cached_tokens") or 0
 
 
-@pytest.mark.parametrize("names", conversations(), ids=lambda names: names[0].rpartition("-")[0]
+@pytest.mark.parametrize("names", quick_first(conversations()), ids=lambda names: names[0].rpartition("-")[0]
                          if len(names) > 1 else names[0])
 def test_recorded_requests_get_their_answers_and_reuse_the_conversation(client, names):
     """Each request gets a 200 in its dialect carrying the forced reply; each one after the first

@@ -26,6 +26,7 @@ from sparkpack.runtime.kernels.attention import (  # noqa: E402
     attend_decode, attend_prefill, decode_split, qk_norm_rope_append)
 from sparkpack.runtime.layers import Rope, attention, rms_norm, rope_inv_freq, yarn_rope  # noqa: E402
 from tests.kernel_refs import DEVICE, compile_in_subprocess, rel_l2  # noqa: E402
+from tests.marks import quick_first  # noqa: E402
 
 EPS = 1e-6
 
@@ -150,7 +151,7 @@ def run_attention(H_kv: int, rep: int, d: int, S: int, split: int, pos: int, win
 TOL = {torch.float32: 1e-5, torch.bfloat16: 6e-3}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", quick_first([torch.float32, torch.bfloat16]))
 @pytest.mark.parametrize("H_kv,rep,d,S,split,pos,window", [
     (2, 1, 32, 64, 32, 0, 0),  # first position: one key
     (2, 2, 64, 96, 32, 45, 0),  # inside the second split
@@ -279,11 +280,11 @@ def test_q8_0_cache_read_and_written_as_codes(dtype) -> None:
 @pytest.mark.parametrize("window", [0, 4096, 100])
 def test_prompt_prefill_attention_matches_the_unfused_form(window: int) -> None:
     """A prompt's first call (position 0, half precision) attends through torch's fused causal
-    attention (``layers._causal_sdpa``): within 1e-2 of the unfused form (``layers._attend``) in
+    attention (``layers.causal_sdpa``): within 1e-2 of the unfused form (``layers.attend_positions``) in
     float64 and no farther from it than the unfused bf16 form, at the Qwen3-30B head shape over a
     300-token prompt. A window shorter than the prompt keeps the unfused form (its mask is not
-    plain causal): the bits of ``_attend`` itself."""
-    from sparkpack.runtime.layers import _attend, _flash_prompt, attend_buffers
+    plain causal): the bits of ``attend_positions`` itself."""
+    from sparkpack.runtime.layers import attend_positions, flash_prompt, attend_buffers
 
     g = torch.Generator().manual_seed(window)
     T, H, H_kv, d, S = 300, 32, 4, 128, 512
@@ -292,16 +293,16 @@ def test_prompt_prefill_attention_matches_the_unfused_form(window: int) -> None:
     v = torch.randn(H_kv, S, d, generator=g).to(DEVICE, torch.bfloat16)
     got = attend_buffers(q, k, v, 0, window)
     pos = torch.arange(T, device=DEVICE)
-    want = _attend(q, k[:, :T], v[:, :T], pos[:, None], pos[None, :], window)
-    assert _flash_prompt(q, 0, window) == (window != 100)
+    want = attend_positions(q, k[:, :T], v[:, :T], pos[:, None], pos[None, :], window)
+    assert flash_prompt(q, 0, window) == (window != 100)
     assert got.shape == (T, H, d) and got.dtype == torch.bfloat16
     if window == 100:
         assert torch.equal(got, want)
     else:  # against the unfused form in float64
         c = [t.double().cpu() for t in (q, k[:, :T], v[:, :T], pos[:, None], pos[None, :])]
-        exact = _attend(*c, window)
+        exact = attend_positions(*c, window)
         assert rel_l2(got, exact) < 1e-2 and rel_l2(got, exact) < 2 * rel_l2(want, exact)
-    assert not _flash_prompt(q, 5, 0) and not _flash_prompt(q.float(), 0, 0)
+    assert not flash_prompt(q, 5, 0) and not flash_prompt(q.float(), 0, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -314,10 +315,10 @@ def test_prompt_prefill_attention_matches_the_unfused_form(window: int) -> None:
     (150, 2, 2, 32, 256, 70, 40),  # many blocks of tokens, each with its own window start
 ])
 def test_attend_prefill_matches_torch(dtype, T, H_kv, rep, d, S, pos, window) -> None:
-    """``attend_prefill`` (a captured prefill call's attention) against ``runtime.layers._attend`` in
+    """``attend_prefill`` (a captured prefill call's attention) against ``runtime.layers.attend_positions`` in
     float64, with garbage in every row past the call; the position by value and from memory give
     the same bits."""
-    from sparkpack.runtime.layers import _attend
+    from sparkpack.runtime.layers import attend_positions
 
     g = torch.Generator().manual_seed(T + pos)
     H = H_kv * rep
@@ -325,13 +326,14 @@ def test_attend_prefill_matches_torch(dtype, T, H_kv, rep, d, S, pos, window) ->
     k, v = rand(g, H_kv, S, d, dtype=dtype, scale=2.0), rand(g, H_kv, S, d, dtype=dtype)
     k[:, pos + T:], v[:, pos + T:] = 1e6, -1e6  # never attended
     qpos = torch.arange(pos, pos + T)[:, None]
-    ref = _attend(q, k, v, qpos, torch.arange(S)[None, :], window)
+    ref = attend_positions(q, k, v, qpos, torch.arange(S)[None, :], window)
     dev = [t.to(DEVICE, dtype).contiguous() for t in (q, k, v)]
     outs = [attend_prefill(*dev, p, window) for p in (pos, torch.tensor(pos, device=DEVICE))]
     assert outs[0].shape == (T, H, d) and outs[0].dtype == dtype and torch.equal(outs[0], outs[1])
     assert rel_l2(outs[0].cpu(), ref) < TOL[dtype]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("q8", [False, True])
 def test_a_ring_gives_the_whole_buffers_bits(dtype, q8) -> None:
@@ -462,22 +464,22 @@ def aot_compile_attention(arch: int = 90) -> None:
         q8kv = pos_ptr  # the bf16 variants read and write a Q8_0 cache
         cache = {n: "*i8" if q8kv else "*" + act for n in ("kc_ptr", "vc_ptr")} | {"ks_ptr": "*fp16", "vs_ptr": "*fp16"}
         jobs += [
-            (at._qk_norm_rope_append_kernel,
+            (at.qk_norm_rope_append_kernel,
              {**{n: "*" + act for n in ("q_ptr", "k_ptr", "v_ptr", "qn_ptr", "kn_ptr", "qo_ptr")}, **cache,
               "inv_ptr": "*fp32", "pos": pos},
              {"HAS_QN": True, "HAS_KN": not pos_ptr, "POS_PTR": pos_ptr, "Q8KV": q8kv, "BLOCK_D": 256}, 1, 3),
-            (at._attend_split_kernel,
+            (at.attend_split_kernel,
              {"q_ptr": "*" + act, "k_ptr": cache["kc_ptr"], "v_ptr": cache["vc_ptr"], "ks_ptr": "*fp16",
               "vs_ptr": "*fp16", "pos": pos, "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"},
              {"POS_PTR": pos_ptr, "DOT_FP32": act == "fp32", "Q8KV": q8kv, "REP_P2": 16, "BLOCK_D": 256,
               "BLOCK_S": 64, "SPLIT": 64}, 4, 1),
-            (at._attend_combine_kernel,
+            (at.attend_combine_kernel,
              {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "gate_ptr": "*" + act, "out_ptr": "*" + act,
               "pos": pos, "xq": "*i8", "xd": "*fp32", "xs": "*fp32"},
              {"POS_PTR": pos_ptr, "SPLIT": 64, "GATE": 1 if pos_ptr else 2, "BLOCK_SP": 64, "BLOCK_C": 32,
               "Q8": pos_ptr}, 4, 3),
         ]
-        jobs.append((at._attend_prefill_kernel,
+        jobs.append((at.attend_prefill_kernel,
                      {"q_ptr": "*" + act, "k_ptr": "*" + act, "v_ptr": "*" + act, "out_ptr": "*" + act, "pos": pos},
                      {"POS_PTR": pos_ptr, "DOT_FP32": act == "fp32", "REP_P2": 16, "BLOCK_T": 4, "BLOCK_D": 256,
                       "BLOCK_S": 32}, 4, 3))
@@ -493,5 +495,6 @@ def aot_compile_attention(arch: int = 90) -> None:
     print("compiled", len(jobs))
 
 
+@pytest.mark.slow
 def test_attention_kernels_compile_for_h100() -> None:
     compile_in_subprocess("from tests.test_attention_kernel import aot_compile_attention; aot_compile_attention()", 8)

@@ -25,8 +25,8 @@ from sparkpack.runtime.kernels.moe import GROUPED_MIN_PAIRS, ExpertPools, moe_ex
 from sparkpack.runtime.kernels.norm import rms_norm_rows  # noqa: E402
 from sparkpack.runtime.kernels.router import sigmoid_topk, softmax_topk  # noqa: E402
 from sparkpack.runtime.quant_linear import stack  # noqa: E402
-from tests.test_dense_kernels import segment  # noqa: E402
-from tests.test_kernels import DEVICE, random_weight  # noqa: E402
+from tests.kernel_refs import DEVICE, random_weight, segment  # noqa: E402
+from tests.marks import quick_first  # noqa: E402
 
 GPU = DEVICE == "cuda"
 B = 5
@@ -42,8 +42,8 @@ def each_alone(fn, *inputs: torch.Tensor) -> torch.Tensor:
     return torch.cat([fn(*(t[b:b + 1] for t in inputs)) for b in range(inputs[0].shape[0])])
 
 
-@pytest.mark.parametrize("q8", [True, False], ids=["int8", "float"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("q8", quick_first([True, False]), ids=["int8", "float"])
+@pytest.mark.parametrize("dtype", quick_first([torch.float32, torch.bfloat16]), ids=["f32", "bf16"])
 def test_gemv_rows_are_each_row_alone(q8: bool, dtype: torch.dtype) -> None:
     """Four bands of four types (K-quants with int8 kernels, a low-bit one, a float band) in one
     launch, at the runtime's default tile, B rows against B launches of one row."""
@@ -74,6 +74,7 @@ def test_quant_linear_rows_in_a_batched_step() -> None:
     assert torch.equal(got, each_alone(lin, x))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("act_q8", [True, False], ids=["int8", "float"])
 def test_moe_tokens_of_a_batched_step_are_each_alone(act_q8: bool) -> None:
     """Top-k experts of a batched step's tokens through the per-pair kernels with one token's

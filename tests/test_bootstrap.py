@@ -121,6 +121,7 @@ def test_newest_sessions_weigh_most(home, model, tmp_path):
     assert not np.allclose(forward.profile().counts["prompt"], backward.profile().counts["prompt"])
 
 
+@pytest.mark.slow
 def test_bootstrap_from_the_shared_real_corpora(model, tmp_path):
     """Only the newest conversations that fit the budget are replayed, and every token they
     compute routes its top-k experts in every MoE layer into the learner."""

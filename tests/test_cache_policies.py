@@ -70,6 +70,7 @@ def test_shared_pool_serves_all_layers():
     assert simulate(ids, hot, 2, "lru", shared=True).cold == 2
 
 
+@pytest.mark.slow
 def test_policies_on_a_recorded_trace(synth_model, tmp_path):
     """A trace recorded by `repack calibrate --trace` on the bundled corpus: every policy's
     slots only ever help, and frequency-aware admission copies fewer experts than LRU."""

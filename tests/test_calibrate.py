@@ -66,6 +66,7 @@ def renderer_of(path: Path):
 
 # --- rendering --------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_rendering_uses_the_model_template(tiny_hf_gguf):
     """Text equals the GGUF template rendered directly and transformers' apply_chat_template;
     ids equal the HF tokenizer's; the generated mask covers exactly the assistant turns."""
@@ -93,6 +94,7 @@ def test_rendering_uses_the_model_template(tiny_hf_gguf):
     assert gen_runs == ["The capital of France is Paris.<|im_end|>", "Rome.<|im_end|>"]
 
 
+@pytest.mark.slow
 def test_prompt_list_gets_generation_prompt_and_no_generated_side(tiny_hf_gguf):
     _, path = tiny_hf_gguf("qwen3moe")
     renderer = renderer_of(path)

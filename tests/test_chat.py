@@ -10,6 +10,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from tests.procs import ENV, REPO, SPARK_RUN, default_sigint, run
 
 # max-tokens: replies long enough (greedy never stops early on this model) to be interrupted
@@ -52,6 +54,7 @@ class Terminal:
         return code
 
 
+@pytest.mark.slow
 def test_chat_in_a_terminal(synth_model):
     term = Terminal([*SPARK_RUN, str(synth_model("qwen3moe")), *CHAT, "--max-tokens", "2000"])
     try:
@@ -91,6 +94,7 @@ def test_chat_in_a_terminal(synth_model):
             term.proc.wait()
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_reply_ends_the_program(synth_model):
     """SIGTERM is not absorbed like a Ctrl-C during a reply: spark-run ends, in one line, 143."""
     term = Terminal([*SPARK_RUN, str(synth_model("qwen3moe")), *CHAT, "--max-tokens", "2000"])
@@ -108,6 +112,7 @@ def test_sigterm_during_a_reply_ends_the_program(synth_model):
             term.proc.wait()
 
 
+@pytest.mark.slow
 def test_chat_commands_are_not_sent_to_the_model(synth_model, tmp_path):
     """Through a pipe: /system, /reset, /help and unknown commands are handled locally, empty
     lines are skipped, /exit ends the chat (what follows it is never read)."""

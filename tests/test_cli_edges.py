@@ -86,6 +86,7 @@ def test_a_prompt_longer_than_ctx_is_refused(synth_model):
     assert res.stdout == ""
 
 
+@pytest.mark.slow
 def test_generation_stops_at_the_end_of_the_context(synth_model, tmp_path):
     """On the CPU: no decode step is spent capturing a CUDA graph, so the counts are exact."""
     ids = ",".join(str(i) for i in range(100, 120))  # 20 prompt tokens, room for 4 in --ctx 24
@@ -99,6 +100,7 @@ def test_generation_stops_at_the_end_of_the_context(synth_model, tmp_path):
     assert s["prefill_tokens"] == 20 and s["decode_tokens"] == 3
 
 
+@pytest.mark.slow
 def test_threads_and_the_plan_line_of_an_all_hot_store(synth_model, tmp_path):
     stats = tmp_path / "s.json"
     res = run([*SPARK_RUN, str(synth_model("qwen3moe")), "--store", "-p", "hi", "--max-tokens", "2",

@@ -62,7 +62,7 @@ class Served:
 def check_index(cache: ConversationCache) -> None:
     """The refcounts: a part in host memory is held by each host entry naming it (and each write
     queued), a slot is either free or one part's, and the pools' bytes stay within the budget."""
-    with cache._lock:
+    with cache.lock:
         held: dict[str, int] = {}
         for e in cache.entries.values():
             for n in e.parts if e.in_host else ():
@@ -135,6 +135,7 @@ def test_conversations_taking_turns_resume_from_their_own_states(synth_model, ar
     assert len(set(named)) <= len(named) - 300 // BLOCK + 1, (len(set(named)), len(named))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen35moe"])
 def test_tiny_ram_evicts_and_recomputes_and_bad_files_are_ignored(synth_model, arch, tmp_path, caplog):
     model = load_model(synth_model(arch, "Q8_0"))
@@ -167,6 +168,7 @@ def test_tiny_ram_evicts_and_recomputes_and_bad_files_are_ignored(synth_model, a
     assert "junk" in text and "trunc" in text and "checksum" in text and BLOCK_SUFFIX in text
 
 
+@pytest.mark.slow
 def test_eviction_keeps_the_blocks_other_entries_share(synth_model, tmp_path, caplog):
     """A host tier of about one conversation and a half: two conversations with one system
     prompt share its blocks, a third pushes entries out; every turn is a fresh run's bits, the

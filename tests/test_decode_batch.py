@@ -17,6 +17,7 @@ from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.runtime.expert_source import GGUFSource
 from sparkpack.runtime.expert_store import ExpertStore
 from sparkpack.runtime.models import StoreOptions, load_model
+from tests.marks import quick_first
 
 DEVICE = os.environ.get("SPARKPACK_TEST_DEVICE", "cpu")
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # a GPU runs the runtime's dtype
@@ -63,8 +64,8 @@ def assert_same(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -
             assert torch.equal(x, y), f"sequence {b}, fed token {i}: {(x - y).abs().max().item()}"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("hot_fraction", [1.0, 0.6, 0.1])
+@pytest.mark.parametrize("arch", quick_first(ARCHS))
+@pytest.mark.parametrize("hot_fraction", quick_first([0.1, 0.6, 1.0]))
 def test_batched_step_is_each_sequence_alone(synth_model, arch, hot_fraction):
     """Through the tiered store (async: misses copied into two cache slots, or read from the host
     when a step's union of misses does not fit)."""
@@ -84,6 +85,7 @@ def test_batched_step_without_a_store(synth_model):
     assert_same(batched(model), alone(model))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS if DEVICE == "cuda" else ARCHS[:1])
 def test_fused_moe_kernels_batched(synth_model, arch):
     """The fused MoE kernels serving a batch, 10% of the experts on the device and the rest read
@@ -101,7 +103,7 @@ def test_fused_moe_kernels_batched(synth_model, arch):
     assert model.experts.stats.zero_copy_reads > 0
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", quick_first(ARCHS))
 def test_a_run_of_tokens_is_its_single_steps(synth_model, arch):
     """``decode_run``: K consecutive tokens of one sequence in one batched step (a draft's
     verification, issue 47) give the K single steps' logits and leave the cache as they do (the

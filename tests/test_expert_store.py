@@ -20,6 +20,7 @@ from sparkpack.runtime.expert_source import GGUFSource
 from sparkpack.runtime.expert_store import ExpertStore
 from sparkpack.runtime.generate import Session, generate
 from sparkpack.runtime.models import StoreOptions, load_model, plan_store
+from tests.marks import quick_first
 
 REPO = Path(__file__).resolve().parents[1]
 IDS = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]
@@ -64,8 +65,8 @@ def load_with_store(model_path, mode: str, **opts):
 
 
 @pytest.mark.parametrize("mode", ["naive", "async", "zerocopy"])
-@pytest.mark.parametrize("hot_fraction", [1.0, 0.6, 0.1])
-@pytest.mark.parametrize("cache_slots", [0, 6])
+@pytest.mark.parametrize("hot_fraction", quick_first([0.1, 0.6, 1.0]))
+@pytest.mark.parametrize("cache_slots", quick_first([6, 0]))
 def test_any_residency_gives_identical_outputs(model_path, reference, mode, hot_fraction, cache_slots):
     full, steps, greedy = reference
     model = load_with_store(model_path, mode, hot_fraction=hot_fraction, cache_slots=cache_slots)
@@ -116,6 +117,7 @@ def test_all_hot_store_counts_when_flushed(model_path):
     assert s.tokens == 2 and s.hot_hits == 2 * model.spec.n_expert_used * len(model.spec.moe_layers)
 
 
+@pytest.mark.slow
 def test_fused_kernel_path_is_residency_independent(model_path):
     """Decode steps through the Triton MoE kernel (interpreted on CPU): all experts in the device
     pool vs 10% there and the rest read from the host pool (zero-copy) or copied into the cache."""
@@ -214,6 +216,7 @@ def test_low_bit_files_run_on_the_kernels_at_any_residency(synth_model, mix, mon
         assert not torch.equal(on_float, all_dev)
 
 
+@pytest.mark.slow
 def test_pack_placement_and_stats_json(model_path, reference, tmp_path):
     pack = tmp_path / "m.sparkpack"
     r = run_cli(["-m", "sparkpack.repack.cli", "split", str(model_path), "--hot-fraction", "0.5", "-o", str(pack)])
@@ -318,6 +321,7 @@ def corrupt_one_cold_shard(pack: Path) -> str:
     return rec.shard
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("host_ram", [None, "300KB"])
 def test_corrupt_cold_shard_is_named_and_stops_cleanly(model_path, tmp_path, host_ram):
     pack = tmp_path / "m.sparkpack"
@@ -334,6 +338,7 @@ def test_corrupt_cold_shard_is_named_and_stops_cleanly(model_path, tmp_path, hos
     assert len(err) == 1 and shard in err[0] and "checksum" in err[0], r.stderr
 
 
+@pytest.mark.slow
 def test_vram_budget_too_small_is_one_line(model_path):
     r = run_cli(["-m", "sparkpack.runtime.cli", str(model_path), "-p", "hi", "--device", "cpu", "--vram", "1MiB"])
     assert r.returncode == 1 and "Traceback" not in r.stderr

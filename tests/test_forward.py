@@ -98,6 +98,7 @@ def test_prefill_then_decode_equals_full_forward(arch, outtype, tiny_hf_gguf):
     assert row_rel_err(torch.cat(parts), full) < 1e-10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fused_decode_kernels_match_the_torch_path(arch, tiny_hf_gguf):
     """Prefills and decode steps through the fused DeltaNet and attention kernels (``model.kernels``,
@@ -126,6 +127,7 @@ def test_fused_decode_kernels_match_the_torch_path(arch, tiny_hf_gguf):
     assert fused < 5e-5 and plain < 5e-5, (fused, plain)  # float32 round-off over 90 positions
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fused_attention_reads_and_writes_a_q8_0_cache(arch, synth_model):
     """``--kv-type q8_0`` through the attention kernels (codes written and read in place) against
@@ -246,6 +248,7 @@ def test_yarn_matches_transformers():
     assert not torch.allclose(rope.inv_freq, rope_inv_freq(500000.0, 64))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_spark_run_logits_out_matches_transformers(arch, tiny_hf_gguf, hf_ref, tmp_path):
     hf = hf_ref(arch)
@@ -389,6 +392,7 @@ def test_attention_in_query_pieces_equals_one_pass(monkeypatch, window):
     assert torch.allclose(fresh[0], fresh[1], rtol=0, atol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_dense_matrices_held_as_gguf_bytes_give_the_expanded_forward(arch, synth_model):
     """The GPU keeps dense matrices as their GGUF bytes (``Weights(quantized=True)``): one token
@@ -422,6 +426,7 @@ def test_dense_matrices_held_as_gguf_bytes_give_the_expanded_forward(arch, synth
     assert "token_embd.weight" in held and any(k.count("+") for k in held)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mix", ["IQ2_XXS", "IQ2_M", "IQ3_XXS", "IQ1_M", "Q2_K"])
 def test_low_bit_dense_matrices_held_as_gguf_bytes(mix, synth_model):
     """The dense matrices of the low-bit mixes (IQ2_XXS/IQ2_S/IQ3_XXS/IQ1_M gates and projections,

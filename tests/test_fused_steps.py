@@ -106,10 +106,10 @@ def test_ffn_residual_matches_the_torch_form(dtype, kind) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ffn_residual_sums_unsummed_expert_outputs_as_the_moe_kernels_do(dtype) -> None:
     """The k weighted expert outputs ``[T, k, N]`` (``moe_experts(reduce=False)``) summed in the
-    epilogue: bit for bit the epilogue of the MoE kernels' own per-token sum (``_sum_topk_kernel``,
+    epilogue: bit for bit the epilogue of the MoE kernels' own per-token sum (``sum_topk_kernel``,
     the same float32 additions in the same order), on the GPU path and the torch form alike."""
     from sparkpack.runtime.kernels import pdl
-    from sparkpack.runtime.kernels.moe import _sum_topk_kernel
+    from sparkpack.runtime.kernels.moe import sum_topk_kernel
 
     gen = torch.Generator().manual_seed(4)
     T, k, N = 3, 8, 80
@@ -117,7 +117,7 @@ def test_ffn_residual_sums_unsummed_expert_outputs_as_the_moe_kernels_do(dtype) 
     parts = (torch.randn(T, k, N, generator=gen) * torch.logspace(-3, 3, k)[None, :, None]).to(DEVICE)
     shared = torch.randn(T, N, generator=gen).to(dtype).to(DEVICE)
     summed = torch.empty(T, N, device=DEVICE)
-    _sum_topk_kernel[(T, 1)](parts, summed, k, N, N, BLOCK=128, **pdl.flags(parts))
+    sum_topk_kernel[(T, 1)](parts, summed, k, N, N, BLOCK=128, **pdl.flags(parts))
     got = ffn_residual_rows(x, parts, shared)
     assert torch.equal(got, ffn_residual_rows(x, summed, shared))
     torch_form = ffn_residual(x.cpu(), parts.cpu(), shared.cpu())

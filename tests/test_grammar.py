@@ -17,6 +17,7 @@ from sparkpack.runtime.models import StoreOptions, load_model
 from sparkpack.runtime.sampling import Sampler
 from sparkpack.runtime.tokenizer import BYTE, CONTROL, NORMAL, GGUFTokenizer
 from tests.schema_check import problems
+from tests.marks import quick_first
 from tests.serve_proc import one_thread
 
 ARCHS = ("qwen35moe", "qwen3moe", "laguna")
@@ -66,7 +67,7 @@ class Everything:
         self.accepted.append(token)
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=quick_first(ARCHS))
 def loaded(request, synth_model) -> Loaded:
     return Loaded(synth_model(request.param))
 
@@ -161,6 +162,7 @@ def real_vocab(tmp_path, name: str) -> GGUFTokenizer:
     pytest.skip(SDIST_HINT)
 
 
+@pytest.mark.slow
 def test_a_real_vocabulary_takes_any_text_inside_strings_and_nothing_special(tmp_path):
     """Qwen3.5's real vocabulary: accented letters, CJK, an emoji split across byte-level
     tokens, escapes; each token of the real tokenizer's encoding passes the mask, no control or

@@ -40,6 +40,7 @@ def test_split_removes_its_temp_pack(slow_model, tmp_path, sig):
     assert_stopped(stopped, sig, out)
 
 
+@pytest.mark.slow
 def test_join_removes_its_temp_gguf(slow_model, tmp_path):
     pack = tmp_path / "m.sparkpack"
     assert run([*REPACK, "split", str(slow_model), "-o", str(pack), "--hot-fraction", "0"]).returncode == 0
@@ -54,6 +55,7 @@ def test_synth_removes_its_temp_gguf(tmp_path):
     assert_stopped(signal_mid_work(argv, writing(out, ".{name}.sparkpack-tmp-*")), signal.SIGTERM, out)
 
 
+@pytest.mark.slow
 def test_convert_hf_removes_its_temp_gguf(tmp_path):
     from tests.hf_tiny import make_tiny_hf
 
@@ -65,6 +67,7 @@ def test_convert_hf_removes_its_temp_gguf(tmp_path):
                    signal.SIGTERM, out)
 
 
+@pytest.mark.slow
 def test_calibrate_checkpoints_on_sigterm_and_resumes(synth_model, tmp_path):
     model = synth_model("qwen3moe", skew="reference")
     corpus = tmp_path / "c.jsonl"

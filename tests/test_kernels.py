@@ -26,6 +26,7 @@ from sparkpack.runtime.kernels.blocks import BLOCK_LAYOUT  # noqa: E402
 from sparkpack.runtime.kernels.dense import gemv  # noqa: E402
 from sparkpack.runtime.kernels.moe import GROUPED_MIN_PAIRS, ExpertPools, MoELaunch, group_pairs, moe_experts  # noqa: E402
 from tests.kernel_refs import DEVICE, QTYPES, compile_in_subprocess, dequant64, pools, random_weight, rel_l2  # noqa: E402
+from tests.marks import quick_first  # noqa: E402
 
 def test_block_table_is_ggufs() -> None:
     """The kernels' types and block sizes are gguf's (one table, ``formats.quants``)."""
@@ -40,7 +41,7 @@ def test_a_type_outside_the_registry_is_refused_never_another_types_math() -> No
     from sparkpack.runtime.kernels.dense import dequantize_into
     from sparkpack.runtime.kernels.slots import check_pool
 
-    assert blocks._branches() == set(KERNEL_QTYPES)
+    assert blocks.unpack_branches() == set(KERNEL_QTYPES)
     other = T.TQ2_0
     assert int(other) not in KERNEL_QTYPES
     raw = torch.zeros(2, GGML_QUANT_SIZES[other][1], dtype=torch.uint8, device=DEVICE)
@@ -57,7 +58,7 @@ def test_a_type_outside_the_registry_is_refused_never_another_types_math() -> No
         check_pool(raw.view(1, 2, -1), int(other), 256, 2, "gate")
 
 
-@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", quick_first(QTYPES), ids=lambda q: q.name)
 def test_every_kernel_type_unpacks_as_gguf_in_the_row_and_tile_dots(qtype: T) -> None:
     """Each type's unpacking through both dots that use it: the one-token dense GEMV (the
     byte-wise ``_row_dot`` for the types without a word kernel) and the grouped MoE's expanded
@@ -163,7 +164,7 @@ def run_moe(case: dict, slot_of: list[int], n_slots: int, validate: bool = False
                                         tiles=(16, 128, 4) if grouped and DEVICE == "cpu" else None))
 
 
-@pytest.mark.parametrize("grouped", [False, True], ids=["per-pair", "grouped"])
+@pytest.mark.parametrize("grouped", quick_first([False, True]), ids=["per-pair", "grouped"])
 def test_moe_matches_reference_and_ignores_slot_placement(moe_case: dict, grouped: bool) -> None:
     first = run_moe(moe_case, [0, 1, 2, 3, 4], 5, grouped=grouped)
     assert rel_l2(first, moe_case["ref"]) < 1e-5
@@ -172,6 +173,7 @@ def test_moe_matches_reference_and_ignores_slot_placement(moe_case: dict, groupe
     assert torch.equal(first, moved)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("types", [(T.Q4_K, T.Q5_K, T.Q6_K), (T.Q6_K, T.Q4_K, T.Q5_K), (T.Q4_K, T.Q4_K, T.Q4_K),
                                    # each low-bit type whole and, beside a type of 16, in halves
                                    (T.IQ2_XXS, T.IQ2_XS, T.IQ3_XXS), (T.IQ3_S, T.IQ2_S, T.IQ1_S),
@@ -209,6 +211,7 @@ def test_grouped_sub_block_kernels_match_the_expanded_ones(types: tuple) -> None
     assert torch.equal(again, sub)
 
 
+@pytest.mark.slow
 def test_moe_switches_to_the_grouped_kernels_from_grouped_min_pairs() -> None:
     """The default picks the grouped kernels (and their tiles) from GROUPED_MIN_PAIRS pairs up;
     both give the reference result."""
@@ -280,6 +283,7 @@ def test_group_pairs_sorts_by_expert_into_padded_blocks() -> None:
     assert pairs.tolist() == [1, 4, 3, -1, 7, -1, 0, 2, 5, 6] + [-1] * (2 * n_blocks - 10)
 
 
+@pytest.mark.slow
 def test_group_pairs_counts_only_the_real_tokens_of_a_padded_call() -> None:
     """A padded prefill call (``count_tokens``, read from the device) places every pair, padding
     included, but counts the routings of its leading real tokens only; over 1024 pairs (more
@@ -296,7 +300,8 @@ def test_group_pairs_counts_only_the_real_tokens_of_a_padded_call() -> None:
     assert torch.equal(counts.sum(), torch.tensor(8, dtype=torch.int32, device=DEVICE)) and int(whole.sum()) == 1280
 
 
-@pytest.mark.parametrize("n_expert,block_m,n_tok,k", [(256, 16, 300, 8), (7, 32, 5, 3), (128, 64, 129, 8)])
+@pytest.mark.parametrize("n_expert,block_m,n_tok,k", [(7, 32, 5, 3), pytest.param(256, 16, 300, 8, marks=pytest.mark.slow),
+                                                     pytest.param(128, 64, 129, 8, marks=pytest.mark.slow)])
 def test_group_pairs_equals_a_stable_sort(n_expert, block_m, n_tok, k) -> None:
     """Against numpy: every expert's pairs in pair order from its padded offset, -1 elsewhere,
     each block's expert; more pairs than one loop step of the kernel (1024) in the first case."""
@@ -316,6 +321,7 @@ def test_group_pairs_equals_a_stable_sort(n_expert, block_m, n_tok, k) -> None:
     assert np.array_equal(pairs.cpu().numpy(), want) and np.array_equal(block_expert.cpu().numpy(), want_blocks)
 
 
+@pytest.mark.slow
 def test_grouped_moe_over_many_tokens_and_a_host_pool() -> None:
     """The prefill kernels on more pairs than one block holds, experts spread over a device and a
     host pool: the reference result, and the same bits as all experts on the device."""
@@ -346,6 +352,7 @@ def test_grouped_moe_over_many_tokens_and_a_host_pool() -> None:
     assert torch.equal(split, all_dev)
 
 
+@pytest.mark.slow
 def test_moe_counts_routings(moe_case: dict) -> None:
     """The gate/up kernel adds one per (token, choice) to its expert's count (the store's routing
     statistics, no separate launch); the output is unchanged."""
@@ -362,6 +369,7 @@ def test_moe_counts_routings(moe_case: dict) -> None:
     assert torch.equal(y, run_moe(c, slot_of, N_EXPERT))
 
 
+@pytest.mark.slow
 def test_moe_host_pool_gives_identical_bits(moe_case: dict) -> None:
     """Zero-copy residency: experts 1 and 3 live only in a host pool (table entry -(h+1)); the
     result is bit-identical to all experts in the device pool."""
@@ -381,8 +389,8 @@ def test_moe_host_pool_gives_identical_bits(moe_case: dict) -> None:
     assert torch.equal(out, all_dev)
 
 
-@pytest.mark.parametrize("n_ff", [768, 512])
-@pytest.mark.parametrize("act_q8", [True, False], ids=["q8", "float"])
+@pytest.mark.parametrize("n_ff", quick_first([512, 768]))
+@pytest.mark.parametrize("act_q8", quick_first([True, False]), ids=["q8", "float"])
 def test_moe_decode_host_pool_gives_identical_bits_at_real_widths(n_ff: int, act_q8: bool) -> None:
     """One token, top-8, Q4_K_M's expert types, the runtime's default launch: half the experts read
     from a host pool give the all-device bits. On a GPU at the real widths (n_ff 768: Qwen3-30B,
@@ -652,90 +660,90 @@ def aot_compile_all(arch: int = 90) -> None:
     from sparkpack.runtime.kernels import deltanet, dense, ffn, moe, moe_grouped, norm, q8dot, router
 
     target = GPUTarget("cuda", arch, 32)
-    jobs = [(dense._dequant_kernel, {"w": "*u8", "ids": "*i64", "out": "*bf16"},
+    jobs = [(dense.dequant_kernel, {"w": "*u8", "ids": "*i64", "out": "*bf16"},
              {"QT": int(q), "HAS_IDS": False, "BR": 4}) for q in QTYPES]  # every type's unpacking
     q8_args = {n: "*i32" if n.endswith("q") else "*fp32" for n in ("xq", "xd", "xs", "hq", "hd", "hs")}
     codes = {"xq": "*i8", "xd": "*fp32", "xs": "*fp32"}  # what q8dot.store_q8 writes
     views = {int(T.Q4_K): "*i32", int(T.Q6_K): "*i16"}  # dense.load_view's word types (others: bytes)
-    jobs += [(moe._gate_up_kernel, {"x_ptr": "*fp32", "ids_ptr": "*i64", "slot_ptr": "*i32", "h_ptr": "*fp32",
+    jobs += [(moe.gate_up_kernel, {"x_ptr": "*fp32", "ids_ptr": "*i64", "slot_ptr": "*i32", "h_ptr": "*fp32",
                                     "count_ptr": "*i32", **q8_args},
               {"GATE_QTYPE": int(T.Q4_K), "UP_QTYPE": int(T.Q4_K), "HAS_HOST": True, "HAS_COUNT": True,
                "BLOCK_N": 4, "ACT_Q8": q8, "ASM": True, "CPI": 8}) for q8 in (False, True)]
-    jobs += [(moe._down_kernel, {"h_ptr": "*fp32", "ids_ptr": "*i64", "wts_ptr": "*fp32", "slot_ptr": "*i32",
+    jobs += [(moe.down_kernel, {"h_ptr": "*fp32", "ids_ptr": "*i64", "wts_ptr": "*fp32", "slot_ptr": "*i32",
                                  "part_ptr": "*fp32", **q8_args},
               {"DOWN_QTYPE": int(T.Q6_K), "HAS_HOST": q8, "BLOCK_N": 4, "ACT_Q8": q8, "ASM": True, "CPI": 2})
              for q8 in (False, True)]
-    jobs += [(q8dot._quantize_kernel, {"x": "*bf16", "xq": "*i8", "xd": "*fp32", "xs": "*fp32"}, {"BLOCKS": 8}),
-             (moe._sum_topk_kernel, {"part_ptr": "*fp32", "y_ptr": "*fp32"}, {"BLOCK": 1024}),
-             (moe_grouped._tile_gate_up_kernel, {"x_ptr": "*bf16", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
+    jobs += [(q8dot.quantize_kernel, {"x": "*bf16", "xq": "*i8", "xd": "*fp32", "xs": "*fp32"}, {"BLOCKS": 8}),
+             (moe.sum_topk_kernel, {"part_ptr": "*fp32", "y_ptr": "*fp32"}, {"BLOCK": 1024}),
+             (moe_grouped.tile_gate_up_kernel, {"x_ptr": "*bf16", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
                                                  "slot_ptr": "*i32", "h_ptr": "*fp32"},
               {"GATE_QTYPE": int(T.Q4_K), "UP_QTYPE": int(T.Q4_K), "HAS_HOST": True, "DOT_FP32": False,
                "BLOCK_M": 16, "BLOCK_N": 32}),
-             (moe_grouped._tile_down_kernel, {"h_ptr": "*fp32", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
+             (moe_grouped.tile_down_kernel, {"h_ptr": "*fp32", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
                                               "wts_ptr": "*fp32", "slot_ptr": "*i32", "part_ptr": "*fp32"},
               {"DOWN_QTYPE": int(T.Q6_K), "HAS_HOST": False, "DOT_FP32": False, "BLOCK_M": 64, "BLOCK_N": 32}),
-             (moe_grouped._sub_gate_up_kernel, {"x_ptr": "*bf16", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
+             (moe_grouped.sub_gate_up_kernel, {"x_ptr": "*bf16", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
                                                 "slot_ptr": "*i32", "h_ptr": "*bf16"},
               {"GATE_QTYPE": int(T.Q4_K), "UP_QTYPE": int(T.Q5_K), "HAS_HOST": True, "OPER": 1, "KS": 32,
                "BLOCK_M": 32, "BLOCK_N": 128}),
-             (moe_grouped._sub_down_kernel, {"h_ptr": "*fp16", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
+             (moe_grouped.sub_down_kernel, {"h_ptr": "*fp16", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
                                              "wts_ptr": "*fp32", "slot_ptr": "*i32", "part_ptr": "*fp32"},
               {"DOWN_QTYPE": int(T.Q6_K), "HAS_HOST": False, "OPER": 2, "KS": 16, "BLOCK_M": 16, "BLOCK_N": 64}),
-             (deltanet._conv_kernel, {"x_ptr": "*bf16", "win_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32"},
+             (deltanet.conv_kernel, {"x_ptr": "*bf16", "win_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32"},
               {"KM1": 3, "KP2": 4, "BLOCK": 256}),
-             *[(deltanet._recurrence_kernel, {"act_ptr": "*fp32", "z_ptr": "*bf16", "beta_ptr": "*bf16",
+             *[(deltanet.recurrence_kernel, {"act_ptr": "*fp32", "z_ptr": "*bf16", "beta_ptr": "*bf16",
                                               "alpha_ptr": "*bf16", "dt_ptr": "*bf16", "a_ptr": "*bf16",
                                               "state_ptr": "*fp32", "norm_ptr": "*bf16", "out_ptr": "*bf16", **codes},
                 {"BLOCK_K": 128, "BLOCK_V": 128, "Q8": q8}) for q8 in (False, True)],
-             *[(norm._rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
+             *[(norm.rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
                                         "s_ptr": "*bf16", **codes},
                 {"HAS_W": True, "HAS_RES": fused, "Q8": fused, "BLOCK": 2048}) for fused in (False, True)],
-             (deltanet._prefill_prep_kernel, {**{n: "*bf16" for n in ("x_ptr", "win_ptr", "w_ptr", "beta_ptr",
+             (deltanet.prefill_prep_kernel, {**{n: "*bf16" for n in ("x_ptr", "win_ptr", "w_ptr", "beta_ptr",
                                                                       "alpha_ptr", "dt_ptr", "a_ptr")},
                                                **{n: "*fp32" for n in ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "b_ptr")}},
               {"KM1": 3, "BLOCK_T": 4, "BLOCK_K": 128, "BLOCK_V": 128}),
-             (deltanet._chunk_prep_kernel, {n: "*fp32" for n in ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "b_ptr", "qc_ptr",
+             (deltanet.chunk_prep_kernel, {n: "*fp32" for n in ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "b_ptr", "qc_ptr",
                                                                  "w_ptr", "u0_ptr", "qk_ptr", "eg_ptr", "kd_ptr",
                                                                  "keep_ptr")},
               {"C": 64, "BS": 16, "BLOCK_K": 128, "BLOCK_V": 128}),
-             (deltanet._chunk_state_kernel, {n: "*fp32" for n in ("w_ptr", "q_ptr", "u0_ptr", "qk_ptr", "eg_ptr",
+             (deltanet.chunk_state_kernel, {n: "*fp32" for n in ("w_ptr", "q_ptr", "u0_ptr", "qk_ptr", "eg_ptr",
                                                                   "kd_ptr", "keep_ptr", "state_ptr", "out_ptr")},
               {"C": 64, "BLOCK_K": 128, "BLOCK_V": 32}),
-             (moe_grouped._group_pairs_kernel, {"ids_ptr": "*i64", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
+             (moe_grouped.group_pairs_kernel, {"ids_ptr": "*i64", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
                                         "counts_ptr": "*i32", "limit_ptr": "*i64"},
               {"HAS_COUNT": True, "HAS_LIMIT": True, "BLOCK_M": 32, "BLOCK_P": 1024, "BINS": 512}),
-             (deltanet._gated_norm_kernel, {"o_ptr": "*fp32", "z_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16"},
+             (deltanet.gated_norm_kernel, {"o_ptr": "*fp32", "z_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16"},
               {"BLOCK_R": 4, "BLOCK_V": 128}),
-             (ffn._silu_mul_kernel, {"g_ptr": "*bf16", "u_ptr": "*bf16", "y_ptr": "*bf16", **codes},
+             (ffn.silu_mul_kernel, {"g_ptr": "*bf16", "u_ptr": "*bf16", "y_ptr": "*bf16", **codes},
               {"Q8": True, "BLOCK": 512}),
-             (ffn._ffn_residual_kernel, {"x_ptr": "*bf16", "r_ptr": "*fp32", "s_ptr": "*bf16", "g_ptr": "*bf16",
+             (ffn.ffn_residual_kernel, {"x_ptr": "*bf16", "r_ptr": "*fp32", "s_ptr": "*bf16", "g_ptr": "*bf16",
                                          "y_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "hq": "*i8",
                                          "hd": "*fp32", "hs": "*fp32"},
               {"HAS_SHARED": True, "HAS_GATE": True, "NORM": True, "Q8": True, "BLOCK": 2048}),
-             *[(router._route_topk_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32",
+             *[(router.route_topk_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32",
                                             "ids_ptr": "*i64"},
                 {"K": 8, "K_P2": 8, "SIGMOID": sig, "HAS_BIAS": sig, "NORM": True, "BLOCK": 256})
                for sig in (False, True)],
-             *[(dense._gemv_kernel, {"x": "*bf16", "y": "*bf16", "w0": "*i16", "w1": "*i32", "w2": "*fp32",
+             *[(dense.gemv_kernel, {"x": "*bf16", "y": "*bf16", "w0": "*i16", "w1": "*i32", "w2": "*fp32",
                                      "w3": "*u8", **q8_args},
                 {"QT0": int(T.Q6_K), "QT1": int(T.Q4_K), "QT2": int(T.F32), "QT3": int(T.Q8_0), "NSEG": 4, "BN": 8,
                  "CPI": 8 if q8 else 2, "ACT_Q8": q8, "ASM": True}) for q8 in (False, True)],
-             (dense._dequant_kernel, {"w": "*u8", "ids": "*i64", "out": "*bf16"},
+             (dense.dequant_kernel, {"w": "*u8", "ids": "*i64", "out": "*bf16"},
               {"QT": int(T.Q4_K), "HAS_IDS": True, "BR": 4}),
              # every type's band of the GEMV, float and int8 activations (the int8 words of
              # q8dot.Q8_TYPES, the byte-wise _row_dot of the others): the type dispatch of
              # _segment must fold at compile time for each (Triton 3.6 compiled a jit helper's
              # answer as a runtime branch: another type's code, and its static_assert, for all)
-             *[(dense._gemv_kernel, {"x": "*bf16", "y": "*bf16", **q8_args,
+             *[(dense.gemv_kernel, {"x": "*bf16", "y": "*bf16", **q8_args,
                                      **{f"w{i}": views.get(q, "*u8") for i, q in enumerate(group)}},
                 {**{f"QT{i}": q for i, q in enumerate(group)}, "NSEG": sum(q >= 0 for q in group), "BN": 2,
                  "CPI": 1, "ACT_Q8": q8, "ASM": True}) for group in _gemv_groups() for q8 in (False, True)],
-             (moe._gate_up_kernel, {"x_ptr": "*fp32", "ids_ptr": "*i64", "slot_ptr": "*i32", "h_ptr": "*fp32",
+             (moe.gate_up_kernel, {"x_ptr": "*fp32", "ids_ptr": "*i64", "slot_ptr": "*i32", "h_ptr": "*fp32",
                                     "count_ptr": "*i32", **q8_args},
               {"GATE_QTYPE": int(T.IQ2_S), "UP_QTYPE": int(T.IQ2_S), "HAS_HOST": True, "HAS_COUNT": True,
                "BLOCK_N": 2, "ACT_Q8": True, "ASM": True, "CPI": 8}),
              # the low-bit types' sub-block prefill on bf16 tensor-core operands
-             *[(moe_grouped._sub_down_kernel, {"h_ptr": "*bf16", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
+             *[(moe_grouped.sub_down_kernel, {"h_ptr": "*bf16", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
                                                "wts_ptr": "*fp32", "slot_ptr": "*i32", "part_ptr": "*fp32"},
                 {"DOWN_QTYPE": int(q), "HAS_HOST": True, "OPER": 1, "KS": 16, "BLOCK_M": 16, "BLOCK_N": 64})
                for q in LOW_SUB_TYPES]]
@@ -778,6 +786,7 @@ def test_kernel_conditions_fold_on_every_triton() -> None:
     assert not found, found
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_h100() -> None:
     compile_in_subprocess("from tests.test_kernels import aot_compile_all; aot_compile_all()",
                           28 + len(QTYPES) + 2 * len(_gemv_groups()) + len(LOW_SUB_TYPES))
@@ -813,11 +822,11 @@ def test_deltanet_chunked_kernels_match_the_torch_forms(T, d_k, d_v, chunk) -> N
 def test_tile_calls_cover_every_call_length():
     """The warm-up's call lengths pick every tile shape a call of up to a chunk can pick, one
     length a shape: a prompt's call of any length then finds its kernels compiled."""
-    from sparkpack.runtime.kernels.moe_grouped import _sub_tiles, _tile_tiles, tile_calls
+    from sparkpack.runtime.kernels.moe_grouped import sub_tiles, tile_tiles, tile_calls
 
     for n_expert, topk, chunk in ((256, 8, 2048), (128, 8, 512), (64, 4, 100), (256, 8, 8192)):
         def shapes(t: int) -> tuple:
-            return _sub_tiles(t * topk / n_expert), _tile_tiles(t * topk / n_expert)
+            return sub_tiles(t * topk / n_expert), tile_tiles(t * topk / n_expert)
 
         calls = tile_calls(n_expert, topk, chunk)
         assert {shapes(t) for t in range(2, chunk + 1)} == {shapes(t) for t in calls}

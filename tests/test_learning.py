@@ -182,7 +182,7 @@ def test_engine_replaces_only_between_requests(model_path, tmp_path):
     apply = store.apply_swaps
 
     def watched(swaps):
-        seen.append(engine._running)
+        seen.append(engine.running)
         return apply(swaps)
     store.apply_swaps = watched
     engine = Engine(Session(model, ctx=128), frozenset(), between=learning)
@@ -193,7 +193,7 @@ def test_engine_replaces_only_between_requests(model_path, tmp_path):
             pass
 
         def token(self, token_id):
-            assert engine._running is not None
+            assert engine.running is not None
             return False
 
         def end(self, outcome):
@@ -279,6 +279,7 @@ def test_trace_records_what_was_learned(synth_model, tmp_path, arch):
         assert np.allclose(counts, prof.counts[side]), side
 
 
+@pytest.mark.slow
 def test_a_chat_stopped_by_sigterm_writes_what_it_learned(synth_model, tmp_path):
     """spark-run's chat learns as it answers; SIGTERM (while it waits for the next line) ends it
     with 143 and the profile written."""

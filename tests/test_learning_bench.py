@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
@@ -36,6 +38,7 @@ def test_verdict_finds_when_the_live_placement_catches_up():
     assert slow["reached_at_request"] is None and not slow["within_target"]
 
 
+@pytest.mark.slow
 def test_dry_run_on_a_tiny_model(synth_model, tmp_path):
     model = tmp_path / "m.gguf"
     model.write_bytes(synth_model("qwen3moe", "Q4_K_M", skew="reference").read_bytes())

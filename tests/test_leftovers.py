@@ -68,6 +68,7 @@ def notices(stderr: str) -> list[str]:
     return [ln for ln in stderr.splitlines() if "a run that was killed" in ln]
 
 
+@pytest.mark.slow
 def test_split_force_killed_between_renames_is_restored(synth_model, tmp_path):
     """Killed after the old pack was moved aside and before the new one was renamed in: the next
     split restores the old pack first (without --force it then refuses to replace it)."""
@@ -84,6 +85,7 @@ def test_split_force_killed_between_renames_is_restored(synth_model, tmp_path):
     assert Pack.open(out).hot[sorted(Pack.open(out).parts)].all()
 
 
+@pytest.mark.slow
 def test_split_force_killed_after_the_new_pack_is_in(synth_model, tmp_path):
     """Killed after the new pack was renamed in, before the old one was deleted: the next split
     deletes the old one."""
@@ -201,7 +203,8 @@ COMMANDS = {
 }
 
 
-@pytest.mark.parametrize("command", sorted(COMMANDS))
+@pytest.mark.parametrize("command", [pytest.param(c, marks=pytest.mark.slow) if c in ("calibrate", "report") else c
+                                     for c in sorted(COMMANDS)])
 def test_every_writer_and_verify_clear_the_folder_first(sources, tmp_path, command):
     """Whatever killed writers left in the folder a command writes into (or a verified pack lies
     in) is cleared at its start, whichever output it belonged to, one line each; a live writer's

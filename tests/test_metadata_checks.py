@@ -59,6 +59,7 @@ def test_bad_hyperparameter_is_one_line(synth_model, tmp_path, monkeypatch, caps
     assert exit_.value.code == 1 and len(lines) == 1 and needle in lines[0], lines
 
 
+@pytest.mark.slow
 def test_inconsistent_shapes_stop_spark_run_at_load(synth_model, tmp_path):
     """A file whose head count disagrees with its projections used to run into a torch
     RuntimeError in the attention; now it stops at load with the tensor named."""

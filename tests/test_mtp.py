@@ -75,6 +75,7 @@ def llama_cpp_sources() -> dict[str, str]:
     return {}
 
 
+@pytest.mark.slow
 def test_synth_head_has_llama_cpp_names_key_and_loader_shapes(mtp_file) -> None:
     src = llama_cpp_sources()
     if not src:
@@ -345,6 +346,7 @@ def test_head_forward_matches_the_reference_with_its_cache(mtp_file, dtype, boun
 
 
 @pytest.mark.parametrize("quant, bound", [("Q8_0", 1e-5), ("Q4_K_M", 2e-2)])
+@pytest.mark.slow
 def test_head_experts_from_device_pools_match_the_expanded_ones(mtp_file, quant, bound) -> None:
     """On a GPU the head's experts stay GGUF bytes in one pool per role, read by the fused MoE
     kernels through an identity slot table (interpreted here without one); the plain path expands

@@ -268,7 +268,7 @@ def test_verified_pack_joins_byte_identically(pack, clean, cli, tmp_path):
     assert (tmp_path / "back.gguf").read_bytes() == clean["src"].read_bytes()
 
 
-@pytest.mark.parametrize("command", ["verify", "join", "spark-run"])
+@pytest.mark.parametrize("command", ["verify", "join", pytest.param("spark-run", marks=pytest.mark.slow)])
 def test_fifo_in_place_of_a_shard_does_not_block(pack, tmp_path, command):
     p = pack()
     rec = cold(p)

@@ -170,3 +170,76 @@ def test_the_figure_check_sees_figures():
     for line in ("# on the H100 it ran at 40 us", "ran at 12 tok/s", "13 GB/s here", "measured on the GPU machine"):
         assert MACHINE_OR_FIGURE.search(line), line
     assert not MACHINE_OR_FIGURE.search('parts.append(f"decode {n} tok at {rate:.1f} tok/s")')
+
+
+def _private_reads(source: str, name: str = "<test>") -> list[str]:
+    """Where ``source`` (a test file) reaches a private name of another module: an attribute
+    ``x._name`` the file does not define itself (its own functions, classes, their ``self._x``,
+    its assigned names), ``from m import _name``, or ``"_name"`` handed to getattr/setattr/
+    monkeypatch.setattr. Any module's: the walk cannot tell our objects from others', and tests
+    of ours read interfaces."""
+    import ast
+
+    def private(n: str) -> bool:
+        return n.startswith("_") and not (n.startswith("__") and n.endswith("__"))
+
+    tree = ast.parse(source, name)
+    own = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        own |= {a.attr for a in ast.walk(cls) if isinstance(a, ast.Attribute) and isinstance(a.ctx, ast.Store)
+                and isinstance(a.value, ast.Name) and a.value.id == "self"}
+    hits = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and private(node.attr) and node.attr not in own:
+            hits.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom):
+            hits += [f"{name}:{node.lineno}: from {node.module} import {a.name}" for a in node.names if private(a.name)]
+        elif (isinstance(node, ast.Call) and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+              and isinstance(node.args[1].value, str) and private(node.args[1].value)):
+            hits.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    return hits
+
+
+def test_tests_read_no_private_names():
+    """Tests check interfaces: a private name a test needs becomes public where it lives (a kernel
+    a compile test names, a function tests call), or the test checks behaviour instead."""
+    hits = [h for path in sorted((REPO / "tests").glob("*.py"))
+            for h in _private_reads(path.read_text(), path.name)]
+    assert not hits, "\n".join(hits)
+
+
+def test_the_private_name_check_sees_private_names():
+    source = ("from sparkpack.runtime.layers import _attend\n"
+              "def test(monkeypatch, engine):\n"
+              "    engine._running, graphs = None, object()\n"
+              "    monkeypatch.setattr(graphs, '_call', len)\n"
+              "    getattr(engine, '_lock')\n"
+              "class Own:\n"
+              "    def __init__(self):\n"
+              "        self._mine = 1\n"
+              "    def read(self):\n"
+              "        return self._mine, self.__class__, _helper()\n"
+              "def _helper():\n"
+              "    return Own()._mine\n")
+    assert {h.split(": ", 1)[1] for h in _private_reads(source)} == {
+        "from sparkpack.runtime.layers import _attend", "engine._running", "monkeypatch.setattr(graphs, '_call', len)",
+        "getattr(engine, '_lock')"}
+
+
+def test_no_test_file_imports_another():
+    """Shared helpers live in helper modules (tests/commands.py, kernel_refs.py, ...): importing a
+    test file would collect its tests twice and tie the files' fixtures together."""
+    import ast
+
+    hits = []
+    for path in sorted((REPO / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), path.name)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            hits += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.startswith(("tests.test_", "test_"))]
+    assert not hits, "\n".join(hits)

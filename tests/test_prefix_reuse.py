@@ -11,6 +11,7 @@ from sparkpack.runtime.cache import Cache, RecurrentState, StateCheckpoints
 from sparkpack.runtime.generate import Session, call_end, generate
 from sparkpack.runtime.models import load_model
 from tests.devices import open_model
+from tests.marks import quick_first
 
 CALL = 16  # prefill tokens per call: reuse happens at multiples of it
 ARCHS = ["qwen3moe", "laguna", "qwen35moe"]
@@ -32,7 +33,7 @@ def ids_of(seed: int, n: int, vocab: int = 1700) -> list[int]:
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", quick_first(ARCHS))
 def test_reused_prefix_gives_the_bits_of_a_fresh_session(synth_model, arch, device):
     """An agent's turns as successive requests: each turn's logits equal a fresh session's
     ``feed`` bit for bit, including a turn that diverges in the middle of the previous answer
@@ -65,6 +66,7 @@ def test_reused_prefix_gives_the_bits_of_a_fresh_session(synth_model, arch, devi
                                  session=Session(model, prefill_chunk=CALL, ctx=256)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("kv_type", ["auto", "q8_0"])
 def test_rings_go_back_by_their_rows_or_by_a_copy_of_the_window(synth_model, kv_type, device):
@@ -107,6 +109,7 @@ def test_rings_go_back_by_their_rows_or_by_a_copy_of_the_window(synth_model, kv_
     assert tail == list(generate(model, None, turns[0], None, 6, stop_ids=(), session=new()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_any_sequence_of_conversations_reuses_what_a_fresh_session_would(synth_model, arch):
     """Conversations of any lengths one after another in one session (a long one, then shorter
@@ -162,6 +165,7 @@ def test_a_ring_grown_for_a_longer_call_keeps_the_window_before_it():
     assert ring.holds(pos - window + 1, pos) and not ring.holds(pos - window, pos)
 
 
+@pytest.mark.slow
 def test_an_eager_session_sizes_its_rings_for_whole_chunks(synth_model):
     """Where prompts go in whole chunks at any context (the CPU here), the rings are sized for
     them: a long prompt wraps them without growing them, so no window is given up."""

@@ -84,6 +84,7 @@ def q8_moe_reference(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, gate
     return y
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("merged", [False, True], ids=["gate+up", "gate_up"])
 def test_moe_decode_on_int8_activations(merged: bool) -> None:
     """Q4_K gate/up and Q6_K down on int8 inputs (x per token, h per pair): the quantized
@@ -149,6 +150,7 @@ def test_misaligned_pools_fall_back_to_float_activations() -> None:
     assert torch.equal(moe_experts(*args, act_q8=True, launch=launch), moe_experts(*args, launch=launch))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", [T(q) for q in LOW_BIT_Q8], ids=lambda q: q.name)
 def test_low_bit_types_on_int8_activations(qtype: T) -> None:
     """The low-bit types' int8 words (lattice entries with their signs, Q2_K/Q3_K codes) in the

@@ -138,6 +138,7 @@ def test_parquet_rows_become_prompts() -> None:
     assert convs[1].source.endswith("swe_tasks.parquet#1")
 
 
+@pytest.mark.slow
 def test_save_to_disk_and_arrow(tmp_path: Path) -> None:
     import datasets
     import pyarrow as pa

@@ -9,6 +9,7 @@ import re
 import shlex
 
 import numpy as np
+import pytest
 
 from tests.procs import REPACK, REPO, SPARK_RUN, run
 
@@ -22,6 +23,7 @@ def readme_commands() -> list[list[str]]:
     return [shlex.split(line[2:], comments=True) for line in section.splitlines() if line.startswith("$ ")]
 
 
+@pytest.mark.slow
 def test_readme_walkthrough_places_experts_by_the_calibration(tmp_path):
     from sparkpack.formats.archs import model_spec
     from sparkpack.formats.gguf_file import GGUFModel
@@ -66,6 +68,7 @@ def test_readme_walkthrough_places_experts_by_the_calibration(tmp_path):
     assert re.search(r"replay: 100%", shown["repack calibrate"].stderr)
 
 
+@pytest.mark.slow
 def test_a_profile_of_another_model_is_named_not_dropped(synth_model, tmp_path):
     """MODEL.profile.json beside MODEL but recorded on another model: split, export and a
     spark-run that does not learn say so in one line and place experts without it; a spark-run

@@ -57,6 +57,7 @@ def pngs(html: str) -> dict[str, Image.Image]:
     return {alt: Image.open(io.BytesIO(base64.b64decode(data))) for alt, data in found}
 
 
+@pytest.mark.slow
 def test_page_holds_every_figure(learned, tmp_path):
     model, trace = learned
     out = tmp_path / "r.html"
@@ -72,6 +73,7 @@ def test_page_holds_every_figure(learned, tmp_path):
     assert "tiny.gguf" in html and "generated-side" in html
 
 
+@pytest.mark.slow
 def test_numbers_agree_with_the_planner_and_the_trace(learned):
     model, trace = learned
     d = json.loads(run(model, "--hot-fraction", "0.5", "--trace", trace, "--json"))

@@ -79,6 +79,7 @@ def prompts(tmp_path, monkeypatch) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_dry_run_on_a_tiny_model(bench, synth_model, tmp_path, prompts):
     out = tmp_path / "out"
     result = bench.main([str(synth_model("qwen3moe")), "--prompts", str(prompts), "--device", "cpu",
@@ -94,6 +95,7 @@ def test_dry_run_on_a_tiny_model(bench, synth_model, tmp_path, prompts):
     assert (out / "serve_bench.md").read_text().startswith("| qwen3moe")
 
 
+@pytest.mark.slow
 def test_conversations_dry_run_on_a_tiny_model(synth_model, tmp_path, prompts):
     """bench/conversations_bench.py end to end: a real spark-run --serve, restarted over its
     --cache-dir for A6 (no llama-server here), and its table."""
@@ -142,6 +144,7 @@ def test_conversations_llama_server_column(tmp_path):
     assert row == "| A4 | 105 (90), 0.600 | 105 (None), 6.000 |"
 
 
+@pytest.mark.slow
 def test_parallel_dry_run_on_a_tiny_model(synth_model, tmp_path, prompts):
     """bench/parallel_bench.py end to end: a real spark-run --serve --parallel 2, one and two
     streams at once, a short request during a long reply, and its table."""

@@ -130,6 +130,7 @@ def test_chat_plain_and_streamed_agree_and_report_usage(server, oai, tokenizer):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == kept > 0
 
 
+@pytest.mark.slow
 def test_greedy_through_the_server_is_spark_run_p(server, oai, model_path, tokenizer):
     """Same prompt, same options: the server's tokens are the one-shot command's."""
     oai.chat.completions.create(model="x", messages=user("Tell me a story."), max_tokens=6, temperature=0)
@@ -155,6 +156,7 @@ def test_a_follow_up_turn_reuses_the_prefix_with_the_bits_of_a_fresh_run(server,
     assert np.array_equal(logits, fresh.float().numpy())
 
 
+@pytest.mark.slow
 def test_tool_calls_and_reasoning(server, oai):
     kw = dict(model="x", messages=user("Read a.py"), tools=[READ_FILE], max_tokens=100, extra_body={FORCED: CALL_TEXT})
     msg = oai.chat.completions.create(**kw).choices[0]
@@ -228,6 +230,7 @@ def reused_through(tokenizer, prompt: list[int], cached: int, text: str) -> bool
     return text in tokenizer.decode(prompt[:cached])
 
 
+@pytest.mark.slow
 def test_mid_conversation_system_messages_keep_the_prefix_before_them(server, claude, oai, tokenizer):
     """Claude Code's ``role: "system"`` messages (and OpenAI's later system/developer ones) are
     accepted and stay where they stand: the next turn reuses everything up to them."""
@@ -344,6 +347,7 @@ def test_each_request_is_one_log_line(server, claude, oai):
     assert len(lines) == 6, lines  # one a request
 
 
+@pytest.mark.slow
 def test_responses_api(server, oai):
     r = oai.responses.create(model="x", input="Say hi", max_output_tokens=3)
     assert r.status == "incomplete" and r.output[0].type == "message" and r.usage.output_tokens == 3
@@ -458,6 +462,7 @@ def test_an_internal_error_is_a_500_logged_once_and_the_server_goes_on(server, o
     assert len([line for line in server.stderr if " 500 " in line and "generation failed: RuntimeError: boom" in line]) == 2
 
 
+@pytest.mark.slow
 def test_a_client_that_goes_away_cancels_its_generation_and_its_queued_request(server, oai):
     def dumps() -> list[dict]:
         return [json.loads((server.hooks / f"{n}.json").read_text())

@@ -61,6 +61,7 @@ def test_a_taken_port_and_a_missing_model_are_one_line_errors(synth_model, tmp_p
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_api_key_file_client_settings_and_the_default_output_cap(synth_model, tmp_path):
     """--max-tokens caps the requests that set no cap of their own (Codex sets none)."""
     key = tmp_path / "key"

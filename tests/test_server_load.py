@@ -34,6 +34,7 @@ def server(synth_model):
     assert proc.stop(signal.SIGINT) == 0  # Ctrl-C ends it as SIGTERM does: exit 0
 
 
+@pytest.mark.slow
 def test_concurrent_streams_some_cancelled(server):
     client = openai.OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0)
     serial = {}

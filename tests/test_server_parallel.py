@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from tests.marks import quick_first
 from tests.procs import SPARK_RUN, error_lines, run
 from tests.serve_proc import API_KEY, ServerProcess, streaming_clients
 
@@ -32,6 +33,7 @@ def client_of(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen35moe", "laguna"])
 def test_busy_parallel_server_gives_the_serial_completions(synth_model, arch):
     path = synth_model(arch)
@@ -75,6 +77,7 @@ def test_parallel_needs_serve(synth_model):
         "spark-run: error: --parallel is the number of requests a server decodes together: use it with --serve"]
 
 
+@pytest.mark.slow
 def test_a_short_request_is_answered_during_a_long_one(synth_model, tmp_path):
     """A short request arriving while another streams a long reply gets its whole reply before that
     one ends (one at a time, it would wait for all of it)."""
@@ -130,7 +133,7 @@ class Sink:
         self.done.set()
 
 
-@pytest.mark.parametrize("arch", ["qwen35moe", "laguna", "qwen3moe"])
+@pytest.mark.parametrize("arch", quick_first(["qwen35moe", "laguna", "qwen3moe"]))
 def test_engine_in_process(synth_model, arch):
     """In process: greedy and seeded-sampling jobs of different prompts through 3 sessions give the
     serial engine's tokens; a job whose sink fails ends in error and the others go on."""

@@ -50,6 +50,7 @@ def forced_call(name: str, arg: str, value: str) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": {arg: value}}, ensure_ascii=False) + "\n</tool_call>"
 
 
+@pytest.mark.slow
 def test_agent_session_reuses_each_prefix_and_ends_on_a_fresh_runs_bits(record, synth_model, tmp_path):
     system, user = record["messages"][0]["content"], record["messages"][1]["content"]
     results = RESULT.findall(user)

@@ -145,6 +145,7 @@ def test_responses_text_format(oai):
     assert isinstance(parsed.output_parsed, Verdict)
 
 
+@pytest.mark.slow
 def test_anthropic_output_config_format(claude):
     """Claude Code's title call: ``output_config.format`` with thinking on; the reply is one text
     block holding the JSON (streamed the same); the SDK's ``parse``, its beta client with the

@@ -28,6 +28,7 @@ from sparkpack.runtime.expert_source import GGUFSource
 from sparkpack.runtime.expert_store import ExpertStore
 from sparkpack.runtime.generate import Session
 from sparkpack.runtime.models import SessionOptions, StoreOptions, load_model
+from tests.marks import quick_first
 
 DEVICE = os.environ.get("SPARKPACK_TEST_DEVICE", "cpu")
 cuda = pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(),
@@ -108,6 +109,7 @@ def test_staged_bytes_are_the_bytes_each_expert_has_on_the_device(synth_model, a
     assert staging.nbytes == staging_bytes(store.hot, expert_slot_bytes(spec, gguf.tensors))
 
 
+@pytest.mark.slow
 def test_a_staged_call_through_the_fused_kernel_gives_the_same_bits(synth_model):
     """Two MoE layers (two buffers, the second copied ahead) through the Triton kernel
     (interpreted): a call of ``stage_tokens`` tokens stages, a shorter one reads zero-copy, and
@@ -161,6 +163,7 @@ def test_sessions_stage_where_the_store_does(synth_model, monkeypatch):
             assert session.staged == (staged and (stage_tokens or 0) <= session.call_tokens)
 
 
+@pytest.mark.slow
 def test_calls_after_a_long_past_take_a_whole_chunk(synth_model, monkeypatch):
     """Sessions of short captured calls (taken as given here, with a long past of 1024 tokens)
     end their calls every 512 tokens up to the long past and every ``prefill_chunk`` after it;
@@ -189,6 +192,7 @@ def test_calls_after_a_long_past_take_a_whole_chunk(synth_model, monkeypatch):
     assert MemoryTarget.gpu(spec, ctx=LONG_PAST_TOKENS + 1, kv_type="q8_0").prefill_chunk == PREFILL_CHUNK
 
 
+@pytest.mark.slow
 def test_a_staged_groups_deferred_counts_are_no_zero_copy_reads(synth_model):
     """A group's routings learned a step later (``end_step(defer=True)``, as a replayed group's
     are) count as staged, like those learned at once: its cold experts were copied in bulk, and
@@ -214,7 +218,7 @@ def test_a_staged_groups_deferred_counts_are_no_zero_copy_reads(synth_model):
         assert st.staged_layers == len(spec.moe_layers) and st.bytes_streamed == st.staged_bytes
 
 
-@pytest.mark.parametrize("arch", ["qwen35moe", "laguna", "qwen3moe"])
+@pytest.mark.parametrize("arch", quick_first(["qwen35moe", "laguna", "qwen3moe"]))
 def test_a_group_of_calls_gives_the_bits_of_its_calls_one_by_one(synth_model, arch, tmp_path):
     """A staging session runs a prompt's calls layer by layer in groups (``forward_calls``): its
     logits are those of the calls one by one bit for bit, its DeltaNet state copies (taken layer
@@ -538,6 +542,7 @@ def test_a_vram_budget_allocates_the_planned_staging(synth_model):
     assert d["staging_bytes"] == plan.staging_bytes and d["stage_tokens"] == StoreOptions().stage_tokens
 
 
+@pytest.mark.slow
 def test_re_placement_keeps_a_staging_stores_layer_ranges(synth_model):
     """Live re-placement on a store that stages: the swaps stay within each layer (a swap across
     layers would leave a layer's cold experts outside the host range its staged copy takes, and

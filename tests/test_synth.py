@@ -225,6 +225,7 @@ MEDIUM_WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_streaming_keeps_memory_bounded(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", MEDIUM_WRITER, str(tmp_path / "medium.gguf")],
                           capture_output=True, text=True, check=True)

@@ -14,6 +14,7 @@ import pytest
 from sparkpack.formats.errors import FormatError
 from sparkpack.formats.gguf_header import check_tensor_map
 from tests.gguf_edit import OVERLAPS, move_tensor
+from tests.marks import quick_first
 from tests.procs import ENV, REPACK, REPO, SPARK_RUN
 
 # (tensor moved, tensor whose bytes it lands on) for each way of overlapping; the first is the
@@ -50,8 +51,8 @@ def bad_models(synth_model, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-@pytest.mark.parametrize("how", OVERLAPS)
-@pytest.mark.parametrize("command", ["spark-run", "serve", "inspect", "split", "calibrate"])
+@pytest.mark.parametrize("how", quick_first(OVERLAPS))
+@pytest.mark.parametrize("command", ["spark-run", pytest.param("serve", marks=pytest.mark.slow), "inspect", "split", "calibrate"])
 def test_overlapping_tensors_are_refused_in_one_line(bad_models, tmp_path, command, how):
     bad = bad_models[how]
     argv = commands(bad, tmp_path)[command]

@@ -7,14 +7,14 @@ count: the q/k RMSNorms (seven launches each), RoPE's cos/sin rebuilt every laye
 scores over the whole KV buffer, the position mask, the softmax, probabilities times values, the
 permute back and the output gate. Three kernels cover all of it:
 
-1. ``_qk_norm_rope_append_kernel``: one program per head row (per token, H query rows, then H_kv
+1. ``qk_norm_rope_append_kernel``: one program per head row (per token, H query rows, then H_kv
    key rows): per-head RMSNorm (statistic in float32), NEOX rope over the first ``rope_dim``
    channels with the angle ``pos * inv_freq`` formed in float32 as ``Rope.cos_sin`` does, then the
    query row is stored to a contiguous ``[H, d]`` and the key row, with the value row as it is, to
    row ``pos`` of the head-major caches (``KVCache``'s ``[H_kv, capacity, d]``). A prefill call
    takes it too, for all its tokens at once (~30 torch launches a layer there), and attends with
    ``runtime.layers.attend_buffers`` (batched GEMMs, as before).
-2. ``_attend_split_kernel`` (flash-decoding): one program per (kv head, ``split`` positions). The
+2. ``attend_split_kernel`` (flash-decoding): one program per (kv head, ``split`` positions). The
    ``rep = H / H_kv`` query heads of the kv head are the rows of one tile (padded to 16 for
    ``tl.dot``), so each key and value is read once per kv head, not once per query head. Tiles
    of ``BLOCK_S`` positions feed an online softmax (running max, sum and a float32 accumulator);
@@ -22,7 +22,7 @@ permute back and the output gate. Three kernels cover all of it:
    capacity, so it never depends on the position and a captured CUDA graph replays it at any
    position: programs whose range lies wholly past ``pos`` (or before the sliding window) write
    an empty partial and read no keys or values.
-3. ``_attend_combine_kernel``: one program per (query head, 32 channels) merges the partials of
+3. ``attend_combine_kernel``: one program per (query head, 32 channels) merges the partials of
    the splits that hold allowed positions (the range follows from ``pos`` and the window, also
    read from memory in a graph), divides by the softmax sum, applies the output gate (sigmoid per
    channel for Qwen3.5/3.6, softplus per head or per channel for Laguna) and stores ``[H * d]``.
@@ -34,7 +34,7 @@ picks it from the buffer's capacity and kv heads (the caller's default), and lon
 take wider, pipelined tiles (``_split_tiles``): over a long buffer, long splits of pipelined
 tiles beat short single-stage ones for every shape tried (BENCHMARKS.md).
 
-4. ``_attend_prefill_kernel`` (``attend_prefill``): a prefill call's queries whose first position
+4. ``attend_prefill_kernel`` (``attend_prefill``): a prefill call's queries whose first position
    is read from memory, for a prefill step captured in a CUDA graph (``runtime.graph``), where
    neither torch's fused attention nor the sliced buffers of ``attend_buffers`` can be used (both
    need the position on the host). Flash-attention style: one program per (kv head, block of
@@ -54,7 +54,7 @@ kernels. The decode splits then count from the split of ``WINDOW_ALIGN`` positio
 window's first, so a ring's partials are those of the whole buffer split at 64 (the same
 splits, merged in the same order): the same bits.
 
-The mask is ``runtime.layers._attend``'s (``j <= pos`` and, with a window, ``pos - j < window``),
+The mask is ``runtime.layers.attend_positions``'s (``j <= pos`` and, with a window, ``pos - j < window``),
 applied to the loads, so rows past the position may hold anything. ``pos`` is a Python int or a
 0-dim integer device tensor: a captured step reads its position from memory, never on the host.
 Everything runs in float32 inside, with one rounding to the activation dtype at each output
@@ -140,7 +140,7 @@ def _store_row(c_ptr, s_ptr, row, y, inside, D, Q8KV: tl.constexpr, BLOCK_D: tl.
 
 
 @triton.jit(do_not_specialize=["pos"])
-def _qk_norm_rope_append_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, inv_ptr, pos, qo_ptr, kc_ptr, vc_ptr,
+def qk_norm_rope_append_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, inv_ptr, pos, qo_ptr, kc_ptr, vc_ptr,
                                 ks_ptr, vs_ptr, H, H_KV, S, D, HALF, stride_qt, stride_q, stride_kt, stride_k,
                                 stride_vt, stride_v, eps, rope_scale,
                                 HAS_QN: tl.constexpr, HAS_KN: tl.constexpr, POS_PTR: tl.constexpr,
@@ -261,7 +261,7 @@ def qk_norm_rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty((T, H, d), dtype=q.dtype, device=q.device)
     if T * (H + H_kv) and d:
         block = triton.next_power_of_2(d)
-        _qk_norm_rope_append_kernel[(T * (H + H_kv),)](
+        qk_norm_rope_append_kernel[(T * (H + H_kv),)](
             q, k, v, q_norm if q_norm is not None else q, k_norm if k_norm is not None else k, inv_freq,
             pos if pos_ptr else int(pos), out, k_cache, v_cache, *_scales(k_scale, v_scale, k_cache), H, H_kv, S,
             d, half, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], float(eps), float(rope_scale),
@@ -284,7 +284,7 @@ def _kv_tile(c_ptr, s_ptr, off, soff, mask, act_ptr, Q8KV: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["pos"])
-def _attend_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos, m_ptr, l_ptr, acc_ptr, S, D, REP, NS, window,
+def attend_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos, m_ptr, l_ptr, acc_ptr, S, D, REP, NS, window,
                          qk_scale, POS_PTR: tl.constexpr, DOT_FP32: tl.constexpr, Q8KV: tl.constexpr,
                          RING: tl.constexpr, REP_P2: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                          SPLIT: tl.constexpr, PDL: tl.constexpr):
@@ -375,7 +375,7 @@ def _softplus(x):
 
 
 @triton.jit(do_not_specialize=["pos"])
-def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, xq, xd, xs, pos, D, NS, window, stride_g,
+def attend_combine_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, xq, xd, xs, pos, D, NS, window, stride_g,
                            POS_PTR: tl.constexpr, SPLIT: tl.constexpr, RING: tl.constexpr, GATE: tl.constexpr,
                            BLOCK_SP: tl.constexpr, BLOCK_C: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr):
     """Query head ``h``, channels ``[c * BLOCK_C, (c+1) * BLOCK_C)``: merge the partials of the
@@ -516,7 +516,7 @@ def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # products run in fp32 whatever the activations' dtype.
     fp32 = q.dtype == torch.float32 or not q.is_cuda
     block_s, stages = _split_tiles(split, block_d, fp32, k_scale is not None)
-    _attend_split_kernel[(H_kv, n_split)](
+    attend_split_kernel[(H_kv, n_split)](
         q, k_cache, v_cache, *_scales(k_scale, v_scale, k_cache), p, m, l_, acc, S, d, rep, n_split, int(window),
         d ** -0.5 * LOG2E, POS_PTR=pos_ptr, DOT_FP32=fp32, Q8KV=k_scale is not None, RING=ring,
         REP_P2=max(16, triton.next_power_of_2(rep)), BLOCK_D=block_d,
@@ -524,7 +524,7 @@ def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out = torch.empty(1, H * d, dtype=q.dtype, device=q.device)
     block_c = min(block_d, COMBINE_CHANNELS)
     codes = new_q8(1, H * d, q.device) if q8 else (out, out, out)
-    _attend_combine_kernel[(H, triton.cdiv(d, block_c))](
+    attend_combine_kernel[(H, triton.cdiv(d, block_c))](
         m, l_, acc, gate if gate is not None else q, out, *codes, p, d, n_split, int(window),
         gate.stride(0) if gate is not None else 0,
         POS_PTR=pos_ptr, SPLIT=split, RING=ring, GATE=GATE_KINDS[gate_kind], BLOCK_SP=COMBINE_SPLITS,
@@ -533,7 +533,7 @@ def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 @triton.jit(do_not_specialize=["pos", "T"])
-def _attend_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pos, T, S, D, H, REP, window, qk_scale,
+def attend_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pos, T, S, D, H, REP, window, qk_scale,
                            POS_PTR: tl.constexpr, DOT_FP32: tl.constexpr, RING: tl.constexpr, REP_P2: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """Tokens ``[tb * BLOCK_T, (tb+1) * BLOCK_T)`` of kv head ``kh``: rows ``t * REP_P2 + r`` are
@@ -627,7 +627,7 @@ def attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     block_t = max(1, 64 // rep_p2) if d > 128 else max(1, 128 // rep_p2)  # 64-128 rows a tile
     block_d = max(16, triton.next_power_of_2(d))
     fp32 = q.dtype == torch.float32 or not q.is_cuda  # (the interpreter gets bf16 tl.dot wrong)
-    _attend_prefill_kernel[(H_kv, triton.cdiv(T, block_t))](
+    attend_prefill_kernel[(H_kv, triton.cdiv(T, block_t))](
         q, k_cache, v_cache, out, pos if pos_ptr else int(pos), T, S, d, H, rep, int(window), d ** -0.5 * LOG2E,
         POS_PTR=pos_ptr, DOT_FP32=fp32, RING=ring, REP_P2=rep_p2, BLOCK_T=block_t, BLOCK_D=block_d,
         BLOCK_S=64 if d <= 128 else 32, num_warps=8 if block_t * rep_p2 >= 128 else 4, **pdl.flags(q))

@@ -576,11 +576,11 @@ def _output(out: torch.Tensor | None, shape: tuple[int, int], device: torch.devi
     return out
 
 
-def _branches() -> set[int]:
+def unpack_branches() -> set[int]:
     """The GGML ids ``_unpack`` has a branch for, read from its source."""
     return {int(m) for m in re.findall(r"QTYPE == (\d+)", inspect.getsource(_unpack.fn))}
 
 
-if _branches() != set(KERNEL_QUANTS):  # the registry and the kernels must agree, loudly
-    raise ImportError(f"blocks._unpack branches {sorted(_branches())} != the registry's kernel types "
+if unpack_branches() != set(KERNEL_QUANTS):  # the registry and the kernels must agree, loudly
+    raise ImportError(f"blocks._unpack branches {sorted(unpack_branches())} != the registry's kernel types "
                       f"{sorted(KERNEL_QUANTS)} (formats/quants.py KERNEL_QUANTS)")

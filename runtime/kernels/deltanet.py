@@ -6,10 +6,10 @@ torch form's cost is its kernel count: concatenations, norms, exp/softplus/sigmo
 broadcast products and reductions over the state, the gated output norm, each a separate launch
 and memory pass. Two kernels cover everything between the input projections and ``ssm_out``:
 
-1. ``_conv_kernel``: the causal depthwise conv over the last ``K-1`` inputs plus the new one,
+1. ``conv_kernel``: the causal depthwise conv over the last ``K-1`` inputs plus the new one,
    SiLU, and the conv window shifted in place. One program per block of channels (each channel's
    window is read and rewritten by the same program).
-2. ``_recurrence_kernel``: one program per value head: l2-normalise its q and k (key head
+2. ``recurrence_kernel``: one program per value head: l2-normalise its q and k (key head
    ``h % n_k``, the converter's tiled order), beta = sigmoid, g = softplus(alpha + dt_bias) * a,
    then the delta rule on the head's ``[d_k, d_v]`` float32 state (decay, read, correct, write
    back, read out) and the gated RMSNorm of the output times SiLU(z); with ``q8``, also the int8
@@ -20,7 +20,7 @@ input out); the torch path (``runtime.models.qwen35moe``) rounds to the activati
 few places, so the two agree to that dtype's precision, not bit for bit. The torch path stays the
 reference (CPU, prefill).
 
-3. ``_chunk_state_kernel`` (prefill): the chunked form (``gated_delta_rule_chunked``) computes
+3. ``chunk_state_kernel`` (prefill): the chunked form (``gated_delta_rule_chunked``) computes
    everything that does not depend on the state for all chunks at once, then carries the state
    from chunk to chunk: three small products per chunk, about seven torch launches each, so a
    512-token prompt cost ~1700 launches over 30 layers and the host, not the GPU, set the pace.
@@ -29,15 +29,15 @@ reference (CPU, prefill).
    accuracy on the tensor cores; plain float32 FMA products ran out of registers and made a
    2048-token chunk slower than the torch loop), so the fused and torch forms agree to float32
    round-off. Row-major inputs keep its loads coalesced.
-   ``_chunk_prep_kernel`` builds its inputs, one program per (value head, chunk): the cumulative
+   ``chunk_prep_kernel`` builds its inputs, one program per (value head, chunk): the cumulative
    decays, the masked K K^T and Q K^T, and the solve of the chunk's unit lower-triangular system
    (I + A) X = I, by forward substitution inside blocks of 16 rows (16 steps for all blocks at
    once) and then block by block, every step a small ``tl.dot``; the torch form of the same
    terms is ~40 launches, a batched trsm among them (``deltanet_chunked``).
-4. ``_prefill_prep_kernel`` (prefill): the conv over the window and the call's inputs, SiLU, the
+4. ``prefill_prep_kernel`` (prefill): the conv over the window and the call's inputs, SiLU, the
    l2 norms, the tiled key heads and the gates, for blocks of tokens of one value head, straight
    into the float32 tensors the chunked form takes (the torch form is ~35 launches a layer).
-5. ``_gated_norm_kernel`` (prefill): the output's per-head RMSNorm times SiLU(z), with the torch
+5. ``gated_norm_kernel`` (prefill): the output's per-head RMSNorm times SiLU(z), with the torch
    form's rounding points (six launches there).
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ from .q8dot import QBLOCK, Int8Rows, as_rows, new_q8, store_q8
 
 
 @triton.jit
-def _conv_kernel(x_ptr, win_ptr, w_ptr, out_ptr, C, KM1: tl.constexpr, KP2: tl.constexpr, BLOCK: tl.constexpr,
+def conv_kernel(x_ptr, win_ptr, w_ptr, out_ptr, C, KM1: tl.constexpr, KP2: tl.constexpr, BLOCK: tl.constexpr,
                  PDL: tl.constexpr):
     wait_prior(PDL)
     c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -82,7 +82,7 @@ def _gates(b_raw, alpha, dt, a):
 
 
 @triton.jit
-def _recurrence_kernel(act_ptr, z_ptr, beta_ptr, alpha_ptr, dt_ptr, a_ptr, state_ptr, norm_ptr, out_ptr,
+def recurrence_kernel(act_ptr, z_ptr, beta_ptr, alpha_ptr, dt_ptr, a_ptr, state_ptr, norm_ptr, out_ptr,
                        xq, xd, xs, N_K, D_K, D_V, q_scale, eps,
                        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
@@ -143,21 +143,21 @@ def deltanet_decode(qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alph
             raise ValueError(f"DeltaNet decode: {what} must be contiguous")
     act = torch.empty(C, dtype=torch.float32, device=qkv.device)
     block = 256  # many programs, each a short latency chain
-    _conv_kernel[(triton.cdiv(C, block),)](qkv, conv_win, conv_w, act, C, KM1=K - 1,
+    conv_kernel[(triton.cdiv(C, block),)](qkv, conv_win, conv_w, act, C, KM1=K - 1,
                                            KP2=triton.next_power_of_2(K - 1), BLOCK=block, num_warps=2,
                                            **pdl.flags(qkv))
     out = torch.empty(1, n_v * d_v, dtype=z.dtype, device=z.device)
     if q8 and (d_v < QBLOCK or d_v & (d_v - 1)):
         raise ValueError(f"DeltaNet decode: an int8 output needs a power-of-two value head size >= {QBLOCK}, got {d_v}")
     codes = new_q8(1, n_v * d_v, z.device) if q8 else (out, out, out)
-    _recurrence_kernel[(n_v,)](act, z, beta, alpha, dt_bias, a, state, norm_w, out, *codes, n_k, d_k, d_v,
+    recurrence_kernel[(n_v,)](act, z, beta, alpha, dt_bias, a, state, norm_w, out, *codes, n_k, d_k, d_v,
                                d_k ** -0.5, eps, BLOCK_K=triton.next_power_of_2(d_k),
                                BLOCK_V=triton.next_power_of_2(d_v), Q8=q8, num_warps=8, **pdl.flags(act))
     return (out, as_rows(codes)) if q8 else out
 
 
 @triton.jit(do_not_specialize=["n_chunks"])
-def _chunk_state_kernel(w_ptr, q_ptr, u0_ptr, qk_ptr, eg_ptr, kd_ptr, keep_ptr, state_ptr, out_ptr,
+def chunk_state_kernel(w_ptr, q_ptr, u0_ptr, qk_ptr, eg_ptr, kd_ptr, keep_ptr, state_ptr, out_ptr,
                         n_chunks, D_K, D_V,
                         sw_h, sw_n, sw_r, sw_c, sq_h, sq_n, sq_r, sq_c, su_h, su_n, su_r, su_c,
                         sqk_h, sqk_n, sqk_r, sqk_c, skd_h, skd_n, skd_r, skd_c, seg_h, seg_n, seg_r,
@@ -188,7 +188,7 @@ def _chunk_state_kernel(w_ptr, q_ptr, u0_ptr, qk_ptr, eg_ptr, kd_ptr, keep_ptr, 
 
 
 @triton.jit(do_not_specialize=["T"])
-def _chunk_prep_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, qc_ptr, w_ptr, u0_ptr, qk_ptr, eg_ptr, kd_ptr, keep_ptr,
+def chunk_prep_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, qc_ptr, w_ptr, u0_ptr, qk_ptr, eg_ptr, kd_ptr, keep_ptr,
                        T, H, D_K, D_V, C: tl.constexpr, BS: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_V: tl.constexpr, PDL: tl.constexpr):
     """One (value head, chunk): everything of the chunked form that does not depend on the state.
@@ -245,7 +245,7 @@ def deltanet_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     """The chunked delta rule (``runtime.models.qwen35moe.gated_delta_rule_chunked``'s math) in two
     launches: one program per (head, chunk) builds the chunk's state-free terms, including the
     solve of its unit lower-triangular system (the torch form: ~40 launches, a batched trsm among
-    them), then ``_chunk_state_kernel`` carries the state from chunk to chunk. ``q, k [T, H, d_k]``, ``v [T, H, d_v]``,
+    them), then ``chunk_state_kernel`` carries the state from chunk to chunk. ``q, k [T, H, d_k]``, ``v [T, H, d_v]``,
     ``g, beta [T, H]``: float32 contiguous (``deltanet_prefill_inputs``' outputs); ``state [H, d_k,
     d_v]`` float32 contiguous, updated in place; ``chunk`` a power of two >= 16. Returns the
     outputs ``[T, H, d_v]`` float32 contiguous (a prefix of a buffer padded to whole chunks)."""
@@ -264,7 +264,7 @@ def deltanet_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     eG, keep = torch.empty(H, n, chunk, **f32), torch.empty(H, n, **f32)
     o = torch.empty(n * chunk, H, d_v, **f32)
     if T:
-        _chunk_prep_kernel[(H, n)](q, k, v, g, beta, Qc, W, U0, QK, eG, Kd, keep, T, H, d_k, d_v, C=chunk,
+        chunk_prep_kernel[(H, n)](q, k, v, g, beta, Qc, W, U0, QK, eG, Kd, keep, T, H, d_k, d_v, C=chunk,
                                    BS=16, BLOCK_K=max(16, triton.next_power_of_2(d_k)),
                                    BLOCK_V=max(16, triton.next_power_of_2(d_v)), num_warps=8, **pdl.flags(q))
         # per (head, chunk): U = U0 - W S, output eG * (Q S) + QK U (written token-major into o),
@@ -274,7 +274,7 @@ def deltanet_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         strides = [st for t in mats for st in t.stride()] + list(eG.stride()) + list(keep.stride()) \
             + list(out.stride()[:3])
         block_v = max(16, min(32, triton.next_power_of_2(d_v)))
-        _chunk_state_kernel[(H, triton.cdiv(d_v, block_v))](W, Qc, U0, QK, eG, Kd, keep, state, out, n, d_k, d_v,
+        chunk_state_kernel[(H, triton.cdiv(d_v, block_v))](W, Qc, U0, QK, eG, Kd, keep, state, out, n, d_k, d_v,
                                                             *strides, C=chunk,
                                                             BLOCK_K=max(16, triton.next_power_of_2(d_k)),
                                                             BLOCK_V=block_v, num_warps=8, num_stages=1, **pdl.flags(W))
@@ -303,7 +303,7 @@ def _conv_rows(x_ptr, win_ptr, w_ptr, t, tm, c, m, C, stride_x, KM1: tl.constexp
 
 
 @triton.jit(do_not_specialize=["T"])
-def _prefill_prep_kernel(x_ptr, win_ptr, w_ptr, beta_ptr, alpha_ptr, dt_ptr, a_ptr, q_ptr, k_ptr, v_ptr, g_ptr,
+def prefill_prep_kernel(x_ptr, win_ptr, w_ptr, beta_ptr, alpha_ptr, dt_ptr, a_ptr, q_ptr, k_ptr, v_ptr, g_ptr,
                          b_ptr, T, C, N_K, N_V, D_K, D_V, stride_x, stride_b, stride_a, q_scale,
                          KM1: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                          PDL: tl.constexpr):
@@ -355,7 +355,7 @@ def deltanet_prefill_inputs(qkv: torch.Tensor, beta: torch.Tensor, alpha: torch.
     v, g, b = torch.empty(T, n_v, d_v, **f32), torch.empty(T, n_v, **f32), torch.empty(T, n_v, **f32)
     bt = 4 if qkv.is_cuda else 64
     if T:
-        _prefill_prep_kernel[(triton.cdiv(T, bt), n_v)](
+        prefill_prep_kernel[(triton.cdiv(T, bt), n_v)](
             qkv, conv_win, conv_w, beta, alpha, dt_bias, a, q, k, v, g, b, T, C, n_k, n_v, d_k, d_v, qkv.stride(0),
             beta.stride(0), alpha.stride(0), d_k ** -0.5, KM1=K - 1, BLOCK_T=bt,
             BLOCK_K=triton.next_power_of_2(d_k), BLOCK_V=triton.next_power_of_2(d_v), num_warps=4, **pdl.flags(qkv))
@@ -363,7 +363,7 @@ def deltanet_prefill_inputs(qkv: torch.Tensor, beta: torch.Tensor, alpha: torch.
 
 
 @triton.jit(do_not_specialize=["R"])
-def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, R, N_V, D_V, stride_z, eps,
+def gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, R, N_V, D_V, stride_z, eps,
                        BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows (token, value head)
@@ -391,7 +391,7 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     y = torch.empty(T, n_v * d_v, dtype=z.dtype, device=z.device)
     br = 4 if z.is_cuda else 64
     if T:
-        _gated_norm_kernel[(triton.cdiv(T * n_v, br),)](o, z, weight, y, T * n_v, n_v, d_v, z.stride(0), eps,
+        gated_norm_kernel[(triton.cdiv(T * n_v, br),)](o, z, weight, y, T * n_v, n_v, d_v, z.stride(0), eps,
                                                         BLOCK_R=br, BLOCK_V=triton.next_power_of_2(d_v), num_warps=4,
                                                         **pdl.flags(o))
     return y

@@ -183,7 +183,7 @@ def _band(QT: tl.constexpr, w, row_stride, N, blk, x, xq, xd, xs, y, col, K, BN:
 
 
 @triton.jit(do_not_specialize=["B"])
-def _gemv_kernel(x, xq, xd, xs, y, grids_ptr, K, B, stride_y, w0, n0, s0, w1, n1, s1, w2, n2, s2, w3, n3, s3,
+def gemv_kernel(x, xq, xd, xs, y, grids_ptr, K, B, stride_y, w0, n0, s0, w1, n1, s1, w2, n2, s2, w3, n3, s3,
                  QT0: tl.constexpr, QT1: tl.constexpr, QT2: tl.constexpr, QT3: tl.constexpr,
                  NSEG: tl.constexpr, BN: tl.constexpr, CPI: tl.constexpr, ACT_Q8: tl.constexpr,
                  ASM: tl.constexpr, PDL: tl.constexpr):
@@ -216,7 +216,7 @@ def _gemv_kernel(x, xq, xd, xs, y, grids_ptr, K, B, stride_y, w0, n0, s0, w1, n1
 
 
 @triton.jit(do_not_specialize=["N"])
-def _dequant_kernel(w, ids, out, grids_ptr, N, K, row_bytes, stride_out, QT: tl.constexpr,
+def dequant_kernel(w, ids, out, grids_ptr, N, K, row_bytes, stride_out, QT: tl.constexpr,
                     HAS_IDS: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
     r = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -293,7 +293,7 @@ def gemv(x: torch.Tensor, segments: list[tuple[torch.Tensor, int]], out: torch.T
     if q8 is not None:
         check_codes(q8[0])
     xq, xd, xs = q8 if q8 is not None else (x, x, x)
-    _gemv_kernel[(blocks * B,)](x, xq, xd, xs, out, grid_table(x.device), K, B, out.stride(0), *args, QT0=qts[0], QT1=qts[1], QT2=qts[2], QT3=qts[3],
+    gemv_kernel[(blocks * B,)](x, xq, xd, xs, out, grid_table(x.device), K, B, out.stride(0), *args, QT0=qts[0], QT1=qts[1], QT2=qts[2], QT3=qts[3],
                             NSEG=len(segments), BN=bn, CPI=cpi, ACT_Q8=q8 is not None, ASM=use_asm(x), num_warps=warps,
                             **pdl.flags(x))
     return out
@@ -311,6 +311,6 @@ def dequantize_into(raw: torch.Tensor, qtype: int, K: int, out: torch.Tensor,
         return out
     br = 4 if out.is_cuda else 64
     grid = (triton.cdiv(n, br), triton.cdiv(K, 256))
-    _dequant_kernel[grid](raw, raw if ids is None else ids, out, grid_table(raw.device), n, K, raw.shape[1], out.stride(0),
+    dequant_kernel[grid](raw, raw if ids is None else ids, out, grid_table(raw.device), n, K, raw.shape[1], out.stride(0),
                           QT=qtype, HAS_IDS=ids is not None, BR=br, **pdl.flags(raw))
     return out

@@ -3,12 +3,12 @@
 Why: at batch 1 these steps move a few kilobytes, so each torch kernel costs its launch (40
 layers over) and nothing else. Two kernels:
 
-1. ``_silu_mul_kernel``: the shared expert's activation ``silu(gate) * up`` (torch: two kernels),
+1. ``silu_mul_kernel``: the shared expert's activation ``silu(gate) * up`` (torch: two kernels),
    plus, for the int8 products that read it, its int8 form (``q8dot.store_q8``; a third kernel).
-2. ``_ffn_residual_kernel``: the block's output ``x + routed + sigmoid(g) * shared`` (torch: the
+2. ``ffn_residual_kernel``: the block's output ``x + routed + sigmoid(g) * shared`` (torch: the
    routed sum's cast, sigmoid, two multiplies-adds and the residual add, five kernels). ``routed``
    may also be the MoE kernels' k weighted expert outputs per token, unsummed: the kernel sums
-   them in choice order (as ``moe._sum_topk_kernel`` would, the same float32 additions), which
+   them in choice order (as ``moe.sum_topk_kernel`` would, the same float32 additions), which
    saves that kernel's launch and its memory pass.
 
 Both round where the torch forms (``runtime.layers.silu_mul`` / ``ffn_residual``) round: every
@@ -28,7 +28,7 @@ from .q8dot import QBLOCK, Int8Rows, as_rows, new_q8, store_q8
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, xq, xd, xs, N, stride_g, stride_u, Q8: tl.constexpr, BLOCK: tl.constexpr,
+def silu_mul_kernel(g_ptr, u_ptr, y_ptr, xq, xd, xs, N, stride_g, stride_u, Q8: tl.constexpr, BLOCK: tl.constexpr,
                      PDL: tl.constexpr):
     wait_prior(PDL)
     t = tl.program_id(0)
@@ -46,7 +46,7 @@ def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, xq, xd, xs, N, stride_g, stride_u, Q8:
 
 
 @triton.jit
-def _ffn_residual_kernel(x_ptr, r_ptr, s_ptr, g_ptr, y_ptr, w_ptr, h_ptr, hq, hd, hs, N, TOPK, stride_s, stride_g, eps,
+def ffn_residual_kernel(x_ptr, r_ptr, s_ptr, g_ptr, y_ptr, w_ptr, h_ptr, hq, hd, hs, N, TOPK, stride_s, stride_g, eps,
                          HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr, NORM: tl.constexpr, Q8: tl.constexpr,
                          BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
@@ -86,7 +86,7 @@ def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, q8: bool = False
     codes = new_q8(T, N, gate.device) if q8 else (y, y, y)
     block = min(max(triton.next_power_of_2(N), QBLOCK), 1024)
     if T:
-        _silu_mul_kernel[(T, triton.cdiv(N, block))](gate, up, y, *codes, N, gate.stride(0), up.stride(0), Q8=q8,
+        silu_mul_kernel[(T, triton.cdiv(N, block))](gate, up, y, *codes, N, gate.stride(0), up.stride(0), Q8=q8,
                                                     BLOCK=block, num_warps=4, **pdl.flags(gate))
     return (y, as_rows(codes)) if q8 else y
 
@@ -123,7 +123,7 @@ def ffn_residual_rows(x: torch.Tensor, routed: torch.Tensor, shared: torch.Tenso
         s = shared if shared is not None else x
         g = shared_gate if shared_gate is not None else x
         w, eps = norm if norm is not None else (x, 0.0)
-        _ffn_residual_kernel[(T, triton.cdiv(N, block))](x, routed, s, g, y, w, h, *codes, N, topk, s.stride(0),
+        ffn_residual_kernel[(T, triton.cdiv(N, block))](x, routed, s, g, y, w, h, *codes, N, topk, s.stride(0),
                                                         g.stride(0), eps, HAS_SHARED=shared is not None,
                                                         HAS_GATE=shared_gate is not None, NORM=norm is not None,
                                                         Q8=q8, BLOCK=block, num_warps=warps, **pdl.flags(x))

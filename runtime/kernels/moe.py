@@ -9,15 +9,15 @@ sum over the k chosen experts runs in a fixed order (k ascending) in its own pas
 with atomics.
 
 Three launches:
-1. ``_gate_up_kernel``: one program per (token, choice) pair and block of ``n_ff`` rows computes
+1. ``gate_up_kernel``: one program per (token, choice) pair and block of ``n_ff`` rows computes
    gate and up dots from the same activation row and writes ``silu(gate) * up`` (fp32) to a small
    ``[T*k, n_ff]`` scratch; optionally the first block's program also counts the routing (an
    integer atomic add per pair: the expert store's statistics without a launch of their own).
-2. ``_down_kernel``: one program per pair and block of ``n_embd`` rows writes the down product
+2. ``down_kernel``: one program per pair and block of ``n_embd`` rows writes the down product
    times the routing weight to a ``[T*k, n_embd]`` fp32 scratch. Splitting over the k experts
    (instead of one program looping over them) gives k times more programs, which batch-1 decode
    needs to keep enough bytes in flight.
-3. ``_sum_topk_kernel``: the per-token sum over the k choices, in a fixed order (deterministic,
+3. ``sum_topk_kernel``: the per-token sum over the k choices, in a fixed order (deterministic,
    unlike atomics; the scratch is only T*k*n_embd*4 bytes). The runtime's MoE blocks skip it
    (``reduce=False``): their residual epilogue (``kernels/ffn.py``) makes the same sum.
 
@@ -50,7 +50,7 @@ __all__ = ["GROUPED_MIN_PAIRS", "ExpertPools", "MoELaunch", "group_pairs", "moe_
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, xq, xd, xs, grids_ptr, ids_ptr, slot_ptr, gate_ptr, up_ptr, gate_h_ptr, up_h_ptr, h_ptr,
+def gate_up_kernel(x_ptr, xq, xd, xs, grids_ptr, ids_ptr, slot_ptr, gate_ptr, up_ptr, gate_h_ptr, up_h_ptr, h_ptr,
                     count_ptr, down_ptr, TOPK, N_FF, K, gate_slot_bytes, up_slot_bytes, up_row0, gate_row_bytes,
                     up_row_bytes, stride_x, stride_ids, down_slot_bytes, down_bytes,
                     GATE_QTYPE: tl.constexpr, UP_QTYPE: tl.constexpr, HAS_HOST: tl.constexpr,
@@ -95,7 +95,7 @@ def _gate_up_kernel(x_ptr, xq, xd, xs, grids_ptr, ids_ptr, slot_ptr, gate_ptr, u
 
 
 @triton.jit
-def _down_kernel(h_ptr, hq, hd, hs, grids_ptr, ids_ptr, wts_ptr, slot_ptr, down_ptr, down_h_ptr, part_ptr,
+def down_kernel(h_ptr, hq, hd, hs, grids_ptr, ids_ptr, wts_ptr, slot_ptr, down_ptr, down_h_ptr, part_ptr,
                  TOPK, N_EMBD, N_FF, down_slot_bytes, down_row_bytes, stride_ids, stride_wts,
                  DOWN_QTYPE: tl.constexpr, HAS_HOST: tl.constexpr, BLOCK_N: tl.constexpr,
                  ACT_Q8: tl.constexpr, ASM: tl.constexpr, CPI: tl.constexpr, PDL: tl.constexpr):
@@ -124,7 +124,7 @@ def _down_kernel(h_ptr, hq, hd, hs, grids_ptr, ids_ptr, wts_ptr, slot_ptr, down_
 
 
 @triton.jit
-def _sum_topk_kernel(part_ptr, y_ptr, TOPK, N_EMBD, stride_y, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def sum_topk_kernel(part_ptr, y_ptr, TOPK, N_EMBD, stride_y, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """y[t] = sum over j = 0..k-1, in that order, of the weighted expert outputs."""
     wait_prior(PDL)
     t = tl.program_id(0)
@@ -266,7 +266,7 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         if q8_gu:
             check_codes(xq)
         grids = grid_table(x.device)
-        _gate_up_kernel[(T_ * topk, triton.cdiv(n_ff, bn))](
+        gate_up_kernel[(T_ * topk, triton.cdiv(n_ff, bn))](
             x, xq, xd, xs, grids, topk_ids, slot_table, gate_raw, up_raw, gate_h, up_h, h,
             counts if counts is not None else slot_table, down_raw, topk, n_ff, n_embd, gate_raw.stride(0),
             up_raw.stride(0), up_row0, gate_raw.shape[2], up_raw.shape[2], x.stride(0), topk_ids.stride(0),
@@ -275,12 +275,12 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
             BLOCK_N=bn, ACT_Q8=q8_gu, ASM=use_asm(x), CPI=chunks_per_iteration(n_embd, cpi), num_warps=num_warps,
             **pdl.flags(x))
         hq, hd, hs = quantize(h) if q8_down else (h, h, h)
-        _down_kernel[(T_ * topk, triton.cdiv(n_embd, bn))](
+        down_kernel[(T_ * topk, triton.cdiv(n_embd, bn))](
             h, hq, hd, hs, grids, topk_ids, topk_weights, slot_table, down_raw, down_h, part,
             topk, n_embd, n_ff, down_raw.stride(0), down_raw.shape[2], topk_ids.stride(0),
             topk_weights.stride(0), DOWN_QTYPE=int(down_qtype), HAS_HOST=has_host, BLOCK_N=bn, ACT_Q8=q8_down,
             ASM=use_asm(x), CPI=chunks_per_iteration(n_ff, cpi), num_warps=num_warps, **pdl.flags(h))
     if reduce:
-        _sum_topk_kernel[(T_, triton.cdiv(n_embd, 1024))](part, y, topk, n_embd, y.stride(0), BLOCK=1024,
+        sum_topk_kernel[(T_, triton.cdiv(n_embd, 1024))](part, y, topk, n_embd, y.stride(0), BLOCK=1024,
                                                           num_warps=4, **pdl.flags(part))
     return y

@@ -225,7 +225,7 @@ def _mma_sub(acc, QTYPE: tl.constexpr, rows, nmask, c, ST: tl.constexpr, KS: tl.
 
 
 @triton.jit
-def _sub_gate_up_kernel(x_ptr, grids_ptr, pairs_ptr, block_expert_ptr, slot_ptr, gate_ptr, up_ptr, gate_h_ptr, up_h_ptr, h_ptr,
+def sub_gate_up_kernel(x_ptr, grids_ptr, pairs_ptr, block_expert_ptr, slot_ptr, gate_ptr, up_ptr, gate_h_ptr, up_h_ptr, h_ptr,
                         TOPK, N_EXPERT, N_FF, K, gate_slot_bytes, up_slot_bytes, up_row0, gate_row_bytes,
                         up_row_bytes, stride_x, GATE_QTYPE: tl.constexpr, UP_QTYPE: tl.constexpr,
                         HAS_HOST: tl.constexpr, OPER: tl.constexpr, KS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -259,7 +259,7 @@ def _sub_gate_up_kernel(x_ptr, grids_ptr, pairs_ptr, block_expert_ptr, slot_ptr,
 
 
 @triton.jit
-def _sub_down_kernel(h_ptr, grids_ptr, pairs_ptr, block_expert_ptr, wts_ptr, slot_ptr, down_ptr, down_h_ptr, part_ptr,
+def sub_down_kernel(h_ptr, grids_ptr, pairs_ptr, block_expert_ptr, wts_ptr, slot_ptr, down_ptr, down_h_ptr, part_ptr,
                      N_EXPERT, N_EMBD, N_FF, down_slot_bytes, down_row_bytes, DOWN_QTYPE: tl.constexpr,
                      HAS_HOST: tl.constexpr, OPER: tl.constexpr, KS: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, PDL: tl.constexpr):
@@ -291,7 +291,7 @@ def _sub_down_kernel(h_ptr, grids_ptr, pairs_ptr, block_expert_ptr, wts_ptr, slo
 # ----------------------------------------------------------------------------- expanded-tile kernels
 
 @triton.jit
-def _tile_gate_up_kernel(x_ptr, grids_ptr, pairs_ptr, block_expert_ptr, slot_ptr, gate_ptr, up_ptr, gate_h_ptr,
+def tile_gate_up_kernel(x_ptr, grids_ptr, pairs_ptr, block_expert_ptr, slot_ptr, gate_ptr, up_ptr, gate_h_ptr,
                             up_h_ptr, h_ptr, TOPK, N_EXPERT, N_FF, K, gate_slot_bytes, up_slot_bytes, up_row0,
                             gate_row_bytes, up_row_bytes, stride_x,
                             GATE_QTYPE: tl.constexpr, UP_QTYPE: tl.constexpr, HAS_HOST: tl.constexpr,
@@ -322,7 +322,7 @@ def _tile_gate_up_kernel(x_ptr, grids_ptr, pairs_ptr, block_expert_ptr, slot_ptr
 
 
 @triton.jit
-def _tile_down_kernel(h_ptr, grids_ptr, pairs_ptr, block_expert_ptr, wts_ptr, slot_ptr, down_ptr, down_h_ptr,
+def tile_down_kernel(h_ptr, grids_ptr, pairs_ptr, block_expert_ptr, wts_ptr, slot_ptr, down_ptr, down_h_ptr,
                          part_ptr, N_EXPERT, N_EMBD, N_FF, down_slot_bytes, down_row_bytes,
                          DOWN_QTYPE: tl.constexpr, HAS_HOST: tl.constexpr, DOT_FP32: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
@@ -352,7 +352,7 @@ def _tile_down_kernel(h_ptr, grids_ptr, pairs_ptr, block_expert_ptr, wts_ptr, sl
 # ----------------------------------------------------------------------------- grouping
 
 @triton.jit(do_not_specialize=["P", "N_BLOCKS"])
-def _group_pairs_kernel(ids_ptr, pairs_ptr, block_expert_ptr, counts_ptr, limit_ptr, P, TOPK, N_EXPERT, N_BLOCKS,
+def group_pairs_kernel(ids_ptr, pairs_ptr, block_expert_ptr, counts_ptr, limit_ptr, P, TOPK, N_EXPERT, N_BLOCKS,
                         HAS_COUNT: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_P: tl.constexpr, BINS: tl.constexpr, PDL: tl.constexpr):
     """Program ``e < N_EXPERT`` places expert e's pairs; program ``N_EXPERT`` pads the unused tail.
@@ -426,7 +426,7 @@ def group_pairs(ids: torch.Tensor, n_expert: int, block_m: int, counts: torch.Te
     if counts is not None and (counts.dtype != torch.int32 or counts.numel() != n_expert or not counts.is_contiguous()):
         raise ValueError(f"counts must be a contiguous int32 [{n_expert}]")
     if n_blocks:
-        _group_pairs_kernel[(n_expert + 1,)](flat, pairs, block_expert, counts if counts is not None else pairs,
+        group_pairs_kernel[(n_expert + 1,)](flat, pairs, block_expert, counts if counts is not None else pairs,
                                              count_tokens if count_tokens is not None else pairs, P, ids.shape[-1], n_expert,
                                              n_blocks, HAS_COUNT=counts is not None,
                                              HAS_LIMIT=count_tokens is not None and counts is not None, BLOCK_M=block_m,
@@ -435,7 +435,7 @@ def group_pairs(ids: torch.Tensor, n_expert: int, block_m: int, counts: torch.Te
     return pairs, block_expert
 
 
-def _tile_tiles(pairs_per_expert: float) -> tuple[int, int, int]:
+def tile_tiles(pairs_per_expert: float) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, warps) of the ``_tile_*`` kernels, by the average pairs per expert (padding
     rows cost a weight-tile unpack too): the fastest shape at each call length of the qwen3.6
     shape, 256 experts top-8 (``bench/kernels_bench.py --only prefill --moe-tiles ...``)."""
@@ -444,7 +444,7 @@ def _tile_tiles(pairs_per_expert: float) -> tuple[int, int, int]:
     return (32, 32, 4) if pairs_per_expert < 32 else (64, 64, 8)
 
 
-def _sub_tiles(pairs_per_expert: float) -> tuple[int, int, int]:
+def sub_tiles(pairs_per_expert: float) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, warps) of the sub-block kernels, by the average pairs per expert.
     The fastest shapes at each call length of the Qwen3-30B (128 x 768) and qwen3.6 (256 x 512)
     shapes, top-8 (``bench/kernels_bench.py --only prefill --moe-tiles ...``)."""
@@ -456,14 +456,14 @@ def _sub_tiles(pairs_per_expert: float) -> tuple[int, int, int]:
 
 
 def tile_calls(n_expert: int, topk: int, max_tokens: int) -> list[int]:
-    """The fewest tokens of a call that picks each tile shape (``_sub_tiles``, ``_tile_tiles``),
+    """The fewest tokens of a call that picks each tile shape (``sub_tiles``, ``tile_tiles``),
     for calls of up to ``max_tokens``: each shape is a kernel compiled on its first call, which
     a session's warm-up makes rather than a user's prompt (a calibration window whose last call
     picked a new shape took many times longer)."""
     first: dict[tuple, int] = {}
     for t in range(2, max_tokens + 1):
         per = t * topk / n_expert
-        first.setdefault((_sub_tiles(per), _tile_tiles(per)), t)
+        first.setdefault((sub_tiles(per), tile_tiles(per)), t)
     return sorted(first.values())
 
 
@@ -493,7 +493,7 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     sub_gu = sub and gq in SUB_TYPES and uq in SUB_TYPES
     sub_down = sub and dq in SUB_TYPES
     per_expert = T_ * topk / n_expert
-    bm, bn, warps = tiles or (_sub_tiles if sub_gu or sub_down else _tile_tiles)(per_expert)
+    bm, bn, warps = tiles or (sub_tiles if sub_gu or sub_down else tile_tiles)(per_expert)
     if min(bm, bn) < 16 or (bm & (bm - 1)) or (bn & (bn - 1)):
         raise ValueError(f"grouped tiles must be powers of two >= 16 (tl.dot), got {bm}x{bn}")
     pairs, block_expert = group_pairs(topk_ids, n_expert, bm, counts, count_tokens)
@@ -504,24 +504,24 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     # fp32 operands off the GPU (Triton's interpreter gets half tl.dot wrong) and for fp32 activations
     oper = (OPER_BF16 if x.dtype == torch.bfloat16 else OPER_F16) if half else OPER_F32
     if sub_gu:
-        _sub_gate_up_kernel[(nb, triton.cdiv(n_ff, bn))](
+        sub_gate_up_kernel[(nb, triton.cdiv(n_ff, bn))](
             x, grid_table(x.device), pairs, block_expert, slot_table, gate, up, gate_h, up_h, h, topk, n_expert, n_ff, n_embd,
             gate.stride(0), up.stride(0), up_row0, gate.shape[2], up.shape[2], x.stride(0),
             GATE_QTYPE=gq, UP_QTYPE=uq, HAS_HOST=host is not None, OPER=oper, KS=_sub_step(gq, uq),
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, **flags)
     else:
-        _tile_gate_up_kernel[(nb, triton.cdiv(n_ff, bn))](
+        tile_gate_up_kernel[(nb, triton.cdiv(n_ff, bn))](
             x, grid_table(x.device), pairs, block_expert, slot_table, gate, up, gate_h, up_h, h, topk, n_expert, n_ff, n_embd,
             gate.stride(0), up.stride(0), up_row0, gate.shape[2], up.shape[2], x.stride(0),
             GATE_QTYPE=gq, UP_QTYPE=uq, HAS_HOST=host is not None, DOT_FP32=not half,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, **flags)
     if sub_down:
-        _sub_down_kernel[(nb, triton.cdiv(n_embd, bn))](
+        sub_down_kernel[(nb, triton.cdiv(n_embd, bn))](
             h, grid_table(x.device), pairs, block_expert, topk_weights, slot_table, down, down_h, part, n_expert, n_embd, n_ff,
             down.stride(0), down.shape[2], DOWN_QTYPE=dq, HAS_HOST=host is not None, OPER=oper,
             KS=_sub_step(dq), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, **flags)
     else:
-        _tile_down_kernel[(nb, triton.cdiv(n_embd, bn))](
+        tile_down_kernel[(nb, triton.cdiv(n_embd, bn))](
             h, grid_table(x.device), pairs, block_expert, topk_weights, slot_table, down, down_h, part, n_expert, n_embd, n_ff,
             down.stride(0), down.shape[2], DOWN_QTYPE=dq, HAS_HOST=host is not None, DOT_FP32=not half,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, **flags)

@@ -23,7 +23,7 @@ from .q8dot import QBLOCK, Int8Rows, as_rows, new_q8, store_q8
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, xq, xd, xs, N, B, stride_a, stride_b, eps,
+def rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, xq, xd, xs, N, B, stride_a, stride_b, eps,
                      HAS_W: tl.constexpr, HAS_RES: tl.constexpr, Q8: tl.constexpr, BLOCK: tl.constexpr,
                      PDL: tl.constexpr):
     wait_prior(PDL)
@@ -90,7 +90,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, resi
     codes = new_q8(A, N, x.device) if q8 else (y, y, y)
     if A * B:
         block, warps = row_launch(N)
-        _rms_norm_kernel[(A * B,)](x, residual if residual is not None else x, weight if weight is not None else x,
+        rms_norm_kernel[(A * B,)](x, residual if residual is not None else x, weight if weight is not None else x,
                                    y, s, *codes, N, B, stride_a, stride_b, eps, HAS_W=weight is not None,
                                    HAS_RES=residual is not None, Q8=q8, BLOCK=block, num_warps=warps, **pdl.flags(x))
     out: tuple[torch.Tensor | Int8Rows, ...] = (s, y) if residual is not None else (y,)

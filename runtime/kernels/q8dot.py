@@ -123,7 +123,7 @@ def dot4(a, b, ASM: tl.constexpr):
 def store_q8(v, b, K, xq, xd, xs):
     """Quantize ``v [BLOCKS, 32]`` fp32, blocks ``b [BLOCKS]`` of one row of K elements, and store
     its codes, scales and 16-element sums at that row's ``xq`` / ``xd`` / ``xs`` (blocks past K
-    masked). Shared by ``_quantize_kernel`` and the kernels that produce an activation and its
+    masked). Shared by ``quantize_kernel`` and the kernels that produce an activation and its
     int8 form in one pass (``norm.py``, ``ffn.py``, ``deltanet.py``, ``attention.py``)."""
     k = b[:, None] * 32 + tl.arange(0, 32)[None, :]
     amax = tl.max(tl.abs(v), axis=1)
@@ -138,7 +138,7 @@ def store_q8(v, b, K, xq, xd, xs):
 
 
 @triton.jit
-def _quantize_kernel(x, xq, xd, xs, K, stride_x, BLOCKS: tl.constexpr, PDL: tl.constexpr):
+def quantize_kernel(x, xq, xd, xs, K, stride_x, BLOCKS: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
     t = tl.program_id(0)
     b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
@@ -169,7 +169,7 @@ def quantize(x: torch.Tensor) -> Int8Rows:
     xq, xd, xs = new_q8(T, K, x.device)
     blocks = 8 if x.is_cuda else 64
     if T:
-        _quantize_kernel[(T, triton.cdiv(K // 32, blocks))](x, xq, xd, xs, K, x.stride(0), BLOCKS=blocks,
+        quantize_kernel[(T, triton.cdiv(K // 32, blocks))](x, xq, xd, xs, K, x.stride(0), BLOCKS=blocks,
                                                              num_warps=2, **pdl.flags(x))
     return as_rows((xq, xd, xs))
 

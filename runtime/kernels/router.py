@@ -18,7 +18,7 @@ from .pdl import wait_prior
 
 
 @triton.jit
-def _route_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, N, stride_l, scale, K: tl.constexpr,
+def route_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, N, stride_l, scale, K: tl.constexpr,
                        K_P2: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
                        BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
@@ -84,7 +84,7 @@ def _route(logits: torch.Tensor, bias: torch.Tensor | None, k: int, norm: bool, 
         block = triton.next_power_of_2(N)
         # one warp up to 512 experts: the 2k + 2 reductions then stay inside a warp (shuffles);
         # with 4 warps each went through shared memory (slower)
-        _route_topk_kernel[(T,)](logits, bias if bias is not None else logits, w, ids, N, logits.stride(0), scale,
+        route_topk_kernel[(T,)](logits, bias if bias is not None else logits, w, ids, N, logits.stride(0), scale,
                                  K=k, K_P2=triton.next_power_of_2(k), SIGMOID=sigmoid, HAS_BIAS=bias is not None,
                                  NORM=norm, BLOCK=block, num_warps=1 if block <= 512 else 4, **pdl.flags(logits))
     return w, ids

@@ -134,6 +134,11 @@ class Engine:
     def waiting(self) -> int:
         return self._queue.qsize()
 
+    @property
+    def running(self) -> Job | None:
+        """The job being decoded, None between jobs (when ``between`` may move experts)."""
+        return self._running
+
     def submit(self, job: Job) -> None:
         if self._queue.qsize() >= self.max_queue:
             raise ApiError(503, f"the server is busy: {self._queue.qsize()} requests are waiting; retry later")
