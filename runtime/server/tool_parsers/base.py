@@ -8,6 +8,7 @@ text)."""
 from __future__ import annotations
 
 import enum
+from abc import ABC, abstractmethod
 import re
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
@@ -43,7 +44,7 @@ class CallStream(Protocol):
     def known_params(self) -> frozenset[str] | None: ...
 
 
-class ToolParser:
+class ToolParser(ABC):
     """One syntax: how its chat template shows it, how a forced call starts, what closes an empty
     reasoning block, and the states that read a call body that is not JSON (a JSON body, which
     the Qwen models fall back to in every syntax, is ``hermes_json.JsonBody``'s)."""
@@ -57,19 +58,19 @@ class ToolParser:
         self.s = stream
 
     @staticmethod
+    @abstractmethod
     def teaches(template: str) -> bool:
         """Whether a chat template teaches this syntax."""
-        raise NotImplementedError
 
     @staticmethod
+    @abstractmethod
     def call_start(name: str | None) -> str:
         """The start of a call of tool ``name`` (None: the model picks the tool)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def body(self, final: bool) -> bool:
         """The state after ``<tool_call>`` when the body does not open with ``{``."""
-        raise NotImplementedError
 
     def after_bare_opener(self, final: bool) -> bool:
-        """The state after ``bare_opener``."""
-        raise NotImplementedError
+        """The state after ``bare_opener`` (only a syntax that sets one is ever in it)."""
+        raise TypeError(f"{type(self).__name__} has no bare call opener")
