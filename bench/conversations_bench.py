@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shared-tokens", type=int, default=15000, help="the system prompt A and B share")
     p.add_argument("--turn-tokens", type=int, default=300, help="a later turn's new user message")
     p.add_argument("--llama-cache-ram", type=int, default=None, help="llama-server's --cache-ram in MiB [its default]")
+    p.add_argument("--pause", type=float, default=0.0,
+                   help="seconds between requests (an agent running its tools between turns) [0: back to back]")
     args = sb.checked(p, p.parse_args(argv))
     if args.shared_tokens >= args.conv_tokens:
         p.error("--shared-tokens must be less than --conv-tokens")
@@ -150,11 +152,17 @@ def cache_bytes(base: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def run_sequence(server: sb.Server, convs: Conversations, restart: bool) -> dict:
-    """The sequence on a fresh server; with ``restart``, stopped and started again for A6."""
+def run_sequence(server: sb.Server, convs: Conversations, restart: bool, pause: float = 0.0) -> dict:
+    """The sequence on a fresh server; with ``restart``, stopped and started again for A6.
+    ``pause``: seconds between requests, in which what a server does after a request (copies
+    out, memory reserved again) is off the next one's path."""
     server.start()
     try:
-        requests = [ask(server.base, convs.messages(name), name) for name in SEQUENCE]
+        requests = []
+        for i, name in enumerate(SEQUENCE):
+            if i and pause:
+                time.sleep(pause)
+            requests.append(ask(server.base, convs.messages(name), name))
         memory = {"rss_bytes": rss(server.proc.pid),
                   "cache_host_bytes": cache_bytes(server.base) if server.name == "sparkpack" else None}
     finally:
@@ -220,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
         server = sb.spark_server(args)
         server.cmd += ["--cache-dir", states]
         log("== sparkpack --serve: A1, A2, side, A3, B1, A4, B2, A5, restart, A6")
-        result["sparkpack"] = run_sequence(server, convs, restart=True)
+        result["sparkpack"] = run_sequence(server, convs, restart=True, pause=args.pause)
     if args.llama_server is not None and shutil.which(str(args.llama_server)):
         from sparkpack.formats.archs import model_spec
         from sparkpack.formats.gguf_file import GGUFModel
@@ -236,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
         server = sb.llama_server(args, n, slots=None)
         if args.llama_cache_ram is not None:
             server.cmd += ["--cache-ram", str(args.llama_cache_ram)]
-        result["llama"] = run_sequence(server, convs, restart=False)
+        result["llama"] = run_sequence(server, convs, restart=False, pause=args.pause)
     else:
         log("(no llama-server binary: its column is left out; bash bench/llama_bench.sh --build-only builds one)")
     sb.write_results(args.out, "conversations_bench", result, markdown(result))
