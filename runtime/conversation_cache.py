@@ -29,6 +29,10 @@ session's call ends, so a resumed request gives a fresh run's bits.
   once, refcounted); when no slot is free, the least recently used entries leave the host tier
   (to the disk tier if there) until one is. The pools keep a reserve of a context's worth of free
   slots, topped up by a thread of their own after each request, so a snapshot seldom allocates.
+- Between requests only: the reserve's thread and the folder's writer work while no request
+  computes (``quiet``), a slab or a file at a time: an agent sends its next request right after
+  the last one's reply, and a long turn's files and slabs took longer than that turn's successor
+  (BENCHMARKS.md, issue 42). A request that needs a slot a queued write holds waits for it.
 - The folder: every part a file (``blocks/NAME.spkb``), every entry a small file naming its
   parts (``NAME.spkv``), each written once by a thread of its own (temp file, fsync, rename;
   an XXH3-128 checksum, several times faster than zlib's crc32: BENCHMARKS.md); a dropped
@@ -175,6 +179,11 @@ class ConversationCache:
         self.pools: StatePools | None = None
         self._pending: tuple[object, int, bool] | None = None  # the last copies out: event, rows, from a ring
         self._closing = False
+        # Set while no request computes: the writer and the reserve's thread work only then, a
+        # file or a slab at a time, so what one request leaves behind (its blocks' files, the
+        # reserve it used) never slows the next one down, which may come right after.
+        self.quiet = threading.Event()
+        self.quiet.set()
         self._want = threading.Event()  # the reserve may need topping up
         self._reserver: threading.Thread | None = None
         self._writes: queue.Queue[Entry | None] = queue.Queue()
@@ -189,6 +198,7 @@ class ConversationCache:
     def close(self) -> None:
         """Finish the files queued for writing; stop topping up the reserve."""
         self._closing = True
+        self.quiet.set()
         self._want.set()
         if self._writer is not None:
             self._writes.put(None)
@@ -231,11 +241,16 @@ class ConversationCache:
         """Host bytes the pools hold (used or free)."""
         return self.budget.allocated
 
-    def _top_up(self) -> None:
+    def _top_up(self, between_requests: bool = False) -> None:
+        """Slabs until the reserve is full; ``between_requests``: each one only while no request
+        computes (the reserve's thread)."""
         pools = self.pools
         for pool, n in ((pools.blocks, self._reserve_blocks), (pools.own, OWN_RESERVE)):
-            while pool is not None and len(pool.free) < n and not self._closing and pool.grow():
-                pass
+            while pool is not None and len(pool.free) < n and not self._closing:
+                if between_requests:
+                    self.quiet.wait()
+                if self._closing or not pool.grow():
+                    break
 
     def _reserve_loop(self) -> None:
         """Why a thread: registering a slab takes a while (page faults, locking), and after a long
@@ -244,7 +259,7 @@ class ConversationCache:
             self._want.wait()
             self._want.clear()
             if not self._closing:
-                self._top_up()
+                self._top_up(between_requests=True)
 
     def _take(self, pool: SlotPool, n: int) -> list[int] | None:
         """``n`` slots of ``pool``, the least recently used entries leaving the host tier until
@@ -308,6 +323,7 @@ class ConversationCache:
         of ``ids`` if that is more than the live sequence keeps; say which positions to mark. The
         copies out of the last request's rows are waited for (on the device) only where this
         request overwrites them."""
+        self.quiet.clear()
         session = self.session
         cuts = set(session.cuts_of(ids))
         live = session.reusable(ids)
@@ -365,10 +381,13 @@ class ConversationCache:
         for m in sorted(resume.marks):
             self._keep(m, shared=True)
 
-    def remember(self) -> None:
-        """After a request: the live sequence's state at its exact end becomes an entry (it
-        replaces the same conversation's older turn, and shares its blocks)."""
-        self._keep(None, shared=False)
+    def request_ended(self, keep: bool) -> None:
+        """After a request (``prepare`` began it): the background work may go on; ``keep`` (it
+        did not fail): the live sequence's state at its exact end becomes an entry (it replaces
+        the same conversation's older turn, and shares its blocks)."""
+        self.quiet.set()
+        if keep:
+            self._keep(None, shared=False)
 
     def _keep(self, pos: int | None, shared: bool) -> None:
         """The session's state at ``pos`` (default: its exact end) as an entry: its blocks that no
@@ -587,7 +606,13 @@ class ConversationCache:
         were queued. Called without the lock (the writer takes it)."""
         if self._writer is None or self._writes.unfinished_tasks == 0:
             return False
-        self._writes.join()
+        was_quiet = self.quiet.is_set()
+        self.quiet.set()  # (this thread waits for them: they may go on during a request)
+        try:
+            self._writes.join()
+        finally:
+            if not was_quiet:
+                self.quiet.clear()
         return True
 
     def _write(self, e: Entry) -> None:
@@ -602,6 +627,7 @@ class ConversationCache:
         try:
             for p in parts:
                 if not p.on_disk and p.slot is not None:
+                    self.quiet.wait()
                     if p.event is not None:
                         with REGISTERING:  # (a wait on the device from this thread would break a capture)
                             p.event.synchronize()

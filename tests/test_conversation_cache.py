@@ -54,7 +54,7 @@ class Served:
         assert torch.equal(logits, new_session(self.model).feed(ids)), f"{len(ids)} tokens after reusing {reused}"
         answer = list(generate(self.model, None, ids, None, 4, stop_ids=(), session=self.session))
         assert answer == list(generate(self.model, None, ids, None, 4, stop_ids=(), session=new_session(self.model)))
-        self.cache.remember()
+        self.cache.request_ended(keep=True)
         check_index(self.cache)
         return reused, resume.tier, answer
 

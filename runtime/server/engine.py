@@ -200,9 +200,9 @@ class Engine:
                 job.sink.end(outcome)
             except Exception:
                 log.exception("a request's sink failed")
-            if self.conversations is not None and outcome.finish != "error":
+            if self.conversations is not None:
                 try:
-                    self.conversations.remember()
+                    self.conversations.request_ended(keep=outcome.finish != "error")
                 except Exception:  # the cache must never take the server down
                     log.exception("keeping the conversation's state failed")
             if self.on_job is not None:
