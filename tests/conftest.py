@@ -13,6 +13,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist each worker takes its share of the cores, and so do the processes its tests
+# start (spark-run, servers): workers of all-core thread pools oversubscribe the machine.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 @pytest.fixture(scope="session")
 def synth_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
