@@ -22,6 +22,7 @@ from sparkpack.formats.profile import SIDES
 
 from .cache import STATE_CHECKPOINTS
 from .call_plan import CallPlan, PlannedCall
+from .decode_ahead import decode_ahead
 from .graph import DecodeGraph, PrefillGraphs, capturable, prefill_is_padded, short_prefill_calls
 from .models.base import Call, MoEModel
 from .prefix_reuse import PrefixReuse
@@ -247,68 +248,10 @@ class Session:
 
     def decode(self, logits: torch.Tensor, n: int, pick: Callable[[torch.Tensor], torch.Tensor],
                seen: list[torch.Tensor] | None = None) -> Iterator[int]:
-        """Up to ``n`` tokens after the fed ones, whose last logits are ``logits``; ``pick`` chooses
-        each on the device (logits -> a token id tensor, nothing read back). ``seen`` collects the
-        logits each token was picked from (benchmarks compare them across residencies).
-
-        Why: read back at once, every token costs a host round trip in which the GPU idles (the
-        read, then the launch of the next step). Once the
-        decode step is captured, the step that feeds token i is launched from the device copy of
-        i before the host reads i, so the GPU always has the next step queued. A token the
-        consumer then rejects (a stop token) has been fed already: ``fed`` includes it, as the
-        cache does, so a later ``feed`` reuses or resets them as usual. The tokens and logits are
-        the bits ``feed`` gives one token at a time (same captured step, same inputs)."""
-        on_cuda = logits.is_cuda
-        self.model.experts.routing_side(GENERATED)  # the steps launched ahead below too
-        host = torch.empty(1, dtype=torch.long, pin_memory=on_cuda)
-        stream = torch.cuda.current_stream(logits.device) if on_cuda else None
-        last = time.perf_counter()  # when the previous token was read (or a feed returned)
-        queued = None  # the timing account of the step launched ahead last time, not yet read
-        for i in range(n):
-            if seen is not None:
-                seen.append(logits)
-            token = pick(logits).reshape(1)
-            ready = None
-            if stream is not None:
-                host.copy_(token, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(stream)
-            ahead = account = None
-            if i + 1 < n and self.graph is not None and self.graph.graph is not None:
-                captures = self.graph.captures
-                ahead = self.graph.step(token)  # None past the graph's KV room
-                if ahead is not None:  # a step that captured again (after KV growth) is no decode step
-                    account = "capture" if self.graph.captures != captures else "decode"
-            try:
-                if ready is not None:
-                    ready.synchronize()  # the token, not the step queued behind it
-                    tok = int(host[0])
-                else:
-                    tok = int(token[0])
-            except BaseException:  # interrupted with a step fed whose token is unknown: start afresh
-                if ahead is not None:
-                    self.reset()
-                raise
-            if queued is not None:  # reading this token waited for the step launched last time
-                now = time.perf_counter()
-                if queued == "decode":
-                    self.timing.decode_tokens += 1
-                    self.timing.decode_seconds += now - last
-                else:
-                    self.timing.capture_seconds += now - last
-                last = now
-            queued = account
-            if ahead is not None:
-                self.fed.append(tok)
-                self.timing.ahead_steps += 1
-            yield tok
-            if i + 1 == n:
-                return
-            if ahead is None:
-                logits = self.feed(self.fed + [tok], GENERATED)
-                last = time.perf_counter()
-            else:
-                logits = ahead
+        """Up to ``n`` tokens after the fed ones, whose last logits are ``logits``, each step
+        launched before the host reads the token it feeds (``runtime.decode_ahead``); ``pick``
+        chooses each on the device, ``seen`` collects the logits each was picked from."""
+        return decode_ahead(self, logits, n, pick, seen)
 
 
 def generate(model: MoEModel, tokenizer: StopTokens | None, prompt_ids: list[int], sampler: TokenSampler | None,
