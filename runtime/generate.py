@@ -6,7 +6,8 @@ only what changed computed. It runs the calls its ``CallPlan`` cuts a prompt int
 (``runtime.call_plan``: where calls end, which run together), replaying CUDA graphs where the
 model allows (``runtime.graph``); ``PrefixReuse`` (``runtime.prefix_reuse``) says how much of
 the cache a new prompt keeps and holds the state copies that let it go back; ``runtime.warm_up``
-runs every call shape once before serving.
+runs every call shape once before serving, and ``runtime.decode_ahead`` queues each decode step
+before the host reads the token it feeds.
 """
 from __future__ import annotations
 
