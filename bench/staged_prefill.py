@@ -49,7 +49,7 @@ def measure(model, n: int, chunk: int) -> dict:
     warm = timed_feed(session, ids)
     store.flush()
     s = store.stats
-    return {"tokens": n, "tok_s": n / warm, "first_tok_s": n / first, "call_tokens": session.call_tokens,
+    return {"tokens": n, "tok_s": n / warm, "first_tok_s": n / first, "call_tokens": session.plan.call_tokens,
             "bytes_streamed": s.bytes_streamed - before[0], "staged_bytes": s.staged_bytes - before[1]}
 
 

@@ -53,7 +53,7 @@ LONG_PAST_TOKENS = 16384
 # zero-copy.
 STAGE_TOKENS = 32
 # A staged prompt's consecutive calls run layer by layer in groups of up to this many tokens,
-# each layer's cold experts copied once for the whole group (runtime.generate.Session,
+# each layer's cold experts copied once for the whole group (runtime.call_plan.CallPlan.groups,
 # MoEModel.forward_calls): the copy then hides behind the group's compute, as it does not behind
 # one 512-token call (whose compute is shorter than the copy of a layer's cold experts at a
 # partial residency). The group holds every call's residual rows between layers, which the plan

@@ -71,7 +71,7 @@ class ModelRouter:
         # no state checkpoints: a window is never gone back into (each would hold ~66 MB of
         # pinned host memory for a Qwen3.6 shape, copied after every call)
         self.session = Session(model, prefill_chunk=prefill_chunk, ctx=ctx, checkpoints=0)
-        rows = call_rows(self.session.longest_call)  # the most rows one call has (padded calls too)
+        rows = call_rows(self.session.plan.longest_call)  # the most rows one call has (padded calls too)
         self.tap = RoutingTap(model.experts, model.spec, model.device, rows, record)
         self.tokenizer = GGUFTokenizer.from_metadata(model.gguf)
         template = model.gguf.get("tokenizer.chat_template")
@@ -97,7 +97,7 @@ class ModelRouter:
 
     def route(self, ids: list[int], generated: np.ndarray) -> np.ndarray:
         """``calibrate.replay.Router.route``. The window goes in the calls a session makes for a
-        prompt of it (``Session.call_tokens_at``), one ``feed`` a call so that the tap knows each
+        prompt of it (``CallPlan.call_tokens_at``), one ``feed`` a call so that the tap knows each
         call's sides (a lone token after them runs as a decode step)."""
         if not ids:
             raise ValueError("nothing to route")
@@ -106,7 +106,7 @@ class ModelRouter:
             self.tap.reset()
             a = 0
             while a < len(ids):
-                b = min(len(ids), a + self.session.call_tokens_at(a))
+                b = min(len(ids), a + self.session.plan.call_tokens_at(a))
                 self.tap.sides(generated[a:b])
                 self.session.feed(ids[:b])  # an extension: computes [a, b) in one call
                 self.tap.keep(b - a)

@@ -54,7 +54,7 @@ class ExpertProvider(Protocol):
     def staged_prefill(self, n_tokens: int) -> bool:
         """Whether an eager call (or a group of calls, ``stage_calls``) of ``n_tokens`` tokens
         copies each layer's cold experts to the device in bulk (``runtime.expert_staging``): then a
-        session runs its prompts' calls eagerly, in groups (``runtime.generate.Session``)."""
+        session runs its prompts' calls eagerly, in groups (``runtime.call_plan.CallPlan.groups``)."""
         ...
 
     def stage_calls(self, n_tokens: int | None) -> None:

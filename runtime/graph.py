@@ -22,7 +22,7 @@ of a few sizes (one graph each, one shared memory pool); its first position and 
 real tokens are read from device memory. The padding sits after the real tokens, so causal
 attention keeps it out of their results, and the expert store counts only their routings.
 After a long past (``formats.memory.LONG_PAST_TOKENS``) a session feeds whole chunks eagerly
-instead (``runtime.generate.Session.call_tokens_at``): there the attention over the past, which a
+instead (``runtime.call_plan.CallPlan.call_tokens_at``): there the attention over the past, which a
 replay must read its position for, costs more than the launches a graph saves.
 """
 from __future__ import annotations
@@ -132,7 +132,7 @@ def short_prefill_calls(device: torch.device | str, dtype: torch.dtype, spec: Mo
     ``PrefillGraphs`` pads and captures. It depends on nothing the expert store decides, so the
     ``--vram`` plan (``runtime.residency.memory_target``) knows before the store exists that no
     prefill call's temporaries exceed a short call's, except where the store stages long calls:
-    such a session feeds long prompts in longer calls (``runtime.generate.Session``), which the
+    such a session feeds long prompts in longer calls (``runtime.call_plan.CallPlan``), which the
     plan counts where it reserves the staging buffers."""
     return (torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
             and short_calls(spec, kv_type))

@@ -6,7 +6,7 @@ Why: a server keeps many conversations (``runtime.conversation_cache``) but comp
 switching back in is a few bulk copies instead of its prefill.
 
 The state at a position ``pos`` where the sequence's rows are exact (a fresh session's call ends
-there: ``Session.exact``) has two parts, and each kind of layer (``LAYER_KINDS``; an
+there: ``PrefixReuse.exact``) has two parts, and each kind of layer (``LAYER_KINDS``; an
 architecture's cache is a list of these layers, ``MoEModel.new_cache``) says which it is in:
 
 - paged: a full-attention layer's rows ``[0, pos)`` in blocks of ``BLOCK_TOKENS`` positions (all
@@ -241,7 +241,7 @@ class SequenceState:
     """The state of one sequence after ``tokens`` (the position is their number): ``blocks``, the
     slots of its blocks in ``pools.blocks`` (block ``i`` holds rows ``[i * pools.block, ...)``),
     ``own`` its slot in ``pools.own`` (None: no such layers). ``cuts``: where a fresh session's calls
-    end within ``tokens`` (``Session.cuts``), the positions a truncatable state can be cut back to.
+    end within ``tokens`` (``PrefixReuse.cuts``), the positions a truncatable state can be cut back to.
     ``ready``: events of the copies out of the device still running (a side stream's)."""
 
     tokens: tuple[int, ...]

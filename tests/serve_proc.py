@@ -55,7 +55,7 @@ def kept_tokens(previous: list[int], ids: list[int], call: int, breaks: frozense
     reply): the last place a fresh session ends a call of ``previous`` (``call_end``) that is
     inside the common prefix and before ``ids``' last token, and where a fresh session feeding
     ``ids`` ends one too (it may not, at the first token that differs)."""
-    from sparkpack.runtime.generate import call_end
+    from sparkpack.runtime.call_plan import call_end
 
     def cuts_of(seq: list[int]) -> list[int]:
         cuts = [0]

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from sparkpack.runtime.generate import Session, generate, shared_len
+from sparkpack.runtime.generate import Session, generate
+from sparkpack.runtime.prefix_reuse import shared_len
 from sparkpack.runtime.models import SessionOptions, StoreOptions, load_model
 from tests.commands import run_cli
 
@@ -430,7 +431,7 @@ def test_vram_plan_counts_short_prefill_calls(synth_model):
     forward = model.forward
     model.forward = lambda ids, *a, **k: calls.append(len(ids)) or forward(ids, *a, **k)
     session = Session(model, ctx=2048, prefill_chunk=2048)
-    assert session.prefill is None and session.short_calls
+    assert session.prefill is None and session.plan.short_calls
     session.feed(list(range(3, 3 + 1100)))
     assert calls == [PREFILL_GRAPH_TOKENS, PREFILL_GRAPH_TOKENS, 1100 - 2 * PREFILL_GRAPH_TOKENS]
 
@@ -458,7 +459,7 @@ def test_prefill_temporaries_stay_within_the_plan(synth_model, arch):
         torch.cuda.reset_peak_memory_stats()
         session.feed(list(range(5, 5 + n)))
         torch.cuda.synchronize()
-        planned = min(chunk, PREFILL_GRAPH_TOKENS) if session.short_calls else chunk  # what open_store plans
+        planned = min(chunk, PREFILL_GRAPH_TOKENS) if session.plan.short_calls else chunk  # what open_store plans
         assert torch.cuda.max_memory_allocated() - base <= prefill_activation_bytes(model.spec, planned, 2048)
 
 

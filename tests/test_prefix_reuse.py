@@ -8,7 +8,8 @@ import torch
 
 from sparkpack.formats.memory import recurrent_state_bytes
 from sparkpack.runtime.cache import Cache, RecurrentState, StateCheckpoints
-from sparkpack.runtime.generate import Session, call_end, generate
+from sparkpack.runtime.call_plan import call_end
+from sparkpack.runtime.generate import Session, generate
 from sparkpack.runtime.models import load_model
 from tests.devices import open_model
 from tests.marks import quick_first
@@ -47,7 +48,7 @@ def test_reused_prefix_gives_the_bits_of_a_fresh_session(synth_model, arch, devi
 
     turn1 = ids_of(1, 45)
     answer = list(generate(model, None, turn1, None, 12, stop_ids=(), session=session))
-    assert session.exact == 32  # the rows of the two whole calls; the rest came from a partial call or decode
+    assert session.reuse.exact == 32  # the rows of the two whole calls; the rest came from a partial call or decode
     turn2 = turn1 + answer[:5] + ids_of(2, 30)  # the answer re-rendered differently after 5 tokens
     turns = [turn2, turn2 + ids_of(3, 40), turn2[:40] + ids_of(4, 9), turn2[:40] + ids_of(4, 9)]
     reused = []
@@ -58,8 +59,8 @@ def test_reused_prefix_gives_the_bits_of_a_fresh_session(synth_model, arch, devi
         reused.append(session.reused)
     # the whole calls before each divergence: 45 -> 32; 80 -> 80; 40 -> 32; the same 49 -> 48
     assert reused == [32, 80, 32, 48]
-    if session.recurrent:
-        assert session.checkpoints.positions == [16, 32, 48]
+    if session.reuse.recurrent:
+        assert session.reuse.checkpoints.positions == [16, 32, 48]
     tail = list(generate(model, None, turns[1], None, 8, stop_ids=(), session=session))
     assert session.reused == 32  # back to the 49-token turn's last whole call before position 40
     assert tail == list(generate(model, None, turns[1], None, 8, stop_ids=(),
@@ -88,8 +89,8 @@ def test_rings_go_back_by_their_rows_or_by_a_copy_of_the_window(synth_model, kv_
     assert rings and all(la.ring_rows == rows for la in rings)
     first = ids_of(11, rows + 130)  # past the rings' rows
     session.prompt(first)
-    exact = session.exact
-    assert session.checkpoints.positions == [exact] and session.cache.keeps(exact)
+    exact = session.reuse.exact
+    assert session.reuse.checkpoints.positions == [exact] and session.cache.keeps(exact)
 
     def turn(ids: list[int]) -> int:
         got = session.prompt(ids)
@@ -98,10 +99,10 @@ def test_rings_go_back_by_their_rows_or_by_a_copy_of_the_window(synth_model, kv_
 
     second = first[:exact - 40] + ids_of(12, 9)
     assert turn(second) == exact - 48  # its window still in the rings: kept as it is
-    back = session.exact
-    assert session.checkpoints.positions == [back]
+    back = session.reuse.exact
+    assert session.reuse.checkpoints.positions == [back]
     assert turn(second + ids_of(13, rows)) == back  # pushes the second prompt's windows out of the rings
-    assert not session.cache.keeps(back) and session.checkpoints.positions[0] == back
+    assert not session.cache.keeps(back) and session.reuse.checkpoints.positions[0] == back
     turns = [second[:back + 3] + ids_of(14, 7), first[:100] + ids_of(15, 5)]
     assert turn(turns[0]) == back  # back to the second prompt's exact rows: its windows' copy
     assert turn(turns[1]) == 0  # far back, no copy: from the start
@@ -199,7 +200,7 @@ def test_a_call_ends_before_a_break_so_the_next_turn_keeps_nearly_all(synth_mode
     session.prompt(turn1)
     # calls: [0,16) full; [16,20) ends at the break 4 tokens in (>= 16 // 8); [20,36) full, the
     # break at 20 being its first token; [36,43) ends at the second break; [43,46) still open
-    assert session.cuts == [0, 16, 20, 36, 43] and session.exact == 43
+    assert session.reuse.cuts == [0, 16, 20, 36, 43] and session.reuse.exact == 43
     turn2 = turn1[:45] + ids_of(10, 12)
     got = session.prompt(turn2)
     assert session.reused == 43  # fixed calls alone would keep 32
@@ -215,14 +216,14 @@ def test_a_call_end_at_the_first_differing_token_counts_only_if_the_new_ids_end_
     """A call of the previous prompt ended before a break token; the new prompt is the same up to
     that token and has another there, so a fresh session's call goes on past it: the rows before
     it are not the new prompt's, and the session keeps only up to the call end before."""
-    from sparkpack.runtime.generate import shared_len
+    from sparkpack.runtime.prefix_reuse import shared_len
 
     model = load_model(synth_model(arch, "Q8_0"))
     breaks = frozenset({BREAK})
     session = Session(model, prefill_chunk=CALL, ctx=256, breaks=breaks)
     turn1 = ids_of(7, 20) + [BREAK] + ids_of(8, 22)
     session.prompt(turn1)
-    assert 20 in session.cuts
+    assert 20 in session.reuse.cuts
     turn2 = turn1[:20] + ids_of(9, 30)
     fresh = Session(model, prefill_chunk=CALL, ctx=256, breaks=breaks)
     assert session.reusable(turn2) == 16 and 20 not in fresh.cuts_of(turn2)
@@ -256,9 +257,9 @@ def test_checkpoints_are_bounded_and_keep_old_prefixes_reachable(synth_model):
     session = Session(model, prefill_chunk=8, ctx=256, checkpoints=4)
     ids = ids_of(5, 90)
     session.prompt(ids)
-    kept = session.checkpoints.positions
+    kept = session.reuse.checkpoints.positions
     assert len(kept) == 4 and kept[0] == 8 and kept[-1] == 88, kept
-    assert 0 < session.checkpoints.nbytes <= 4 * recurrent_state_bytes(model.spec)
+    assert 0 < session.reuse.checkpoints.nbytes <= 4 * recurrent_state_bytes(model.spec)
     back = ids[:20] + ids_of(6, 5)
     assert torch.equal(session.prompt(back), Session(model, prefill_chunk=8, ctx=256).feed(back))
     assert session.reused == 8
@@ -296,11 +297,12 @@ def test_warm_up_allocates_every_checkpoint_buffer_and_the_copies_stay_exact(syn
     assert len(cp.spare) == 3
     session = Session(model, prefill_chunk=8, ctx=256, checkpoints=4)
     session.warm_up()
-    buffers = {id(t) for copy in session.checkpoints.spare for pair in copy if pair is not None for t in pair}
-    assert len(session.checkpoints.spare) == 5 and not session.checkpoints.saved
+    buffers = {id(t) for copy in session.reuse.checkpoints.spare for pair in copy if pair is not None for t in pair}
+    assert len(session.reuse.checkpoints.spare) == 5 and not session.reuse.checkpoints.saved
     ids = ids_of(7, 90)
     session.prompt(ids)
-    used = {id(t) for copy in session.checkpoints.saved.values() for pair in copy if pair is not None for t in pair}
-    assert len(session.checkpoints.saved) == 4 and used <= buffers
+    saved = session.reuse.checkpoints.saved
+    used = {id(t) for copy in saved.values() for pair in copy if pair is not None for t in pair}
+    assert len(session.reuse.checkpoints.saved) == 4 and used <= buffers
     back = ids[:50] + ids_of(8, 7)
     assert torch.equal(session.prompt(back), Session(model, prefill_chunk=8, ctx=256).feed(back))

@@ -12,7 +12,7 @@ import pytest
 
 from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.runtime.chat_template import ChatTemplate
-from sparkpack.runtime.generate import shared_len
+from sparkpack.runtime.prefix_reuse import shared_len
 from sparkpack.runtime.server.prompt_tokens import PromptTokens
 from sparkpack.runtime.tokenizer import USER_DEFINED, GGUFTokenizer
 

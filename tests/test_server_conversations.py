@@ -105,7 +105,7 @@ class Conversations:
 
     def first_message_end(self, prompt: list[int]) -> int:
         """Where the system prompt's calls end: before the control token that closes it."""
-        from sparkpack.runtime.generate import call_end
+        from sparkpack.runtime.call_plan import call_end
 
         cuts = [0]
         while (end := call_end(prompt, cuts[-1], CALL, self.breaks)) < len(prompt):

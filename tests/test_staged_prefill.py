@@ -147,20 +147,20 @@ def test_sessions_stage_where_the_store_does(synth_model, monkeypatch):
     calls). Sessions that feed prompts in short captured calls (all-attention models on a GPU,
     taken as given here) keep those 512-token calls over a staging store: their bits must be the
     all-GPU session's, which come from those calls. (Nothing is computed.)"""
-    from sparkpack.runtime import generate
+    from sparkpack.runtime import call_plan
 
     path = synth_model("laguna", "Q4_K_M", skew=1.0)
     gguf, spec = opened(path)
     model = load_model(gguf)
     for short in (True, False):
-        monkeypatch.setattr(generate, "feeds_short_calls", lambda model, cache, short=short: short)
+        monkeypatch.setattr(call_plan, "feeds_short_calls", lambda model, cache, short=short: short)
         for stage_tokens, chunk, staged in ((1024, 2048, True), (256, 2048, True), (None, 2048, False), (4096, 2048, False)):
             model.experts = model.store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32,
                                                       hot_mask(spec, 0.6), mode="zerocopy", fused=True,
                                                       stage_tokens=stage_tokens)
             session = Session(model, prefill_chunk=chunk)
-            assert session.call_tokens == (512 if short else chunk)
-            assert session.staged == (staged and (stage_tokens or 0) <= session.call_tokens)
+            assert session.plan.call_tokens == (512 if short else chunk)
+            assert session.plan.staged == (staged and (stage_tokens or 0) <= session.plan.call_tokens)
 
 
 @pytest.mark.slow
@@ -169,21 +169,21 @@ def test_calls_after_a_long_past_take_a_whole_chunk(synth_model, monkeypatch):
     end their calls every 512 tokens up to the long past and every ``prefill_chunk`` after it;
     the plan counts those calls' temporaries where the context reaches past it. A prompt that
     extends one beyond the long past keeps its calls and gives a fresh session's bits."""
-    from sparkpack.runtime import generate
+    from sparkpack.runtime import call_plan
 
     path = synth_model("laguna", "Q4_K_M", skew=1.0)
     gguf, spec = opened(path)
-    monkeypatch.setattr(generate, "feeds_short_calls", lambda model, cache: True)
-    monkeypatch.setattr(generate, "LONG_PAST_TOKENS", 1024)
+    monkeypatch.setattr(call_plan, "feeds_short_calls", lambda model, cache: True)
+    monkeypatch.setattr(call_plan, "LONG_PAST_TOKENS", 1024)
     model = load_model(gguf)
     ids = prompt(1024 + 2 * 640 + 100, spec.n_vocab, seed=4)
     session = Session(model, prefill_chunk=640, ctx=4096)
-    assert [session.call_tokens_at(p) for p in (0, 512, 1023, 1024, 1664)] == [512, 512, 512, 640, 640]
-    assert session.longest_call == 640
+    assert [session.plan.call_tokens_at(p) for p in (0, 512, 1023, 1024, 1664)] == [512, 512, 512, 640, 640]
+    assert session.plan.longest_call == 640
     session.feed(ids[:1024 + 700])
-    assert session.cuts == [0, 512, 1024, 1664] and session.exact == 1664
+    assert session.reuse.cuts == [0, 512, 1024, 1664] and session.reuse.exact == 1664
     logits = session.prompt(ids)  # the next request: keeps the whole calls
-    assert session.reused == 1664 and session.cuts == [0, 512, 1024, 1664, 2304] and session.exact == 2304
+    assert session.reused == 1664 and session.reuse.cuts == [0, 512, 1024, 1664, 2304] and session.reuse.exact == 2304
     fresh = Session(model, prefill_chunk=640, ctx=4096)
     assert torch.equal(fresh.feed(ids), logits)
     # the plan: 512-token calls up to a context of LONG_PAST_TOKENS, whole chunks beyond
@@ -244,7 +244,7 @@ def test_a_group_of_calls_gives_the_bits_of_its_calls_one_by_one(synth_model, ar
         return Session(model, prefill_chunk=chunk, ctx=128, breaks=breaks)
 
     one_by_one, grouped = session(False, "a.trace"), session(True, "b.trace")
-    assert grouped.staged and not one_by_one.staged and grouped.group_tokens == 128
+    assert grouped.plan.staged and not one_by_one.plan.staged and grouped.plan.group_tokens == 128
     turn1 = [t if t != 7 else 8 for t in prompt(70, 200, seed=4)]
     turn1[30] = 7  # a call ends before it (a break 14 tokens into the second call)
     turn2 = turn1[:60] + prompt(25, 200, seed=5)
@@ -253,16 +253,17 @@ def test_a_group_of_calls_gives_the_bits_of_its_calls_one_by_one(synth_model, ar
     grouped.model.forward_calls = lambda c, *a: calls.append(len(c)) or forward_calls(c, *a)
     assert torch.equal(one_by_one.feed(turn1), grouped.feed(turn1))
     assert calls == [5]  # [0, 16) [16, 30) [30, 46) [46, 62) [62, 70): one group
-    assert grouped.cuts == one_by_one.cuts == [0, 16, 30, 46, 62] and grouped.exact == one_by_one.exact == 62
+    assert grouped.reuse.cuts == one_by_one.reuse.cuts == [0, 16, 30, 46, 62]
+    assert grouped.reuse.exact == one_by_one.reuse.exact == 62
     if arch == "qwen35moe":
-        assert grouped.checkpoints.positions == one_by_one.checkpoints.positions == [16, 30, 46, 62]
+        assert grouped.reuse.checkpoints.positions == one_by_one.reuse.checkpoints.positions == [16, 30, 46, 62]
     want2, got2 = one_by_one.prompt(turn2), grouped.prompt(turn2)
     reused = 46  # the last call end before the first new token (and, qwen35moe, its state copy)
     assert grouped.reused == one_by_one.reused == reused and torch.equal(want2, got2)
     assert calls == [5, 3]  # [46, 62) [62, 78) [78, 85)
     assert torch.equal(session(False, "c.trace").feed(turn2), got2)
     if arch == "qwen35moe":  # a group interrupted halfway keeps no half-copied state
-        kept = list(grouped.checkpoints.positions)
+        kept = list(grouped.reuse.checkpoints.positions)
 
         def interrupted(c, cache, after):
             def stop(i: int, il: int) -> None:
@@ -274,7 +275,7 @@ def test_a_group_of_calls_gives_the_bits_of_its_calls_one_by_one(synth_model, ar
         grouped.model.forward_calls = interrupted
         with pytest.raises(KeyboardInterrupt):
             grouped.prompt(turn2 + prompt(40, 200, seed=6))
-        assert grouped.checkpoints.positions == kept
+        assert grouped.reuse.checkpoints.positions == kept
     a, b = (read_trace(s.model.experts.recorder.close()) for s in (one_by_one, grouped))
     assert np.array_equal(a.ids, b.ids) and a.n_tokens == 70 + 85 - reused
 
@@ -431,8 +432,8 @@ def test_a_staged_session_gives_the_all_gpu_sessions_bits(synth_model, arch):
     model = gpu_model(path, 0.6, 256, prefill_chunk=chunk, ctx=4 * chunk)
     session = Session(model, prefill_chunk=chunk, ctx=4 * chunk)
     long_calls = arch == "qwen35moe"
-    assert session.staged and session.call_tokens == (chunk if long_calls else 512)
-    assert (session.prefill is None) == long_calls and session.group_tokens == 4 * chunk
+    assert session.plan.staged and session.plan.call_tokens == (chunk if long_calls else 512)
+    assert (session.prefill is None) == long_calls and session.plan.group_tokens == 4 * chunk
     session.warm_up()
     calls = []
     forward_calls = model.forward_calls
@@ -444,7 +445,7 @@ def test_a_staged_session_gives_the_all_gpu_sessions_bits(synth_model, arch):
     tokens = list(session.decode(logits, 8, torch.argmax))
     full = gpu_model(path, 1.0, None, prefill_chunk=chunk, ctx=4 * chunk)
     ref = Session(full, prefill_chunk=chunk, ctx=4 * chunk)
-    assert not ref.staged and ref.call_tokens == session.call_tokens
+    assert not ref.plan.staged and ref.plan.call_tokens == session.plan.call_tokens
     ref_logits = ref.feed(ids)
     assert torch.equal(ref_logits, logits) and list(ref.decode(ref_logits, 8, torch.argmax)) == tokens
 
@@ -457,9 +458,9 @@ def test_eager_calls_after_a_long_past_give_the_all_gpu_bits(synth_model, arch, 
     them in groups of their own: a prompt, its reply and the next request (prefix reuse across
     the switch) give the all-GPU session's bits, warmed up both, and the next request a fresh
     session's."""
-    from sparkpack.runtime import generate
+    from sparkpack.runtime import call_plan
 
-    monkeypatch.setattr(generate, "LONG_PAST_TOKENS", 1024)
+    monkeypatch.setattr(call_plan, "LONG_PAST_TOKENS", 1024)
     path = synth_model(arch, "Q4_K_M", skew=1.0)
     chunk, ctx = 640, 4096
     ids = prompt(1024 + 2 * chunk + 300, 2000, seed=5)
@@ -467,7 +468,7 @@ def test_eager_calls_after_a_long_past_give_the_all_gpu_bits(synth_model, arch, 
 
     def run(model) -> tuple[list[torch.Tensor], list[int], list[int], Session]:
         s = Session(model, prefill_chunk=chunk, ctx=ctx)
-        assert s.long_past == 1024 and s.prefill is not None
+        assert s.plan.long_past == 1024 and s.prefill is not None
         s.warm_up()
         groups = []
         forward_calls = model.forward_calls
@@ -479,9 +480,9 @@ def test_eager_calls_after_a_long_past_give_the_all_gpu_bits(synth_model, arch, 
         return logits, tokens, groups, s
 
     got, tokens, groups, s = run(gpu_model(path, 0.6, 32, prefill_chunk=chunk, ctx=ctx))
-    assert s.staged and groups[:3] == [2, 2, 1]  # 512 + 512 padded, 640 + 640 eager, 300 padded
+    assert s.plan.staged and groups[:3] == [2, 2, 1]  # 512 + 512 padded, 640 + 640 eager, 300 padded
     want, want_tokens, ref_groups, ref = run(gpu_model(path, 1.0, None, prefill_chunk=chunk, ctx=ctx))
-    assert not ref.staged and not ref_groups
+    assert not ref.plan.staged and not ref_groups
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and tokens == want_tokens
     fresh = Session(ref.model, prefill_chunk=chunk, ctx=ctx)
     assert torch.equal(fresh.feed(more), want[1])
@@ -513,12 +514,12 @@ def test_a_whole_group_replays_its_graph_with_the_all_gpu_bits(synth_model, arch
 
     model = gpu_model(path, 0.6, 32, ctx=ctx)
     got, tokens, s = run(model, "staged.trace")
-    assert s.group_tokens == GROUP_TOKENS and list(s.prefill.groups) == [16]  # captured at its first use
+    assert s.plan.group_tokens == GROUP_TOKENS and list(s.prefill.groups) == [16]  # captured at its first use
     model.experts.flush()
     assert model.experts.stats.staged_layers == 4 * len(model.experts.staging.order)  # 2 groups a prompt
     full = gpu_model(path, 1.0, None, ctx=ctx)
     want, want_tokens, ref = run(full, "all.trace")
-    assert not ref.staged and not ref.prefill.groups
+    assert not ref.plan.staged and not ref.prefill.groups
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and tokens == want_tokens
     a, b = (read_trace(m.experts.recorder.close()) for m in (model, full))
     assert np.array_equal(a.ids, b.ids) and a.n_tokens == sum(len(p) + 6 for p in prompts) - 2

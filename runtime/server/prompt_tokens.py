@@ -20,7 +20,7 @@ import bisect
 import threading
 from dataclasses import dataclass
 
-from ..generate import shared_len
+from ..prefix_reuse import shared_len
 from ..tokenizer import GGUFTokenizer
 
 
