@@ -10,10 +10,13 @@ is gone leaves at once, and its session takes the next waiting request. Each row
 step is the bits of the sequence decoding alone (``MoEModel.decode_batch``), so a greedy reply is
 the one the serial engine gives.
 
+On a GPU the batched step is replayed from a CUDA graph per set of sessions (``runtime.graph.
+BatchGraphs``; the rows in session order, so a set is one graph whatever order its requests came in).
+
 What the serial engine (``engine.Engine``) has and this does not yet: the conversation cache
-(each session resumes only its own previous sequence), a captured batched step (on a GPU the
-sequences take their own captured steps in turn: ``runtime.batch_step``), prompts prefilled in chunks between decode steps (a joining prompt is prefilled
-whole before the step), and a structured output's grammar is applied per sequence as there.
+(each session resumes only its own previous sequence), prompts prefilled in chunks between decode
+steps (a joining prompt is prefilled whole before the step); a structured output's grammar is
+applied per sequence as there.
 Work between requests (placement learning) runs when no sequence is in flight.
 """
 from __future__ import annotations
@@ -31,6 +34,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from ..batch_step import decode_together
 from ..generate import Session
+from ..graph import BatchGraphs
 from .engine import BetweenRequests, Engine, Job, Outcome, own_sampler
 from .metrics import PREFIX
 
@@ -66,6 +70,8 @@ class ParallelEngine(Engine):
         if not sessions or any(s.model is not sessions[0].model for s in sessions):
             raise ValueError("ParallelEngine: one session or more, all of one model")
         self.sessions = sessions
+        # the batched step captured per set of sessions where their decode steps are (CUDA)
+        self.graphs = BatchGraphs(sessions[0].model) if all(s.use_graphs for s in sessions) else None
         self.batch_sizes: Counter[int] = Counter()  # batched steps run, by their number of sequences
         self._flight: list[Running] = []  # the running list
         self._free = list(sessions)
@@ -187,8 +193,9 @@ class ParallelEngine(Engine):
                 going.append((r, tok))
         if not going:
             return
+        going.sort(key=lambda g: self.sessions.index(g[0].session))  # a set's rows in one order: one graph
         try:
-            logits = decode_together([r.session for r, _ in going], [t for _, t in going])
+            logits = decode_together([r.session for r, _ in going], [t for _, t in going], self.graphs)
         except Exception as e:  # every sequence of the step fails; the server goes on
             log.exception("a batched step failed")
             for r, _ in going:
