@@ -5,6 +5,7 @@ every greedy completion equals the one a one-at-a-time server (``--parallel 1``)
 bit (each row of a batched step is its sequence's own step: tests/test_decode_batch.py)."""
 from __future__ import annotations
 
+import os
 import re
 import signal
 import threading
@@ -176,14 +177,25 @@ class Sink:
 @pytest.mark.parametrize("arch", quick_first(["qwen35moe", "laguna", "qwen3moe"]))
 def test_engine_in_process(synth_model, arch):
     """In process: greedy and seeded-sampling jobs of different prompts through 3 sessions give the
-    serial engine's tokens; a job whose sink fails ends in error and the others go on."""
+    serial engine's tokens; a job whose sink fails ends in error and the others go on.
+    ``SPARKPACK_TEST_DEVICE=cuda``: on the GPU at 60% residency (zero-copy), where the sequences'
+    steps replay the batched step's CUDA graphs (``runtime.graph.BatchGraphs``) and the serial
+    engine runs one captured step ahead (``Session.decode``)."""
+    import torch
+
     from sparkpack.runtime.generate import Session
-    from sparkpack.runtime.models import load_model
+    from sparkpack.runtime.graph import capturable
+    from sparkpack.runtime.models import StoreOptions, load_model
     from sparkpack.runtime.options import SamplingOptions
     from sparkpack.runtime.server.engine import Engine, Job
     from sparkpack.runtime.server.parallel import ParallelEngine
 
-    model = load_model(synth_model(arch))
+    cuda = os.environ.get("SPARKPACK_TEST_DEVICE", "cpu") == "cuda"
+    model = load_model(synth_model(arch, "Q4_K_M", skew=1.0), device="cuda", dtype=torch.bfloat16,
+                       store=StoreOptions(hot_fraction=0.6, cache_slots=4, miss_mode="zerocopy")) if cuda \
+        else load_model(synth_model(arch))
+    if cuda and not capturable(model):
+        pytest.skip("not every expert layer has fused-kernel quant types")
     prompts = [[3, 14, 15, 92, 65], [7, 1], [46, 26, 43, 38, 32, 79, 50], [5, 9, 2], [88]]
     sampling = [SamplingOptions(temperature=0), SamplingOptions(temperature=0.8, seed=5)]
 
@@ -200,6 +212,10 @@ def test_engine_in_process(synth_model, arch):
     engine = ParallelEngine([Session(model) for _ in range(3)], frozenset())
     together = run(engine, fail=1)
     assert max(engine.batch_sizes) == 3  # (the jobs queued while the first one's prompt was computed)
+    if cuda:
+        assert engine.graphs is not None and engine.graphs.captures > 0 and engine.graphs.replays > 0
+    else:
+        assert engine.graphs is None  # (the CPU's batched step runs eagerly)
     for i, (s, t) in enumerate(zip(serial, together)):
         if i == 1:
             assert t.outcome.finish == "error" and t.tokens == s.tokens[:3]
