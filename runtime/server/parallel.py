@@ -5,8 +5,8 @@ A waiting list (the queue) and a running list: at every step the requests that a
 prompt prefilled in its own session, one of N kept between requests: the free session whose
 previous sequence shares the most of the prompt keeps it, ``Session.prompt``, unless the
 conversation cache holds a state that keeps more, which that session resumes from, as the serial
-engine's one session does; a request finding no free session waits in the queue), then each running sequence
-takes its next token from its last logits, and those still running decode one batched step
+engine's one session does; a request finding no free session waits in the queue), then each
+running sequence takes its next token from its last logits, and those still running decode one batched step
 (``runtime.batch_step.decode_together``). A sequence that finishes, hits a stop, or whose client
 is gone leaves at once, and its session takes the next waiting request. Each row of a batched
 step is the bits of the sequence decoding alone (``MoEModel.decode_batch``), so a greedy reply is
@@ -15,10 +15,10 @@ the one the serial engine gives.
 On a GPU the batched step is replayed from a CUDA graph per set of sessions (``runtime.graph.
 BatchGraphs``; the rows in session order, so a set is one graph whatever order its requests came in).
 
-What the serial engine does not do and this does not yet either: prompts prefilled in chunks
-between decode steps (a joining prompt is prefilled whole before the step). A structured output's
-grammar is applied per sequence as there.
-Work between requests (placement learning) runs when no sequence is in flight.
+Not yet: prompts prefilled in chunks between decode steps (a joining prompt is prefilled whole
+before the step, and the running sequences wait for it). A structured output's grammar is applied
+per sequence, as in the serial engine. Work between requests (placement learning) runs when no
+sequence is in flight.
 """
 from __future__ import annotations
 
