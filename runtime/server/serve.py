@@ -123,6 +123,9 @@ def parallel_engine(model, opts: RunOptions, serve: ServeOptions, session, tok, 
     from .parallel import ParallelEngine
 
     sessions = [session] + [open_session(model, opts.session, tok.control_ids) for _ in range(serve.parallel - 1)]
+    if model.device.type == "cuda":  # each session's graphs captured before /health says ready, as the first's
+        click.echo(f"sparkpack: warmed up {len(sessions) - 1} more sessions in "
+                   f"{sum(s.warm_up() for s in sessions[1:]):.2f} s", err=True)
     click.echo(f"sparkpack: up to {serve.parallel} requests decoded together (--parallel); "
                f"{sequences_line(model, opts)}", err=True)
     return ParallelEngine(sessions, tok.stop_ids, on_job=on_job, between=learning, conversations=conversations,
