@@ -70,9 +70,11 @@ def build_served(model, opts: RunOptions, *, hooks: ServeHooks = ServeHooks(),
     template = ChatTemplate.from_tokenizer(source, tok) if source else None
     flags = opts.learning
     trace = attach_trace(model, flags.trace_out) if flags.trace_out is not None else None  # before any capture
-    session = open_session(model, opts.session, tok.control_ids)
-    if model.device.type == "cuda":  # kernels compiled and graphs captured before /health says ready
-        click.echo(f"sparkpack: warmed up in {session.warm_up():.2f} s", err=True)
+    serve = opts.serve if opts.serve is not None else ServeOptions()
+    sessions = [open_session(model, opts.session, tok.control_ids) for _ in range(serve.parallel)]
+    session = sessions[0]
+    if model.device.type == "cuda":  # kernels compiled and graphs captured (each session's) before /health says ready
+        click.echo(f"sparkpack: warmed up in {sum(s.warm_up() for s in sessions):.2f} s", err=True)
     learning = (start_learning(model, opts.store.learn, opts.store.generated_weight) if opts.store is not None
                 else None)  # (after the warm-up: dummy tokens teach nothing)
     if trace is not None:
@@ -97,14 +99,13 @@ def build_served(model, opts: RunOptions, *, hooks: ServeHooks = ServeHooks(),
         def on_job(job, outcome) -> None:  # noqa: F811 - the trace made durable after each request too
             metrics.observe_job(job, outcome)  # (reads the store's counts: a deferred step's ids are written)
             trace.sync()
-    serve = opts.serve if opts.serve is not None else ServeOptions()
     engine: Engine
     conversations = open_conversation_cache(session, serve)
     metrics.conversations = conversations
     if serve.parallel > 1:
         from .parallel import BatchCollector
 
-        engine = parallel_engine(model, opts, serve, session, tok, on_job, learning, conversations, hooks)
+        engine = parallel_engine(model, opts, serve, sessions, tok, on_job, learning, conversations, hooks)
         metrics.registry.register(BatchCollector(engine))
     else:
         engine = Engine(session, tok.stop_ids, on_job=on_job, between=learning, conversations=conversations,
@@ -117,15 +118,11 @@ def build_served(model, opts: RunOptions, *, hooks: ServeHooks = ServeHooks(),
     return served
 
 
-def parallel_engine(model, opts: RunOptions, serve: ServeOptions, session, tok, on_job, learning, conversations,
+def parallel_engine(model, opts: RunOptions, serve: ServeOptions, sessions, tok, on_job, learning, conversations,
                     hooks: ServeHooks):
-    """``--parallel N``: N sessions (the warmed-up one and N - 1 more), decoded together."""
+    """``--parallel N``: N sessions, decoded together."""
     from .parallel import ParallelEngine
 
-    sessions = [session] + [open_session(model, opts.session, tok.control_ids) for _ in range(serve.parallel - 1)]
-    if model.device.type == "cuda":  # each session's graphs captured before /health says ready, as the first's
-        click.echo(f"sparkpack: warmed up {len(sessions) - 1} more sessions in "
-                   f"{sum(s.warm_up() for s in sessions[1:]):.2f} s", err=True)
     click.echo(f"sparkpack: up to {serve.parallel} requests decoded together (--parallel); "
                f"{sequences_line(model, opts)}", err=True)
     return ParallelEngine(sessions, tok.stop_ids, on_job=on_job, between=learning, conversations=conversations,
