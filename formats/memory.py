@@ -101,6 +101,9 @@ class MemoryTarget:
     staged_chunk: int = 0
     host_bytes: int | None = None
     mtp: bool = False  # the runtime loads the file's MTP head to draft (``head_bytes``)
+    # Sequences held at once (a server's ``--parallel``): each has its own KV cache, recurrent
+    # state and captured prefill calls (``sequence_bytes``).
+    sequences: int = 1
 
     @classmethod
     def gpu(cls, spec: ModelSpec, ctx: int = 4096, kv_type: str = "auto",
@@ -282,6 +285,15 @@ def prefill_graph_bytes(spec: ModelSpec, tokens: int = PREFILL_GRAPH_TOKENS) -> 
     if any(kind.attention == LINEAR for kind in spec.layers):
         return 0
     return prefill_activation_bytes(spec, tokens, scores=False)
+
+
+def sequence_bytes(spec: ModelSpec, target: MemoryTarget) -> tuple[int, int, int]:
+    """What ``target.sequences`` sequences hold on the device besides the runtime's own: their KV
+    caches, their recurrent states, and the captured prefill calls' pools of all but the first
+    (each session captures its own; ``runtime_bytes`` counts one)."""
+    n = target.sequences
+    return (n * kv_cache_bytes(spec, target.ctx, target.kv_bytes_per_value, target.prefill_chunk),
+            n * recurrent_state_bytes(spec), (n - 1) * prefill_graph_bytes(spec))
 
 
 def runtime_bytes(spec: ModelSpec, ctx: int, chunk: int = PREFILL_CHUNK) -> int:

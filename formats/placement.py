@@ -22,8 +22,8 @@ import numpy as np
 from .archs import ModelSpec
 from .errors import SparkpackError
 from .experts import expert_tensor_names
-from .memory import (MemoryTarget, dense_bytes, expert_slot_bytes, group_bytes, head_bytes, kv_cache_bytes,
-                     recurrent_state_bytes, runtime_bytes)
+from .memory import (MemoryTarget, dense_bytes, expert_slot_bytes, group_bytes, head_bytes, runtime_bytes,
+                     sequence_bytes)
 from .profile import Profile
 from .quants import KERNEL_QTYPES
 from .units import fmt_size
@@ -314,17 +314,19 @@ def plan_residency(spec: ModelSpec, tensors: dict, budget: Budget, target: Memor
     if budget.vram is not None:
         dense = dense_bytes(tensors, expert_tensor_names(spec) | spec.head_tensor_names(), target)
         head = head_bytes(spec, tensors, target)
-        kv = kv_cache_bytes(spec, target.ctx, target.kv_bytes_per_value, target.prefill_chunk)
-        state = recurrent_state_bytes(spec)
-        runtime = runtime_bytes(spec, target.ctx, target.prefill_chunk)
+        kv, state, graphs = sequence_bytes(spec, target)
+        runtime = runtime_bytes(spec, target.ctx, target.prefill_chunk) + graphs
         fixed = dense + head + kv + state + runtime + slots * slot
         if budget.vram < fixed:
             with_head = f", the MTP head {fmt_size(head)}" if head else ""
+            n = target.sequences
+            seqs = f" for {n} sequences (--parallel {n})" if n > 1 else ""
             raise SparkpackError(where, f"VRAM budget {fmt_size(budget.vram)} is too small: non-expert weights "
-                                        f"{fmt_size(dense)}{with_head}, KV cache {fmt_size(kv)} at ctx {target.ctx}, recurrent "
-                                        f"state {fmt_size(state)}, runtime (prefill chunks of {target.prefill_chunk}) "
-                                        f"{fmt_size(runtime)} and {slots} cache slots {fmt_size(slots * slot)} need "
-                                        f"{fmt_size(fixed)}")
+                                        f"{fmt_size(dense)}{with_head}, KV cache {fmt_size(kv)} at ctx {target.ctx}{seqs}, "
+                                        f"recurrent state {fmt_size(state)}, runtime (prefill chunks of "
+                                        f"{target.prefill_chunk}) {fmt_size(runtime)} and {slots} cache slots "
+                                        f"{fmt_size(slots * slot)} need {fmt_size(fixed)}"
+                                        + ("; lower --parallel or --ctx" if n > 1 else ""))
         left = budget.vram - fixed
         hot = make_plan(*shape, sizes, left, counts, tokens, gen_weight).hot
         # (staged calls are prefill_chunk calls: their temporaries are in ``runtime`` already;

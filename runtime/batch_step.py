@@ -5,10 +5,11 @@ Each session keeps its own sequence (its cache, its fed tokens); a row of the st
 for bit what that session's ``feed(fed + [token])`` gives alone, so a session can go on alone, or
 take its next prompt, as after its own steps.
 
-On a GPU the batched forward is not captured yet, and an eager step costs far more launches than
-a captured one saves by batching (BENCHMARKS.md, issue 46): there each session takes its own
-captured decode step in turn (``captured_in_turn``), the same bits by the same invariant, until the
-batched step is captured per batch size.
+On a GPU an eager batched step costs far more launches than batching saves (BENCHMARKS.md, issue
+46): there the step is replayed from a CUDA graph per set of sessions (``runtime.graph.BatchGraphs``,
+given as ``graphs``); a lone session takes its own captured step, and without ``graphs`` (a store
+that cannot be captured) each session takes its own step in turn (``captured_in_turn``), the same
+bits by the same invariant.
 """
 from __future__ import annotations
 
@@ -18,24 +19,37 @@ from collections.abc import Sequence
 import torch
 
 from .generate import GENERATED, Session
+from .graph import BatchGraphs
 
 
-def decode_together(sessions: Sequence[Session], tokens: Sequence[int]) -> torch.Tensor:
+def decode_together(sessions: Sequence[Session], tokens: Sequence[int], graphs: BatchGraphs | None = None
+                    ) -> torch.Tensor:
     """The logits ``[B, n_vocab]`` of ``tokens[b]`` fed to ``sessions[b]`` (distinct sessions of
-    one model), each appended to its session's fed tokens."""
+    one model), each appended to its session's fed tokens. ``graphs``: the batched steps of these
+    sessions' caches (``BatchGraphs`` of their model)."""
     model = sessions[0].model
-    if any(s.model is not model for s in sessions):
+    if any(s.model is not model for s in sessions) or (graphs is not None and graphs.model is not model):
         raise ValueError("decode_together: sessions of one model")
-    if model.device.type == "cuda":
+    batched = graphs is not None and len(sessions) > 1
+    if model.device.type == "cuda" and not batched:
         return captured_in_turn(sessions, tokens)
     model.experts.routing_side(GENERATED)
     t0 = time.perf_counter()
-    logits = model.decode_batch([int(t) for t in tokens], [s.cache for s in sessions])
+    ids = [int(t) for t in tokens]
+    caches = [s.cache for s in sessions]
+    captures = graphs.captures if graphs is not None else 0
+    logits = graphs.step(ids, caches) if batched else model.decode_batch(ids, caches)
+    if logits.is_cuda:
+        torch.cuda.synchronize(logits.device)
     dt = time.perf_counter() - t0
-    for s, t in zip(sessions, tokens):
-        s.fed = s.fed + [int(t)]
-        s.timing.decode_tokens += 1
-        s.timing.decode_seconds += dt  # (each sequence waited for the whole step)
+    capturing = graphs is not None and graphs.captures != captures
+    for s, t in zip(sessions, ids):
+        s.fed = s.fed + [t]
+        if capturing:  # kept out of the decode rate, as ``Session`` keeps its own captures
+            s.timing.capture_seconds += dt
+        else:
+            s.timing.decode_tokens += 1
+            s.timing.decode_seconds += dt  # (each sequence waited for the whole step)
     return logits
 
 

@@ -190,9 +190,10 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
               help="With --serve: also keep conversations' states in this folder, so that a restarted server "
                    "resumes them.")
-@click.option("--parallel", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--parallel", type=click.IntRange(min=1),
               help="With --serve: requests decoded together, one token each per step (each reply the one it "
-                   "gets alone); 1 computes one request at a time.")
+                   "gets alone), each with its KV cache at --ctx (--vram holds them all); 1 computes one request "
+                   "at a time. [4]")
 @learning_options  # --no-learn --force --half-life --generated-weight --profile-save-every --bootstrap --trace-out
 def run_cmd(model_path: Path, prompt: str | None, prompt_file: Path | None, system: str | None, raw: bool,
             prompt_ids: str | None, prompt_ids_file: Path | None, logits_out: Path | None, **flags: Any) -> None:

@@ -160,7 +160,10 @@ class ConversationCache:
     parts pass through host memory on their way to and from the folder); ``folder`` None: no
     disk tier. ``block``: positions per block (``BLOCK_TOKENS``; tests take fewer). Used from
     the engine thread; files are written by a thread of their own (``close`` waits for it), so a
-    request never waits for the disk."""
+    request never waits for the disk. A request's methods take the session it runs in (default
+    ``session``): a ``--parallel`` server's sessions, all opened alike (one ``model_key``), share
+    the entries; the copies out of any of them are ordered before a later request's prompt
+    (one side stream, so the last copy's event covers them all)."""
 
     def __init__(self, session: Session, ram_bytes: int, folder: Path | None = None, block: int = BLOCK_TOKENS):
         self.session = session
@@ -185,6 +188,7 @@ class ConversationCache:
         # reserve it used) never slows the next one down, which may come right after.
         self.quiet = threading.Event()
         self.quiet.set()
+        self._computing = 0  # requests between prepare and request_ended (several under --parallel)
         self._want = threading.Event()  # the reserve may need topping up
         self._reserver: threading.Thread | None = None
         self._writes: queue.Queue[Entry | None] = queue.Queue()
@@ -210,22 +214,24 @@ class ConversationCache:
             self._reserver = None
 
     # -- host memory ----------------------------------------------------------------------------
-    def _open_pools(self, e: Entry | None = None) -> StatePools | None:
+    def _open_pools(self, e: Entry | None = None, session: Session | None = None) -> StatePools | None:
         """The pools, made once the cache's layers hold their first token (on a GPU, after the
         warm-up: at start-up) or, before, from the layouts in the files of entry ``e``, with
         their first reserve allocated now and topped up later by a thread. Without a host tier
-        the budget is one context's state: what passes to the disk."""
+        the budget is one context's state: what passes to the disk. ``session``: the one whose
+        layers are read (any of a ``--parallel`` server's: their layouts are alike)."""
         if self.pools is not None:
             return self.pools
+        cache = (session if session is not None else self.session).cache
         pin = self.session.model.device.type == "cuda"
         known = None
-        if e is not None and state_pools(self.session.cache, self.budget, pin, self.block) is None:
+        if e is not None and state_pools(cache, self.budget, pin, self.block) is None:
             try:
                 known = tuple(part_layout(self._part_path(n)) for n in (e.parts[0], e.parts[-1]))
             except (OSError, ValueError):
                 return None
             known = known if e.has_own else (known[0], [])
-        pools = state_pools(self.session.cache, self.budget, pin, self.block, known)
+        pools = state_pools(cache, self.budget, pin, self.block, known)
         if pools is None:
             return None
         self.pools = pools
@@ -319,22 +325,18 @@ class ConversationCache:
         return {"host": (sum(e.in_host for e in entries), host), "disk": (len(disk), disk_bytes)}
 
     # -- a request ------------------------------------------------------------------------------
-    def prepare(self, ids: list[int]) -> Resume:
+    def prepare(self, ids: list[int], session: Session | None = None) -> Resume:
         """Before ``Session.prompt(ids)``: resume the session from the entry that keeps the most
         of ``ids`` if that is more than the live sequence keeps; say which positions to mark. The
         copies out of the last request's rows are waited for (on the device) only where this
         request overwrites them."""
-        self.quiet.clear()
-        session = self.session
+        with self.lock:
+            self._computing += 1
+            self.quiet.clear()
+        session = session if session is not None else self.session
         cuts = set(session.cuts_of(ids))
         live = session.reusable(ids)
-        best, keep = None, live
-        with self.lock:
-            candidates = list(self.entries.values())
-        for e in candidates:
-            n = self._usable(e, ids, cuts)
-            if n > keep:
-                best, keep = e, n
+        best, keep = self._best(ids, cuts, live)
         resume = Resume(None, "gpu" if live else "none")
         if best is not None:
             t0, tier = time.perf_counter(), best.tier
@@ -354,8 +356,25 @@ class ConversationCache:
             if ring or live < rows:
                 self._order_after_copies()
         if not self.truncatable:
-            resume.marks = self._marks(ids, sorted(cuts), keep)
+            resume.marks = self._marks(ids, sorted(cuts), keep, session)
         return resume
+
+    def keeps(self, ids: list[int], session: Session | None = None) -> int:
+        """How many tokens of ``ids`` the best entry keeps, read from the index alone (a
+        ``--parallel`` server asks before it picks the session a request runs in)."""
+        session = session if session is not None else self.session
+        return self._best(ids, set(session.cuts_of(ids)), 0)[1]
+
+    def _best(self, ids: list[int], cuts: set[int], floor: int) -> tuple[Entry | None, int]:
+        """The entry that keeps the most of ``ids`` (call ends ``cuts``), if more than ``floor``."""
+        best, keep = None, floor
+        with self.lock:
+            candidates = list(self.entries.values())
+        for e in candidates:
+            n = self._usable(e, ids, cuts)
+            if n > keep:
+                best, keep = e, n
+        return best, keep
 
     def _order_after_copies(self) -> None:
         """The device's next work after the copies out of its rows (the host does not wait)."""
@@ -365,9 +384,9 @@ class ConversationCache:
                 torch.cuda.current_stream(self.session.model.device).wait_event(event)
             self._pending = None
 
-    def after_prompt(self, ids: list[int], resume: Resume) -> None:
+    def after_prompt(self, ids: list[int], resume: Resume, session: Session | None = None) -> None:
         """After ``Session.prompt``: one log line, the counts, and the marked states as entries."""
-        session = self.session
+        session = session if session is not None else self.session
         reused = session.reused
         if resume.entry is not None:
             self.stats.hits += 1
@@ -380,26 +399,29 @@ class ConversationCache:
             self.stats.misses += 1
             log.info("no entry: all %d prompt tokens computed", len(ids))
         for m in sorted(resume.marks):
-            self._keep(m, shared=True)
+            self._keep(m, shared=True, session=session)
 
-    def request_ended(self, keep: bool) -> None:
-        """After a request (``prepare`` began it): the background work may go on; ``keep`` (it
-        did not fail): the live sequence's state at its exact end becomes an entry (it replaces
-        the same conversation's older turn, and shares its blocks)."""
-        self.quiet.set()
+    def request_ended(self, keep: bool, session: Session | None = None) -> None:
+        """After a request (``prepare`` began it): once no request computes, the background work
+        may go on; ``keep`` (it did not fail): the live sequence's state at its exact end becomes
+        an entry (it replaces the same conversation's older turn, and shares its blocks)."""
+        with self.lock:
+            self._computing = max(0, self._computing - 1)
+            if not self._computing:
+                self.quiet.set()
         if keep:
-            self._keep(None, shared=False)
+            self._keep(None, shared=False, session=session if session is not None else self.session)
 
-    def _keep(self, pos: int | None, shared: bool) -> None:
+    def _keep(self, pos: int | None, shared: bool, session: Session) -> None:
         """The session's state at ``pos`` (default: its exact end) as an entry: its blocks that no
         entry holds copied into free slots (on the device's side stream), its own part too. With
         no room, once more after the queued files are written (the slots they hold)."""
-        if self._keep_once(pos, shared) is False and self._wait_for_writes():
-            self._keep_once(pos, shared)
+        if self._keep_once(pos, shared, session) is False and self._wait_for_writes():
+            self._keep_once(pos, shared, session)
 
-    def _keep_once(self, pos: int | None, shared: bool) -> bool | None:
-        source = self.session.state_at(pos)
-        pools = self._open_pools()
+    def _keep_once(self, pos: int | None, shared: bool, session: Session) -> bool | None:
+        source = session.state_at(pos)
+        pools = self._open_pools(session=session)
         if source is None or pools is None:
             return
         tokens, cuts, saved = source
@@ -434,11 +456,11 @@ class ConversationCache:
             if self._pending is not None and self._pending[0] is not None:
                 self._pending[0].synchronize()  # (slots written below on the host may still be read)
             with self.copier.side():
-                copy_blocks_out(self.session.cache, pools, [(need[k], s) for k, s in enumerate(slots)], pos)
+                copy_blocks_out(session.cache, pools, [(need[k], s) for k, s in enumerate(slots)], pos)
                 if own_need:
-                    take_own(self.session.cache, pools, own_slot[0], pos, saved)
+                    take_own(session.cache, pools, own_slot[0], pos, saved)
                 event = self.copier.event()
-            ring = saved is None and self.session.cache.windowed
+            ring = saved is None and session.cache.windowed
             self._pending = (event, max(pos, self._pending[1] if self._pending else 0),
                              ring or bool(self._pending and self._pending[2]))
             for k, s in enumerate(slots):
@@ -476,11 +498,10 @@ class ConversationCache:
             return 0
         return max((c for c in e.cuts if c <= limit and c in cuts), default=0)
 
-    def _marks(self, ids: list[int], cuts: list[int], keep: int) -> frozenset[int]:
+    def _marks(self, ids: list[int], cuts: list[int], keep: int, session: Session) -> frozenset[int]:
         """Where to copy states during this prompt: the end of its first message (the first call
         end before a control token: the system prompt and tools) and the last call end it shares
         with another entry or the live sequence, where not kept already."""
-        session = self.session
         marks = set()
         first = next((c for c in cuts if c > 0 and ids[c] in session.plan.breaks), None)
         if first is not None:

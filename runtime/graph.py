@@ -28,6 +28,7 @@ replay must read its position for, costs more than the launches a graph saves.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -316,3 +317,73 @@ class PrefillGraphs:
         self.graphs[size] = (graph, out)
         self.captures += 1
         return logits
+
+
+class BatchGraphs:
+    """Batched decode steps (``MoEModel.rows_logits``: one token of each of several sequences) of
+    fixed sets of caches, one CUDA graph per set: a ``--parallel`` server's sessions keep their
+    caches, so the sets that decode together are few (its subsets, in the order the caller keeps
+    them: ``server.parallel.ParallelEngine`` orders the rows by session). A set's first step runs
+    eagerly and is captured, later ones replay. The token ids and positions are read from device
+    memory (one position per row: the sequences are at different positions), so a step is the
+    kernels of the eager batched step, which gives each row its sequence's single step bit for
+    bit (``runtime.decode_rows``).
+
+    Before a step every cache is grown as an eager step at its position grows it (``reserve_kv``
+    at ``pos + 1``: the same sizes at the same positions as a session's own steps); a graph
+    captured on buffers that have since grown is captured again on the new ones. The store
+    learns from a step's routings, every row's, while the next step computes (``end_step(defer=
+    True)``, as ``DecodeGraph``). All graphs share one memory pool: steps never overlap, and each
+    step's logits are copied out before the next. Without ``capture`` (the CPU, tests) the same
+    step runs eagerly from the same ids buffer, its positions host ints (``decode_batch``'s step)."""
+
+    def __init__(self, model: MoEModel, capture: bool = True):
+        self.model, self.capture = model, capture
+        # per set (its caches' ids): graph, logits buffer, ids + positions buffer, KV addresses
+        self.graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None, torch.Tensor,
+                                                 tuple[tuple[int, ...], ...]]] = {}
+        self.pool = None
+        self.stream: torch.cuda.Stream | None = None
+        self.captures = 0
+        self.replays = 0
+
+    def step(self, tokens: Sequence[int], caches: Sequence[Cache]) -> torch.Tensor:
+        """The logits ``[B, n_vocab]`` of ``tokens[b]`` fed at ``caches[b].pos`` (distinct caches),
+        each cache advanced by one."""
+        if len(tokens) != len(caches) or len({id(c) for c in caches}) != len(caches) or not caches:
+            raise ValueError("BatchGraphs.step: one token and one distinct cache per sequence")
+        for c in caches:
+            self.model.reserve_kv(c, c.pos + 1)
+        key = tuple(id(c) for c in caches)
+        addresses = tuple(kv_addresses(c) for c in caches)
+        graph, out, inputs, captured_on = self.graphs.get(key) or (None, None, None, ())
+        if inputs is None or captured_on != addresses:
+            graph = None
+            self.graphs.pop(key, None)
+            if not self.graphs:
+                self.pool = None  # (a pool no graph holds any more cannot be captured into: see PrefillGraphs)
+            inputs = torch.zeros(2 * len(caches), dtype=torch.long, device=self.model.device)
+        inputs.copy_(torch.tensor([*tokens, *(c.pos for c in caches)], dtype=torch.long))
+        n = len(caches)
+        # (eagerly, the positions go in as ints: the CPU's torch attention over a ring gathers the
+        # rows of a known position, and a device one reads every row, in another order)
+        at = tuple(inputs[n + b] for b in range(n)) if self.capture else tuple(c.pos for c in caches)
+        if graph is not None:
+            graph.replay()
+            self.replays += 1
+            logits = out
+        elif self.capture:
+            dev = self.model.device
+            if self.stream is None:
+                self.stream = torch.cuda.Stream(dev)
+            logits, graph, out = run_and_capture(lambda: self.model.rows_logits(inputs[:n], caches, at), dev, self.stream,
+                                                 self.pool)
+            self.pool = graph.pool()
+            self.captures += 1
+        else:
+            logits = self.model.rows_logits(inputs[:n], caches, at)
+        self.graphs[key] = (graph, out, inputs, addresses)
+        for c in caches:
+            c.pos += 1
+        self.model.experts.end_step(n, routed=True, defer=True)  # learns from the previous step meanwhile
+        return logits.clone()  # a graph's output buffer is rewritten by its next replay

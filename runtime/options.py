@@ -47,6 +47,9 @@ DEFAULT_DEQUANT_LIMIT = 8 * 2**30
 # a one-shot run's or the chat's reply without --max-tokens; a served request that sets no cap of
 # its own runs to --max-tokens when given, else to the context's end (agents stop at end of turn)
 ONE_SHOT_MAX_TOKENS = 256
+# Requests a server keeps in flight, decoded together (--parallel): agents overlap requests (a
+# subagent, a side request beside the main turn), and llama-server keeps 4 slots by default too.
+DEFAULT_PARALLEL = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,6 +116,7 @@ class SessionOptions:
     ctx: int = 4096
     kv_type: str = "auto"  # KV cache element type (runtime.cache.KV_TYPES)
     prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per forward call (their temporaries are planned for)
+    sequences: int = 1  # sessions open at once (a server's --parallel): the plan holds each one's KV cache
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,7 +137,7 @@ class ServeOptions:
     api_key: str | None = None
     cache_ram: int | None = None  # conversation states in host RAM (None: default_cache_ram)
     cache_dir: Path | None = None  # ... and in this folder (None: none)
-    parallel: int = 1  # requests decoded together (``server.parallel.ParallelEngine``); 1: ``server.engine.Engine``
+    parallel: int = DEFAULT_PARALLEL  # requests decoded together (``server.parallel.ParallelEngine``); 1: ``server.engine.Engine``
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,7 +182,7 @@ def run_options(model_path: Path, *, device: str = "auto", dtype: str = "auto", 
                 bootstrap: str | None = None, bootstrap_background: bool = False, trace_out: Path | None = None,
                 serve: bool = False, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
                 api_key_file: Path | None = None, cache_ram: int | None = None, cache_dir: Path | None = None,
-                parallel: int = 1,
+                parallel: int | None = None,
                 **sampling: Any) -> RunOptions:
     """The one place flags become a ``RunOptions``: keyword arguments named as click names
     spark-run's flags (a misspelt one is a TypeError), any left out at the flag's default. The
@@ -193,8 +197,9 @@ def run_options(model_path: Path, *, device: str = "auto", dtype: str = "auto", 
         raise SparkpackError(None, "--bootstrap-background needs --bootstrap PATH|auto")
     if not serve and (cache_ram is not None or cache_dir is not None):
         raise SparkpackError(None, "--cache-ram and --cache-dir keep a server's conversations: use them with --serve")
-    if not serve and parallel != 1:
+    if not serve and parallel is not None:
         raise SparkpackError(None, "--parallel is the number of requests a server decodes together: use it with --serve")
+    parallel = parallel if parallel is not None else DEFAULT_PARALLEL
     device = resolve_device(device)
     store_asked = ((vram, hot_fraction, cache_slots, profile, host_ram) != (None,) * 5 or miss_mode != "auto"
                    or bootstrap is not None or trace_out is not None)  # (only the store sees the routings)
@@ -208,7 +213,8 @@ def run_options(model_path: Path, *, device: str = "auto", dtype: str = "auto", 
                              miss_mode=miss_mode, host_ram=host_ram if host_ram is not None else default_host_ram(),
                              generated_weight=generated_weight, learn=learn)
     return RunOptions(model_path=model_path, device=device, dtype=dtype, threads=threads, dequant_limit=dequant_limit,
-                      store=store, session=SessionOptions(ctx=ctx, kv_type=kv_type, prefill_chunk=prefill_chunk),
+                      store=store, session=SessionOptions(ctx=ctx, kv_type=kv_type, prefill_chunk=prefill_chunk,
+                                             sequences=parallel if serve else 1),
                       sampling=SamplingOptions(**sampling), max_tokens=max_tokens, learning=learning,
                       serve=serve_options(host=host, port=port, api_key=api_key, api_key_file=api_key_file,
                                           cache_ram=cache_ram, cache_dir=cache_dir, parallel=parallel) if serve else None,
@@ -216,7 +222,7 @@ def run_options(model_path: Path, *, device: str = "auto", dtype: str = "auto", 
 
 
 def serve_options(*, host: str, port: int, api_key: str | None, api_key_file: Path | None,
-                  cache_ram: int | None, cache_dir: Path | None, parallel: int = 1) -> ServeOptions:
+                  cache_ram: int | None, cache_dir: Path | None, parallel: int = DEFAULT_PARALLEL) -> ServeOptions:
     """The --serve flags as ``ServeOptions`` (the key read from its file)."""
     if api_key is not None and api_key_file is not None:
         raise SparkpackError(None, "give either --api-key or --api-key-file, not both")

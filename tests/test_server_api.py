@@ -22,6 +22,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from sparkpack.runtime.options import DEFAULT_PARALLEL
 from sparkpack.runtime.tokenizer import GGUFTokenizer
 from tests.hooked_server import FAIL, FORCED
 from tests.serve_proc import API_KEY, ENV, ServerProcess, fresh_session, kept_tokens, one_thread
@@ -472,21 +473,28 @@ def test_a_client_that_goes_away_cancels_its_generation_and_its_queued_request(s
     stream = oai.chat.completions.create(model="x", messages=user("long"), max_tokens=300, stream=True)
     got = sum(1 for _, _ in zip(range(4), stream))  # the role chunk, then 3 tokens
     stream.close()
-    # a request queued behind a running stream, whose client gives up before it starts
-    running = oai.chat.completions.create(model="x", messages=user("longer"), max_tokens=1000, stream=True)
-    next(iter(running))
+    # a request queued behind running streams (as many as --parallel, the default), whose client
+    # gives up before it starts
+    running = [oai.chat.completions.create(model="x", messages=user(f"longer {i}"), max_tokens=1000, stream=True)
+               for i in range(DEFAULT_PARALLEL)]
+    for r in running:
+        next(iter(r))
     with pytest.raises(httpx.TimeoutException):
         server.post("/v1/chat/completions", json={"messages": user("queued"), "max_tokens": 5}, timeout=0.3)
-    running.close()
+    for r in running:
+        r.close()
     after = oai.chat.completions.create(model="x", messages=user("next"), max_tokens=2)
     assert after.choices[0].finish_reason == "length"
-    first, second, last = dumps()[before:]  # the queued request never computed
-    assert got == 4 and len(first["tokens"]) < 3 + 20 and len(second["tokens"]) < 1000 and len(last["tokens"]) == 2
+    first, *ran, last = dumps()[before:]  # the queued request never computed
+    assert got == 4 and len(first["tokens"]) < 3 + 20 and len(last["tokens"]) == 2
+    assert len(ran) == DEFAULT_PARALLEL and all(len(d["tokens"]) < 1000 for d in ran)
     metrics = httpx.get(server.base + "/metrics").text
-    assert 'sparkpack_requests_total{outcome="cancelled",route="chat"} 3.0' in metrics
-    # each logged as cancelled: two streams and the request given up on while queued; a stream
+    cancelled = 2 + DEFAULT_PARALLEL
+    assert f'sparkpack_requests_total{{outcome="cancelled",route="chat"}} {cancelled:.1f}' in metrics
+    # each logged as cancelled: the streams and the request given up on while queued; a stream
     # with what its client was sent (3 tokens at least, its first token's time), the queued one none
-    lines = wait_for_line(server, r"POST /v1/chat/completions 200 .* finish=cancelled", start, 3)
-    assert len(lines) == 3
+    lines = wait_for_line(server, r"POST /v1/chat/completions 200 .* finish=cancelled", start, cancelled)
+    assert len(lines) == cancelled
     assert int(re.search(r" output=(\d+) ", lines[0])[1]) >= 3 and re.search(r" ttft=[0-9.]+s ", lines[0]), lines[0]
-    assert re.search(r" prompt=\d+ cached=\d+ ttft=- output=0 finish=cancelled", lines[2]), lines[2]
+    queued = [ln for ln in lines if 'client="python-httpx' in ln]  # (server.post's; the streams are openai's)
+    assert len(queued) == 1 and re.search(r" prompt=\d+ cached=\d+ ttft=- output=0 finish=cancelled", queued[0]), lines

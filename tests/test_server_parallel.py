@@ -5,6 +5,7 @@ every greedy completion equals the one a one-at-a-time server (``--parallel 1``)
 bit (each row of a batched step is its sequence's own step: tests/test_decode_batch.py)."""
 from __future__ import annotations
 
+import os
 import re
 import signal
 import threading
@@ -37,7 +38,7 @@ def client_of(server: ServerProcess) -> openai.OpenAI:
 @pytest.mark.parametrize("arch", ["qwen35moe", "laguna"])
 def test_busy_parallel_server_gives_the_serial_completions(synth_model, arch):
     path = synth_model(arch)
-    serial_server = ServerProcess(path, "--ctx", "1024", "--prefill-chunk", "16")
+    serial_server = ServerProcess(path, "--ctx", "1024", "--prefill-chunk", "16", "--parallel", "1")
     try:
         serial = {q: client_of(serial_server).chat.completions.create(model="x", messages=request(q),
                                                                       max_tokens=MAX_TOKENS).choices[0].message.content
@@ -63,10 +64,13 @@ def test_busy_parallel_server_gives_the_serial_completions(synth_model, arch):
         n_cancelled = sum(c for _, _, c in results)
         assert n_cancelled - 2 <= counts.get("cancelled", 0) <= n_cancelled  # (a stream may end first)
         assert sum(counts.values()) == len(results)
-        steps = {int(m.group(1)): float(m.group(2))
-                 for m in re.finditer(r'sparkpack_batched_steps_total\{size="(\d+)"\} (\S+)', metrics)}
-        assert max(steps) > 1 and max(steps) <= 4, steps  # sequences did decode together, 4 at most
-        assert "sparkpack_running_sequences 0.0" in metrics
+        steps = {m.group(1): float(m.group(2))
+                 for m in re.finditer(r'sparkpack_batch_size_bucket\{le="([^"]+)"\} (\S+)', metrics)}
+        assert list(steps) == ["1.0", "2.0", "3.0", "4.0", "+Inf"], steps  # a bucket per size up to --parallel
+        assert steps["1.0"] < steps["4.0"] == steps["+Inf"]  # sequences did decode together, 4 at most
+        assert "sparkpack_running_sequences 0.0" in metrics and "sparkpack_requests_waiting 0.0" in metrics
+        waits = re.search(r"sparkpack_queue_wait_seconds_count (\S+)", metrics)
+        assert waits and float(waits.group(1)) == len(results)  # every request's time in the queue
     finally:
         assert server.stop(signal.SIGINT) == 0
 
@@ -75,6 +79,43 @@ def test_parallel_needs_serve(synth_model):
     res = run([*SPARK_RUN, str(synth_model("qwen3moe")), "-p", "hi", "--parallel", "2"])
     assert res.returncode == 1 and error_lines(res.stderr) == [
         "spark-run: error: --parallel is the number of requests a server decodes together: use it with --serve"]
+
+
+def test_the_vram_plan_holds_every_sequence(synth_model, capsys):
+    """--parallel N (4 by default with --serve) has the --vram plan hold N KV caches and recurrent
+    states at --ctx; a budget that holds one sequence but not N is refused in one line naming
+    --parallel, before anything is served."""
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.errors import SparkpackError
+    from sparkpack.formats.gguf_file import GGUFModel
+    from sparkpack.formats.memory import kv_cache_bytes, recurrent_state_bytes
+    from sparkpack.runtime.models import load_model
+    from sparkpack.runtime.options import run_options
+
+    path = synth_model("qwen35moe")
+    spec = model_spec(GGUFModel(path))
+    assert run_options(path, device="cpu", serve=True).session.sequences == 4
+    assert run_options(path, device="cpu", serve=True, parallel=1).session.sequences == 1
+    assert run_options(path, device="cpu").session.sequences == 1
+
+    def plan(parallel: int, vram: int):
+        opts = run_options(path, device="cpu", serve=True, parallel=parallel, vram=vram, ctx=512, no_learn=True)
+        return load_model(path, store=opts.store, session=opts.session).residency
+
+    one, three = plan(1, 2**31), plan(3, 2**31)
+    assert one.kv_bytes == kv_cache_bytes(spec, 512, 4, 2048) > 0 and three.kv_bytes == 3 * one.kv_bytes
+    assert one.state_bytes == recurrent_state_bytes(spec) > 0 and three.state_bytes == 3 * one.state_bytes
+    assert three.expert_budget == one.expert_budget - 2 * (one.kv_bytes + one.state_bytes)
+    fits_one = 2**31 - one.expert_budget + 1
+    assert plan(1, fits_one).hot_bytes >= 0
+    with pytest.raises(SparkpackError) as e:
+        plan(3, fits_one)
+    assert "for 3 sequences (--parallel 3)" in str(e.value) and "lower --parallel or --ctx" in str(e.value)
+    assert "\n" not in str(e.value)
+    res = run([*SPARK_RUN, str(path), "--serve", "--port", "0", "--device", "cpu", "--vram", str(fits_one),
+               "--ctx", "512", "--parallel", "3", "--no-learn"])
+    lines = [ln for ln in error_lines(res.stderr) if not ln.startswith("sparkpack: loading")]
+    assert res.returncode == 1 and len(lines) == 1 and "--parallel 3" in lines[0] and "Traceback" not in res.stderr
 
 
 @pytest.mark.slow
@@ -136,14 +177,25 @@ class Sink:
 @pytest.mark.parametrize("arch", quick_first(["qwen35moe", "laguna", "qwen3moe"]))
 def test_engine_in_process(synth_model, arch):
     """In process: greedy and seeded-sampling jobs of different prompts through 3 sessions give the
-    serial engine's tokens; a job whose sink fails ends in error and the others go on."""
+    serial engine's tokens; a job whose sink fails ends in error and the others go on.
+    ``SPARKPACK_TEST_DEVICE=cuda``: on the GPU at 60% residency (zero-copy), where the sequences'
+    steps replay the batched step's CUDA graphs (``runtime.graph.BatchGraphs``) and the serial
+    engine runs one captured step ahead (``Session.decode``)."""
+    import torch
+
     from sparkpack.runtime.generate import Session
-    from sparkpack.runtime.models import load_model
+    from sparkpack.runtime.graph import capturable
+    from sparkpack.runtime.models import StoreOptions, load_model
     from sparkpack.runtime.options import SamplingOptions
     from sparkpack.runtime.server.engine import Engine, Job
     from sparkpack.runtime.server.parallel import ParallelEngine
 
-    model = load_model(synth_model(arch))
+    cuda = os.environ.get("SPARKPACK_TEST_DEVICE", "cpu") == "cuda"
+    model = load_model(synth_model(arch, "Q4_K_M", skew=1.0), device="cuda", dtype=torch.bfloat16,
+                       store=StoreOptions(hot_fraction=0.6, cache_slots=4, miss_mode="zerocopy")) if cuda \
+        else load_model(synth_model(arch))
+    if cuda and not capturable(model):
+        pytest.skip("not every expert layer has fused-kernel quant types")
     prompts = [[3, 14, 15, 92, 65], [7, 1], [46, 26, 43, 38, 32, 79, 50], [5, 9, 2], [88]]
     sampling = [SamplingOptions(temperature=0), SamplingOptions(temperature=0.8, seed=5)]
 
@@ -160,6 +212,10 @@ def test_engine_in_process(synth_model, arch):
     engine = ParallelEngine([Session(model) for _ in range(3)], frozenset())
     together = run(engine, fail=1)
     assert max(engine.batch_sizes) == 3  # (the jobs queued while the first one's prompt was computed)
+    if cuda:
+        assert engine.graphs is not None and engine.graphs.captures > 0 and engine.graphs.replays > 0
+    else:
+        assert engine.graphs is None  # (the CPU's batched step runs eagerly)
     for i, (s, t) in enumerate(zip(serial, together)):
         if i == 1:
             assert t.outcome.finish == "error" and t.tokens == s.tokens[:3]

@@ -54,7 +54,7 @@ class Batch:
     one sequence at consecutive positions: one after another on its state)."""
 
     caches: tuple[Cache, ...]
-    pos: tuple[int, ...]
+    pos: tuple[int | torch.Tensor, ...]  # device scalars in a captured step (``runtime.graph``)
 
 
 class MoEModel(ABC):
@@ -191,14 +191,24 @@ class MoEModel(ABC):
     def _decode_rows(self, ids: Sequence[int] | torch.Tensor, batch: Batch) -> torch.Tensor:
         """The logits of ``batch``'s rows (one token each, ``ids``), every row a one-token step."""
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
+        logits = self.rows_logits(ids, batch.caches, batch.pos)
+        self.experts.end_step(len(ids))
+        return logits
+
+    @torch.no_grad()
+    def rows_logits(self, ids: torch.Tensor, caches: Sequence[Cache], pos: Sequence[int | torch.Tensor]
+                    ) -> torch.Tensor:
+        """``_decode_rows`` at positions ``pos`` (one per cache), leaving the positions and the
+        store's ``end_step`` to the caller: with ``ids`` and ``pos`` on the device nothing here
+        touches the host, so a batched step can be captured in a CUDA graph
+        (``runtime.graph.BatchGraphs``), as ``forward`` with ``pos`` leaves them to ``DecodeGraph``."""
+        batch = Batch(tuple(caches), tuple(pos))
         with decoding_rows():
             x = self.w.embed(ids)
             pre = None
             for il in range(self.spec.n_layer):
                 x, pre = self.block(il, x, batch, 0, pre)
-            logits = self.head(x, pre, False, None)
-        self.experts.end_step(len(ids))
-        return logits
+            return self.head(x, pre, False, None)
 
     @torch.no_grad()
     def forward_hidden(self, ids: torch.Tensor | list[int], cache: Cache | None = None

@@ -2,19 +2,23 @@
 per step (continuous batching; nano-vllm's scheduler is the model).
 
 A waiting list (the queue) and a running list: at every step the requests that arrived join (their
-prompt prefilled in its own session, one of N kept between requests: a session whose previous
-sequence shares the prompt's prefix keeps it, ``Session.prompt``), then each running sequence
-takes its next token from its last logits, and those still running decode one batched step
+prompt prefilled in its own session, one of N kept between requests: the free session whose
+previous sequence shares the most of the prompt keeps it, ``Session.prompt``, unless the
+conversation cache holds a state that keeps more, which that session resumes from, as the serial
+engine's one session does; a request finding no free session waits in the queue), then each
+running sequence takes its next token from its last logits, and those still running decode one batched step
 (``runtime.batch_step.decode_together``). A sequence that finishes, hits a stop, or whose client
 is gone leaves at once, and its session takes the next waiting request. Each row of a batched
 step is the bits of the sequence decoding alone (``MoEModel.decode_batch``), so a greedy reply is
 the one the serial engine gives.
 
-What the serial engine (``engine.Engine``) has and this does not yet: the conversation cache
-(each session resumes only its own previous sequence), a captured batched step (on a GPU the
-sequences take their own captured steps in turn: ``runtime.batch_step``), prompts prefilled in chunks between decode steps (a joining prompt is prefilled
-whole before the step), and a structured output's grammar is applied per sequence as there.
-Work between requests (placement learning) runs when no sequence is in flight.
+On a GPU the batched step is replayed from a CUDA graph per set of sessions (``runtime.graph.
+BatchGraphs``; the rows in session order, so a set is one graph whatever order its requests came in).
+
+Not yet: prompts prefilled in chunks between decode steps (a joining prompt is prefilled whole
+before the step, and the running sequences wait for it). A structured output's grammar is applied
+per sequence, as in the serial engine. Work between requests (placement learning) runs when no
+sequence is in flight.
 """
 from __future__ import annotations
 
@@ -27,10 +31,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from ..batch_step import decode_together
+from ..conversation_cache import ConversationCache
 from ..generate import Session
+from ..graph import BatchGraphs
 from .engine import BetweenRequests, Engine, Job, Outcome, own_sampler
 from .metrics import PREFIX
 
@@ -61,17 +67,20 @@ class ParallelEngine(Engine):
 
     def __init__(self, sessions: list[Session], stop_ids: frozenset[int], *, max_queue: int = 64,
                  on_job: Callable[[Job, Outcome], None] | None = None, between: BetweenRequests | None = None,
+                 conversations: ConversationCache | None = None,
                  sampler: Callable[[Job], Sampler | None] = own_sampler,
                  after_prefill: Callable[[Job, torch.Tensor], None] | None = None):
         if not sessions or any(s.model is not sessions[0].model for s in sessions):
             raise ValueError("ParallelEngine: one session or more, all of one model")
         self.sessions = sessions
+        # the batched step captured per set of sessions where their decode steps are (CUDA)
+        self.graphs = BatchGraphs(sessions[0].model) if all(s.use_graphs for s in sessions) else None
         self.batch_sizes: Counter[int] = Counter()  # batched steps run, by their number of sequences
         self._flight: list[Running] = []  # the running list
         self._free = list(sessions)
         self._stopping = False
         super().__init__(sessions[0], stop_ids, max_queue=max_queue, on_job=on_job, between=between,
-                         sampler=sampler, after_prefill=after_prefill)
+                         conversations=conversations, sampler=sampler, after_prefill=after_prefill)
 
     @property
     def running(self) -> int:
@@ -119,8 +128,14 @@ class ParallelEngine(Engine):
             log.exception("work between requests failed")
 
     def _session_for(self, ids: list[int]) -> Session:
-        """The free session that keeps the most of ``ids`` (its previous sequence's prefix)."""
-        best = max(self._free, key=lambda s: s.reusable(ids))
+        """The free session that keeps the most of ``ids`` (its previous sequence's prefix); when
+        the conversation cache keeps more, the free session left longest ago (``_free`` is in the
+        order sessions were left), which the cache's state then replaces: the live sequences
+        more likely to be continued stay where they are."""
+        live = {id(s): s.reusable(ids) for s in self._free}
+        best = max(self._free, key=lambda s: live[id(s)])
+        if self.conversations is not None and self.conversations.keeps(ids, best) > live[id(best)]:
+            best = self._free[0]
         self._free.remove(best)
         return best
 
@@ -135,7 +150,11 @@ class ParallelEngine(Engine):
         try:
             timing = session.timing
             prefill0 = timing.prefill_seconds
-            logits = session.prompt(job.ids)
+            cache = self.conversations
+            resume = cache.prepare(job.ids, session) if cache is not None else None
+            logits = session.prompt(job.ids, marks=resume.marks if resume is not None else frozenset())
+            if resume is not None:
+                cache.after_prompt(job.ids, resume, session)
             outcome.cached_tokens = session.reused
             job.sink.started(outcome)
             if self.after_prefill is not None:
@@ -146,6 +165,8 @@ class ParallelEngine(Engine):
             outcome.finish, outcome.error = "error", f"{type(e).__name__}: {e}".splitlines()[0]
             session.reset()  # whatever state the failure left is not trusted
             self._free.append(session)
+            if cache is not None:
+                cache.request_ended(keep=False, session=session)
             self._end(job, outcome)
             return
         sampler = self.sampler(job)
@@ -187,8 +208,9 @@ class ParallelEngine(Engine):
                 going.append((r, tok))
         if not going:
             return
+        going.sort(key=lambda g: self.sessions.index(g[0].session))  # a set's rows in one order: one graph
         try:
-            logits = decode_together([r.session for r, _ in going], [t for _, t in going])
+            logits = decode_together([r.session for r, _ in going], [t for _, t in going], self.graphs)
         except Exception as e:  # every sequence of the step fails; the server goes on
             log.exception("a batched step failed")
             for r, _ in going:
@@ -233,6 +255,11 @@ class ParallelEngine(Engine):
         self._free.append(r.session)
         r.outcome.decode_seconds = r.session.timing.decode_seconds - r.decode0
         self._end(r.job, r.outcome)
+        if self.conversations is not None:
+            try:  # (before the session takes another request)
+                self.conversations.request_ended(keep=r.outcome.finish != "error", session=r.session)
+            except Exception:  # the cache must never take the server down
+                log.exception("keeping the conversation's state failed")
 
     def _end(self, job: Job, outcome: Outcome) -> None:
         try:
@@ -245,15 +272,20 @@ class ParallelEngine(Engine):
 
 class BatchCollector:
     """``/metrics``' view of a ``ParallelEngine`` at scrape time: the sequences in flight and the
-    batched steps by size (the waiting ones are ``sparkpack_waiting_requests``)."""
+    decode steps' batch sizes, a histogram with a bucket per size up to ``--parallel`` (the
+    waiting requests are ``sparkpack_requests_waiting``, each request's wait for a free sequence
+    ``sparkpack_queue_wait_seconds``)."""
 
     def __init__(self, engine: ParallelEngine):
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(PREFIX + "running_sequences", "Sequences decoding now", value=self.engine.running)
-        steps = CounterMetricFamily(PREFIX + "batched_steps", "Decode steps, by the sequences each computed",
-                                    labels=["size"])
-        for size, n in sorted(self.engine.batch_sizes.items()):
-            steps.add_metric([str(size)], n)
-        yield steps
+        sizes = dict(self.engine.batch_sizes)  # (a copy: the engine thread adds to it)
+        buckets, seen = [], 0
+        for size in range(1, len(self.engine.sessions) + 1):
+            seen += sizes.get(size, 0)
+            buckets.append((str(float(size)), seen))  # (as prometheus_client writes a bound)
+        buckets.append(("+Inf", seen))
+        yield HistogramMetricFamily(PREFIX + "batch_size", "Sequences each decode step computed", buckets=buckets,
+                                    sum_value=sum(size * n for size, n in sizes.items()))

@@ -70,9 +70,11 @@ def build_served(model, opts: RunOptions, *, hooks: ServeHooks = ServeHooks(),
     template = ChatTemplate.from_tokenizer(source, tok) if source else None
     flags = opts.learning
     trace = attach_trace(model, flags.trace_out) if flags.trace_out is not None else None  # before any capture
-    session = open_session(model, opts.session, tok.control_ids)
-    if model.device.type == "cuda":  # kernels compiled and graphs captured before /health says ready
-        click.echo(f"sparkpack: warmed up in {session.warm_up():.2f} s", err=True)
+    serve = opts.serve if opts.serve is not None else ServeOptions()
+    sessions = [open_session(model, opts.session, tok.control_ids) for _ in range(serve.parallel)]
+    session = sessions[0]
+    if model.device.type == "cuda":  # kernels compiled and graphs captured (each session's) before /health says ready
+        click.echo(f"sparkpack: warmed up in {sum(s.warm_up() for s in sessions):.2f} s", err=True)
     learning = (start_learning(model, opts.store.learn, opts.store.generated_weight) if opts.store is not None
                 else None)  # (after the warm-up: dummy tokens teach nothing)
     if trace is not None:
@@ -97,16 +99,15 @@ def build_served(model, opts: RunOptions, *, hooks: ServeHooks = ServeHooks(),
         def on_job(job, outcome) -> None:  # noqa: F811 - the trace made durable after each request too
             metrics.observe_job(job, outcome)  # (reads the store's counts: a deferred step's ids are written)
             trace.sync()
-    serve = opts.serve if opts.serve is not None else ServeOptions()
     engine: Engine
+    conversations = open_conversation_cache(session, serve)
+    metrics.conversations = conversations
     if serve.parallel > 1:
         from .parallel import BatchCollector
 
-        engine = parallel_engine(model, opts, serve, session, tok, on_job, learning, hooks)
+        engine = parallel_engine(model, opts, serve, sessions, tok, on_job, learning, conversations, hooks)
         metrics.registry.register(BatchCollector(engine))
     else:
-        conversations = open_conversation_cache(session, serve)
-        metrics.conversations = conversations
         engine = Engine(session, tok.stop_ids, on_job=on_job, between=learning, conversations=conversations,
                         sampler=hooks.sampler or own_sampler, after_prefill=hooks.after_prefill)
     served = Served(name=model_name(opts.model_path), model=model, tokenizer=tok, template=template,
@@ -117,16 +118,35 @@ def build_served(model, opts: RunOptions, *, hooks: ServeHooks = ServeHooks(),
     return served
 
 
-def parallel_engine(model, opts: RunOptions, serve: ServeOptions, session, tok, on_job, learning,
+def parallel_engine(model, opts: RunOptions, serve: ServeOptions, sessions, tok, on_job, learning, conversations,
                     hooks: ServeHooks):
-    """``--parallel N``: N sessions (the warmed-up one and N - 1 more), decoded together."""
+    """``--parallel N``: N sessions, decoded together."""
     from .parallel import ParallelEngine
 
-    sessions = [session] + [open_session(model, opts.session, tok.control_ids) for _ in range(serve.parallel - 1)]
-    click.echo(f"sparkpack: up to {serve.parallel} requests decoded together; the conversation cache is off "
-               "(each of them resumes only its own previous sequence)", err=True)
-    return ParallelEngine(sessions, tok.stop_ids, on_job=on_job, between=learning,
+    click.echo(f"sparkpack: up to {serve.parallel} requests decoded together (--parallel); "
+               f"{sequences_line(model, opts)}", err=True)
+    return ParallelEngine(sessions, tok.stop_ids, on_job=on_job, between=learning, conversations=conversations,
                           sampler=hooks.sampler or own_sampler, after_prefill=hooks.after_prefill)
+
+
+def sequences_line(model, opts: RunOptions) -> str:
+    """What ``--parallel`` sequences at ``--ctx`` take on the device (``formats.memory.sequence_bytes``,
+    what the ``--vram`` plan holds for them)."""
+    from sparkpack.formats.memory import sequence_bytes
+    from sparkpack.formats.units import fmt_size
+
+    from ..options import StoreOptions
+    from ..residency import memory_target
+
+    session = opts.session
+    store = opts.store if opts.store is not None else StoreOptions()
+    kv, state, graphs = sequence_bytes(model.spec, memory_target(model.device, model.dtype, model.spec, store, session))
+    line = f"their KV caches at --ctx {session.ctx} take {fmt_size(kv)}"
+    if state:
+        line += f", their recurrent states {fmt_size(state)}"
+    if graphs:
+        line += f", their captured prefill calls {fmt_size(graphs)}"
+    return line + (" on the GPU" if model.device.type == "cuda" else " in host memory")
 
 
 def open_conversation_cache(session, opts: ServeOptions):
