@@ -147,10 +147,10 @@ class ParallelEngine(Engine):
             self._end(job, outcome)
             return
         session = self._session_for(job.ids)
+        cache = self.conversations
         try:
             timing = session.timing
             prefill0 = timing.prefill_seconds
-            cache = self.conversations
             resume = cache.prepare(job.ids, session) if cache is not None else None
             logits = session.prompt(job.ids, marks=resume.marks if resume is not None else frozenset())
             if resume is not None:
