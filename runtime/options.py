@@ -116,6 +116,7 @@ class StoreOptions:
     generated_weight: float = GEN_WEIGHT  # weight of generated-side routings when placing from a profile
     learn: LearnOptions | None = None  # learn into the profile file (None: read it only)
     mtp: bool = False  # load the file's multi-token-prediction head too (drafting); the plan counts it
+    draft_tokens: int = 0  # the session drafts up to this many tokens a step (--draft): the plan counts their states
 
     @property
     def budget(self) -> Budget:
@@ -229,7 +230,8 @@ def run_options(model_path: Path, *, device: str = "auto", dtype: str = "auto", 
                                                    force=force)
         store = StoreOptions(vram=vram, hot_fraction=hot_fraction, cache_slots=cache_slots, profile=profile,
                              miss_mode=miss_mode, host_ram=host_ram if host_ram is not None else default_host_ram(),
-                             generated_weight=generated_weight, learn=learn, mtp=draft == "mtp")
+                             generated_weight=generated_weight, learn=learn, mtp=draft == "mtp",
+                             draft_tokens=draft_tokens if draft != "off" else 0)
     return RunOptions(model_path=model_path, device=device, dtype=dtype, threads=threads, dequant_limit=dequant_limit,
                       store=store, session=SessionOptions(ctx=ctx, kv_type=kv_type, prefill_chunk=prefill_chunk),
                       sampling=SamplingOptions(**sampling), draft=DraftOptions(kind=draft, tokens=draft_tokens),

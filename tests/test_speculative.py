@@ -238,3 +238,72 @@ def test_server_draft_gives_the_plain_reply_and_metrics(chat_model):
     steps = re.search(r"^sparkpack_draft_verify_steps_total (\S+)$", metrics, re.M)
     assert steps and float(steps.group(1)) > 0
     assert re.search(r"^sparkpack_draft_length \S+$", metrics, re.M)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("hot_fraction,slots", [(1.0, 0), (0.3, 6)])
+def test_captured_verify_rows_are_the_captured_single_steps(synth_model, arch, hot_fraction, slots):
+    """On a GPU: a verify step replayed from its CUDA graph (``VerifyGraphs``), and its capture
+    run, give row for row the bits of the captured single decode steps (``DecodeGraph``) over
+    the same tokens, also after a rollback; a greedy drafting run equals the plain one."""
+    from sparkpack.runtime.graph import capturable
+
+    model = load_model(synth_model(arch, "Q4_K_M", skew=1.0), device="cuda", dtype=torch.bfloat16,
+                       store=StoreOptions(hot_fraction=hot_fraction, cache_slots=slots, miss_mode="zerocopy"))
+    if not capturable(model):
+        pytest.skip("not every expert layer has fused-kernel quant types")
+    plain = Session(model, ctx=128)
+    ids = list(PROMPT)
+    want = [plain.feed(ids)]
+    for _ in range(14):
+        ids.append(int(torch.argmax(want[-1])))
+        want.append(plain.feed(ids))
+    assert plain.graph is not None and plain.graph.replays > 0
+    session = Session(model, ctx=128)
+    session.feed(PROMPT)
+    at = len(PROMPT)
+    for n, k in ((4, 2), (4, 4), (3, 1), (4, 3)):  # (rows, kept): captured, replayed, after rollbacks
+        rows, _ = session.verify(ids[at:at + n])
+        for i in range(n):
+            assert torch.equal(rows[i], want[at - len(PROMPT) + i + 1]), (n, k, i)
+        session.keep(k)
+        at += k
+    assert session.verify_graphs.replays >= 2 and session.verify_graphs.captures >= 2
+    oracle = known_continuation(PROMPT, ids[len(PROMPT):])
+    drafted = drafting(model, ForcedDrafter(oracle, 0.7, model.spec.n_vocab), k=3)
+    got = list(generate(model, None, PROMPT, None, 14, stop_ids=(), session=drafted))
+    assert got == ids[len(PROMPT):]
+    assert drafted.verify_graphs is not None and drafted.verify_graphs.replays > 0
+
+
+def test_vram_plan_counts_the_verify_rows_states(synth_model):
+    """A drafting run's plan holds one more DeltaNet state per drafted token, and a session's row
+    copies (after a verify step of the most rows) stay within it; ``--draft`` reaches the plan."""
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.gguf_file import GGUFModel
+    from sparkpack.formats.memory import MemoryTarget, recurrent_state_bytes
+    from sparkpack.formats.placement import Budget, plan_residency
+    from sparkpack.runtime.options import run_options
+
+    path = synth_model("qwen35moe", "Q4_K_M", skew=1.0)
+    with GGUFModel(path) as m:
+        spec = model_spec(m)
+        target = MemoryTarget.gpu(spec, 512)
+        budget = Budget(vram=1536 * 1024**2)
+        off = plan_residency(spec, m.tensors, budget, target)
+        on = plan_residency(spec, m.tensors, budget, MemoryTarget(**{**target.__dict__, "draft_tokens": 4}))
+    assert off.state_bytes == recurrent_state_bytes(spec) > 0
+    assert on.state_bytes == 5 * off.state_bytes and on.expert_budget == off.expert_budget - 4 * off.state_bytes
+    assert run_options(path, device="cpu", hot_fraction=1.0, draft="ngram", draft_tokens=3).store.draft_tokens == 3
+    assert run_options(path, device="cpu", hot_fraction=1.0, draft_tokens=3).store.draft_tokens == 0
+    model = load(path, None)
+    session = drafting(model, NgramDrafter(), k=4)
+    session.feed(PROMPT)
+    session.verify(PROMPT[:5])
+    session.keep(2)
+    copies = sum(t.nbytes for d in (session.row_states.conv, session.row_states.ssm) for t in d.values())
+    assert 0 < copies <= 4 * recurrent_state_bytes(spec)
