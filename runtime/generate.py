@@ -480,7 +480,7 @@ class Session:
         logits, hidden = out if out is not None else self.model.verify_rows(tokens, self.cache, states=states)
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
-        self.fed = self.fed + list(tokens)
+        self.fed.extend(tokens)
         self._verified = (start, n, time.perf_counter() - t0)
         return logits, hidden
 
@@ -499,7 +499,7 @@ class Session:
             if self.recurrent:
                 self.row_states.restore(self.cache, k - 1)
             self.cache.rewind(start + k)
-            self.fed = self.fed[:start + k]
+            del self.fed[start + k:]
         self.timing.decode_tokens += k
         self.timing.decode_seconds += seconds
 

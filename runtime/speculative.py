@@ -116,6 +116,7 @@ def speculative_tokens(session: Session, logits: torch.Tensor, n: int, sampler: 
                 nxt = int(sampler.sample(rows[a], seq + drafts))
         session.keep(a + 1)
         spec.kept(h, a + 1)
+        spec.drafter.rewind(len(session.fed))
         spec.stats.verify_steps += 1
         spec.stats.drafted += len(drafts)
         spec.stats.accepted += a

@@ -149,6 +149,14 @@ def test_hidden_rows_are_the_main_models_output_normed_rows(synth_model):
     _, want = model.forward_hidden(session.fed[:rows.shape[0]])
     assert rows.shape == want.shape
     assert torch.allclose(rows.float(), want.float(), atol=1e-4, rtol=1e-4)
+    # a next request keeping a prefix: the drafter is rewound to it and handed the rows after it
+    again = PROMPT + plain[:5] + [7]
+    recorder.calls, recorder.rows, recorder.rewinds = [], [], []
+    list(generate(model, None, again, None, 3, stop_ids=(), session=session))
+    kept = session.reused
+    assert recorder.rewinds[0] == kept  # (the prompt's; each verify's after it) and recorder.calls[0] == (len(again) + 1, len(again) - kept)
+    _, want = model.forward_hidden(again)
+    assert torch.allclose(recorder.rows[0].float(), want[kept:].float(), atol=1e-4, rtol=1e-4)
 
 
 def test_draft_length_follows_acceptance():
