@@ -470,7 +470,9 @@ class Session:
         states = None
         if self.recurrent and n > 1:  # (one row is always kept whole)
             if self.row_states is None or not self.row_states.fits(self.cache, n):
-                self.row_states = RowStates(self.cache, max(n - 1, self.row_states.rows if self.row_states else 0))
+                # sized for the drafting's longest step at once (a graph captured on them stays valid)
+                most = max(n - 1, self.draft.length.max_k if self.draft is not None else 0)
+                self.row_states = RowStates(self.cache, max(most, self.row_states.rows if self.row_states else 0))
             states = self.row_states
         out = None
         if self.use_graphs:

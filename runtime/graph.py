@@ -135,15 +135,17 @@ class VerifyGraphs:
     (the rows' positions are computed from it inside the graph), so nothing in the replayed
     region is a host value. The graphs share one memory pool (they never overlap). ``step``
     returns None past the KV buffers' room (the caller verifies eagerly, which grows them; the
-    graphs then capture again on the new buffers), and the graphs are captured again when the
-    row-state buffers they copy into change."""
+    graphs then capture again on the new buffers), and a graph is captured again when the
+    row-state buffers it copies into change (``Session.verify`` grows them for a longer step)."""
 
     def __init__(self, model: MoEModel, cache: Cache):
         self.model, self.cache = model, cache
         dev = model.device
         self.pos = torch.zeros((), dtype=torch.long, device=dev)
         self.offsets = torch.arange(0, 64, dtype=torch.long, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # by row count: graph, logits and hidden outputs, ids input, the row-state buffers it copies into
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor,
+                                     RowStates | None]] = {}
         self.host = torch.zeros(64, dtype=torch.long, pin_memory=dev.type == "cuda")
         self.pool = None
         self.stream: torch.cuda.Stream | None = None
@@ -158,13 +160,15 @@ class VerifyGraphs:
         room = min((la.room for la in self.cache.layers if isinstance(la, KVCache) and la.k is not None), default=0)
         if n > self.offsets.numel() or self.cache.pos + n > room:
             return None
-        on = (kv_addresses(self.cache), id(states))
+        on = kv_addresses(self.cache)
         if on != self.captured_on:
-            self.graphs.clear()  # (new KV buffers or row-state buffers: capture again on them)
+            self.graphs.clear()  # (new KV buffers: capture again on them)
             self.captured_on = on
         self.host[:n] = torch.tensor(tokens, dtype=torch.long)
         self.pos.fill_(self.cache.pos)
         ran = self.graphs.get(n)
+        if ran is not None and ran[4] is not states:  # (new row-state buffers: this one again)
+            ran = None
         if ran is None:
             ids = torch.zeros(n, dtype=torch.long, device=self.model.device)
             ids.copy_(self.host[:n], non_blocking=True)
@@ -179,11 +183,11 @@ class VerifyGraphs:
                 self.stream = torch.cuda.Stream(self.model.device)
             logits, graph, out = run_and_capture(call, self.model.device, self.stream, self.pool)
             self.pool = graph.pool()
-            self.graphs[n] = (graph, out, ids, hidden)
+            self.graphs[n] = (graph, out, ids, hidden, states)
             self.captures += 1
             rows = hidden.clone()
         else:
-            graph, out, ids, hidden = ran
+            graph, out, ids, hidden, _ = ran
             ids.copy_(self.host[:n], non_blocking=True)
             graph.replay()
             self.replays += 1
