@@ -386,7 +386,7 @@ class Session:
         tokens: the next ``prompt`` keeps them where it would have kept them."""
         restore(state, self.cache, self.model.device, self.model.dtype)
         if self.draft is not None:
-            self.draft.rewind(0)  # (the drafter never saw these rows: it starts over)
+            self.draft.start_at(state.pos)
         self.fed = list(state.tokens)
         self.cuts = list(state.cuts)
         self.exact = state.pos

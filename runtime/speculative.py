@@ -54,6 +54,13 @@ class Speculation:
             self.pending_from = n_tokens
         self.drafter.rewind(n_tokens)
 
+    def start_at(self, pos: int) -> None:
+        """The sequence was replaced by a state of ``pos`` tokens whose rows the drafter never saw
+        (``Session.resume``): it starts over, and the rows it is handed next begin at ``pos``."""
+        self.pending.clear()
+        self.pending_from = pos
+        self.drafter.rewind(0)
+
     def hidden(self) -> torch.Tensor | None:
         """The pending rows for ``propose`` (None for a drafter that reads none), handed over once."""
         if not self.drafter.needs_hidden:

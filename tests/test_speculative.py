@@ -316,3 +316,23 @@ def test_vram_plan_counts_the_verify_rows_states(synth_model):
     session.keep(2)
     copies = sum(t.nbytes for d in (session.row_states.conv, session.row_states.ssm) for t in d.values())
     assert 0 < copies <= 4 * recurrent_state_bytes(spec)
+
+
+def test_pending_rows_follow_rewinds_and_resumes():
+    """The rows a drafter has not been handed yet stay those of the kept positions, in order:
+    cut where the sequence goes back, dropped past a resumed state's start."""
+    rec = HiddenRecorder(lambda tokens, k: [])
+    spec = Speculation(rec, 2)
+    rows = torch.arange(10.0).unsqueeze(1)  # row i: position i
+    spec.pending.append(rows[:6])  # a prompt of 6 tokens
+    assert torch.equal(spec.hidden(), rows[:6]) and spec.pending_from == 6
+    spec.kept(rows[6:9], 3)  # a verify kept positions 6..8
+    spec.rewind(8)  # a next request keeps 8 tokens
+    assert rec.rewinds[-1] == 8 and torch.equal(spec.hidden(), rows[6:8])
+    spec.rewind(5)  # back into rows handed over: the drafter drops them itself
+    assert rec.rewinds[-1] == 5 and spec.pending_from == 5 and spec.hidden() is None
+    spec.start_at(40)  # a resumed state of 40 tokens: rows start there
+    assert rec.rewinds[-1] == 0 and spec.pending_from == 40 and spec.hidden() is None
+    spec.kept(rows[:2], 2)
+    spec.rewind(41)
+    assert torch.equal(spec.hidden(), rows[:1]) and spec.pending_from == 41
