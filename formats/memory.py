@@ -104,6 +104,9 @@ class MemoryTarget:
     # Sequences held at once (a server's ``--parallel``): each has its own KV cache, recurrent
     # state and captured prefill calls (``sequence_bytes``).
     sequences: int = 1
+    # the most tokens a session drafts per verify step: one more device copy of the DeltaNet
+    # states per drafted token (``runtime.cache.RowStates``; ``recurrent_state_bytes``)
+    draft_tokens: int = 0
 
     @classmethod
     def gpu(cls, spec: ModelSpec, ctx: int = 4096, kv_type: str = "auto",
@@ -289,11 +292,12 @@ def prefill_graph_bytes(spec: ModelSpec, tokens: int = PREFILL_GRAPH_TOKENS) -> 
 
 def sequence_bytes(spec: ModelSpec, target: MemoryTarget) -> tuple[int, int, int]:
     """What ``target.sequences`` sequences hold on the device besides the runtime's own: their KV
-    caches, their recurrent states, and the captured prefill calls' pools of all but the first
+    caches, their recurrent states (a drafting session's also a copy per drafted token:
+    ``runtime.cache.RowStates``), and the captured prefill calls' pools of all but the first
     (each session captures its own; ``runtime_bytes`` counts one)."""
     n = target.sequences
     return (n * kv_cache_bytes(spec, target.ctx, target.kv_bytes_per_value, target.prefill_chunk),
-            n * recurrent_state_bytes(spec), (n - 1) * prefill_graph_bytes(spec))
+            n * recurrent_state_bytes(spec) * (1 + target.draft_tokens), (n - 1) * prefill_graph_bytes(spec))
 
 
 def runtime_bytes(spec: ModelSpec, ctx: int, chunk: int = PREFILL_CHUNK) -> int:

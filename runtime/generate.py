@@ -14,21 +14,24 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from sparkpack.formats.memory import PREFILL_CHUNK, call_rows, longest_call
 from sparkpack.formats.profile import SIDES
 
-from .cache import STATE_CHECKPOINTS
+from .cache import STATE_CHECKPOINTS, RowStates
 from .call_plan import CallPlan, PlannedCall
 from .decode_ahead import decode_ahead
-from .graph import DecodeGraph, PrefillGraphs, capturable, prefill_is_padded, short_prefill_calls
+from .graph import DecodeGraph, PrefillGraphs, VerifyGraphs, capturable, prefill_is_padded, short_prefill_calls
 from .models.base import Call, MoEModel
 from .prefix_reuse import PrefixReuse
 from .sequence_state import SequenceState
 from .warm_up import run_call_shapes
+
+if TYPE_CHECKING:
+    from .speculative import Speculation
 
 PROMPT, GENERATED = SIDES  # the side of a call's tokens, for placement learning (ExpertProvider.routing_side)
 
@@ -38,7 +41,9 @@ class TokenSampler(Protocol):
 
     ``history_free``: the draw needs no token history, so ``pick(logits)`` (the token id on the
     device, nothing read back; called only then) lets ``Session.decode`` run one step ahead of the
-    host. Otherwise ``sample`` is shown the history, one host round trip a token."""
+    host. Otherwise ``sample`` is shown the history, one host round trip a token. A drafting
+    session (``Session.draft``) also asks ``verify_draft`` (``Sampler.verify_draft``: the
+    rejection rule); a sampler without it decodes without drafting."""
 
     @property
     def history_free(self) -> bool: ...
@@ -114,6 +119,11 @@ class Session:
         self.reuse = PrefixReuse(self.cache, self.plan, model.device, model.dtype, checkpoints)
         self.fed: list[int] = []
         self.reused = 0  # tokens the last ``prompt`` kept instead of computing
+        # Speculative decoding (``runtime.speculative``): the drafter and its counts; None: off.
+        self.draft: Speculation | None = None
+        self.verify_graphs: VerifyGraphs | None = None
+        self.row_states: RowStates | None = None  # DeltaNet states after each verify row
+        self._verified: tuple[int, int, float] | None = None  # the last verify: start, rows, seconds
 
     def warm_up(self) -> float:
         """Run every call shape a first prompt and its reply will use on dummy tokens
@@ -135,6 +145,8 @@ class Session:
         self.cache.reset()
         self.fed = []
         self.reuse.forget()
+        if self.draft is not None:
+            self.draft.rewind(0)
 
     def feed(self, ids: list[int], side: str = PROMPT) -> torch.Tensor:
         """Make the cache hold exactly ``ids`` and return the logits of the last one ``[n_vocab]``.
@@ -158,6 +170,8 @@ class Session:
             raise ValueError("nothing to feed: empty token list")
         keep = self.reuse.start(ids, self.fed, marks)
         self.fed = self.fed[:keep]
+        if self.draft is not None:
+            self.draft.rewind(keep)
         self.reused = keep
         # A fresh session's lone first token is a decode step (captured); any later call is not.
         return self._run(ids, keep, graph=keep == 0, side=side)
@@ -180,11 +194,36 @@ class Session:
         tokens: the next ``prompt`` keeps them where it would have kept them."""
         self.reuse.resume(state)
         self.fed = list(state.tokens)
+        if self.draft is not None:
+            self.draft.start_at(state.pos)
 
     def _run(self, ids: list[int], n: int, graph: bool, side: str) -> torch.Tensor:
         """Feed ``ids[n:]`` (tokens of ``side``) after the ``n`` tokens in the cache; the logits of the last."""
         self.model.experts.routing_side(side)
         t0 = time.perf_counter()
+        collect = self.draft is not None and self.draft.drafter.needs_hidden
+        if collect:  # the drafter reads these rows' hidden states: eager calls append them
+            self.model.hidden_out = self.draft.pending
+        try:
+            logits, capturing = self._calls(ids, n, graph and not collect)
+        finally:
+            self.model.hidden_out = None
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        dt, new = time.perf_counter() - t0, len(ids) - n
+        if capturing:  # kept out of the decode rate, which describes the steady state
+            self.timing.capture_seconds += dt
+        elif new == 1:
+            self.timing.decode_tokens += 1
+            self.timing.decode_seconds += dt
+        else:
+            self.timing.prefill_tokens += new
+            self.timing.prefill_seconds += dt
+        self.fed = list(ids)
+        return logits
+
+    def _calls(self, ids: list[int], n: int, graph: bool) -> tuple[torch.Tensor, bool]:
+        """``_run``'s calls: the last token's logits, and whether a decode step was captured."""
         logits = None
         capturing = False
         if len(ids) - n == 1 and graph and self.use_graphs:
@@ -205,19 +244,53 @@ class Session:
                             logits = self.model.forward(chunk, self.cache, last_only=True)[-1]
                         self.reuse.ended(c, save=True)
             self.reuse.save_windows()
+        return logits, capturing
+
+    def verify(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed ``tokens`` (the token just picked, then the drafts after it) after the fed ones in
+        one verify step (``MoEModel.verify_rows``; captured where decode steps are); returns
+        their logits ``[n, n_vocab]``, row i bit for bit the single decode step after
+        ``tokens[i]``, and their output-normed rows. ``keep`` then says how many of them stay."""
+        self.model.experts.routing_side(GENERATED)
+        t0 = time.perf_counter()
+        start, n = len(self.fed), len(tokens)
+        states = None
+        if self.reuse.recurrent and n > 1:  # (one row is always kept whole)
+            if self.row_states is None or not self.row_states.fits(self.cache, n):
+                # sized for the drafting's longest step at once (a graph captured on them stays valid)
+                most = max(n - 1, self.draft.length.max_k if self.draft is not None else 0)
+                self.row_states = RowStates(self.cache, max(most, self.row_states.rows if self.row_states else 0))
+            states = self.row_states
+        out = None
+        if self.use_graphs:
+            if self.verify_graphs is None:
+                self.verify_graphs = VerifyGraphs(self.model, self.cache)
+            out = self.verify_graphs.step(tokens, states)
+        logits, hidden = out if out is not None else self.model.verify_rows(tokens, self.cache, states=states)
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
-        dt, new = time.perf_counter() - t0, len(ids) - n
-        if capturing:  # kept out of the decode rate, which describes the steady state
-            self.timing.capture_seconds += dt
-        elif new == 1:
-            self.timing.decode_tokens += 1
-            self.timing.decode_seconds += dt
-        else:
-            self.timing.prefill_tokens += new
-            self.timing.prefill_seconds += dt
-        self.fed = list(ids)
-        return logits
+        self.fed.extend(tokens)
+        self._verified = (start, n, time.perf_counter() - t0)
+        return logits, hidden
+
+    def keep(self, k: int) -> None:
+        """Keep the first ``k`` tokens of the last ``verify`` and go back exactly to the state
+        after them: the DeltaNet states after row ``k - 1`` copied back (``RowStates``), attention
+        rows and ring rows past them masked and later overwritten (``Cache.rewind``). The
+        ``k`` tokens count as decoded in the verify's time."""
+        if self._verified is None:
+            raise ValueError("keep: no verify step to keep tokens of")
+        start, n, seconds = self._verified
+        if not 1 <= k <= n:
+            raise ValueError(f"keep: {k} of a verify step of {n} tokens")
+        self._verified = None
+        if k < n:
+            if self.reuse.recurrent:
+                self.row_states.restore(self.cache, k - 1)
+            self.cache.rewind(start + k)
+            del self.fed[start + k:]
+        self.timing.decode_tokens += k
+        self.timing.decode_seconds += seconds
 
     def _grouped(self, ids: list[int], group: list[PlannedCall]) -> torch.Tensor | None:
         """The logits of ``group``'s last token, its calls run layer by layer
@@ -275,9 +348,19 @@ def continue_tokens(session: Session, logits: torch.Tensor, sampler: TokenSample
     """``generate`` after the prompt is in ``session`` (``logits``: its last token's), for
     callers that fed it themselves (the server's ``Session.prompt``). ``constraint``: a grammar
     whose mask needs the token before it, so such a reply decodes one token at a time (the same
-    bits: a step fed on its own is the step ``decode`` launches ahead)."""
+    bits: a step fed on its own is the step ``decode`` launches ahead). A session that drafts
+    (``Session.draft``) decodes through ``runtime.speculative`` (a grammar's replies do not: its
+    mask wants each token before the next)."""
     stops = set(int(s) for s in stop_ids)
     history = list(session.fed)
+    if session.draft is not None and constraint is None and (sampler is None or hasattr(sampler, "verify_draft")):
+        from .speculative import speculative_tokens
+
+        for tok in speculative_tokens(session, logits, max_new_tokens, sampler):
+            if tok in stops:
+                return
+            yield tok
+        return
     if constraint is None and (sampler is None or sampler.history_free):
         pick = torch.argmax if sampler is None else sampler.pick
         for tok in session.decode(logits, max_new_tokens, pick):

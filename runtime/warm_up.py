@@ -8,7 +8,7 @@ any of it.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -19,22 +19,31 @@ from .graph import PREFILL_SIZES, PrefillGraphs
 from .kernels.moe_grouped import tile_calls
 from .models.base import MoEModel
 
+if TYPE_CHECKING:
+    from .speculative import Speculation
+
 
 class Warmable(Protocol):
     """What the warm-up reads of a session (``runtime.generate.Session``): its model and schedule,
-    whether its short calls are padded (``prefill``), its context, and the three ways it takes
-    tokens."""
+    whether its short calls are padded (``prefill``), its context, the ways it takes tokens, and a
+    drafting session's drafter and verify steps."""
 
     model: MoEModel
     plan: CallPlan
     prefill: PrefillGraphs | None
     cache_ctx: int
+    fed: list[int]
+    draft: Speculation | None
 
     def reset(self) -> None: ...
 
     def feed(self, ids: list[int]) -> torch.Tensor: ...
 
     def prompt(self, ids: list[int]) -> torch.Tensor: ...
+
+    def verify(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def keep(self, k: int) -> None: ...
 
 
 def run_call_shapes(session: Warmable) -> None:
@@ -47,7 +56,8 @@ def run_call_shapes(session: Warmable) -> None:
     a q8_0 KV cache a one-shot prompt ran slower when only the first call was warmed) and with a
     count that is and one that is not a multiple of 16 (Triton compiles the two apart): a
     prompt's calls end at control tokens and at its end, so any length comes. Then two decode
-    steps (capture, replay). The session is left holding dummy tokens."""
+    steps (capture, replay) and a drafting session's verify step of each row count (captured:
+    ``VerifyGraphs``). The session is left holding dummy tokens."""
     spec, plan = session.model.spec, session.plan
     room = max(2, session.cache_ctx - 2)
     dummy = torch.randint(0, spec.n_vocab, (2 * room + 128,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -81,6 +91,12 @@ def run_call_shapes(session: Warmable) -> None:
     for _ in range(2):
         ids.append(dummy[len(ids)])
         session.feed(ids)
+    if session.draft is not None:  # a verify step of every row count the drafting may take (captured)
+        for n in range(1, session.draft.length.max_k + 2):
+            if len(session.fed) + n + 1 > room:
+                break
+            session.verify(dummy[len(session.fed): len(session.fed) + n])
+            session.keep(1)
     if plan.long_past is not None and plan.long_past + plan.prefill_chunk + 2 <= room:
         # the eager calls after a long past: the past fed once, then every call length that
         # picks another MoE tile shape (those too short are padded calls, warmed above) on it

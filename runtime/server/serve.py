@@ -71,7 +71,7 @@ def build_served(model, opts: RunOptions, *, hooks: ServeHooks = ServeHooks(),
     flags = opts.learning
     trace = attach_trace(model, flags.trace_out) if flags.trace_out is not None else None  # before any capture
     serve = opts.serve if opts.serve is not None else ServeOptions()
-    sessions = [open_session(model, opts.session, tok.control_ids) for _ in range(serve.parallel)]
+    sessions = [open_session(model, opts.session, tok.control_ids, opts.draft) for _ in range(serve.parallel)]
     session = sessions[0]
     if model.device.type == "cuda":  # kernels compiled and graphs captured (each session's) before /health says ready
         click.echo(f"sparkpack: warmed up in {sum(s.warm_up() for s in sessions):.2f} s", err=True)
@@ -91,6 +91,7 @@ def build_served(model, opts: RunOptions, *, hooks: ServeHooks = ServeHooks(),
         if start.profile is not None and learning.replace_all():  # a pack's placement moves to the profile's
             click.echo(f"sparkpack: moved {learning.stats.experts_moved} experts to where the profile says", err=True)
     metrics = ServerMetrics(model, learning.stats if learning is not None else None)
+    metrics.draft = session.draft
     if learning is not None:
         start_bootstrap(flags, learning, session, tok, template, metrics, stopping)
         metrics.forget_store_traffic()  # a bootstrap before serving is no served traffic
