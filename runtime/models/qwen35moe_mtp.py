@@ -10,9 +10,12 @@ that follows it,
     h' = shared_head_norm(u)  (the trunk's output_norm where the file has none)
     logits = output(h')       (the trunk's head; ``nextn.shared_head_head`` where present)
 
-as llama.cpp's ``graph_mtp`` (src/models/qwen35moe.cpp) and vLLM's ``Qwen3NextMultiTokenPredictor``
-compute it. ``h'`` feeds the next draft step in place of the trunk's hidden state. The converter
-stored every norm here with its ``1 +`` added, as the trunk's.
+as llama.cpp's ``graph_mtp`` (ggml-org/llama.cpp src/models/qwen35moe.cpp; ``load_block_mtp`` there
+names the tensors, ``shared_head_norm``/``shared_head_head``/``embed_tokens`` optional) and vLLM's
+``Qwen3NextMultiTokenPredictor`` (vllm-project/vllm vllm/model_executor/models/qwen3_next_mtp.py:
+``fc`` over ``cat(pre_fc_norm_embedding(embed), pre_fc_norm_hidden(h))``, one full-attention
+decoder layer, ``norm``) compute it. ``h'`` feeds the next draft step in place of the trunk's
+hidden state. The converter stored every norm here with its ``1 +`` added, as the trunk's.
 
 Loaded only on request (``Qwen35MoE.load_mtp``): a run that does not draft holds none of its
 weights. Its experts are all resident: every draft step is on the critical path, and the head's

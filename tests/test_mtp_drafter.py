@@ -1,0 +1,110 @@
+"""``MtpDrafter`` keeps the MTP head in step with the main sequence: through a drafting loop's
+verify steps (rejected drafts, accepted runs, the loop handing over every verify row or only the
+accepted ones), a second proposal without new rows, a session that kept a prefix, and a cut back
+to an earlier turn, its drafts are those of the head run afresh over the sequence so far
+(``MTPHead.forward`` over every pair at once, then ``MTPHead.draft``), on a float64 tiny model
+where only a tie could make two summation orders pick different tokens."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparkpack.formats.errors import SparkpackError
+from sparkpack.repack.synth import write_synthetic
+from sparkpack.repack.synth.presets import get_preset
+from sparkpack.runtime.models import load_model
+from sparkpack.runtime.models.mtp import MtpDrafter
+
+TINY = get_preset("qwen35moe", "tiny")
+K = 3
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = write_synthetic(tmp_path_factory.mktemp("mtpd") / "m.gguf", "qwen35moe", "tiny", "Q8_0", seed=3, mtp=True)
+    m = load_model(path, dtype=torch.float64)
+    # synth's norms are 1 +- 5%, which the head's hnorm nearly undoes: spread the output norm as
+    # trained ones are, so that rows not put through it would draft other tokens
+    w = m.w("output_norm.weight")
+    spread = torch.linspace(0.1, 4.0, w.numel(), dtype=w.dtype)
+    w.copy_(spread[torch.randperm(w.numel(), generator=torch.Generator().manual_seed(1))])
+    return m
+
+
+def trunk_rows(model, ids: list[int]) -> torch.Tensor:
+    """The trunk's last residual rows (the output norm's input), as the loop hands them over."""
+    x, _ = model.trunk(ids, model.new_cache(), None, None)
+    return x
+
+
+def fresh_drafts(model, seq: list[int], k: int, paired_with: list[int] | None = None, start: int = 0) -> list[int]:
+    """The head run afresh: trunk rows ``start .. n - 2`` of ``seq`` (output-normed, from
+    ``forward_hidden``) paired with the token after each (``paired_with`` overrides those tokens),
+    then ``k - 1`` drafts fed back."""
+    head = model.load_mtp()
+    _, h = model.forward_hidden(seq[:-1])
+    cache = head.new_cache()
+    logits, hh = head.forward((paired_with or seq)[start + 1:], h[start:], cache)
+    first = int(logits[-1].argmax())
+    return [first] + head.draft(first, hh[-1:], cache, k - 1)
+
+
+@pytest.mark.parametrize("every_row", [True, False])
+def test_drafts_stay_in_step_through_verify_steps(model, every_row) -> None:
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, TINY.n_vocab, (9,), generator=g).tolist()
+    drafter = MtpDrafter(model)
+    seq = prompt + [int(model.forward(prompt)[-1].argmax())]
+    hidden = trunk_rows(model, prompt)
+    accepted = [0, 2, 3, 1, 0, 3]  # how many of each round's drafts the (scripted) verify keeps
+    for m in accepted:
+        drafts = drafter.propose(seq, K, hidden)
+        assert drafts == fresh_drafts(model, seq, K)
+        assert drafter.paired == len(seq) - 1
+        assert drafter.propose(seq, K, None) == drafts  # asked again with nothing new fed
+        rows = trunk_rows(model, seq + drafts)[len(seq) - 1:]  # the verify's rows: last token + drafts
+        bonus = (drafts[m] + 1) % TINY.n_vocab if m < len(drafts) else int(torch.randint(TINY.n_vocab, (1,), generator=g))
+        seq = seq + drafts[:m] + [bonus]
+        drafter.rewind(len(seq) - 1)  # the main cache keeps the last token and the accepted drafts
+        hidden = rows if every_row else rows[:m + 1]
+    assert drafter.propose(seq, K, hidden) == fresh_drafts(model, seq, K)
+
+
+def test_a_kept_prefix_and_a_cut_back(model) -> None:
+    """A session that kept a prefix feeds the rest only: the head's context starts at the rows it
+    is given. Cut back to an earlier turn, the head keeps its pairs before the cut and the pair at
+    it (whose trunk row is gone), and pairs the new rows after."""
+    g = torch.Generator().manual_seed(12)
+    seq = torch.randint(0, TINY.n_vocab, (16,), generator=g).tolist()
+    kept = 6  # positions the session did not recompute
+    drafter = MtpDrafter(model)
+    drafts = drafter.propose(seq, K, trunk_rows(model, seq[:-1])[kept:])
+    assert drafts == fresh_drafts(model, seq, K, start=kept)
+    cut = 11  # the conversation goes back to 11 fed positions, then on with other tokens
+    new = seq[:cut + 1] + torch.randint(0, TINY.n_vocab, (5,), generator=g).tolist()
+    new[cut] = (seq[cut] + 1) % TINY.n_vocab
+    drafter.rewind(cut)
+    assert drafter.paired == cut
+    got = drafter.propose(new, K, trunk_rows(model, new[:-1])[cut:])
+    assert got == fresh_drafts(model, new, K, paired_with=seq[:cut + 1] + new[cut + 1:], start=kept)
+    drafter.rewind(kept - 1)  # before its context began: it starts over with the next rows
+    assert drafter.paired == 0 and drafter.propose(new, K, None) == []
+    assert drafter.propose(new, K, trunk_rows(model, new[:-1])) == fresh_drafts(model, new, K)
+
+
+def test_rows_that_do_not_reach_the_last_token_draft_nothing(model) -> None:
+    seq = list(range(1, 9))
+    drafter = MtpDrafter(model)
+    assert drafter.propose(seq, K, trunk_rows(model, seq[:-1])) != []
+    seq += [5, 6]  # two tokens more, but the rows of only one of them
+    assert drafter.propose(seq, K, trunk_rows(model, seq[:-1])[7:8]) == []
+    assert drafter.propose(seq, 0, None) == []
+    assert MtpDrafter(model).propose(seq[:3], K, trunk_rows(model, seq[:5])) == []  # more rows than positions
+
+
+def test_a_file_without_a_head_has_no_drafter(tmp_path: Path) -> None:
+    plain = load_model(write_synthetic(tmp_path / "p.gguf", "qwen35moe", "tiny", "Q8_0", seed=3))
+    with pytest.raises(SparkpackError, match="no multi-token-prediction head"):
+        MtpDrafter(plain)
