@@ -8,8 +8,8 @@ state at ``t`` and the token at ``t + 1``. What the drafter relies on, with its 
   src/models/qwen35moe.cpp, ``graph``: "post-norm hidden state feeds both the LM head and the MTP
   seed"); vLLM's target model returns ``self.norm(hidden_states, residual)`` and its
   ``Qwen3NextMultiTokenPredictor`` (vllm-project/vllm
-  vllm/model_executor/models/qwen3_next_mtp.py) takes those. The loop hands us the norm's input
-  (``Drafter`` protocol), so the drafter applies ``output_norm`` itself.
+  vllm/model_executor/models/qwen3_next_mtp.py) takes those. The loop hands over exactly those
+  rows (``Drafter``).
 - A draft step after the first feeds the head its own output, ``shared_head_norm`` of its block's
   residual (llama.cpp's ``graph_mtp`` sets ``t_h_nextn`` to that norm; vLLM's predictor returns
   ``self.norm(...)`` the same way), with the token it just drafted.
@@ -36,12 +36,12 @@ if TYPE_CHECKING:
 
 class Drafter(Protocol):
     """What the speculative loop asks of a drafter (``runtime/drafting.py`` on the loop's branch
-    holds the one the loop imports; this copy types ``MtpDrafter`` until both meet).
-
-    ``propose``: ``tokens`` the whole sequence so far, the last picked token included; ``hidden``
-    (when ``needs_hidden``) the main model's final hidden rows ``[n_new, n_embd]`` (the output
-    norm's input) of the positions fed since the previous call; up to ``k`` tokens back.
-    ``rewind(n_tokens)``: the main sequence went back to ``n_tokens`` fed positions."""
+    holds the one the loop imports and says it in full; this copy types ``MtpDrafter`` until the
+    branches meet). ``propose``: ``tokens`` the whole sequence, ending with the token just picked
+    (not yet fed); ``hidden`` the main model's output-normed rows ``[n_new, n_embd]`` of the
+    positions fed and kept since the previous call, in order, the last one the position before
+    the picked token; up to ``k`` tokens back. ``rewind(n_tokens)``: the sequence now holds its
+    first ``n_tokens`` fed tokens (after each verify, and shorter when a request starts over)."""
 
     name: str
     needs_hidden: bool
@@ -54,11 +54,10 @@ class Drafter(Protocol):
 class MtpDrafter:
     """Greedy drafts of one sequence from the MTP head of a ``Qwen35MoE`` that carries one.
 
-    Rows handed to ``propose`` are taken as the positions from where the previous call left off
-    (or from a ``rewind``'s position, if lower); rows past the sequence's second-to-last token are
-    those of rejected drafts and are dropped, so a loop may hand over every verify row or only
-    the accepted ones. The first call's rows end at the second-to-last token (a prompt's, whose
-    start may be past 0 when a session kept a prefix): the head's context starts there.
+    The rows handed to ``propose`` end at the position before the picked token, so they start
+    ``len(hidden)`` positions before it; rows of positions the head has paired already are
+    skipped. The first call's rows may start past 0 (a session that kept a prefix): the head's
+    context starts there. Rows that never arrived (a gap) leave the head's context without them.
 
     Going back below what the head has paired (a conversation cut back to an earlier turn) keeps
     the pair at the cut: its token may have changed, and the trunk row it needs is gone. That one
@@ -68,7 +67,6 @@ class MtpDrafter:
     needs_hidden = True
 
     def __init__(self, model: "Qwen35MoE", kv_type: str = "auto"):
-        self.model = model
         self.head = model.load_mtp()
         self.kv_type = kv_type
         self.cache = self.head.new_cache(kv_type=kv_type)
@@ -96,28 +94,27 @@ class MtpDrafter:
     @torch.no_grad()
     def propose(self, tokens: Sequence[int], k: int, hidden: torch.Tensor | None) -> list[int]:
         n = len(tokens)
-        rows = hidden if hidden is not None and hidden.shape[0] else None
-        if rows is not None:
-            if self._base is None:
-                self._base = n - 1 - rows.shape[0]
-                if self._base < 0:  # more rows than positions: not this sequence's
-                    self._base = None
-                    return []
-            self._pair(tokens, rows[:max(0, n - 1 - self.paired)])
         if self.paired > n - 1:  # the sequence went back without a rewind
             self.rewind(n - 1)
+        if hidden is not None and hidden.shape[0]:
+            start = n - 1 - hidden.shape[0]
+            if start < 0:  # more rows than positions: not this sequence's
+                return []
+            if self._base is None:
+                self._base = start
+            elif start > self.paired:  # positions whose rows never came: the context skips them
+                self._base += start - self.paired
+            self._pair(tokens, hidden[max(0, self.paired - start):])
         if k <= 0 or self._last is None or self.paired != n - 1:
-            return []  # rows missing for the last position: a draft for it would be a guess
+            return []  # no pair for the last position: a draft for it would be a guess
         logits, h = self._last
         first = int(logits[-1].argmax())
-        return [first] + (self.head.draft(first, h, self.cache, k - 1) if k > 1 else [])
+        return [first] + self.head.draft(first, h, self.cache, k - 1)
 
     def _pair(self, tokens: Sequence[int], rows: torch.Tensor) -> None:
         """Pair the trunk rows of positions ``paired ..`` with the tokens after them."""
         if not rows.shape[0]:
             return
-        m, at = self.model, self.paired
-        normed = m.norm(rows.to(m.dtype), "output_norm.weight").x
-        logits, h = self.head.forward(list(tokens[at + 1:at + 1 + rows.shape[0]]), normed, self.cache,
-                                      last_only=True)
+        at = self.paired
+        logits, h = self.head.forward(list(tokens[at + 1:at + 1 + rows.shape[0]]), rows, self.cache, last_only=True)
         self._last = (logits, h[-1:])
