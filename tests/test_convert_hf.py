@@ -336,6 +336,56 @@ def test_fused_expert_checkpoint_gives_same_file(tiny_hf_gguf, tmp_path: Path) -
         np.testing.assert_array_equal(_f32(got[name]), _f32(want[name]), err_msg=name)
 
 
+def test_qwen35moe_mtp_head_becomes_the_block_after_the_trunk(tiny_hf_gguf, tmp_path: Path) -> None:
+    """A Qwen3.5 checkpoint's ``mtp.*`` head (``mtp_num_hidden_layers``) converts to the block
+    llama.cpp's converter appends: ``mtp.layers.0`` under the trunk's names at index
+    ``num_hidden_layers``, ``fc``/``pre_fc_norm_*``/``norm`` as its ``nextn.*`` tensors (norms as
+    1 + w), the head counted in ``block_count`` and named by ``nextn_predict_layers``: the names
+    ``repack synth --mtp`` writes, read back as the spec's head, and drafting."""
+    import torch
+    from safetensors.numpy import save_file
+
+    from sparkpack.repack.convert_hf import convert
+    from sparkpack.repack.synth import write_synthetic
+    from sparkpack.runtime.models import load_model
+    from sparkpack.runtime.models.mtp import MtpDrafter
+
+    src, _ = tiny_hf_gguf("qwen35moe")
+    c, hf = _hf(src)
+    n, e = c["num_hidden_layers"], c["hidden_size"]
+    full = f"model.layers.{n - 1}."  # a full-attention layer: the head's block has its shapes
+    rng = np.random.default_rng(4)
+    mtp = {"mtp.layers.0." + k[len(full):]: (v + 0.05 * rng.standard_normal(v.shape)).astype(np.float32)
+           for k, v in hf.items() if k.startswith(full)}
+    mtp["mtp.fc.weight"] = (0.1 * rng.standard_normal((e, 2 * e))).astype(np.float32)
+    for k in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{k}.weight"] = (0.1 * rng.standard_normal(e)).astype(np.float32)
+    dst = tmp_path / "mtp"
+    shutil.copytree(src, dst)
+    save_file({**hf, **mtp}, dst / "model.safetensors")
+    (dst / "config.json").write_text(json.dumps({**c, "mtp_num_hidden_layers": 1}))
+    path = convert(dst, tmp_path / "mtp.gguf")
+    kv, t = _read(path)
+    assert kv["qwen35moe.block_count"] == n + 1 and kv["qwen35moe.nextn_predict_layers"] == 1
+    b = f"blk.{n}."
+    with GGUFModel(write_synthetic(tmp_path / "synth.gguf", "qwen35moe", "tiny", "F32", mtp=True)) as synth:
+        assert {k for k in t if k.startswith(b)} == {k for k in synth.tensors if k.startswith(b)}
+    _exact(_f32(t[b + "nextn.eh_proj.weight"]), mtp["mtp.fc.weight"])
+    for gguf_name, hf_name in (("nextn.enorm", "pre_fc_norm_embedding"), ("nextn.hnorm", "pre_fc_norm_hidden"),
+                               ("nextn.shared_head_norm", "norm")):
+        _exact(_f32(t[f"{b}{gguf_name}.weight"]), mtp[f"mtp.{hf_name}.weight"] + np.float32(1))
+    _exact(_f32(t[b + "attn_norm.weight"]), mtp["mtp.layers.0.input_layernorm.weight"] + np.float32(1))
+    _exact(_f32(t[b + "attn_q.weight"]), mtp["mtp.layers.0.self_attn.q_proj.weight"])
+    _exact(_f32(t[b + "ffn_down_exps.weight"])[3], mtp["mtp.layers.0.mlp.experts.3.down_proj.weight"])
+    _exact(_f32(t[b + "ffn_gate_inp_shexp.weight"]), mtp["mtp.layers.0.mlp.shared_expert_gate.weight"])
+    with GGUFModel(path) as m:
+        spec = model_spec(m)
+        assert spec.n_layer == n and spec.nextn.layers == (n,)
+    model = load_model(path, dtype=torch.float64)
+    ids = list(range(3, 12))
+    assert len(MtpDrafter(model).propose(ids, 3, model.forward_hidden(ids[:-1])[1])) == 3
+
+
 # ----------------------------------------------------------------------------- tokenizer
 
 
