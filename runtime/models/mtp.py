@@ -108,8 +108,9 @@ class MtpDrafter:
         if k <= 0 or self._last is None or self.paired != n - 1:
             return []  # no pair for the last position: a draft for it would be a guess
         logits, h = self._last
-        first = int(logits[-1].argmax())
-        return [first] + self.head.draft(first, h, self.cache, k - 1)
+        first = logits[-1:].argmax(-1)  # (on the device: the draft steps queue behind it)
+        rest = self.head.draft(first, h, self.cache, k - 1)
+        return [int(first)] + rest
 
     def _pair(self, tokens: Sequence[int], rows: torch.Tensor) -> None:
         """Pair the trunk rows of positions ``paired ..`` with the tokens after them."""
