@@ -254,6 +254,49 @@ class Cache:
         return True
 
 
+
+class RowStates:
+    """The DeltaNet states after each row of a verify step (``MoEModel.decode_run`` with
+    ``states``): row ``i``'s copy is the state a sequence keeps when it keeps the step's first
+    ``i + 1`` tokens (``Session.keep``). Device buffers, written inside the step (a captured one
+    too: their addresses never change), one slot per row but the last (all rows kept: the live
+    state is the answer).
+
+    Why copies per row rather than restoring the state from before the step and running the kept
+    rows again: a Qwen3.6 state is 30 layers of ``[32, 128, 128]`` float32 (about 60 MB), a copy
+    per row a device-to-device copy of that, far less than a second pass of the model over the
+    kept rows, which most verify steps would need (a draft is rarely kept whole). Attention rows
+    and sliding-window rings need nothing: rows past the kept length are masked, then
+    overwritten, and a ring holds a whole call's rows more than its window (``Cache.rewind``)."""
+
+    def __init__(self, cache: "Cache", rows: int):
+        self.rows = rows
+        self.conv: dict[int, torch.Tensor] = {}
+        self.ssm: dict[int, torch.Tensor] = {}
+        for il, la in enumerate(cache.layers):
+            if isinstance(la, RecurrentState) and la.conv is not None:
+                self.conv[il] = la.conv.new_empty((rows, *la.conv.shape))
+                self.ssm[il] = la.ssm.new_empty((rows, *la.ssm.shape))
+
+    def fits(self, cache: "Cache", rows: int) -> bool:
+        """Whether these buffers serve a step of ``rows`` rows on ``cache``'s states."""
+        return rows - 1 <= self.rows and all(
+            il in self.conv for il, la in enumerate(cache.layers) if isinstance(la, RecurrentState))
+
+    def save(self, il: int, row: int, state: RecurrentState) -> None:
+        """Layer ``il``'s state after row ``row`` of the step (the last row's is not kept)."""
+        if row < self.rows:
+            self.conv[il][row].copy_(state.conv)
+            self.ssm[il][row].copy_(state.ssm)
+
+    def restore(self, cache: "Cache", row: int) -> None:
+        """Put the states after row ``row`` back into ``cache``'s own tensors."""
+        for il, conv in self.conv.items():
+            la = cache.layers[il]
+            la.conv.copy_(conv[row])
+            la.ssm.copy_(self.ssm[il][row])
+
+
 # Recurrent-state checkpoints a session keeps by default. A Qwen3.6-35B-A3B one holds 30 DeltaNet
 # layers' states, at most 66 MB (formats.memory.recurrent_state_bytes; 4 bytes a value); the
 # warm-up allocates the nine buffers they take (one more is saved before the drop), about 0.6 GB

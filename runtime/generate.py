@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -34,12 +34,15 @@ from sparkpack.formats.memory import (LONG_PAST_TOKENS, PREFILL_CHUNK, PREFILL_G
                                       call_rows)
 from sparkpack.formats.profile import SIDES
 
-from .cache import STATE_CHECKPOINTS, RecurrentState, StateCheckpoints
+from .cache import STATE_CHECKPOINTS, RecurrentState, RowStates, StateCheckpoints
 from .sequence_state import SequenceState, restore
-from .graph import (PREFILL_SIZES, DecodeGraph, PrefillGraphs, capturable, feeds_short_calls, prefill_is_padded,
-                    short_prefill_calls)
+from .graph import (PREFILL_SIZES, DecodeGraph, PrefillGraphs, VerifyGraphs, capturable, feeds_short_calls,
+                    prefill_is_padded, short_prefill_calls)
 from .kernels.moe_grouped import tile_calls
 from .models.base import Call, MoEModel
+
+if TYPE_CHECKING:
+    from .speculative import Speculation
 
 PROMPT, GENERATED = SIDES  # the side of a call's tokens, for placement learning (ExpertProvider.routing_side)
 
@@ -193,6 +196,11 @@ class Session:
         self.exact = 0
         self.reused = 0  # tokens the last ``prompt`` kept instead of computing
         self.marks: frozenset[int] = frozenset()  # the last ``prompt``'s (see there)
+        # Speculative decoding (``runtime.speculative``): the drafter and its counts; None: off.
+        self.draft: Speculation | None = None
+        self.verify_graphs: VerifyGraphs | None = None
+        self.row_states: RowStates | None = None  # DeltaNet states after each verify row
+        self._verified: tuple[int, int, float] | None = None  # the last verify: start, rows, seconds
 
     def call_tokens_at(self, start: int) -> int:
         """The tokens of a prompt call that starts at position ``start`` (``call_end`` may end it
@@ -283,6 +291,8 @@ class Session:
         self.exact = 0
         if self.checkpoints is not None:
             self.checkpoints.discard_after(0)
+        if self.draft is not None:
+            self.draft.rewind(0)
 
     def feed(self, ids: list[int], side: str = PROMPT) -> torch.Tensor:
         """Make the cache hold exactly ``ids`` and return the logits of the last one ``[n_vocab]``.
@@ -317,6 +327,8 @@ class Session:
             if self.checkpoints is not None:
                 self.checkpoints.discard_after(keep)
             self.fed = self.fed[:keep]
+        if self.draft is not None:
+            self.draft.rewind(keep)
         self.cuts = [c for c in self.cuts if c <= keep]
         self.exact = keep
         self.reused = keep
@@ -364,6 +376,8 @@ class Session:
         cache's device rows no longer needed by copies still running), as if it had prefilled its
         tokens: the next ``prompt`` keeps them where it would have kept them."""
         restore(state, self.cache, self.model.device, self.model.dtype)
+        if self.draft is not None:
+            self.draft.rewind(0)  # (the drafter never saw these rows: it starts over)
         self.fed = list(state.tokens)
         self.cuts = list(state.cuts)
         self.exact = state.pos
@@ -392,6 +406,31 @@ class Session:
         t0 = time.perf_counter()
         logits = None
         capturing = False
+        collect = self.draft is not None and self.draft.drafter.needs_hidden
+        if collect:  # the drafter reads these rows' hidden states: eager calls append them
+            self.model.hidden_out = self.draft.pending
+        try:
+            logits, capturing = self._calls(ids, n, graph and not collect)
+        finally:
+            self.model.hidden_out = None
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        dt, new = time.perf_counter() - t0, len(ids) - n
+        if capturing:  # kept out of the decode rate, which describes the steady state
+            self.timing.capture_seconds += dt
+        elif new == 1:
+            self.timing.decode_tokens += 1
+            self.timing.decode_seconds += dt
+        else:
+            self.timing.prefill_tokens += new
+            self.timing.prefill_seconds += dt
+        self.fed = list(ids)
+        return logits
+
+    def _calls(self, ids: list[int], n: int, graph: bool) -> tuple[torch.Tensor, bool]:
+        """``_run``'s calls: the last token's logits, and whether a decode step was captured."""
+        logits = None
+        capturing = False
         if len(ids) - n == 1 and graph and self.use_graphs:
             if self.graph is None:
                 self.graph = DecodeGraph(self.model, self.cache)
@@ -409,19 +448,51 @@ class Session:
                             logits = self.model.forward(chunk, self.cache, last_only=True)[-1]
                         self._ended(c, save=True)
             self._save_windows()
+        return logits, capturing
+
+    def verify(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed ``tokens`` (the token just picked, then the drafts after it) after the fed ones in
+        one verify step (``MoEModel.verify_rows``; captured where decode steps are); returns
+        their logits ``[n, n_vocab]``, row i bit for bit the single decode step after
+        ``tokens[i]``, and their output-normed rows. ``keep`` then says how many of them stay."""
+        self.model.experts.routing_side(GENERATED)
+        t0 = time.perf_counter()
+        start, n = len(self.fed), len(tokens)
+        states = None
+        if self.recurrent and n > 1:  # (one row is always kept whole)
+            if self.row_states is None or not self.row_states.fits(self.cache, n):
+                self.row_states = RowStates(self.cache, max(n - 1, self.row_states.rows if self.row_states else 0))
+            states = self.row_states
+        out = None
+        if self.use_graphs:
+            if self.verify_graphs is None:
+                self.verify_graphs = VerifyGraphs(self.model, self.cache)
+            out = self.verify_graphs.step(tokens, states)
+        logits, hidden = out if out is not None else self.model.verify_rows(tokens, self.cache, states=states)
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
-        dt, new = time.perf_counter() - t0, len(ids) - n
-        if capturing:  # kept out of the decode rate, which describes the steady state
-            self.timing.capture_seconds += dt
-        elif new == 1:
-            self.timing.decode_tokens += 1
-            self.timing.decode_seconds += dt
-        else:
-            self.timing.prefill_tokens += new
-            self.timing.prefill_seconds += dt
-        self.fed = list(ids)
-        return logits
+        self.fed = self.fed + list(tokens)
+        self._verified = (start, n, time.perf_counter() - t0)
+        return logits, hidden
+
+    def keep(self, k: int) -> None:
+        """Keep the first ``k`` tokens of the last ``verify`` and go back exactly to the state
+        after them: the DeltaNet states after row ``k - 1`` copied back (``RowStates``), attention
+        rows and ring rows past them masked and later overwritten (``Cache.rewind``). The
+        ``k`` tokens count as decoded in the verify's time."""
+        if self._verified is None:
+            raise ValueError("keep: no verify step to keep tokens of")
+        start, n, seconds = self._verified
+        if not 1 <= k <= n:
+            raise ValueError(f"keep: {k} of a verify step of {n} tokens")
+        self._verified = None
+        if k < n:
+            if self.recurrent:
+                self.row_states.restore(self.cache, k - 1)
+            self.cache.rewind(start + k)
+            self.fed = self.fed[:start + k]
+        self.timing.decode_tokens += k
+        self.timing.decode_seconds += seconds
 
     def _plan(self, ids: list[int], n: int) -> list["PlannedCall"]:
         """The calls that feed ``ids[n:]``: they end where a fresh session's calls end
@@ -618,9 +689,19 @@ def continue_tokens(session: Session, logits: torch.Tensor, sampler: TokenSample
     """``generate`` after the prompt is in ``session`` (``logits``: its last token's), for
     callers that fed it themselves (the server's ``Session.prompt``). ``constraint``: a grammar
     whose mask needs the token before it, so such a reply decodes one token at a time (the same
-    bits: a step fed on its own is the step ``decode`` launches ahead)."""
+    bits: a step fed on its own is the step ``decode`` launches ahead). A session that drafts
+    (``Session.draft``) decodes through ``runtime.speculative`` (a grammar's replies do not: its
+    mask wants each token before the next)."""
     stops = set(int(s) for s in stop_ids)
     history = list(session.fed)
+    if session.draft is not None and constraint is None and (sampler is None or hasattr(sampler, "verify_draft")):
+        from .speculative import speculative_tokens
+
+        for tok in speculative_tokens(session, logits, max_new_tokens, sampler):
+            if tok in stops:
+                return
+            yield tok
+        return
     if constraint is None and (sampler is None or sampler.history_free):
         pick = torch.argmax if sampler is None else sampler.pick
         for tok in session.decode(logits, max_new_tokens, pick):

@@ -34,7 +34,7 @@ import torch
 from sparkpack.formats.archs import ModelSpec
 from sparkpack.formats.memory import PREFILL_GRAPH_TOKENS, short_calls
 
-from .cache import Cache, KVCache
+from .cache import Cache, KVCache, RowStates
 from .models.base import Call, MoEModel
 from .pinned import REGISTERING
 
@@ -123,6 +123,74 @@ class DecodeGraph:
         self.captures += 1
         self.captured_on = kv_addresses(self.cache)
         return logits
+
+
+
+class VerifyGraphs:
+    """Verify steps of one ``Cache`` (``MoEModel.verify_rows``: the last picked token and the
+    drafts after it, one batched step), captured in a CUDA graph per row count and replayed, as
+    ``DecodeGraph`` does the single step. Why: an eager multi-row step launches a few thousand
+    kernels per row block, so it costs many plain captured steps and would eat what drafting
+    saves. The ids are copied in from pinned memory and the first position is a device scalar
+    (the rows' positions are computed from it inside the graph), so nothing in the replayed
+    region is a host value. The graphs share one memory pool (they never overlap). ``step``
+    returns None past the KV buffers' room (the caller verifies eagerly, which grows them; the
+    graphs then capture again on the new buffers), and the graphs are captured again when the
+    row-state buffers they copy into change."""
+
+    def __init__(self, model: MoEModel, cache: Cache):
+        self.model, self.cache = model, cache
+        dev = model.device
+        self.pos = torch.zeros((), dtype=torch.long, device=dev)
+        self.offsets = torch.arange(0, 64, dtype=torch.long, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.host = torch.zeros(64, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.pool = None
+        self.stream: torch.cuda.Stream | None = None
+        self.captured_on: tuple = ()
+        self.replays = 0
+        self.captures = 0
+
+    def step(self, tokens: list[int], states: RowStates | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Logits ``[n, n_vocab]`` and output-normed rows ``[n, n_embd]`` of ``tokens`` fed at
+        ``cache.pos`` (``states``: where the DeltaNet states after each row go)."""
+        n = len(tokens)
+        room = min((la.room for la in self.cache.layers if isinstance(la, KVCache) and la.k is not None), default=0)
+        if n > self.offsets.numel() or self.cache.pos + n > room:
+            return None
+        on = (kv_addresses(self.cache), id(states))
+        if on != self.captured_on:
+            self.graphs.clear()  # (new KV buffers or row-state buffers: capture again on them)
+            self.captured_on = on
+        self.host[:n] = torch.tensor(tokens, dtype=torch.long)
+        self.pos.fill_(self.cache.pos)
+        ran = self.graphs.get(n)
+        if ran is None:
+            ids = torch.zeros(n, dtype=torch.long, device=self.model.device)
+            ids.copy_(self.host[:n], non_blocking=True)
+            hidden = torch.empty((n, self.model.spec.n_embd), dtype=self.model.dtype, device=self.model.device)
+
+            def call() -> torch.Tensor:
+                logits, h = self.model.verify_rows(ids, self.cache, pos=self.pos + self.offsets[:n], states=states)
+                hidden.copy_(h)
+                return logits
+
+            if self.stream is None:
+                self.stream = torch.cuda.Stream(self.model.device)
+            logits, graph, out = run_and_capture(call, self.model.device, self.stream, self.pool)
+            self.pool = graph.pool()
+            self.graphs[n] = (graph, out, ids, hidden)
+            self.captures += 1
+            rows = hidden.clone()
+        else:
+            graph, out, ids, hidden = ran
+            ids.copy_(self.host[:n], non_blocking=True)
+            graph.replay()
+            self.replays += 1
+            logits, rows = out.clone(), hidden.clone()  # (the buffers are rewritten by the next replay)
+        self.cache.pos += n
+        self.model.experts.end_step(n, routed=True, defer=True)
+        return logits, rows
 
 
 def short_prefill_calls(device: torch.device | str, dtype: torch.dtype, spec: ModelSpec, kv_type: str) -> bool:

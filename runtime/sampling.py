@@ -133,6 +133,27 @@ class Sampler:
             out = torch.multinomial(probs, 1, generator=self._generator(x.device)).squeeze(-1)
         return out[0] if single else out
 
+    def verify_draft(self, logits: torch.Tensor, token: int, history: History = None) -> int | None:
+        """Judge a drafted ``token`` against the main model's ``[vocab]`` logits at its position:
+        None when it is kept, else the token drawn in its place. The rule of Leviathan et al.
+        (2023) for a drafter that proposes one token with certainty (``runtime.drafting``: its
+        proposal distribution q is one-hot): keep it with probability ``min(1, p(t) / q(t)) =
+        p(t)``, else draw from the residual ``max(0, p - q)`` normalized, which is p without t.
+        Why the output keeps p's distribution: a token s != t comes out only from the residual,
+        with probability (1 - p(t)) * p(s) / (1 - p(t)) = p(s); t comes out with p(t). p is what
+        ``sample`` draws from (penalties, temperature and filters applied); at temperature 0 it is
+        the argmax, kept exactly when it is the draft."""
+        if self.temperature == 0.0:
+            best = int(self.pick(logits, history))
+            return None if best == int(token) else best
+        p = torch.softmax(self.filtered_logits(logits.unsqueeze(0), history), dim=-1)[0]
+        g = self._generator(logits.device)
+        if float(torch.rand((), generator=g, device=logits.device)) < float(p[token]):
+            return None
+        rest = p.clone()
+        rest[token] = 0.0
+        return int(torch.multinomial(rest / rest.sum(), 1, generator=g))
+
     def sample(self, logits: torch.Tensor, history: History = None) -> int | torch.Tensor:
         """One token id for ``[vocab]`` logits (an int), one per row for ``[batch, vocab]`` (a tensor)."""
         out = self.pick(logits, history)

@@ -20,7 +20,7 @@ from sparkpack.formats.errors import SparkpackError
 from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.formats.memory import PREFILL_CHUNK
 
-from ..cache import Q8_BLOCK, Cache, KVCache, RecurrentState, prefill_rows
+from ..cache import Q8_BLOCK, Cache, KVCache, RecurrentState, RowStates, prefill_rows
 from ..decode_rows import decoding_rows, one_token_rows
 from ..experts import ExpertProvider, GGUFExperts
 from ..layers import (Normed, Rope, Rows, attend_buffers, attention, cat_rows, causal_sdpa_after, ffn_residual,
@@ -54,7 +54,8 @@ class Batch:
     one sequence at consecutive positions: one after another on its state)."""
 
     caches: tuple[Cache, ...]
-    pos: tuple[int, ...]
+    pos: tuple[int | torch.Tensor, ...]  # device scalars in a captured step (``runtime.graph.VerifyGraphs``)
+    states: RowStates | None = None  # DeltaNet states kept after each row (a verify step: ``decode_run``)
 
 
 class MoEModel(ABC):
@@ -73,6 +74,8 @@ class MoEModel(ABC):
     # where the arch has them a shared expert's gate logit, gate and up.
     FFN_IN: tuple[str, ...] = ("ffn_gate_inp",)
     topk_of_logits = False  # the router picks the top-k of its logits (softmax routers)
+    # Where eager calls append their output-normed rows (``keep_hidden``); None: nowhere.
+    hidden_out: list[torch.Tensor] | None = None
 
     def __init__(self, gguf: GGUFModel, spec: ModelSpec, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, experts: ExpertProvider | None = None):
@@ -169,7 +172,7 @@ class MoEModel(ABC):
         batch at once: the union of its routed experts per layer, each miss read once."""
         if len(caches) != len(ids) or len({id(c) for c in caches}) != len(caches) or not len(caches):
             raise ValueError("decode_batch: one token and one distinct cache per sequence")
-        logits = self._decode_rows(ids, Batch(tuple(caches), tuple(c.pos for c in caches)))
+        logits = self._decode_rows(ids, Batch(tuple(caches), tuple(c.pos for c in caches)))[0]
         for c in caches:
             c.pos += 1
         return logits
@@ -182,23 +185,41 @@ class MoEModel(ABC):
         DeltaNet take them one after another on the one state. What a drafted run's verification
         needs (the logits of the step that would have produced each token), at the cost of one
         read of the weights and of each missed expert for the K tokens."""
+        return self.verify_rows(ids, cache)[0]
+
+    @torch.no_grad()
+    def verify_rows(self, ids: Sequence[int] | torch.Tensor, cache: Cache, pos: torch.Tensor | None = None,
+                    states: RowStates | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``decode_run``'s logits and the output-normed hidden rows ``[K, n_embd]`` they come
+        from (what ``forward_hidden`` gives; an MTP drafter reads them). ``states``: the DeltaNet
+        states after each row are copied there (``runtime.cache.RowStates``), so the sequence can
+        keep fewer rows. ``pos`` (device positions ``[K]``, with ``cache``'s KV buffers reserved
+        past them): a step captured in a CUDA graph (``runtime.graph.VerifyGraphs``), which
+        touches nothing on the host; the caller then advances ``cache.pos`` and the store."""
         if not len(ids):
             raise ValueError("decode_run: no tokens")
-        logits = self._decode_rows(ids, Batch((cache,) * len(ids), tuple(cache.pos + i for i in range(len(ids)))))
-        cache.pos += len(ids)
-        return logits
+        at = tuple(cache.pos + i for i in range(len(ids))) if pos is None else tuple(pos.unbind())
+        logits, hidden = self._decode_rows(ids, Batch((cache,) * len(ids), at, states), step=pos is None)
+        if pos is None:
+            cache.pos += len(ids)
+        return logits, hidden
 
-    def _decode_rows(self, ids: Sequence[int] | torch.Tensor, batch: Batch) -> torch.Tensor:
-        """The logits of ``batch``'s rows (one token each, ``ids``), every row a one-token step."""
+    def _decode_rows(self, ids: Sequence[int] | torch.Tensor, batch: Batch, step: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits of ``batch``'s rows (one token each, ``ids``), every row a one-token step, and
+        their output-normed rows; ``step``: tell the store the step is over (a captured one's
+        caller does, after the replay)."""
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
         with decoding_rows():
             x = self.w.embed(ids)
             pre = None
             for il in range(self.spec.n_layer):
                 x, pre = self.block(il, x, batch, 0, pre)
-            logits = self.head(x, pre, False, None)
-        self.experts.end_step(len(ids))
-        return logits
+            h = self.norm(x, "output_norm.weight", pre)  # (``head``'s two products)
+            logits = self.linear(h, self.output_name())
+        if step:
+            self.experts.end_step(len(ids))
+        return logits, h.x
 
     @torch.no_grad()
     def forward_hidden(self, ids: torch.Tensor | list[int], cache: Cache | None = None
@@ -263,16 +284,29 @@ class MoEModel(ABC):
         if calls[0].pos is None:  # (padded calls, as ``forward`` with ``pos``: the caller does this)
             n, cache.pos = at - cache.pos, at
             self.experts.end_step(n)
+        for i in range(len(calls) - 1):
+            self.keep_hidden(xs[i], pres[i], calls[i].real)
         return self.head(xs[-1], pres[-1], True, calls[-1].real)
 
     def head(self, x: torch.Tensor, pre: Normed | None, last_only: bool, real: torch.Tensor | None) -> torch.Tensor:
         """The logits of a call's rows ``x`` (its last real one with ``last_only`` or ``real``)."""
+        self.keep_hidden(x, pre, real)
         if real is not None:  # (a padded call has several rows: no norm was computed ahead)
             x = x.index_select(0, (real - 1).reshape(1))
         if last_only and x.shape[0] > 1:  # (one row: ``pre`` is its output norm, when computed)
             x = x[-1:]
         h = self.norm(x, "output_norm.weight", pre)
         return self.linear(h, self.output_name())
+
+    def keep_hidden(self, x: torch.Tensor, pre: Normed | None, real: torch.Tensor | None) -> None:
+        """Append a call's output-normed rows to ``hidden_out`` when a session collects them (a
+        drafter that reads the main model's hidden states: ``runtime.drafting``), in eager calls
+        (a captured call would append only when captured: such sessions feed eagerly)."""
+        if self.hidden_out is None:
+            return
+        if real is not None:
+            x = x[: int(real)]
+        self.hidden_out.append(self.norm(x, "output_norm.weight", pre).x)
 
     def output_name(self) -> str:
         """The output head: ``output.weight``, or the embeddings where the file ties them."""

@@ -148,8 +148,12 @@ class Qwen35MoE(MoEModel):
         qkv, z, beta, alpha = self.project(h, p, "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")  # qkv [T, C]
         z = z.view(T, self.n_v, self.d_v)
         if isinstance(cache, Batch):
-            o = cat_rows([self.delta_rule(il, qkv[b:b + 1], z[b:b + 1], beta[b:b + 1], alpha[b:b + 1], c.layers[il])
-                          for b, c in enumerate(cache.caches)])
+            rows = []
+            for b, c in enumerate(cache.caches):
+                rows.append(self.delta_rule(il, qkv[b:b + 1], z[b:b + 1], beta[b:b + 1], alpha[b:b + 1], c.layers[il]))
+                if cache.states is not None:  # a verify step: the state each kept length leaves
+                    cache.states.save(il, b, c.layers[il])
+            o = cat_rows(rows)
         else:
             o = self.delta_rule(il, qkv, z, beta, alpha, cache.layers[il])
         return self.linear(o, p + "ssm_out.weight")

@@ -1,0 +1,174 @@
+"""Speculative decoding (``runtime.speculative``): a greedy run that drafts gives the plain run's
+tokens, token for token, on every arch and residency, whatever the drafts (the prompt-lookup
+drafter, and a forced drafter whose acceptance is set, so verify steps keep every length of
+draft); the sequence is rolled back exactly (the logits after the run equal a plain session's);
+sampled drafts keep the sampled distribution; the drafter protocol's hidden rows are the main
+model's. ``SPARKPACK_TEST_DEVICE=cuda`` runs them on a GPU, verify steps captured."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from bench.forced_drafter import ForcedDrafter, known_continuation
+from sparkpack.runtime.drafting import DraftLength, NgramDrafter
+from sparkpack.runtime.generate import Session, generate
+from sparkpack.runtime.models import StoreOptions, load_model
+from sparkpack.runtime.sampling import Sampler
+from sparkpack.runtime.speculative import Speculation
+from tests.marks import quick_first
+
+DEVICE = os.environ.get("SPARKPACK_TEST_DEVICE", "cpu")
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+ARCHS = ("qwen35moe", "laguna", "qwen3moe")
+# a prompt that repeats itself, so prompt lookup finds matches
+PROMPT = [5, 17, 23, 42, 8, 5, 17, 23, 42, 8, 5, 17, 61, 3, 5, 17, 23]
+N = 16
+
+
+def load(path, hot_fraction: float | None):
+    store = None if hot_fraction is None else StoreOptions(hot_fraction=hot_fraction, miss_mode="async",
+                                                           cache_slots=2)
+    return load_model(path, device=DEVICE, dtype=DTYPE, store=store)
+
+
+def drafting(model, drafter, k: int) -> Session:
+    session = Session(model)
+    session.draft = Speculation(drafter, k)
+    return session
+
+
+@pytest.mark.parametrize("arch", quick_first(ARCHS))
+@pytest.mark.parametrize("hot_fraction", quick_first([1.0, 0.6, 0.1]))
+def test_greedy_drafting_gives_the_plain_tokens(synth_model, arch, hot_fraction):
+    """Drafts of a forced acceptance (kept and rejected ones: every rollback length) and prompt
+    lookup (on a prompt holding a continuation the model wrote) give the plain greedy tokens;
+    after the run the session holds what a plain session holds (its next logits are the same
+    bits), so the rollbacks left no trace in the attention rows, DeltaNet states or rings."""
+    model = load(synth_model(arch, "Q4_K_M", skew=1.0), hot_fraction)
+    plain = list(generate(model, None, PROMPT, None, N, stop_ids=()))
+    again = PROMPT + plain + PROMPT  # the model's own words in the prompt: prompt lookup finds them
+    plain_session = Session(model)
+    plain_again = list(generate(model, None, again, None, N, stop_ids=(), session=plain_session))
+    after = plain_session.feed(again + plain_again)
+    cases = [(PROMPT, plain, ForcedDrafter(known_continuation(PROMPT, plain), 0.6, model.spec.n_vocab, seed=1)),
+             (again, plain_again, NgramDrafter())]
+    for prompt, want, drafter in cases:
+        session = drafting(model, drafter, k=4)
+        got = list(generate(model, None, prompt, None, N, stop_ids=(), session=session))
+        assert got == want, drafter.name
+        st = session.draft.stats
+        if drafter.name == "forced":
+            assert 0 < st.accepted < st.drafted  # kept and rejected drafts: rollbacks happened
+        else:
+            assert torch.equal(session.feed(again + plain_again), after)
+
+
+def test_sampled_drafting_keeps_the_distribution():
+    """``Sampler.verify_draft``: over many draws, a drafted token judged by the rejection rule
+    comes out with the sampler's probabilities (a wrong draft and a likely one alike)."""
+    torch.manual_seed(0)
+    logits = torch.randn(6) * 2
+    sampler = Sampler(temperature=0.8, top_k=5, seed=3)
+    p = torch.softmax(sampler.filtered_logits(logits.unsqueeze(0)), dim=-1)[0]
+    n = 20000
+    for draft in (int(p.argmax()), int(p.argmin()), 2):
+        counts = torch.zeros(6)
+        for _ in range(n):
+            other = sampler.verify_draft(logits, draft)
+            counts[draft if other is None else other] += 1
+        freq = counts / n
+        assert freq[p == 0].sum() == 0  # filtered tokens never come out
+        assert torch.allclose(freq, p, atol=4 * (p * (1 - p) / n).sqrt().max().item() + 1e-3), (draft, freq, p)
+
+
+def test_greedy_verify_at_temperature_zero_is_the_argmax():
+    sampler = Sampler(temperature=0.0, repetition_penalty=1.3, seed=0)
+    logits = torch.tensor([0.1, 2.0, 1.9, -1.0])
+    assert sampler.verify_draft(logits, 1) is None
+    assert sampler.verify_draft(logits, 2) == 1
+    assert sampler.verify_draft(logits, 1, history=[1]) == 2  # the penalty moved the argmax
+
+
+def test_sampled_drafting_runs_and_rolls_back(synth_model):
+    """A sampled run that drafts: each token is a draw the rejection rule made, and the session
+    ends holding what a plain session that decoded the same tokens holds (the same next logits)."""
+    model = load(synth_model("qwen35moe", "Q4_K_M", skew=1.0), None)
+
+    def greedy(tokens, k):  # the target's own greedy continuation of the sampled sequence
+        return list(generate(model, None, list(tokens), None, k, stop_ids=()))
+
+    session = drafting(model, ForcedDrafter(greedy, 0.8, model.spec.n_vocab), k=3)
+    got = list(generate(model, None, PROMPT, Sampler(temperature=0.7, seed=4), N, stop_ids=(), session=session))
+    assert len(got) == N and session.draft.stats.verify_steps > 0
+    assert session.fed[:len(PROMPT) + N - 1] == PROMPT + got[:-1]
+    reference = Session(model)  # the prompt, then the reply one decode step at a time
+    for j in range(len(PROMPT), len(PROMPT) + N + 1):
+        want = reference.feed((PROMPT + got)[:j])
+    assert torch.equal(session.feed(PROMPT + got), want)
+
+
+class HiddenRecorder:
+    """A drafter that reads hidden rows and records them, proposing the known continuation."""
+
+    name = "recorder"
+    needs_hidden = True
+
+    def __init__(self, oracle):
+        self.oracle, self.rows, self.calls, self.rewinds = oracle, [], [], []
+
+    def propose(self, tokens, k, hidden):
+        self.calls.append((len(tokens), 0 if hidden is None else hidden.shape[0]))
+        if hidden is not None:
+            self.rows.append(hidden)
+        out = self.oracle(tokens, k)
+        return out[:1] + [0] * (len(out) - 1)  # the first kept, the rest rejected (mostly)
+
+    def rewind(self, n_tokens):
+        self.rewinds.append(n_tokens)
+
+
+def test_hidden_rows_are_the_main_models_output_normed_rows(synth_model):
+    """A drafter that reads hidden states gets, over its ``propose`` calls, one row per kept
+    position in order (the prompt's first), each the main model's output-normed row there
+    (``forward_hidden``), and never a rejected row."""
+    model = load(synth_model("qwen35moe", "Q4_K_M", skew=1.0), None)
+    plain = list(generate(model, None, PROMPT, None, 12, stop_ids=()))
+    recorder = HiddenRecorder(known_continuation(PROMPT, plain))
+    session = drafting(model, recorder, k=3)
+    assert list(generate(model, None, PROMPT, None, 12, stop_ids=(), session=session)) == plain
+    for n_tokens, n_rows in recorder.calls:  # the rows before the last picked token, all handed over
+        assert n_rows == 0 or sum(c[1] for c in recorder.calls if c[0] <= n_tokens) == n_tokens - 1
+    rows = torch.cat(recorder.rows)
+    _, want = model.forward_hidden(session.fed[:rows.shape[0]])
+    assert rows.shape == want.shape
+    assert torch.allclose(rows.float(), want.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_draft_length_follows_acceptance():
+    rule = DraftLength(4)
+    assert rule.k == 4
+    rule.update(4, 1)
+    assert rule.k == 3
+    rule.update(3, 2)  # at least half kept: stays
+    assert rule.k == 3
+    rule.update(3, 3)
+    assert rule.k == 4
+    rule.update(4, 4)  # never past the maximum
+    assert rule.k == 4
+    for _ in range(6):
+        rule.update(rule.k, 0)
+    assert rule.k == 1  # never below one
+    rule.update(0, 0)  # no draft: nothing learned
+    assert rule.k == 1
+    with pytest.raises(ValueError):
+        DraftLength(0)
+
+
+def test_ngram_drafter_follows_the_sequence():
+    d = NgramDrafter()
+    assert d.propose([1, 2, 3, 1, 2], 2) == [3, 1]
+    assert d.propose([1, 2, 3, 1, 2, 3, 1], 3) == [2, 3, 1]
+    assert d.propose([7, 8, 7], 2) == [8, 7]  # another sequence: the index starts over
+    assert d.propose([9], 2) == []
