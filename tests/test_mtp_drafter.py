@@ -14,17 +14,25 @@ import torch
 from sparkpack.formats.errors import SparkpackError
 from sparkpack.repack.synth import write_synthetic
 from sparkpack.repack.synth.presets import get_preset
-from sparkpack.runtime.models import load_model
+from sparkpack.runtime.generate import Session, generate
+from sparkpack.runtime.models import StoreOptions, load_model
 from sparkpack.runtime.models.mtp import MtpDrafter
+from sparkpack.runtime.speculative import Speculation
+from tests.marks import quick_first
 
 TINY = get_preset("qwen35moe", "tiny")
 K = 3
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = write_synthetic(tmp_path_factory.mktemp("mtpd") / "m.gguf", "qwen35moe", "tiny", "Q8_0", seed=3, mtp=True)
-    return load_model(path, dtype=torch.float64)
+def mtp_path(tmp_path_factory) -> Path:
+    return write_synthetic(tmp_path_factory.mktemp("mtpd") / "m.gguf", "qwen35moe", "tiny", "Q8_0", seed=3,
+                           mtp=True, skew=1.0)
+
+
+@pytest.fixture(scope="module")
+def model(mtp_path):
+    return load_model(mtp_path, dtype=torch.float64)
 
 
 def trunk_rows(model, ids: list[int]) -> torch.Tensor:
@@ -109,3 +117,25 @@ def test_a_file_without_a_head_has_no_drafter(tmp_path: Path) -> None:
     plain = load_model(write_synthetic(tmp_path / "p.gguf", "qwen35moe", "tiny", "Q8_0", seed=3))
     with pytest.raises(SparkpackError, match="no multi-token-prediction head"):
         MtpDrafter(plain)
+
+
+@pytest.mark.parametrize("hot_fraction", quick_first([None, 1.0, 0.6, 0.1]))
+def test_greedy_run_with_mtp_drafts_gives_the_plain_tokens(mtp_path, hot_fraction) -> None:
+    """Through the speculative loop (``runtime.speculative``) with the head's drafts, without the
+    expert store and at full and partial residency: the plain greedy tokens, and the drafter
+    still in step with the sequence at the end (its next drafts are the head's run afresh)."""
+    store = None if hot_fraction is None else StoreOptions(hot_fraction=hot_fraction, miss_mode="async",
+                                                           cache_slots=2, mtp=True)
+    model = load_model(mtp_path, store=store)
+    prompt = [5, 17, 23, 42, 8, 5, 17, 61, 3]
+    plain = list(generate(model, None, prompt, None, 10, stop_ids=()))
+    drafter = MtpDrafter(model)
+    session = Session(model)
+    session.draft = Speculation(drafter, 3)
+    assert list(generate(model, None, prompt, None, 10, stop_ids=(), session=session)) == plain
+    stats = session.draft.stats
+    assert stats.verify_steps > 0 and stats.drafted > 0
+    assert drafter.paired == session.draft.pending_from  # every row handed over was paired
+    tokens = list(session.fed) + [7]  # the rows not yet handed over, and a next token
+    got = drafter.propose(tokens, 3, session.draft.hidden())
+    assert drafter.paired == len(tokens) - 1 and got == fresh_drafts(model, tokens, 3)

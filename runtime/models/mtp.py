@@ -9,7 +9,7 @@ state at ``t`` and the token at ``t + 1``. What the drafter relies on, with its 
   seed"); vLLM's target model returns ``self.norm(hidden_states, residual)`` and its
   ``Qwen3NextMultiTokenPredictor`` (vllm-project/vllm
   vllm/model_executor/models/qwen3_next_mtp.py) takes those. The loop hands over exactly those
-  rows (``Drafter``).
+  rows (``runtime.drafting.Drafter``, the protocol this class follows).
 - A draft step after the first feeds the head its own output, ``shared_head_norm`` of its block's
   residual (llama.cpp's ``graph_mtp`` sets ``t_h_nextn`` to that norm; vLLM's predictor returns
   ``self.norm(...)`` the same way), with the token it just drafted.
@@ -26,29 +26,12 @@ yet fed), each paired with the token after it. A draft never decides output: the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from .qwen35moe import Qwen35MoE
-
-
-class Drafter(Protocol):
-    """What the speculative loop asks of a drafter (``runtime/drafting.py`` on the loop's branch
-    holds the one the loop imports and says it in full; this copy types ``MtpDrafter`` until the
-    branches meet). ``propose``: ``tokens`` the whole sequence, ending with the token just picked
-    (not yet fed); ``hidden`` the main model's output-normed rows ``[n_new, n_embd]`` of the
-    positions fed and kept since the previous call, in order, the last one the position before
-    the picked token; up to ``k`` tokens back. ``rewind(n_tokens)``: the sequence now holds its
-    first ``n_tokens`` fed tokens (after each verify, and shorter when a request starts over)."""
-
-    name: str
-    needs_hidden: bool
-
-    def propose(self, tokens: Sequence[int], k: int, hidden: torch.Tensor | None) -> list[int]: ...
-
-    def rewind(self, n_tokens: int) -> None: ...
 
 
 class MtpDrafter:
