@@ -6,6 +6,7 @@ to an earlier turn, its drafts are those of the head run afresh over the sequenc
 where only a tie could make two summation orders pick different tokens."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from tests.marks import quick_first
 
 TINY = get_preset("qwen35moe", "tiny")
 K = 3
+DEVICE = os.environ.get("SPARKPACK_TEST_DEVICE", "cpu")  # the loop's run on a GPU: cuda
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +128,8 @@ def test_greedy_run_with_mtp_drafts_gives_the_plain_tokens(mtp_path, hot_fractio
     still in step with the sequence at the end (its next drafts are the head's run afresh)."""
     store = None if hot_fraction is None else StoreOptions(hot_fraction=hot_fraction, miss_mode="async",
                                                            cache_slots=2, mtp=True)
-    model = load_model(mtp_path, store=store)
+    model = load_model(mtp_path, device=DEVICE, dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32,
+                       store=store)
     prompt = [5, 17, 23, 42, 8, 5, 17, 61, 3]
     plain = list(generate(model, None, prompt, None, 10, stop_ids=()))
     drafter = MtpDrafter(model)
