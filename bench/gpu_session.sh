@@ -7,7 +7,7 @@
 #   (the server and its test clients; the device has torch, triton, transformers, xxhash, prometheus-client,
 #   pytest-xdist, not these); then carry .whl (and .device/corpus, a copy of ../shared/corpora/lucebox-hub).
 # QUANT=IQ2_M (any repack synth --quant) makes the synthetic models of that mix instead of Q4_K_M.
-# steps: any of synth split compress tests cudatests kernels calib store staged decode llama side presets serve parallel conversations learning long lowbit_llama build (default: synth split compress tests)
+# steps: any of synth split compress tests cudatests kernels calib store staged decode draft llama side presets serve parallel conversations learning long lowbit_llama build (default: synth split compress tests)
 # cudatests: the runtime's CUDA tests (kernels, expert store, pack integrity, graphs, prefix reuse, served
 #   GPU path, generation, learning, calibration replay, staged prefill) on 15 xdist workers (CUDA_TESTS: other files).
 # calib: bench/calibrate_speed.py on BENCH_CORPUS (default: corpora/): repack calibrate's tok/s and peak
@@ -16,6 +16,9 @@
 #   calibrated on .device/corpus/bench_agent.jsonl, measured on .device/corpus/mt_bench_questions.jsonl.
 # staged: prefill at partial residency with staged calls off/on (bench/staged_prefill.py), the threshold's crossover.
 # decode: all-GPU decode (CUDA graph vs eager) and prefill speed (bench/decode_bench.py).
+# draft: speculative decoding (issue 47, bench/draft_bench.py): a verify step of K = 1..4 drafts next to a plain
+#   step, and decode tok/s at forced acceptance 0.5/0.7/0.9 (random weights: the acceptance is set, not measured),
+#   all-GPU and at DRAFT_VRAM (14GiB), one process each; DRAFT_ARGS adds options.
 # llama: llama.cpp's llama-bench on the same model (bench/llama_bench.sh; .device/llama.cpp carried).
 # side: issue 7's side-by-side in one call: llama.cpp builds (niced, in the background) while the
 #   model is written; then our decode_bench, llama-bench on the same file and
@@ -91,7 +94,7 @@ for step in $steps; do
         python3 -m pytest -n 15 --dist load -v -p no:cacheprovider -p no:benchmark --tb=short --durations=15 \
         ${CUDA_TESTS:-tests/test_kernels.py tests/test_attention_kernel.py tests/test_forward.py tests/test_expert_store.py tests/test_pack_integrity.py tests/test_calibrate.py \
         tests/test_graph.py tests/test_prefix_reuse.py tests/test_conversation_cache.py tests/test_server_gpu.py tests/test_generate.py tests/test_learning.py \
-        tests/test_calibrate_replay.py tests/test_staged_prefill.py tests/test_grammar.py} > "${OUT:-$work}/cuda.log" 2>&1 || true
+        tests/test_calibrate_replay.py tests/test_staged_prefill.py tests/test_grammar.py tests/test_speculative.py} > "${OUT:-$work}/cuda.log" 2>&1 || true
       grep -oE "(PASSED|FAILED|SKIPPED|ERROR) tests/[a-z_]+\.py" "${OUT:-$work}/cuda.log" | sort | uniq -c
       sed -n '/short test summary/,$p' "${OUT:-$work}/cuda.log" | cut -c1-240 ;;
     calib)
@@ -122,6 +125,11 @@ for step in $steps; do
     decode)
       ensure_model "$model" qwen35moe qwen3.6-35b-a3b
       python3 bench/decode_bench.py "$model" --json "${OUT:-$work}/decode_bench.json" ;;
+    draft)
+      ensure_model "$model" qwen35moe qwen3.6-35b-a3b
+      for vram in all "${DRAFT_VRAM:-14GiB}"; do
+        python3 bench/draft_bench.py "$model" --vram "$vram" --json "${OUT:-$work}/draft_bench_$vram.json" ${DRAFT_ARGS:-}
+      done ;;
     llama)
       ensure_model "$model" qwen35moe qwen3.6-35b-a3b
       bash bench/llama_bench.sh "$model" ;;

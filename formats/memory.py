@@ -101,6 +101,9 @@ class MemoryTarget:
     staged_chunk: int = 0
     host_bytes: int | None = None
     mtp: bool = False  # the runtime loads the file's MTP head to draft (``head_bytes``)
+    # the most tokens a session drafts per verify step: one more device copy of the DeltaNet
+    # states per drafted token (``runtime.cache.RowStates``; ``recurrent_state_bytes``)
+    draft_tokens: int = 0
 
     @classmethod
     def gpu(cls, spec: ModelSpec, ctx: int = 4096, kv_type: str = "auto",

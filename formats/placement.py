@@ -315,7 +315,7 @@ def plan_residency(spec: ModelSpec, tensors: dict, budget: Budget, target: Memor
         dense = dense_bytes(tensors, expert_tensor_names(spec) | spec.head_tensor_names(), target)
         head = head_bytes(spec, tensors, target)
         kv = kv_cache_bytes(spec, target.ctx, target.kv_bytes_per_value, target.prefill_chunk)
-        state = recurrent_state_bytes(spec)
+        state = recurrent_state_bytes(spec) * (1 + target.draft_tokens)  # (a drafting session's row copies)
         runtime = runtime_bytes(spec, target.ctx, target.prefill_chunk)
         fixed = dense + head + kv + state + runtime + slots * slot
         if budget.vram < fixed:

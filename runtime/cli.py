@@ -37,8 +37,9 @@ from sparkpack.formats.memory import KV_BYTES_PER_VALUE, PREFILL_CHUNK
 from sparkpack.formats.units import SizeParam
 
 from .learn_flags import learning_options
-from .options import (DEFAULT_DEQUANT_LIMIT, DEVICES, DTYPES, MISS_MODES, ONE_SHOT_MAX_TOKENS, RunOptions,
-                      SamplingOptions, open_model, open_session, run_options)
+from .options import (DEFAULT_DEQUANT_LIMIT, DEFAULT_DRAFT_TOKENS, DEVICES, DRAFT_KINDS, DTYPES, MAX_DRAFT_TOKENS,
+                      MISS_MODES, ONE_SHOT_MAX_TOKENS, RunOptions, SamplingOptions, open_model, open_session,
+                      run_options)
 from .run_report import report_residency, report_stats
 
 
@@ -163,6 +164,11 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
               help="Prompt tokens per forward call: larger prefills faster, for more activation memory (--vram plans "
                    "for it). All-attention models on a GPU in half precision with a 16-bit KV cache (Qwen3 MoE, "
                    "Laguna), whose prompt calls are replayed from CUDA graphs, use at most 512.")
+@click.option("--draft", type=click.Choice(DRAFT_KINDS), default="off", show_default=True,
+              help="Speculative decoding: draft tokens by prompt lookup (ngram) or with the file's MTP head (mtp), "
+                   "verified in one step of the model; greedy output stays token for token the same.")
+@click.option("--draft-tokens", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=DEFAULT_DRAFT_TOKENS,
+              show_default=True, help="Most tokens drafted per verify step (fewer while drafts are rejected).")
 @click.option("--store/--no-store", "use_store", default=None,
               help="Use the tiered expert store [on for cuda or when a store option is given].")
 @click.option("--stats-json", type=click.Path(dir_okay=False, path_type=Path),
@@ -259,7 +265,7 @@ def run_session(model, opts: RunOptions, prompt: str | None, system: str | None,
     """The run itself; returns the generation session (for statistics) or None. ``ready()`` is
     called once the warm-up is done and the real tokens follow."""
     tok = load_tokenizer(model)
-    session = open_session(model, opts.session, tok.control_ids)
+    session = open_session(model, opts.session, tok.control_ids, opts.draft)
     sampler = one_shot_sampler(opts.sampling)
     if model.device.type == "cuda" and logits_out is None:  # kernels and graphs ready before the prompt
         click.echo(f"warmed up in {session.warm_up():.2f} s", err=True)

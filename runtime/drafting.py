@@ -38,9 +38,6 @@ import torch
 
 from .ngram_draft import NgramDrafter as NgramIndex
 
-DRAFT_KINDS = ("off", "ngram", "mtp")
-DEFAULT_DRAFT_TOKENS = 4
-
 
 class Drafter(Protocol):
     name: str

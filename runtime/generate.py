@@ -226,7 +226,8 @@ class Session:
         past (attention over a past: with a q8_0 KV cache a one-shot prompt ran slower when only
         the first call was warmed) and with a count that is and one that is
         not a multiple of 16 (Triton compiles the two apart): a prompt's calls end at control
-        tokens and at its end, so any length comes. Then two decode steps (capture, replay), and
+        tokens and at its end, so any length comes. Then two decode steps (capture, replay), a
+        drafting session's verify step of each row count (captured: ``VerifyGraphs``), and
         the host buffers of every DeltaNet state checkpoint are allocated. The
         expert store's counts and cache admission forget the dummy traffic; results never depend
         on any of it."""
@@ -264,6 +265,12 @@ class Session:
         for _ in range(2):
             ids.append(dummy[len(ids)])
             self.feed(ids)
+        if self.draft is not None:  # a verify step of every row count the drafting may take (captured)
+            for n in range(1, self.draft.length.max_k + 2):
+                if len(self.fed) + n + 1 > room:
+                    break
+                self.verify(dummy[len(self.fed): len(self.fed) + n])
+                self.keep(1)
         if self.long_past is not None and self.long_past + self.prefill_chunk + 2 <= room:
             # the eager calls after a long past: the past fed once, then every call length that
             # picks another MoE tile shape (those too short are padded calls, warmed above) on it

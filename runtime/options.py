@@ -8,6 +8,7 @@ flags (``run_options``) and read by each layer directly.
     │   └── learn              runtime.models and runtime.learning; LearnOptions (None: --no-learn)
     ├── session: SessionOptions  every Session on the model: context, KV type, prompt calls
     ├── sampling: SamplingOptions  a one-shot run's sampling, a server's request defaults
+    ├── draft: DraftOptions    speculative decoding (--draft, --draft-tokens)
     ├── learning: LearningFlags  around the learner: bootstrap replay, routing trace
     └── serve: ServeOptions    the HTTP server (None: a one-shot run or the chat)
 
@@ -74,6 +75,21 @@ class SamplingOptions:
                        frequency_penalty=self.frequency_penalty, seed=self.seed, prompt_len=prompt_len)
 
 
+DRAFT_KINDS = ("off", "ngram", "mtp")  # --draft: what drafts tokens for a verify step (runtime.drafting)
+DEFAULT_DRAFT_TOKENS = 4
+MAX_DRAFT_TOKENS = 16  # a verify step's rows stay far below a sliding-window ring's spare rows
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftOptions:
+    """Speculative decoding (``runtime.speculative``): the drafter (``kind``, one of
+    ``DRAFT_KINDS``; ``off``: plain decoding) and the most tokens it drafts for one verify step
+    (the length then follows the acceptance: ``runtime.drafting.DraftLength``)."""
+
+    kind: str = "off"
+    tokens: int = DEFAULT_DRAFT_TOKENS
+
+
 @dataclass(frozen=True, kw_only=True)
 class LearnOptions:
     """Learning the placement from the run's traffic (README, "Gets faster the more you use it")."""
@@ -100,6 +116,7 @@ class StoreOptions:
     generated_weight: float = GEN_WEIGHT  # weight of generated-side routings when placing from a profile
     learn: LearnOptions | None = None  # learn into the profile file (None: read it only)
     mtp: bool = False  # load the file's multi-token-prediction head too (drafting); the plan counts it
+    draft_tokens: int = 0  # the session drafts up to this many tokens a step (--draft): the plan counts their states
 
     @property
     def budget(self) -> Budget:
@@ -151,6 +168,7 @@ class RunOptions:
     store: StoreOptions | None = None
     session: SessionOptions = field(default_factory=SessionOptions)
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    draft: DraftOptions = field(default_factory=DraftOptions)
     max_tokens: int | None = None  # --max-tokens; None: ONE_SHOT_MAX_TOKENS, or a served request's room
     learning: LearningFlags = field(default_factory=LearningFlags)
     serve: ServeOptions | None = None
@@ -178,7 +196,7 @@ def run_options(model_path: Path, *, device: str = "auto", dtype: str = "auto", 
                 bootstrap: str | None = None, bootstrap_background: bool = False, trace_out: Path | None = None,
                 serve: bool = False, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
                 api_key_file: Path | None = None, cache_ram: int | None = None, cache_dir: Path | None = None,
-                parallel: int = 1,
+                parallel: int = 1, draft: str = "off", draft_tokens: int = DEFAULT_DRAFT_TOKENS,
                 **sampling: Any) -> RunOptions:
     """The one place flags become a ``RunOptions``: keyword arguments named as click names
     spark-run's flags (a misspelt one is a TypeError), any left out at the flag's default. The
@@ -195,6 +213,12 @@ def run_options(model_path: Path, *, device: str = "auto", dtype: str = "auto", 
         raise SparkpackError(None, "--cache-ram and --cache-dir keep a server's conversations: use them with --serve")
     if not serve and parallel != 1:
         raise SparkpackError(None, "--parallel is the number of requests a server decodes together: use it with --serve")
+    if draft not in DRAFT_KINDS:
+        raise SparkpackError(None, f"--draft must be one of {', '.join(DRAFT_KINDS)}, got {draft!r}")
+    if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
+        raise SparkpackError(None, f"--draft-tokens must be in 1..{MAX_DRAFT_TOKENS}, got {draft_tokens}")
+    if draft != "off" and parallel != 1:
+        raise SparkpackError(None, "--draft drafts for one sequence at a time: it cannot be combined with --parallel")
     device = resolve_device(device)
     store_asked = ((vram, hot_fraction, cache_slots, profile, host_ram) != (None,) * 5 or miss_mode != "auto"
                    or bootstrap is not None or trace_out is not None)  # (only the store sees the routings)
@@ -206,10 +230,12 @@ def run_options(model_path: Path, *, device: str = "auto", dtype: str = "auto", 
                                                    force=force)
         store = StoreOptions(vram=vram, hot_fraction=hot_fraction, cache_slots=cache_slots, profile=profile,
                              miss_mode=miss_mode, host_ram=host_ram if host_ram is not None else default_host_ram(),
-                             generated_weight=generated_weight, learn=learn)
+                             generated_weight=generated_weight, learn=learn, mtp=draft == "mtp",
+                             draft_tokens=draft_tokens if draft != "off" else 0)
     return RunOptions(model_path=model_path, device=device, dtype=dtype, threads=threads, dequant_limit=dequant_limit,
                       store=store, session=SessionOptions(ctx=ctx, kv_type=kv_type, prefill_chunk=prefill_chunk),
-                      sampling=SamplingOptions(**sampling), max_tokens=max_tokens, learning=learning,
+                      sampling=SamplingOptions(**sampling), draft=DraftOptions(kind=draft, tokens=draft_tokens),
+                      max_tokens=max_tokens, learning=learning,
                       serve=serve_options(host=host, port=port, api_key=api_key, api_key_file=api_key_file,
                                           cache_ram=cache_ram, cache_dir=cache_dir, parallel=parallel) if serve else None,
                       stats_json=stats_json)
@@ -297,10 +323,34 @@ def open_model(opts: RunOptions) -> MoEModel:
                       dequant_limit=opts.dequant_limit, store=store, session=opts.session)
 
 
-def open_session(model: MoEModel, opts: SessionOptions, breaks: frozenset[int]) -> Session:
+def open_session(model: MoEModel, opts: SessionOptions, breaks: frozenset[int],
+                 draft: DraftOptions | None = None) -> Session:
     """A generation session on ``model`` with the run's context, KV cache type and prefill calls;
     ``breaks``: the tokenizer's ``control_ids`` (a one-shot run and a server cut their prompts'
-    calls alike, so a served reply has the one-shot bits)."""
+    calls alike, so a served reply has the one-shot bits); ``draft``: its drafter, if any."""
     from .generate import Session
 
-    return Session(model, ctx=opts.ctx, kv_type=opts.kv_type, prefill_chunk=opts.prefill_chunk, breaks=breaks)
+    session = Session(model, ctx=opts.ctx, kv_type=opts.kv_type, prefill_chunk=opts.prefill_chunk, breaks=breaks)
+    if draft is not None and draft.kind != "off":
+        from .speculative import Speculation
+
+        session.draft = Speculation(open_drafter(model, draft.kind), draft.tokens)
+    return session
+
+
+def open_drafter(model: MoEModel, kind: str):
+    """The drafter ``--draft`` names (``runtime.drafting.Drafter``); ``mtp`` needs a file with the
+    head (``repack inspect`` says) and the head's drafter (``runtime.models.mtp.MtpDrafter``)."""
+    if kind == "ngram":
+        from .drafting import NgramDrafter
+
+        return NgramDrafter()
+    if model.spec.nextn is None:
+        raise SparkpackError(model.gguf.path, "has no multi-token-prediction head (nextn tensors): --draft mtp "
+                                              "needs one; --draft ngram drafts without weights")
+    try:
+        from .models.mtp import MtpDrafter
+    except ImportError:
+        raise SparkpackError(None, "--draft mtp: this build has no MTP drafter (runtime.models.mtp); "
+                                   "use --draft ngram") from None
+    return MtpDrafter(model)

@@ -80,4 +80,4 @@ def memory_target(device: torch.device | str, dtype: torch.dtype, spec: ModelSpe
                         quantized_dense=quantizes_dense(torch.device(device), dtype), kv_type=session.kv_type,
                         ctx=session.ctx, prefill_chunk=chunk,
                         staged_chunk=staged_call_tokens(chunk, opts.stage_tokens) if can_stage else 0,
-                        host_bytes=opts.host_ram, mtp=opts.mtp)
+                        host_bytes=opts.host_ram, mtp=opts.mtp, draft_tokens=opts.draft_tokens)

@@ -44,6 +44,8 @@ def collect_stats(model, session) -> dict:
         busy = t.prefill_seconds + t.decode_seconds + t.capture_seconds
         out["store"]["stream_gb_s"] = s["bytes_streamed"] / busy / 1e9 if busy else None
         out["residency"] = model.residency.as_json()
+    if session.draft is not None:
+        out["draft"] = {"drafter": session.draft.drafter.name, **session.draft.stats.as_json()}
     if model.device.type == "cuda":
         out["vram_peak_allocated"] = torch.cuda.max_memory_allocated()
         out["vram_peak_reserved"] = torch.cuda.max_memory_reserved()
@@ -59,6 +61,11 @@ def report_stats(model, session, stats_json: Path | None) -> None:
         parts.append(f"decode {s['decode_tokens']} tok at {s['decode_tok_s']:.1f} tok/s")
     if s["graph_capture_seconds"]:
         parts.append(f"CUDA graph captured in {s['graph_capture_seconds']:.2f} s")
+    d = s.get("draft")
+    if d and d["verify_steps"]:
+        parts.append(f"drafts ({d['drafter']}): {d['accepted']}/{d['drafted']} kept"
+                     + (f" ({d['acceptance']:.0%})" if d["acceptance"] is not None else "")
+                     + f", {d['tokens_per_verify']:.2f} tokens per verify step, draft length {d['k']}")
     st = s.get("store")
     if st:
         parts.append(f"per token: {st['hot_hits_per_token']:.1f} hot, {st['cache_hits_per_token']:.1f} cached, "

@@ -6,8 +6,11 @@ sampled drafts keep the sampled distribution; the drafter protocol's hidden rows
 model's. ``SPARKPACK_TEST_DEVICE=cuda`` runs them on a GPU, verify steps captured."""
 from __future__ import annotations
 
+import json
 import os
+import re
 
+import httpx
 import pytest
 import torch
 
@@ -17,7 +20,9 @@ from sparkpack.runtime.generate import Session, generate
 from sparkpack.runtime.models import StoreOptions, load_model
 from sparkpack.runtime.sampling import Sampler
 from sparkpack.runtime.speculative import Speculation
+from tests.commands import run_cli
 from tests.marks import quick_first
+from tests.serve_proc import ServerProcess
 
 DEVICE = os.environ.get("SPARKPACK_TEST_DEVICE", "cpu")
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -172,3 +177,133 @@ def test_ngram_drafter_follows_the_sequence():
     assert d.propose([1, 2, 3, 1, 2, 3, 1], 3) == [2, 3, 1]
     assert d.propose([7, 8, 7], 2) == [8, 7]  # another sequence: the index starts over
     assert d.propose([9], 2) == []
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_hf_gguf):
+    return tiny_hf_gguf("qwen35moe")[1]
+
+
+def echo_prompt() -> str:
+    """A prompt that repeats text, as an agent quoting a file back does (prompt lookup's case)."""
+    code = "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n"
+    return f"Here is the file:\n{code}\nRepeat it exactly:\n{code}"
+
+
+@pytest.mark.parametrize("residency", quick_first([[], ["--hot-fraction", "0.6"], ["--hot-fraction", "0.1"]]))
+def test_spark_run_draft_gives_the_plain_reply(chat_model, monkeypatch, capsys, tmp_path, residency):
+    """``spark-run --draft ngram`` (and a forced draft length) prints the plain greedy reply, and its
+    stats report the drafting."""
+    base = [str(chat_model), "--raw", "-p", echo_prompt(), "--temperature", "0", "--max-tokens", "24", *residency]
+    code, plain, err = run_cli(base, monkeypatch, capsys)
+    assert code == 0, err
+    stats = tmp_path / "stats.json"
+    code, got, err = run_cli([*base, "--draft", "ngram", "--draft-tokens", "3", "--stats-json", str(stats)],
+                             monkeypatch, capsys)
+    assert code == 0, err
+    assert got == plain
+    draft = json.loads(stats.read_text())["draft"]
+    assert draft["drafter"] == "ngram" and draft["verify_steps"] > 0 and 1 <= draft["k"] <= 3
+    assert draft["drafted"] >= draft["accepted"] >= 0
+
+
+ONE_SHOT = ["--raw", "-p", "hi", "--max-tokens", "2"]
+
+
+@pytest.mark.parametrize("args, message", [
+    ([*ONE_SHOT, "--draft", "mtp"], "has no multi-token-prediction head"),
+    ([*ONE_SHOT, "--draft", "ngram", "--draft-tokens", "0"], "--draft-tokens"),
+    ([*ONE_SHOT, "--draft", "magic"], "--draft"),
+    (["--draft", "ngram", "--serve", "--parallel", "2"], "cannot be combined with --parallel"),
+])
+def test_bad_draft_options_are_one_line_errors(chat_model, monkeypatch, capsys, args, message):
+    code, out, err = run_cli([str(chat_model), *args], monkeypatch, capsys)
+    assert code != 0 and message in err and "Traceback" not in err
+
+
+def test_server_draft_gives_the_plain_reply_and_metrics(chat_model):
+    """Through a real server and the official OpenAI client: ``--draft ngram`` answers with the
+    plain server's greedy reply, and ``/metrics`` counts the drafting."""
+    messages = [{"role": "user", "content": echo_prompt()}]
+    replies = []
+    for args in ([], ["--draft", "ngram"]):
+        server = ServerProcess(chat_model, *args)
+        try:
+            r = server.openai().chat.completions.create(model="x", messages=messages, max_tokens=24, temperature=0)
+            replies.append(r.choices[0].message.content)
+            metrics = httpx.get(server.base + "/metrics").text
+        finally:
+            server.stop()
+    assert replies[0] == replies[1]
+    steps = re.search(r"^sparkpack_draft_verify_steps_total (\S+)$", metrics, re.M)
+    assert steps and float(steps.group(1)) > 0
+    assert re.search(r"^sparkpack_draft_length \S+$", metrics, re.M)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("hot_fraction,slots", [(1.0, 0), (0.3, 6)])
+def test_captured_verify_rows_are_the_captured_single_steps(synth_model, arch, hot_fraction, slots):
+    """On a GPU: a verify step replayed from its CUDA graph (``VerifyGraphs``), and its capture
+    run, give row for row the bits of the captured single decode steps (``DecodeGraph``) over
+    the same tokens, also after a rollback; a greedy drafting run equals the plain one."""
+    from sparkpack.runtime.graph import capturable
+
+    model = load_model(synth_model(arch, "Q4_K_M", skew=1.0), device="cuda", dtype=torch.bfloat16,
+                       store=StoreOptions(hot_fraction=hot_fraction, cache_slots=slots, miss_mode="zerocopy"))
+    if not capturable(model):
+        pytest.skip("not every expert layer has fused-kernel quant types")
+    plain = Session(model, ctx=128)
+    ids = list(PROMPT)
+    want = [plain.feed(ids)]
+    for _ in range(14):
+        ids.append(int(torch.argmax(want[-1])))
+        want.append(plain.feed(ids))
+    assert plain.graph is not None and plain.graph.replays > 0
+    session = Session(model, ctx=128)
+    session.feed(PROMPT)
+    at = len(PROMPT)
+    for n, k in ((4, 2), (4, 4), (3, 1), (4, 3)):  # (rows, kept): captured, replayed, after rollbacks
+        rows, _ = session.verify(ids[at:at + n])
+        for i in range(n):
+            assert torch.equal(rows[i], want[at - len(PROMPT) + i + 1]), (n, k, i)
+        session.keep(k)
+        at += k
+    assert session.verify_graphs.replays >= 2 and session.verify_graphs.captures >= 2
+    oracle = known_continuation(PROMPT, ids[len(PROMPT):])
+    drafted = drafting(model, ForcedDrafter(oracle, 0.7, model.spec.n_vocab), k=3)
+    got = list(generate(model, None, PROMPT, None, 14, stop_ids=(), session=drafted))
+    assert got == ids[len(PROMPT):]
+    assert drafted.verify_graphs is not None and drafted.verify_graphs.replays > 0
+
+
+def test_vram_plan_counts_the_verify_rows_states(synth_model):
+    """A drafting run's plan holds one more DeltaNet state per drafted token, and a session's row
+    copies (after a verify step of the most rows) stay within it; ``--draft`` reaches the plan."""
+    from sparkpack.formats.archs import model_spec
+    from sparkpack.formats.gguf_file import GGUFModel
+    from sparkpack.formats.memory import MemoryTarget, recurrent_state_bytes
+    from sparkpack.formats.placement import Budget, plan_residency
+    from sparkpack.runtime.options import run_options
+
+    path = synth_model("qwen35moe", "Q4_K_M", skew=1.0)
+    with GGUFModel(path) as m:
+        spec = model_spec(m)
+        target = MemoryTarget.gpu(spec, 512)
+        budget = Budget(vram=1536 * 1024**2)
+        off = plan_residency(spec, m.tensors, budget, target)
+        on = plan_residency(spec, m.tensors, budget, MemoryTarget(**{**target.__dict__, "draft_tokens": 4}))
+    assert off.state_bytes == recurrent_state_bytes(spec) > 0
+    assert on.state_bytes == 5 * off.state_bytes and on.expert_budget == off.expert_budget - 4 * off.state_bytes
+    assert run_options(path, device="cpu", hot_fraction=1.0, draft="ngram", draft_tokens=3).store.draft_tokens == 3
+    assert run_options(path, device="cpu", hot_fraction=1.0, draft_tokens=3).store.draft_tokens == 0
+    model = load(path, None)
+    session = drafting(model, NgramDrafter(), k=4)
+    session.feed(PROMPT)
+    session.verify(PROMPT[:5])
+    session.keep(2)
+    copies = sum(t.nbytes for d in (session.row_states.conv, session.row_states.ssm) for t in d.values())
+    assert 0 < copies <= 4 * recurrent_state_bytes(spec)

@@ -63,7 +63,7 @@ def load_model(path: str | os.PathLike[str] | GGUFModel, device: torch.device | 
             model.w.stacked(group)
         skip = expert_tensor_names(spec) | spec.head_tensor_names()  # the MTP head loads with load_mtp
         model.w.preload(n for n in source.tensors if n not in skip)
-        if store.mtp:
+        if store.mtp and spec.nextn is not None:  # (--draft mtp on a file without one: open_drafter says so)
             model.load_mtp()  # type: ignore[attr-defined]
     return model
 

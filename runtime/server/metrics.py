@@ -63,6 +63,8 @@ class ServerMetrics:
         self._store_seen: dict[str, int] = self._store_counts()  # loading's own reads are not traffic
         self.conversations = None  # a runtime.conversation_cache.ConversationCache, read at scrape time
         r.register(ConversationCollector(self))
+        self.draft = None  # the session's runtime.speculative.Speculation (--draft), read at scrape time
+        r.register(DraftCollector(self))
 
     def observe_job(self, job: Job, outcome: Outcome) -> None:
         if outcome.finish == "error":
@@ -187,6 +189,26 @@ class ConversationCollector:
                        st.restore_seconds)
         yield _counter("conversation_cache_ignored_files", "Cache files ignored (corrupt, truncated, not ours)",
                        st.ignored_files)
+
+
+class DraftCollector:
+    """Speculative decoding's numbers at scrape time (``runtime.drafting.DraftStats``), when the
+    server drafts (``--draft``): acceptance is ``accepted / drafted``."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        spec = self.metrics.draft
+        if spec is None:
+            return
+        st = spec.stats
+        yield _counter("draft_verify_steps", "Verify steps (the picked token and its drafts in one step)",
+                       st.verify_steps)
+        yield _counter("draft_tokens_drafted", "Tokens the drafter proposed", st.drafted)
+        yield _counter("draft_tokens_accepted", "Drafted tokens the model kept", st.accepted)
+        yield GaugeMetricFamily(PREFIX + "draft_length", "Tokens the drafter is asked for next (adapts to "
+                                "the acceptance, up to --draft-tokens)", value=st.k)
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

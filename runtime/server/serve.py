@@ -70,7 +70,7 @@ def build_served(model, opts: RunOptions, *, hooks: ServeHooks = ServeHooks(),
     template = ChatTemplate.from_tokenizer(source, tok) if source else None
     flags = opts.learning
     trace = attach_trace(model, flags.trace_out) if flags.trace_out is not None else None  # before any capture
-    session = open_session(model, opts.session, tok.control_ids)
+    session = open_session(model, opts.session, tok.control_ids, opts.draft)
     if model.device.type == "cuda":  # kernels compiled and graphs captured before /health says ready
         click.echo(f"sparkpack: warmed up in {session.warm_up():.2f} s", err=True)
     learning = (start_learning(model, opts.store.learn, opts.store.generated_weight) if opts.store is not None
@@ -89,6 +89,7 @@ def build_served(model, opts: RunOptions, *, hooks: ServeHooks = ServeHooks(),
         if start.profile is not None and learning.replace_all():  # a pack's placement moves to the profile's
             click.echo(f"sparkpack: moved {learning.stats.experts_moved} experts to where the profile says", err=True)
     metrics = ServerMetrics(model, learning.stats if learning is not None else None)
+    metrics.draft = session.draft
     if learning is not None:
         start_bootstrap(flags, learning, session, tok, template, metrics, stopping)
         metrics.forget_store_traffic()  # a bootstrap before serving is no served traffic
