@@ -6,9 +6,12 @@ to an earlier turn, its drafts are those of the head run afresh over the sequenc
 where only a tie could make two summation orders pick different tokens."""
 from __future__ import annotations
 
+import json
 import os
+import re
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -19,7 +22,9 @@ from sparkpack.runtime.generate import Session, generate
 from sparkpack.runtime.models import StoreOptions, load_model
 from sparkpack.runtime.models.mtp import MtpDrafter
 from sparkpack.runtime.speculative import Speculation
+from tests.commands import run_cli
 from tests.marks import quick_first
+from tests.serve_proc import ServerProcess
 
 TINY = get_preset("qwen35moe", "tiny")
 K = 3
@@ -142,3 +147,40 @@ def test_greedy_run_with_mtp_drafts_gives_the_plain_tokens(mtp_path, hot_fractio
     tokens = list(session.fed) + [7]  # the rows not yet handed over, and a next token
     got = drafter.propose(tokens, 3, session.draft.hidden())
     assert drafter.paired == len(tokens) - 1 and got == fresh_drafts(model, tokens, 3)
+
+
+PROMPT_TEXT = "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n"
+
+
+@pytest.mark.parametrize("residency", quick_first([[], ["--hot-fraction", "0.6"], ["--hot-fraction", "0.1"]]))
+def test_spark_run_draft_mtp_gives_the_plain_reply(mtp_path, monkeypatch, capsys, tmp_path, residency) -> None:
+    """``spark-run --draft mtp`` on a file with the head prints the plain greedy reply, and its
+    stats report the head's drafting."""
+    base = [str(mtp_path), "--raw", "-p", PROMPT_TEXT, "--temperature", "0", "--max-tokens", "10", *residency]
+    code, plain, err = run_cli(base, monkeypatch, capsys)
+    assert code == 0, err
+    stats = tmp_path / "stats.json"
+    code, got, err = run_cli([*base, "--draft", "mtp", "--draft-tokens", "2", "--stats-json", str(stats)],
+                             monkeypatch, capsys)
+    assert code == 0, err
+    assert got == plain
+    draft = json.loads(stats.read_text())["draft"]
+    assert draft["drafter"] == "mtp" and draft["verify_steps"] > 0 and draft["drafted"] > 0
+
+
+@pytest.mark.slow
+def test_server_draft_mtp_gives_the_plain_reply(mtp_path) -> None:
+    """Through a real server and the official OpenAI client: ``--draft mtp`` answers with the plain
+    server's greedy reply, and ``/metrics`` counts its verify steps."""
+    replies = []
+    for args in ([], ["--draft", "mtp", "--draft-tokens", "2"]):
+        server = ServerProcess(mtp_path, *args)
+        try:
+            r = server.openai().completions.create(model="x", prompt=PROMPT_TEXT, max_tokens=10, temperature=0)
+            replies.append(r.choices[0].text)
+            metrics = httpx.get(server.base + "/metrics").text
+        finally:
+            server.stop()
+    assert replies[0] == replies[1]
+    steps = re.search(r"^sparkpack_draft_verify_steps_total (\S+)$", metrics, re.M)
+    assert steps and float(steps.group(1)) > 0
