@@ -17,7 +17,8 @@ state at ``t`` and the token at ``t + 1``. What the drafter relies on, with its 
   row of position ``i`` pairs ``h_i`` with the token at ``i + 1`` (vLLM's pairing; llama.cpp puts
   it at ``i + 1``, and rotary attention reads only differences). Draft rows are scratch: the
   cache position goes back after drafting, and the accepted tokens are paired again with the
-  trunk's rows once the verify has computed them (llama.cpp's catch-up in its draft-mtp loop).
+  trunk's rows once the verify has computed them (a design choice, not read from llama.cpp: the
+  trunk's row of a kept position is what a plain run would have paired there).
 
 The drafter's state is in step with the main sequence when the positions the head has paired are
 exactly the trunk positions ``0 .. n - 2`` of a sequence of ``n`` tokens (the last one picked, not

@@ -163,7 +163,7 @@ class MTPHead:
         ``hidden [1, n_embd]`` (the trunk's): each step feeds the head its own previous output, as
         llama.cpp's draft-mtp does. The head's cache is left where it was: its rows for the drafts
         hold the head's own hidden states, so after a verify the accepted tokens are fed again
-        with the trunk's (llama.cpp's catch-up), from the position this began at. Each drafted
+        with the trunk's, from the position this began at (``mtp.MtpDrafter``). Each drafted
         token stays on the device until the last (``token`` may be one there too): on a GPU the
         steps queue without a host round trip between them."""
         start, out = cache.pos, []
