@@ -42,7 +42,7 @@ from sparkpack.calibrate.readers import read_corpus
 from sparkpack.calibrate.render import ChatRenderer
 from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.runtime.chat_template import ChatTemplate
-from sparkpack.runtime.ngram_draft import NgramDrafter, accepted_prefix
+from sparkpack.runtime.ngram_draft import NgramIndex, accepted_prefix
 from sparkpack.runtime.tokenizer import GGUFTokenizer
 
 
@@ -56,7 +56,7 @@ class Tally:
     drafting_steps: int = 0
 
     def add(self, context: list[int], target: list[int], k: int, max_n: int, min_n: int) -> None:
-        d = NgramDrafter(max_n, min_n)
+        d = NgramIndex(max_n, min_n)
         d.extend(context)
         at = 0
         while at < len(target):

@@ -36,7 +36,7 @@ from typing import Protocol
 
 import torch
 
-from .ngram_draft import NgramDrafter as NgramIndex
+from .ngram_draft import NgramIndex
 
 
 class Drafter(Protocol):

@@ -52,7 +52,9 @@ class TokenSampler(Protocol):
 
     ``history_free``: the draw needs no token history, so ``pick(logits)`` (the token id on the
     device, nothing read back; called only then) lets ``Session.decode`` run one step ahead of the
-    host. Otherwise ``sample`` is shown the history, one host round trip a token."""
+    host. Otherwise ``sample`` is shown the history, one host round trip a token. A drafting
+    session (``Session.draft``) also asks ``verify_draft`` (``Sampler.verify_draft``: the
+    rejection rule); a sampler without it decodes without drafting."""
 
     @property
     def history_free(self) -> bool: ...

@@ -1,4 +1,5 @@
-"""Prompt-lookup drafting (``--draft ngram`` groundwork): guess the next tokens by copying.
+"""Prompt-lookup drafting (``--draft ngram``: ``runtime.drafting.NgramDrafter``): guess the next
+tokens by copying.
 
 Coding agents re-emit what they have seen: file contents quoted back into an edit, paths, tool
 arguments, identifiers. So when the last few tokens of the sequence (prompt and generated so far)
@@ -18,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 
-class NgramDrafter:
-    """The drafter of one sequence: ``extend`` it with every token the sequence takes (prompt,
+class NgramIndex:
+    """The n-gram index of one sequence: ``extend`` it with every token the sequence takes (prompt,
     accepted drafts, the verify step's own token), ``propose`` before each verify step; ``reset``
     when the sequence starts over (a new conversation)."""
 

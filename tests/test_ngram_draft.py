@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from sparkpack.runtime.ngram_draft import NgramDrafter, accepted_prefix
+from sparkpack.runtime.ngram_draft import NgramIndex, accepted_prefix
 
 
 def brute(ids: list[int], k: int, max_n: int, min_n: int) -> list[int]:
@@ -24,7 +24,7 @@ def test_matches_the_brute_force_scan_at_every_step(vocab: int, max_n: int, min_
     rng = random.Random(vocab * 100 + max_n)
     for _ in range(20):
         ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
-        d = NgramDrafter(max_n, min_n)
+        d = NgramIndex(max_n, min_n)
         for i, tok in enumerate(ids):
             d.extend([tok])
             for k in (1, 3, 8):
@@ -32,11 +32,11 @@ def test_matches_the_brute_force_scan_at_every_step(vocab: int, max_n: int, min_
 
 
 def test_longest_then_most_recent_match_wins() -> None:
-    d = NgramDrafter(max_ngram=3, min_ngram=1)
+    d = NgramIndex(max_ngram=3, min_ngram=1)
     #          0  1  2  3  4  5  6  7  8  9
     d.extend([1, 2, 3, 9, 5, 2, 3, 7, 1, 2, 3])
     assert d.propose(2) == [9, 5]  # "1 2 3" (3 tokens) beats the later "2 3" -> 7
-    d = NgramDrafter(max_ngram=3, min_ngram=1)
+    d = NgramIndex(max_ngram=3, min_ngram=1)
     d.extend([2, 3, 9, 4, 2, 3, 7, 5, 2, 3])
     assert d.propose(2) == [7, 5]  # no 3-gram match: the latest "2 3"
 
@@ -44,7 +44,7 @@ def test_longest_then_most_recent_match_wins() -> None:
 def test_extend_in_pieces_equals_at_once_and_reset_forgets() -> None:
     rng = random.Random(1)
     ids = [rng.randrange(4) for _ in range(200)]
-    whole, pieces = NgramDrafter(), NgramDrafter()
+    whole, pieces = NgramIndex(), NgramIndex()
     whole.extend(ids)
     at = 0
     while at < len(ids):
@@ -59,14 +59,14 @@ def test_extend_in_pieces_equals_at_once_and_reset_forgets() -> None:
 
 
 def test_no_match_short_context_and_bad_settings() -> None:
-    d = NgramDrafter(max_ngram=4, min_ngram=2)
+    d = NgramIndex(max_ngram=4, min_ngram=2)
     assert d.propose(4) == []
     d.extend([1, 2, 3, 4])
     assert d.propose(4) == [] and d.propose(0) == []
     d.extend([1, 2])
     assert d.propose(10) == [3, 4, 1, 2]  # runs to the end of the context, no further
     with pytest.raises(ValueError, match="n-gram lengths"):
-        NgramDrafter(max_ngram=2, min_ngram=3)
+        NgramIndex(max_ngram=2, min_ngram=3)
 
 
 def test_accepted_prefix() -> None:

@@ -221,13 +221,14 @@ def test_bad_draft_options_are_one_line_errors(chat_model, monkeypatch, capsys, 
     assert code != 0 and message in err and "Traceback" not in err
 
 
-def test_server_draft_gives_the_plain_reply_and_metrics(chat_model):
+@pytest.mark.parametrize("residency", quick_first([[], ["--hot-fraction", "0.6"], ["--hot-fraction", "0.1"]]))
+def test_server_draft_gives_the_plain_reply_and_metrics(chat_model, residency):
     """Through a real server and the official OpenAI client: ``--draft ngram`` answers with the
     plain server's greedy reply, and ``/metrics`` counts the drafting."""
     messages = [{"role": "user", "content": echo_prompt()}]
     replies = []
     for args in ([], ["--draft", "ngram"]):
-        server = ServerProcess(chat_model, *args)
+        server = ServerProcess(chat_model, *residency, *args)
         try:
             r = server.openai().chat.completions.create(model="x", messages=messages, max_tokens=24, temperature=0)
             replies.append(r.choices[0].message.content)

@@ -300,8 +300,11 @@ class MoEModel(ABC):
 
     def keep_hidden(self, x: torch.Tensor, pre: Normed | None, real: torch.Tensor | None) -> None:
         """Append a call's output-normed rows to ``hidden_out`` when a session collects them (a
-        drafter that reads the main model's hidden states: ``runtime.drafting``), in eager calls
-        (a captured call would append only when captured: such sessions feed eagerly)."""
+        drafter that reads the main model's hidden states: ``runtime.drafting``). Eager calls
+        only: a replayed graph runs no Python, so such a session feeds its single steps eagerly
+        and verifies with ``verify_rows`` (which returns the rows); the captured padded prompt
+        calls of the all-attention models would append only when captured (the MTP head, the one
+        drafter that reads rows, is qwen35moe's, whose prompt calls are eager)."""
         if self.hidden_out is None:
             return
         if real is not None:
