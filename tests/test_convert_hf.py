@@ -412,8 +412,8 @@ def test_qwen35moe_mtp_head_forward_matches_transformers_modules(tiny_hf_gguf, t
     src, _ = tiny_hf_gguf("qwen35moe")
     c, hf, mtp = _with_mtp_head(src, tmp_path / "mtp")
     n, e = c["num_hidden_layers"], c["hidden_size"]
-    config = Qwen3_5MoeTextConfig(**{k: v for k, v in c.items() if k not in ("architectures", "transformers_version")})
-    config._attn_implementation = "eager"
+    config = Qwen3_5MoeTextConfig(**{k: v for k, v in c.items() if k not in ("architectures", "transformers_version")},
+                                  attn_implementation="eager")
     full = next(i for i, t in enumerate(config.layer_types) if t == "full_attention")
     t64 = {k: torch.from_numpy(v).double() for k, v in mtp.items()}
     layer = hf_mod.Qwen3_5MoeDecoderLayer(config, full).double().eval()
