@@ -336,6 +336,119 @@ def test_fused_expert_checkpoint_gives_same_file(tiny_hf_gguf, tmp_path: Path) -
         np.testing.assert_array_equal(_f32(got[name]), _f32(want[name]), err_msg=name)
 
 
+def _with_mtp_head(src: Path, dst: Path) -> tuple[dict, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """A copy of the tiny Qwen3.5 checkpoint ``src`` with an MTP head as Qwen3.5/3.6 checkpoints
+    carry it (``mtp.*``, ``mtp_num_hidden_layers``; its block shaped as the trunk's full-attention
+    layers): (config, trunk tensors, head tensors)."""
+    from safetensors.numpy import save_file
+
+    c, hf = _hf(src)
+    n, e = c["num_hidden_layers"], c["hidden_size"]
+    full = f"model.layers.{n - 1}."  # a full-attention layer: the head's block has its shapes
+    rng = np.random.default_rng(4)
+    mtp = {"mtp.layers.0." + k[len(full):]: (v + 0.05 * rng.standard_normal(v.shape)).astype(np.float32)
+           for k, v in hf.items() if k.startswith(full)}
+    mtp["mtp.fc.weight"] = (0.1 * rng.standard_normal((e, 2 * e))).astype(np.float32)
+    for k in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{k}.weight"] = (0.1 * rng.standard_normal(e)).astype(np.float32)
+    shutil.copytree(src, dst)
+    save_file({**hf, **mtp}, dst / "model.safetensors")
+    (dst / "config.json").write_text(json.dumps({**c, "mtp_num_hidden_layers": 1}))
+    return c, hf, mtp
+
+
+def test_qwen35moe_mtp_head_becomes_the_block_after_the_trunk(tiny_hf_gguf, tmp_path: Path) -> None:
+    """A Qwen3.5 checkpoint's ``mtp.*`` head (``mtp_num_hidden_layers``) converts to the block
+    llama.cpp's converter appends: ``mtp.layers.0`` under the trunk's names at index
+    ``num_hidden_layers``, ``fc``/``pre_fc_norm_*``/``norm`` as its ``nextn.*`` tensors (norms as
+    1 + w), the head counted in ``block_count`` and named by ``nextn_predict_layers``: the names
+    ``repack synth --mtp`` writes, read back as the spec's head, and drafting."""
+    import torch
+
+    from sparkpack.repack.convert_hf import convert
+    from sparkpack.repack.synth import write_synthetic
+    from sparkpack.runtime.models import load_model
+    from sparkpack.runtime.models.mtp import MtpDrafter
+
+    src, _ = tiny_hf_gguf("qwen35moe")
+    c, hf, mtp = _with_mtp_head(src, tmp_path / "mtp")
+    n = c["num_hidden_layers"]
+    dst = tmp_path / "mtp"
+    path = convert(dst, tmp_path / "mtp.gguf")
+    kv, t = _read(path)
+    assert kv["qwen35moe.block_count"] == n + 1 and kv["qwen35moe.nextn_predict_layers"] == 1
+    b = f"blk.{n}."
+    with GGUFModel(write_synthetic(tmp_path / "synth.gguf", "qwen35moe", "tiny", "F32", mtp=True)) as synth:
+        assert {k for k in t if k.startswith(b)} == {k for k in synth.tensors if k.startswith(b)}
+    _exact(_f32(t[b + "nextn.eh_proj.weight"]), mtp["mtp.fc.weight"])
+    for gguf_name, hf_name in (("nextn.enorm", "pre_fc_norm_embedding"), ("nextn.hnorm", "pre_fc_norm_hidden"),
+                               ("nextn.shared_head_norm", "norm")):
+        _exact(_f32(t[f"{b}{gguf_name}.weight"]), mtp[f"mtp.{hf_name}.weight"] + np.float32(1))
+    _exact(_f32(t[b + "attn_norm.weight"]), mtp["mtp.layers.0.input_layernorm.weight"] + np.float32(1))
+    _exact(_f32(t[b + "attn_q.weight"]), mtp["mtp.layers.0.self_attn.q_proj.weight"])
+    _exact(_f32(t[b + "ffn_down_exps.weight"])[3], mtp["mtp.layers.0.mlp.experts.3.down_proj.weight"])
+    _exact(_f32(t[b + "ffn_gate_inp_shexp.weight"]), mtp["mtp.layers.0.mlp.shared_expert_gate.weight"])
+    with GGUFModel(path) as m:
+        spec = model_spec(m)
+        assert spec.n_layer == n and spec.nextn.layers == (n,)
+    model = load_model(path, dtype=torch.float64)
+    ids = list(range(3, 12))
+    assert len(MtpDrafter(model).propose(ids, 3, model.forward_hidden(ids[:-1])[1])) == 3
+
+
+def test_qwen35moe_mtp_head_forward_matches_transformers_modules(tiny_hf_gguf, tmp_path: Path) -> None:
+    """The converted head's forward (``MTPHead``, float64) against the MTP predictor as vLLM's
+    ``Qwen3NextMultiTokenPredictor`` composes it, built from transformers' own Qwen3.5-MoE modules
+    on the checkpoint's ``mtp.*`` tensors: ``fc(cat(pre_fc_norm_embedding(embed(x)),
+    pre_fc_norm_hidden(h)))``, one full-attention ``Qwen3_5MoeDecoderLayer``, ``norm``, the
+    model's ``lm_head``; causal over rows at positions 0..T-1."""
+    import torch
+    from transformers import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_mod
+
+    from sparkpack.repack.convert_hf import convert
+    from sparkpack.runtime.models import load_model
+
+    src, _ = tiny_hf_gguf("qwen35moe")
+    c, hf, mtp = _with_mtp_head(src, tmp_path / "mtp")
+    n, e = c["num_hidden_layers"], c["hidden_size"]
+    config = Qwen3_5MoeTextConfig(**{k: v for k, v in c.items() if k not in ("architectures", "transformers_version")},
+                                  attn_implementation="eager")
+    full = next(i for i, t in enumerate(config.layer_types) if t == "full_attention")
+    t64 = {k: torch.from_numpy(v).double() for k, v in mtp.items()}
+    layer = hf_mod.Qwen3_5MoeDecoderLayer(config, full).double().eval()
+    block = {k[len("mtp.layers.0."):]: v for k, v in t64.items() if k.startswith("mtp.layers.0.")}
+    p, experts = "mlp.experts.", range(_n_expert(c))
+    fused = {p + "gate_up_proj": torch.stack([torch.cat([block.pop(f"{p}{x}.gate_proj.weight"),
+                                                         block.pop(f"{p}{x}.up_proj.weight")]) for x in experts]),
+             p + "down_proj": torch.stack([block.pop(f"{p}{x}.down_proj.weight") for x in experts])}
+    layer.load_state_dict({**block, **fused})
+    norms = {}
+    for k in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        norms[k] = hf_mod.Qwen3_5MoeRMSNorm(e, eps=c["rms_norm_eps"]).double()
+        norms[k].load_state_dict({"weight": t64[f"mtp.{k}.weight"]})
+    rotary = hf_mod.Qwen3_5MoeTextRotaryEmbedding(config)
+
+    g = torch.Generator().manual_seed(6)
+    T = 7
+    ids = torch.randint(0, c["vocab_size"], (T,), generator=g)
+    hidden = torch.randn(T, e, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        embed = torch.from_numpy(hf["model.embed_tokens.weight"]).double()[ids]
+        u = torch.cat([norms["pre_fc_norm_embedding"](embed), norms["pre_fc_norm_hidden"](hidden)], -1) \
+            @ t64["mtp.fc.weight"].T
+        pos = torch.arange(T).view(1, 1, T).expand(3, 1, T)
+        mask = torch.full((T, T), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+        out = layer(u[None], rotary(u[None], pos), attention_mask=mask, position_ids=pos[0])
+        out = norms["norm"](out[0] if isinstance(out, tuple) else out)[0]
+        want = out @ torch.from_numpy(hf["lm_head.weight"]).double().T
+    model = load_model(convert(tmp_path / "mtp", tmp_path / "mtp.gguf"), dtype=torch.float64)
+    head = model.load_mtp()
+    logits, normed = head.forward(ids.tolist(), hidden, head.new_cache())
+    rel = lambda a, b: float(((a - b).norm(dim=-1) / b.norm(dim=-1)).max())  # noqa: E731
+    assert rel(normed, out) < 1e-6 and rel(logits, want) < 1e-6, (rel(normed, out), rel(logits, want))
+
+
 # ----------------------------------------------------------------------------- tokenizer
 
 

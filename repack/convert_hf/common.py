@@ -73,6 +73,10 @@ class Arch:
     transform: Callable[[str, np.ndarray, dict[str, Any], int], np.ndarray] | None = None
     skip: Callable[[str], bool] = lambda name: False
     control_tokens: tuple[str, ...] = ()
+    # tensors kept outside ``model.layers`` (an MTP head's ``mtp.*``) -> the layer names they take
+    # in the GGUF, as blocks after the trunk (``extra_blocks`` of them, counted in block_count)
+    rename: Callable[[str, dict[str, Any]], str] = lambda name, hp: name
+    extra_blocks: Callable[[dict[str, Any]], int] = lambda hp: 0
 
 
 def hf_layer_count(hp: dict[str, Any]) -> int:
@@ -86,12 +90,12 @@ def gguf_tensors(arch: Arch, source: SafetensorsSource, hp: dict[str, Any]) -> I
     (n_expert, n_ff, n_embd) becomes ne = [n_embd, n_ff, n_expert], one contiguous expert each.
     """
     names = {**LAYER_NAMES, **arch.layer_names}
-    n_layer = hf_layer_count(hp)
+    n_layer = hf_layer_count(hp) + arch.extra_blocks(hp)
     n_expert = int(hp.get("num_local_experts") or hp.get("num_experts") or 0)
     experts: dict[tuple[int, str], dict[int, str]] = {}
     for src_name in source.names():
         # multimodal wrappers keep the text model under ``language_model.``
-        hf_name = src_name.replace("language_model.", "")
+        hf_name = arch.rename(src_name.replace("language_model.", ""), hp)
         if hf_name.endswith(".rotary_emb.inv_freq") or arch.skip(hf_name):
             continue
         if hf_name in GLOBAL_NAMES:
@@ -158,11 +162,13 @@ def encode(data: np.ndarray, qtype) -> np.ndarray:
     return quantize(np.ascontiguousarray(data, dtype=np.float32), qtype)
 
 
-def write_common_metadata(w, hp: dict[str, Any], outtype: str, head_count: int | list[int] | None = None) -> None:
+def write_common_metadata(w, hp: dict[str, Any], outtype: str, head_count: int | list[int] | None = None,
+                          extra_blocks: int = 0) -> None:
     """The keys llama.cpp's ``TextModel.set_gguf_parameters`` writes for any decoder.
 
-    ``head_count`` replaces the config's scalar (Laguna writes one count per layer)."""
-    w.add_block_count(hf_layer_count(hp))
+    ``head_count`` replaces the config's scalar (Laguna writes one count per layer);
+    ``extra_blocks`` (an MTP head's) count in ``block_count`` after the trunk's layers."""
+    w.add_block_count(hf_layer_count(hp) + extra_blocks)
     if (n_ctx := hp.get("max_position_embeddings")) is not None:
         w.add_context_length(int(n_ctx))
     w.add_embedding_length(int(hp["hidden_size"]))

@@ -13,9 +13,13 @@ Value transforms, as llama.cpp's converter applies them (its runtime depends on 
   the conv kernel and the input columns of ``out_proj``. Only needed when there are fewer key heads
   than value heads.
 
-Multi-token-prediction tensors (``mtp.*``) are not converted: the runtime does not use them, and
-without them the file has no ``nextn_predict_layers``. The vision tower of the multimodal wrapper
-(``Qwen3_5MoeForConditionalGeneration``) is skipped the same way.
+The multi-token-prediction head (``mtp.*``, ``mtp_num_hidden_layers`` blocks) becomes blocks after
+the trunk, as llama.cpp's ``_Qwen35MtpMixin`` lays it out (ggml-org/llama.cpp conversion/qwen.py):
+``mtp.layers.i.*`` is layer ``num_hidden_layers + i`` under the trunk's names, and ``mtp.fc`` /
+``pre_fc_norm_embedding`` / ``pre_fc_norm_hidden`` / ``norm`` are that block's ``nextn.eh_proj`` /
+``enorm`` / ``hnorm`` / ``shared_head_norm`` (its norms stored as ``1 + w`` too); ``block_count``
+counts the head and ``nextn_predict_layers`` names it. The vision tower of the multimodal wrapper
+(``Qwen3_5MoeForConditionalGeneration``) is skipped.
 """
 from __future__ import annotations
 
@@ -23,9 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from .common import Arch, rope_parameters, write_common_metadata
+from .common import Arch, hf_layer_count, rope_parameters, write_common_metadata
+
+# the MTP head's own tensors -> their names in its block
+MTP_NAMES = {"fc": "nextn.eh_proj", "pre_fc_norm_embedding": "nextn.enorm", "pre_fc_norm_hidden": "nextn.hnorm",
+             "norm": "nextn.shared_head_norm"}
 
 LAYER_NAMES = {
+    **{f"{n}.weight": f"{n}.weight" for n in MTP_NAMES.values()},
     "post_attention_layernorm.weight": "post_attention_norm.weight",
     "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
     "linear_attn.in_proj_z.weight": "attn_gate.weight",
@@ -41,8 +50,29 @@ LAYER_NAMES = {
 DEFAULT_MROPE_SECTION = [11, 11, 10, 0]
 
 
+def mtp_blocks(hp: dict[str, Any]) -> int:
+    return int(hp.get("mtp_num_hidden_layers") or 0)
+
+
+def mtp_rename(name: str, hp: dict[str, Any]) -> str:
+    """``mtp.*`` (or ``model.mtp.*``) -> the trunk-style name of the block after the trunk."""
+    if name.startswith("model.mtp."):
+        name = name[len("model."):]
+    parts = name.split(".", 3)
+    if parts[0] != "mtp":
+        return name
+    n = hf_layer_count(hp)
+    if len(parts) == 4 and parts[1] == "layers" and parts[2].isdecimal():
+        return f"model.layers.{n + int(parts[2])}.{parts[3]}"
+    if len(parts) == 3 and parts[1] in MTP_NAMES:
+        return f"model.layers.{n}.{MTP_NAMES[parts[1]]}.{parts[2]}"
+    return name  # (no mapping: the converter's one error names it)
+
+
 def write_metadata(w, hp: dict[str, Any], outtype: str) -> None:
-    write_common_metadata(w, hp, outtype)
+    write_common_metadata(w, hp, outtype, extra_blocks=mtp_blocks(hp))
+    if mtp_blocks(hp):
+        w.add_uint32(f"{w.arch}.nextn_predict_layers", mtp_blocks(hp))
     w.add_expert_feed_forward_length(int(hp["moe_intermediate_size"]))
     if (n := hp.get("shared_expert_intermediate_size")) is not None:
         w.add_expert_shared_feed_forward_length(int(n))
@@ -107,4 +137,5 @@ def _reorder(name: str, data: np.ndarray, hp: dict[str, Any]) -> np.ndarray:
 
 ARCH = Arch(hf_class="Qwen3_5MoeForCausalLM", gguf_arch="qwen35moe", tokenizer_pre="qwen35",
             write_metadata=write_metadata, layer_names=LAYER_NAMES, transform=transform,
-            skip=lambda name: name.startswith(("mtp.", "model.mtp.", "model.visual.", "visual.")))
+            skip=lambda name: name.startswith(("model.visual.", "visual.")), rename=mtp_rename,
+            extra_blocks=mtp_blocks)

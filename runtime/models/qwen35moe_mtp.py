@@ -10,9 +10,12 @@ that follows it,
     h' = shared_head_norm(u)  (the trunk's output_norm where the file has none)
     logits = output(h')       (the trunk's head; ``nextn.shared_head_head`` where present)
 
-as llama.cpp's ``graph_mtp`` (src/models/qwen35moe.cpp) and vLLM's ``Qwen3NextMultiTokenPredictor``
-compute it. ``h'`` feeds the next draft step in place of the trunk's hidden state. The converter
-stored every norm here with its ``1 +`` added, as the trunk's.
+as llama.cpp's ``graph_mtp`` (ggml-org/llama.cpp src/models/qwen35moe.cpp; ``load_block_mtp`` there
+names the tensors, ``shared_head_norm``/``shared_head_head``/``embed_tokens`` optional) and vLLM's
+``Qwen3NextMultiTokenPredictor`` (vllm-project/vllm vllm/model_executor/models/qwen3_next_mtp.py:
+``fc`` over ``cat(pre_fc_norm_embedding(embed), pre_fc_norm_hidden(h))``, one full-attention
+decoder layer, ``norm``) compute it. ``h'`` feeds the next draft step in place of the trunk's
+hidden state. The converter stored every norm here with its ``1 +`` added, as the trunk's.
 
 Loaded only on request (``Qwen35MoE.load_mtp``): a run that does not draft holds none of its
 weights. Its experts are all resident: every draft step is on the critical path, and the head's
@@ -155,16 +158,19 @@ class MTPHead:
         return m.linear(Rows(out.x[-1:]) if last_only else out, self.out_name), out.x
 
     @torch.no_grad()
-    def draft(self, token: int, hidden: torch.Tensor, cache: Cache, k: int) -> list[int]:
+    def draft(self, token: int | torch.Tensor, hidden: torch.Tensor, cache: Cache, k: int) -> list[int]:
         """``k`` greedy drafts after ``token``, whose hidden state of the position before is
         ``hidden [1, n_embd]`` (the trunk's): each step feeds the head its own previous output, as
         llama.cpp's draft-mtp does. The head's cache is left where it was: its rows for the drafts
         hold the head's own hidden states, so after a verify the accepted tokens are fed again
-        with the trunk's (llama.cpp's catch-up), from the position this began at."""
+        with the trunk's, from the position this began at (``mtp.MtpDrafter``). Each drafted
+        token stays on the device until the last (``token`` may be one there too): on a GPU the
+        steps queue without a host round trip between them."""
         start, out = cache.pos, []
+        token = torch.as_tensor(token, dtype=torch.long, device=self.model.device).reshape(1)
         for _ in range(k):
-            logits, hidden = self.forward([token], hidden, cache)
-            token = int(logits[-1].argmax())
+            logits, hidden = self.forward(token, hidden, cache)
+            token = logits[-1:].argmax(-1)
             out.append(token)
         cache.pos = start
-        return out
+        return torch.cat(out).tolist() if out else []
