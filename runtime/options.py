@@ -355,9 +355,6 @@ def open_drafter(model: MoEModel, kind: str):
     if model.spec.nextn is None:
         raise SparkpackError(model.gguf.path, "has no multi-token-prediction head (nextn tensors): --draft mtp "
                                               "needs one; --draft ngram drafts without weights")
-    try:
-        from .models.mtp import MtpDrafter
-    except ImportError:
-        raise SparkpackError(None, "--draft mtp: this build has no MTP drafter (runtime.models.mtp); "
-                                   "use --draft ngram") from None
+    from .models.mtp import MtpDrafter
+
     return MtpDrafter(model)
