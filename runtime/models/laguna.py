@@ -46,7 +46,7 @@ class Laguna(MoEModel):
     def attn(self, il: int, h: Rows, cache: "Cache | Batch", pos0: "int | torch.Tensor") -> torch.Tensor:
         p, d, T = f"blk.{il}.", self.spec.head_dim, h.x.shape[0]
         swa = self.spec.layers[il].attention == SLIDING
-        q, k, v, gate = self.project(h, p, "attn_q", "attn_k", "attn_v", "attn_gate")
+        q, k, v, gate = self.proj.project(h, p, "attn_q", "attn_k", "attn_v", "attn_gate")
         q, k, v = q.view(T, -1, d), k.view(T, -1, d), v.view(T, -1, d)
         per_head = gate.shape[-1] == q.shape[1]  # one gate per head, or one per channel
         gate, kind = (gate, "softplus_head") if per_head else (gate.view(T, -1, d), "softplus")
@@ -62,5 +62,5 @@ class Laguna(MoEModel):
         """The residual stream ``x`` after the FFN block on its normed input ``h``: the dense
         layers' SwiGLU MLP, or the MoE block."""
         if self.spec.layers[il].ffn == DENSE:
-            return self.epilogue(il, x, self.mlp(h, f"blk.{il}."))
+            return self.moe_block.epilogue(il, x, self.proj.mlp(h, f"blk.{il}."), kernels=self.kernels)
         return super().ffn(il, h, x)
