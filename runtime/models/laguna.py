@@ -23,18 +23,16 @@ class Laguna(MoEModel):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        hp = self.spec.hparams
         self.window = self.spec.sliding_window
         swa, full = self.spec.rope_swa, self.spec.rope
         self.rope_swa = Rope(swa.dim, rope_inv_freq(swa.freq_base, swa.dim))
-        yarn = hp.get("rope_scaling")  # read and checked by the spec (formats/archs/laguna.py)
+        yarn = self.spec.yarn  # read and checked by the spec (formats/archs/laguna.py)
         if yarn:
-            self.rope_full = yarn_rope(full.freq_base, full.dim, yarn["factor"],
-                                       yarn["original_context_length"], yarn["beta_fast"], yarn["beta_slow"],
-                                       yarn["attn_factor"])
+            self.rope_full = yarn_rope(full.freq_base, full.dim, yarn.factor, yarn.original_context_length,
+                                       yarn.beta_fast, yarn.beta_slow, yarn.attn_factor)
         else:
             self.rope_full = Rope(full.dim, rope_inv_freq(full.freq_base, full.dim))
-        self.scale = float(hp["expert_weights_scale"])
+        self.scale = float(self.spec.expert_weights_scale)
         self.norm_topk = self.spec.norm_topk
 
     def block(self, il: int, x: torch.Tensor, cache: "Cache | Batch", pos0: "int | torch.Tensor", pre: Normed | None
