@@ -2,10 +2,10 @@
 
 This module is what every tool-call syntax shares: text and reasoning spans, finding where a call
 opens, holding back text that may be a tag, and giving a call that never completes back as text;
-reading a call's values and streaming them as JSON argument deltas is ``tool_parsers.call_stream``'s
+reading a call's values and streaming them as JSON argument deltas is ``runtime.server.call_stream``'s
 ``CallReader``, which ``OutputParser`` extends. Each syntax's own structure (Qwen XML,
 hermes JSON, Laguna) is one module of ``runtime.server.tool_parsers``, read through the
-``CallStream`` methods (``tool_parsers.call_stream``); a JSON body inside ``<tool_call>`` is accepted in every syntax
+``CallStream`` methods (``call_stream``); a JSON body inside ``<tool_call>`` is accepted in every syntax
 (the Qwen models fall back to it).
 
 Values are raw text, so where a value ends is a choice. llama.cpp ends it at the first
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from .output_events import Event, ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 from .tool_parsers import BY_SYNTAX, ToolSyntax, closed_reasoning, forced_prefix, tool_syntax_for
 from .tool_parsers.base import TOOL_OPEN as _TOOL_OPEN
-from .tool_parsers.call_stream import Call, CallReader
+from .call_stream import Call, CallReader
 from .tool_parsers.hermes_json import JsonBody
 from .tool_parsers.matching import FAIL, FULL, Name, held, match
 from .tool_parsers.values import convert_value
@@ -54,7 +54,7 @@ class OutputParser(CallReader):
     """Feed the model's text as it is decoded; get events back. One parser per generation.
 
     While a call is read, the syntax's parser (``tool_parsers``) drives it through ``buf``,
-    ``state``, ``call`` and the call-reading methods of ``tool_parsers.call_stream.CallReader``
+    ``state``, ``call`` and the call-reading methods of ``call_stream.CallReader``
     (``tool_parsers.base.CallStream``)."""
 
     def __init__(self, syntax: ToolSyntax, *, in_reasoning: bool, parse_tools: bool, prefix: str = "",

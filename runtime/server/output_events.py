@@ -3,7 +3,7 @@ text, reasoning, and tool calls as a start, argument deltas and an end. Every AP
 these into its own stream (``openai_api``, ``anthropic_api``, ``responses_api``).
 
 Why a module of its own: the dialects and the tool-call machinery
-(``tool_parsers.call_stream``) read the events without the parser's states.
+(``call_stream``) read the events without the parser's states.
 """
 from __future__ import annotations
 

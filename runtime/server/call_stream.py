@@ -1,9 +1,10 @@
 """The tool call being read, and the half of the streaming machinery a syntax's parser drives it
-through (``base.CallStream``): consuming the call's text, starting it, reading each parameter's
+through (``tool_parsers.base.CallStream``): consuming the call's text, starting it, reading each parameter's
 value up to where the call's structure resumes, streaming values as JSON argument deltas, and
 ending it.
 
-Why apart from ``runtime.server.output``: every syntax reads its values through these steps
+Why apart from ``runtime.server.output`` (and outside ``tool_parsers``, which see it only as a
+``CallStream``): every syntax reads its values through these steps
 (a value ends only where the rest of the call's structure follows, and is converted with the
 tool's schema), while finding where a call opens among text and reasoning is the output
 parser's job; ``OutputParser`` subclasses ``CallReader`` and supplies what a call returns to
@@ -16,10 +17,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..output_events import Event, ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
-from .base import State
-from .matching import FAIL, FULL, match_any
-from .values import ANY, STRING, convert_value, json_text, tool_params
+from .output_events import Event, ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
+from .tool_parsers.base import State
+from .tool_parsers.matching import FAIL, FULL, match_any
+from .tool_parsers.values import ANY, STRING, convert_value, json_text, tool_params
 
 
 @dataclass
