@@ -17,7 +17,6 @@ import torch
 from ..decode_rows import one_token_rows
 from ..experts import ExpertProvider
 from ..layers import Normed, Rows, ffn_residual, ffn_residual_and_norm, silu_mul
-from ..weights import Weights
 from .projections import Projections
 
 Router = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (il, logits) -> (weights, ids)
