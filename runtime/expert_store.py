@@ -53,7 +53,7 @@ from sparkpack.formats.profile import SIDES
 
 from .expert_misses import STRATEGIES, MissStrategy
 from .expert_layout import store_layout
-from .expert_pools import cold_tier, fill_device_pool
+from .expert_pools import ColdTier, PoolLayout, cold_tier, fill_device_pool
 from .expert_replacement import HotSetMover
 from .expert_slots import ExpertSlots
 from .expert_source import ExpertSource
@@ -105,8 +105,7 @@ class ExpertStore(ExpertProvider):
         self.copy_stream = torch.cuda.Stream(self.device) if self.pin else None
         self.pool = torch.empty(self.device_layout.nbytes, dtype=torch.uint8, device=self.device)
         fill_device_pool(source, self.device_layout, self.pool, nbytes, self.pin)
-        self.cold = cold_tier(source, cold_layout, nbytes, host_bytes, self.host_all, self.slot_bytes, self.pin,
-                              self._copies_done)
+        self.cold = self._cold_tier(cold_layout, nbytes, host_bytes)
         host_pool = self.cold.kernel_pool()
 
         # Which expert sits where, as the host writes it and as the kernels read it.
@@ -140,6 +139,11 @@ class ExpertStore(ExpertProvider):
         self.recorder: RoutingRecorder | None = None
         self.side = SIDES[0]
         self.mover = HotSetMover(self)
+
+    def _cold_tier(self, layout: PoolLayout, nbytes: dict[int, int], host_bytes: int | None) -> ColdTier:
+        """``expert_pools.cold_tier`` (a seam: bench's naive store reads the file instead)."""
+        return cold_tier(self.source, layout, nbytes, host_bytes, self.host_all, self.slot_bytes, self.pin,
+                         self._copies_done)
 
     def _copies_done(self) -> None:
         if self.copy_stream is not None:
