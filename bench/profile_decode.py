@@ -153,8 +153,8 @@ def host_share(session, ids: list[int], logits, steps: int) -> None:
     print(table)
 
 
-SECTIONS = ("block", "attn", "delta_net", "ffn", "project", "project_present", "route_logits", "norm", "add_norm",
-            "attend_step")
+SECTIONS = ("block", "attn", "delta_net", "ffn", "route_logits", "norm", "add_norm", "attend")
+PART_SECTIONS = (("proj", "project"), ("proj", "present"), ("attention", "step"))  # (the model's part, its method)
 
 
 def label_sections(model) -> "callable":
@@ -170,6 +170,7 @@ def label_sections(model) -> "callable":
         return inner
 
     targets = [(model, n) for n in SECTIONS if hasattr(model, n)]
+    targets += [(getattr(model, part), n) for part, n in PART_SECTIONS]
     targets.append((model.experts, "moe"))
     for obj, n in targets:
         setattr(obj, n, wrap(n, getattr(obj, n)))

@@ -85,7 +85,7 @@ def expert_tensors(names: list[str], moe_layers: list[int]) -> dict[int, list[st
 def kv_cache_bytes(spec: ModelSpec, ctx: int, kv_type: str = "f16") -> int:
     """K and V cache of llama.cpp at ``ctx`` (one sequence), plus recurrent state."""
     n_ctx = -(-ctx // CTX_PAD) * CTX_PAD
-    n_swa = int(spec.hparams.get("sliding_window", 0))
+    n_swa = spec.sliding_window
     swa_cells = min(n_ctx, -(-(n_swa + UBATCH) // CTX_PAD) * CTX_PAD)
     qtype = KV_TYPES[kv_type]
     total = 0

@@ -219,3 +219,14 @@ class DiskTier:
 
     def swapped(self, promoted: tuple[int, int], demoted: tuple[int, int]) -> None:
         pass
+
+
+def cold_tier(source: ExpertSource, layout: PoolLayout, nbytes: dict[int, int], host_bytes: int | None,
+              host_all: bool, slot_bytes: int, pin: bool, copies_done: Callable[[], None]) -> ColdTier:
+    """Every cold expert in (pinned) host memory when host RAM allows (``host_all``), else the disk
+    tier: a host cache of ``host_bytes`` in slots of ``slot_bytes`` over the file, whose reused
+    buffers wait for ``copies_done`` (the copies still reading them)."""
+    if host_all:
+        return HostPool(source, layout, nbytes, pin)
+    cap = max(1, int(host_bytes or 0) // max(slot_bytes, 1))
+    return DiskTier(source, nbytes, slot_bytes, cap, pin, copies_done)

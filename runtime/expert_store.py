@@ -40,7 +40,6 @@ experts are computed by the plain torch path: dequantize the expert's bytes, Swi
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -48,19 +47,19 @@ import numpy as np
 import torch
 
 from sparkpack.formats.archs import ModelSpec
-from sparkpack.formats.errors import SparkpackError
 from sparkpack.formats.memory import SLOT_ALIGN
 from sparkpack.formats.placement import Swaps
 from sparkpack.formats.profile import SIDES
 
 from .expert_misses import STRATEGIES, MissStrategy
-from .expert_pools import ColdTier, DiskTier, HostPool, PoolLayout, fill_device_pool, layout_pool
+from .expert_layout import store_layout
+from .expert_pools import ColdTier, PoolLayout, cold_tier, fill_device_pool
 from .expert_replacement import HotSetMover
 from .expert_slots import ExpertSlots
 from .expert_source import ExpertSource
 from .expert_staging import StagedPrefill
 from .expert_stats import RoutingCounts, RoutingObserver, RoutingRecorder, StoreStats
-from .expert_tables import KernelTables, expert_layers
+from .expert_tables import KernelTables
 from .experts import ExpertProvider, expert_weights, routed_sum
 from .layers import swiglu
 
@@ -69,8 +68,6 @@ if TYPE_CHECKING:
     from .kernels.q8dot import Int8Rows
 
 __all__ = ["ExpertStore", "StoreStats"]
-
-MODES = ("auto", *STRATEGIES)
 
 
 class ExpertStore(ExpertProvider):
@@ -89,51 +86,22 @@ class ExpertStore(ExpertProvider):
     def __init__(self, source: ExpertSource, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype,
                  hot: np.ndarray, cache_slots: int = 0, mode: str = "auto", host_bytes: int | None = None,
                  fused: bool | None = None, warn=None, stage_tokens: int | None = None):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}")
         self.source, self.spec = source, spec
         self.device, self.dtype = torch.device(device), dtype
         self.warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
-        self.moe_layers = list(spec.moe_layers)
-        self.n_expert = spec.n_expert
-        hot = np.asarray(hot, dtype=bool).copy()
-        moe = np.zeros_like(hot)
-        moe[self.moe_layers] = True
-        hot &= moe
-        self.hot = hot
         on_cuda = self.device.type == "cuda"
         self.pin = on_cuda and self.PINNED
-        want_fused = fused if fused is not None else on_cuda
-        self.layers, slow = expert_layers(source, self.moe_layers, want_fused)
-        if want_fused and slow:
-            self.warn(f"{_name(source.path)}: experts in {', '.join(sorted(slow))} have no Triton kernel; their "
-                      f"layers dequantize each expert on use (slower, and decode steps are not captured in CUDA graphs)")
-        self.fused_all = all(la.fused for la in self.layers.values())  # every layer on the fused kernel
-        nbytes = {il: la.nbytes for il, la in self.layers.items()}
-        self.layer_nbytes = np.zeros(spec.n_layer, dtype=np.int64)  # one expert's bytes per layer
-        self.layer_nbytes[list(nbytes)] = list(nbytes.values())
-
-        # Where the bytes live: the device pool (hot experts, each at its layer's size, then the
-        # cache slots at the largest) and the cold tier. Slots start at multiples of SLOT_ALIGN,
-        # the pools' unit: the plan (formats.placement) counts exactly these bytes.
+        lay = store_layout(source, spec, on_cuda, hot, cache_slots, mode, host_bytes, fused, self.warn)
+        self.moe_layers, self.n_expert, self.hot = lay.moe_layers, spec.n_expert, lay.hot
+        self.layers, self.fused_all, self.layer_nbytes = lay.layers, lay.fused_all, lay.layer_nbytes
         self.unit = SLOT_ALIGN
-        units = {il: -(-nb // SLOT_ALIGN) for il, nb in nbytes.items()}
-        n_cold = int((moe & ~hot).sum())
-        self.n_hot = int(hot.sum())
-        self.device_layout = layout_pool(hot, units, self.unit, max(0, min(int(cache_slots), n_cold)))
-        self.n_cache = len(self.device_layout.slots)
-        self.slot_bytes = self.device_layout.slot_units * self.unit  # a cache slot: any layer's expert fits
-        cold_layout = layout_pool(moe & ~hot, units, self.unit)
-        self.host_all = host_bytes is None or cold_layout.nbytes <= host_bytes
-        if not self.host_all:
-            self.warn(f"host RAM budget {_gib(host_bytes)} is too small for {_gib(cold_layout.nbytes)} of cold experts: "
-                      f"misses are read from {_name(source.path)} through a {_gib(host_bytes)} host cache (disk tier, slower)")
-        if mode == "auto":
-            mode = "zerocopy" if (on_cuda and self.host_all and self.fused_all) else "async"
-        if mode == "zerocopy" and not self.host_all:
-            raise SparkpackError(source.path, "zero-copy streaming needs every cold expert in host memory; "
-                                              "raise the host RAM budget or use --miss-mode async")
-        self.misses: MissStrategy = STRATEGIES[mode](self)
+        self.n_hot = int(lay.hot.sum())
+        self.device_layout, self.n_cache = lay.device, len(lay.device.slots)
+        self.slot_bytes = lay.device.slot_units * self.unit  # a cache slot: any layer's expert fits
+        self.host_all = lay.host_all
+        cold_layout, nbytes = lay.cold, lay.nbytes
+        # Where the bytes live: the device pool and the cold tier; how a miss is served.
+        self.misses: MissStrategy = STRATEGIES[lay.mode](self)
         self.copy_stream = torch.cuda.Stream(self.device) if self.pin else None
         self.pool = torch.empty(self.device_layout.nbytes, dtype=torch.uint8, device=self.device)
         fill_device_pool(source, self.device_layout, self.pool, nbytes, self.pin)
@@ -157,7 +125,7 @@ class ExpertStore(ExpertProvider):
         # What is counted. Every expert on the device: nothing can move, so the per-token count
         # read (a wait on the device, then ~20 small numpy passes with the GPU idle) is put off;
         # the counts add up on the device until ``flush``.
-        self.all_hot = n_cold == 0
+        self.all_hot = lay.n_cold == 0
         self.counts = RoutingCounts((spec.n_layer, self.n_expert), self.device, self.pin)
         self._stats = StoreStats()
         # A padded prefill call (``count_real_tokens``): the device scalar of its real tokens,
@@ -173,11 +141,9 @@ class ExpertStore(ExpertProvider):
         self.mover = HotSetMover(self)
 
     def _cold_tier(self, layout: PoolLayout, nbytes: dict[int, int], host_bytes: int | None) -> ColdTier:
-        """Every cold expert in (pinned) host memory when host RAM allows, else the disk tier."""
-        if self.host_all:
-            return HostPool(self.source, layout, nbytes, self.pin)
-        cap = max(1, int(host_bytes or 0) // max(self.slot_bytes, 1))
-        return DiskTier(self.source, nbytes, self.slot_bytes, cap, self.pin, self._copies_done)
+        """``expert_pools.cold_tier`` (a seam: bench's naive store reads the file instead)."""
+        return cold_tier(self.source, layout, nbytes, host_bytes, self.host_all, self.slot_bytes, self.pin,
+                         self._copies_done)
 
     def _copies_done(self) -> None:
         if self.copy_stream is not None:
@@ -363,12 +329,3 @@ class ExpertStore(ExpertProvider):
                 "staging_bytes": self.staging.nbytes if self.staging is not None else 0,
                 "stage_tokens": self.staging.min_tokens if self.staging is not None else None,
                 "host_tier": self.cold.kind if self.cold.kind == "pinned" or not nothing_cold else "none"}
-
-
-def _gib(n: int | None) -> str:
-    n = n or 0
-    return f"{n / 1024**3:.2f} GiB" if n >= 1024**3 else f"{n / 1024**2:.1f} MiB"
-
-
-def _name(path) -> str:
-    return os.path.basename(str(path))

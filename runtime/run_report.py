@@ -1,14 +1,17 @@
 """What a run says about itself on stderr: where its experts sit once loaded, and its numbers
-at the end (``--stats-json`` writes them too). The CLI, the server and calibration wire a run;
-the lines it prints are written here.
+at the end (``--stats-json`` writes them too), and what a server says while it starts and stops
+(``ServerReport``). The CLI, the server and calibration wire a run; the lines it prints are
+written here.
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
 
 from sparkpack.formats.atomic_file import write_atomic
+from sparkpack.formats.units import fmt_size
 
 
 def report_residency(model) -> None:
@@ -80,3 +83,80 @@ def report_stats(model, session, stats_json: Path | None) -> None:
         import json
 
         write_atomic(stats_json, json.dumps(s, indent=1) + "\n")
+
+
+class ServerReport:
+    """What ``spark-run --serve`` says while it starts and stops, one method per event with the
+    facts it needs and the line's wording here: stderr, but the client settings (which users
+    copy and scripts read) on stdout. Why: the server's composition root
+    (``runtime.server.serve``) wires and reports facts; the words a user reads are in one place."""
+
+    def say(self, line: str) -> None:
+        click.echo(f"sparkpack: {line}", err=True)
+
+    def warn(self, line: str) -> None:
+        click.echo(f"warning: {line}", err=True)
+
+    def loading(self, model_path: Path, base: str) -> None:
+        self.say(f"loading {model_path} (listening on {base}, /health answers 503 until ready)")
+
+    def ready(self, settings: str) -> None:
+        click.echo(settings)
+        sys.stdout.flush()
+
+    def warmed_up(self, seconds: float) -> None:
+        self.say(f"warmed up in {seconds:.2f} s")
+
+    def tracing(self, path: Path) -> None:
+        self.say(f"recording every token's routing to {path}")
+
+    def learning(self, path: Path, tokens_seen: float | None, writable: bool) -> None:
+        """``tokens_seen`` None: no profile yet."""
+        self.say(f"learning the placement into {path} "
+                 + ("(no profile yet: uniform placement)" if tokens_seen is None else
+                    f"({tokens_seen:.0f} tokens learned so far)"))
+        if not writable:
+            self.warn(f"cannot write in {path.parent}: what is learned is lost at exit "
+                      "(--profile PATH learns into a file elsewhere)")
+
+    def moved_to_profile(self, experts: int) -> None:
+        self.say(f"moved {experts} experts to where the profile says")
+
+    def parallel(self, n: int, ctx: int, kv: int, state: int, graphs: int, on_gpu: bool) -> None:
+        """What ``--parallel`` sequences at ``--ctx`` take (``formats.memory.sequence_bytes``: what
+        the ``--vram`` plan holds for them)."""
+        line = f"up to {n} requests decoded together (--parallel); their KV caches at --ctx {ctx} take {fmt_size(kv)}"
+        if state:
+            line += f", their recurrent states {fmt_size(state)}"
+        if graphs:
+            line += f", their captured prefill calls {fmt_size(graphs)}"
+        self.say(line + (" on the GPU" if on_gpu else " in host memory"))
+
+    def conversation_cache(self, ram: int, reserved: int, folder: Path | None, on_disk: int,
+                           ram_given: bool) -> None:
+        """``ram`` and ``folder`` 0 and None: the cache is off."""
+        if ram == 0 and folder is None:
+            self.say("conversation cache off: only the live conversation is resumed")
+            return
+        where = [f"{ram / 2**30:.2f} GiB of host RAM ({reserved / 2**30:.2f} GiB taken now)"] if ram else []
+        if folder is not None:
+            where.append(f"{folder} ({on_disk} conversation states there)")
+        self.say("conversation cache: " + " and ".join(where) + ("" if ram_given else " (--cache-ram sets it)"))
+
+    def bootstrap_hint(self, hint: str) -> None:
+        self.say(hint)
+
+    def bootstrap_nothing(self, source: str, auto: bool) -> None:
+        self.say(f"bootstrap: nothing to replay from {source}"
+                 + (" (no coding agent sessions newer than the profile)" if auto else ""))
+
+    def bootstrap_replaying(self, conversations: int, tokens: int, background: bool) -> None:
+        self.say(f"bootstrap: replaying {conversations} conversations ({tokens} tokens)"
+                 + (" while idle" if background else " before serving"))
+
+    def summary(self, line: str) -> None:
+        """A part's own summary line (a bootstrap's, the learner's at exit)."""
+        self.say(line)
+
+    def trace_sealed(self, path: Path, tokens: int) -> None:
+        self.say(f"trace {path} ({tokens} tokens)")

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from sparkpack.runtime import conversation_cache as cc
-from sparkpack.runtime.conversation_cache import BLOCK_SUFFIX, BLOCKS, SUFFIX, ConversationCache
+from sparkpack.runtime.conversation_cache import ConversationCache
+from sparkpack.runtime.conversation_files import BLOCK_SUFFIX, BLOCKS, SUFFIX
 from sparkpack.runtime.generate import Session, generate
 from sparkpack.runtime.models import load_model
 
@@ -62,20 +63,21 @@ class Served:
 def check_index(cache: ConversationCache) -> None:
     """The refcounts: a part in host memory is held by each host entry naming it (and each write
     queued), a slot is either free or one part's, and the pools' bytes stay within the budget."""
-    with cache.lock:
+    index, host = cache.index, cache.host
+    with index.lock:
         held: dict[str, int] = {}
-        for e in cache.entries.values():
+        for e in index.entries.values():
             for n in e.parts if e.in_host else ():
                 held[n] = held.get(n, 0) + 1
-        for n, p in cache.parts.items():
+        for n, p in index.parts.items():
             assert p.refs - p.queued == held.get(n, 0), (n, p)
             assert (p.slot is not None) == (p.refs > 0), (n, p)
-        if cache.pools is not None:
-            for pool, own in ((cache.pools.blocks, False), (cache.pools.own, True)):
+        if host.pools is not None:
+            for pool, own in ((host.pools.blocks, False), (host.pools.own, True)):
                 if pool is not None:
-                    slots = [p.slot for p in cache.parts.values() if p.own == own and p.slot is not None]
+                    slots = [p.slot for p in index.parts.values() if p.own == own and p.slot is not None]
                     assert len(set(slots)) == len(slots) == pool.used and not set(slots) & set(pool.free)
-        assert cache.budget.allocated <= cache.budget.limit
+        assert host.budget.allocated <= host.budget.limit
 
 def system(seed: int, n: int) -> list[int]:
     return [BREAK] + ids_of(seed, n) + [BREAK]  # one message: control tokens around its text
@@ -177,7 +179,7 @@ def test_eviction_keeps_the_blocks_other_entries_share(synth_model, tmp_path, ca
     probe = Served(model, ram=1 << 30)
     a, b, c = system(1, 300) + ids_of(2, 40), system(1, 300) + ids_of(3, 40), system(7, 300) + ids_of(4, 40)
     probe.ask(a)
-    ram = probe.cache.pools.blocks.slot_bytes * (len(a) // BLOCK + 6)
+    ram = probe.cache.host.pools.blocks.slot_bytes * (len(a) // BLOCK + 6)
     served = Served(model, ram=ram, folder=tmp_path / "states")
     served.ask(a)
     reused, tier, _ = served.ask(b)

@@ -192,7 +192,7 @@ def test_model_spec_reads_converted_file(tiny_hf_gguf, arch: str) -> None:
         assert spec.n_head == config["num_attention_heads_per_layer"]
         assert [k.attention for k in spec.layers] == ["full", "sliding", "sliding", "sliding"]
         assert [k.ffn for k in spec.layers] == ["dense", "moe", "moe", "moe"]
-        assert spec.hparams["expert_weights_scale"] == pytest.approx(2.5)
+        assert spec.expert_weights_scale == pytest.approx(2.5)
 
 
 # ----------------------------------------------------------------------------- values

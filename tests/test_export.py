@@ -115,7 +115,7 @@ def test_kv_cache_follows_llama_cpp(synth_model):
     assert kv_cache_bytes(spec, 1000) == 2 * 1024 * row * spec.n_layer  # n_ctx padded to 256
     assert kv_cache_bytes(spec, 1000, "q8_0") == 2 * 1024 * spec.n_layer * spec.n_head_kv[0] * spec.head_dim // 32 * 34
     lag = model_spec(GGUFModel(synth_model("laguna")))
-    window = lag.hparams["sliding_window"]
+    window = lag.sliding_window
     swa_cells = -(-(window + 512) // 256) * 256
     full = [il for il, k in enumerate(lag.layers) if k.attention == "full"]
     swa = [il for il, k in enumerate(lag.layers) if k.attention == "sliding"]
@@ -124,9 +124,8 @@ def test_kv_cache_follows_llama_cpp(synth_model):
     assert full and swa and kv_cache_bytes(lag, 8192) == expect
     q35 = model_spec(GGUFModel(synth_model("qwen35moe")))
     attn = [il for il, k in enumerate(q35.layers) if k.attention == "full"]
-    h = q35.hparams
-    state = (h["ssm_conv_kernel"] - 1) * (h["ssm_inner_size"] + 2 * h["ssm_group_count"] * h["ssm_state_size"]) + \
-        h["ssm_state_size"] * h["ssm_inner_size"]  # llama.cpp's n_embd_r + n_embd_s, F32
+    d = q35.deltanet
+    state = (d.conv_kernel - 1) * (d.inner + 2 * d.n_k * d.d_k) + d.d_k * d.inner  # llama.cpp's n_embd_r + n_embd_s, F32
     n_linear = sum(k.attention == "linear" for k in q35.layers)
     assert kv_cache_bytes(q35, 256) == sum(2 * 256 * q35.n_head_kv[il] * q35.head_dim * 2 for il in attn) + \
         n_linear * state * 4

@@ -149,19 +149,18 @@ def test_fused_attention_reads_and_writes_a_q8_0_cache(arch, synth_model):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_each_block_epilogue_names_the_norm_that_opens_the_next(arch, synth_model):
     """One-token GPU steps compute the next block's input norm in the MoE epilogue's launch
-    (``MoEModel.next_norm``, ``layers.ffn_residual``): every layer names the next layer's
+    (``MoEBlock.next_norm``, ``layers.ffn_residual``): every layer names the next layer's
     ``attn_norm`` (the last, the output norm), and ``norm`` takes a norm so computed instead of
     computing it again, for that weight only. (The kernel itself: tests/test_fused_steps.py.)"""
     model = load(synth_model(arch))
     dev = model.w("output_norm.weight").device
     one, many = torch.zeros(1, model.spec.n_embd, device=dev), torch.zeros(3, model.spec.n_embd, device=dev)
-    model.kernels = False
-    assert model.next_norm(0, one) is None
-    model.kernels = True
-    assert model.next_norm(0, many) is None  # prefill: the next block norms its rows itself
+    block = model.moe_block
+    assert block.next_norm(0, one, kernels=False) is None
+    assert block.next_norm(0, many, kernels=True) is None  # prefill: the next block norms its rows itself
     n = model.spec.n_layer
     for il in range(n):
-        w, eps = model.next_norm(il, one)
+        w, eps = block.next_norm(il, one, kernels=True)
         assert w is model.w(f"blk.{il + 1}.attn_norm.weight" if il + 1 < n else "output_norm.weight")
         assert eps == model.eps
     x, done = torch.randn(1, model.spec.n_embd, device=dev), torch.randn(1, model.spec.n_embd, device=dev)

@@ -71,6 +71,19 @@ class DeltaNetShape:
         return self.inner // max(self.n_v, 1)
 
 
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN rope scaling (``rope.scaling.*``; llama.cpp's ``yarn_*``): the context ``factor`` over
+    the ``original_context_length``, the ramp's ``beta_fast``/``beta_slow`` and the attention
+    factor (None: YaRN's own, from ``factor``)."""
+
+    factor: float
+    original_context_length: int
+    beta_fast: float
+    beta_slow: float
+    attn_factor: float | None
+
+
 @dataclass
 class ModelSpec:
     arch: str
@@ -89,7 +102,15 @@ class ModelSpec:
     rms_eps: float
     router: str  # "softmax" | "sigmoid"
     layers: list[LayerKind]
-    hparams: dict[str, Any] = field(default_factory=dict)  # arch-specific extras
+    rope: RopeShape  # of the full-attention layers
+    # What only some archs have, each read and range-checked by its arch module; the defaults
+    # are "the arch has none" (the runtime reads these fields only for the layers that use them).
+    rope_swa: RopeShape | None = None  # sliding-window layers' own rope
+    yarn: YarnScaling | None = None  # YaRN on the full-attention layers, when the file asks for it
+    deltanet: DeltaNetShape | None = None  # the linear-attention layers' shape
+    sliding_window: int = 0  # positions a sliding-window layer attends to
+    norm_topk: bool = True  # the router renormalises its top-k weights (``expert_weights_norm``)
+    expert_weights_scale: float = 1.0  # the routed experts' weights scaled (a sigmoid router's)
     # Tensor names of the experts of each MoE layer, filled from the file's tensor index:
     # {"gate": ..., "up": ..., "down": ...} or {"gate_up": ..., "down": ...}
     expert_tensors: dict[int, dict[str, str]] = field(default_factory=dict)
@@ -98,35 +119,6 @@ class ModelSpec:
     def head_tensor_names(self) -> frozenset[str]:
         """The tensors of the MTP head (empty without one): loaded only when the head is."""
         return self.nextn.tensors if self.nextn is not None else frozenset()
-
-    @property
-    def rope(self) -> RopeShape:
-        """The rope of (full-attention) layers (an arch with rope reads and checks it)."""
-        h = self.hparams
-        return RopeShape(int(h["rope_dim"]), float(h["rope_freq_base"]), tuple(int(s) for s in h.get("rope_sections") or ()))
-
-    @property
-    def rope_swa(self) -> RopeShape:
-        """The rope of sliding-window layers, where the arch has its own for them."""
-        h = self.hparams
-        return RopeShape(int(h["rope_dim_swa"]), float(h["rope_freq_base_swa"]))
-
-    @property
-    def deltanet(self) -> DeltaNetShape:
-        """The linear-attention layers' shape (an arch that has them reads and checks it)."""
-        h = self.hparams
-        return DeltaNetShape(int(h["ssm_conv_kernel"]), int(h["ssm_group_count"]), int(h["ssm_state_size"]),
-                             int(h["ssm_time_step_rank"]), int(h["ssm_inner_size"]))
-
-    @property
-    def norm_topk(self) -> bool:
-        """The router renormalises its top-k weights (``expert_weights_norm``)."""
-        return bool(self.hparams["norm_topk"])
-
-    @property
-    def sliding_window(self) -> int:
-        """Positions a sliding-window layer attends to (0: the arch has none)."""
-        return int(self.hparams.get("sliding_window") or 0)
 
     @property
     def moe_layers(self) -> list[int]:
@@ -258,10 +250,11 @@ def _kind(v: Any) -> str:
     return f"{v!r}" if isinstance(v, (int, float)) else type(v).__name__
 
 
-def common_spec(model: "GGUFModel", *, router: str, layers: list[LayerKind], n_layer: int,
-                n_ff_shexp: int = 0, hparams: dict[str, Any] | None = None) -> ModelSpec:
+def common_spec(model: "GGUFModel", *, router: str, layers: list[LayerKind], n_layer: int, rope: RopeShape,
+                n_ff_shexp: int = 0, **arch_fields: Any) -> ModelSpec:
     """Read the hyperparameters every supported MoE arch shares, check that they agree with each
-    other, and attach the expert tensors."""
+    other, and attach the expert tensors. ``arch_fields``: the ``ModelSpec`` fields only some
+    archs have (``rope_swa``, ``deltanet``, ...), as the arch module read them."""
     m = MetaReader(model)
     n_embd = m.int("embedding_length", lo=1)
     n_head = m.per_layer("attention.head_count", n_layer)
@@ -299,7 +292,8 @@ def common_spec(model: "GGUFModel", *, router: str, layers: list[LayerKind], n_l
         rms_eps=m.float("attention.layer_norm_rms_epsilon", default=1e-6, lo=0.0, hi=1.0, lo_open=True),
         router=router,
         layers=layers,
-        hparams=hparams or {},
+        rope=rope,
+        **arch_fields,
     )
     if spec.n_expert_used > spec.n_expert:
         raise FormatError(model.path, f"bad expert counts: {spec.n_expert} experts, {spec.n_expert_used} used")
@@ -310,8 +304,8 @@ def common_spec(model: "GGUFModel", *, router: str, layers: list[LayerKind], n_l
 
 def check_rope(model: "GGUFModel", spec: ModelSpec) -> None:
     """Rotary widths the runtime can apply: even, and no wider than a head."""
-    for key in ("rope_dim", "rope_dim_swa"):
-        dim = spec.hparams.get(key)
+    for key, rope in (("rope_dim", spec.rope), ("rope_dim_swa", spec.rope_swa)):
+        dim = rope.dim if rope is not None else None
         if dim is not None and not (0 < dim <= spec.head_dim and dim % 2 == 0):
             raise FormatError(model.path, f"rotary width {dim} ({key}) must be even and at most the head size "
                                           f"{spec.head_dim}")

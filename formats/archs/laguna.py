@@ -8,10 +8,9 @@ renormalised and scaled; one always-on shared expert.
 """
 from __future__ import annotations
 
-from typing import Any
-
 from ..errors import FormatError
-from .base import DENSE, FULL, MOE, SLIDING, ArchModule, LayerKind, MetaReader, ModelSpec, common_spec
+from .base import (DENSE, FULL, MOE, SLIDING, ArchModule, LayerKind, MetaReader, ModelSpec, RopeShape, YarnScaling,
+                   common_spec)
 from .shapes import Expected, attention, dense_mlp, globals_, one, routed_experts, shared_expert
 
 
@@ -27,27 +26,21 @@ def build(model) -> ModelSpec:
     head_dim = m.head_dim(n_layer)
     rope_dim = m.int("rope.dimension_count", default=head_dim, lo=1)
     base = m.float("rope.freq_base", default=500000.0, lo=1.0, lo_open=True)
-    norm = m.bool("expert_weights_norm", True)
     return common_spec(
         model, router="sigmoid", n_layer=n_layer, layers=layers,
         n_ff_shexp=m.int("expert_shared_feed_forward_length", default=0),
-        hparams={
-            "sliding_window": window,
-            "leading_dense": n_dense,
-            "rope_freq_base": base,
-            "rope_dim": rope_dim,
-            "rope_freq_base_swa": m.float("rope.freq_base_swa", default=m.float("rope.freq_base", default=10000.0),
-                                          lo=1.0, lo_open=True),
-            "rope_dim_swa": m.int("rope.dimension_count_swa", default=rope_dim, lo=1),
-            "rope_scaling": rope_scaling(m),
-            "expert_weights_scale": m.float("expert_weights_scale", default=1.0),
-            "expert_weights_norm": norm,
-            "norm_topk": norm,
-        },
+        rope=RopeShape(rope_dim, base),
+        rope_swa=RopeShape(m.int("rope.dimension_count_swa", default=rope_dim, lo=1),
+                           m.float("rope.freq_base_swa", default=m.float("rope.freq_base", default=10000.0),
+                                   lo=1.0, lo_open=True)),
+        yarn=rope_scaling(m),
+        sliding_window=window,
+        norm_topk=m.bool("expert_weights_norm", True),
+        expert_weights_scale=m.float("expert_weights_scale", default=1.0),
     )
 
 
-def rope_scaling(m: MetaReader) -> dict[str, Any] | None:
+def rope_scaling(m: MetaReader) -> YarnScaling | None:
     """YaRN on the full-attention layers when the file asks for it (``rope.scaling.type``)."""
     kind = m.str("rope.scaling.type", "none")
     if kind in ("none", ""):
@@ -56,11 +49,12 @@ def rope_scaling(m: MetaReader) -> dict[str, Any] | None:
         raise FormatError(m.model.path, f"metadata key {m.key('rope.scaling.type')} is {kind!r}; laguna supports "
                                         "'yarn' or none")
     attn = m.optional("rope.scaling.yarn_attn_factor")
-    return {"factor": m.float("rope.scaling.factor", lo=0.0, lo_open=True),
-            "original_context_length": m.int("rope.scaling.original_context_length", lo=1),
-            "beta_fast": m.float("rope.scaling.yarn_beta_fast", default=32.0, lo=0.0, lo_open=True),
-            "beta_slow": m.float("rope.scaling.yarn_beta_slow", default=1.0, lo=0.0, lo_open=True),
-            "attn_factor": None if attn is None else m.float("rope.scaling.yarn_attn_factor", lo=0.0, lo_open=True)}
+    return YarnScaling(factor=m.float("rope.scaling.factor", lo=0.0, lo_open=True),
+                       original_context_length=m.int("rope.scaling.original_context_length", lo=1),
+                       beta_fast=m.float("rope.scaling.yarn_beta_fast", default=32.0, lo=0.0, lo_open=True),
+                       beta_slow=m.float("rope.scaling.yarn_beta_slow", default=1.0, lo=0.0, lo_open=True),
+                       attn_factor=None if attn is None else m.float("rope.scaling.yarn_attn_factor", lo=0.0,
+                                                                     lo_open=True))
 
 
 def tensors(spec: ModelSpec) -> list[Expected]:

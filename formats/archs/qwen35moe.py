@@ -9,7 +9,8 @@ are not part of the trunk: the spec holds them apart (``ModelSpec.nextn``).
 from __future__ import annotations
 
 from ..errors import FormatError
-from .base import FULL, LINEAR, MOE, ArchModule, LayerKind, MetaReader, ModelSpec, common_spec, nextn_head
+from .base import (FULL, LINEAR, MOE, ArchModule, DeltaNetShape, LayerKind, MetaReader, ModelSpec, RopeShape, common_spec,
+                   nextn_head)
 from .shapes import Expected, attention, globals_, one, routed_experts, shared_expert
 
 
@@ -34,21 +35,16 @@ def build(model) -> ModelSpec:
         raise FormatError(model.path, f"DeltaNet sizes disagree: inner size {ssm['ssm.inner_size']} must be state "
                                       f"size {ssm['ssm.state_size']} x value heads {ssm['ssm.time_step_rank']}, and "
                                       f"the value heads a multiple of the {ssm['ssm.group_count']} key heads")
+    m.int("full_attention_interval", default=4, lo=1)  # (checked where recurrent_layers lists the kinds too)
     spec = common_spec(
         model, router="softmax", n_layer=n_layer, layers=layers,
         n_ff_shexp=m.int("expert_shared_feed_forward_length", default=0),
-        hparams={
-            "rope_freq_base": m.float("rope.freq_base", default=1e7, lo=1.0, lo_open=True),
-            "rope_dim": m.int("rope.dimension_count", default=head_dim // 4, lo=1),
-            "rope_sections": m.int_list("rope.dimension_sections", default=[]),
-            "ssm_conv_kernel": ssm["ssm.conv_kernel"],
-            "ssm_inner_size": ssm["ssm.inner_size"],
-            "ssm_state_size": ssm["ssm.state_size"],
-            "ssm_time_step_rank": ssm["ssm.time_step_rank"],
-            "ssm_group_count": ssm["ssm.group_count"],
-            "full_attention_interval": m.int("full_attention_interval", default=4, lo=1),
-            "norm_topk": m.bool("expert_weights_norm", True),
-        },
+        rope=RopeShape(m.int("rope.dimension_count", default=head_dim // 4, lo=1),
+                       m.float("rope.freq_base", default=1e7, lo=1.0, lo_open=True),
+                       tuple(m.int_list("rope.dimension_sections", default=[]))),
+        deltanet=DeltaNetShape(ssm["ssm.conv_kernel"], ssm["ssm.group_count"], ssm["ssm.state_size"],
+                               ssm["ssm.time_step_rank"], ssm["ssm.inner_size"]),
+        norm_topk=m.bool("expert_weights_norm", True),
     )
     spec.nextn = nextn_head(model, spec, n_nextn)
     return spec

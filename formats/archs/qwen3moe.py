@@ -2,7 +2,7 @@
 softmax top-k router over experts, renormalised; no shared expert."""
 from __future__ import annotations
 
-from .base import FULL, MOE, ArchModule, LayerKind, MetaReader, ModelSpec, common_spec
+from .base import FULL, MOE, ArchModule, LayerKind, MetaReader, ModelSpec, RopeShape, common_spec
 from .shapes import Expected, attention, globals_, one, routed_experts
 
 
@@ -11,11 +11,9 @@ def build(model) -> ModelSpec:
     n_layer = m.layer_count()
     return common_spec(
         model, router="softmax", n_layer=n_layer, layers=[LayerKind(FULL, MOE)] * n_layer,
-        hparams={
-            "rope_freq_base": m.float("rope.freq_base", default=1e6, lo=1.0, lo_open=True),
-            "rope_dim": m.int("rope.dimension_count", default=m.head_dim(n_layer), lo=1),
-            "norm_topk": m.bool("expert_weights_norm", True),
-        },
+        rope=RopeShape(m.int("rope.dimension_count", default=m.head_dim(n_layer), lo=1),
+                       m.float("rope.freq_base", default=1e6, lo=1.0, lo_open=True)),
+        norm_topk=m.bool("expert_weights_norm", True),
     )
 
 

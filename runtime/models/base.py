@@ -20,13 +20,14 @@ from sparkpack.formats.errors import SparkpackError
 from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.formats.memory import PREFILL_CHUNK
 
-from ..cache import Q8_BLOCK, Cache, KVCache, RecurrentState, RowStates, prefill_rows
-from ..decode_rows import decoding_rows, one_token_rows
+from ..cache import Q8_BLOCK, Cache, KVCache, RecurrentState, RowStates
+from ..decode_rows import decoding_rows
 from ..experts import ExpertProvider, GGUFExperts
-from ..layers import (Normed, Rope, Rows, attend_buffers, attention, cat_rows, causal_sdpa_after, ffn_residual,
-                      ffn_residual_and_norm, fused_sdpa_runs, norm_rows, output_gate, positions, rms_norm, silu_mul)
-from ..quant_linear import QuantLinear, linear
+from ..layers import Normed, Rope, Rows, norm_rows
 from ..weights import Weights, quantizes_dense
+from .attention import Attention
+from .moe_block import MoEBlock
+from .projections import Projections
 
 if TYPE_CHECKING:
     from sparkpack.formats.placement import ResidencyPlan
@@ -83,17 +84,26 @@ class MoEModel(ABC):
         self.device, self.dtype = torch.device(device), dtype
         # On a GPU the dense matrices stay GGUF bytes, read by the dense kernels (kernels/dense.py);
         # the CPU path expands them (the reference the tests compare with).
+        self.eps = spec.rms_eps
         self.w = Weights(gguf, device, dtype, quantized=quantizes_dense(self.device, dtype))
         self.experts = experts if experts is not None else GGUFExperts(gguf, spec, device, dtype)
-        self.eps = spec.rms_eps
         # The fused one-token DeltaNet step (kernels/deltanet.py): on by default on a GPU; the
         # torch form stays the reference (CPU, prefill) and tests compare the two. (RMSNorm and
         # the softmax router take their Triton kernels for any GPU tensor: runtime.layers.)
         self.kernels = self.device.type == "cuda"
 
-    def meta(self, suffix: str, default=None):
-        """An ``{arch}.suffix`` metadata value not carried by the spec."""
-        return self.gguf.get(f"{self.spec.arch}.{suffix}", default)
+    @property
+    def w(self) -> Weights:
+        return self._w
+
+    @w.setter
+    def w(self, w: Weights) -> None:
+        """The dense weights and the parts built over them (``attention``, ``proj``,
+        ``moe_block``): given other weights (the same file held another way), all compute with them."""
+        self._w = w
+        self.attention = Attention(w, self.eps)
+        self.proj = Projections(w, self.STACKS)
+        self.moe_block = MoEBlock(self.proj, self.eps, self.spec.n_layer, self.FFN_IN)
 
     def new_cache(self, capacity: int = 256, kv_type: str = "auto", calls: int = PREFILL_CHUNK) -> Cache:
         """A fresh cache whose KV buffers start with room for ``capacity`` positions, holding
@@ -105,10 +115,6 @@ class MoEModel(ABC):
         return Cache([RecurrentState() if k.attention == LINEAR else
                       KVCache(capacity, kv_type, self.spec.sliding_window if k.attention == SLIDING else 0, calls)
                       for k in self.spec.layers])
-
-    def route(self, il: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``il``'s router on normed hidden states ``h [T, n_embd]``: (weights, ids) ``[T, k]``."""
-        return self.route_logits(il, self.w.linear(h, f"blk.{il}.ffn_gate_inp.weight"))
 
     @abstractmethod
     def route_logits(self, il: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,136 +334,27 @@ class MoEModel(ABC):
         """The output head: ``output.weight``, or the embeddings where the file ties them."""
         return "output.weight" if self.w.has("output.weight") else "token_embd.weight"
 
+    # -- the parts every block composes: ``attention``, ``proj`` (projections), ``moe_block``
     def linear(self, h: Rows, name: str) -> torch.Tensor:
-        """``h @ W^T`` for the weight ``name``, on h's int8 form where its launch made it."""
-        return self.w.linear(h.x, name, h.q8)
+        return self.proj.linear(h, name)
 
-    def project(self, h: Rows, prefix: str, *names: str) -> list[torch.Tensor]:
-        """The projections ``prefix + name + ".weight"`` of ``h``, as one GEMM over their stacked
-        matrices (``Weights.stacked``; ``names`` one of ``STACKS``), split back into one output
-        per name."""
-        full = tuple(f"{prefix}{n}.weight" for n in names)
-        stacked = self.w.stacked(full)
-        sizes = stacked.sizes if isinstance(stacked, QuantLinear) else [self.w(n).shape[0] for n in full]
-        return list(linear(h.x, stacked, h.q8, self.w.int8_activations).split(sizes, dim=-1))
-
-    def project_present(self, h: Rows, prefix: str, group: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        """``project`` over the members of ``group`` (one of ``STACKS``) this layer has, by name."""
-        names = [n for n in group if self.w.has(f"{prefix}{n}.weight")]
-        if len(names) == 1:
-            return {names[0]: self.linear(h, f"{prefix}{names[0]}.weight")}
-        return dict(zip(names, self.project(h, prefix, *names)))
-
-    def mlp(self, h: Rows, prefix: str) -> torch.Tensor:
-        """A dense layer's SwiGLU MLP ``ffn_{gate,up,down}``, gate and up as one GEMM
-        (``(ffn_gate, ffn_up)`` must be one of ``STACKS``)."""
-        gate, up = self.project(h, prefix, "ffn_gate", "ffn_up")
-        return self.linear(silu_mul(gate, up), f"{prefix}ffn_down.weight")
+    def stack_groups(self, layers: Sequence[int] | None = None) -> list[tuple[str, ...]]:
+        """Every layer's ``STACKS`` groups as stacked (``Projections.groups``); ``layers``: those
+        blocks' only (an MTP head's), else the trunk's."""
+        return self.proj.groups(range(self.spec.n_layer) if layers is None else layers)
 
     def ffn(self, il: int, h: Rows, x: torch.Tensor, experts: ExpertProvider | None = None
             ) -> tuple[torch.Tensor, Normed | None]:
-        """The residual stream ``x`` after layer ``il``'s MoE block on its normed input ``h``: the
-        routed experts, a shared expert where the file has one (behind a sigmoid gate where it has
-        that too), added in one epilogue launch (``epilogue``). ``experts``: the provider of a
-        block outside the trunk (an MTP head's), else the model's."""
-        p = f"blk.{il}."
-        y = self.project_present(h, p, self.FFN_IN)
-        experts = self.experts if experts is None else experts
-        routed = experts.moe(il, h.x, *self.route_logits(il, y["ffn_gate_inp"]), h.q8)
-        shared = gate = None
-        if "ffn_up_shexp" in y:
-            shared = self.linear(silu_mul(y["ffn_gate_shexp"], y["ffn_up_shexp"]), p + "ffn_down_shexp.weight")
-            gate = y.get("ffn_gate_inp_shexp")
-        return self.epilogue(il, x, routed, shared, gate)
-
-    def epilogue(self, il: int, x: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor | None = None,
-                 gate: torch.Tensor | None = None) -> tuple[torch.Tensor, Normed | None]:
-        """Layer ``il``'s FFN output added into the residual stream (``layers.ffn_residual``); a
-        one-token GPU step also norms the next block's input in the same launch (``next_norm``)."""
-        nxt = self.next_norm(il, x)
-        if nxt is None:
-            return ffn_residual(x, routed, shared, gate), None
-        return ffn_residual_and_norm(x, routed, shared, gate, nxt)
-
-    def stack_groups(self, layers: Sequence[int] | None = None) -> list[tuple[str, ...]]:
-        """Every layer's ``STACKS`` groups as stacked: the members the file has, two or more
-        (full tensor names); ``layers``: those blocks' only (an MTP head's), else the trunk's."""
-        out = []
-        for il in range(self.spec.n_layer) if layers is None else layers:
-            for group in self.STACKS:
-                full = tuple(n for n in (f"blk.{il}.{m}.weight" for m in group) if self.w.has(n))
-                if len(full) >= 2:
-                    out.append(full)
-        return out
+        """Layer ``il``'s MoE block (``MoEBlock``); ``experts``: the provider of a block outside
+        the trunk (an MTP head's), else the model's."""
+        return self.moe_block(il, h, x, self.experts if experts is None else experts, self.route_logits,
+                              kernels=self.kernels)
 
     def attend(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: "Cache | Batch",
                pos0: "int | torch.Tensor", rope: Rope, window: int = 0, gate: torch.Tensor | None = None,
                gate_kind: str = "none") -> Rows:
-        """Attention of layer ``il`` from the raw projections (``q [T, H, d]``, k and v
-        ``[T, H_kv, d]``, ``gate`` as ``layers.output_gate`` takes it): the q/k RMSNorms
-        (``attn_q_norm``, ``attn_k_norm``), rope, the KV append and the gated attention, as
-        ``attn_output``'s input ``[T, H * d]``. The one entry of every arch: the kernels
-        (``attend_step``) where they run, else the torch form (the reference); a batched decode
-        step's sequences (``Batch``) one at a time, each over its own cache at its position."""
-        if isinstance(cache, Batch):
-            return cat_rows([self.attend(il, q[b:b + 1], k[b:b + 1], v[b:b + 1], c, at, rope, window,
-                                         None if gate is None else gate[b:b + 1], gate_kind)
-                             for b, (c, at) in enumerate(zip(cache.caches, cache.pos))])
-        o = self.attend_step(il, q, k, v, cache, pos0, rope, window, gate, gate_kind)
-        if o is not None:
-            return o
-        p, w, T = f"blk.{il}.", self.w, q.shape[0]
-        q = rms_norm(q, w(p + "attn_q_norm.weight"), self.eps)
-        k = rms_norm(k, w(p + "attn_k_norm.weight"), self.eps)
-        cos, sin = rope.cos_sin(positions(pos0, T, q.device), q.dtype)
-        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-        o = attention(q, k, v, cache.layers[il], pos0, window)  # [T, H, d]
-        return Rows(output_gate(o, gate, gate_kind).reshape(T, -1))
-
-    def attend_step(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Cache,
-                    pos0: "int | torch.Tensor", rope: Rope, window: int = 0, gate: torch.Tensor | None = None,
-                    gate_kind: str = "none") -> Rows | None:
-        """Attention from the raw projections (``q [T, H, d]``, k and v ``[T, H_kv, d]``) with the
-        Triton kernels of ``kernels/attention.py``, returning ``attn_output``'s input ``[T, H * d]``
-        (with one decode row's int8 form), or None where the model file's torch form runs instead (CPU without ``kernels``, float64).
-        The q/k RMSNorms, rope and the KV append are one launch for any T; one token then attends
-        in two more (split and combine, the output gate included); several tokens (prefill)
-        attend and take the gate in torch: from position 0 with torch's fused causal attention
-        (``layers.attend_buffers``), after a past with its lower-right form
-        (``layers.causal_sdpa_after``) where no sliding window clips the past, else (a window, a
-        Q8_0 cache) with one launch of ``attention.attend_prefill``, which also serves a call whose
-        position is on the device (a padded call, ``runtime.graph.PrefillGraphs``). A Q8_0
-        KV cache is written as codes (and, decoding, read as codes). Gate kinds as
-        ``attention.attend_decode`` takes them."""
-        kv = cache.layers[il] if cache is not None else None
-        if not (self.kernels and isinstance(kv, KVCache) and q.dtype in (torch.bfloat16, torch.float16, torch.float32)):
-            return None
-        from ..kernels import q8dot
-        from ..kernels.attention import attend_decode, attend_prefill, qk_norm_rope_append
-
-        p, (T, H, d) = f"blk.{il}.", q.shape
-        if not isinstance(pos0, torch.Tensor):
-            kv.reserve(pos0 + T, k, T)
-        scales = (kv.k_scale, kv.v_scale) if kv.q8 else (None, None)  # a Q8_0 cache is written as codes
-        qr = qk_norm_rope_append(q, k, v, self.w.opt(p + "attn_q_norm.weight"), self.w.opt(p + "attn_k_norm.weight"),
-                                 self.eps, rope.inv_on(q.device), rope.scale, pos0, kv.k, kv.v, *scales, ring=kv.ring)
-        if T > 1:
-            # After a past (a long prompt's later chunks, a chat's next turn) the unfused form
-            # scored in pieces (~10 launches) over a past that grows with the prompt: a long
-            # prompt prefills faster with attend_prefill.
-            if not kv.q8 and isinstance(pos0, int) and pos0 > 0 and window <= 0 and fused_sdpa_runs(qr):
-                o = causal_sdpa_after(qr, kv.k[:, : pos0 + T], kv.v[:, : pos0 + T])
-            elif not kv.q8 and (isinstance(pos0, torch.Tensor) or pos0 > 0):
-                o = attend_prefill(qr, kv.k, kv.v, pos0, window, kv.ring)
-            elif kv.q8 and not isinstance(pos0, torch.Tensor) and pos0 > 0:  # the rows it reads, expanded
-                o = attend_prefill(qr, *kv.buffers(pos0 + T), pos0, window, kv.ring)
-            else:
-                o = attend_buffers(qr, *kv.buffers(prefill_rows(pos0, T)), pos0, window, kv.ring)
-            return Rows(output_gate(o, gate, gate_kind).reshape(T, H * d))
-        q8 = q8dot.wanted(1, d)
-        o = attend_decode(qr[0], kv.k, kv.v, pos0, window, None if gate is None else gate[0], gate_kind,
-                          q8=q8, k_scale=scales[0], v_scale=scales[1], ring=kv.ring)
-        return Rows(*o) if q8 else Rows(o)
+        """Layer ``il``'s attention from its raw projections (``Attention``)."""
+        return self.attention(il, q, k, v, cache, pos0, rope, window, gate, gate_kind, kernels=self.kernels)
 
     def norm(self, x: torch.Tensor, name: str, pre: Normed | None = None) -> Rows:
         """A block input or the output norm: it feeds projections, which read one decode row in
@@ -467,13 +364,6 @@ class MoEModel(ABC):
         if pre is not None and pre.weight is w:
             return pre.rows
         return norm_rows(x, w, self.eps)
-
-    def next_norm(self, il: int, x: torch.Tensor) -> tuple[torch.Tensor, float] | None:
-        """For layer ``il``'s epilogue on ``x``: the norm that opens the next block (the output norm
-        after the last), when a one-token GPU step can compute it in the same launch."""
-        if not (self.kernels and one_token_rows(x.shape[0])):
-            return None
-        return self.w(f"blk.{il + 1}.attn_norm.weight" if il + 1 < self.spec.n_layer else "output_norm.weight"), self.eps
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor, name: str) -> tuple[torch.Tensor, Rows]:
         """``(x + delta, norm(x + delta))``: the residual add and the next norm, one launch on a GPU."""

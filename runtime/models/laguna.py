@@ -23,18 +23,16 @@ class Laguna(MoEModel):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        hp = self.spec.hparams
         self.window = self.spec.sliding_window
         swa, full = self.spec.rope_swa, self.spec.rope
         self.rope_swa = Rope(swa.dim, rope_inv_freq(swa.freq_base, swa.dim))
-        yarn = hp.get("rope_scaling")  # read and checked by the spec (formats/archs/laguna.py)
+        yarn = self.spec.yarn  # read and checked by the spec (formats/archs/laguna.py)
         if yarn:
-            self.rope_full = yarn_rope(full.freq_base, full.dim, yarn["factor"],
-                                       yarn["original_context_length"], yarn["beta_fast"], yarn["beta_slow"],
-                                       yarn["attn_factor"])
+            self.rope_full = yarn_rope(full.freq_base, full.dim, yarn.factor, yarn.original_context_length,
+                                       yarn.beta_fast, yarn.beta_slow, yarn.attn_factor)
         else:
             self.rope_full = Rope(full.dim, rope_inv_freq(full.freq_base, full.dim))
-        self.scale = float(hp["expert_weights_scale"])
+        self.scale = float(self.spec.expert_weights_scale)
         self.norm_topk = self.spec.norm_topk
 
     def block(self, il: int, x: torch.Tensor, cache: "Cache | Batch", pos0: "int | torch.Tensor", pre: Normed | None
@@ -46,7 +44,7 @@ class Laguna(MoEModel):
     def attn(self, il: int, h: Rows, cache: "Cache | Batch", pos0: "int | torch.Tensor") -> torch.Tensor:
         p, d, T = f"blk.{il}.", self.spec.head_dim, h.x.shape[0]
         swa = self.spec.layers[il].attention == SLIDING
-        q, k, v, gate = self.project(h, p, "attn_q", "attn_k", "attn_v", "attn_gate")
+        q, k, v, gate = self.proj.project(h, p, "attn_q", "attn_k", "attn_v", "attn_gate")
         q, k, v = q.view(T, -1, d), k.view(T, -1, d), v.view(T, -1, d)
         per_head = gate.shape[-1] == q.shape[1]  # one gate per head, or one per channel
         gate, kind = (gate, "softplus_head") if per_head else (gate.view(T, -1, d), "softplus")
@@ -62,5 +60,5 @@ class Laguna(MoEModel):
         """The residual stream ``x`` after the FFN block on its normed input ``h``: the dense
         layers' SwiGLU MLP, or the MoE block."""
         if self.spec.layers[il].ffn == DENSE:
-            return self.epilogue(il, x, self.mlp(h, f"blk.{il}."))
+            return self.moe_block.epilogue(il, x, self.proj.mlp(h, f"blk.{il}."), kernels=self.kernels)
         return super().ffn(il, h, x)

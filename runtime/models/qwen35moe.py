@@ -133,7 +133,7 @@ class Qwen35MoE(MoEModel):
 
     def attn(self, il: int, h: Rows, cache: "Cache | Batch", pos0: "int | torch.Tensor") -> torch.Tensor:
         p, d, T = f"blk.{il}.", self.spec.head_dim, h.x.shape[0]
-        qg, k, v = self.project(h, p, "attn_q", "attn_k", "attn_v")
+        qg, k, v = self.proj.project(h, p, "attn_q", "attn_k", "attn_v")
         qg = qg.view(T, -1, 2 * d)  # per head: [query | gate]
         q, gate = qg[..., :d], qg[..., d:]
         k, v = k.view(T, -1, d), v.view(T, -1, d)
@@ -145,7 +145,7 @@ class Qwen35MoE(MoEModel):
         layer's state (``delta_rule``; a batched decode step's rows one at a time, each on its
         sequence's state), the output projection."""
         p, T = f"blk.{il}.", h.x.shape[0]
-        qkv, z, beta, alpha = self.project(h, p, "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")  # qkv [T, C]
+        qkv, z, beta, alpha = self.proj.project(h, p, "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")  # qkv [T, C]
         z = z.view(T, self.n_v, self.d_v)
         if isinstance(cache, Batch):
             rows = []

@@ -28,7 +28,7 @@ class Qwen3MoE(MoEModel):
 
     def attn(self, il: int, h: Rows, cache: "Cache | Batch", pos0: "int | torch.Tensor") -> torch.Tensor:
         p, d, T = f"blk.{il}.", self.spec.head_dim, h.x.shape[0]
-        q, k, v = (t.view(T, -1, d) for t in self.project(h, p, "attn_q", "attn_k", "attn_v"))
+        q, k, v = (t.view(T, -1, d) for t in self.proj.project(h, p, "attn_q", "attn_k", "attn_v"))
         return self.linear(self.attend(il, q, k, v, cache, pos0, self.rope), p + "attn_output.weight")
 
     def route_logits(self, il: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

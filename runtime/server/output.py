@@ -1,10 +1,11 @@
 """Model text -> visible text, reasoning and tool calls, decided incrementally as tokens arrive.
 
 This module is what every tool-call syntax shares: text and reasoning spans, finding where a call
-opens, holding back text that may be a tag, streaming a call's values as JSON argument deltas,
-and giving a call that never completes back as text. Each syntax's own structure (Qwen XML,
+opens, holding back text that may be a tag, and giving a call that never completes back as text;
+reading a call's values and streaming them as JSON argument deltas is ``runtime.server.call_stream``'s
+``CallReader``, which ``OutputParser`` extends. Each syntax's own structure (Qwen XML,
 hermes JSON, Laguna) is one module of ``runtime.server.tool_parsers``, read through the
-``CallStream`` methods below; a JSON body inside ``<tool_call>`` is accepted in every syntax
+``CallStream`` methods (``call_stream``); a JSON body inside ``<tool_call>`` is accepted in every syntax
 (the Qwen models fall back to it).
 
 Values are raw text, so where a value ends is a choice. llama.cpp ends it at the first
@@ -23,49 +24,16 @@ before ``<tool_call>``, between calls) is dropped, as ollama and the templates' 
 """
 from __future__ import annotations
 
-import re
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
+from .output_events import Event, ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 from .tool_parsers import BY_SYNTAX, ToolSyntax, closed_reasoning, forced_prefix, tool_syntax_for
 from .tool_parsers.base import TOOL_OPEN as _TOOL_OPEN
+from .call_stream import Call, CallReader
 from .tool_parsers.hermes_json import JsonBody
-from .tool_parsers.matching import FAIL, FULL, Name, held, match, match_any
-from .tool_parsers.values import ANY, STRING, convert_value, json_text, tool_params
-
-@dataclass(frozen=True)
-class TextDelta:
-    text: str
-
-
-@dataclass(frozen=True)
-class ReasoningDelta:
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolCallStart:
-    index: int
-    id: str
-    name: str
-
-
-@dataclass(frozen=True)
-class ToolCallDelta:
-    """The next piece of the call's arguments as JSON text; the pieces of one call concatenate to
-    JSON that parses to its ``ToolCallEnd.arguments``."""
-    index: int
-    arguments: str
-
-
-@dataclass(frozen=True)
-class ToolCallEnd:
-    index: int
-    arguments: dict
-
-
-Event = TextDelta | ReasoningDelta | ToolCallStart | ToolCallDelta | ToolCallEnd
+from .tool_parsers.matching import FAIL, FULL, Name, held, match
+from .tool_parsers.values import convert_value
 
 
 def prompt_opens_reasoning(prompt_text: str) -> bool:
@@ -82,45 +50,26 @@ def _random_call_id() -> str:
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 
 
-@dataclass
-class _Call:
-    """The tool call being read: raw text kept so that a call that never completes becomes text."""
-    back: Callable[[bool], bool]         # the state the call interrupted (text or reasoning)
-    gap: str                             # whitespace dropped before <tool_call>, given back on failure
-    raw: list[str]                       # the call's text so far, from its opening tag
-    index: int | None = None             # set when ToolCallStart is out
-    name: str = ""
-    args: dict = field(default_factory=dict)
-    key: str = ""                        # the parameter being read
-    types: frozenset[str] = ANY
-    streams: bool = False                # this parameter's text goes out as it arrives
-    value: list[str] = field(default_factory=list)
-
-
-class OutputParser:
+class OutputParser(CallReader):
     """Feed the model's text as it is decoded; get events back. One parser per generation.
 
     While a call is read, the syntax's parser (``tool_parsers``) drives it through ``buf``,
-    ``state``, ``call`` and the methods under "the call stream" (``tool_parsers.CallStream``)."""
+    ``state``, ``call`` and the call-reading methods of ``call_stream.CallReader``
+    (``tool_parsers.base.CallStream``)."""
 
     def __init__(self, syntax: ToolSyntax, *, in_reasoning: bool, parse_tools: bool, prefix: str = "",
                  tools: list[dict] | None = None, new_id: Callable[[], str] = _random_call_id):
         """``tools`` (OpenAI function-tool form) give parameter types and the names a value may end
         before; ``new_id`` makes each call's id. ``prefix`` is parsed first, its events returned by
         the first ``feed``/``finish``."""
+        super().__init__(tools, new_id)
         self.syntax = syntax
         self._tool = BY_SYNTAX[syntax](self)
         self._parse_tools = parse_tools
-        self._tools = tool_params(tools)
         opener = self._tool.bare_opener
         self._bare = (opener, frozenset(self._tools)) if opener and parse_tools and self._tools else None
-        self._new_id = new_id
-        self.buf = ""
-        self._out: list[Event] = []
-        self._calls = 0
         self._lead = True               # drop the whitespace that opens a text or reasoning span
         self._think_tag = True          # a leading <think> opens (or, in reasoning, repeats) the reasoning
-        self.call: _Call | None = None
         self.state: Callable[[bool], bool] = self._reasoning if in_reasoning else self._text
         if prefix:
             self.buf = prefix
@@ -160,13 +109,6 @@ class OutputParser:
             else:
                 merged.append(e)
         return merged
-
-    def _emit(self, event: Event) -> None:
-        if isinstance(event, (TextDelta, ReasoningDelta)) and not event.text:
-            return
-        if isinstance(event, ToolCallDelta) and not event.arguments:
-            return
-        self._out.append(event)
 
     def _strip_lead(self) -> bool:
         """Drop the span's leading whitespace; False while nothing else has arrived."""
@@ -283,7 +225,7 @@ class OutputParser:
         body = before.rstrip()
         self._emit(kind(body))
         self.buf = self.buf[len(before) + len(tag):]
-        self.call = _Call(back=back, gap=before[len(body):], raw=[tag])
+        self.call = Call(back=back, gap=before[len(body):], raw=[tag])
         self.state = self._call_body if tag == _TOOL_OPEN else self._tool.after_bare_opener
 
     def _call_body(self, final: bool) -> bool:
@@ -305,26 +247,7 @@ class OutputParser:
         self.buf = ""
         self.fail()
 
-    # the call stream: what a syntax's parser reads and ends a call through ---------------------
-
-    def consume(self, n: int) -> str:
-        taken, self.buf = self.buf[:n], self.buf[n:]
-        if self.call is not None:
-            self.call.raw.append(taken)
-        return taken
-
-    def start_call(self) -> None:
-        call = self.call
-        if call.index is None:
-            call.index = self._calls
-            self._calls += 1
-            self._emit(ToolCallStart(call.index, self._new_id(), call.name))
-
-    def end_call(self) -> None:
-        call = self.call
-        self.start_call()
-        self._emit(ToolCallEnd(call.index, call.args))
-        self.call = None
+    def after_call(self) -> None:
         self.state, self._lead, self._think_tag = self._text, True, False
 
     def fail(self) -> None:
@@ -340,81 +263,6 @@ class OutputParser:
             self._emit(TextDelta(text))
             self.state = self._text
         self._lead = self._think_tag = False
-
-    def emit_arguments(self, text: str) -> None:
-        self._emit(ToolCallDelta(self.call.index, text))
-
-    def known_params(self) -> frozenset[str] | None:
-        params = self._tools.get(self.call.name)
-        return frozenset(params) if params else None
-
-    def begin_value(self, key: str) -> None:
-        call = self.call
-        params = self._tools.get(call.name)
-        call.key = key
-        call.types = params.get(key, STRING) if params else STRING
-        call.streams = call.types == STRING
-        call.value = []
-        if call.streams:
-            self.emit_arguments(("{" if not call.args else ", ") + json_text(key) + ': "')
-
-    def begin_call(self, end: int, name: str, first_key: str | None, then: Callable[[bool], bool]) -> None:
-        """The call's name (and its first parameter's key, if any) was read up to ``end``: the call
-        starts, then that parameter's value is read in ``then``, or the call ends (no parameters)."""
-        self.consume(end)
-        self.call.name = name
-        self.start_call()
-        if first_key is None:
-            self.end_tagged_call()
-        else:
-            self.begin_value(first_key)
-            self.state = then
-
-    def _value_text(self, text: str) -> None:
-        call = self.call
-        call.value.append(text)
-        if call.streams:
-            self.emit_arguments(json_text(text)[1:-1])
-
-    def _end_value(self) -> None:
-        call = self.call
-        raw = "".join(call.value)
-        if call.streams:
-            value, piece = raw, '"'
-        else:
-            value = convert_value(raw, call.types)
-            piece = ("{" if not call.args else ", ") + json_text(call.key) + ": " + json_text(value)
-        call.args[call.key] = value  # a repeated key: the last value wins, as json.loads does
-        self.emit_arguments(piece)
-
-    def read_value(self, ends: Callable[[], tuple[tuple, ...]], candidates: re.Pattern, next_key: set[int],
-                   then: Callable[[bool], bool]) -> bool:
-        """Move the value's text out of the buffer up to where the call's structure may resume
-        (``ends``, tried where ``candidates`` match); once it does, start the next parameter (the
-        alternatives in ``next_key``, continuing in ``then``) or end the call."""
-        buf = self.buf
-        alts = ends()
-        for m in candidates.finditer(buf):
-            status, which, end, names = match_any(buf, m.start(), alts)
-            if status == FAIL:
-                continue
-            self._value_text(self.consume(m.start()))
-            if status != FULL:
-                return False
-            self.consume(end - m.start())
-            self._end_value()
-            if which in next_key:
-                self.begin_value(names[0])
-                self.state = then
-            else:
-                self.end_tagged_call()
-            return True
-        self._value_text(self.consume(len(buf)))
-        return False
-
-    def end_tagged_call(self) -> None:
-        self.emit_arguments("}" if self.call.args else "{}")
-        self.end_call()
 
 
 __all__ = ["Event", "OutputParser", "ReasoningDelta", "TextDelta", "ToolCallDelta", "ToolCallEnd", "ToolCallStart",

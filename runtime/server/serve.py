@@ -10,6 +10,9 @@ the GPU and returns (exit 0).
 With the expert store the server learns its placement as it serves (``runtime.learning``): the
 engine thread saves the profile and moves experts between requests, and a ``--bootstrap`` replay
 runs before serving or in idle time (``runtime.server.bootstrap``).
+
+This module wires; what the server says while it starts and stops is worded in
+``runtime.run_report.ServerReport``, which it is handed (the CLI's prints to the terminal).
 """
 from __future__ import annotations
 
@@ -18,18 +21,16 @@ import logging
 import os
 import signal
 import socket
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import click
-
 from sparkpack.formats.errors import SparkpackError
 
 from ..options import LearningFlags, RunOptions, ServeOptions, open_model, open_session
+from ..run_report import ServerReport
 from .client_settings import client_settings
 from .engine import Engine, Job, own_sampler
 from .generation import Served
@@ -55,9 +56,9 @@ def model_name(path: Path) -> str:
 
 
 def build_served(model, opts: RunOptions, *, hooks: ServeHooks = ServeHooks(),
-                 stopping: Callable[[], bool] = lambda: False) -> Served:
+                 stopping: Callable[[], bool] = lambda: False, report: ServerReport = ServerReport()) -> Served:
     """The engine and everything routes need around a loaded model. ``stopping``: the server is
-    shutting down (a bootstrap before serving stops early)."""
+    shutting down (a bootstrap before serving stops early); ``report`` says what was set up."""
     from ..chat_template import ChatTemplate
     from ..learning import start_learning
     from ..routing_trace import attach_trace
@@ -74,26 +75,22 @@ def build_served(model, opts: RunOptions, *, hooks: ServeHooks = ServeHooks(),
     sessions = [open_session(model, opts.session, tok.control_ids, opts.draft) for _ in range(serve.parallel)]
     session = sessions[0]
     if model.device.type == "cuda":  # kernels compiled and graphs captured (each session's) before /health says ready
-        click.echo(f"sparkpack: warmed up in {sum(s.warm_up() for s in sessions):.2f} s", err=True)
+        report.warmed_up(sum(s.warm_up() for s in sessions))
     learning = (start_learning(model, opts.store.learn, opts.store.generated_weight) if opts.store is not None
                 else None)  # (after the warm-up: dummy tokens teach nothing)
     if trace is not None:
         trace.active = True
-        click.echo(f"sparkpack: recording every token's routing to {trace.path}", err=True)
+        report.tracing(trace.path)
     if learning is not None:
         start = model.start_profile
-        click.echo(f"sparkpack: learning the placement into {learning.file.path} "
-                   + ("(no profile yet: uniform placement)" if start.profile is None else
-                      f"({learning.learner.tokens_seen:.0f} tokens learned so far)"), err=True)
-        if not os.access(learning.file.path.parent, os.W_OK):
-            click.echo(f"warning: cannot write in {learning.file.path.parent}: what is learned is lost at exit "
-                       "(--profile PATH learns into a file elsewhere)", err=True)
+        report.learning(learning.file.path, None if start.profile is None else learning.learner.tokens_seen,
+                        os.access(learning.file.path.parent, os.W_OK))
         if start.profile is not None and learning.replace_all():  # a pack's placement moves to the profile's
-            click.echo(f"sparkpack: moved {learning.stats.experts_moved} experts to where the profile says", err=True)
+            report.moved_to_profile(learning.stats.experts_moved)
     metrics = ServerMetrics(model, learning.stats if learning is not None else None)
     metrics.draft = session.draft
     if learning is not None:
-        start_bootstrap(flags, learning, session, tok, template, metrics, stopping)
+        start_bootstrap(flags, learning, session, tok, template, metrics, stopping, report)
         metrics.forget_store_traffic()  # a bootstrap before serving is no served traffic
     on_job = metrics.observe_job
     if trace is not None:
@@ -101,12 +98,12 @@ def build_served(model, opts: RunOptions, *, hooks: ServeHooks = ServeHooks(),
             metrics.observe_job(job, outcome)  # (reads the store's counts: a deferred step's ids are written)
             trace.sync()
     engine: Engine
-    conversations = open_conversation_cache(session, serve)
+    conversations = open_conversation_cache(session, serve, report)
     metrics.conversations = conversations
     if serve.parallel > 1:
         from .parallel import BatchCollector
 
-        engine = parallel_engine(model, opts, serve, sessions, tok, on_job, learning, conversations, hooks)
+        engine = parallel_engine(model, opts, serve, sessions, tok, on_job, learning, conversations, hooks, report)
         metrics.registry.register(BatchCollector(engine))
     else:
         engine = Engine(session, tok.stop_ids, on_job=on_job, between=learning, conversations=conversations,
@@ -120,61 +117,42 @@ def build_served(model, opts: RunOptions, *, hooks: ServeHooks = ServeHooks(),
 
 
 def parallel_engine(model, opts: RunOptions, serve: ServeOptions, sessions, tok, on_job, learning, conversations,
-                    hooks: ServeHooks):
+                    hooks: ServeHooks, report: ServerReport):
     """``--parallel N``: N sessions, decoded together."""
+    from sparkpack.formats.memory import sequence_bytes
+
+    from ..options import StoreOptions
+    from ..residency import memory_target
     from .parallel import ParallelEngine
 
-    click.echo(f"sparkpack: up to {serve.parallel} requests decoded together (--parallel); "
-               f"{sequences_line(model, opts)}", err=True)
+    store = opts.store if opts.store is not None else StoreOptions()
+    target = memory_target(model.device, model.dtype, model.spec, store, opts.session)
+    report.parallel(serve.parallel, opts.session.ctx, *sequence_bytes(model.spec, target), model.device.type == "cuda")
     return ParallelEngine(sessions, tok.stop_ids, on_job=on_job, between=learning, conversations=conversations,
                           sampler=hooks.sampler or own_sampler, after_prefill=hooks.after_prefill)
 
 
-def sequences_line(model, opts: RunOptions) -> str:
-    """What ``--parallel`` sequences at ``--ctx`` take on the device (``formats.memory.sequence_bytes``,
-    what the ``--vram`` plan holds for them)."""
-    from sparkpack.formats.memory import sequence_bytes
-    from sparkpack.formats.units import fmt_size
-
-    from ..options import StoreOptions
-    from ..residency import memory_target
-
-    session = opts.session
-    store = opts.store if opts.store is not None else StoreOptions()
-    kv, state, graphs = sequence_bytes(model.spec, memory_target(model.device, model.dtype, model.spec, store, session))
-    line = f"their KV caches at --ctx {session.ctx} take {fmt_size(kv)}"
-    if state:
-        line += f", their recurrent states {fmt_size(state)}"
-    if graphs:
-        line += f", their captured prefill calls {fmt_size(graphs)}"
-    return line + (" on the GPU" if model.device.type == "cuda" else " in host memory")
-
-
-def open_conversation_cache(session, opts: ServeOptions):
+def open_conversation_cache(session, opts: ServeOptions, report: ServerReport):
     """The conversation cache ``--cache-ram`` and ``--cache-dir`` ask for (None when both are off),
-    with one line saying what it holds."""
+    reported with what it holds."""
     from ..conversation_cache import DEFAULT_CACHE_RAM, ConversationCache
     from ..options import default_cache_ram
 
     ram = opts.cache_ram if opts.cache_ram is not None else default_cache_ram(DEFAULT_CACHE_RAM)
     if ram == 0 and opts.cache_dir is None:
-        click.echo("sparkpack: conversation cache off: only the live conversation is resumed", err=True)
+        report.conversation_cache(0, 0, None, 0, opts.cache_ram is not None)
         return None
     try:
         cache = ConversationCache(session, ram, opts.cache_dir)
     except OSError as e:
         raise SparkpackError(opts.cache_dir, f"cannot use it as --cache-dir: {e.strerror or e}") from None
-    where = [f"{ram / 2**30:.2f} GiB of host RAM ({cache.reserved_bytes / 2**30:.2f} GiB taken now)"] if ram else []
-    if opts.cache_dir is not None:
-        disk = cache.tier_counts()["disk"][0]
-        where.append(f"{opts.cache_dir} ({disk} conversation states there)")
-    click.echo("sparkpack: conversation cache: " + " and ".join(where)
-               + ("" if opts.cache_ram is not None else " (--cache-ram sets it)"), err=True)
+    report.conversation_cache(ram, cache.reserved_bytes, opts.cache_dir, cache.tier_counts()["disk"][0],
+                              opts.cache_ram is not None)
     return cache
 
 
 def start_bootstrap(flags: LearningFlags, learning, session, tok, template, metrics,
-                    stopping: Callable[[], bool]) -> None:
+                    stopping: Callable[[], bool], report: ServerReport) -> None:
     """``--bootstrap``: replay past sessions now, or hand the replay to the engine's idle time;
     without it, one line when the coding agents' logs are there to learn from."""
     from sparkpack.calibrate.bootstrap import bootstrap_hint
@@ -185,23 +163,21 @@ def start_bootstrap(flags: LearningFlags, learning, session, tok, template, metr
     if flags.bootstrap is None:
         hint = bootstrap_hint()
         if hint is not None:
-            click.echo(f"sparkpack: {hint}", err=True)
+            report.bootstrap_hint(hint)
         return
     files = bootstrap_sources(flags.bootstrap, learning.file.path)
     renderer = ChatRenderer(tok, template.render if template is not None else None)
     selected = select(files, renderer, int(BOOTSTRAP_HALF_LIVES * learning.learner.half_life_tokens))
     if not selected.rendered:
-        click.echo(f"sparkpack: bootstrap: nothing to replay from {flags.bootstrap}"
-                   + (" (no coding agent sessions newer than the profile)" if flags.bootstrap == "auto" else ""), err=True)
+        report.bootstrap_nothing(flags.bootstrap, flags.bootstrap == "auto")
         return
     replay = BootstrapReplay(session, selected)
-    click.echo(f"sparkpack: bootstrap: replaying {len(selected.rendered)} conversations ({selected.tokens} tokens)"
-               + (" while idle" if flags.bootstrap_background else " before serving"), err=True)
+    report.bootstrap_replaying(len(selected.rendered), selected.tokens, flags.bootstrap_background)
 
     def finish() -> None:
         learning.replace_all()
         learning.save()
-        click.echo(f"sparkpack: {replay.summary()}", err=True)
+        report.summary(replay.summary())
 
     if not flags.bootstrap_background:
         replay.run(stopping)
@@ -234,7 +210,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run_server(opts: RunOptions, load: Callable[[], object], on_loaded: Callable[[object], None] | None = None,
-               hooks: ServeHooks = ServeHooks()) -> None:
+               hooks: ServeHooks = ServeHooks(), report: ServerReport = ServerReport()) -> None:
     """Serve until Ctrl-C/SIGTERM. ``load`` opens the model (in a thread, while /health says
     503); a load failure ends the server with that error."""
     import uvicorn
@@ -248,7 +224,7 @@ def run_server(opts: RunOptions, load: Callable[[], object], on_loaded: Callable
     shown = f"[{host}]" if ":" in host else host
     base = f"http://{shown}:{port}"
     app = create_app(serve)
-    click.echo(f"sparkpack: loading {opts.model_path} (listening on {base}, /health answers 503 until ready)", err=True)
+    report.loading(opts.model_path, base)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # stop generating now: streams end within a token
@@ -265,13 +241,13 @@ def run_server(opts: RunOptions, load: Callable[[], object], on_loaded: Callable
             model = load()
             if on_loaded is not None:
                 on_loaded(model)
-            app.state.served = build_served(model, opts, hooks=hooks, stopping=lambda: server.should_exit)
+            app.state.served = build_served(model, opts, hooks=hooks, stopping=lambda: server.should_exit,
+                                            report=report)
         except BaseException as e:  # reported by the main thread after the server stops
             failure.append(e)
             server.should_exit = True
             return
-        click.echo(client_settings(app.state.served.name, base, opts.session.ctx, serve.api_key))
-        sys.stdout.flush()
+        report.ready(client_settings(app.state.served.name, base, opts.session.ctx, serve.api_key))
 
     thread = threading.Thread(target=loader, name="sparkpack-load", daemon=True)
     thread.start()
@@ -288,7 +264,7 @@ def run_server(opts: RunOptions, load: Callable[[], object], on_loaded: Callable
         served, app.state.served = app.state.served, None
         if served is not None:
             served.engine.close()
-            finish_learning(served)
+            finish_learning(served, report)
             device = served.model.device
             del served
             release(device)
@@ -296,16 +272,16 @@ def run_server(opts: RunOptions, load: Callable[[], object], on_loaded: Callable
         raise failure[0]
 
 
-def finish_learning(served) -> None:
+def finish_learning(served, report: ServerReport) -> None:
     """At exit: the learned profile written (a second SIGTERM meanwhile is ignored: the write
     is atomic anyway, but it should land) and the trace sealed."""
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         if served.learning is not None:
             served.learning.close()
-            click.echo(f"sparkpack: {served.learning.summary()}", err=True)
+            report.summary(served.learning.summary())
         if served.trace is not None:
-            click.echo(f"sparkpack: trace {served.trace.close()} ({served.trace.tokens} tokens)", err=True)
+            report.trace_sealed(served.trace.close(), served.trace.tokens)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -321,7 +297,7 @@ def release(device) -> None:
         torch.cuda.empty_cache()
 
 
-def serve_from_cli(opts: RunOptions, hooks: ServeHooks = ServeHooks()) -> None:
+def serve_from_cli(opts: RunOptions, hooks: ServeHooks = ServeHooks(), report: ServerReport = ServerReport()) -> None:
     """spark-run's --serve branch: the run's sampling options become the requests' defaults, and
     --max-tokens (when given) the output cap of requests that set none."""
     opts.sampling.sampler(0)  # a bad setting is a one-line error now, not a 500 on every request
@@ -333,7 +309,7 @@ def serve_from_cli(opts: RunOptions, hooks: ServeHooks = ServeHooks()) -> None:
             report_residency(model)
 
     check_model_index(opts.model_path)
-    run_server(opts, lambda: open_model(opts), loaded, hooks)
+    run_server(opts, lambda: open_model(opts), loaded, hooks, report)
 
 
 def check_model_index(path: Path) -> None:

@@ -29,7 +29,7 @@ class CallStream(Protocol):
 
     buf: str              # the text not yet consumed
     state: State          # the next state to run
-    call: Any             # the call being read (``output._Call``): name, args
+    call: Any             # the call being read (``runtime.server.call_stream.Call``): name, args
 
     def consume(self, n: int) -> str: ...
     def start_call(self) -> None: ...
