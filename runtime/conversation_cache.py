@@ -13,7 +13,7 @@ session's call ends, so a resumed request gives a fresh run's bits.
   prefix: two turns of a conversation, two conversations with one system prompt) and its own
   part (recurrent states, windows). A part is in host memory (a slot of a ``SlotPool``: pinned
   slabs reused, their registration paid once) and/or in the folder (a file of its own).
-- After each request the live state at ``Session.exact`` becomes an entry: only the blocks no
+- After each request the live state at ``PrefixReuse.exact`` becomes an entry: only the blocks no
   entry holds yet are copied, on a side stream (on a GPU), off the next request's path; the next
   request waits for those copies only where it would overwrite rows they read (``prepare``). The
   same conversation's older entry that it extends is dropped (its blocks stay, shared).
@@ -84,9 +84,9 @@ def model_key(session: Session, block: int = BLOCK_TOKENS) -> str:
     model = session.model
     ident = identity_of(model.gguf)
     parts = {"model": ident.to_json(), "dtype": str(model.dtype), "device": model.device.type,
-             "q8": any(getattr(la, "q8", False) for la in session.cache.layers), "calls": session.call_tokens,
-             "chunk": session.prefill_chunk, "long_past": session.long_past, "padded": session.prefill is not None,
-             "breaks": sorted(session.breaks), "block": block}
+             "q8": any(getattr(la, "q8", False) for la in session.cache.layers), "calls": session.plan.call_tokens,
+             "chunk": session.plan.prefill_chunk, "long_past": session.plan.long_past, "padded": session.prefill is not None,
+             "breaks": sorted(session.plan.breaks), "block": block}
     h = new_hasher(PACK_ALGORITHM)
     h.update(json.dumps(parts, sort_keys=True).encode())
     return h.hexdigest()
