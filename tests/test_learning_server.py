@@ -77,7 +77,7 @@ def test_the_profile_always_loads_after_kill_9(model, tmp_path):
     prof = tmp_path / "m.profile.json"
     rng = np.random.default_rng(0)
     seen, torn, left = 0.0, 0, []
-    for i in range(12):
+    for i in range(30):  # until two kills landed in a write (where a kill lands is chance)
         server = ServerProcess(model, *STORE, "--profile-save-every", "0", hooks=tmp_path / "hooks", api_key=None)
         if left:  # the last kill interrupted a write: its temporary file is gone, and said so
             assert not any(t.exists() for t in left)
