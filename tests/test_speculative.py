@@ -136,8 +136,9 @@ class HiddenRecorder:
 
 def test_hidden_rows_are_the_main_models_output_normed_rows(synth_model):
     """A drafter that reads hidden states gets, over its ``propose`` calls, one row per kept
-    position in order (the prompt's first), each the main model's output-normed row there
-    (``forward_hidden``), and never a rejected row."""
+    position in order (the prompt's first), each the main model's output-normed row there (the
+    prompt's from its prefill call, ``forward_hidden``; a generated token's from its one-row
+    decode step, whose kernels differ from a prefill call's on a GPU), and never a rejected row."""
     model = load(synth_model("qwen35moe", "Q4_K_M", skew=1.0), None)
     plain = list(generate(model, None, PROMPT, None, 12, stop_ids=()))
     recorder = HiddenRecorder(known_continuation(PROMPT, plain))
@@ -146,7 +147,10 @@ def test_hidden_rows_are_the_main_models_output_normed_rows(synth_model):
     for n_tokens, n_rows in recorder.calls:  # the rows before the last picked token, all handed over
         assert n_rows == 0 or sum(c[1] for c in recorder.calls if c[0] <= n_tokens) == n_tokens - 1
     rows = torch.cat(recorder.rows)
-    _, want = model.forward_hidden(session.fed[:rows.shape[0]])
+    fed = session.fed[:rows.shape[0]]
+    cache = model.new_cache()
+    _, prompt_rows = model.forward_hidden(fed[:len(PROMPT)], cache)
+    want = torch.cat([prompt_rows] + [model.verify_rows([t], cache)[1] for t in fed[len(PROMPT):]])
     assert rows.shape == want.shape
     assert torch.allclose(rows.float(), want.float(), atol=1e-4, rtol=1e-4)
     # a next request keeping a prefix: the drafter is rewound to it and handed the rows after it
