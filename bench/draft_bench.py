@@ -107,16 +107,22 @@ def decode_rate(model, ids: list[int], ctx: int, n: int, drafter=None, max_k: in
     return n / dt, out, stats
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def draft_arguments(doc: str) -> argparse.ArgumentParser:
+    """The options this bench and ``mtp_bench.py`` share (model, residency, depth, lengths, output)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("model", type=Path)
     ap.add_argument("--vram", default="all", help="all, or a budget as spark-run --vram takes it")
     ap.add_argument("--depth", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--acceptance", type=float, nargs="+", default=[0.5, 0.7, 0.9])
     ap.add_argument("--draft-tokens", type=int, default=4)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run on a tiny model (no timing worth reading)")
+    return ap
+
+
+def main() -> None:
+    ap = draft_arguments(__doc__)
+    ap.add_argument("--acceptance", type=float, nargs="+", default=[0.5, 0.7, 0.9])
     args = ap.parse_args()
     ctx = args.depth + args.tokens + 64
     budget = {} if args.vram == "all" else {"vram": parse_size(args.vram)}

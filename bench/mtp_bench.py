@@ -19,7 +19,6 @@ Writes JSON to $OUT/mtp_bench_<vram>.json (or --json).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -30,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.draft_bench import decode_rate, prompt, timed, verify_cost  # noqa: E402
+from bench.draft_bench import decode_rate, draft_arguments, prompt, timed, verify_cost  # noqa: E402
 from sparkpack.formats.units import parse_size  # noqa: E402
 from sparkpack.runtime.generate import Session  # noqa: E402
 from sparkpack.runtime.models.mtp import MtpDrafter  # noqa: E402
@@ -65,15 +64,8 @@ def tokens_per_verify(a: float, k: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", type=Path)
-    ap.add_argument("--vram", default="all", help="all, or a budget as spark-run --vram takes it")
-    ap.add_argument("--depth", type=int, default=512)
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--draft-tokens", type=int, default=4)
+    ap = draft_arguments(__doc__)
     ap.add_argument("--reps", type=int, default=20, help="timed repetitions per figure")
-    ap.add_argument("--json", type=Path)
-    ap.add_argument("--device", default="cuda", help="cpu: a smoke run on a tiny model (no timing worth reading)")
     args = ap.parse_args()
     max_k = args.draft_tokens
     ctx = args.depth + args.tokens + 2 * (args.reps + 1) * max_k + 64

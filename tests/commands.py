@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from click.testing import CliRunner
 
@@ -47,3 +48,17 @@ def calibrate_in_process(*args: str) -> str:
     res = CliRunner().invoke(calibrate_cmd, [*map(str, args), "--quiet"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     return res.stdout  # (on a GPU, stderr also says where the experts sit and how long the warm-up took)
+
+
+def drafted_stats(base: list[str], drafter: str, k: int, stats: Path, monkeypatch, capsys) -> dict:
+    """``spark-run BASE`` and ``spark-run BASE --draft DRAFTER --draft-tokens K``: the drafted
+    reply must be the plain one; returns the drafted run's ``draft`` stats (``--stats-json``)."""
+    import json
+
+    code, plain, err = run_cli(base, monkeypatch, capsys)
+    assert code == 0, err
+    code, got, err = run_cli([*base, "--draft", drafter, "--draft-tokens", str(k), "--stats-json", str(stats)],
+                             monkeypatch, capsys)
+    assert code == 0, err
+    assert got == plain
+    return json.loads(stats.read_text())["draft"]

@@ -190,3 +190,18 @@ def streaming_clients(client, clients: int, requests: int, ask: Callable[[int, i
     if errors:
         raise errors[0]
     return results
+
+
+def replies_and_metrics(model: Path, option_sets: list[list[str]], ask: Callable[["ServerProcess"], str]
+                        ) -> tuple[list[str], str]:
+    """``ask(server)`` on a fresh ``spark-run --serve`` per set of options, in order: the replies,
+    and the last server's ``/metrics`` text."""
+    replies, metrics = [], ""
+    for args in option_sets:
+        server = ServerProcess(model, *args)
+        try:
+            replies.append(ask(server))
+            metrics = httpx.get(server.base + "/metrics").text
+        finally:
+            server.stop()
+    return replies, metrics

@@ -6,12 +6,10 @@ to an earlier turn, its drafts are those of the head run afresh over the sequenc
 where only a tie could make two summation orders pick different tokens."""
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -22,9 +20,9 @@ from sparkpack.runtime.generate import Session, generate
 from sparkpack.runtime.models import StoreOptions, load_model
 from sparkpack.runtime.models.mtp import MtpDrafter
 from sparkpack.runtime.speculative import Speculation
-from tests.commands import run_cli
+from tests.commands import drafted_stats
 from tests.marks import quick_first
-from tests.serve_proc import ServerProcess
+from tests.serve_proc import replies_and_metrics
 
 TINY = get_preset("qwen35moe", "tiny")
 K = 3
@@ -157,14 +155,7 @@ def test_spark_run_draft_mtp_gives_the_plain_reply(mtp_path, monkeypatch, capsys
     """``spark-run --draft mtp`` on a file with the head prints the plain greedy reply, and its
     stats report the head's drafting."""
     base = [str(mtp_path), "--raw", "-p", PROMPT_TEXT, "--temperature", "0", "--max-tokens", "10", *residency]
-    code, plain, err = run_cli(base, monkeypatch, capsys)
-    assert code == 0, err
-    stats = tmp_path / "stats.json"
-    code, got, err = run_cli([*base, "--draft", "mtp", "--draft-tokens", "2", "--stats-json", str(stats)],
-                             monkeypatch, capsys)
-    assert code == 0, err
-    assert got == plain
-    draft = json.loads(stats.read_text())["draft"]
+    draft = drafted_stats(base, "mtp", 2, tmp_path / "stats.json", monkeypatch, capsys)
     assert draft["drafter"] == "mtp" and draft["verify_steps"] > 0 and draft["drafted"] > 0
 
 
@@ -172,15 +163,8 @@ def test_spark_run_draft_mtp_gives_the_plain_reply(mtp_path, monkeypatch, capsys
 def test_server_draft_mtp_gives_the_plain_reply(mtp_path) -> None:
     """Through a real server and the official OpenAI client: ``--draft mtp`` answers with the plain
     server's greedy reply, and ``/metrics`` counts its verify steps."""
-    replies = []
-    for args in ([], ["--draft", "mtp", "--draft-tokens", "2"]):
-        server = ServerProcess(mtp_path, *args)
-        try:
-            r = server.openai().completions.create(model="x", prompt=PROMPT_TEXT, max_tokens=10, temperature=0)
-            replies.append(r.choices[0].text)
-            metrics = httpx.get(server.base + "/metrics").text
-        finally:
-            server.stop()
+    replies, metrics = replies_and_metrics(mtp_path, [[], ["--draft", "mtp", "--draft-tokens", "2"]], lambda s: s.openai(
+        ).completions.create(model="x", prompt=PROMPT_TEXT, max_tokens=10, temperature=0).choices[0].text)
     assert replies[0] == replies[1]
     steps = re.search(r"^sparkpack_draft_verify_steps_total (\S+)$", metrics, re.M)
     assert steps and float(steps.group(1)) > 0

@@ -6,11 +6,9 @@ sampled drafts keep the sampled distribution; the drafter protocol's hidden rows
 model's. ``SPARKPACK_TEST_DEVICE=cuda`` runs them on a GPU, verify steps captured."""
 from __future__ import annotations
 
-import json
 import os
 import re
 
-import httpx
 import pytest
 import torch
 
@@ -20,9 +18,9 @@ from sparkpack.runtime.generate import Session, generate
 from sparkpack.runtime.models import StoreOptions, load_model
 from sparkpack.runtime.sampling import Sampler
 from sparkpack.runtime.speculative import Speculation
-from tests.commands import run_cli
+from tests.commands import drafted_stats, run_cli
 from tests.marks import quick_first
-from tests.serve_proc import ServerProcess
+from tests.serve_proc import replies_and_metrics
 
 DEVICE = os.environ.get("SPARKPACK_TEST_DEVICE", "cpu")
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -207,14 +205,7 @@ def test_spark_run_draft_gives_the_plain_reply(chat_model, monkeypatch, capsys, 
     """``spark-run --draft ngram`` (and a forced draft length) prints the plain greedy reply, and its
     stats report the drafting."""
     base = [str(chat_model), "--raw", "-p", echo_prompt(), "--temperature", "0", "--max-tokens", "24", *residency]
-    code, plain, err = run_cli(base, monkeypatch, capsys)
-    assert code == 0, err
-    stats = tmp_path / "stats.json"
-    code, got, err = run_cli([*base, "--draft", "ngram", "--draft-tokens", "3", "--stats-json", str(stats)],
-                             monkeypatch, capsys)
-    assert code == 0, err
-    assert got == plain
-    draft = json.loads(stats.read_text())["draft"]
+    draft = drafted_stats(base, "ngram", 3, tmp_path / "stats.json", monkeypatch, capsys)
     assert draft["drafter"] == "ngram" and draft["verify_steps"] > 0 and 1 <= draft["k"] <= 3
     assert draft["drafted"] >= draft["accepted"] >= 0
 
@@ -238,15 +229,8 @@ def test_server_draft_gives_the_plain_reply_and_metrics(chat_model, residency):
     """Through a real server and the official OpenAI client: ``--draft ngram`` answers with the
     plain server's greedy reply, and ``/metrics`` counts the drafting."""
     messages = [{"role": "user", "content": echo_prompt()}]
-    replies = []
-    for args in ([], ["--draft", "ngram"]):
-        server = ServerProcess(chat_model, *residency, *args)
-        try:
-            r = server.openai().chat.completions.create(model="x", messages=messages, max_tokens=24, temperature=0)
-            replies.append(r.choices[0].message.content)
-            metrics = httpx.get(server.base + "/metrics").text
-        finally:
-            server.stop()
+    replies, metrics = replies_and_metrics(chat_model, [[*residency], [*residency, "--draft", "ngram"]], lambda s: s.openai(
+        ).chat.completions.create(model="x", messages=messages, max_tokens=24, temperature=0).choices[0].message.content)
     assert replies[0] == replies[1]
     steps = re.search(r"^sparkpack_draft_verify_steps_total (\S+)$", metrics, re.M)
     assert steps and float(steps.group(1)) > 0
