@@ -203,3 +203,25 @@ def test_eviction_keeps_the_blocks_other_entries_share(synth_model, tmp_path, ca
         for ids in (a, b, c):
             again.ask(ids + ids_of(len(ids), 20) + ids_of(9, 5))
     assert caplog.text.count("another model") == 1 and str(part) in caplog.text
+
+
+def test_the_folder_is_written_only_while_no_request_computes(synth_model, tmp_path):
+    """A kept state's files wait while another request computes (``quiet``: an agent's next
+    request comes right after the last reply, and the writes used to run beside it), and are
+    written once none does; ``close`` writes what is queued."""
+    import time
+
+    model = load_model(synth_model("qwen3moe", "Q8_0"))
+    session = new_session(model)
+    cache = ConversationCache(session, 1 << 30, tmp_path, block=BLOCK)
+    ids = system(1, 100) + ids_of(2, 20)
+    cache.prepare(ids)  # a second request in flight (``--parallel``): it has not ended yet
+    resume = cache.prepare(ids)
+    session.prompt(ids, marks=resume.marks)
+    cache.after_prompt(ids, resume)
+    cache.request_ended(keep=True)  # its state kept and queued; the other request still computes
+    time.sleep(0.5)  # (long enough for the writer to write a tiny model's files, were it free to)
+    assert not list(tmp_path.glob("*" + SUFFIX))
+    cache.request_ended(keep=False)
+    cache.close()
+    assert len(list(tmp_path.glob("*" + SUFFIX))) == 1
