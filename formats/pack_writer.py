@@ -136,8 +136,8 @@ def write_pack(model: GGUFModel, spec: ModelSpec, out: Path, hot: np.ndarray, *,
     tmp = temp_name(out)
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
+    try:  # the mkdir too: a signal handled as it returns would leave the folder behind
+        tmp.mkdir()
         manifest = _write_contents(model, spec, tmp, hot, compress, plan_info or {}, progress, jobs)
         (tmp / MANIFEST).write_bytes(manifest_bytes(manifest, PACK_ALGORITHM))
         _sync_dir_tree(tmp)
