@@ -116,6 +116,7 @@ class Request:
     seconds: float
     prompt_tokens: int | None
     cached_tokens: int | None
+    split: dict | None = None  # sparkpack's ``timings.split_*``: where the server spent the request's time
 
 
 def ask(base: str, messages: list[dict], name: str) -> Request:
@@ -128,10 +129,12 @@ def ask(base: str, messages: list[dict], name: str) -> Request:
     r = client.chat.completions.create(model="bench", messages=messages, max_tokens=1, temperature=0)
     dt = time.perf_counter() - t0
     details = r.usage.prompt_tokens_details if r.usage else None
+    timings = (r.model_extra or {}).get("timings") or {}
     cached = getattr(details, "cached_tokens", None)
     if cached is None:
-        cached = ((r.model_extra or {}).get("timings") or {}).get("cache_n")
-    return Request(name, dt, r.usage.prompt_tokens if r.usage else None, cached)
+        cached = timings.get("cache_n")
+    split = {k.removeprefix("split_"): v for k, v in timings.items() if k.startswith("split_")} or None
+    return Request(name, dt, r.usage.prompt_tokens if r.usage else None, cached, split)
 
 
 def rss(pid: int) -> int | None:
@@ -216,6 +219,34 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+SPLIT_COLUMNS = [("queue_ms", "queue"), ("resume_ms", "resume"), ("prompt_ms", "prompt"),
+                 ("first_token_ms", "first token"), ("rest_ms", "rest")]
+
+
+def split_markdown(result: dict) -> str:
+    """Where each sparkpack request's time went, in ms (the server's ``timings.split_*``): the
+    queue (the previous request's after-work included), the cache's resume, ``Session.prompt``
+    (its calls and the device's wait), the first token and the rest; ``outside`` is the client's
+    wall time less all of those (HTTP, the template, tokenizing); ``beside`` the seconds the
+    cache's writer and reserve worked meanwhile; whether the previous request's state was still
+    being copied out when it began; the device allocator's cudaMallocs and retries."""
+    s = result["sparkpack"]
+    rows = [(r["name"], r) for r in s["requests"]] + ([("A6 (restarted)", s["restart"])] if s.get("restart") else [])
+    head = ["request", "client"] + [label for _, label in SPLIT_COLUMNS] + ["outside", "beside", "copies running",
+                                                                             "allocs / retries"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for name, r in rows:
+        sp = r.get("split")
+        if not sp:
+            continue
+        inside = sum(sp.get(k, 0.0) for k, _ in SPLIT_COLUMNS)
+        cells = [name, f"{r['seconds'] * 1e3:.1f}"] + [f"{sp.get(k, 0.0):.1f}" for k, _ in SPLIT_COLUMNS]
+        cells += [f"{r['seconds'] * 1e3 - inside:.1f}", f"{sp.get('background_ms', 0.0):.1f}",
+                  "yes" if sp.get("copies_running") else "no", f"{sp.get('device_allocs', 0)} / {sp.get('alloc_retries', 0)}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
@@ -247,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["llama"] = run_sequence(server, convs, restart=False, pause=args.pause)
     else:
         log("(no llama-server binary: its column is left out; bash bench/llama_bench.sh --build-only builds one)")
-    sb.write_results(args.out, "conversations_bench", result, markdown(result))
+    sb.write_results(args.out, "conversations_bench", result, markdown(result) + "\n\n" + split_markdown(result))
     return result
 
 

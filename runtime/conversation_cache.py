@@ -158,6 +158,15 @@ class ConversationCache:
         disk_bytes = sum(p.file_bytes for p in parts if p.on_disk)
         return {"host": (sum(e.in_host for e in entries), host), "disk": (len(disk), disk_bytes)}
 
+    def background_seconds(self) -> float:
+        """Seconds the writer and the reserve's thread have worked so far (a request's split reads
+        what ran beside it: ``runtime.server.request_split``)."""
+        return self.host.activity.seconds() + (self.disk.activity.seconds() if self.disk is not None else 0.0)
+
+    def copies_running(self) -> bool:
+        """Whether the last copies out of the device (the previous request's state) still run."""
+        return self._pending is not None and self._pending[0] is not None and not self._pending[0].query()
+
     # -- a request ------------------------------------------------------------------------------
     def prepare(self, ids: list[int], session: Session | None = None) -> Resume:
         """Before ``Session.prompt(ids)``: resume the session from the entry that keeps the most
