@@ -99,7 +99,7 @@ class BetweenRequests(Protocol):
     ``busy()`` says whether a request is waiting: long work checks it and yields."""
 
     def after_request(self, busy: Callable[[], bool]) -> None:
-        """After each request (one short step even when another is waiting)."""
+        """After each request (what must not wait; work that may, when none is waiting)."""
 
     def idle(self, busy: Callable[[], bool]) -> bool:
         """When the queue is empty; returns whether work is left (it is called again)."""
@@ -219,7 +219,7 @@ class Engine:
         session = self.session
         timing = session.timing
         prefill0, decode0 = timing.prefill_seconds, timing.decode_seconds
-        clock = SplitClock(self.conversations, session.model.device, job.arrived)
+        clock = SplitClock(self.conversations, session.model.store, session.model.device, job.arrived)
         resume = self.conversations.prepare(job.ids) if self.conversations is not None else None
         clock.mark("resume")
         logits = session.prompt(job.ids, marks=resume.marks if resume is not None else frozenset())
