@@ -26,7 +26,13 @@ same-conversation turn); B1 computes only what follows the shared system prompt;
 restart under 1 s; the server's RSS within ``--cache-ram`` plus the expert pool (its
 ``sparkpack_conversation_cache_bytes`` are reported beside the RSS).
 
-Writes ``conversations_bench.json`` and ``.md`` to ``--out`` and prints the table. ``--device
+A second table splits each sparkpack request's time as its server saw it (``timings.split_*``:
+``runtime.server.request_split``): the queue, the cache's resume, the prompt's calls, the first
+token, what the cache's threads did beside it, whether the previous turn's copies out were still
+running, the allocator's cudaMallocs and retries, Triton compiles; run with
+``--spark-arg=--parallel=1`` (one session: the server the split is measured in).
+
+Writes ``conversations_bench.json`` and ``.md`` to ``--out`` and prints the tables. ``--device
 cpu`` with small token counts runs the whole path on a tiny model (tests/test_serve_bench.py).
 """
 from __future__ import annotations
@@ -229,11 +235,13 @@ def split_markdown(result: dict) -> str:
     (its calls and the device's wait), the first token and the rest; ``outside`` is the client's
     wall time less all of those (HTTP, the template, tokenizing); ``beside`` the seconds the
     cache's writer and reserve worked meanwhile; whether the previous request's state was still
-    being copied out when it began; the device allocator's cudaMallocs and retries."""
+    being copied out when it began; the device allocator's cudaMallocs and retries; the Triton
+    kernels compiled on its path (their names in the JSON); the expert bytes it streamed."""
     s = result["sparkpack"]
     rows = [(r["name"], r) for r in s["requests"]] + ([("A6 (restarted)", s["restart"])] if s.get("restart") else [])
     head = ["request", "client"] + [label for _, label in SPLIT_COLUMNS] + ["outside", "beside", "copies running",
-                                                                             "allocs / retries"]
+                                                                             "allocs / retries", "compiled",
+                                                                             "streamed MB"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name, r in rows:
         sp = r.get("split")
@@ -242,7 +250,8 @@ def split_markdown(result: dict) -> str:
         inside = sum(sp.get(k, 0.0) for k, _ in SPLIT_COLUMNS)
         cells = [name, f"{r['seconds'] * 1e3:.1f}"] + [f"{sp.get(k, 0.0):.1f}" for k, _ in SPLIT_COLUMNS]
         cells += [f"{r['seconds'] * 1e3 - inside:.1f}", f"{sp.get('background_ms', 0.0):.1f}",
-                  "yes" if sp.get("copies_running") else "no", f"{sp.get('device_allocs', 0)} / {sp.get('alloc_retries', 0)}"]
+                  "yes" if sp.get("copies_running") else "no", f"{sp.get('device_allocs', 0)} / {sp.get('alloc_retries', 0)}",
+                  str(len(sp.get("compiled") or [])), f"{sp.get('streamed_bytes', 0) / 1e6:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

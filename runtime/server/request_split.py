@@ -9,8 +9,9 @@ beside llama-server's), and ``bench/conversations_bench.py`` prints it per turn.
 """
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 import torch
@@ -35,6 +36,8 @@ class RequestSplit:
     copies_running: bool = False  # the previous request's state was still being copied out when it began
     device_allocs: int = 0  # device allocations torch's allocator made (cudaMalloc) while it computed
     alloc_retries: int = 0  # allocations that had to free the allocator's cached blocks and retry
+    streamed_bytes: int = 0  # expert bytes the store moved host to device for it (copies, staging, zero-copy)
+    compiled: list[str] = field(default_factory=list)  # Triton kernels compiled (or loaded) on its path
 
     def timings(self) -> dict:
         """The ``split_*`` keys of a response's ``timings`` (milliseconds, counts, a flag)."""
@@ -47,18 +50,47 @@ class RequestSplit:
         return out
 
 
+class Compiles:
+    """The Triton kernels this process compiled (or loaded from Triton's disk cache), by name,
+    seen through Triton's compile hook when no one else holds it. Why: the warm-up runs every
+    call shape so that no request compiles one; a shape it missed costs the request that meets
+    it first (which the next ones then do not pay)."""
+
+    names: list[str] = []
+    _lock = threading.Lock()
+    _on = False
+
+    @classmethod
+    def watch(cls) -> None:
+        from triton import knobs
+
+        with cls._lock:
+            if not cls._on and knobs.runtime.jit_cache_hook is None:
+                knobs.runtime.jit_cache_hook = cls._seen
+                cls._on = True
+
+    @classmethod
+    def _seen(cls, *, fn, **_) -> None:
+        cls.names.append(fn.name)  # None: Triton compiles it
+
+
 class SplitClock:
     """Times one request's phases in the engine thread: ``mark(phase)`` ends a phase (the time
     since the last mark goes to ``RequestSplit.<phase>_seconds``), ``end`` adds what ran beside."""
 
-    def __init__(self, background: Background | None, device: torch.device, arrived: float):
+    def __init__(self, background: Background | None, store, device: torch.device, arrived: float):
         self.split = RequestSplit()
+        self.store = store  # the model's expert store (None: none)
         self.background = background
         self.device, self.cuda = device, device.type == "cuda"
         self._bg0 = background.background_seconds() if background is not None else 0.0
         if background is not None:
             self.split.copies_running = background.copies_running()
         self._mem0 = self._allocs()
+        if self.cuda:
+            Compiles.watch()
+        self._compiled0 = len(Compiles.names)
+        self._streamed0 = self._streamed()
         self._last = time.perf_counter()
         self.split.queue_seconds = self._last - arrived
 
@@ -67,6 +99,9 @@ class SplitClock:
             return 0, 0
         stats = torch.cuda.memory_stats(self.device)
         return stats.get("num_device_alloc", 0), stats.get("num_alloc_retries", 0)
+
+    def _streamed(self) -> int:
+        return self.store.stats.bytes_streamed if self.store is not None else 0
 
     def mark(self, phase: str) -> None:
         now = time.perf_counter()
@@ -79,4 +114,6 @@ class SplitClock:
             self.split.background_seconds = self.background.background_seconds() - self._bg0
         allocs, retries = self._allocs()
         self.split.device_allocs, self.split.alloc_retries = allocs - self._mem0[0], retries - self._mem0[1]
+        self.split.compiled = Compiles.names[self._compiled0:]
+        self.split.streamed_bytes = self._streamed() - self._streamed0
         return self.split
