@@ -18,7 +18,18 @@ import torch
 from sparkpack.runtime import conversation_cache as cc
 from sparkpack.runtime.conversation_cache import ConversationCache
 from sparkpack.runtime.conversation_host import Activity
-from tests.test_conversation_cache import BLOCK, BREAK, ids_of, new_session, system
+from sparkpack.runtime.generate import Session
+
+BLOCK = 32  # positions per block (tiny prompts would fit in one of the server's)
+BREAK = 5  # a stand-in for the chat template's control tokens (calls end before them)
+
+
+def new_session(model) -> Session:
+    return Session(model, prefill_chunk=16, ctx=2048, breaks=frozenset({BREAK}))
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(10, 1700, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.fixture(autouse=True)
@@ -31,8 +42,8 @@ def _one_thread():
 
 def turns() -> tuple[list[int], list[int]]:
     """A long first turn and the next turn of its conversation (the reply, a new user message)."""
-    first = system(1, 300) + ids_of(2, 200)
-    return first, first + ids_of(3, 2) + [BREAK] + ids_of(4, 30)
+    first = [BREAK] + tokens(1, 300) + [BREAK] + tokens(2, 200)  # a system message, then the user's
+    return first, first + tokens(3, 2) + [BREAK] + tokens(4, 30)
 
 
 def request(cache: ConversationCache, ids: list[int]):
@@ -108,19 +119,27 @@ def test_on_the_gpu_the_next_turn_waits_for_the_copies_out_on_the_device_only(sy
 
     model = open_model(synth_model("qwen35moe", "Q4_K_M"), "cuda")
     cache = ConversationCache(new_session(model), 1 << 30, block=BLOCK)
-    real = cc.copy_blocks_out
+    real, record = cc.copy_blocks_out, cache.copier.event
+    events = []
 
-    def slow(*args):
-        torch.cuda._sleep(2_000_000_000)  # (on the side stream: the copies start after it)
+    def slow(*args):  # (on the side stream: the copies start after a second or so of products)
+        x = torch.ones(8192, 8192, device="cuda")
+        for _ in range(40):
+            x @ x
         real(*args)
 
+    def event():
+        events.append(record())
+        return events[-1]
+
     monkeypatch.setattr(cc, "copy_blocks_out", slow)
+    monkeypatch.setattr(cache.copier, "event", event)
     first, second = turns()
     request(cache, first)
     torch.cuda.synchronize()
     cache.request_ended(keep=True)
     assert cache.copies_running()
-    pending = cache._pending
+    pending = events[-1]
     resume = cache.prepare(second)
     assert resume.entry is None and not pending.query()  # the live state; the host did not wait
     assert not torch.cuda.current_stream().query()  # the device's next work waits for the copies
