@@ -26,7 +26,13 @@ same-conversation turn); B1 computes only what follows the shared system prompt;
 restart under 1 s; the server's RSS within ``--cache-ram`` plus the expert pool (its
 ``sparkpack_conversation_cache_bytes`` are reported beside the RSS).
 
-Writes ``conversations_bench.json`` and ``.md`` to ``--out`` and prints the table. ``--device
+A second table splits each sparkpack request's time as its server saw it (``timings.split_*``:
+``runtime.server.request_split``): the queue, the cache's resume, the prompt's calls, the first
+token, what the cache's threads did beside it, whether the previous turn's copies out were still
+running, the allocator's cudaMallocs and retries, Triton compiles; run with
+``--spark-arg=--parallel=1`` (one session: the server the split is measured in).
+
+Writes ``conversations_bench.json`` and ``.md`` to ``--out`` and prints the tables. ``--device
 cpu`` with small token counts runs the whole path on a tiny model (tests/test_serve_bench.py).
 """
 from __future__ import annotations
@@ -116,6 +122,7 @@ class Request:
     seconds: float
     prompt_tokens: int | None
     cached_tokens: int | None
+    split: dict | None = None  # sparkpack's ``timings.split_*``: where the server spent the request's time
 
 
 def ask(base: str, messages: list[dict], name: str) -> Request:
@@ -128,10 +135,12 @@ def ask(base: str, messages: list[dict], name: str) -> Request:
     r = client.chat.completions.create(model="bench", messages=messages, max_tokens=1, temperature=0)
     dt = time.perf_counter() - t0
     details = r.usage.prompt_tokens_details if r.usage else None
+    timings = (r.model_extra or {}).get("timings") or {}
     cached = getattr(details, "cached_tokens", None)
     if cached is None:
-        cached = ((r.model_extra or {}).get("timings") or {}).get("cache_n")
-    return Request(name, dt, r.usage.prompt_tokens if r.usage else None, cached)
+        cached = timings.get("cache_n")
+    split = {k.removeprefix("split_"): v for k, v in timings.items() if k.startswith("split_")} or None
+    return Request(name, dt, r.usage.prompt_tokens if r.usage else None, cached, split)
 
 
 def rss(pid: int) -> int | None:
@@ -216,6 +225,37 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+SPLIT_COLUMNS = [("queue_ms", "queue"), ("resume_ms", "resume"), ("prompt_ms", "prompt"),
+                 ("first_token_ms", "first token"), ("rest_ms", "rest")]
+
+
+def split_markdown(result: dict) -> str:
+    """Where each sparkpack request's time went, in ms (the server's ``timings.split_*``): the
+    queue (the previous request's after-work included), the cache's resume, ``Session.prompt``
+    (its calls and the device's wait), the first token and the rest; ``outside`` is the client's
+    wall time less all of those (HTTP, the template, tokenizing); ``beside`` the seconds the
+    cache's writer and reserve worked meanwhile; whether the previous request's state was still
+    being copied out when it began; the device allocator's cudaMallocs and retries; the Triton
+    kernels compiled on its path (their names in the JSON); the expert bytes it streamed."""
+    s = result["sparkpack"]
+    rows = [(r["name"], r) for r in s["requests"]] + ([("A6 (restarted)", s["restart"])] if s.get("restart") else [])
+    head = ["request", "client"] + [label for _, label in SPLIT_COLUMNS] + ["outside", "beside", "copies running",
+                                                                             "allocs / retries", "compiled",
+                                                                             "streamed MB"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for name, r in rows:
+        sp = r.get("split")
+        if not sp:
+            continue
+        inside = sum(sp.get(k, 0.0) for k, _ in SPLIT_COLUMNS)
+        cells = [name, f"{r['seconds'] * 1e3:.1f}"] + [f"{sp.get(k, 0.0):.1f}" for k, _ in SPLIT_COLUMNS]
+        cells += [f"{r['seconds'] * 1e3 - inside:.1f}", f"{sp.get('background_ms', 0.0):.1f}",
+                  "yes" if sp.get("copies_running") else "no", f"{sp.get('device_allocs', 0)} / {sp.get('alloc_retries', 0)}",
+                  str(len(sp.get("compiled") or [])), f"{sp.get('streamed_bytes', 0) / 1e6:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
@@ -247,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["llama"] = run_sequence(server, convs, restart=False, pause=args.pause)
     else:
         log("(no llama-server binary: its column is left out; bash bench/llama_bench.sh --build-only builds one)")
-    sb.write_results(args.out, "conversations_bench", result, markdown(result))
+    sb.write_results(args.out, "conversations_bench", result, markdown(result) + "\n\n" + split_markdown(result))
     return result
 
 

@@ -14,9 +14,9 @@ session's call ends, so a resumed request gives a fresh run's bits.
   part (recurrent states, windows). A part is in host memory (a slot of a ``SlotPool``: pinned
   slabs reused, their registration paid once) and/or in the folder (a file of its own).
 - After each request the live state at ``PrefixReuse.exact`` becomes an entry: only the blocks no
-  entry holds yet are copied, on a side stream (on a GPU), off the next request's path; the next
-  request waits for those copies only where it would overwrite rows they read (``prepare``). The
-  same conversation's older entry that it extends is dropped (its blocks stay, shared).
+  entry holds yet are copied, on a side stream (on a GPU), while the reply goes out; the next
+  request's device work is queued after them (``prepare``), never beside them. The same
+  conversation's older entry that it extends is dropped (its blocks stay, shared).
 - Lookup: the entry sharing the longest prefix with a request that ends a call of the request's
   own schedule (``Session.cuts_of``): its end for DeltaNet and sliding-window models, any cut
   within it for full-attention models (their rows are a prefix). It wins over the live sequence
@@ -123,7 +123,7 @@ class ConversationCache:
         self.host = HostTier(self.index, session, ram_bytes, block, spills=folder is not None, quiet=self.quiet)
         self.disk: FolderTier | None = FolderTier(self.index, self.host, self.key, folder, self.quiet) \
             if folder is not None else None
-        self._pending: tuple[object, int, bool] | None = None  # the last copies out: event, rows, from a ring
+        self._pending = None  # the event of the last copies out of the device (None: none, or on the CPU)
         self.host.open()
 
     @property
@@ -158,16 +158,29 @@ class ConversationCache:
         disk_bytes = sum(p.file_bytes for p in parts if p.on_disk)
         return {"host": (sum(e.in_host for e in entries), host), "disk": (len(disk), disk_bytes)}
 
+    def background_seconds(self) -> float:
+        """Seconds the writer and the reserve's thread have worked so far (a request's split reads
+        what ran beside it: ``runtime.server.request_split``)."""
+        return self.host.activity.seconds() + (self.disk.activity.seconds() if self.disk is not None else 0.0)
+
+    def copies_running(self) -> bool:
+        """Whether the last copies out of the device (the previous request's state) still run."""
+        return self._pending is not None and not self._pending.query()
+
     # -- a request ------------------------------------------------------------------------------
     def prepare(self, ids: list[int], session: Session | None = None) -> Resume:
         """Before ``Session.prompt(ids)``: resume the session from the entry that keeps the most
         of ``ids`` if that is more than the live sequence keeps; say which positions to mark. The
-        copies out of the last request's rows are waited for (on the device) only where this
-        request overwrites them."""
+        request's device work is queued after the copies out of the last request's state (the
+        host does not wait), also where it overwrites none of the rows they read: run beside a
+        request, a 40k-token state's copies out and the request slowed each other down, the
+        turn right after a long one taking 2x a plain turn on the GPU (issue 42), where alone
+        they end before the next request arrives."""
         with self.index.lock:
             self._computing += 1
             self.quiet.clear()
         session = session if session is not None else self.session
+        self._order_after_copies()
         cuts = set(session.cuts_of(ids))
         live = session.reusable(ids)
         best, keep = self._best(ids, cuts, live)
@@ -176,7 +189,6 @@ class ConversationCache:
             t0, tier = time.perf_counter(), best.tier
             state = self._load(best)
             if state is not None:
-                self._order_after_copies()
                 session.resume(state.cut(keep) if keep < best.pos else state)
                 if self.ram_bytes == 0:  # no host tier: the slots go once the copies to the device are queued
                     self.host.leave(best)
@@ -185,10 +197,6 @@ class ConversationCache:
                 resume = Resume(best, tier)
             else:
                 keep = live = session.reusable(ids)
-        if resume.entry is None and self._pending is not None:
-            _, rows, ring = self._pending
-            if ring or live < rows:
-                self._order_after_copies()
         if not self.truncatable:
             resume.marks = self._marks(ids, sorted(cuts), keep, session)
         return resume
@@ -211,11 +219,9 @@ class ConversationCache:
         return best, keep
 
     def _order_after_copies(self) -> None:
-        """The device's next work after the copies out of its rows (the host does not wait)."""
+        """The device's next work after the last copies out of its rows (the host does not wait)."""
         if self._pending is not None:
-            event = self._pending[0]
-            if event is not None:
-                torch.cuda.current_stream(self.session.model.device).wait_event(event)
+            torch.cuda.current_stream(self.session.model.device).wait_event(self._pending)
             self._pending = None
 
     def after_prompt(self, ids: list[int], resume: Resume, session: Session | None = None) -> None:
@@ -287,16 +293,14 @@ class ConversationCache:
                 self.host.release(want)
                 self.index.stats.evictions += 1
                 return False
-            if self._pending is not None and self._pending[0] is not None:
-                self._pending[0].synchronize()  # (slots written below on the host may still be read)
+            if self._pending is not None:
+                self._pending.synchronize()  # (slots written below on the host may still be read)
             with self.copier.side():
                 copy_blocks_out(session.cache, pools, [(need[k], s) for k, s in enumerate(slots)], pos)
                 if own_need:
                     take_own(session.cache, pools, own_slot[0], pos, saved)
                 event = self.copier.event()
-            ring = saved is None and session.cache.windowed
-            self._pending = (event, max(pos, self._pending[1] if self._pending else 0),
-                             ring or bool(self._pending and self._pending[2]))
+            self._pending = event
             for k, s in enumerate(slots):
                 p = self.index.parts[names[need[k]]]
                 p.slot, p.event = s, event

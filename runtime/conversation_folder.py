@@ -18,7 +18,7 @@ import torch
 
 from .conversation_files import BLOCK_SUFFIX, BLOCKS, SUFFIX, part_layout, read_entry, read_part, write_entry, \
     write_part
-from .conversation_host import HostTier
+from .conversation_host import Activity, HostTier
 from .conversation_index import Entry, Index, Part
 from .host_pool import Layout
 from .pinned import REGISTERING
@@ -38,6 +38,7 @@ class FolderTier:
         self.folder = folder
         self.quiet = quiet  # set while no request computes: files are written only then
         self._writes: queue.Queue[Entry | None] = queue.Queue()
+        self.activity = Activity()  # the writer's files
         (folder / BLOCKS).mkdir(parents=True, exist_ok=True)
         self._scan()
         self._writer: threading.Thread | None = threading.Thread(target=self._write_loop,
@@ -171,11 +172,12 @@ class FolderTier:
             for p in parts:
                 if not p.on_disk and p.slot is not None:
                     self.quiet.wait()
-                    if p.event is not None:
-                        with REGISTERING:  # (a wait on the device from this thread would break a capture)
-                            p.event.synchronize()
-                    path = self.part_path(p.name)
-                    write_part(path, self.key, p.name, host.pool_of(p), p.slot)
+                    with self.activity.piece():
+                        if p.event is not None:
+                            with REGISTERING:  # (a wait on the device from this thread would break a capture)
+                                p.event.synchronize()
+                        path = self.part_path(p.name)
+                        write_part(path, self.key, p.name, host.pool_of(p), p.slot)
                     with index.lock:
                         p.on_disk, p.file_bytes = True, path.stat().st_size
             path = self.folder / (name + SUFFIX)

@@ -8,8 +8,10 @@ the folder tier (``runtime.conversation_folder``) reads parts into slots it take
 """
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 
 from .conversation_index import Entry, Index, Part
 from .generate import Session
@@ -17,6 +19,35 @@ from .host_pool import HostBudget, Layout, SlotPool
 from .sequence_state import SequenceState, StatePools, blocks_of, state_pools
 
 OWN_RESERVE = 2  # free own-part slots the reserve keeps
+
+
+class Activity:
+    """The seconds a background thread has spent on its pieces of work (a slab, a file), readable
+    at any moment with the piece in flight counted up to then. Why: what the cache does beside a
+    request is invisible in the request's own timing, and a turn right after a long one was
+    2x a plain turn with its cause unmeasured (issue 42); the server's per-request split reads
+    the difference over the request (``runtime.server.request_split``)."""
+
+    def __init__(self) -> None:
+        self._done = 0.0
+        self._since: float | None = None
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def piece(self) -> Iterator[None]:
+        with self._lock:
+            self._since = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._done += time.perf_counter() - self._since
+                self._since = None
+
+    def seconds(self) -> float:
+        """Seconds worked so far, the piece in flight included."""
+        with self._lock:
+            return self._done + (time.perf_counter() - self._since if self._since is not None else 0.0)
 
 
 class HostTier:
@@ -38,6 +69,7 @@ class HostTier:
         self._closing = False
         self._want = threading.Event()  # the reserve may need topping up
         self._reserver: threading.Thread | None = None
+        self.activity = Activity()  # the reserve thread's slabs
 
     def open(self, known: Callable[[], tuple[Layout, Layout]] | None = None,
              session: Session | None = None) -> StatePools | None:
@@ -94,7 +126,9 @@ class HostTier:
             while pool is not None and len(pool.free) < n and not self._closing:
                 if between_requests:
                     self.quiet.wait()
-                if self._closing or not pool.grow():
+                with self.activity.piece() if between_requests else contextlib.nullcontext():
+                    grown = not self._closing and pool.grow()
+                if not grown:
                     break
 
     def _reserve_loop(self) -> None:

@@ -42,7 +42,7 @@ log = logging.getLogger("sparkpack.learning")
 # Experts swapped per re-placement step. Each costs its bytes twice over PCIe (the promoted
 # expert in, the demoted one out to the host pool): ~3.6 MB for a Q4_K expert of the Qwen3.6
 # shape, so a step of 64 is a few milliseconds of PCIe, the longest a request that arrives
-# meanwhile waits.
+# during idle time's steps waits.
 SWAP_STEP = 64
 
 
@@ -128,8 +128,11 @@ class LiveLearning:
     # --- between requests ---------------------------------------------------------------------
 
     def after_request(self, busy: Callable[[], bool]) -> None:
-        """A request ended: learn its last counts, save when due, make one re-placement step
-        (the rest waits for idle time, so a queued request is held back by one step at most)."""
+        """A request ended: learn its last counts, save when due, and make one re-placement step
+        unless a request is waiting (``busy``): then the steps wait for idle time. Why: an agent
+        often sends its next request right after a reply, and a step would lie on its path (after
+        a long turn the first step, which also allocates its pinned buffer: issue 42), where a
+        coding agent's turns leave idle time for it (its tools run)."""
         self.store.flush()  # a deferred step's counts, or an all-hot store's
         self.commit()
         st = self.stats
@@ -139,7 +142,8 @@ class LiveLearning:
         self._request = {s: [0, 0] for s in SIDES}
         self.save_if_due()
         self._replace_due = True
-        self.replace_step()
+        if not busy():
+            self.replace_step()
 
     def idle(self, busy: Callable[[], bool]) -> bool:
         """Idle time: re-placement steps until the hot set is where the counts say (or a request

@@ -158,7 +158,8 @@ def test_learning_moves_the_hot_set_to_the_traffic(model_path, tmp_path):
     for _ in range(4):
         prompt = rng.integers(0, model.spec.n_vocab, 24).tolist()
         list(generate(model, None, prompt, None, 4, stop_ids=(), session=session))
-        learning.after_request(lambda: True)  # a request waiting: one step only
+        learning.after_request(lambda: True)  # a request waiting: no step on its path
+    assert learning.stats.replacements == 0 and (store.hot == hot0).all()
     while learning.idle(lambda: False):
         pass
     scores = learning.scores()

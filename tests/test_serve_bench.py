@@ -104,7 +104,7 @@ def test_conversations_dry_run_on_a_tiny_model(synth_model, tmp_path, prompts):
     out = tmp_path / "out"
     result = cb.main([str(synth_model("qwen35moe")), "--prompts", str(prompts), "--device", "cpu", "--ctx", "4096",
                       "--conv-tokens", "700", "--shared-tokens", "400", "--turn-tokens", "30",
-                      "--spark-arg=--prefill-chunk=32", "--out", str(out)])
+                      "--spark-arg=--prefill-chunk=32", "--spark-arg=--parallel=1", "--out", str(out)])
     s = result["sparkpack"]
     assert s["exit"] == 0 and "llama" not in result
     by = {r["name"]: r for r in s["requests"]}
@@ -118,6 +118,12 @@ def test_conversations_dry_run_on_a_tiny_model(synth_model, tmp_path, prompts):
     assert json.loads((out / "conversations_bench.json").read_text()) == result
     table = (out / "conversations_bench.md").read_text()
     assert table.startswith("| qwen35moe") and "| worst main turn after a switch / A2 (target <= 1.5) |" in table
+    # where each request's time went, from the server's timings: its parts add up to less than the client's wall
+    for r in s["requests"] + [s["restart"]]:
+        sp = r["split"]
+        inside = sp["queue_ms"] + sp["resume_ms"] + sp["prompt_ms"] + sp["first_token_ms"] + sp["rest_ms"]
+        assert 0 < sp["prompt_ms"] < inside <= r["seconds"] * 1e3, r
+    assert by["A3"]["split"]["resume_ms"] > 0 and "| request | client | queue | resume | prompt |" in table
 
 
 def test_conversations_llama_server_column(tmp_path):

@@ -34,6 +34,7 @@ from ..conversation_cache import ConversationCache
 from ..generate import Session, TokenConstraint, continue_tokens
 from ..options import SamplingOptions
 from .errors import ApiError
+from .request_split import RequestSplit, SplitClock
 
 if TYPE_CHECKING:
     from ..sampling import Sampler
@@ -54,6 +55,7 @@ class Outcome:
     first_token_seconds: float | None = None  # from arrival (queue wait included)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    split: RequestSplit | None = None  # where the computed request's time went (benchmarks read it)
 
 
 class TokenSink(Protocol):
@@ -97,7 +99,7 @@ class BetweenRequests(Protocol):
     ``busy()`` says whether a request is waiting: long work checks it and yields."""
 
     def after_request(self, busy: Callable[[], bool]) -> None:
-        """After each request (one short step even when another is waiting)."""
+        """After each request (what must not wait; work that may, when none is waiting)."""
 
     def idle(self, busy: Callable[[], bool]) -> bool:
         """When the queue is empty; returns whether work is left (it is called again)."""
@@ -217,8 +219,11 @@ class Engine:
         session = self.session
         timing = session.timing
         prefill0, decode0 = timing.prefill_seconds, timing.decode_seconds
+        clock = SplitClock(self.conversations, session.model.store, session.model.device, job.arrived)
         resume = self.conversations.prepare(job.ids) if self.conversations is not None else None
+        clock.mark("resume")
         logits = session.prompt(job.ids, marks=resume.marks if resume is not None else frozenset())
+        clock.mark("prompt")
         if resume is not None:
             self.conversations.after_prompt(job.ids, resume)
         outcome.cached_tokens = session.reused
@@ -233,6 +238,7 @@ class Engine:
             for n, tok in enumerate(tokens, 1):
                 if outcome.first_token_seconds is None:
                     outcome.first_token_seconds = time.perf_counter() - job.arrived
+                    clock.mark("first_token")
                 outcome.completion_tokens = n
                 if job.sink.token(tok):
                     outcome.finish = "stop"
@@ -244,3 +250,4 @@ class Engine:
                 if outcome.completion_tokens < job.max_new:
                     outcome.finish = "stop"  # a stop token
         outcome.decode_seconds = timing.decode_seconds - decode0
+        outcome.split = clock.end()

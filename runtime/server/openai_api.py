@@ -44,7 +44,8 @@ def timings(o: Outcome) -> dict:
             "prompt_per_second": computed / o.prefill_seconds if o.prefill_seconds > 0 else 0.0,
             "predicted_n": o.completion_tokens, "predicted_ms": predicted_ms,
             "predicted_per_token_ms": predicted_ms / steps if steps else 0.0,
-            "predicted_per_second": steps / o.decode_seconds if o.decode_seconds > 0 else 0.0}
+            "predicted_per_second": steps / o.decode_seconds if o.decode_seconds > 0 else 0.0,
+            **(o.split.timings() if o.split is not None else {})}
 
 
 def finish_reason(o: Outcome, tool_calls: bool) -> str:
