@@ -3,8 +3,8 @@
 A model file subclasses ``MoEModel`` and writes ``block(il, x, cache, pos0, pre)``: the residual
 block of layer ``il`` on hidden states ``x [T, n_embd]``. A call is one sequence; prefill is a call
 with many tokens, decode a call with one, and both go through the same code. A batched decode
-step (``decode_batch``) is one token of each of several sequences through the same blocks, with
-a ``Batch`` in place of the cache: its attention (``attend``) runs per sequence.
+step (``decode_batch``, run by ``row_steps``) is one token of each of several sequences through
+the same blocks, with a ``Batch`` in place of the cache: its attention (``attend``) runs per sequence.
 """
 from __future__ import annotations
 
@@ -21,13 +21,13 @@ from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.formats.memory import PREFILL_CHUNK
 
 from ..cache import Q8_BLOCK, Cache, KVCache, RecurrentState, RowStates
-from ..decode_rows import decoding_rows
 from ..experts import ExpertProvider, GGUFExperts
 from ..layers import Normed, Rope, Rows, norm_rows
 from ..weights import Weights, quantizes_dense
 from .attention import Attention
 from .moe_block import MoEBlock
 from .projections import Projections
+from .row_steps import Batch, RowSteps
 
 if TYPE_CHECKING:
     from sparkpack.formats.placement import ResidencyPlan
@@ -45,18 +45,6 @@ class Call:
     n: int
     pos: torch.Tensor | None = None
     real: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class Batch:
-    """The rows of a batched decode step (``MoEModel.decode_batch``, ``decode_run``), passed to
-    the blocks where one sequence's cache goes: each row's cache and the position of its token.
-    What reads per-sequence state (attention, DeltaNet) runs once per row, in row order (rows of
-    one sequence at consecutive positions: one after another on its state)."""
-
-    caches: tuple[Cache, ...]
-    pos: tuple[int | torch.Tensor, ...]  # device scalars in a captured step (``runtime.graph.VerifyGraphs``)
-    states: RowStates | None = None  # DeltaNet states kept after each row (a verify step: ``decode_run``)
 
 
 class MoEModel(ABC):
@@ -91,6 +79,7 @@ class MoEModel(ABC):
         # torch form stays the reference (CPU, prefill) and tests compare the two. (RMSNorm and
         # the softmax router take their Triton kernels for any GPU tensor: runtime.layers.)
         self.kernels = self.device.type == "cuda"
+        self.rows = RowSteps(self)
 
     @property
     def w(self) -> Weights:
@@ -167,78 +156,20 @@ class MoEModel(ABC):
         x, pre = self.trunk(ids, cache if cache is not None else self.new_cache(), pos, real)
         return self.head(x, pre, last_only, real)
 
-    @torch.no_grad()
+    # -- steps whose rows are one-token steps (``row_steps.RowSteps``; callers use these names)
     def decode_batch(self, ids: Sequence[int] | torch.Tensor, caches: Sequence[Cache]) -> torch.Tensor:
-        """Logits ``[B, n_vocab]`` of one new token for each of B sequences: ``ids[b]`` appended to
-        ``caches[b]`` (each its own sequence, at its own position). Row b is bit for bit what
-        ``forward([ids[b]], caches[b])`` gives alone: every product that reads weights runs its
-        one-token program once per row (``runtime.decode_rows``; on a GPU the rows of one weight
-        tile next to each other, so the weights are read from memory about once for the batch),
-        and attention and DeltaNet run on each sequence's own state. The expert store serves the
-        batch at once: the union of its routed experts per layer, each miss read once."""
-        if len(caches) != len(ids) or len({id(c) for c in caches}) != len(caches) or not len(caches):
-            raise ValueError("decode_batch: one token and one distinct cache per sequence")
-        logits = self._decode_rows(ids, Batch(tuple(caches), tuple(c.pos for c in caches)))[0]
-        for c in caches:
-            c.pos += 1
-        return logits
+        return self.rows.decode_batch(ids, caches)
 
-    @torch.no_grad()
     def decode_run(self, ids: Sequence[int] | torch.Tensor, cache: Cache) -> torch.Tensor:
-        """Logits ``[K, n_vocab]`` of K consecutive tokens of one sequence appended to ``cache``,
-        row i bit for bit what the i-th of K single steps (``forward([ids[i]], cache)``) gives: a
-        batched step whose rows are the same sequence at consecutive positions, so attention and
-        DeltaNet take them one after another on the one state. What a drafted run's verification
-        needs (the logits of the step that would have produced each token), at the cost of one
-        read of the weights and of each missed expert for the K tokens."""
-        return self.verify_rows(ids, cache)[0]
+        return self.rows.decode_run(ids, cache)
 
-    @torch.no_grad()
     def verify_rows(self, ids: Sequence[int] | torch.Tensor, cache: Cache, pos: torch.Tensor | None = None,
                     states: RowStates | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``decode_run``'s logits and the output-normed hidden rows ``[K, n_embd]`` they come
-        from (what ``forward_hidden`` gives; an MTP drafter reads them). ``states``: the DeltaNet
-        states after each row are copied there (``runtime.cache.RowStates``), so the sequence can
-        keep fewer rows. ``pos`` (device positions ``[K]``, with ``cache``'s KV buffers reserved
-        past them): a step captured in a CUDA graph (``runtime.graph.VerifyGraphs``), which
-        touches nothing on the host; the caller then advances ``cache.pos`` and the store."""
-        if not len(ids):
-            raise ValueError("decode_run: no tokens")
-        at = tuple(cache.pos + i for i in range(len(ids))) if pos is None else tuple(pos.unbind())
-        logits, hidden = self._decode_rows(ids, Batch((cache,) * len(ids), at, states), step=pos is None)
-        if pos is None:
-            cache.pos += len(ids)
-        return logits, hidden
+        return self.rows.verify_rows(ids, cache, pos, states)
 
-    def _decode_rows(self, ids: Sequence[int] | torch.Tensor, batch: Batch, step: bool = True
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The logits of ``batch``'s rows (one token each, ``ids``), every row a one-token step, and
-        their output-normed rows; ``step``: tell the store the step is over (a captured one's
-        caller does, after the replay)."""
-        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
-        logits, hidden = self._rows(ids, batch)
-        if step:
-            self.experts.end_step(len(ids))
-        return logits, hidden
-
-    @torch.no_grad()
     def rows_logits(self, ids: torch.Tensor, caches: Sequence[Cache], pos: Sequence[int | torch.Tensor]
                     ) -> torch.Tensor:
-        """``_decode_rows``' logits at positions ``pos`` (one per cache), leaving the positions and
-        the store's ``end_step`` to the caller: with ``ids`` and ``pos`` on the device nothing here
-        touches the host, so a batched step can be captured in a CUDA graph
-        (``runtime.graph.BatchGraphs``), as ``forward`` with ``pos`` leaves them to ``DecodeGraph``."""
-        return self._rows(ids, Batch(tuple(caches), tuple(pos)))[0]
-
-    def _rows(self, ids: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        with decoding_rows():
-            x = self.w.embed(ids)
-            pre = None
-            for il in range(self.spec.n_layer):
-                x, pre = self.block(il, x, batch, 0, pre)
-            h = self.norm(x, "output_norm.weight", pre)  # (``head``'s two products)
-            logits = self.linear(h, self.output_name())
-        return logits, h.x
+        return self.rows.rows_logits(ids, caches, pos)
 
     @torch.no_grad()
     def forward_hidden(self, ids: torch.Tensor | list[int], cache: Cache | None = None
