@@ -110,12 +110,19 @@ class MoEModel(ABC):
         """(weights, ids) ``[T, k]`` from layer ``il``'s router logits ``[T, n_expert]`` (which a
         layer may compute in one GEMM with other projections of its MoE input)."""
 
-    @abstractmethod
-    def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: int | torch.Tensor, pre: Normed | None
+    def block(self, il: int, x: torch.Tensor, cache: "Cache | Batch", pos0: int | torch.Tensor, pre: Normed | None
               ) -> tuple[torch.Tensor, Normed | None]:
         """Layer ``il``'s residual block on ``x [T, n_embd]`` whose first token is at ``pos0``: the
         new residual stream, and the next block's input norm when this block's epilogue computed
-        it (``epilogue``), which comes back as ``pre`` of the next call (``norm`` takes it)."""
+        it (``epilogue``), which comes back as ``pre`` of the next call (``norm`` takes it). Here
+        the pre-norm block of the all-attention archs; an arch whose blocks differ overrides it."""
+        a = self.attn(il, self.norm(x, f"blk.{il}.attn_norm.weight", pre), cache, pos0)
+        x, h = self.add_norm(x, a, f"blk.{il}.{self.ffn_norm}.weight")
+        return self.ffn(il, h, x)
+
+    @abstractmethod
+    def attn(self, il: int, h: Rows, cache: "Cache | Batch", pos0: int | torch.Tensor) -> torch.Tensor:
+        """Layer ``il``'s attention on its normed input ``h``, through ``attn_output``."""
 
     def reserve_kv(self, cache: Cache, n: int, call: int = 1) -> None:
         """Make every KV cache of ``cache`` hold positions up to ``n``, written by calls of up to
@@ -188,14 +195,12 @@ class MoEModel(ABC):
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
         x = self.w.embed(ids)
         pre = None
-        if real is not None:
-            self.experts.count_real_tokens(real)
+        self.experts.count_real_tokens(real)
         try:
             for il in range(self.spec.n_layer):
                 x, pre = self.block(il, x, cache, cache.pos if pos is None else pos, pre)
         finally:
-            if real is not None:
-                self.experts.count_real_tokens(None)
+            self.experts.count_real_tokens(None)
         if pos is None:
             cache.pos += ids.numel()
             self.experts.end_step(ids.numel())  # the store learns between tokens
