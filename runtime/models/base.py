@@ -35,6 +35,14 @@ if TYPE_CHECKING:
     from ..expert_store import ExpertStore
 
 
+def kv_heads(spec: ModelSpec, il: int) -> int:
+    """KV heads of block ``il``: a trunk layer's, or past the trunk an MTP head block's (whose
+    cache ``MoEModel.reserve_kv`` grows as the trunk's: ``qwen35moe_mtp.MTPHead.new_cache``)."""
+    if il < spec.n_layer or spec.nextn is None:
+        return spec.n_head_kv[il]
+    return spec.nextn.n_head_kv[spec.nextn.layers.index(il)]
+
+
 @dataclass(frozen=True)
 class Call:
     """One prefill call of a group (``MoEModel.forward_calls``): ``n`` tokens ``ids`` (a device
@@ -130,15 +138,8 @@ class MoEModel(ABC):
         them itself)."""
         for il, layer in enumerate(cache.layers):
             if isinstance(layer, KVCache) and not layer.fits(n, call):  # (every call: cheap when done)
-                like = torch.empty(0, self.kv_heads(il), self.spec.head_dim, dtype=self.dtype, device=self.device)
+                like = torch.empty(0, kv_heads(self.spec, il), self.spec.head_dim, dtype=self.dtype, device=self.device)
                 layer.reserve(n, like, call)
-
-    def kv_heads(self, il: int) -> int:
-        """KV heads of block ``il``: a trunk layer's, or past the trunk an MTP head block's (whose
-        cache ``reserve_kv`` grows as the trunk's: ``qwen35moe_mtp.MTPHead.new_cache``)."""
-        if il < self.spec.n_layer or self.spec.nextn is None:
-            return self.spec.n_head_kv[il]
-        return self.spec.nextn.n_head_kv[self.spec.nextn.layers.index(il)]
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor | list[int], cache: Cache | None = None,
