@@ -58,7 +58,6 @@ from .conversation_folder import FolderTier
 from .conversation_host import HostTier
 from .conversation_index import CacheStats, Entry, Index, Part
 from .generate import Session
-from .prefix_reuse import shared_len
 from .sequence_state import BLOCK_TOKENS, Copier, SequenceState, block_keys, copy_blocks_out, take_own, truncatable
 
 log = logging.getLogger("sparkpack.cache")
@@ -112,7 +111,7 @@ class ConversationCache:
         self.ram_bytes = ram_bytes
         self.key = model_key(session, block)
         self.truncatable = truncatable(session.cache)
-        self.index = Index()
+        self.index = Index(truncatable=self.truncatable)
         self.copier = Copier(session.model.device)
         # Set while no request computes: the writer and the reserve's thread work only then, a
         # file or a slab at a time, so what one request leaves behind (its blocks' files, the
@@ -183,7 +182,7 @@ class ConversationCache:
         self._order_after_copies()
         cuts = set(session.cuts_of(ids))
         live = session.reusable(ids)
-        best, keep = self._best(ids, cuts, live)
+        best, keep = self.index.best(ids, cuts, live)
         resume = Resume(None, "gpu" if live else "none")
         if best is not None:
             t0, tier = time.perf_counter(), best.tier
@@ -198,25 +197,14 @@ class ConversationCache:
             else:
                 keep = live = session.reusable(ids)
         if not self.truncatable:
-            resume.marks = self._marks(ids, sorted(cuts), keep, session)
+            resume.marks = self.index.marks(ids, sorted(cuts), keep, session.plan.breaks, session.fed)
         return resume
 
     def keeps(self, ids: list[int], session: Session | None = None) -> int:
         """How many tokens of ``ids`` the best entry keeps, read from the index alone (a
         ``--parallel`` server asks before it picks the session a request runs in)."""
         session = session if session is not None else self.session
-        return self._best(ids, set(session.cuts_of(ids)), 0)[1]
-
-    def _best(self, ids: list[int], cuts: set[int], floor: int) -> tuple[Entry | None, int]:
-        """The entry that keeps the most of ``ids`` (call ends ``cuts``), if more than ``floor``."""
-        best, keep = None, floor
-        with self.index.lock:
-            candidates = list(self.index.entries.values())
-        for e in candidates:
-            n = self._usable(e, ids, cuts)
-            if n > keep:
-                best, keep = e, n
-        return best, keep
+        return self.index.best(ids, set(session.cuts_of(ids)), 0)[1]
 
     def _order_after_copies(self) -> None:
         """The device's next work after the last copies out of its rows (the host does not wait)."""
@@ -323,32 +311,7 @@ class ConversationCache:
                 self.disk.queue(e)
         self.host.wake()
 
-    # -- index ----------------------------------------------------------------------------------
-    def _usable(self, e: Entry, ids: list[int], cuts: set[int]) -> int:
-        """How many tokens of ``ids`` entry ``e`` gives exactly (0: none)."""
-        limit = min(shared_len(ids, e.tokens), len(ids) - 1)
-        if e.pos <= limit and e.pos in cuts:
-            return e.pos
-        if not self.truncatable:
-            return 0
-        return max((c for c in e.cuts if c <= limit and c in cuts), default=0)
-
-    def _marks(self, ids: list[int], cuts: list[int], keep: int, session: Session) -> frozenset[int]:
-        """Where to copy states during this prompt: the end of its first message (the first call
-        end before a control token: the system prompt and tools) and the last call end it shares
-        with another entry or the live sequence, where not kept already."""
-        marks = set()
-        first = next((c for c in cuts if c > 0 and ids[c] in session.plan.breaks), None)
-        if first is not None:
-            marks.add(first)
-        with self.index.lock:
-            entries = list(self.index.entries.values())
-        shared = max([shared_len(ids, e.tokens) for e in entries] + [shared_len(ids, session.fed)])
-        limit = min(shared, len(ids) - 1)
-        marks.add(max((c for c in cuts if c <= limit), default=0))
-        have = {e.tokens for e in entries}
-        return frozenset(m for m in marks if m > keep and tuple(ids[:m]) not in have)
-
+    # -- entries ---------------------------------------------------------------------------------
     def _drop(self, e: Entry) -> None:
         """Forget ``e``: its holds, its file, the part files no other entry file names."""
         with self.index.lock:

@@ -32,7 +32,21 @@ from sparkpack.formats.cache_policy import LRU, FrequentAdmission, SlotPolicy
 if TYPE_CHECKING:
     from .expert_store import ExpertStore
     from .expert_tables import ExpertLayer
+    from .kernels.moe import ExpertPools
     from .kernels.q8dot import Int8Rows
+
+
+def fused(store: ExpertStore, pools: ExpertPools, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+          table_row: torch.Tensor, counts: torch.Tensor | None = None, parts: bool = False,
+          q8: Int8Rows | None = None) -> torch.Tensor:
+    """The fused kernel over ``pools`` through ``table_row`` (``counts``: the row it counts into,
+    only a padded call's real tokens when the store holds their number: ``count_real_tokens``)."""
+    from .kernels.moe import moe_experts
+
+    # router ids (int64) and weights (float32) go in as they are: the kernels read either
+    # float32 out: the block's residual epilogue (layers.ffn_residual) rounds it, no launch of its own
+    return moe_experts(x, ids, weights.float(), table_row, pools, act_q8=True, x_q8=q8, counts=counts,
+                       count_tokens=store.real_tokens if counts is not None else None, reduce=not parts)
 
 
 class MissStrategy(ABC):
@@ -88,7 +102,7 @@ class CopyMisses(MissStrategy):
             return None
         if len(left):
             return self._fused_overflow(layer, la, x, weights, ids, left, parts, q8)
-        return store.fused(la.pools, x, weights, ids, store.tables.device[layer], parts=parts, q8=q8)
+        return fused(store, la.pools, x, weights, ids, store.tables.device[layer], parts=parts, q8=q8)
 
     def end_step(self, n_tokens: int, defer: bool) -> None:
         store = self.store
@@ -146,7 +160,7 @@ class CopyMisses(MissStrategy):
                                                     store.device.type == "cuda")
         store.stats.disk_reads += reads
         store.stats.zero_copy_reads += len(left)
-        y = store.fused(pools, x, weights, ids, torch.from_numpy(row).to(store.device), parts=parts, q8=q8)
+        y = fused(store, pools, x, weights, ids, torch.from_numpy(row).to(store.device), parts=parts, q8=q8)
         if keep is not None and keep.is_pinned():
             torch.cuda.current_stream(store.device).synchronize()  # the kernel reads it: keep it alive
         return y
@@ -171,8 +185,8 @@ class ZeroCopyMisses(MissStrategy):
             staging = store.staging
             if staging is not None and layer in staging.spans and self._stages(x.shape[0]):
                 return self._fused_staged(layer, x, weights, ids, parts, q8)
-            return store.fused(store.layers[layer].host_pools, x, weights, ids, store.tables.device[layer],
-                               store.counts.step[layer], parts, q8)
+            return fused(store, store.layers[layer].host_pools, x, weights, ids, store.tables.device[layer],
+                         store.counts.step[layer], parts, q8)
         flat = ids.reshape(-1)
         one = torch.ones_like(flat, dtype=torch.int32)
         if store.real_tokens is not None:  # a padded call run eagerly off the GPU (tests): real tokens only
@@ -228,7 +242,7 @@ class ZeroCopyMisses(MissStrategy):
         staging = store.staging
         assert staging is not None
         pools, row, new = staging.serve(layer, store.tables.device[layer])
-        y = store.fused(pools, x, weights, ids, row, store.counts.step[layer], parts, q8)
+        y = fused(store, pools, x, weights, ids, row, store.counts.step[layer], parts, q8)
         staging.done(layer)
         if new and self.group is None:  # (a group's copies are counted by stage_calls)
             self._count_staged(staging.span_bytes(layer), 1)

@@ -64,7 +64,6 @@ from .experts import ExpertProvider, expert_weights, routed_sum
 from .layers import swiglu
 
 if TYPE_CHECKING:
-    from .kernels.moe import ExpertPools
     from .kernels.q8dot import Int8Rows
 
 __all__ = ["ExpertStore", "StoreStats"]
@@ -200,17 +199,6 @@ class ExpertStore(ExpertProvider):
         if y is not None:
             return y
         return routed_sum(x, weights, ids, lambda e, rows: self._expert_forward(layer, e, rows))
-
-    def fused(self, pools: "ExpertPools", x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-              table_row: torch.Tensor, counts: torch.Tensor | None = None, parts: bool = False,
-              q8: "Int8Rows | None" = None) -> torch.Tensor:
-        """The fused kernel over ``pools`` through ``table_row`` (``counts``: the row it counts into)."""
-        from .kernels.moe import moe_experts
-
-        # router ids (int64) and weights (float32) go in as they are: the kernels read either
-        # float32 out: the block's residual epilogue (layers.ffn_residual) rounds it, no launch of its own
-        return moe_experts(x, ids, weights.float(), table_row, pools, act_q8=True, x_q8=q8, counts=counts,
-                           count_tokens=self.real_tokens if counts is not None else None, reduce=not parts)
 
     def _expert_forward(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
         """The plain path: expand the expert's bytes (wherever they are) and run SwiGLU."""

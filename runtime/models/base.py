@@ -3,8 +3,8 @@
 A model file subclasses ``MoEModel`` and writes ``block(il, x, cache, pos0, pre)``: the residual
 block of layer ``il`` on hidden states ``x [T, n_embd]``. A call is one sequence; prefill is a call
 with many tokens, decode a call with one, and both go through the same code. A batched decode
-step (``decode_batch``) is one token of each of several sequences through the same blocks, with
-a ``Batch`` in place of the cache: its attention (``attend``) runs per sequence.
+step (``decode_batch``, run by ``row_steps``) is one token of each of several sequences through
+the same blocks, with a ``Batch`` in place of the cache: its attention (``attend``) runs per sequence.
 """
 from __future__ import annotations
 
@@ -21,18 +21,26 @@ from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.formats.memory import PREFILL_CHUNK
 
 from ..cache import Q8_BLOCK, Cache, KVCache, RecurrentState, RowStates
-from ..decode_rows import decoding_rows
 from ..experts import ExpertProvider, GGUFExperts
 from ..layers import Normed, Rope, Rows, norm_rows
 from ..weights import Weights, quantizes_dense
 from .attention import Attention
 from .moe_block import MoEBlock
 from .projections import Projections
+from .row_steps import Batch, RowSteps
 
 if TYPE_CHECKING:
     from sparkpack.formats.placement import ResidencyPlan
 
     from ..expert_store import ExpertStore
+
+
+def kv_heads(spec: ModelSpec, il: int) -> int:
+    """KV heads of block ``il``: a trunk layer's, or past the trunk an MTP head block's (whose
+    cache ``MoEModel.reserve_kv`` grows as the trunk's: ``qwen35moe_mtp.MTPHead.new_cache``)."""
+    if il < spec.n_layer or spec.nextn is None:
+        return spec.n_head_kv[il]
+    return spec.nextn.n_head_kv[spec.nextn.layers.index(il)]
 
 
 @dataclass(frozen=True)
@@ -45,18 +53,6 @@ class Call:
     n: int
     pos: torch.Tensor | None = None
     real: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class Batch:
-    """The rows of a batched decode step (``MoEModel.decode_batch``, ``decode_run``), passed to
-    the blocks where one sequence's cache goes: each row's cache and the position of its token.
-    What reads per-sequence state (attention, DeltaNet) runs once per row, in row order (rows of
-    one sequence at consecutive positions: one after another on its state)."""
-
-    caches: tuple[Cache, ...]
-    pos: tuple[int | torch.Tensor, ...]  # device scalars in a captured step (``runtime.graph.VerifyGraphs``)
-    states: RowStates | None = None  # DeltaNet states kept after each row (a verify step: ``decode_run``)
 
 
 class MoEModel(ABC):
@@ -91,6 +87,7 @@ class MoEModel(ABC):
         # torch form stays the reference (CPU, prefill) and tests compare the two. (RMSNorm and
         # the softmax router take their Triton kernels for any GPU tensor: runtime.layers.)
         self.kernels = self.device.type == "cuda"
+        self.rows = RowSteps(self)
 
     @property
     def w(self) -> Weights:
@@ -121,12 +118,19 @@ class MoEModel(ABC):
         """(weights, ids) ``[T, k]`` from layer ``il``'s router logits ``[T, n_expert]`` (which a
         layer may compute in one GEMM with other projections of its MoE input)."""
 
-    @abstractmethod
-    def block(self, il: int, x: torch.Tensor, cache: Cache, pos0: int | torch.Tensor, pre: Normed | None
+    def block(self, il: int, x: torch.Tensor, cache: "Cache | Batch", pos0: int | torch.Tensor, pre: Normed | None
               ) -> tuple[torch.Tensor, Normed | None]:
         """Layer ``il``'s residual block on ``x [T, n_embd]`` whose first token is at ``pos0``: the
         new residual stream, and the next block's input norm when this block's epilogue computed
-        it (``epilogue``), which comes back as ``pre`` of the next call (``norm`` takes it)."""
+        it (``epilogue``), which comes back as ``pre`` of the next call (``norm`` takes it). Here
+        the pre-norm block of the all-attention archs; an arch whose blocks differ overrides it."""
+        a = self.attn(il, self.norm(x, f"blk.{il}.attn_norm.weight", pre), cache, pos0)
+        x, h = self.add_norm(x, a, f"blk.{il}.{self.ffn_norm}.weight")
+        return self.ffn(il, h, x)
+
+    @abstractmethod
+    def attn(self, il: int, h: Rows, cache: "Cache | Batch", pos0: int | torch.Tensor) -> torch.Tensor:
+        """Layer ``il``'s attention on its normed input ``h``, through ``attn_output``."""
 
     def reserve_kv(self, cache: Cache, n: int, call: int = 1) -> None:
         """Make every KV cache of ``cache`` hold positions up to ``n``, written by calls of up to
@@ -134,15 +138,8 @@ class MoEModel(ABC):
         them itself)."""
         for il, layer in enumerate(cache.layers):
             if isinstance(layer, KVCache) and not layer.fits(n, call):  # (every call: cheap when done)
-                like = torch.empty(0, self.kv_heads(il), self.spec.head_dim, dtype=self.dtype, device=self.device)
+                like = torch.empty(0, kv_heads(self.spec, il), self.spec.head_dim, dtype=self.dtype, device=self.device)
                 layer.reserve(n, like, call)
-
-    def kv_heads(self, il: int) -> int:
-        """KV heads of block ``il``: a trunk layer's, or past the trunk an MTP head block's (whose
-        cache ``reserve_kv`` grows as the trunk's: ``qwen35moe_mtp.MTPHead.new_cache``)."""
-        if il < self.spec.n_layer or self.spec.nextn is None:
-            return self.spec.n_head_kv[il]
-        return self.spec.nextn.n_head_kv[self.spec.nextn.layers.index(il)]
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor | list[int], cache: Cache | None = None,
@@ -167,78 +164,20 @@ class MoEModel(ABC):
         x, pre = self.trunk(ids, cache if cache is not None else self.new_cache(), pos, real)
         return self.head(x, pre, last_only, real)
 
-    @torch.no_grad()
+    # -- steps whose rows are one-token steps (``row_steps.RowSteps``; callers use these names)
     def decode_batch(self, ids: Sequence[int] | torch.Tensor, caches: Sequence[Cache]) -> torch.Tensor:
-        """Logits ``[B, n_vocab]`` of one new token for each of B sequences: ``ids[b]`` appended to
-        ``caches[b]`` (each its own sequence, at its own position). Row b is bit for bit what
-        ``forward([ids[b]], caches[b])`` gives alone: every product that reads weights runs its
-        one-token program once per row (``runtime.decode_rows``; on a GPU the rows of one weight
-        tile next to each other, so the weights are read from memory about once for the batch),
-        and attention and DeltaNet run on each sequence's own state. The expert store serves the
-        batch at once: the union of its routed experts per layer, each miss read once."""
-        if len(caches) != len(ids) or len({id(c) for c in caches}) != len(caches) or not len(caches):
-            raise ValueError("decode_batch: one token and one distinct cache per sequence")
-        logits = self._decode_rows(ids, Batch(tuple(caches), tuple(c.pos for c in caches)))[0]
-        for c in caches:
-            c.pos += 1
-        return logits
+        return self.rows.decode_batch(ids, caches)
 
-    @torch.no_grad()
     def decode_run(self, ids: Sequence[int] | torch.Tensor, cache: Cache) -> torch.Tensor:
-        """Logits ``[K, n_vocab]`` of K consecutive tokens of one sequence appended to ``cache``,
-        row i bit for bit what the i-th of K single steps (``forward([ids[i]], cache)``) gives: a
-        batched step whose rows are the same sequence at consecutive positions, so attention and
-        DeltaNet take them one after another on the one state. What a drafted run's verification
-        needs (the logits of the step that would have produced each token), at the cost of one
-        read of the weights and of each missed expert for the K tokens."""
-        return self.verify_rows(ids, cache)[0]
+        return self.rows.decode_run(ids, cache)
 
-    @torch.no_grad()
     def verify_rows(self, ids: Sequence[int] | torch.Tensor, cache: Cache, pos: torch.Tensor | None = None,
                     states: RowStates | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``decode_run``'s logits and the output-normed hidden rows ``[K, n_embd]`` they come
-        from (what ``forward_hidden`` gives; an MTP drafter reads them). ``states``: the DeltaNet
-        states after each row are copied there (``runtime.cache.RowStates``), so the sequence can
-        keep fewer rows. ``pos`` (device positions ``[K]``, with ``cache``'s KV buffers reserved
-        past them): a step captured in a CUDA graph (``runtime.graph.VerifyGraphs``), which
-        touches nothing on the host; the caller then advances ``cache.pos`` and the store."""
-        if not len(ids):
-            raise ValueError("decode_run: no tokens")
-        at = tuple(cache.pos + i for i in range(len(ids))) if pos is None else tuple(pos.unbind())
-        logits, hidden = self._decode_rows(ids, Batch((cache,) * len(ids), at, states), step=pos is None)
-        if pos is None:
-            cache.pos += len(ids)
-        return logits, hidden
+        return self.rows.verify_rows(ids, cache, pos, states)
 
-    def _decode_rows(self, ids: Sequence[int] | torch.Tensor, batch: Batch, step: bool = True
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The logits of ``batch``'s rows (one token each, ``ids``), every row a one-token step, and
-        their output-normed rows; ``step``: tell the store the step is over (a captured one's
-        caller does, after the replay)."""
-        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
-        logits, hidden = self._rows(ids, batch)
-        if step:
-            self.experts.end_step(len(ids))
-        return logits, hidden
-
-    @torch.no_grad()
     def rows_logits(self, ids: torch.Tensor, caches: Sequence[Cache], pos: Sequence[int | torch.Tensor]
                     ) -> torch.Tensor:
-        """``_decode_rows``' logits at positions ``pos`` (one per cache), leaving the positions and
-        the store's ``end_step`` to the caller: with ``ids`` and ``pos`` on the device nothing here
-        touches the host, so a batched step can be captured in a CUDA graph
-        (``runtime.graph.BatchGraphs``), as ``forward`` with ``pos`` leaves them to ``DecodeGraph``."""
-        return self._rows(ids, Batch(tuple(caches), tuple(pos)))[0]
-
-    def _rows(self, ids: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        with decoding_rows():
-            x = self.w.embed(ids)
-            pre = None
-            for il in range(self.spec.n_layer):
-                x, pre = self.block(il, x, batch, 0, pre)
-            h = self.norm(x, "output_norm.weight", pre)  # (``head``'s two products)
-            logits = self.linear(h, self.output_name())
-        return logits, h.x
+        return self.rows.rows_logits(ids, caches, pos)
 
     @torch.no_grad()
     def forward_hidden(self, ids: torch.Tensor | list[int], cache: Cache | None = None
@@ -257,14 +196,12 @@ class MoEModel(ABC):
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
         x = self.w.embed(ids)
         pre = None
-        if real is not None:
-            self.experts.count_real_tokens(real)
+        self.experts.count_real_tokens(real)
         try:
             for il in range(self.spec.n_layer):
                 x, pre = self.block(il, x, cache, cache.pos if pos is None else pos, pre)
         finally:
-            if real is not None:
-                self.experts.count_real_tokens(None)
+            self.experts.count_real_tokens(None)
         if pos is None:
             cache.pos += ids.numel()
             self.experts.end_step(ids.numel())  # the store learns between tokens

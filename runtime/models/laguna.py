@@ -35,12 +35,6 @@ class Laguna(MoEModel):
         self.scale = float(self.spec.expert_weights_scale)
         self.norm_topk = self.spec.norm_topk
 
-    def block(self, il: int, x: torch.Tensor, cache: "Cache | Batch", pos0: "int | torch.Tensor", pre: Normed | None
-              ) -> tuple[torch.Tensor, Normed | None]:
-        a = self.attn(il, self.norm(x, f"blk.{il}.attn_norm.weight", pre), cache, pos0)
-        x, h = self.add_norm(x, a, f"blk.{il}.ffn_norm.weight")
-        return self.ffn(il, h, x)
-
     def attn(self, il: int, h: Rows, cache: "Cache | Batch", pos0: "int | torch.Tensor") -> torch.Tensor:
         p, d, T = f"blk.{il}.", self.spec.head_dim, h.x.shape[0]
         swa = self.spec.layers[il].attention == SLIDING

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import Cache
-from ..layers import Normed, Rope, Rows, rope_inv_freq, route_softmax
+from ..layers import Rope, Rows, rope_inv_freq, route_softmax
 from .base import Batch, MoEModel
 
 
@@ -19,12 +19,6 @@ class Qwen3MoE(MoEModel):
         rope = self.spec.rope
         self.rope = Rope(rope.dim, rope_inv_freq(rope.freq_base, rope.dim))
         self.norm_topk = self.spec.norm_topk
-
-    def block(self, il: int, x: torch.Tensor, cache: "Cache | Batch", pos0: "int | torch.Tensor", pre: Normed | None
-              ) -> tuple[torch.Tensor, Normed | None]:
-        a = self.attn(il, self.norm(x, f"blk.{il}.attn_norm.weight", pre), cache, pos0)
-        x, h = self.add_norm(x, a, f"blk.{il}.ffn_norm.weight")
-        return self.ffn(il, h, x)
 
     def attn(self, il: int, h: Rows, cache: "Cache | Batch", pos0: "int | torch.Tensor") -> torch.Tensor:
         p, d, T = f"blk.{il}.", self.spec.head_dim, h.x.shape[0]
