@@ -115,7 +115,7 @@ def _gates(b_raw, alpha, dt, a):
 
 @triton.jit
 def recurrence_kernel(act_ptr, z_ptr, beta_ptr, alpha_ptr, dt_ptr, a_ptr, seq_ptr, norm_ptr, out_ptr,
-                      xq, xd, xs, N_K, N_V, D_K, D_V, stride_z, stride_b, stride_a, q_scale, eps,
+                      xq, xd, xs, N_K, N_V, stride_z, stride_b, stride_a, q_scale, eps, D_K: tl.constexpr, D_V: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
     _, state_ptr, first, count, _, save_ptr, saves = _sequence(seq_ptr, tl.program_id(0), z_ptr)
@@ -130,9 +130,13 @@ def recurrence_kernel(act_ptr, z_ptr, beta_ptr, alpha_ptr, dt_ptr, a_ptr, seq_pt
     dt = tl.load(dt_ptr + h).to(tl.float32)
     a = tl.load(a_ptr + h).to(tl.float32)
     norm = tl.load(norm_ptr + j, mask=mj, other=0.0).to(tl.float32)
-    offs = h.to(tl.int64) * D_K * D_V + i[:, None] * D_V + j[None, :]
+    # The state stays in registers from row to row. What keeps that from spilling: the head's
+    # matrix addressed from a scalar base with int32 offsets, and the head sizes known at compile
+    # time (offsets fold into the instructions, masks of whole heads vanish).
+    head = h.to(tl.int64) * D_K * D_V
+    offs = i[:, None] * D_V + j[None, :]
     mm = mi[:, None] & mj[None, :]
-    s = tl.load(state_ptr + offs, mask=mm, other=0.0)  # kept in registers from row to row
+    s = tl.load(state_ptr + head + offs, mask=mm, other=0.0)
     for t in range(count):  # the sequence's rows in order
         row = first + t  # (int64: the table's)
         act = act_ptr + row * C
@@ -148,7 +152,7 @@ def recurrence_kernel(act_ptr, z_ptr, beta_ptr, alpha_ptr, dt_ptr, a_ptr, seq_pt
         delta = (v - kv) * beta
         s = s + k[:, None] * delta[None, :]
         if t < saves:  # the state after this row, for a sequence that may keep only this far
-            tl.store(save_ptr + (row - first) * N_V * D_K * D_V + offs, s, mask=mm)
+            tl.store(save_ptr + ((row - first) * N_V * D_K * D_V + head) + offs, s, mask=mm)
         o = tl.sum(s * q[:, None], axis=0)
 
         o = o * tl.rsqrt(tl.sum(o * o, axis=0) / D_V + eps) * norm
@@ -158,9 +162,12 @@ def recurrence_kernel(act_ptr, z_ptr, beta_ptr, alpha_ptr, dt_ptr, a_ptr, seq_pt
         if Q8:  # the head's blocks of the int8 form ssm_out's product reads (D_V == BLOCK_V here)
             store_q8(tl.reshape(o.to(tl.float32), [BLOCK_V // 32, 32]), h * (BLOCK_V // 32) + tl.arange(0, BLOCK_V // 32),
                      width, xq + row * width, xd + row * (width // 32), xs + row * (width // 16))
-    tl.store(state_ptr + offs, s, mask=mm)
+    tl.store(state_ptr + head + offs, s, mask=mm)
 
 
+# Warps of a (sequence, value head) program: with 16 a 128x128 state is 32 values a thread, which
+# the row loop holds without spilling much (8 spilled more: ptxas -v for sm_90).
+RECURRENCE_WARPS = 16
 SEQUENCE_COLUMNS = 8  # int64 per sequence (7 used): 64 bytes, so a layer's rows of a table stay aligned
 
 
@@ -223,10 +230,10 @@ def deltanet_rows(qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alpha:
                                             **pdl.flags(qkv))
     out = torch.empty(T, n_v * d_v, dtype=z.dtype, device=z.device)
     codes = new_q8(T, n_v * d_v, z.device) if q8 else (out, out, out)
-    recurrence_kernel[(n, n_v)](act, z, beta, alpha, dt_bias, a, sequences, norm_w, out, *codes, n_k, n_v, d_k, d_v,
-                                z.stride(0), beta.stride(0), alpha.stride(0), d_k ** -0.5, eps,
+    recurrence_kernel[(n, n_v)](act, z, beta, alpha, dt_bias, a, sequences, norm_w, out, *codes, n_k, n_v,
+                                z.stride(0), beta.stride(0), alpha.stride(0), d_k ** -0.5, eps, D_K=d_k, D_V=d_v,
                                 BLOCK_K=triton.next_power_of_2(d_k), BLOCK_V=triton.next_power_of_2(d_v), Q8=q8,
-                                num_warps=8, **pdl.flags(act))
+                                num_warps=RECURRENCE_WARPS, **pdl.flags(act))
     return (out, as_rows(codes)) if q8 else out
 
 
