@@ -11,7 +11,11 @@ the states' addresses (which the tables hold) unchanged by everything that rewri
 wherever CUDA is)."""
 from __future__ import annotations
 
+import contextlib
+import copy
+import gc
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -20,7 +24,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from sparkpack.runtime.cache import RowStates  # noqa: E402
+from sparkpack.runtime.cache import RecurrentState  # noqa: E402
 from sparkpack.runtime.generate import GENERATED, Session  # noqa: E402
 from sparkpack.runtime.kernels import deltanet  # noqa: E402
 from sparkpack.runtime.kernels.deltanet import deltanet_decode, deltanet_rows, sequence_row  # noqa: E402
@@ -169,50 +173,60 @@ def model(synth_model):
     return m
 
 
+@contextlib.contextmanager
+def torch_prompts(model) -> Iterator[None]:
+    """On the CPU, prompts through the torch forms (the interpreter's prefill kernels cost a
+    test minutes); the sequences compared are prompted alike either way."""
+    model.kernels = MODEL_DEVICE == "cuda"
+    try:
+        yield
+    finally:
+        model.kernels = True
+
+
 def prompted(model, prompts=PROMPTS) -> list:
     caches = []
-    for p in prompts:
-        caches.append(model.new_cache())
-        model.forward(p, caches[-1], last_only=True)
+    with torch_prompts(model):
+        for p in prompts:
+            caches.append(model.new_cache())
+            model.forward(p, caches[-1], last_only=True)
     return caches
 
 
 def test_batched_steps_are_each_sequence_alone(model) -> None:
-    """``decode_batch`` over sets of sequences (all four, two in another order) against each
+    """``decode_batch`` over sets of sequences (three, then two in another order) against each
     sequence's single steps: the same logits bit for bit, the caches left alike."""
-    caches = prompted(model)
-    want = [[model.forward([t], c)[0] for t in fed] for c, fed in zip(caches, FED)]
-    caches = prompted(model)
-    got: list[list[torch.Tensor]] = [[] for _ in PROMPTS]
-    for step in ((0, 1, 2, 3), (2, 0)):
-        logits = model.decode_batch([FED[b][len(got[b])] for b in step], [caches[b] for b in step])
+    prompts, fed = PROMPTS[:3], FED[:3]
+    caches = prompted(model, prompts)
+    want = [[model.forward([t], c)[0] for t in tokens] for c, tokens in zip(caches, fed)]
+    caches = prompted(model, prompts)
+    got: list[list[torch.Tensor]] = [[] for _ in prompts]
+    for step in ((0, 1, 2), (2, 0), (1,)):
+        logits = model.decode_batch([fed[b][len(got[b])] for b in step], [caches[b] for b in step])
         for row, b in enumerate(step):
             got[b].append(logits[row])
-    for b in (1, 3):
-        got[b].append(model.decode_batch([FED[b][1]], [caches[b]])[0])
-    for b in range(len(PROMPTS)):
+    for b in range(len(prompts)):
+        assert len(got[b]) == len(want[b])
         for x, y in zip(got[b], want[b]):
             assert torch.equal(x, y), b
 
 
+@pytest.mark.slow
 def test_verify_rows_and_every_rollback_are_the_single_steps(model) -> None:
     """A verify step of K rows (``Session.verify``: the states after each row copied in the
-    launch) keeping each length k: its k rows' logits, and the next step after the rollback, are
-    the plain session's bit for bit; without row-state buffers (one verify kept whole) too."""
-    prompt, run, after = list(PROMPTS[0]), [5, 9, 2, 6], 53
-    plain = Session(model, graphs=False)
-    plain.feed(prompt)
-    want = [plain.feed(prompt + run[:i + 1], GENERATED) for i in range(len(run))]
-    nexts = []  # the step after k single steps
-    for k in range(1, len(run) + 1):
+    launch) keeping k < K of them: its rows' logits, and the step after the rollback
+    (``Session.keep``), are the single steps' bit for bit; ``decode_run`` (no copies) too."""
+    prompt, run, after = list(PROMPTS[0]), [5, 9, 2], 53
+    cache = prompted(model, [prompt])[0]
+    want, nexts = [], []
+    for t in run:
+        want.append(model.forward([t], cache)[0])
+        branch = copy.deepcopy(cache)  # the sequence keeping the run up to t, then ``after``
+        nexts.append(model.forward([after], branch)[0])
+    for k in range(1, len(run)):
         s = Session(model, graphs=False)
-        s.feed(prompt)
-        for i in range(k):
-            s.feed(prompt + run[:i + 1], GENERATED)
-        nexts.append(s.feed(prompt + run[:k] + [after], GENERATED))
-    for k in range(1, len(run) + 1):
-        s = Session(model, graphs=False)
-        s.feed(prompt)
+        with torch_prompts(model):
+            s.feed(prompt)
         logits, _ = s.verify(run)
         assert s.row_states is not None
         for i in range(len(run)):
@@ -258,45 +272,42 @@ def test_a_batched_step_launches_the_deltanet_kernels_once(model, monkeypatch) -
     assert counts[1] == counts[2] == counts[4] == sorted(launched), counts
 
 
+@pytest.mark.slow
 def test_state_addresses_outlive_every_rewrite(model) -> None:
     """What the tables rely on: a session's DeltaNet tensors keep their addresses through a new
     prompt that reuses a prefix (a checkpoint copied in), a verify that keeps fewer rows (a
-    row's copy copied in), a state put back from a conversation's saved copy, and a reset; the
-    session keeps its one table for single steps, and its steps stay those of a fresh session."""
+    row's copy copied in), a state put back from a conversation's saved copy
+    (``sequence_state.RecurrentRows``) and a reset; the session keeps its one table for single
+    steps (which would refuse states that moved)."""
     s = Session(model, graphs=False)
     prompt = list(PROMPTS[0])
-    s.feed(prompt)
+
+    def addresses() -> list[tuple[int, int]]:
+        return [(la.conv.data_ptr(), la.ssm.data_ptr()) for la in s.cache.layers if isinstance(la, RecurrentState)]
+
+    with torch_prompts(model):
+        s.feed(prompt)
     s.feed(prompt + [5], GENERATED)
-    addresses = [(la.conv.data_ptr(), la.ssm.data_ptr()) for la in s.cache.layers if hasattr(la, "ssm")]
-    single = model.state_tables.get((s.cache,))
-    s.feed(prompt[:3] + [9, 9])  # another prompt on the first three tokens: a checkpoint restored
-    s.feed(prompt[:3] + [9, 9, 2], GENERATED)
-    s.verify([6, 7, 8])
+    before, single = addresses(), model.state_tables.get((s.cache,))
+    with torch_prompts(model):
+        s.feed(prompt[:3] + [9, 9])  # another prompt on the first three tokens: a checkpoint restored
+    s.verify([6, 7])
     s.keep(1)
     for la in s.cache.layers:
-        if hasattr(la, "ssm"):
+        if isinstance(la, RecurrentState):
             RecurrentRows().put(la, [la.conv.cpu(), la.ssm.cpu()], s.cache.pos, la.ssm.device, la.conv.dtype)
-    got = s.feed(prompt[:3] + [9, 9, 2, 6, 1], GENERATED)
+    s.feed(prompt[:3] + [9, 9, 6, 1], GENERATED)
     s.reset()
-    s.feed(prompt)
-    again = s.feed(prompt + [5], GENERATED)
-    assert [(la.conv.data_ptr(), la.ssm.data_ptr()) for la in s.cache.layers if hasattr(la, "ssm")] == addresses
+    with torch_prompts(model):
+        s.feed(prompt)
+    s.feed(prompt + [5], GENERATED)
+    assert addresses() == before
     assert model.state_tables.get((s.cache,)) is single
-    fresh = Session(model, graphs=False)
-    fresh.feed(prompt[:3] + [9, 9])
-    fresh.feed(prompt[:3] + [9, 9, 2], GENERATED)
-    fresh.feed(prompt[:3] + [9, 9, 2, 6], GENERATED)
-    assert torch.equal(got, fresh.feed(prompt[:3] + [9, 9, 2, 6, 1], GENERATED))
-    fresh.reset()
-    fresh.feed(prompt)
-    assert torch.equal(again, fresh.feed(prompt + [5], GENERATED))
 
 
 def test_a_table_goes_with_its_caches(model) -> None:
     """A table is kept while its caches live, and dropped with them (servers open and close
     sessions: nothing accumulates)."""
-    import gc
-
     before = len(model.state_tables)
     caches = prompted(model, PROMPTS[:2])
     model.decode_batch([1, 2], caches)
