@@ -27,10 +27,10 @@ import pytest  # noqa: E402
 from sparkpack.runtime.cache import RecurrentState  # noqa: E402
 from sparkpack.runtime.generate import GENERATED, Session  # noqa: E402
 from sparkpack.runtime.kernels import deltanet  # noqa: E402
-from sparkpack.runtime.kernels.deltanet import deltanet_decode, deltanet_rows, sequence_row  # noqa: E402
+from sparkpack.runtime.kernels.deltanet import deltanet_rows, sequence_row  # noqa: E402
 from sparkpack.runtime.models import load_model  # noqa: E402
 from sparkpack.runtime.sequence_state import RecurrentRows  # noqa: E402
-from tests.kernel_refs import DEVICE  # noqa: E402
+from tests.kernel_refs import DEVICE, deltanet_decode  # noqa: E402
 from tests.marks import quick_first  # noqa: E402
 
 MODEL_DEVICE = os.environ.get("SPARKPACK_TEST_DEVICE", "cpu")

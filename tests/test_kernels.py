@@ -25,7 +25,8 @@ from sparkpack.formats.quants import KERNEL_QTYPES  # noqa: E402
 from sparkpack.runtime.kernels.blocks import BLOCK_LAYOUT  # noqa: E402
 from sparkpack.runtime.kernels.dense import gemv  # noqa: E402
 from sparkpack.runtime.kernels.moe import GROUPED_MIN_PAIRS, ExpertPools, MoELaunch, group_pairs, moe_experts  # noqa: E402
-from tests.kernel_refs import DEVICE, QTYPES, compile_in_subprocess, dequant64, pools, random_weight, rel_l2  # noqa: E402
+from tests.kernel_refs import (DEVICE, QTYPES, compile_in_subprocess, deltanet_decode, dequant64, pools,  # noqa: E402
+                               random_weight, rel_l2)
 from tests.marks import quick_first  # noqa: E402
 
 def test_block_table_is_ggufs() -> None:
@@ -451,7 +452,6 @@ def test_deltanet_decode_matches_the_torch_form(n_k, d_k, n_v, d_v, K) -> None:
     import torch.nn.functional as F
 
     from sparkpack.runtime.kernels import q8dot
-    from sparkpack.runtime.kernels.deltanet import deltanet_decode
     from sparkpack.runtime.layers import l2_norm, rms_norm
     from sparkpack.runtime.models.qwen35moe import gated_delta_rule
 

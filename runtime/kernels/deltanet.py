@@ -237,24 +237,6 @@ def deltanet_rows(qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alpha:
     return (out, as_rows(codes)) if q8 else out
 
 
-def deltanet_decode(qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alpha: torch.Tensor,
-                    dt_bias: torch.Tensor, a: torch.Tensor, conv_w: torch.Tensor, conv_win: torch.Tensor,
-                    state: torch.Tensor, norm_w: torch.Tensor, n_k: int, d_k: int, eps: float,
-                    q8: bool = False) -> "torch.Tensor | tuple[torch.Tensor, Int8Rows]":
-    """One token of one sequence through ``deltanet_rows`` (its table made here): ``qkv [C]``,
-    ``z [n_v * d_v]``, ``beta``, ``alpha [n_v]``, the window ``conv_win [K-1, C]`` and ``state
-    [n_v, d_k, d_v]`` float32 (both contiguous, updated in place). Returns one row ``[1, n_v *
-    d_v]`` (with ``q8`` also its int8 form)."""
-    n_v, dk, d_v = state.shape
-    C = qkv.numel()
-    if dk != d_k or conv_win.shape != (conv_w.shape[1] - 1, C) or conv_win.dtype != qkv.dtype \
-            or state.dtype != torch.float32 or not (conv_win.is_contiguous() and state.is_contiguous()):
-        raise ValueError("DeltaNet decode: a contiguous window [K-1, C] of the input's type and float32 state")
-    table = torch.tensor([sequence_row(conv_win, state, 0, 1)], dtype=torch.int64).to(qkv.device)
-    return deltanet_rows(qkv.reshape(1, C), z.reshape(1, -1), beta.reshape(1, -1), alpha.reshape(1, -1), dt_bias, a,
-                         conv_w, table, norm_w, n_k, d_k, d_v, eps, q8)
-
-
 @triton.jit(do_not_specialize=["n_chunks"])
 def chunk_state_kernel(w_ptr, q_ptr, u0_ptr, qk_ptr, eg_ptr, kd_ptr, keep_ptr, state_ptr, out_ptr,
                         n_chunks, D_K, D_V,
