@@ -66,7 +66,9 @@ def _sequence(seq_ptr, s, x_ptr):
     """Sequence ``s`` of a decode launch's table (``sequence_row``: one int64 row of
     ``SEQUENCE_COLUMNS`` each): its conv window (``x_ptr``'s type) and recurrent state (float32),
     its first row in the launch and its row count, and where the states after each of its first
-    ``saves`` rows are copied (windows, states: one after another)."""
+    ``saves`` rows are copied (windows, states: one after another). A table is written only by
+    host copies before the steps that read it (``runtime.state_tables``), so a kernel may read it
+    before ``wait_prior``, as it may the decode position (``pdl``)."""
     row = seq_ptr + s.to(tl.int64) * 8
     win = tl.load(row).to(tl.pointer_type(x_ptr.dtype.element_ty))
     state = tl.load(row + 1).to(tl.pointer_type(tl.float32))
@@ -78,8 +80,9 @@ def _sequence(seq_ptr, s, x_ptr):
 @triton.jit
 def conv_kernel(x_ptr, seq_ptr, w_ptr, out_ptr, C, stride_x, KM1: tl.constexpr, KP2: tl.constexpr,
                 BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_prior(PDL)
+    # (the table before the wait: no kernel writes it, so its load overlaps the previous kernel's tail)
     win_ptr, _, first, count, save_ptr, _, saves = _sequence(seq_ptr, tl.program_id(0), x_ptr)
+    wait_prior(PDL)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < C
     r = tl.arange(0, KP2)[:, None]  # window rows (KP2: KM1 rounded up to a power of two)
@@ -117,8 +120,8 @@ def _gates(b_raw, alpha, dt, a):
 def recurrence_kernel(act_ptr, z_ptr, beta_ptr, alpha_ptr, dt_ptr, a_ptr, seq_ptr, norm_ptr, out_ptr,
                       xq, xd, xs, N_K, N_V, stride_z, stride_b, stride_a, q_scale, eps, D_K: tl.constexpr, D_V: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr):
+    _, state_ptr, first, count, _, save_ptr, saves = _sequence(seq_ptr, tl.program_id(0), z_ptr)  # (as conv_kernel)
     wait_prior(PDL)
-    _, state_ptr, first, count, _, save_ptr, saves = _sequence(seq_ptr, tl.program_id(0), z_ptr)
     h = tl.program_id(1)
     kh = h % N_K
     i = tl.arange(0, BLOCK_K)
