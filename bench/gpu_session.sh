@@ -95,7 +95,7 @@ for step in $steps; do
         ${CUDA_TESTS:-tests/test_kernels.py tests/test_attention_kernel.py tests/test_forward.py tests/test_expert_store.py tests/test_pack_integrity.py tests/test_calibrate.py \
         tests/test_graph.py tests/test_prefix_reuse.py tests/test_conversation_cache.py tests/test_server_gpu.py tests/test_generate.py tests/test_learning.py \
         tests/test_calibrate_replay.py tests/test_staged_prefill.py tests/test_grammar.py tests/test_speculative.py \
-        tests/test_decode_batch.py tests/test_batch_kernels.py tests/test_server_parallel.py tests/test_mtp.py \
+        tests/test_decode_batch.py tests/test_batch_kernels.py tests/test_deltanet_rows.py tests/test_server_parallel.py tests/test_mtp.py \
         tests/test_mtp_drafter.py} > "${OUT:-$work}/cuda.log" 2>&1 || true
       grep -oE "(PASSED|FAILED|SKIPPED|ERROR) tests/[a-z_]+\.py" "${OUT:-$work}/cuda.log" | sort | uniq -c
       sed -n '/short test summary/,$p' "${OUT:-$work}/cuda.log" | cut -c1-240 ;;

@@ -38,6 +38,7 @@ from sparkpack.formats.memory import PREFILL_GRAPH_TOKENS, short_calls
 from .cache import Cache, KVCache, RowStates
 from .models.base import Call, MoEModel
 from .pinned import REGISTERING
+from .state_tables import StateTable, StateTables
 
 # The sizes a captured prefill call is padded to (the largest is PREFILL_GRAPH_TOKENS): at most
 # a third of a call's work is padding from 64 tokens up.
@@ -51,6 +52,15 @@ def _kv_layers(cache: Cache) -> list[KVCache]:
 def kv_addresses(cache: Cache) -> tuple[int, ...]:
     """Where the KV buffers are: a graph captured on other addresses must be captured again."""
     return tuple(la.k.data_ptr() for la in _kv_layers(cache) if la.k is not None)
+
+
+def state_table(model: MoEModel, caches: Sequence[Cache]) -> StateTable | None:
+    """The table of sequences a batched step over ``caches`` gives the fused DeltaNet decode
+    kernels (``runtime.state_tables``; None for a model without DeltaNet layers). A replay reads
+    it where it was captured, so the graph keeps it, and captures again when the model would
+    give the step another (a cache of the set gone and another in its place)."""
+    tables: StateTables | None = getattr(model, "state_tables", None)
+    return None if tables is None else tables.get(caches)
 
 
 def run_and_capture(call, device: torch.device, stream: torch.cuda.Stream, pool=None
@@ -411,9 +421,10 @@ class BatchGraphs:
 
     def __init__(self, model: MoEModel, capture: bool = True):
         self.model, self.capture = model, capture
-        # per set (its caches' ids): graph, logits buffer, ids + positions buffer, KV addresses
+        # per set (its caches' ids): graph, logits buffer, ids + positions buffer, KV addresses, the
+        # DeltaNet table it reads (``state_table``)
         self.graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None, torch.Tensor,
-                                                 tuple[tuple[int, ...], ...]]] = {}
+                                                 tuple[tuple[int, ...], ...], StateTable | None]] = {}
         self.pool = None
         self.stream: torch.cuda.Stream | None = None
         self.captures = 0
@@ -428,8 +439,9 @@ class BatchGraphs:
             self.model.reserve_kv(c, c.pos + 1)
         key = tuple(id(c) for c in caches)
         addresses = tuple(kv_addresses(c) for c in caches)
-        graph, out, inputs, captured_on = self.graphs.get(key) or (None, None, None, ())
-        if inputs is None or captured_on != addresses:
+        table = state_table(self.model, caches)
+        graph, out, inputs, captured_on, captured_table = self.graphs.get(key) or (None, None, None, (), None)
+        if inputs is None or captured_on != addresses or captured_table is not table:
             graph = None
             self.graphs.pop(key, None)
             if not self.graphs:
@@ -454,7 +466,7 @@ class BatchGraphs:
             self.captures += 1
         else:
             logits = self.model.rows_logits(inputs[:n], caches, at)
-        self.graphs[key] = (graph, out, inputs, addresses)
+        self.graphs[key] = (graph, out, inputs, addresses, table)
         for c in caches:
             c.pos += 1
         self.model.experts.end_step(n, routed=True, defer=True)  # learns from the previous step meanwhile

@@ -77,3 +77,24 @@ def compile_in_subprocess(call: str, count: int) -> None:
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-c", call], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and f"compiled {count}" in proc.stdout, proc.stderr[-3000:]
+
+
+def deltanet_decode(qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alpha: torch.Tensor,
+                    dt_bias: torch.Tensor, a: torch.Tensor, conv_w: torch.Tensor, conv_win: torch.Tensor,
+                    state: torch.Tensor, norm_w: torch.Tensor, n_k: int, d_k: int, eps: float,
+                    q8: bool = False) -> "torch.Tensor | tuple":
+    """The fused DeltaNet decode step for one token of one sequence (the model's single step: a
+    launch of ``deltanet_rows`` with a table of one row, made here where the model keeps its own,
+    ``runtime.state_tables``): ``qkv [C]``, ``z [n_v * d_v]``, ``beta``, ``alpha [n_v]``, the window
+    ``conv_win [K-1, C]`` and ``state [n_v, d_k, d_v]`` float32 (contiguous, updated in place).
+    Returns one row ``[1, n_v * d_v]`` (with ``q8`` also its int8 form)."""
+    n_v, dk, d_v = state.shape
+    C = qkv.numel()
+    if dk != d_k or conv_win.shape != (conv_w.shape[1] - 1, C) or conv_win.dtype != qkv.dtype \
+            or state.dtype != torch.float32 or not (conv_win.is_contiguous() and state.is_contiguous()):
+        raise ValueError("DeltaNet decode: a contiguous window [K-1, C] of the input's type and float32 state")
+    from sparkpack.runtime.kernels.deltanet import deltanet_rows, sequence_row
+
+    table = torch.tensor([sequence_row(conv_win, state, 0, 1)], dtype=torch.int64).to(qkv.device)
+    return deltanet_rows(qkv.reshape(1, C), z.reshape(1, -1), beta.reshape(1, -1), alpha.reshape(1, -1), dt_bias, a,
+                         conv_w, table, norm_w, n_k, d_k, d_v, eps, q8)

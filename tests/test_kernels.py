@@ -25,7 +25,8 @@ from sparkpack.formats.quants import KERNEL_QTYPES  # noqa: E402
 from sparkpack.runtime.kernels.blocks import BLOCK_LAYOUT  # noqa: E402
 from sparkpack.runtime.kernels.dense import gemv  # noqa: E402
 from sparkpack.runtime.kernels.moe import GROUPED_MIN_PAIRS, ExpertPools, MoELaunch, group_pairs, moe_experts  # noqa: E402
-from tests.kernel_refs import DEVICE, QTYPES, compile_in_subprocess, dequant64, pools, random_weight, rel_l2  # noqa: E402
+from tests.kernel_refs import (DEVICE, QTYPES, compile_in_subprocess, deltanet_decode, dequant64, pools,  # noqa: E402
+                               random_weight, rel_l2)
 from tests.marks import quick_first  # noqa: E402
 
 def test_block_table_is_ggufs() -> None:
@@ -451,7 +452,6 @@ def test_deltanet_decode_matches_the_torch_form(n_k, d_k, n_v, d_v, K) -> None:
     import torch.nn.functional as F
 
     from sparkpack.runtime.kernels import q8dot
-    from sparkpack.runtime.kernels.deltanet import deltanet_decode
     from sparkpack.runtime.layers import l2_norm, rms_norm
     from sparkpack.runtime.models.qwen35moe import gated_delta_rule
 
@@ -689,12 +689,12 @@ def aot_compile_all(arch: int = 90) -> None:
              (moe_grouped.sub_down_kernel, {"h_ptr": "*fp16", "pairs_ptr": "*i32", "block_expert_ptr": "*i64",
                                              "wts_ptr": "*fp32", "slot_ptr": "*i32", "part_ptr": "*fp32"},
               {"DOWN_QTYPE": int(T.Q6_K), "HAS_HOST": False, "OPER": 2, "KS": 16, "BLOCK_M": 16, "BLOCK_N": 64}),
-             (deltanet.conv_kernel, {"x_ptr": "*bf16", "win_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32"},
+             (deltanet.conv_kernel, {"x_ptr": "*bf16", "seq_ptr": "*i64", "w_ptr": "*bf16", "out_ptr": "*fp32"},
               {"KM1": 3, "KP2": 4, "BLOCK": 256}),
              *[(deltanet.recurrence_kernel, {"act_ptr": "*fp32", "z_ptr": "*bf16", "beta_ptr": "*bf16",
                                               "alpha_ptr": "*bf16", "dt_ptr": "*bf16", "a_ptr": "*bf16",
-                                              "state_ptr": "*fp32", "norm_ptr": "*bf16", "out_ptr": "*bf16", **codes},
-                {"BLOCK_K": 128, "BLOCK_V": 128, "Q8": q8}) for q8 in (False, True)],
+                                              "seq_ptr": "*i64", "norm_ptr": "*bf16", "out_ptr": "*bf16", **codes},
+                {"D_K": 128, "D_V": 128, "BLOCK_K": 128, "BLOCK_V": 128, "Q8": q8}) for q8 in (False, True)],
              *[(norm.rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
                                         "s_ptr": "*bf16", **codes},
                 {"HAS_W": True, "HAS_RES": fused, "Q8": fused, "BLOCK": 2048}) for fused in (False, True)],

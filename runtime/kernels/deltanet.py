@@ -7,13 +7,23 @@ broadcast products and reductions over the state, the gated output norm, each a 
 and memory pass. Two kernels cover everything between the input projections and ``ssm_out``:
 
 1. ``conv_kernel``: the causal depthwise conv over the last ``K-1`` inputs plus the new one,
-   SiLU, and the conv window shifted in place. One program per block of channels (each channel's
-   window is read and rewritten by the same program).
-2. ``recurrence_kernel``: one program per value head: l2-normalise its q and k (key head
-   ``h % n_k``, the converter's tiled order), beta = sigmoid, g = softplus(alpha + dt_bias) * a,
-   then the delta rule on the head's ``[d_k, d_v]`` float32 state (decay, read, correct, write
-   back, read out) and the gated RMSNorm of the output times SiLU(z); with ``q8``, also the int8
-   form of its output blocks for ``ssm_out``'s int8 product (``q8dot.store_q8``).
+   SiLU, and the conv window shifted in place. One program per (sequence, block of channels)
+   (each channel's window is read and rewritten by the same program).
+2. ``recurrence_kernel``: one program per (sequence, value head): l2-normalise its q and k (key
+   head ``h % n_k``, the converter's tiled order), beta = sigmoid, g = softplus(alpha + dt_bias)
+   * a, then the delta rule on the head's ``[d_k, d_v]`` float32 state (decay, read, correct,
+   read out; written back after the sequence's last row) and the gated RMSNorm of the output
+   times SiLU(z); with ``q8``, also the int8 form of its output blocks for ``ssm_out``'s int8
+   product (``q8dot.store_q8``).
+
+Both take the rows of a batched step (``deltanet_rows``; issue 46): a decode step is bound by
+latency, not arithmetic, so a launch per sequence made B sequences cost nearly B steps' DeltaNet.
+The sequences come from a small device table (``sequence_row``: per sequence its window's and
+state's addresses, its first row and row count, and where the states after each row go for a
+verify that may keep fewer rows: ``runtime.cache.RowStates``); each program runs its sequence's
+rows in order (a verify's rows are consecutive tokens of one sequence), each row exactly one
+token's math. A single step is the same launch with a table of one sequence of one row, so a
+row's bits cannot depend on the batch.
 
 Everything runs in float32 between the two bf16/f32 boundaries (projections in, ``ssm_out``
 input out); the torch path (``runtime.models.qwen35moe``) rounds to the activation dtype in a
@@ -52,24 +62,49 @@ from .q8dot import QBLOCK, Int8Rows, as_rows, new_q8, store_q8
 
 
 @triton.jit
-def conv_kernel(x_ptr, win_ptr, w_ptr, out_ptr, C, KM1: tl.constexpr, KP2: tl.constexpr, BLOCK: tl.constexpr,
-                 PDL: tl.constexpr):
+def _sequence(seq_ptr, s, x_ptr):
+    """Sequence ``s`` of a decode launch's table (``sequence_row``: one int64 row of
+    ``SEQUENCE_COLUMNS`` each): its conv window (``x_ptr``'s type) and recurrent state (float32),
+    its first row in the launch and its row count, and where the states after each of its first
+    ``saves`` rows are copied (windows, states: one after another). A table is written only by
+    host copies before the steps that read it (``runtime.state_tables``), so a kernel may read it
+    before ``wait_prior``, as it may the decode position (``pdl``)."""
+    row = seq_ptr + s.to(tl.int64) * 8
+    win = tl.load(row).to(tl.pointer_type(x_ptr.dtype.element_ty))
+    state = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+    save_win = tl.load(row + 4).to(tl.pointer_type(x_ptr.dtype.element_ty))
+    save_state = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+    return win, state, tl.load(row + 2), tl.load(row + 3), save_win, save_state, tl.load(row + 6)
+
+
+@triton.jit
+def conv_kernel(x_ptr, seq_ptr, w_ptr, out_ptr, C, stride_x, KM1: tl.constexpr, KP2: tl.constexpr,
+                BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # (the table before the wait: no kernel writes it, so its load overlaps the previous kernel's tail)
+    win_ptr, _, first, count, save_ptr, _, saves = _sequence(seq_ptr, tl.program_id(0), x_ptr)
     wait_prior(PDL)
-    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < C
     r = tl.arange(0, KP2)[:, None]  # window rows (KP2: KM1 rounded up to a power of two)
     rm = (r < KM1) & m[None, :]
-    # every load before any store: one memory round trip (interleaved, each store waited for the
-    # load before it, as the window rows alias)
-    x = tl.load(x_ptr + c, mask=m, other=0.0)
-    win = tl.load(win_ptr + r * C + c[None, :], mask=rm, other=0.0)
     w = tl.load(w_ptr + c[None, :] * (KM1 + 1) + r, mask=rm, other=0.0).to(tl.float32)
     w_new = tl.load(w_ptr + c * (KM1 + 1) + KM1, mask=m, other=0.0).to(tl.float32)
-    acc = tl.sum(win.to(tl.float32) * w, axis=0) + x.to(tl.float32) * w_new
-    tl.debug_barrier()  # a row may be loaded and overwritten by different threads: all loads first
-    tl.store(win_ptr + (r - 1) * C + c[None, :], win, mask=rm & (r >= 1))  # shift: row j takes row j+1
-    tl.store(win_ptr + (KM1 - 1) * C + c, x.to(win_ptr.dtype.element_ty), mask=m)  # the new input last
-    tl.store(out_ptr + c, acc / (1.0 + tl.exp(-acc)), mask=m)
+    for t in range(count):  # the sequence's rows in order, each on the window the row before left
+        row = first + t  # (int64: the table's)
+        # every load before any store: one memory round trip (interleaved, each store waited for the
+        # load before it, as the window rows alias)
+        x = tl.load(x_ptr + row * stride_x + c, mask=m, other=0.0)
+        win = tl.load(win_ptr + r * C + c[None, :], mask=rm, other=0.0)
+        acc = tl.sum(win.to(tl.float32) * w, axis=0) + x.to(tl.float32) * w_new
+        tl.debug_barrier()  # a row may be loaded and overwritten by different threads: all loads first
+        tl.store(win_ptr + (r - 1) * C + c[None, :], win, mask=rm & (r >= 1))  # shift: row j takes row j+1
+        tl.store(win_ptr + (KM1 - 1) * C + c, x.to(win_ptr.dtype.element_ty), mask=m)  # the new input last
+        tl.store(out_ptr + row * C + c, acc / (1.0 + tl.exp(-acc)), mask=m)
+        if t < saves:  # the window after this row, for a sequence that may keep only this far
+            at = save_ptr + (row - first) * KM1 * C
+            tl.store(at + (r - 1) * C + c[None, :], win, mask=rm & (r >= 1))
+            tl.store(at + (KM1 - 1) * C + c, x.to(win_ptr.dtype.element_ty), mask=m)
+        tl.debug_barrier()  # the next row reads what this one wrote, maybe in other threads
 
 
 @triton.jit
@@ -82,77 +117,126 @@ def _gates(b_raw, alpha, dt, a):
 
 
 @triton.jit
-def recurrence_kernel(act_ptr, z_ptr, beta_ptr, alpha_ptr, dt_ptr, a_ptr, state_ptr, norm_ptr, out_ptr,
-                       xq, xd, xs, N_K, D_K, D_V, q_scale, eps,
-                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr):
+def recurrence_kernel(act_ptr, z_ptr, beta_ptr, alpha_ptr, dt_ptr, a_ptr, seq_ptr, norm_ptr, out_ptr,
+                      xq, xd, xs, N_K, N_V, stride_z, stride_b, stride_a, q_scale, eps, D_K: tl.constexpr, D_V: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr):
+    _, state_ptr, first, count, _, save_ptr, saves = _sequence(seq_ptr, tl.program_id(0), z_ptr)  # (as conv_kernel)
     wait_prior(PDL)
-    h = tl.program_id(0)
+    h = tl.program_id(1)
     kh = h % N_K
     i = tl.arange(0, BLOCK_K)
     j = tl.arange(0, BLOCK_V)
     mi, mj = i < D_K, j < D_V
     kd = N_K * D_K
-    q = tl.load(act_ptr + kh * D_K + i, mask=mi, other=0.0)
-    k = tl.load(act_ptr + kd + kh * D_K + i, mask=mi, other=0.0)
-    v = tl.load(act_ptr + 2 * kd + h * D_V + j, mask=mj, other=0.0)
-    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale  # l2 norm: eps inside the rsqrt
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    beta, g = _gates(tl.load(beta_ptr + h).to(tl.float32), tl.load(alpha_ptr + h).to(tl.float32),
-                     tl.load(dt_ptr + h).to(tl.float32), tl.load(a_ptr + h).to(tl.float32))
-
-    offs = h.to(tl.int64) * D_K * D_V + i[:, None] * D_V + j[None, :]
+    C = 2 * kd + N_V * D_V  # a row of the conv's output
+    width = N_V * D_V  # a row of the output
+    dt = tl.load(dt_ptr + h).to(tl.float32)
+    a = tl.load(a_ptr + h).to(tl.float32)
+    norm = tl.load(norm_ptr + j, mask=mj, other=0.0).to(tl.float32)
+    # The state stays in registers from row to row. What keeps that from spilling: the head's
+    # matrix addressed from a scalar base with int32 offsets, and the head sizes known at compile
+    # time (offsets fold into the instructions, masks of whole heads vanish).
+    head = h.to(tl.int64) * D_K * D_V
+    offs = i[:, None] * D_V + j[None, :]
     mm = mi[:, None] & mj[None, :]
-    s = tl.load(state_ptr + offs, mask=mm, other=0.0) * tl.exp(g)
-    kv = tl.sum(s * k[:, None], axis=0)  # [d_v]
-    delta = (v - kv) * beta
-    s = s + k[:, None] * delta[None, :]
-    tl.store(state_ptr + offs, s, mask=mm)
-    o = tl.sum(s * q[:, None], axis=0)
+    s = tl.load(state_ptr + head + offs, mask=mm, other=0.0)
+    for t in range(count):  # the sequence's rows in order
+        row = first + t  # (int64: the table's)
+        act = act_ptr + row * C
+        q = tl.load(act + kh * D_K + i, mask=mi, other=0.0)
+        k = tl.load(act + kd + kh * D_K + i, mask=mi, other=0.0)
+        v = tl.load(act + 2 * kd + h * D_V + j, mask=mj, other=0.0)
+        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale  # l2 norm: eps inside the rsqrt
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+        beta, g = _gates(tl.load(beta_ptr + row * stride_b + h).to(tl.float32),
+                         tl.load(alpha_ptr + row * stride_a + h).to(tl.float32), dt, a)
+        s = s * tl.exp(g)
+        kv = tl.sum(s * k[:, None], axis=0)  # [d_v]
+        delta = (v - kv) * beta
+        s = s + k[:, None] * delta[None, :]
+        if t < saves:  # the state after this row, for a sequence that may keep only this far
+            tl.store(save_ptr + ((row - first) * N_V * D_K * D_V + head) + offs, s, mask=mm)
+        o = tl.sum(s * q[:, None], axis=0)
 
-    o = o * tl.rsqrt(tl.sum(o * o, axis=0) / D_V + eps) * tl.load(norm_ptr + j, mask=mj, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + h * D_V + j, mask=mj, other=0.0).to(tl.float32)
-    o = (o * (z / (1.0 + tl.exp(-z)))).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + h * D_V + j, o, mask=mj)
-    if Q8:  # the head's blocks of the int8 form ssm_out's product reads (D_V == BLOCK_V here)
-        store_q8(tl.reshape(o.to(tl.float32), [BLOCK_V // 32, 32]), h * (BLOCK_V // 32) + tl.arange(0, BLOCK_V // 32),
-                 tl.num_programs(0) * D_V, xq, xd, xs)
+        o = o * tl.rsqrt(tl.sum(o * o, axis=0) / D_V + eps) * norm
+        z = tl.load(z_ptr + row * stride_z + h * D_V + j, mask=mj, other=0.0).to(tl.float32)
+        o = (o * (z / (1.0 + tl.exp(-z)))).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * width + h * D_V + j, o, mask=mj)
+        if Q8:  # the head's blocks of the int8 form ssm_out's product reads (D_V == BLOCK_V here)
+            store_q8(tl.reshape(o.to(tl.float32), [BLOCK_V // 32, 32]), h * (BLOCK_V // 32) + tl.arange(0, BLOCK_V // 32),
+                     width, xq + row * width, xd + row * (width // 32), xs + row * (width // 16))
+    tl.store(state_ptr + head + offs, s, mask=mm)
 
 
-def deltanet_decode(qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alpha: torch.Tensor,
-                    dt_bias: torch.Tensor, a: torch.Tensor, conv_w: torch.Tensor, conv_win: torch.Tensor,
-                    state: torch.Tensor, norm_w: torch.Tensor, n_k: int, d_k: int, eps: float,
-                    q8: bool = False) -> "torch.Tensor | tuple[torch.Tensor, Int8Rows]":
-    """One token through a Gated DeltaNet layer, from its projections to ``ssm_out``'s input.
+# Warps of a (sequence, value head) program: with 16 a 128x128 state is 32 values a thread, which
+# the row loop holds without spilling much (8 spilled more: ptxas -v for sm_90).
+RECURRENCE_WARPS = 16
+SEQUENCE_COLUMNS = 8  # int64 per sequence (7 used): 64 bytes, so a layer's rows of a table stay aligned
 
-    qkv: ``[C]`` conv input (q | k | v channels, ``C = 2 n_k d_k + n_v d_v``); z: ``[n_v * d_v]``;
-    beta, alpha: ``[n_v]`` (pre-sigmoid / pre-softplus projections); dt_bias, a: ``[n_v]``
-    (``a`` = -exp(A_log), as the GGUF stores it); conv_w ``[C, K]``; conv_win ``[K-1, C]`` the
-    last K-1 conv inputs (shifted in place); state ``[n_v, d_k, d_v]`` float32 (updated in place);
-    norm_w ``[d_v]``. Returns one row ``[1, n_v * d_v]`` in ``z``'s dtype (``ssm_out``'s input);
-    ``q8`` (d_v a power of two >= 32): also its int8 form, ``(out, Int8Rows)``, computed per head in
-    the same launch.
+
+def sequence_row(win: torch.Tensor, state: torch.Tensor, first: int, rows: int,
+                 saved: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[int]:
+    """One sequence's row of a decode launch's table (``_sequence`` reads it): its conv window
+    ``[K-1, C]`` and state ``[n_v, d_k, d_v]`` (their addresses: the launch updates them in place),
+    its ``rows`` consecutive rows from row ``first`` of the launch; ``saved``: buffers ``[n, K-1,
+    C]`` and ``[n, n_v, d_k, d_v]`` that take the window and state after each of its first ``n``
+    rows (``runtime.cache.RowStates``)."""
+    if saved is None:
+        return [win.data_ptr(), state.data_ptr(), first, rows, 0, 0, 0, 0]
+    sw, ss = saved
+    if sw.shape[1:] != win.shape or ss.shape[1:] != state.shape or sw.shape[0] != ss.shape[0] \
+            or sw.dtype != win.dtype or ss.dtype != state.dtype or not (sw.is_contiguous() and ss.is_contiguous()):
+        raise ValueError("DeltaNet decode: the buffers for the states after each row must be contiguous "
+                         "[n, *window] and [n, *state] of their types")
+    return [win.data_ptr(), state.data_ptr(), first, rows, sw.data_ptr(), ss.data_ptr(), sw.shape[0], 0]
+
+
+def deltanet_rows(qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alpha: torch.Tensor,
+                  dt_bias: torch.Tensor, a: torch.Tensor, conv_w: torch.Tensor, sequences: torch.Tensor,
+                  norm_w: torch.Tensor, n_k: int, d_k: int, d_v: int, eps: float, q8: bool = False
+                  ) -> "torch.Tensor | tuple[torch.Tensor, Int8Rows]":
+    """One-token decode steps of a Gated DeltaNet layer, from its projections to ``ssm_out``'s
+    input, for the rows of a batched step: every sequence of ``sequences`` (a device table,
+    ``[n, SEQUENCE_COLUMNS]`` int64 of ``sequence_row``s) takes its rows one after another on its
+    own conv window and state (updated in place). Two launches for all rows: one program per
+    (sequence, block of channels) for the conv, one per (sequence, value head) for the rest,
+    each running its sequence's rows in order with exactly one token's math, so a row's bits are
+    those of its step alone (a single step is the same launch with a table of one sequence of one
+    row: the same compiled kernels, the counts read at run time).
+
+    qkv: ``[T, C]`` conv inputs (q | k | v channels, ``C = 2 n_k d_k + n_v d_v``); z ``[T, n_v
+    * d_v]``; beta, alpha: ``[T, n_v]`` (pre-sigmoid / pre-softplus projections): unit inner
+    stride, any row stride (column bands of the stacked projection); dt_bias, a: ``[n_v]`` (``a``
+    = -exp(A_log), as the GGUF stores it); conv_w ``[C, K]``; norm_w ``[d_v]``. Each sequence's
+    window is ``[K-1, C]`` in qkv's dtype and its state ``[n_v, d_k, d_v]`` float32, contiguous
+    (``sequence_row`` takes them). Returns rows ``[T, n_v * d_v]`` in ``z``'s dtype (``ssm_out``'s
+    input); ``q8`` (d_v a power of two >= 32): also their int8 form, ``(out, Int8Rows)``, computed
+    per head in the same launch.
     """
-    C = qkv.numel()
-    n_v, dk, d_v = state.shape
+    T, C = qkv.shape
+    n_v = beta.shape[1]
     K = conv_w.shape[1]
-    if K < 2 or dk != d_k or C != 2 * n_k * d_k + n_v * d_v or conv_win.shape != (K - 1, C) \
-            or state.dtype != torch.float32:
-        raise ValueError("DeltaNet decode: inconsistent shapes")
-    for t, what in ((qkv, "qkv"), (z, "z"), (conv_w, "conv_w"), (conv_win, "conv window"), (state, "state")):
-        if not t.is_contiguous():
-            raise ValueError(f"DeltaNet decode: {what} must be contiguous")
-    act = torch.empty(C, dtype=torch.float32, device=qkv.device)
-    block = 256  # many programs, each a short latency chain
-    conv_kernel[(triton.cdiv(C, block),)](qkv, conv_win, conv_w, act, C, KM1=K - 1,
-                                           KP2=triton.next_power_of_2(K - 1), BLOCK=block, num_warps=2,
-                                           **pdl.flags(qkv))
-    out = torch.empty(1, n_v * d_v, dtype=z.dtype, device=z.device)
+    if K < 2 or C != 2 * n_k * d_k + n_v * d_v or z.shape != (T, n_v * d_v) or alpha.shape != (T, n_v) \
+            or beta.shape[0] != T or conv_w.shape[0] != C or not conv_w.is_contiguous() \
+            or any(t.stride(-1) != 1 for t in (qkv, z, beta, alpha)):
+        raise ValueError("DeltaNet decode: inconsistent shapes or strides")
+    if sequences.dtype != torch.int64 or sequences.dim() != 2 or sequences.shape[1] != SEQUENCE_COLUMNS \
+            or not sequences.is_contiguous():
+        raise ValueError(f"DeltaNet decode: the sequence table must be a contiguous int64 [n, {SEQUENCE_COLUMNS}]")
     if q8 and (d_v < QBLOCK or d_v & (d_v - 1)):
         raise ValueError(f"DeltaNet decode: an int8 output needs a power-of-two value head size >= {QBLOCK}, got {d_v}")
-    codes = new_q8(1, n_v * d_v, z.device) if q8 else (out, out, out)
-    recurrence_kernel[(n_v,)](act, z, beta, alpha, dt_bias, a, state, norm_w, out, *codes, n_k, d_k, d_v,
-                               d_k ** -0.5, eps, BLOCK_K=triton.next_power_of_2(d_k),
-                               BLOCK_V=triton.next_power_of_2(d_v), Q8=q8, num_warps=8, **pdl.flags(act))
+    n = sequences.shape[0]
+    act = torch.empty(T, C, dtype=torch.float32, device=qkv.device)
+    block = 256  # many programs, each a short latency chain
+    conv_kernel[(n, triton.cdiv(C, block))](qkv, sequences, conv_w, act, C, qkv.stride(0), KM1=K - 1,
+                                            KP2=triton.next_power_of_2(K - 1), BLOCK=block, num_warps=2,
+                                            **pdl.flags(qkv))
+    out = torch.empty(T, n_v * d_v, dtype=z.dtype, device=z.device)
+    codes = new_q8(T, n_v * d_v, z.device) if q8 else (out, out, out)
+    recurrence_kernel[(n, n_v)](act, z, beta, alpha, dt_bias, a, sequences, norm_w, out, *codes, n_k, n_v,
+                                z.stride(0), beta.stride(0), alpha.stride(0), d_k ** -0.5, eps, D_K=d_k, D_V=d_v,
+                                BLOCK_K=triton.next_power_of_2(d_k), BLOCK_V=triton.next_power_of_2(d_v), Q8=q8,
+                                num_warps=RECURRENCE_WARPS, **pdl.flags(act))
     return (out, as_rows(codes)) if q8 else out
 
 

@@ -21,6 +21,7 @@ from sparkpack.formats.memory import DELTANET_CHUNK
 
 from ..cache import Cache, RecurrentState
 from ..layers import Normed, Rope, Rows, cat_rows, l2_norm, rms_norm, rope_inv_freq, route_softmax, wide
+from ..state_tables import StateTables
 from .base import Batch, MoEModel
 
 if TYPE_CHECKING:
@@ -109,6 +110,7 @@ class Qwen35MoE(MoEModel):
         d = self.spec.deltanet
         self.kernel, self.n_k, self.d_k, self.n_v, self.d_v = d.conv_kernel, d.n_k, d.d_k, d.n_v, d.d_v
         self.norm_topk = self.spec.norm_topk
+        self.state_tables = StateTables(self.spec.n_layer, self.device)  # the fused decode step's sequences
         self._mtp: "MTPHead | None" = None
 
     def load_mtp(self) -> "MTPHead":
@@ -142,12 +144,16 @@ class Qwen35MoE(MoEModel):
 
     def delta_net(self, il: int, h: Rows, cache: "Cache | Batch") -> torch.Tensor:
         """The Gated DeltaNet block on its normed input: the projections, the recurrence over the
-        layer's state (``delta_rule``; a batched decode step's rows one at a time, each on its
-        sequence's state), the output projection."""
+        layer's state, the output projection. One-token rows (a decode step, a batched step's
+        rows, a verify's) take the fused decode kernels in one launch for all (``delta_net_rows``);
+        the torch form (``delta_rule``) runs a batched step's rows one at a time, each on its
+        sequence's state."""
         p, T = f"blk.{il}.", h.x.shape[0]
         qkv, z, beta, alpha = self.proj.project(h, p, "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")  # qkv [T, C]
         z = z.view(T, self.n_v, self.d_v)
-        if isinstance(cache, Batch):
+        if self.kernels and qkv.dtype != torch.float64 and (T == 1 or isinstance(cache, Batch)):
+            o = self.delta_net_rows(il, qkv, z, beta, alpha, cache)
+        elif isinstance(cache, Batch):
             rows = []
             for b, c in enumerate(cache.caches):
                 rows.append(self.delta_rule(il, qkv[b:b + 1], z[b:b + 1], beta[b:b + 1], alpha[b:b + 1], c.layers[il]))
@@ -158,19 +164,23 @@ class Qwen35MoE(MoEModel):
             o = self.delta_rule(il, qkv, z, beta, alpha, cache.layers[il])
         return self.linear(o, p + "ssm_out.weight")
 
+    def recurrent(self, st: RecurrentState, qkv: torch.Tensor) -> RecurrentState:
+        """``st`` with its tensors, allocated on the first token (then updated in place: see
+        ``RecurrentState``) in ``qkv``'s type and device."""
+        if st.conv is None:
+            st.conv = qkv.new_zeros(self.kernel - 1, qkv.shape[1])
+            # the recurrent state accumulates over the whole sequence: keep it in >= float32
+            st.ssm = wide(qkv.new_zeros(self.n_v, self.d_k, self.d_v))
+        return st
+
     def delta_rule(self, il: int, qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alpha: torch.Tensor,
                    st: RecurrentState) -> Rows:
         """One sequence's DeltaNet from its projections (``qkv [T, C]``, ``z [T, n_v, d_v]``, beta
         and alpha ``[T, n_v]``) over its state ``st`` (updated): the gated normed output rows
         ``[T, n_v * d_v]`` that ``ssm_out`` projects."""
         p, w, T = f"blk.{il}.", self.w, qkv.shape[0]
-        if st.conv is None:  # allocated once, then updated in place: see RecurrentState
-            st.conv = qkv.new_zeros(self.kernel - 1, qkv.shape[1])
-            # the recurrent state accumulates over the whole sequence: keep it in >= float32
-            st.ssm = wide(qkv.new_zeros(self.n_v, self.d_k, self.d_v))
+        self.recurrent(st, qkv)
         if self.kernels and qkv.dtype != torch.float64:
-            if T == 1:
-                return self.delta_net_step(il, qkv, z, beta, alpha, st)
             return self.delta_net_prefill(il, qkv, z, beta, alpha, st)
         beta = torch.sigmoid(beta)
         g = F.softplus(alpha + w(p + "ssm_dt.bias")) * w(p + "ssm_a")
@@ -201,18 +211,23 @@ class Qwen35MoE(MoEModel):
     def route_logits(self, il: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route_softmax(logits, self.spec.n_expert_used, self.norm_topk)
 
-    def delta_net_step(self, il: int, qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alpha: torch.Tensor,
-                       st: RecurrentState) -> Rows:
-        """``delta_rule`` for one token with the fused Triton decode step (``kernels/deltanet.py``):
-        the same math as the torch form below the projections, in two launches."""
+    def delta_net_rows(self, il: int, qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alpha: torch.Tensor,
+                       cache: "Cache | Batch") -> Rows:
+        """``delta_rule`` for one-token rows with the fused Triton decode step (``kernels/deltanet.py``):
+        the same math as the torch form below the projections, two launches for all of a step's
+        rows, each sequence's taken in order on its state (a verify's, with ``Batch.states``, also
+        copied after each row), from the step's table of sequences (``runtime.state_tables``)."""
         from ..kernels import q8dot
-        from ..kernels.deltanet import deltanet_decode
+        from ..kernels.deltanet import deltanet_rows
 
-        p, w = f"blk.{il}.", self.w
-        q8 = q8dot.wanted(1, self.d_v) and self.d_v & (self.d_v - 1) == 0  # a head's blocks, whole
-        o = deltanet_decode(qkv[0], z.reshape(-1), beta[0], alpha[0], w(p + "ssm_dt.bias"), w(p + "ssm_a"),
-                            w(p + "ssm_conv1d.weight"), st.conv, st.ssm, w(p + "ssm_norm.weight"),
-                            self.n_k, self.d_k, self.eps, q8=q8)
+        p, w, T = f"blk.{il}.", self.w, qkv.shape[0]
+        caches, saved = (cache.caches, cache.states) if isinstance(cache, Batch) else ((cache,), None)
+        table = self.state_tables.get(caches, saved)
+        states = [self.recurrent(caches[first].layers[il], qkv) for first, _ in table.rows]
+        q8 = q8dot.wanted(T, self.d_v) and self.d_v & (self.d_v - 1) == 0  # a head's blocks, whole
+        o = deltanet_rows(qkv, z.reshape(T, -1), beta, alpha, w(p + "ssm_dt.bias"), w(p + "ssm_a"),
+                          w(p + "ssm_conv1d.weight"), table.layer(il, states, saved), w(p + "ssm_norm.weight"),
+                          self.n_k, self.d_k, self.d_v, self.eps, q8=q8)
         return Rows(*o) if q8 else Rows(o)
 
     def delta_net_prefill(self, il: int, qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor,
