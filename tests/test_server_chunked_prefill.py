@@ -172,3 +172,20 @@ def test_greedy_replies_through_chunked_prefill_and_a_prefill_given_up(synth_mod
         assert httpx.get(server.base + "/health").status_code == 200
     finally:
         assert server.stop(signal.SIGINT) == 0
+
+
+def test_step_tokens_needs_a_parallel_server(synth_model):
+    """--step-tokens shares a step between prompts and running replies: refused in one line
+    without --serve, with --parallel 1, and below 0."""
+    from tests.procs import SPARK_RUN, error_lines, run
+
+    path = str(synth_model("qwen3moe"))
+    res = run([*SPARK_RUN, path, "-p", "hi", "--step-tokens", "64"])
+    assert res.returncode == 1 and error_lines(res.stderr) == [
+        "spark-run: error: --step-tokens is the prompt tokens a server prefills per decode step: use it with --serve"]
+    res = run([*SPARK_RUN, path, "--serve", "--port", "0", "--parallel", "1", "--step-tokens", "64"])
+    assert res.returncode == 1 and error_lines(res.stderr) == [
+        "spark-run: error: --step-tokens interleaves a prompt with other requests' decode steps: "
+        "it needs --parallel 2 or more"]
+    res = run([*SPARK_RUN, path, "--serve", "--port", "0", "--step-tokens", "-1"])
+    assert res.returncode == 2 and "--step-tokens" in res.stderr and "Traceback" not in res.stderr
