@@ -154,12 +154,12 @@ def test_parallel_dry_run_on_a_tiny_model(synth_model, tmp_path, prompts):
     out = tmp_path / "out"
     result = pb.main([str(synth_model("qwen3moe")), "--prompts", str(prompts), "--device", "cpu", "--vram", "all",
                       "--ctx", "2048", "--parallel", "2", "--streams", "1", "2", "--decode-tokens", "12",
-                      "--prompt-tokens", "60", "--long-prompt-tokens", "1500", "--out", str(out)])
+                      "--prompt-tokens", "60", "--long-prompt-tokens", "400", "--out", str(out)])
     (spark,) = result["results"]
     assert spark["server"] == "sparkpack --parallel 2"
     assert [r["streams"] for r in spark["rows"]] == [1, 2] and all(sum(r["tokens"]) > 0 for r in spark["rows"])
     assert spark["idle_first_token_s"] > 0 and spark["busy_first_token_s"] > 0
-    assert spark["long_prompt_tokens"] > 1000 and spark["short_during_prefill_s"] > 0
+    assert spark["long_prompt_tokens"] > 300 and spark["short_during_prefill_s"] > 0
     assert spark["long_prompt_first_token_s"] > 0 and spark["running_stream_longest_gap_s"] > 0
     assert json.loads((out / "parallel_bench.json").read_text()) == result["results"]
     table = (out / "parallel_bench.md").read_text()
