@@ -13,6 +13,7 @@ from sparkpack.runtime.expert_source import GGUFSource
 from sparkpack.runtime.expert_store import ExpertStore
 from sparkpack.runtime.generate import GENERATED, Session
 from sparkpack.runtime.models import load_model
+from tests.devices import open_model
 from tests.marks import quick_first
 from tests.test_conversation_cache import BLOCK, BREAK, check_index, ids_of, system
 from tests.test_staged_prefill import hot_mask, opened
@@ -56,13 +57,19 @@ def same_state(a: Session, b: Session) -> None:
         assert a.reuse.checkpoints.positions == b.reuse.checkpoints.positions
 
 
+def model_on(synth_model, arch: str, device: str):
+    return open_model(synth_model(arch, "Q4_K_M" if device == "cuda" else "Q8_0"), device)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("arch", quick_first(ARCHS))
-def test_a_chunked_prompt_gives_the_one_shot_bits(synth_model, arch):
+def test_a_chunked_prompt_gives_the_one_shot_bits(synth_model, arch, device):
     """Turns of a conversation (a reused prefix, a divergence, a repeat), each fed one-shot in one
     session and chunked in another while a third decodes between the chunks: the logits, call
     ends, exact rows and state copies are equal; a budget below a call still feeds one call, a
-    budget of two calls feeds two."""
-    model = load_model(synth_model(arch))
+    budget of two calls feeds two. On CUDA (skipped without): captured prefill calls and
+    decode steps, half residency."""
+    model = model_on(synth_model, arch, device)
     one_shot, chunks, other = new_session(model), new_session(model), new_session(model)
     other.prompt(ids_of(9, 20))
     turn1 = system(1, 40) + ids_of(2, 30)
@@ -93,13 +100,14 @@ def test_a_prompt_given_up_midway_leaves_a_state_a_later_prompt_keeps(synth_mode
     assert session.reused == 3 * CALL and torch.equal(logits, new_session(model).feed(ids))
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("arch", quick_first(ARCHS))
-def test_a_chunked_prompt_resumed_from_the_conversation_cache(synth_model, arch):
+def test_a_chunked_prompt_resumed_from_the_conversation_cache(synth_model, arch, device):
     """Two sessions sharing a conversation cache (as ``--parallel``'s do), every prompt chunked: a
     conversation's next turn in the other session resumes from the entry the first left, a shared
     first message's mark becomes an entry, a turn given up midway leaves an entry of its exact
     rows; every prompt's logits are a fresh session's."""
-    model = load_model(synth_model(arch))
+    model = model_on(synth_model, arch, device)
     a, b = new_session(model), new_session(model)
     cache = ConversationCache(a, 1 << 30, block=BLOCK)
 
