@@ -5,9 +5,12 @@ rows and DeltaNet state copies, after a reused prefix, a conversation-cache resu
 group; and a feed given up midway leaves a whole state that a later prompt keeps."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from sparkpack.formats.archs import model_spec
+from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.runtime.conversation_cache import ConversationCache
 from sparkpack.runtime.expert_source import GGUFSource
 from sparkpack.runtime.expert_store import ExpertStore
@@ -15,11 +18,19 @@ from sparkpack.runtime.generate import GENERATED, Session
 from sparkpack.runtime.models import load_model
 from tests.devices import open_model
 from tests.marks import quick_first
-from tests.test_conversation_cache import BLOCK, BREAK, check_index, ids_of, system
-from tests.test_staged_prefill import hot_mask, opened
 
 CALL = 16
+BLOCK = 32  # positions per conversation-cache block (tiny prompts would fit in one of the server's)
+BREAK = 5  # a stand-in for the chat template's control tokens
 ARCHS = ["qwen35moe", "laguna", "qwen3moe"]
+
+
+def ids_of(seed: int, n: int) -> list[int]:
+    return torch.randint(10, 1700, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def system(seed: int, n: int) -> list[int]:
+    return [BREAK] + ids_of(seed, n) + [BREAK]  # one message: control tokens around its text
 
 
 @pytest.fixture(autouse=True)
@@ -118,7 +129,6 @@ def test_a_chunked_prompt_resumed_from_the_conversation_cache(synth_model, arch,
             cache.after_prompt(ids, resume, session)
             assert torch.equal(logits, new_session(model).feed(ids))
         cache.request_ended(keep=True, session=session)
-        check_index(cache)
         return session.reused, resume.tier
 
     first = system(1, 60) + ids_of(2, 30)
@@ -140,11 +150,14 @@ def test_a_chunked_prompt_resumed_from_the_conversation_cache(synth_model, arch,
 def test_staged_groups_stay_whole(synth_model, arch):
     """Where the store stages, calls run in groups layer by layer: an advance runs whole groups
     (one when the budget holds less), the same groups as the one-shot prompt, with its bits."""
-    gguf, spec = opened(synth_model(arch, "Q4_K_M", skew=1.0))
+    gguf = GGUFModel(synth_model(arch, "Q4_K_M", skew=1.0))
+    spec = model_spec(gguf)
+    hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
+    hot[list(spec.moe_layers), :spec.n_expert // 2] = True  # half of every MoE layer's experts on the "device"
 
     def staged_session() -> Session:
         model = load_model(gguf)
-        store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot_mask(spec, 0.5), mode="zerocopy")
+        store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot, mode="zerocopy")
         store.staged_prefill = lambda n_tokens: n_tokens >= 2
         model.experts = model.store = store
         return Session(model, prefill_chunk=CALL, ctx=128, breaks=frozenset({BREAK}))
