@@ -1,10 +1,11 @@
-"""Concurrent requests (issue 46): decode speed with 1, 2 and 4 streams at once, and the time to
-first token of a short request that arrives during another stream's long reply, sparkpack's server
-next to llama-server on the same file, one command.
+"""Concurrent requests (issue 46): decode speed with 1, 2 and 4 streams at once, the time to
+first token of a short request that arrives during another stream's long reply, and what a long
+prompt's prefill costs the others, sparkpack's server next to llama-server on the same file, one
+command.
 
     python bench/parallel_bench.py MODEL.gguf --prompts DIR [--vram 14GiB|all] [--parallel 4]
-           [--streams 1 2 4] [--decode-tokens 256] [--prompt-tokens 300] [--out DIR]
-           [--llama-server BIN] [--n-cpu-moe auto|N]
+           [--streams 1 2 4] [--decode-tokens 256] [--prompt-tokens 300] [--long-prompt-tokens 6000]
+           [--out DIR] [--llama-server BIN] [--n-cpu-moe auto|N] [--spark-arg=--step-tokens=N]
 
 On the GPU machine, from the repo root after ``. bench/device_env.sh``. Each stream is a greedy
 streaming chat request through the openai client on its own prompt (``--prompt-tokens`` cut from
@@ -12,7 +13,11 @@ the agents' prompts in ``DIR``); the streams start together. Reported per stream
 aggregate decode rate (every stream's tokens after its first, over the span from the first
 stream's first token to the last stream's last) and the mean per-stream rate. Then a long stream
 (4x ``--decode-tokens``) runs and, a second in, a ``--prompt-tokens`` request asks for one
-token: its time to first token next to the same request on the idle server. sparkpack runs as
+token: its time to first token next to the same request on the idle server. Last, during another
+long stream a ``--long-prompt-tokens`` request asks for one token and, half a second later, the
+short one does: the short request's time to first token during that prefill, the long prompt's
+own, and the running stream's longest wait between two tokens (how long it stalled; chunked
+prefill, ``--step-tokens``, bounds it). sparkpack runs as
 ``spark-run --serve --parallel N`` (``--vram all``: no budget, every expert on the GPU);
 llama-server with ``-np N`` (its continuous batching) and ``--n-cpu-moe`` fitting the same
 memory (``serve_bench.choose_n_cpu_moe``; 0 with ``--vram all``). Targets (issue 46): 4 streams
@@ -41,14 +46,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--decode-tokens", type=int, default=256)
     p.add_argument("--prompt-tokens", type=int, default=300)
+    p.add_argument("--long-prompt-tokens", type=int, default=6000,
+                   help="the long prompt prefilled while a stream runs (within --ctx)")
     return sb.checked(p, p.parse_args(argv))
 
 
-def prompts(args: argparse.Namespace, n: int) -> list[list[dict]]:
-    """``n`` different conversations of about ``--prompt-tokens`` (words stand in for tokens: the
-    two servers get the same text)."""
+def prompts(args: argparse.Namespace, n: int, tokens: int | None = None) -> list[list[dict]]:
+    """``n`` different conversations of about ``tokens`` (``--prompt-tokens``; words stand in for
+    tokens: the two servers get the same text)."""
     words = " ".join(f.read_text(encoding="utf-8") for f in sorted(args.prompts.glob("*.md"))).split()
-    size = args.prompt_tokens * 3 // 4
+    size = (args.prompt_tokens if tokens is None else tokens) * 3 // 4
+    while len(words) < size:
+        words += words
     out = []
     for i in range(n):
         start = (i * 997) % max(1, len(words) - size)
@@ -94,13 +103,32 @@ def interrupted_first_token(base: str, args: argparse.Namespace, convs: list[lis
     return {"idle_first_token_s": idle, "busy_first_token_s": busy}
 
 
+def during_prefill(base: str, args: argparse.Namespace, convs: list[list[dict]]) -> dict:
+    """A long prompt sent during a long reply, and a short request half a second after it."""
+    long_prompt = prompts(args, 1, args.long_prompt_tokens)[0]
+    running: list[sb.Stream] = []
+    reply = threading.Thread(target=lambda: running.append(sb.chat(base, convs[0], args.decode_tokens * 4)))
+    reply.start()
+    time.sleep(1.0)
+    long: list[sb.Timed] = []
+    prefill = threading.Thread(target=lambda: long.append(sb.timed(base, long_prompt, 1)))
+    prefill.start()
+    time.sleep(0.5)
+    short = sb.timed(base, convs[1], 1).seconds
+    prefill.join()
+    reply.join()
+    return {"short_during_prefill_s": short, "long_prompt_first_token_s": long[0].seconds,
+            "long_prompt_tokens": long[0].prompt_tokens, "running_stream_longest_gap_s": running[0].gap}
+
+
 def measure(server: sb.Server, args: argparse.Namespace) -> dict:
     convs = prompts(args, max(max(args.streams), 2))
     server.start()
     try:
         sb.chat(server.base, convs[0], 8)  # warm: the first request compiles/captures what it needs
         rows = [rates(together(server.base, convs[:n], args.decode_tokens)) for n in args.streams]
-        return {"server": server.name, "rows": rows, **interrupted_first_token(server.base, args, convs)}
+        return {"server": server.name, "rows": rows, **interrupted_first_token(server.base, args, convs),
+                **during_prefill(server.base, args, convs)}
     finally:
         server.stop()
 
@@ -131,6 +159,11 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
     lines += ["", "| server | short request's first token, idle | during a long reply |", "| --- | --- | --- |"]
     for r in results:
         lines.append(f"| {r['server']} | {r['idle_first_token_s']:.3f} s | {r['busy_first_token_s']:.3f} s |")
+    lines += ["", "| server | long prompt (tokens) | its first token | a short request's first token during it "
+              "| a running stream's longest stall |", "| --- | --- | --- | --- | --- |"]
+    for r in results:
+        lines.append(f"| {r['server']} | {r['long_prompt_tokens']} | {r['long_prompt_first_token_s']:.3f} s "
+                     f"| {r['short_during_prefill_s']:.3f} s | {r['running_stream_longest_gap_s']:.3f} s |")
     return "\n".join(lines) + "\n"
 
 

@@ -260,6 +260,7 @@ class Stream:
     first: float | None = None  # when the first token's text arrived
     last: float | None = None
     text: str = ""
+    gap: float = 0.0  # the longest wait between two chunks with text (a stream stalled)
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -286,6 +287,7 @@ def chat(base: str, messages: list[dict], max_tokens: int) -> Stream:
                 chunks += 1
                 out.text += delta.content or ""
                 out.first = out.first or now
+                out.gap = max(out.gap, now - (out.last or now))
                 out.last = now
     out.tokens = out.tokens or chunks
     return out

@@ -200,6 +200,10 @@ def chat_ids(tok, template: str, messages: list[dict]) -> list[int]:
               help="With --serve: requests decoded together, one token each per step (each reply the one it "
                    "gets alone), each with its KV cache at --ctx (--vram holds them all); 1 computes one request "
                    "at a time. [4]")
+@click.option("--step-tokens", type=click.IntRange(min=0),
+              help="With --serve and --parallel 2 or more: prompt tokens prefilled per decode step, so that a long "
+                   "prompt is fed in chunks between the running requests' tokens (whole calls: at least one a "
+                   "step); 0 prefills a prompt whole while the others wait. [512]")
 @learning_options  # --no-learn --force --half-life --generated-weight --profile-save-every --bootstrap --trace-out
 def run_cmd(model_path: Path, prompt: str | None, prompt_file: Path | None, system: str | None, raw: bool,
             prompt_ids: str | None, prompt_ids_file: Path | None, logits_out: Path | None, **flags: Any) -> None:

@@ -166,15 +166,9 @@ class Session:
         way (``runtime.prefix_reuse``) and computes the rest; ``reused`` says how many tokens.
         ``marks``: positions (call ends) whose states are copied on the way and kept until the
         next prompt, for ``state_at`` (``runtime.conversation_cache``: shared prefixes)."""
-        if not ids:
-            raise ValueError("nothing to feed: empty token list")
-        keep = self.reuse.start(ids, self.fed, marks)
-        self.fed = self.fed[:keep]
-        if self.draft is not None:
-            self.draft.rewind(keep)
-        self.reused = keep
-        # A fresh session's lone first token is a decode step (captured); any later call is not.
-        return self._run(ids, keep, graph=keep == 0, side=side)
+        feed = self.start_prompt(ids, side, marks)
+        feed.advance()
+        return feed.logits
 
     def reusable(self, ids: list[int]) -> int:
         """How many tokens of ``ids`` ``prompt`` would keep now (``PrefixReuse.reusable``)."""
@@ -197,54 +191,24 @@ class Session:
         if self.draft is not None:
             self.draft.start_at(state.pos)
 
+    def start_prompt(self, ids: list[int], side: str = PROMPT, marks: frozenset[int] = frozenset()) -> PromptFeed:
+        """``prompt`` to be run a few calls at a time (``PromptFeed.advance``): the prefix is kept
+        now (``reused``), nothing is computed yet."""
+        if not ids:
+            raise ValueError("nothing to feed: empty token list")
+        keep = self.reuse.start(ids, self.fed, marks)
+        self.fed = self.fed[:keep]
+        if self.draft is not None:
+            self.draft.rewind(keep)
+        self.reused = keep
+        # A fresh session's lone first token is a decode step (captured); any later call is not.
+        return PromptFeed(self, ids, keep, graph=keep == 0, side=side)
+
     def _run(self, ids: list[int], n: int, graph: bool, side: str) -> torch.Tensor:
         """Feed ``ids[n:]`` (tokens of ``side``) after the ``n`` tokens in the cache; the logits of the last."""
-        self.model.experts.routing_side(side)
-        t0 = time.perf_counter()
-        collect = self.draft is not None and self.draft.drafter.needs_hidden
-        if collect:  # the drafter reads these rows' hidden states: eager calls append them
-            self.model.hidden_out = self.draft.pending
-        try:
-            logits, capturing = self._calls(ids, n, graph and not collect)
-        finally:
-            self.model.hidden_out = None
-        if logits.is_cuda:
-            torch.cuda.synchronize(logits.device)
-        dt, new = time.perf_counter() - t0, len(ids) - n
-        if capturing:  # kept out of the decode rate, which describes the steady state
-            self.timing.capture_seconds += dt
-        elif new == 1:
-            self.timing.decode_tokens += 1
-            self.timing.decode_seconds += dt
-        else:
-            self.timing.prefill_tokens += new
-            self.timing.prefill_seconds += dt
-        self.fed = list(ids)
-        return logits
-
-    def _calls(self, ids: list[int], n: int, graph: bool) -> tuple[torch.Tensor, bool]:
-        """``_run``'s calls: the last token's logits, and whether a decode step was captured."""
-        logits = None
-        capturing = False
-        if len(ids) - n == 1 and graph and self.use_graphs:
-            if self.graph is None:
-                self.graph = DecodeGraph(self.model, self.cache)
-            captures = self.graph.captures
-            logits = self.graph.step(ids[-1])  # None past the graph's KV room: eager below
-            capturing = self.graph.captures > captures
-        if logits is None:
-            calls = self.plan.calls(ids, n, self.reuse.cuts[-1], self.reuse.exact)
-            for group in self.plan.groups(calls, self.reuse.marks):
-                logits = self._grouped(ids, group) if self.plan.staged else None
-                if logits is None:
-                    for c in group:
-                        chunk = ids[c.start:c.end]
-                        logits = self.prefill.feed(chunk) if self.prefill is not None else None
-                        if logits is None:
-                            logits = self.model.forward(chunk, self.cache, last_only=True)[-1]
-                        self.reuse.ended(c, save=True)
-            self.reuse.save_windows()
-        return logits, capturing
+        feed = PromptFeed(self, ids, n, graph, side)
+        feed.advance()
+        return feed.logits
 
     def verify(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed ``tokens`` (the token just picked, then the drafts after it) after the fed ones in
@@ -326,6 +290,111 @@ class Session:
         launched before the host reads the token it feeds (``runtime.decode_ahead``); ``pick``
         chooses each on the device, ``seen`` collects the logits each was picked from."""
         return decode_ahead(self, logits, n, pick, seen)
+
+
+class PromptFeed:
+    """One feed of a ``Session`` (``start_prompt``, or ``feed`` and ``prompt`` at once) run a few
+    of its call groups at a time (``advance``), so that a server can put other sequences' decode
+    steps between them (``runtime.server.parallel``: chunked prefill). The calls and groups are
+    those a one-shot feed runs, in its order (``CallPlan.calls``, fixed when the feed starts), a
+    staged group whole: where a feed pauses changes when its calls run, never what they compute.
+    Between advances the session holds the tokens fed so far (``fed``): a feed given up midway (a
+    client gone) leaves the state of a shorter prompt, whose exact rows a later prompt keeps."""
+
+    def __init__(self, session: Session, ids: list[int], n: int, graph: bool, side: str):
+        self.session, self.ids, self.side = session, ids, side
+        self.pos = n  # tokens in the cache
+        self.logits: torch.Tensor | None = None  # the last token's, once done
+        self.done = False
+        self._new = len(ids) - n  # one: a decode step's time, more: a prefill's
+        self._collect = session.draft is not None and session.draft.drafter.needs_hidden
+        self._graph = graph and not self._collect
+        # The call groups left; None: not planned yet (a lone token may take the captured decode step).
+        self._groups: list[list[PlannedCall]] | None = None
+        self._eager = False  # calls were planned (not a captured decode step): rings' windows copied at the end
+        if not self._captured_step():
+            self._plan()
+
+    def _captured_step(self) -> bool:
+        return self._graph and self._new == 1 and self.session.use_graphs
+
+    def _plan(self) -> None:
+        s = self.session
+        self._eager = True
+        self._groups = s.plan.groups(s.plan.calls(self.ids, self.pos, s.reuse.cuts[-1], s.reuse.exact), s.reuse.marks)
+
+    @property
+    def left(self) -> int:
+        """Tokens not fed yet."""
+        return len(self.ids) - self.pos
+
+    @property
+    def next_tokens(self) -> int:
+        """The tokens the next ``advance`` feeds at least (its first group's)."""
+        if not self._groups:
+            return self.left
+        return self._groups[0][-1].end - self._groups[0][0].start
+
+    def advance(self, budget: int | None = None) -> int:
+        """Run call groups while their tokens fit in ``budget`` (always one; None: all that are
+        left) and return how many tokens were fed; ``done`` and ``logits`` say when it is over."""
+        s = self.session
+        if self.done:
+            return 0
+        s.model.experts.routing_side(self.side)
+        if self._collect:  # the drafter reads these rows' hidden states: eager calls append them
+            s.model.hidden_out = s.draft.pending
+        t0, start, capturing = time.perf_counter(), self.pos, False
+        try:
+            if self._groups is None:  # a lone token: the captured decode step
+                if s.graph is None:
+                    s.graph = DecodeGraph(s.model, s.cache)
+                captures = s.graph.captures
+                self.logits = s.graph.step(self.ids[-1])  # None past the graph's KV room: eager calls
+                capturing = s.graph.captures > captures
+                if self.logits is None:
+                    self._plan()
+                else:
+                    self.pos, self._groups = len(self.ids), []
+            while self._groups and (self.pos == start or budget is None or self.pos - start + self.next_tokens <= budget):
+                self.logits = self._run_group(self._groups.pop(0))
+        finally:
+            s.model.hidden_out = None
+        if s.model.device.type == "cuda":
+            torch.cuda.synchronize(s.model.device)
+        self.done = not self._groups
+        if self.done and self._eager:
+            s.reuse.save_windows()
+        self._account(time.perf_counter() - t0, self.pos - start, capturing)
+        s.fed = list(self.ids) if self.done else self.ids[:self.pos]
+        return self.pos - start
+
+    def _run_group(self, group: list[PlannedCall]) -> torch.Tensor:
+        """The logits of ``group``'s last token (staged together where the plan stages, else call by call)."""
+        s, ids = self.session, self.ids
+        logits = s._grouped(ids, group) if s.plan.staged else None
+        if logits is None:
+            for c in group:
+                chunk = ids[c.start:c.end]
+                logits = s.prefill.feed(chunk) if s.prefill is not None else None
+                if logits is None:
+                    logits = s.model.forward(chunk, s.cache, last_only=True)[-1]
+                s.reuse.ended(c, save=True)
+        self.pos = group[-1].end
+        return logits
+
+    def _account(self, seconds: float, tokens: int, capturing: bool) -> None:
+        """The advance's time in the session's ``Timing``: a lone token is a decode step (or a
+        capture, kept out of the decode rate, which describes the steady state), more a prefill."""
+        timing = self.session.timing
+        if capturing:
+            timing.capture_seconds += seconds
+        elif self._new == 1:
+            timing.decode_tokens += 1
+            timing.decode_seconds += seconds
+        else:
+            timing.prefill_tokens += tokens
+            timing.prefill_seconds += seconds
 
 
 def generate(model: MoEModel, tokenizer: StopTokens | None, prompt_ids: list[int], sampler: TokenSampler | None,

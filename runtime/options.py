@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparkpack.formats.decayed_routing import HALF_LIFE_TOKENS
 from sparkpack.formats.errors import SparkpackError
-from sparkpack.formats.memory import PREFILL_CHUNK, STAGE_TOKENS
+from sparkpack.formats.memory import PREFILL_CHUNK, PREFILL_GRAPH_TOKENS, STAGE_TOKENS
 from sparkpack.formats.placement import GEN_WEIGHT, Budget
 from sparkpack.formats.profile_file import SAVE_EVERY_S
 
@@ -51,6 +51,9 @@ ONE_SHOT_MAX_TOKENS = 256
 # Requests a server keeps in flight, decoded together (--parallel): agents overlap requests (a
 # subagent, a side request beside the main turn), and llama-server keeps 4 slots by default too.
 DEFAULT_PARALLEL = 4
+# Prompt tokens a --parallel server prefills per decode step (--step-tokens): one captured call's
+# (why: runtime.server.parallel).
+DEFAULT_STEP_TOKENS = PREFILL_GRAPH_TOKENS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,6 +158,7 @@ class ServeOptions:
     cache_ram: int | None = None  # conversation states in host RAM (None: default_cache_ram)
     cache_dir: Path | None = None  # ... and in this folder (None: none)
     parallel: int = DEFAULT_PARALLEL  # requests decoded together (``server.parallel.ParallelEngine``); 1: ``server.engine.Engine``
+    step_tokens: int = DEFAULT_STEP_TOKENS  # prompt tokens prefilled per decode step (0: a prompt whole)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,7 +204,7 @@ def run_options(model_path: Path, *, device: str = "auto", dtype: str = "auto", 
                 bootstrap: str | None = None, bootstrap_background: bool = False, trace_out: Path | None = None,
                 serve: bool = False, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
                 api_key_file: Path | None = None, cache_ram: int | None = None, cache_dir: Path | None = None,
-                parallel: int | None = None, draft: str = "off", draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+                parallel: int | None = None, step_tokens: int | None = None, draft: str = "off", draft_tokens: int = DEFAULT_DRAFT_TOKENS,
                 **sampling: Any) -> RunOptions:
     """The one place flags become a ``RunOptions``: keyword arguments named as click names
     spark-run's flags (a misspelt one is a TypeError), any left out at the flag's default. The
@@ -217,6 +221,8 @@ def run_options(model_path: Path, *, device: str = "auto", dtype: str = "auto", 
         raise SparkpackError(None, "--cache-ram and --cache-dir keep a server's conversations: use them with --serve")
     if not serve and parallel is not None:
         raise SparkpackError(None, "--parallel is the number of requests a server decodes together: use it with --serve")
+    if not serve and step_tokens is not None:
+        raise SparkpackError(None, "--step-tokens is the prompt tokens a server prefills per decode step: use it with --serve")
     if draft not in DRAFT_KINDS:
         raise SparkpackError(None, f"--draft must be one of {', '.join(DRAFT_KINDS)}, got {draft!r}")
     if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
@@ -225,6 +231,9 @@ def run_options(model_path: Path, *, device: str = "auto", dtype: str = "auto", 
         raise SparkpackError(None, "--draft drafts for one sequence at a time: it cannot be combined with --parallel")
     # a drafting server holds one sequence (the drafts verify one sequence's tokens)
     parallel = parallel if parallel is not None else (1 if draft != "off" else DEFAULT_PARALLEL)
+    if step_tokens is not None and parallel == 1:
+        raise SparkpackError(None, "--step-tokens interleaves a prompt with other requests' decode steps: "
+                                   "it needs --parallel 2 or more")
     device = resolve_device(device)
     store_asked = ((vram, hot_fraction, cache_slots, profile, host_ram) != (None,) * 5 or miss_mode != "auto"
                    or bootstrap is not None or trace_out is not None)  # (only the store sees the routings)
@@ -244,12 +253,15 @@ def run_options(model_path: Path, *, device: str = "auto", dtype: str = "auto", 
                       sampling=SamplingOptions(**sampling), draft=DraftOptions(kind=draft, tokens=draft_tokens),
                       max_tokens=max_tokens, learning=learning,
                       serve=serve_options(host=host, port=port, api_key=api_key, api_key_file=api_key_file,
-                                          cache_ram=cache_ram, cache_dir=cache_dir, parallel=parallel) if serve else None,
+                                          cache_ram=cache_ram, cache_dir=cache_dir, parallel=parallel,
+                                          step_tokens=DEFAULT_STEP_TOKENS if step_tokens is None else step_tokens)
+                      if serve else None,
                       stats_json=stats_json)
 
 
 def serve_options(*, host: str, port: int, api_key: str | None, api_key_file: Path | None,
-                  cache_ram: int | None, cache_dir: Path | None, parallel: int = DEFAULT_PARALLEL) -> ServeOptions:
+                  cache_ram: int | None, cache_dir: Path | None, parallel: int = DEFAULT_PARALLEL,
+                  step_tokens: int = DEFAULT_STEP_TOKENS) -> ServeOptions:
     """The --serve flags as ``ServeOptions`` (the key read from its file)."""
     if api_key is not None and api_key_file is not None:
         raise SparkpackError(None, "give either --api-key or --api-key-file, not both")
@@ -258,7 +270,7 @@ def serve_options(*, host: str, port: int, api_key: str | None, api_key_file: Pa
         if not api_key:
             raise SparkpackError(api_key_file, "is empty: it should hold the API key")
     return ServeOptions(host=host, port=port, api_key=api_key, cache_ram=cache_ram, cache_dir=cache_dir,
-                        parallel=parallel)
+                        parallel=parallel, step_tokens=step_tokens)
 
 
 def resolve_device(device: str) -> str:

@@ -31,7 +31,8 @@ def test_every_flag_has_a_field():
                   "--top-p", "0.5", "--min-p", "0.1", "--repeat-penalty", "1.1", "--seed", "9",
                   "--stats-json", "s.json", "--half-life", "5000", "--generated-weight", "0.25",
                   "--profile-save-every", "3", "--force", "--trace-out", "t.trace", "--serve", "--host", "::1",
-                  "--port", "0", "--api-key", "k", "--cache-ram", "1MiB", "--cache-dir", "states", "--parallel", "3")
+                  "--port", "0", "--api-key", "k", "--cache-ram", "1MiB", "--cache-dir", "states", "--parallel", "3",
+                  "--step-tokens", "64")
     assert opts == RunOptions(
         model_path=Path("m.gguf"), device="cpu", dtype="float64", threads=2, dequant_limit=2**20,
         store=StoreOptions(vram=2**30, hot_fraction=0.5, cache_slots=3, profile=Path("p.json"), miss_mode="zerocopy",
@@ -40,7 +41,8 @@ def test_every_flag_has_a_field():
         session=SessionOptions(ctx=512, kv_type="q8_0", prefill_chunk=64, sequences=3), max_tokens=7, stats_json=Path("s.json"),
         sampling=SamplingOptions(temperature=0.5, top_k=3, top_p=0.5, min_p=0.1, repetition_penalty=1.1, seed=9),
         learning=LearningFlags(trace_out=Path("t.trace")),
-        serve=ServeOptions(host="::1", port=0, api_key="k", cache_ram=2**20, cache_dir=Path("states"), parallel=3))
+        serve=ServeOptions(host="::1", port=0, api_key="k", cache_ram=2**20, cache_dir=Path("states"), parallel=3,
+                           step_tokens=64))
     with pytest.raises(dataclasses.FrozenInstanceError):
         opts.session.ctx = 1  # type: ignore[misc]
     with pytest.raises(TypeError):

@@ -153,16 +153,20 @@ def test_conversations_llama_server_column(tmp_path):
 @pytest.mark.slow
 def test_parallel_dry_run_on_a_tiny_model(synth_model, tmp_path, prompts):
     """bench/parallel_bench.py end to end: a real spark-run --serve --parallel 2, one and two
-    streams at once, a short request during a long reply, and its table."""
+    streams at once, a short request during a long reply and during a long prompt's prefill, and
+    its tables."""
     import parallel_bench as pb
 
     out = tmp_path / "out"
     result = pb.main([str(synth_model("qwen3moe")), "--prompts", str(prompts), "--device", "cpu", "--vram", "all",
                       "--ctx", "2048", "--parallel", "2", "--streams", "1", "2", "--decode-tokens", "12",
-                      "--prompt-tokens", "60", "--out", str(out)])
+                      "--prompt-tokens", "60", "--long-prompt-tokens", "400", "--out", str(out)])
     (spark,) = result["results"]
     assert spark["server"] == "sparkpack --parallel 2"
     assert [r["streams"] for r in spark["rows"]] == [1, 2] and all(sum(r["tokens"]) > 0 for r in spark["rows"])
     assert spark["idle_first_token_s"] > 0 and spark["busy_first_token_s"] > 0
+    assert spark["long_prompt_tokens"] > 300 and spark["short_during_prefill_s"] > 0
+    assert spark["long_prompt_first_token_s"] > 0 and spark["running_stream_longest_gap_s"] > 0
     assert json.loads((out / "parallel_bench.json").read_text()) == result["results"]
-    assert "| sparkpack --parallel 2 | 2 |" in (out / "parallel_bench.md").read_text()
+    table = (out / "parallel_bench.md").read_text()
+    assert "| sparkpack --parallel 2 | 2 |" in table and f"| sparkpack --parallel 2 | {spark['long_prompt_tokens']} |" in table

@@ -53,7 +53,7 @@ class Outcome:
     error: str | None = None
     queued_seconds: float = 0.0
     first_token_seconds: float | None = None  # from arrival (queue wait included)
-    prefill_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # its prompt's calls (prefilled in chunks: not the steps between them)
     decode_seconds: float = 0.0
     split: RequestSplit | None = None  # where the computed request's time went (benchmarks read it)
 

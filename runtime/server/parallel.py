@@ -1,23 +1,35 @@
 """``--parallel N``: up to N requests in flight, their sequences decoded together, one token each
 per step (continuous batching; nano-vllm's scheduler is the model).
 
-A waiting list (the queue) and a running list: at every step the requests that arrived join (their
-prompt prefilled in its own session, one of N kept between requests: the free session whose
-previous sequence shares the most of the prompt keeps it, ``Session.prompt``, unless the
-conversation cache holds a state that keeps more, which that session resumes from, as the serial
-engine's one session does; a request finding no free session waits in the queue), then each
-running sequence takes its next token from its last logits, and those still running decode one batched step
-(``runtime.batch_step.decode_together``). A sequence that finishes, hits a stop, or whose client
-is gone leaves at once, and its session takes the next waiting request. Each row of a batched
-step is the bits of the sequence decoding alone (``MoEModel.decode_batch``), so a greedy reply is
-the one the serial engine gives.
+A waiting list (the queue), a joining list and a running list. At every step the requests that
+arrived take a free session (one of N kept between requests: the free session whose previous
+sequence shares the most of the prompt keeps it, unless the conversation cache holds a state that
+keeps more, which that session resumes from, as the serial engine's one session does; a request
+finding no free session waits in the queue) and join: their prompts are prefilled
+(``Session.start_prompt``) at most ``step_tokens`` prompt tokens per step, the prompt with the
+fewest tokens left first, so a short request that arrives during a long prompt is answered before
+it. Then each running sequence takes its next token from its last logits, and those still running
+decode one batched step (``runtime.batch_step.decode_together``); a prompt whose prefill is done
+takes its first token at that step. A sequence that finishes, hits a stop, or whose client is gone
+leaves at once (a prompt midway too: the session keeps what it fed, a shorter prompt's whole
+state), and its session takes the next waiting request. Each row of a batched step is the bits of
+the sequence decoding alone (``MoEModel.decode_batch``), and a prompt fed in chunks runs the calls
+of a one-shot prompt (``PromptFeed``), so a greedy reply is the one the serial engine gives.
+
+Chunked prefill is vLLM's (a token budget per step, running sequences first); here the step's
+prefill work runs as its own calls beside the batched decode step, not in one forward with it.
+The budget counts whole call groups (a prompt's calls are cut by ``runtime.call_plan``, a staged
+group stays whole): a step runs at least one group, more while they fit. Why ``options.DEFAULT_STEP_TOKENS``
+is one captured call's tokens: a GPU prompt already runs in calls of that size (on the models
+that capture them; longer eager calls elsewhere and after a long past, one a step), so a
+running stream's step grows by at most one call whatever the prompt's length, and the prompt
+runs in the calls it runs in alone, paying only the decode steps between them. 0 feeds a joining
+prompt whole before the step (the running streams wait for it).
 
 On a GPU the batched step is replayed from a CUDA graph per set of sessions (``runtime.graph.
 BatchGraphs``; the rows in session order, so a set is one graph whatever order its requests came in).
 
-Not yet: prompts prefilled in chunks between decode steps (a joining prompt is prefilled whole
-before the step, and the running sequences wait for it). A structured output's grammar is applied
-per sequence, as in the serial engine. Work between requests (placement learning) runs when no
+A structured output's grammar is applied per sequence, as in the serial engine. Work between requests (placement learning) runs when no
 sequence is in flight.
 """
 from __future__ import annotations
@@ -34,9 +46,10 @@ import torch
 from prometheus_client.metrics_core import GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from ..batch_step import decode_together
-from ..conversation_cache import ConversationCache
-from ..generate import Session
+from ..conversation_cache import ConversationCache, Resume
+from ..generate import PromptFeed, Session
 from ..graph import BatchGraphs
+from ..options import DEFAULT_STEP_TOKENS
 from .engine import BetweenRequests, Engine, Job, Outcome, own_sampler
 from .metrics import PREFIX
 
@@ -44,6 +57,19 @@ if TYPE_CHECKING:
     from ..sampling import Sampler
 
 log = logging.getLogger("sparkpack.server")
+
+
+@dataclass
+class Joining:
+    """A request whose prompt is being prefilled: its session, the feed in progress, what the
+    conversation cache resumed from, the session's prefill time when it began."""
+
+    job: Job
+    session: Session
+    outcome: Outcome
+    feed: PromptFeed
+    resume: Resume | None
+    prefill0: float
 
 
 @dataclass
@@ -63,13 +89,15 @@ class Running:
 
 class ParallelEngine(Engine):
     """``engine.Engine``'s interface (``submit``, ``cancel_all``, ``close``, ``waiting``: its
-    queue is the waiting list) over ``sessions`` (one per sequence in flight, all of one model)."""
+    queue is the waiting list) over ``sessions`` (one per sequence in flight, all of one model).
+    ``step_tokens``: the prompt tokens a step prefills (0: a joining prompt whole)."""
 
     def __init__(self, sessions: list[Session], stop_ids: frozenset[int], *, max_queue: int = 64,
                  on_job: Callable[[Job, Outcome], None] | None = None, between: BetweenRequests | None = None,
                  conversations: ConversationCache | None = None,
                  sampler: Callable[[Job], Sampler | None] = own_sampler,
-                 after_prefill: Callable[[Job, torch.Tensor], None] | None = None):
+                 after_prefill: Callable[[Job, torch.Tensor], None] | None = None,
+                 step_tokens: int = DEFAULT_STEP_TOKENS):
         if not sessions or any(s.model is not sessions[0].model for s in sessions):
             raise ValueError("ParallelEngine: one session or more, all of one model")
         self.sessions = sessions
@@ -77,6 +105,8 @@ class ParallelEngine(Engine):
         self.graphs = BatchGraphs(sessions[0].model) if all(s.use_graphs for s in sessions) else None
         self.batch_sizes: Counter[int] = Counter()  # batched steps run, by their number of sequences
         self._flight: list[Running] = []  # the running list
+        self._joining: list[Joining] = []  # prompts being prefilled
+        self.step_tokens = step_tokens or None
         self._free = list(sessions)
         self._stopping = False
         super().__init__(sessions[0], stop_ids, max_queue=max_queue, on_job=on_job, between=between,
@@ -86,10 +116,15 @@ class ParallelEngine(Engine):
     def running(self) -> int:
         return len(self._flight)
 
+    @property
+    def joining(self) -> int:
+        """Requests whose prompt is being prefilled."""
+        return len(self._joining)
+
     def cancel_all(self) -> None:
-        """Cancel every running and queued job (each still ends with an outcome)."""
+        """Cancel every running, joining and queued job (each still ends with an outcome)."""
         with self._lock:
-            for r in self._flight:
+            for r in [*self._flight, *self._joining]:
                 r.job.cancel()
             for job in list(self._queue.queue):
                 if job is not None:
@@ -98,8 +133,8 @@ class ParallelEngine(Engine):
     # --- the engine thread ----------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while not (self._stopping and not self._flight):
-            if not self._flight:
+        while not (self._stopping and not self._flight and not self._joining):
+            if not self._flight and not self._joining:
                 self._between()
                 job = self._queue.get()  # nothing in flight: wait for a request
                 if job is None:
@@ -114,6 +149,7 @@ class ParallelEngine(Engine):
                     self._stopping = True
                     break
                 self._admit(job)
+            self._prefill()
             self._step()
 
     def _between(self) -> None:
@@ -140,7 +176,7 @@ class ParallelEngine(Engine):
         return best
 
     def _admit(self, job: Job) -> None:
-        """Prefill ``job``'s prompt in a free session; it takes its first token at the next step."""
+        """Give ``job`` a free session and start its prompt (``_prefill`` feeds it)."""
         outcome = Outcome(prompt_tokens=len(job.ids), queued_seconds=time.perf_counter() - job.arrived)
         if job.cancelled.is_set():
             outcome.finish = "cancelled"
@@ -149,34 +185,77 @@ class ParallelEngine(Engine):
         session = self._session_for(job.ids)
         cache = self.conversations
         try:
-            timing = session.timing
-            prefill0 = timing.prefill_seconds
             resume = cache.prepare(job.ids, session) if cache is not None else None
-            logits = session.prompt(job.ids, marks=resume.marks if resume is not None else frozenset())
-            if resume is not None:
-                cache.after_prompt(job.ids, resume, session)
-            outcome.cached_tokens = session.reused
-            job.sink.started(outcome)
-            if self.after_prefill is not None:
-                self.after_prefill(job, logits)
-            outcome.prefill_seconds = timing.prefill_seconds - prefill0
+            feed = session.start_prompt(job.ids, marks=resume.marks if resume is not None else frozenset())
         except Exception as e:  # a bug or an out-of-memory: this request fails, the server goes on
-            log.exception("request failed")
-            outcome.finish, outcome.error = "error", f"{type(e).__name__}: {e}".splitlines()[0]
-            session.reset()  # whatever state the failure left is not trusted
-            self._free.append(session)
-            if cache is not None:
-                cache.request_ended(keep=False, session=session)
-            self._end(job, outcome)
+            self._not_joined(job, session, outcome, e)
             return
-        sampler = self.sampler(job)
+        with self._lock:
+            self._joining.append(Joining(job, session, outcome, feed, resume, session.timing.prefill_seconds))
+
+    def _prefill(self) -> None:
+        """This step's prefill work: whole call groups of the joining prompts, the one with the
+        fewest tokens left first, while they fit in ``step_tokens`` (at least one group); a
+        prompt done joins the running list, one whose client is gone leaves."""
+        budget = self.step_tokens
+        for j in sorted(self._joining, key=lambda j: j.feed.left):
+            if j.job.cancelled.is_set():
+                self._given_up(j)
+                continue
+            if budget is not None and budget < j.feed.next_tokens and budget < self.step_tokens:
+                continue  # (the step's budget is spent)
+            try:
+                fed = j.feed.advance(budget)
+                if j.feed.done:
+                    self._joined(j)
+            except Exception as e:  # a bug or an out-of-memory: this request fails, the others go on
+                with self._lock:
+                    if j in self._joining:
+                        self._joining.remove(j)
+                self._not_joined(j.job, j.session, j.outcome, e)
+                continue
+            if budget is not None:
+                budget -= fed
+
+    def _joined(self, j: Joining) -> None:
+        """``j``'s prompt is in its session: it takes its first token at the step."""
+        job, session, outcome, cache = j.job, j.session, j.outcome, self.conversations
+        logits = j.feed.logits
+        if j.resume is not None:
+            cache.after_prompt(job.ids, j.resume, session)
+        outcome.cached_tokens = session.reused
+        job.sink.started(outcome)
+        if self.after_prefill is not None:
+            self.after_prefill(job, logits)
+        outcome.prefill_seconds = session.timing.prefill_seconds - j.prefill0
         outcome.finish = "length"
-        r = Running(job, session, outcome, sampler, logits, list(session.fed),
+        r = Running(job, session, outcome, self.sampler(job), logits, list(session.fed),
                     decode0=session.timing.decode_seconds)
         with self._lock:
+            self._joining.remove(j)
             self._flight.append(r)
         if job.max_new <= 0:
             self._leave(r)
+
+    def _given_up(self, j: Joining) -> None:
+        """``j``'s client is gone midway through its prompt: the session keeps the tokens fed (a
+        shorter prompt's state, whose exact rows the cache keeps as any request's)."""
+        with self._lock:
+            self._joining.remove(j)
+        j.outcome.finish = "cancelled"
+        j.outcome.prefill_seconds = j.session.timing.prefill_seconds - j.prefill0
+        self._free.append(j.session)
+        self._end(j.job, j.outcome)
+        self._request_ended(j.session, keep=True)
+
+    def _not_joined(self, job: Job, session: Session, outcome: Outcome, e: Exception) -> None:
+        """``job`` failed before its first token: its session's state is not trusted."""
+        log.exception("request failed")
+        outcome.finish, outcome.error = "error", f"{type(e).__name__}: {e}".splitlines()[0]
+        session.reset()
+        self._free.append(session)
+        self._end(job, outcome)
+        self._request_ended(session, keep=False)
 
     def _next_token(self, r: Running) -> int:
         """``continue_tokens``' choice of the next token from ``r.logits`` (the same calls, so the
@@ -255,9 +334,13 @@ class ParallelEngine(Engine):
         self._free.append(r.session)
         r.outcome.decode_seconds = r.session.timing.decode_seconds - r.decode0
         self._end(r.job, r.outcome)
+        self._request_ended(r.session, keep=r.outcome.finish != "error")
+
+    def _request_ended(self, session: Session, keep: bool) -> None:
+        """The conversation cache's end of a request (before the session takes another)."""
         if self.conversations is not None:
-            try:  # (before the session takes another request)
-                self.conversations.request_ended(keep=r.outcome.finish != "error", session=r.session)
+            try:
+                self.conversations.request_ended(keep=keep, session=session)
             except Exception:  # the cache must never take the server down
                 log.exception("keeping the conversation's state failed")
 
@@ -271,8 +354,8 @@ class ParallelEngine(Engine):
 
 
 class BatchCollector:
-    """``/metrics``' view of a ``ParallelEngine`` at scrape time: the sequences in flight and the
-    decode steps' batch sizes, a histogram with a bucket per size up to ``--parallel`` (the
+    """``/metrics``' view of a ``ParallelEngine`` at scrape time: the sequences decoding, those
+    whose prompt is being prefilled, and the decode steps' batch sizes, a histogram with a bucket per size up to ``--parallel`` (the
     waiting requests are ``sparkpack_requests_waiting``, each request's wait for a free sequence
     ``sparkpack_queue_wait_seconds``)."""
 
@@ -281,6 +364,8 @@ class BatchCollector:
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(PREFIX + "running_sequences", "Sequences decoding now", value=self.engine.running)
+        yield GaugeMetricFamily(PREFIX + "prefilling_sequences", "Requests whose prompt is being prefilled "
+                                "(a few calls a step beside the decoding ones)", value=self.engine.joining)
         sizes = dict(self.engine.batch_sizes)  # (a copy: the engine thread adds to it)
         buckets, seen = [], 0
         for size in range(1, len(self.engine.sessions) + 1):

@@ -129,7 +129,8 @@ def parallel_engine(model, opts: RunOptions, serve: ServeOptions, sessions, tok,
     target = memory_target(model.device, model.dtype, model.spec, store, opts.session)
     report.parallel(serve.parallel, opts.session.ctx, *sequence_bytes(model.spec, target), model.device.type == "cuda")
     return ParallelEngine(sessions, tok.stop_ids, on_job=on_job, between=learning, conversations=conversations,
-                          sampler=hooks.sampler or own_sampler, after_prefill=hooks.after_prefill)
+                          sampler=hooks.sampler or own_sampler, after_prefill=hooks.after_prefill,
+                          step_tokens=serve.step_tokens)
 
 
 def open_conversation_cache(session, opts: ServeOptions, report: ServerReport):
