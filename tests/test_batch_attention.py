@@ -25,7 +25,7 @@ from sparkpack.runtime.layers import rope_inv_freq  # noqa: E402
 from sparkpack.runtime.models import load_model  # noqa: E402
 from tests.kernel_refs import DEVICE  # noqa: E402
 from tests.marks import quick_first  # noqa: E402
-from tests.test_decode_batch import ARCHS, FED, PROMPTS, alone, assert_same, batched  # noqa: E402
+from tests.decode_steps import ARCHS, FED, PROMPTS, alone, assert_same, batched  # noqa: E402
 
 H, H_KV, D = 4, 2, 32
 
