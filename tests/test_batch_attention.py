@@ -200,3 +200,23 @@ def test_a_batched_steps_attention_launches_do_not_grow_with_its_rows(synth_mode
         model.decode_batch([FED[b % len(FED)][0] for b in range(B)], caches)
         counts.append({n: c.n for n, c in counters.items()})
     assert counts[0] == counts[1] == counts[2] == {n: layers for n in names}, counts
+
+
+def test_an_eager_step_copies_one_table(synth_model) -> None:
+    """The row tables are made once per content (``runtime.device_tables``): a batched step after
+    the first over the same caches makes only its positions' table (one small copy a step), and
+    what a capture uses is collected for its graph to keep (``kept``)."""
+    from sparkpack.runtime import device_tables
+
+    model = kernel_model(synth_model, "qwen3moe")
+    caches = [model.new_cache() for _ in PROMPTS]
+    for prompt, c in zip(PROMPTS, caches):
+        model.forward(prompt, c, last_only=True)
+    model.decode_batch([f[0] for f in FED], caches)
+    made = len(device_tables._MEMO)
+    with device_tables.kept() as tables:
+        model.decode_batch([f[1] for f in FED], caches)
+    assert len(device_tables._MEMO) == made + 1
+    layers = len(model.spec.layers)
+    assert len(tables) == 3 * layers  # each layer: the positions, its rows for the append and for attending
+    assert len({t.data_ptr() for t in tables}) == layers + 1  # (a layer's two tables of its rows: one content)
