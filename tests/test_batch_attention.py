@@ -123,6 +123,8 @@ def test_bad_rows_raise() -> None:
         lambda: at.kv_rows([(k0, v0, None, None), (k1[:1], v1[:1], None, None)], [1, 2]),  # other kv heads
         lambda: at.kv_rows([(k0, v0, None, None), (k1.double(), v1.double(), None, None)], [1, 2]),  # other types
         lambda: at.kv_rows([(k0, v0, None, None)], [64]),  # past the buffer
+        lambda: at.kv_rows([(torch.zeros(H_KV * 8 * D + 1, device=DEVICE)[1:].view(H_KV, 8, D),
+                             torch.zeros(H_KV, 8, D, device=DEVICE), None, None)], [1]),  # a buffer starting misaligned
         lambda: at.kv_rows([(k0, v0, None, None), (k1, v1, None, None)], [1, torch.tensor(2)]),  # ints and tensors
         lambda: at.attend_decode_rows(q[:1], at.kv_rows([(k0, v0, None, None), (k1, v1, None, None)], [1, 2])),
         # a ring of 64 rows cannot take 30 rows of one sequence past a window of 40: the last would

@@ -277,7 +277,10 @@ def kv_rows(caches: "Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | N
             raise ValueError(f"{what}: every row's caches must be of one type and device")
         _check_caches(k_cache, v_cache, k_scale, v_scale, k0.dtype, what)
         ks, vs = _scales(k_scale, v_scale, k_cache)
-        entries.append((k_cache.data_ptr(), v_cache.data_ptr(), ks.data_ptr(), vs.data_ptr(), k_cache.shape[1]))
+        addresses = (k_cache.data_ptr(), v_cache.data_ptr(), ks.data_ptr(), vs.data_ptr())
+        if any(a % 16 for a in addresses):  # (the kernels promise the compiler 16-byte aligned buffers)
+            raise ValueError(f"{what}: KV buffers must start 16-byte aligned (fresh tensors do)")
+        entries.append((*addresses, k_cache.shape[1]))
     return KVRows(tuple(entries), _positions(pos, [e[4] for e in entries], k0.device, T, ring, what), H_kv, d,
                   k0.dtype, q8, ring)
 
