@@ -35,6 +35,7 @@ import torch
 from sparkpack.formats.archs import ModelSpec
 from sparkpack.formats.memory import PREFILL_GRAPH_TOKENS, short_calls
 
+from . import device_tables
 from .cache import Cache, KVCache, RowStates
 from .models.base import Call, MoEModel
 from .pinned import REGISTERING
@@ -67,14 +68,17 @@ def run_and_capture(call, device: torch.device, stream: torch.cuda.Stream, pool=
                     ) -> tuple[torch.Tensor, torch.cuda.CUDAGraph, torch.Tensor]:
     """``call()`` run eagerly on the side ``stream`` (as capture wants: warm-up, lazy weights,
     kernel compilation, allocator), then recorded into a graph (in ``pool`` when given) without
-    running. Returns the eager result (a copy), the graph and the graph's output tensor."""
+    running. Returns the eager result (a copy), the graph and the graph's output tensor. The
+    device tables the call's batched kernels read (``runtime.device_tables``: made by the eager
+    run) are kept with the graph, which reads them at every replay."""
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         result = call().clone()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with REGISTERING, torch.cuda.graph(graph, pool=pool):  # records the same call; nothing runs now
+    with device_tables.kept() as tables, REGISTERING, torch.cuda.graph(graph, pool=pool):  # records; runs nothing
         out = call()
+    graph.tables = tables
     return result, graph, out
 
 

@@ -459,36 +459,34 @@ def aot_compile_attention(arch: int = 90) -> None:
 
     floats = {"eps", "rope_scale", "qk_scale"}
     jobs = []
-    for act, pos_ptr in (("bf16", True), ("fp32", False)):
-        pos = "*i64" if pos_ptr else "i32"
-        q8kv = pos_ptr  # the bf16 variants read and write a Q8_0 cache
-        cache = {n: "*i8" if q8kv else "*" + act for n in ("kc_ptr", "vc_ptr")} | {"ks_ptr": "*fp16", "vs_ptr": "*fp16"}
+    for act, dev in (("bf16", True), ("fp32", False)):
+        # the bf16 variants read and write a Q8_0 cache, read positions from memory and take PDL
+        rows = {"tab_ptr": "*i64", "pos_ptr": "*i64"}
         jobs += [
             (at.qk_norm_rope_append_kernel,
-             {**{n: "*" + act for n in ("q_ptr", "k_ptr", "v_ptr", "qn_ptr", "kn_ptr", "qo_ptr")}, **cache,
-              "inv_ptr": "*fp32", "pos": pos},
-             {"HAS_QN": True, "HAS_KN": not pos_ptr, "POS_PTR": pos_ptr, "Q8KV": q8kv, "BLOCK_D": 256}, 1, 3),
+             {**{n: "*" + act for n in ("q_ptr", "k_ptr", "v_ptr", "qn_ptr", "kn_ptr", "qo_ptr")}, **rows,
+              "inv_ptr": "*fp32"},
+             {"HAS_QN": True, "HAS_KN": not dev, "Q8KV": dev, "RING": not dev, "BLOCK_D": 256, "PDL": dev}, 1, 3),
             (at.attend_split_kernel,
-             {"q_ptr": "*" + act, "k_ptr": cache["kc_ptr"], "v_ptr": cache["vc_ptr"], "ks_ptr": "*fp16",
-              "vs_ptr": "*fp16", "pos": pos, "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"},
-             {"POS_PTR": pos_ptr, "DOT_FP32": act == "fp32", "Q8KV": q8kv, "REP_P2": 16, "BLOCK_D": 256,
-              "BLOCK_S": 64, "SPLIT": 64}, 4, 1),
+             {"q_ptr": "*" + act, **rows, "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"},
+             {"DOT_FP32": act == "fp32", "Q8KV": dev, "RING": not dev, "REP_P2": 16, "BLOCK_D": 256,
+              "BLOCK_S": 64, "SPLIT": 64, "PDL": dev}, 4, 1),
             (at.attend_combine_kernel,
              {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "gate_ptr": "*" + act, "out_ptr": "*" + act,
-              "pos": pos, "xq": "*i8", "xd": "*fp32", "xs": "*fp32"},
-             {"POS_PTR": pos_ptr, "SPLIT": 64, "GATE": 1 if pos_ptr else 2, "BLOCK_SP": 64, "BLOCK_C": 32,
-              "Q8": pos_ptr}, 4, 3),
+              **rows, "xq": "*i8", "xd": "*fp32", "xs": "*fp32"},
+             {"SPLIT": 64, "RING": not dev, "GATE": 1 if dev else 2, "BLOCK_SP": 64, "BLOCK_C": 32, "Q8": dev,
+              "PDL": dev}, 4, 3),
+            (at.attend_prefill_kernel,
+             {"q_ptr": "*" + act, "k_ptr": "*" + act, "v_ptr": "*" + act, "out_ptr": "*" + act,
+              "pos": "*i64" if dev else "i32"},
+             {"POS_PTR": dev, "DOT_FP32": act == "fp32", "RING": not dev, "REP_P2": 16, "BLOCK_T": 4, "BLOCK_D": 256,
+              "BLOCK_S": 32, "PDL": dev}, 4, 3),
         ]
-        jobs.append((at.attend_prefill_kernel,
-                     {"q_ptr": "*" + act, "k_ptr": "*" + act, "v_ptr": "*" + act, "out_ptr": "*" + act, "pos": pos},
-                     {"POS_PTR": pos_ptr, "DOT_FP32": act == "fp32", "REP_P2": 16, "BLOCK_T": 4, "BLOCK_D": 256,
-                      "BLOCK_S": 32}, 4, 3))
     target = GPUTarget("cuda", arch, 32)
     for fn, ptrs, consts, warps, stages in jobs:
         sig = {p.name: "constexpr" if p.is_constexpr else ptrs.get(p.name, "fp32" if p.name in floats else "i32")
                for p in fn.params}
-        # (PDL compiled into one variant each: the one reading the position from the device)
-        kernel = triton.compile(ASTSource(fn, sig, {"PDL": consts["POS_PTR"], **consts}), target=target,
+        kernel = triton.compile(ASTSource(fn, sig, consts), target=target,
                                 options={"num_warps": warps, "num_stages": stages})
         assert kernel.asm["cubin"], (fn.__name__, consts)
         assert kernel.metadata.shared <= 227 * 1024, (fn.__name__, consts, kernel.metadata.shared)

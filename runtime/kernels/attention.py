@@ -48,6 +48,18 @@ rule, the split kernel expands each tile in registers (code times scale, rounded
 activation dtype as ``dequantize_q8_0`` rounds), so no expanded copy of the cache is made (the
 torch form expands the layer's whole buffer every token).
 
+The three decode kernels take their rows from a table (``KVRows``, ``kv_rows``): per row, its
+sequence's key and value buffers (addresses, int64, cast to pointers in the kernel), their rows
+and its position (read from device memory). One launch of each serves every row of a batched
+decode step (``*_rows``: B sequences at their own positions, or a verify step's rows of one
+sequence at consecutive positions, all appended before any attends, each masked to its own
+position), one program per (row, head[, split]) running the one-row program on its row; a single
+step is a one-row table through the same compiled kernels (the row count is the grid's, and
+nothing the batch sets is a specialized argument), so no row's bits can depend on the batch. A
+row's split follows from its own buffer (``decode_split``): rows of other splits take a launch
+pair per split. Why: a batched step is launch-bound, and a launch per row per layer made B rows
+cost nearly B steps (BENCHMARKS.md, issue 46).
+
 A sliding-window layer's ring (``ring=True``, ``runtime.cache.KVCache``: the window and the
 longest call's rows, not the whole context) maps position p to row ``p % S`` in all four
 kernels. The decode splits then count from the split of ``WINDOW_ALIGN`` positions holding the
@@ -67,12 +79,16 @@ interpreter, which gets bf16 ``tl.dot`` wrong. The torch path stays the referenc
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from sparkpack.formats.memory import WINDOW_ALIGN
 
+from .. import device_tables
 from . import pdl
 from .pdl import prefetch_l2, wait_prior
 from .q8dot import QBLOCK, Int8Rows, as_rows, new_q8, store_q8
@@ -82,6 +98,9 @@ GATE_KINDS = {"none": 0, "sigmoid": 1, "softplus_head": 2, "softplus": 3}
 LOG2E = 1.4426950408889634
 COMBINE_CHANNELS = 32  # channels per combine program: H programs alone were half as fast at 32k positions
 COMBINE_SPLITS = 64  # partials merged per combine step
+# A row table's int64 columns (``KVRows``): the key, value, key scale and value scale buffers'
+# addresses, their rows S, and the batch row the table row serves.
+ROW_FIELDS = tl.constexpr(6)
 
 
 @triton.jit
@@ -139,16 +158,36 @@ def _store_row(c_ptr, s_ptr, row, y, inside, D, Q8KV: tl.constexpr, BLOCK_D: tl.
         tl.store(c_ptr + row + n, y.to(c_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=["pos"])
-def qk_norm_rope_append_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, inv_ptr, pos, qo_ptr, kc_ptr, vc_ptr,
-                                ks_ptr, vs_ptr, H, H_KV, S, D, HALF, stride_qt, stride_q, stride_kt, stride_k,
+@triton.jit
+def _kv_row(tab_ptr, r, act_ptr, Q8KV: tl.constexpr):
+    """Row ``r`` of a row table (``KVRows.table``): its key and value buffers as pointers (int8
+    codes, with f16 scale pointers, for a Q8_0 cache; else the activations' dtype, ``act_ptr``'s),
+    the buffers' rows S and the row's batch row (its query, position, gate and output)."""
+    e = tab_ptr + r.to(tl.int64) * ROW_FIELDS
+    kc = tl.multiple_of(tl.load(e), 16)  # (torch's allocations are aligned: vectorized loads)
+    vc = tl.multiple_of(tl.load(e + 1), 16)
+    if Q8KV:
+        kc = kc.to(tl.pointer_type(tl.int8))
+        vc = vc.to(tl.pointer_type(tl.int8))
+    else:
+        kc = kc.to(tl.pointer_type(act_ptr.dtype.element_ty))
+        vc = vc.to(tl.pointer_type(act_ptr.dtype.element_ty))
+    ks = tl.multiple_of(tl.load(e + 2), 16).to(tl.pointer_type(tl.float16))
+    vs = tl.multiple_of(tl.load(e + 3), 16).to(tl.pointer_type(tl.float16))
+    return kc, vc, ks, vs, tl.load(e + 4), tl.load(e + 5)
+
+
+@triton.jit(do_not_specialize=["T", "pos_stride"])
+def qk_norm_rope_append_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, inv_ptr, tab_ptr, pos_ptr, pos_stride, qo_ptr,
+                                T, H, H_KV, D, HALF, stride_qt, stride_q, stride_kt, stride_k,
                                 stride_vt, stride_v, eps, rope_scale,
-                                HAS_QN: tl.constexpr, HAS_KN: tl.constexpr, POS_PTR: tl.constexpr,
+                                HAS_QN: tl.constexpr, HAS_KN: tl.constexpr,
                                 Q8KV: tl.constexpr, RING: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
-    t = tl.program_id(0) // (H + H_KV)  # token t of the call, at position pos + t
+    t = tl.program_id(0) // (H + H_KV)  # token t of the call: the (t % T)-th of table row t // T
     r = tl.program_id(0) % (H + H_KV)
-    p = _position(pos, POS_PTR) + t
+    kc_ptr, vc_ptr, ks_ptr, vs_ptr, S, row = _kv_row(tab_ptr, t // T, qo_ptr, Q8KV)
+    p = tl.load(pos_ptr + row * pos_stride).to(tl.int64) + t % T
     n = tl.arange(0, BLOCK_D)
     m = n < D
     if r < H:
@@ -192,9 +231,93 @@ def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.T
         raise ValueError(f"{what}: caches (and scales) must be contiguous")
 
 
+class KVRows(NamedTuple):
+    """The rows of one call of the decode kernels over KV caches: a batched decode step's sequences
+    (one token each; any caches, a cache repeated at consecutive positions: a verify step's rows),
+    or one sequence's call of T tokens. What a kernel reads per row is on the device: the
+    buffers' addresses and rows in a table (``table``, made once per content by
+    ``runtime.device_tables``), the positions in ``pos``. The host keeps what picks the launch:
+    the buffers' rows (the grid, the split) and their common shape and type. Why a table rather
+    than a launch per row: a batched step is launch-bound, and B rows cost B launches a layer."""
+
+    entries: tuple[tuple[int, int, int, int, int], ...]  # per row: k, v, k scale, v scale addresses; rows S
+    pos: torch.Tensor  # integer [B] on the device: each row's (first) position, any stride
+    H_kv: int
+    d: int
+    dtype: torch.dtype  # the buffers' (int8 codes with Q8_0)
+    q8: bool
+    ring: bool  # sliding-window rings (position p in row p % S)
+
+    def table(self, rows: "Sequence[int] | range") -> torch.Tensor:
+        """The int64 table ``[len(rows), ROW_FIELDS]`` of these rows (batch rows ``rows``)."""
+        return device_tables.table(tuple((*self.entries[b], b) for b in rows), self.pos.device)
+
+
+def kv_rows(caches: "Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]",
+            pos: "Sequence[int | torch.Tensor] | torch.Tensor", ring: bool = False, T: int = 1,
+            what: str = "kv_rows") -> KVRows:
+    """``KVRows`` of row b's ``(k_cache, v_cache, k_scale, v_scale)`` (``[H_kv, S_b, d]`` each,
+    contiguous; Q8_0 codes with f16 scales ``[H_kv, S_b, d / 32]``, or None, None: one kind for all
+    rows) at position ``pos[b]``: ints, one-element integer device tensors (a captured step's,
+    read at each replay), or one integer device tensor ``[B]``. ``T``: the tokens of each row
+    (checked against S for int positions; a ring takes any position)."""
+    if not len(caches) or (isinstance(pos, torch.Tensor) and pos.dim() != 1) or len(pos) != len(caches):
+        raise ValueError(f"{what}: one position per row, and at least one row")
+    k0 = caches[0][0]
+    if k0.dim() != 3:
+        raise ValueError(f"{what}: caches must be [H_kv, S, d], got {tuple(k0.shape)}")
+    H_kv, _, d = k0.shape
+    q8 = caches[0][2] is not None
+    entries = []
+    for k_cache, v_cache, k_scale, v_scale in caches:
+        if k_cache.dim() != 3 or k_cache.shape[0] != H_kv or k_cache.shape[2] != d or v_cache.shape != k_cache.shape:
+            raise ValueError(f"{what}: every row's caches must be [H_kv={H_kv}, S, d={d}], got "
+                             f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+        if (k_scale is not None) != q8 or k_cache.dtype != k0.dtype or k_cache.device != k0.device:
+            raise ValueError(f"{what}: every row's caches must be of one type and device")
+        _check_caches(k_cache, v_cache, k_scale, v_scale, k0.dtype, what)
+        ks, vs = _scales(k_scale, v_scale, k_cache)
+        addresses = (k_cache.data_ptr(), v_cache.data_ptr(), ks.data_ptr(), vs.data_ptr())
+        if any(a % 16 for a in addresses):  # (the kernels promise the compiler 16-byte aligned buffers)
+            raise ValueError(f"{what}: KV buffers must start 16-byte aligned (fresh tensors do)")
+        entries.append((*addresses, k_cache.shape[1]))
+    return KVRows(tuple(entries), _positions(pos, [e[4] for e in entries], k0.device, T, ring, what), H_kv, d,
+                  k0.dtype, q8, ring)
+
+
 def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, fill: torch.Tensor) -> tuple:
     """The two scale pointers a kernel takes (any tensor where there are none: never read)."""
     return (k_scale, v_scale) if k_scale is not None else (fill, fill)
+
+
+def _positions(pos: "Sequence[int | torch.Tensor] | torch.Tensor", S: list[int], device: torch.device, T: int,
+               ring: bool, what: str) -> torch.Tensor:
+    """The rows' positions as one integer device tensor ``[B]`` without reading device memory: ints
+    through a memoized table (one small copy per step), device scalars as the one tensor they are
+    views of where they are (a captured step's inputs: no launch), else stacked."""
+    def integer(t: torch.Tensor) -> bool:
+        return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool) and t.device == device
+
+    if isinstance(pos, torch.Tensor):
+        if not integer(pos):
+            raise ValueError(f"{what}: positions must be integers on {device}")
+        return pos
+    if not any(isinstance(p, torch.Tensor) for p in pos):
+        for p, s in zip(pos, S):
+            if not (0 <= int(p) and (ring or int(p) + T <= s)):
+                raise ValueError(f"{what}: position {int(p) + T - 1} is outside the cache (capacity {s})")
+        return device_tables.table(tuple(int(p) for p in pos), device)
+    if not all(isinstance(p, torch.Tensor) and p.numel() == 1 and integer(p) for p in pos):
+        raise ValueError(f"{what}: pos must be ints or one-element integer tensors on {device}")
+    p0 = pos[0].reshape(())
+    if len(pos) == 1:
+        return p0.reshape(1)
+    size = p0.element_size()
+    step = (pos[1].data_ptr() - p0.data_ptr()) // size
+    if step >= 0 and all(p.dtype == p0.dtype and p.untyped_storage().data_ptr() == p0.untyped_storage().data_ptr()
+                         and p.data_ptr() == p0.data_ptr() + b * step * size for b, p in enumerate(pos)):
+        return p0.as_strided((len(pos),), (step,))
+    return torch.stack([p.reshape(()) for p in pos])
 
 
 def _check_pos(pos: "int | torch.Tensor", S: int, device: torch.device, what: str, T: int = 1,
@@ -209,6 +332,16 @@ def _check_pos(pos: "int | torch.Tensor", S: int, device: torch.device, what: st
     if not (0 <= int(pos) and (ring or int(pos) + T <= S)):
         raise ValueError(f"{what}: position {int(pos) + T - 1} is outside the cache (capacity {S})")
     return False
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or k.shape[2] != q.shape[2] or k.shape[0] != q.shape[0]:
+        raise ValueError(f"{what}: expected q [(T,) H, d], k and v [(T,) H_kv, d], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dtype not in ACT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"{what}: q, k, v must share one of bf16/f16/f32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        raise ValueError(f"{what}: q, k and v need a contiguous last axis")
 
 
 def qk_norm_rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -229,23 +362,42 @@ def qk_norm_rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     With ``k_scale``/``v_scale`` (f16 ``[H_kv, S, d / 32]``) the caches are a Q8_0 cache's int8
     codes (``runtime.cache.KVCache(kv_type="q8_0")``): the rows are quantized as it quantizes them.
     ``ring``: the caches are a sliding-window layer's ring (position p in row ``p % S``).
+    A one-row ``qk_norm_rope_append_rows``: the same launch as a batched step's.
     """
     what = "qk_norm_rope_append"
     one = q.dim() == 2
     if one:
         q, k, v = q[None], k[None], v[None]
-    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or k.shape[2] != q.shape[2] or k.shape[0] != q.shape[0]:
-        raise ValueError(f"{what}: expected q [(T,) H, d], k and v [(T,) H_kv, d], got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    _check_qkv(q, k, v, what)
     (T, H, d), H_kv = q.shape, k.shape[1]
-    if q.dtype not in ACT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"{what}: q, k, v must share one of bf16/f16/f32, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if any(t.stride(-1) != 1 for t in (q, k, v)):
-        raise ValueError(f"{what}: q, k and v need a contiguous last axis")
     if k_cache.dim() != 3 or k_cache.shape[0] != H_kv or k_cache.shape[2] != d or v_cache.shape != k_cache.shape:
         raise ValueError(f"{what}: caches must be [H_kv={H_kv}, S, d={d}], got {tuple(k_cache.shape)}, "
                          f"{tuple(v_cache.shape)}")
     _check_caches(k_cache, v_cache, k_scale, v_scale, q.dtype, what)
+    if any(t.device != q.device for t in (k_cache, v_cache)):
+        raise ValueError(f"{what}: all tensors must be on {q.device}")
+    _check_pos(pos, k_cache.shape[1], q.device, what, T, ring)
+    rows = kv_rows([(k_cache, v_cache, k_scale, v_scale)], [pos], ring, T, what)
+    out = qk_norm_rope_append_rows(q, k, v, q_norm, k_norm, eps, inv_freq, rope_scale, rows)
+    return out[0] if one else out
+
+
+def qk_norm_rope_append_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                             inv_freq: torch.Tensor, rope_scale: float, rows: KVRows) -> torch.Tensor:
+    """``qk_norm_rope_append`` of the rows of ``rows`` in one launch: q ``[N, H, d]``, k and v
+    ``[N, H_kv, d]``, N = R * T for R rows of T tokens each (token t of row b at position
+    ``rows.pos[b] + t``, written to row b's caches). A batched decode step's rows: T = 1, one
+    token of each; rows of one cache at consecutive positions are all written before any attends
+    (``attend_decode_rows`` masks each row's later ones)."""
+    what = "qk_norm_rope_append"
+    _check_qkv(q, k, v, what)
+    (N, H, d), H_kv, R = q.shape, k.shape[1], len(rows.entries)
+    if H_kv != rows.H_kv or d != rows.d or N % R:
+        raise ValueError(f"{what}: {N} tokens of [H_kv={H_kv}, d={d}] do not fill {R} rows of caches "
+                         f"[{rows.H_kv}, S, {rows.d}]")
+    if not rows.q8 and rows.dtype != q.dtype:
+        raise ValueError(f"{what}: caches must be in the activations' dtype ({q.dtype}), or Q8_0 codes with scales")
     for w, name in ((q_norm, "q_norm"), (k_norm, "k_norm")):
         if w is not None and (w.numel() != d or not w.is_contiguous() or w.device != q.device):
             raise ValueError(f"{what}: {name} must be a contiguous [d={d}] vector on {q.device}")
@@ -254,20 +406,18 @@ def qk_norm_rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             or 2 * half > d or inv_freq.device != q.device:
         raise ValueError(f"{what}: inv_freq must be a contiguous float32 vector of at most d/2={d // 2} "
                          f"frequencies on {q.device}, got {inv_freq.numel()} {inv_freq.dtype}")
-    if any(t.device != q.device for t in (k, v, k_cache, v_cache)):
+    if any(t.device != q.device for t in (k, v, rows.pos)):
         raise ValueError(f"{what}: all tensors must be on {q.device}")
-    S = k_cache.shape[1]
-    pos_ptr = _check_pos(pos, S, q.device, what, T, ring)
-    out = torch.empty((T, H, d), dtype=q.dtype, device=q.device)
-    if T * (H + H_kv) and d:
+    out = torch.empty((N, H, d), dtype=q.dtype, device=q.device)
+    if N * (H + H_kv) and d:
         block = triton.next_power_of_2(d)
-        qk_norm_rope_append_kernel[(T * (H + H_kv),)](
+        qk_norm_rope_append_kernel[(N * (H + H_kv),)](
             q, k, v, q_norm if q_norm is not None else q, k_norm if k_norm is not None else k, inv_freq,
-            pos if pos_ptr else int(pos), out, k_cache, v_cache, *_scales(k_scale, v_scale, k_cache), H, H_kv, S,
-            d, half, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], float(eps), float(rope_scale),
-            HAS_QN=q_norm is not None, HAS_KN=k_norm is not None, POS_PTR=pos_ptr, Q8KV=k_scale is not None,
-            RING=ring, BLOCK_D=block, num_warps=1 if block <= 256 else 4, **pdl.flags(q))
-    return out[0] if one else out
+            rows.table(range(R)), rows.pos, rows.pos.stride(0), out, N // R, H, H_kv, d, half, *q.stride()[:2],
+            *k.stride()[:2], *v.stride()[:2], float(eps), float(rope_scale),
+            HAS_QN=q_norm is not None, HAS_KN=k_norm is not None, Q8KV=rows.q8,
+            RING=rows.ring, BLOCK_D=block, num_warps=1 if block <= 256 else 4, **pdl.flags(q))
+    return out
 
 
 @triton.jit
@@ -283,17 +433,20 @@ def _kv_tile(c_ptr, s_ptr, off, soff, mask, act_ptr, Q8KV: tl.constexpr):
     return t
 
 
-@triton.jit(do_not_specialize=["pos"])
-def attend_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos, m_ptr, l_ptr, acc_ptr, S, D, REP, NS, window,
-                         qk_scale, POS_PTR: tl.constexpr, DOT_FP32: tl.constexpr, Q8KV: tl.constexpr,
+@triton.jit(do_not_specialize=["NS", "pos_stride"])
+def attend_split_kernel(q_ptr, tab_ptr, pos_ptr, pos_stride, m_ptr, l_ptr, acc_ptr, H_KV, D, REP, NS, window,
+                         qk_scale, DOT_FP32: tl.constexpr, Q8KV: tl.constexpr,
                          RING: tl.constexpr, REP_P2: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                          SPLIT: tl.constexpr, PDL: tl.constexpr):
-    """Partial softmax of kv head ``kh``'s query heads over positions ``[sp*SPLIT, (sp+1)*SPLIT)``
-    (a ring: counted from the window's first split, ``_first_split``). Scores are kept in log2
-    units (``qk_scale`` includes log2(e)), so the partial max is too."""
-    kh = tl.program_id(0)
+    """Partial softmax of table row ``r``'s kv head ``kh``'s query heads over positions
+    ``[sp*SPLIT, (sp+1)*SPLIT)`` (a ring: counted from the window's first split, ``_first_split``).
+    Scores are kept in log2 units (``qk_scale`` includes log2(e)), so the partial max is too.
+    (Splits past a row's own buffer, where the grid covers a longer row's: empty partials.)"""
+    r = tl.program_id(0) // H_KV
+    kh = tl.program_id(0) % H_KV
     sp = tl.program_id(1)
-    p = _position(pos, POS_PTR)  # (set before the step: no kernel of it writes the position)
+    k_ptr, v_ptr, ks_ptr, vs_ptr, S, row = _kv_row(tab_ptr, r, q_ptr, Q8KV)  # (no kernel of the step writes these)
+    p = tl.load(pos_ptr + row * pos_stride).to(tl.int64)  # (set before the step: no kernel of it writes it)
     first = tl.where(window > 0, p - window + 1, 0)
     lo = (_first_split(first, SPLIT, RING) + sp.to(tl.int64)) * SPLIT
     start = tl.maximum(lo, first)  # first allowed position
@@ -308,11 +461,12 @@ def attend_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos, m_ptr, l_ptr, 
     rows = tl.arange(0, REP_P2)
     rm = rows < REP
     heads = kh * REP + rows
-    slot = heads.to(tl.int64) * NS + sp
+    slot = (r.to(tl.int64) * H_KV * REP + heads) * NS + sp
     if start < hi:
         d = tl.arange(0, BLOCK_D)
         dm = d < D
-        q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
+        q = tl.load(q_ptr + (row * H_KV * REP + heads)[:, None] * D + d[None, :], mask=rm[:, None] & dm[None, :],
+                    other=0.0)
         if DOT_FP32:
             q = q.to(tl.float32)
         k_base = k_ptr + kh.to(tl.int64) * S * D
@@ -374,20 +528,24 @@ def _softplus(x):
     return tl.where(x > 20.0, x, log1p)
 
 
-@triton.jit(do_not_specialize=["pos"])
-def attend_combine_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, xq, xd, xs, pos, D, NS, window, stride_g,
-                           POS_PTR: tl.constexpr, SPLIT: tl.constexpr, RING: tl.constexpr, GATE: tl.constexpr,
+@triton.jit(do_not_specialize=["NS", "pos_stride"])
+def attend_combine_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, xq, xd, xs, tab_ptr, pos_ptr, pos_stride, H, D,
+                           NS, window, stride_gb, stride_g,
+                           SPLIT: tl.constexpr, RING: tl.constexpr, GATE: tl.constexpr,
                            BLOCK_SP: tl.constexpr, BLOCK_C: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr):
-    """Query head ``h``, channels ``[c * BLOCK_C, (c+1) * BLOCK_C)``: merge the partials of the
-    splits holding allowed positions (max first, then the rescaled sums), divide, gate, store."""
+    """Table row ``r``'s query head ``h``, channels ``[c * BLOCK_C, (c+1) * BLOCK_C)``: merge the
+    partials of the splits holding allowed positions (max first, then the rescaled sums), divide,
+    gate, store to the row's batch row."""
     wait_prior(PDL)
-    h = tl.program_id(0)
-    p = _position(pos, POS_PTR)
+    r = tl.program_id(0) // H
+    h = tl.program_id(0) % H
+    row = tl.load(tab_ptr + r.to(tl.int64) * ROW_FIELDS + 5)  # its batch row
+    p = tl.load(pos_ptr + row * pos_stride).to(tl.int64)
     first = tl.where(window > 0, p - window + 1, 0)
     shift = _first_split(first, SPLIT, RING)  # (a ring's slots start at the window's first split)
     sp_first = tl.maximum(first, 0) // SPLIT - shift
     sp_last = p // SPLIT - shift
-    base = h.to(tl.int64) * NS
+    base = (r.to(tl.int64) * H + h) * NS
     b = tl.arange(0, BLOCK_SP)
     d = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     dm = d < D
@@ -404,19 +562,22 @@ def attend_combine_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, xq, xd, xs, 
         part = tl.load(acc_ptr + (base + c + b)[:, None] * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
         acc += tl.sum(part * w[:, None], axis=0)
     o = acc / tl.sum(l_sum, axis=0)
+    g_row = gate_ptr + row * stride_gb + h.to(tl.int64) * stride_g
     if GATE == 1:  # sigmoid per channel
-        g = tl.load(gate_ptr + h.to(tl.int64) * stride_g + d, mask=dm, other=0.0).to(tl.float32)
+        g = tl.load(g_row + d, mask=dm, other=0.0).to(tl.float32)
         o = o / (1.0 + tl.exp(-g))
     elif GATE == 2:  # softplus, one scalar per head
-        o = o * _softplus(tl.load(gate_ptr + h.to(tl.int64) * stride_g).to(tl.float32))
+        o = o * _softplus(tl.load(g_row).to(tl.float32))
     elif GATE == 3:  # softplus per channel
-        g = tl.load(gate_ptr + h.to(tl.int64) * stride_g + d, mask=dm, other=0.0).to(tl.float32)
+        g = tl.load(g_row + d, mask=dm, other=0.0).to(tl.float32)
         o = o * _softplus(g)
     o = o.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + h * D + d, o, mask=dm)
+    tl.store(out_ptr + (row * H + h) * D + d, o, mask=dm)
     if Q8:  # BLOCK_C == 32 and D % 32 == 0: this program's channels are one block of the int8 form
         blk = (h * D + tl.program_id(1) * BLOCK_C) // 32 + tl.arange(0, 1)
-        store_q8(tl.reshape(o.to(tl.float32), [1, BLOCK_C]), blk, tl.num_programs(0) * D, xq, xd, xs)
+        K = H * D
+        store_q8(tl.reshape(o.to(tl.float32), [1, BLOCK_C]), blk, K, xq + row * K, xd + row * (K // 32),
+                 xs + row * (K // 16))
 
 
 def decode_split(S: int, n_kv: int, q8: bool = False) -> int:
@@ -472,63 +633,98 @@ def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     in row ``p % S``, S at least ``window + split - 1`` once positions pass it); the split is then
     ``WINDOW_ALIGN``'s, counted from the window's first, so the partials merge in the order of the
     whole buffer's and give its bits.
+    A one-row ``attend_decode_rows``: the same launches as a batched step's.
     """
     what = "attend_decode"
     if q.dim() != 2 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape or k_cache.shape[2] != q.shape[1]:
         raise ValueError(f"{what}: expected q [H, d] and caches [H_kv, S, d], got {tuple(q.shape)}, "
                          f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    (H, d), (H_kv, S, _) = q.shape, k_cache.shape
-    if H_kv == 0 or H % H_kv or d == 0 or S == 0:
-        raise ValueError(f"{what}: {H} query heads cannot share {H_kv} kv heads (or an empty shape)")
     if q.dtype not in ACT_DTYPES:
         raise ValueError(f"{what}: q must be bf16, f16 or f32, got {q.dtype}")
     _check_caches(k_cache, v_cache, k_scale, v_scale, q.dtype, what)
+    if k_cache.device != q.device or v_cache.device != q.device:
+        raise ValueError(f"{what}: all tensors must be on {q.device}")
+    _check_pos(pos, k_cache.shape[1], q.device, what, 1, ring)
+    rows = kv_rows([(k_cache, v_cache, k_scale, v_scale)], [pos], ring, 1, what)
+    return attend_decode_rows(q[None], rows, window, None if gate is None else gate[None], gate_kind, split, q8)
+
+
+def attend_decode_rows(q: torch.Tensor, rows: KVRows, window: int = 0, gate: torch.Tensor | None = None,
+                       gate_kind: str = "none", split: int | None = None, q8: bool = False
+                       ) -> "torch.Tensor | tuple[torch.Tensor, Int8Rows]":
+    """``attend_decode`` of B rows, each one query token over its own row of ``rows`` (its caches
+    and position), in two launches for all of them: q ``[B, H, d]`` contiguous
+    (``qk_norm_rope_append_rows``' output), ``gate`` ``[B, H, d]`` (or ``[B, H]`` per head) with
+    a contiguous last axis. Returns ``[B, H * d]`` (and its int8 form with ``q8``), row b bit for
+    bit what row b gives alone: each program runs the one-row program on its row, and a row's
+    split follows from its own buffer (``decode_split``), never from the batch. Rows whose
+    splits differ (buffers of other sizes past 8192 positions) take one launch pair per split."""
+    what = "attend_decode"
+    if q.dim() != 3 or q.shape[0] != len(rows.entries) or q.shape[2] != rows.d:
+        raise ValueError(f"{what}: expected q [B={len(rows.entries)}, H, d={rows.d}], got {tuple(q.shape)}")
+    (B, H, d), H_kv = q.shape, rows.H_kv
+    if H_kv == 0 or H % H_kv or d == 0 or any(e[4] == 0 for e in rows.entries):
+        raise ValueError(f"{what}: {H} query heads cannot share {H_kv} kv heads (or an empty shape)")
+    if q.dtype not in ACT_DTYPES:
+        raise ValueError(f"{what}: q must be bf16, f16 or f32, got {q.dtype}")
+    if not rows.q8 and rows.dtype != q.dtype:
+        raise ValueError(f"{what}: caches must be in the activations' dtype ({q.dtype}), or Q8_0 codes with scales")
     if not q.is_contiguous():
         raise ValueError(f"{what}: q must be contiguous")
-    if k_cache.device != q.device or v_cache.device != q.device:
+    if rows.pos.device != q.device:
         raise ValueError(f"{what}: all tensors must be on {q.device}")
     if split is not None and (split < 16 or split % 16):
         raise ValueError(f"{what}: split must be a positive multiple of 16, got {split}")
-    if window < 0 or (ring and window == 0):
+    if window < 0 or (rows.ring and window == 0):
         raise ValueError(f"{what}: window must be >= 0 (> 0 in a ring), got {window}")
     if gate_kind not in GATE_KINDS:
         raise ValueError(f"{what}: gate_kind must be one of {', '.join(GATE_KINDS)}, got {gate_kind!r}")
     if (gate is None) != (gate_kind == "none"):
         raise ValueError(f"{what}: gate_kind {gate_kind!r} and gate {'None' if gate is None else 'given'} disagree")
     if gate is not None:
-        want = (H,) if gate_kind == "softplus_head" else (H, d)
-        if tuple(gate.shape) != want or (len(want) == 2 and gate.stride(-1) != 1) \
+        want = (B, H) if gate_kind == "softplus_head" else (B, H, d)
+        if tuple(gate.shape) != want or (len(want) == 3 and gate.stride(-1) != 1) \
                 or not gate.dtype.is_floating_point or gate.device != q.device:
-            raise ValueError(f"{what}: a {gate_kind!r} gate must be a float {list(want)} on {q.device} "
+            raise ValueError(f"{what}: a {gate_kind!r} gate must be a float {list(want[1:])} per row on {q.device} "
                              f"with a contiguous last axis, got {tuple(gate.shape)} {gate.dtype}")
     if q8 and d % QBLOCK:
         raise ValueError(f"{what}: an int8 output needs a head size that is a multiple of {QBLOCK}, got {d}")
-    pos_ptr = _check_pos(pos, S, q.device, what, 1, ring)
-    p = pos if pos_ptr else int(pos)
+    if rows.ring:  # a ring's rows of one sequence are all written before any attends
+        for key in {e[0] for e in rows.entries}:
+            n, S = sum(e[0] == key for e in rows.entries), next(e[4] for e in rows.entries if e[0] == key)
+            if S < window + n - 1:
+                raise ValueError(f"{what}: a ring of {S} rows cannot take {n} rows of one sequence past a window "
+                                 f"of {window}")
     rep = H // H_kv
-    split = (WINDOW_ALIGN if ring else decode_split(S, H_kv, k_scale is not None)) if split is None else split
-    n_split = triton.cdiv(S, split)
     block_d = max(16, triton.next_power_of_2(d))
-    m = torch.empty(H * n_split, dtype=torch.float32, device=q.device)
-    l_ = torch.empty(H * n_split, dtype=torch.float32, device=q.device)
-    acc = torch.empty(H * n_split * d, dtype=torch.float32, device=q.device)
     # Triton's interpreter gets bf16 tl.dot wrong (see tests/test_kernels.py): off the GPU the
     # products run in fp32 whatever the activations' dtype.
     fp32 = q.dtype == torch.float32 or not q.is_cuda
-    block_s, stages = _split_tiles(split, block_d, fp32, k_scale is not None)
-    attend_split_kernel[(H_kv, n_split)](
-        q, k_cache, v_cache, *_scales(k_scale, v_scale, k_cache), p, m, l_, acc, S, d, rep, n_split, int(window),
-        d ** -0.5 * LOG2E, POS_PTR=pos_ptr, DOT_FP32=fp32, Q8KV=k_scale is not None, RING=ring,
-        REP_P2=max(16, triton.next_power_of_2(rep)), BLOCK_D=block_d,
-        BLOCK_S=block_s, SPLIT=split, num_warps=4, num_stages=stages, **pdl.flags(q))
-    out = torch.empty(1, H * d, dtype=q.dtype, device=q.device)
+    out = torch.empty(B, H * d, dtype=q.dtype, device=q.device)
     block_c = min(block_d, COMBINE_CHANNELS)
-    codes = new_q8(1, H * d, q.device) if q8 else (out, out, out)
-    attend_combine_kernel[(H, triton.cdiv(d, block_c))](
-        m, l_, acc, gate if gate is not None else q, out, *codes, p, d, n_split, int(window),
-        gate.stride(0) if gate is not None else 0,
-        POS_PTR=pos_ptr, SPLIT=split, RING=ring, GATE=GATE_KINDS[gate_kind], BLOCK_SP=COMBINE_SPLITS,
-        BLOCK_C=block_c, Q8=q8, num_warps=4, **pdl.flags(m))
+    codes = new_q8(B, H * d, q.device) if q8 else (out, out, out)
+    gate_strides = (0, 0) if gate is None else gate.stride()[:2]
+    by_split: dict[int, list[int]] = {}
+    for b, e in enumerate(rows.entries):
+        by_split.setdefault((WINDOW_ALIGN if rows.ring else decode_split(e[4], H_kv, rows.q8))
+                            if split is None else split, []).append(b)
+    for sp, group in by_split.items():
+        table = rows.table(group)
+        n_split = max(triton.cdiv(rows.entries[b][4], sp) for b in group)
+        R = len(group)
+        m = torch.empty(R * H * n_split, dtype=torch.float32, device=q.device)
+        l_ = torch.empty(R * H * n_split, dtype=torch.float32, device=q.device)
+        acc = torch.empty(R * H * n_split * d, dtype=torch.float32, device=q.device)
+        block_s, stages = _split_tiles(sp, block_d, fp32, rows.q8)
+        attend_split_kernel[(R * H_kv, n_split)](
+            q, table, rows.pos, rows.pos.stride(0), m, l_, acc, H_kv, d, rep, n_split, int(window),
+            d ** -0.5 * LOG2E, DOT_FP32=fp32, Q8KV=rows.q8, RING=rows.ring,
+            REP_P2=max(16, triton.next_power_of_2(rep)), BLOCK_D=block_d,
+            BLOCK_S=block_s, SPLIT=sp, num_warps=4, num_stages=stages, **pdl.flags(q))
+        attend_combine_kernel[(R * H, triton.cdiv(d, block_c))](
+            m, l_, acc, gate if gate is not None else q, out, *codes, table, rows.pos, rows.pos.stride(0), H, d,
+            n_split, int(window), *gate_strides, SPLIT=sp, RING=rows.ring, GATE=GATE_KINDS[gate_kind],
+            BLOCK_SP=COMBINE_SPLITS, BLOCK_C=block_c, Q8=q8, num_warps=4, **pdl.flags(m))
     return (out, as_rows(codes)) if q8 else out
 
 
