@@ -193,7 +193,7 @@ class RecurrentState:
     """Gated DeltaNet state of one layer: the last ``kernel-1`` conv inputs ``[K-1, C]`` and the
     per-head key->value memory ``[H_v, d_k, d_v]`` (None until the first token; afterwards
     updated in place, so a captured decode step keeps reading the same memory, and the fused
-    decode kernels find them by address: ``runtime.state_tables``)."""
+    decode kernels find them by address: ``runtime.device_tables``)."""
 
     conv: torch.Tensor | None = None
     ssm: torch.Tensor | None = None
@@ -261,7 +261,7 @@ class RowStates:
     ``states``): row ``i``'s copy is the state a sequence keeps when it keeps the step's first
     ``i + 1`` tokens (``Session.keep``). Device buffers, written inside the step (a captured one
     too: their addresses never change; with the fused kernels by the launch that computes the
-    rows, ``runtime.state_tables``), one slot per row but the last (all rows kept: the live
+    rows, ``runtime.device_tables``), one slot per row but the last (all rows kept: the live
     state is the answer).
 
     Why copies per row rather than restoring the state from before the step and running the kept

@@ -22,6 +22,7 @@ import torch
 
 MEMO_TABLES = 4096  # tables kept by content: a few per layer and set of sequences, one per eager step's positions
 _MEMO: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+_MADE = [0]
 _KEPT: ContextVar[list[torch.Tensor] | None] = ContextVar("device_tables_kept", default=None)
 
 
@@ -37,6 +38,7 @@ def table(values: tuple, device: torch.device) -> torch.Tensor:
         host = torch.tensor(values, dtype=torch.int64)
         t = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
         _MEMO[key] = t
+        _MADE[0] += 1
         if len(_MEMO) > MEMO_TABLES:
             _MEMO.popitem(last=False)  # (the oldest; a graph that reads it keeps it)
     else:
@@ -45,6 +47,11 @@ def table(values: tuple, device: torch.device) -> torch.Tensor:
     if kept is not None:
         kept.append(t)
     return t
+
+
+def made() -> int:
+    """How many tables were made so far (a step that finds all of its tables makes none)."""
+    return _MADE[0]
 
 
 @contextlib.contextmanager

@@ -36,10 +36,9 @@ from sparkpack.formats.archs import ModelSpec
 from sparkpack.formats.memory import PREFILL_GRAPH_TOKENS, short_calls
 
 from . import device_tables
-from .cache import Cache, KVCache, RowStates
+from .cache import Cache, KVCache, RecurrentState, RowStates
 from .models.base import Call, MoEModel
 from .pinned import REGISTERING
-from .state_tables import StateTable, StateTables
 
 # The sizes a captured prefill call is padded to (the largest is PREFILL_GRAPH_TOKENS): at most
 # a third of a call's work is padding from 64 tokens up.
@@ -55,13 +54,11 @@ def kv_addresses(cache: Cache) -> tuple[int, ...]:
     return tuple(la.k.data_ptr() for la in _kv_layers(cache) if la.k is not None)
 
 
-def state_table(model: MoEModel, caches: Sequence[Cache]) -> StateTable | None:
-    """The table of sequences a batched step over ``caches`` gives the fused DeltaNet decode
-    kernels (``runtime.state_tables``; None for a model without DeltaNet layers). A replay reads
-    it where it was captured, so the graph keeps it, and captures again when the model would
-    give the step another (a cache of the set gone and another in its place)."""
-    tables: StateTables | None = getattr(model, "state_tables", None)
-    return None if tables is None else tables.get(caches)
+def state_addresses(cache: Cache) -> tuple[int, ...]:
+    """``kv_addresses`` and where the recurrent states are: a decode step's device tables hold
+    them (``runtime.device_tables``), so a graph captured on others must be captured again."""
+    return kv_addresses(cache) + tuple(p for la in cache.layers if isinstance(la, RecurrentState) and la.conv is not None
+                                       for p in (la.conv.data_ptr(), la.ssm.data_ptr()))
 
 
 def run_and_capture(call, device: torch.device, stream: torch.cuda.Stream, pool=None
@@ -114,7 +111,7 @@ class DecodeGraph:
         one-element id tensor on the device (``Session.decode``: nothing waits for its value)."""
         if self.cache.pos + 1 > self.room():
             return None
-        if self.graph is not None and kv_addresses(self.cache) != self.captured_on:
+        if self.graph is not None and state_addresses(self.cache) != self.captured_on:
             self.graph = None  # eager steps past the room grew the KV buffers: capture again on them
         if isinstance(token, torch.Tensor):
             self.ids.copy_(token.reshape(1), non_blocking=True)
@@ -136,7 +133,7 @@ class DecodeGraph:
         logits, self.graph, self.logits = run_and_capture(
             lambda: self.model.forward(self.ids, self.cache, last_only=True, pos=self.pos), dev, torch.cuda.Stream(dev))
         self.captures += 1
-        self.captured_on = kv_addresses(self.cache)
+        self.captured_on = state_addresses(self.cache)
         return logits
 
 
@@ -175,7 +172,7 @@ class VerifyGraphs:
         room = min((la.room for la in self.cache.layers if isinstance(la, KVCache) and la.k is not None), default=0)
         if n > self.offsets.numel() or self.cache.pos + n > room:
             return None
-        on = kv_addresses(self.cache)
+        on = state_addresses(self.cache)
         if on != self.captured_on:
             self.graphs.clear()  # (new KV buffers: capture again on them)
             self.captured_on = on
@@ -425,10 +422,10 @@ class BatchGraphs:
 
     def __init__(self, model: MoEModel, capture: bool = True):
         self.model, self.capture = model, capture
-        # per set (its caches' ids): graph, logits buffer, ids + positions buffer, KV addresses, the
-        # DeltaNet table it reads (``state_table``)
+        # per set (its caches' ids): graph, logits buffer, ids + positions buffer, the addresses of
+        # the states it reads (``state_addresses``)
         self.graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None, torch.Tensor,
-                                                 tuple[tuple[int, ...], ...], StateTable | None]] = {}
+                                                 tuple[tuple[int, ...], ...]]] = {}
         self.pool = None
         self.stream: torch.cuda.Stream | None = None
         self.captures = 0
@@ -442,10 +439,9 @@ class BatchGraphs:
         for c in caches:
             self.model.reserve_kv(c, c.pos + 1)
         key = tuple(id(c) for c in caches)
-        addresses = tuple(kv_addresses(c) for c in caches)
-        table = state_table(self.model, caches)
-        graph, out, inputs, captured_on, captured_table = self.graphs.get(key) or (None, None, None, (), None)
-        if inputs is None or captured_on != addresses or captured_table is not table:
+        on = tuple(state_addresses(c) for c in caches)
+        graph, out, inputs, captured_on = self.graphs.get(key) or (None, None, None, ())
+        if inputs is None or captured_on != on:
             graph = None
             self.graphs.pop(key, None)
             if not self.graphs:
@@ -460,17 +456,19 @@ class BatchGraphs:
             graph.replay()
             self.replays += 1
             logits = out
-        elif self.capture:
-            dev = self.model.device
-            if self.stream is None:
-                self.stream = torch.cuda.Stream(dev)
-            logits, graph, out = run_and_capture(lambda: self.model.rows_logits(inputs[:n], caches, at), dev, self.stream,
-                                                 self.pool)
-            self.pool = graph.pool()
-            self.captures += 1
         else:
-            logits = self.model.rows_logits(inputs[:n], caches, at)
-        self.graphs[key] = (graph, out, inputs, addresses, table)
+            if self.capture:
+                dev = self.model.device
+                if self.stream is None:
+                    self.stream = torch.cuda.Stream(dev)
+                logits, graph, out = run_and_capture(lambda: self.model.rows_logits(inputs[:n], caches, at), dev,
+                                                     self.stream, self.pool)
+                self.pool = graph.pool()
+                self.captures += 1
+            else:
+                logits = self.model.rows_logits(inputs[:n], caches, at)
+            on = tuple(state_addresses(c) for c in caches)  # (a fresh cache's recurrent states are made by that run)
+        self.graphs[key] = (graph, out, inputs, on)
         for c in caches:
             c.pos += 1
         self.model.experts.end_step(n, routed=True, defer=True)  # learns from the previous step meanwhile

@@ -84,8 +84,8 @@ def deltanet_decode(qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, alph
                     state: torch.Tensor, norm_w: torch.Tensor, n_k: int, d_k: int, eps: float,
                     q8: bool = False) -> "torch.Tensor | tuple":
     """The fused DeltaNet decode step for one token of one sequence (the model's single step: a
-    launch of ``deltanet_rows`` with a table of one row, made here where the model keeps its own,
-    ``runtime.state_tables``): ``qkv [C]``, ``z [n_v * d_v]``, ``beta``, ``alpha [n_v]``, the window
+    launch of ``deltanet_rows`` with a table of one row, made here where the model takes its own
+    from ``runtime.device_tables``): ``qkv [C]``, ``z [n_v * d_v]``, ``beta``, ``alpha [n_v]``, the window
     ``conv_win [K-1, C]`` and ``state [n_v, d_k, d_v]`` float32 (contiguous, updated in place).
     Returns one row ``[1, n_v * d_v]`` (with ``q8`` also its int8 form)."""
     n_v, dk, d_v = state.shape

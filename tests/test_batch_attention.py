@@ -215,10 +215,10 @@ def test_an_eager_step_copies_one_table(synth_model) -> None:
     for prompt, c in zip(PROMPTS, caches):
         model.forward(prompt, c, last_only=True)
     model.decode_batch([f[0] for f in FED], caches)
-    made = len(device_tables._MEMO)
+    made = device_tables.made()
     with device_tables.kept() as tables:
         model.decode_batch([f[1] for f in FED], caches)
-    assert len(device_tables._MEMO) == made + 1
+    assert device_tables.made() == made + 1
     layers = len(model.spec.layers)
     assert len(tables) == 3 * layers  # each layer: the positions, its rows for the append and for attending
     assert len({t.data_ptr() for t in tables}) == layers + 1  # (a layer's two tables of its rows: one content)

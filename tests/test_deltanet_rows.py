@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import os
 from collections.abc import Iterator
 
@@ -24,6 +23,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from sparkpack.runtime import device_tables  # noqa: E402
 from sparkpack.runtime.cache import RecurrentState  # noqa: E402
 from sparkpack.runtime.generate import GENERATED, Session  # noqa: E402
 from sparkpack.runtime.kernels import deltanet  # noqa: E402
@@ -274,11 +274,11 @@ def test_a_batched_step_launches_the_deltanet_kernels_once(model, monkeypatch) -
 
 @pytest.mark.slow
 def test_state_addresses_outlive_every_rewrite(model) -> None:
-    """What the tables rely on: a session's DeltaNet tensors keep their addresses through a new
-    prompt that reuses a prefix (a checkpoint copied in), a verify that keeps fewer rows (a
-    row's copy copied in), a state put back from a conversation's saved copy
-    (``sequence_state.RecurrentRows``) and a reset; the session keeps its one table for single
-    steps (which would refuse states that moved)."""
+    """What a captured step relies on to be replayed rather than captured again (its device
+    tables hold the states' addresses: ``graph.state_addresses``): a session's DeltaNet tensors
+    keep their addresses through a new prompt that reuses a prefix (a checkpoint copied in), a
+    verify that keeps fewer rows (a row's copy copied in), a state put back from a
+    conversation's saved copy (``sequence_state.RecurrentRows``) and a reset."""
     s = Session(model, graphs=False)
     prompt = list(PROMPTS[0])
 
@@ -288,7 +288,7 @@ def test_state_addresses_outlive_every_rewrite(model) -> None:
     with torch_prompts(model):
         s.feed(prompt)
     s.feed(prompt + [5], GENERATED)
-    before, single = addresses(), model.state_tables.get((s.cache,))
+    before = addresses()
     with torch_prompts(model):
         s.feed(prompt[:3] + [9, 9])  # another prompt on the first three tokens: a checkpoint restored
     s.verify([6, 7])
@@ -302,16 +302,13 @@ def test_state_addresses_outlive_every_rewrite(model) -> None:
         s.feed(prompt)
     s.feed(prompt + [5], GENERATED)
     assert addresses() == before
-    assert model.state_tables.get((s.cache,)) is single
 
 
-def test_a_table_goes_with_its_caches(model) -> None:
-    """A table is kept while its caches live, and dropped with them (servers open and close
-    sessions: nothing accumulates)."""
-    before = len(model.state_tables)
+def test_a_step_finds_its_tables_made(model) -> None:
+    """The DeltaNet tables are made once per content (``runtime.device_tables``): a batched step
+    after the first over the same caches makes none (only the attention layers' positions)."""
     caches = prompted(model, PROMPTS[:2])
     model.decode_batch([1, 2], caches)
-    assert len(model.state_tables) == before + 1
-    del caches
-    gc.collect()
-    assert len(model.state_tables) == before
+    made = device_tables.made()
+    model.decode_batch([3, 4], caches)
+    assert device_tables.made() == made + 1

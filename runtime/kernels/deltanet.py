@@ -67,7 +67,7 @@ def _sequence(seq_ptr, s, x_ptr):
     ``SEQUENCE_COLUMNS`` each): its conv window (``x_ptr``'s type) and recurrent state (float32),
     its first row in the launch and its row count, and where the states after each of its first
     ``saves`` rows are copied (windows, states: one after another). A table is written only by
-    host copies before the steps that read it (``runtime.state_tables``), so a kernel may read it
+    host copies before the steps that read it (``runtime.device_tables``), so a kernel may read it
     before ``wait_prior``, as it may the decode position (``pdl``)."""
     row = seq_ptr + s.to(tl.int64) * 8
     win = tl.load(row).to(tl.pointer_type(x_ptr.dtype.element_ty))

@@ -21,7 +21,7 @@ from sparkpack.formats.memory import DELTANET_CHUNK
 
 from ..cache import Cache, RecurrentState
 from ..layers import Normed, Rope, Rows, cat_rows, l2_norm, rms_norm, rope_inv_freq, route_softmax, wide
-from ..state_tables import StateTables
+from .. import device_tables
 from .base import Batch, MoEModel
 
 if TYPE_CHECKING:
@@ -95,6 +95,20 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out.transpose(1, 2).transpose(0, 2).reshape(n * chunk, H, -1)[:T], state
 
 
+
+def sequences(caches: Sequence[Cache]) -> list[tuple[Cache, int, int]]:
+    """A step's rows (one cache each) as sequences: each cache with its first row and row count
+    (a verify's rows are one cache at consecutive positions; a batched step's, one row per cache)."""
+    out: list[tuple[Cache, int, int]] = []
+    for row, c in enumerate(caches):
+        if out and out[-1][0] is c:
+            out[-1] = (c, out[-1][1], out[-1][2] + 1)
+        elif any(o[0] is c for o in out):
+            raise ValueError("a batched step's rows of one sequence must be consecutive")
+        else:
+            out.append((c, row, 1))
+    return out
+
 class Qwen35MoE(MoEModel):
     arch = "qwen35moe"
     ffn_norm = "post_attention_norm"
@@ -110,7 +124,6 @@ class Qwen35MoE(MoEModel):
         d = self.spec.deltanet
         self.kernel, self.n_k, self.d_k, self.n_v, self.d_v = d.conv_kernel, d.n_k, d.d_k, d.n_v, d.d_v
         self.norm_topk = self.spec.norm_topk
-        self.state_tables = StateTables(self.spec.n_layer, self.device)  # the fused decode step's sequences
         self._mtp: "MTPHead | None" = None
 
     def load_mtp(self) -> "MTPHead":
@@ -216,17 +229,25 @@ class Qwen35MoE(MoEModel):
         """``delta_rule`` for one-token rows with the fused Triton decode step (``kernels/deltanet.py``):
         the same math as the torch form below the projections, two launches for all of a step's
         rows, each sequence's taken in order on its state (a verify's, with ``Batch.states``, also
-        copied after each row), from the step's table of sequences (``runtime.state_tables``)."""
+        copied after each row), from the step's table of sequences (``sequence_row``s, made once per content:
+        ``runtime.device_tables``)."""
         from ..kernels import q8dot
-        from ..kernels.deltanet import deltanet_rows
+        from ..kernels.deltanet import deltanet_rows, sequence_row
 
         p, w, T = f"blk.{il}.", self.w, qkv.shape[0]
         caches, saved = (cache.caches, cache.states) if isinstance(cache, Batch) else ((cache,), None)
-        table = self.state_tables.get(caches, saved)
-        states = [self.recurrent(caches[first].layers[il], qkv) for first, _ in table.rows]
+        seqs = sequences(caches)
+        if saved is not None and len(seqs) != 1:
+            raise ValueError("the states after each row are kept for a verify of one sequence")
+        keep = None if saved is None else (saved.conv[il], saved.ssm[il])
+        rows = []
+        for c, first, n in seqs:
+            st = self.recurrent(c.layers[il], qkv)
+            rows.append(tuple(sequence_row(st.conv, st.ssm, first, n, keep)))
+        table = device_tables.table(tuple(rows), self.device)
         q8 = q8dot.wanted(T, self.d_v) and self.d_v & (self.d_v - 1) == 0  # a head's blocks, whole
         o = deltanet_rows(qkv, z.reshape(T, -1), beta, alpha, w(p + "ssm_dt.bias"), w(p + "ssm_a"),
-                          w(p + "ssm_conv1d.weight"), table.layer(il, states, saved), w(p + "ssm_norm.weight"),
+                          w(p + "ssm_conv1d.weight"), table, w(p + "ssm_norm.weight"),
                           self.n_k, self.d_k, self.d_v, self.eps, q8=q8)
         return Rows(*o) if q8 else Rows(o)
 

@@ -3,8 +3,9 @@ batched decode step) or K consecutive tokens of one sequence (a draft's verifica
 
 Why a part of its own: such a step goes through the model's blocks like a call, but with a
 ``Batch`` where one sequence's cache goes, every weight-reading product taking its one-row
-program per row (``runtime.decode_rows``) and attention and DeltaNet per row, so each row is bit
-for bit its single step. ``MoEModel`` composes it (``MoEModel.rows``) and keeps its method names.
+program per row (``runtime.decode_rows``), attention and DeltaNet each row on its own sequence's
+state (on the kernels one launch for all rows, a single step being the same launch with one row),
+so each row is bit for bit its single step. ``MoEModel`` composes it (``MoEModel.rows``) and keeps its method names.
 """
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ if TYPE_CHECKING:
 class Batch:
     """The rows of a batched decode step (``MoEModel.decode_batch``, ``decode_run``), passed to
     the blocks where one sequence's cache goes: each row's cache and the position of its token.
-    What reads per-sequence state (attention, DeltaNet) runs once per row, in row order (rows of
-    one sequence at consecutive positions: one after another on its state)."""
+    What reads per-sequence state (attention, DeltaNet) takes each row on its sequence's state, in
+    row order (rows of one sequence at consecutive positions: one after another on its state): the
+    torch forms row by row, the kernels in one launch for all rows (``runtime.device_tables``)."""
 
     caches: tuple[Cache, ...]
     pos: tuple[int | torch.Tensor, ...]  # device scalars in a captured step (``runtime.graph.VerifyGraphs``)
@@ -46,7 +48,7 @@ class RowSteps:
         ``forward([ids[b]], caches[b])`` gives alone: every product that reads weights runs its
         one-token program once per row (``runtime.decode_rows``; on a GPU the rows of one weight
         tile next to each other, so the weights are read from memory about once for the batch),
-        and attention and DeltaNet run on each sequence's own state. The expert store serves the
+        and attention and DeltaNet run on each sequence's own state (one launch for all rows). The expert store serves the
         batch at once: the union of its routed experts per layer, each miss read once."""
         if len(caches) != len(ids) or len({id(c) for c in caches}) != len(caches) or not len(caches):
             raise ValueError("decode_batch: one token and one distinct cache per sequence")
