@@ -85,6 +85,12 @@ class Running:
     history: list[int]
     generated: list[int] = field(default_factory=list)
     decode0: float = 0.0  # the session's decode time when the request joined
+    greedy: int | None = None  # argmax of ``logits`` when the batched step already took it
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no grammar: its next token is the argmax of its logits."""
+        return self.sampler is None and self.job.constraint is None
 
 
 class ParallelEngine(Engine):
@@ -261,6 +267,9 @@ class ParallelEngine(Engine):
         """``continue_tokens``' choice of the next token from ``r.logits`` (the same calls, so the
         same token as the serial engine's)."""
         sampler, constraint, logits = r.sampler, r.job.constraint, r.logits
+        if r.greedy is not None:
+            tok, r.greedy = r.greedy, None
+            return tok
         if constraint is None and (sampler is None or getattr(sampler, "history_free", False)):
             pick = torch.argmax if sampler is None else sampler.pick
             return int(pick(logits).reshape(-1)[0])
@@ -296,8 +305,12 @@ class ParallelEngine(Engine):
                 self._failed(r, e)
             return
         self.batch_sizes[len(going)] += 1
+        # the greedy rows' argmax in one launch and one read (the same token as each row's own:
+        # argmax is exact, ties to the first index), not a launch and a host wait per row
+        greedy = torch.argmax(logits, dim=-1).tolist() if any(r.plain_greedy for r, _ in going) else None
         for i, (r, _) in enumerate(going):
             r.logits = logits[i]
+            r.greedy = greedy[i] if greedy is not None and r.plain_greedy else None
 
     def _take(self, r: Running) -> int | None:
         """``r``'s next token, reported to its client: the token to feed, or None when ``r`` ends
