@@ -38,7 +38,6 @@ cpu`` with small token counts runs the whole path on a tiny model (tests/test_se
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
 import sys

@@ -369,7 +369,7 @@ def qk_norm_rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if one:
         q, k, v = q[None], k[None], v[None]
     _check_qkv(q, k, v, what)
-    (T, H, d), H_kv = q.shape, k.shape[1]
+    (T, _, d), H_kv = q.shape, k.shape[1]
     if k_cache.dim() != 3 or k_cache.shape[0] != H_kv or k_cache.shape[2] != d or v_cache.shape != k_cache.shape:
         raise ValueError(f"{what}: caches must be [H_kv={H_kv}, S, d={d}], got {tuple(k_cache.shape)}, "
                          f"{tuple(v_cache.shape)}")

@@ -11,6 +11,7 @@ math is transformers' recurrent gated delta rule.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,9 +20,9 @@ import torch.nn.functional as F
 from sparkpack.formats.archs import LINEAR
 from sparkpack.formats.memory import DELTANET_CHUNK
 
+from .. import device_tables
 from ..cache import Cache, RecurrentState
 from ..layers import Normed, Rope, Rows, cat_rows, l2_norm, rms_norm, rope_inv_freq, route_softmax, wide
-from .. import device_tables
 from .base import Batch, MoEModel
 
 if TYPE_CHECKING:
@@ -93,7 +94,6 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         out[:, i] = torch.baddbmm(eG[:, i] * P[:, chunk:], QK[:, i], U)
         state = torch.baddbmm(keep[:, i] * state, kdec_t[:, i], U)
     return out.transpose(1, 2).transpose(0, 2).reshape(n * chunk, H, -1)[:T], state
-
 
 
 def sequences(caches: Sequence[Cache]) -> list[tuple[Cache, int, int]]:
