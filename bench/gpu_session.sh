@@ -89,14 +89,20 @@ for step in $steps; do
       # 10-minute call before this; one thread each: the whole set in ~200 s on a fresh machine,
       # Triton compiling from a cold cache). CUDA_TESTS_TIMEOUT (480 s) caps it with SIGINT, so
       # pytest still prints its summary; the log goes to $OUT/cuda.log.
-      echo "== CUDA tests (xdist, one thread a worker)"
-      OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 SPARKPACK_TEST_DEVICE=cuda timeout -s INT -k 30 "${CUDA_TESTS_TIMEOUT:-480}" \
-        python3 -m pytest -n 15 --dist load -v -p no:cacheprovider -p no:benchmark --tb=short --durations=15 \
+      # On a machine of several GPUs, 15 workers per GPU (as many as the cores allow), each worker
+      # on one of them (tests/conftest.py, SPARKPACK_TEST_GPUS).
+      gpus=$(nvidia-smi -L | grep -c '^GPU')
+      workers=$(( 15 * gpus < $(nproc) - 1 ? 15 * gpus : $(nproc) - 1 ))
+      echo "== CUDA tests (xdist, one thread a worker: $workers workers on $gpus GPUs)"
+      OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 SPARKPACK_TEST_DEVICE=cuda SPARKPACK_TEST_GPUS=$gpus \
+        timeout -s INT -k 30 "${CUDA_TESTS_TIMEOUT:-480}" \
+        python3 -m pytest -n "$workers" --dist load -v -p no:cacheprovider -p no:benchmark --tb=short --durations=15 \
         ${CUDA_TESTS:-tests/test_kernels.py tests/test_attention_kernel.py tests/test_forward.py tests/test_expert_store.py tests/test_pack_integrity.py tests/test_calibrate.py \
         tests/test_graph.py tests/test_prefix_reuse.py tests/test_conversation_cache.py tests/test_server_gpu.py tests/test_generate.py tests/test_learning.py \
         tests/test_calibrate_replay.py tests/test_staged_prefill.py tests/test_grammar.py tests/test_speculative.py \
         tests/test_decode_batch.py tests/test_batch_kernels.py tests/test_deltanet_rows.py tests/test_server_parallel.py tests/test_mtp.py \
-        tests/test_mtp_drafter.py} > "${OUT:-$work}/cuda.log" 2>&1 || true
+        tests/test_mtp_drafter.py tests/test_batch_attention.py tests/test_chunked_prefill.py tests/test_request_path.py \
+        tests/test_q8dot.py tests/test_dense_kernels.py tests/test_fused_steps.py tests/test_dequant.py} > "${OUT:-$work}/cuda.log" 2>&1 || true
       grep -oE "(PASSED|FAILED|SKIPPED|ERROR) tests/[a-z_]+\.py" "${OUT:-$work}/cuda.log" | sort | uniq -c
       sed -n '/short test summary/,$p' "${OUT:-$work}/cuda.log" | cut -c1-240 ;;
     calib)

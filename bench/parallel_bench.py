@@ -29,6 +29,7 @@ Writes ``parallel_bench.json`` and ``.md`` to ``--out`` and prints the table.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import threading
@@ -48,20 +49,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=300)
     p.add_argument("--long-prompt-tokens", type=int, default=6000,
                    help="the long prompt prefilled while a stream runs (within --ctx)")
-    return sb.checked(p, p.parse_args(argv))
+    args = sb.checked(p, p.parse_args(argv))
+    if max(args.prompt_tokens, args.long_prompt_tokens) + 64 > args.ctx:
+        p.error(f"--prompt-tokens and --long-prompt-tokens must leave room in --ctx {args.ctx} for the template "
+                f"and the reply")
+    return args
+
+
+@functools.lru_cache(maxsize=1)
+def tokenizer(model: Path) -> sb.Tokenizer:
+    return sb.Tokenizer(model)
 
 
 def prompts(args: argparse.Namespace, n: int, tokens: int | None = None) -> list[list[dict]]:
-    """``n`` different conversations of about ``tokens`` (``--prompt-tokens``; words stand in for
-    tokens: the two servers get the same text)."""
+    """``n`` different conversations whose system prompts are ``tokens`` (``--prompt-tokens``)
+    tokens of the model's own tokenizer, cut from the agents' prompts (the two servers get the
+    same text)."""
+    size = args.prompt_tokens if tokens is None else tokens
     words = " ".join(f.read_text(encoding="utf-8") for f in sorted(args.prompts.glob("*.md"))).split()
-    size = (args.prompt_tokens if tokens is None else tokens) * 3 // 4
-    while len(words) < size:
+    while len(words) < 2 * size:  # (a word is at least one token: ``size`` words hold ``size`` tokens)
         words += words
     out = []
     for i in range(n):
         start = (i * 997) % max(1, len(words) - size)
-        out.append([{"role": "system", "content": " ".join(words[start:start + size])},
+        text = tokenizer(args.model).cut(" ".join(words[start:start + size]), size)
+        out.append([{"role": "system", "content": text},
                     {"role": "user", "content": f"Task {i}: summarise the instructions above as a numbered list."}])
     return out
 

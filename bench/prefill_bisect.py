@@ -58,6 +58,29 @@ def launches(model, ids: list[int], ctx: int) -> dict:
     return counts
 
 
+def kernel_times(model, ctx: int, steps: int = 4) -> dict[str, float]:
+    """Device microseconds per decode step by kernel name (eager steps at depth 128: the kernels
+    a captured step replays), the largest first: which kernel a slower commit spends it in."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.path.insert(0, str(HERE))
+    import decode_bench
+
+    session, ids, logits = decode_bench.warm_session(model, 128, False, ctx)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            ids.append(int(torch.argmax(logits)))
+            logits = session.feed(ids)
+        torch.cuda.synchronize()
+    per: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            name = e.name.split("(")[0][:60]
+            per[name] = per.get(name, 0.0) + e.time_range.elapsed_us() / steps
+    return dict(sorted(((k, round(v, 1)) for k, v in per.items()), key=lambda kv: -kv[1])[:30])
+
+
 def measure(model_path: Path, tokens: list[int], profile_prompt: bool) -> dict:
     """One commit in this process (``sparkpack`` from PYTHONPATH): decode_bench's prefill rates,
     an eager one-token step, and optionally the launch counts of one 512-token prompt."""
@@ -69,7 +92,7 @@ def measure(model_path: Path, tokens: list[int], profile_prompt: bool) -> dict:
     sys.path.insert(0, str(HERE))
     import decode_bench  # the measurement BENCHMARKS.md's prefill rows come from
 
-    ctx = max(tokens) + 72
+    ctx = max(max(tokens) + 72, 1024)
     t0 = time.perf_counter()
     model = load_model(model_path, device="cuda", dtype=torch.bfloat16,
                        store=StoreOptions(hot_fraction=1.0, cache_slots=0, miss_mode="zerocopy"),
@@ -82,7 +105,12 @@ def measure(model_path: Path, tokens: list[int], profile_prompt: bool) -> dict:
         out[f"prefill_{n}_calls"] = r["calls"]
     tps, _, _ = decode_bench.decode(model, 128, 8, False, ctx)
     out["eager_step_ms"] = 1000 / tps
+    out["decode_tok_s"] = decode_bench.decode_ahead(model, 128, 256, ctx)[0]  # (decode_bench's graph row)
     if profile_prompt:
+        try:
+            out["kernels_us"] = kernel_times(model, ctx)
+        except Exception as e:
+            out["kernels_us"] = f"profiler failed: {e}"
         try:
             out["launches_512"] = launches(model, decode_bench.prompt(512, model.spec.n_vocab), ctx)
         except Exception as e:  # (the profiler is a diagnosis: its failure must not lose the rates)
@@ -134,7 +162,7 @@ def main() -> None:
             rates = "  ".join(f"prefill {n}: {res[f'prefill_{n}']:8.1f} tok/s ({res[f'prefill_{n}_each']})"
                               for n in args.tokens)
             print(f"{tree.name} round {r + 1}: {rates}  eager step {res['eager_step_ms']:.1f} ms  "
-                  f"load {res['load_s']:.0f} s" + (f"  launches {res['launches_512']}" if "launches_512" in res else ""),
+                  f"decode {res['decode_tok_s']:.1f} tok/s  load {res['load_s']:.0f} s" + (f"  launches {res['launches_512']}" if "launches_512" in res else ""),
                   flush=True)
     args.json.write_text(json.dumps(results, indent=1) + "\n")
 

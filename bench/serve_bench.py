@@ -192,10 +192,12 @@ def placement(args: argparse.Namespace) -> list[str]:
 
 
 def llama_server(args: argparse.Namespace, n_cpu_moe: int, slots: int | None = 1) -> Server:
-    """llama-server on the same file; ``slots`` None: its default slots (and host prompt cache)."""
+    """llama-server on the same file; ``slots`` None: its default slots (and host prompt cache).
+    ``-c`` is the context of all slots together (each slot gets its share unless the KV is
+    unified), so N slots get N x ``--ctx``: each sequence the context spark-run gives it."""
     port = free_port()
     cmd = [str(args.llama_server), "-m", str(args.model), "--host", "127.0.0.1", "--port", str(port),
-           "-ngl", "99", "--n-cpu-moe", str(n_cpu_moe), "-c", str(args.ctx), "-fa", "on", "--jinja",
+           "-ngl", "99", "--n-cpu-moe", str(n_cpu_moe), "-c", str(args.ctx * (slots or 1)), "-fa", "on", "--jinja",
            "--api-key", API_KEY, "--temp", "0", "--no-ui", *(["-np", str(slots)] if slots is not None else [])]
     s = Server(f"llama-server-ncmoe{n_cpu_moe}", cmd)
     s.base = f"http://127.0.0.1:{port}"

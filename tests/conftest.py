@@ -5,8 +5,16 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-import torch
+# On a machine of several GPUs (SPARKPACK_TEST_GPUS=n, set by bench/gpu_session.sh cudatests), each
+# pytest-xdist worker takes one GPU, round robin, so the CUDA tests run on all of them at once. It
+# must be set before torch first touches CUDA; the servers the tests start inherit it.
+_GPUS = int(os.environ.get("SPARKPACK_TEST_GPUS", "1") or "1")
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _GPUS > 1 and _WORKER.startswith("gw"):
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(int(_WORKER[2:]) % _GPUS)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Triton decides at decoration time whether a kernel runs in its interpreter, so this must be set
 # before any test module imports runtime.kernels. CI has no GPU: kernels run interpreted there.

@@ -140,6 +140,20 @@ def test_bad_rows_raise() -> None:
             pytest.fail(f"case {i} did not raise")
 
 
+def test_a_ring_shorter_than_its_window_takes_rows_that_do_not_wrap():
+    """A sliding layer's ring of a short context (fewer rows than the window) holds every position
+    while none has wrapped around its end: its rows attend as over a plain buffer (a tiny laguna
+    at ``ctx`` 16 with a 64-token window decodes so until its buffers grow)."""
+    g = torch.Generator().manual_seed(1)
+    ((k, v, _, _),) = caches_of([16], torch.float32, False, g)
+    q = torch.randn(2, H, D, generator=g).to(DEVICE)
+    ring = at.attend_decode_rows(q, at.kv_rows([(k, v, None, None)] * 2, [5, 6], ring=True), 64)
+    plain = at.attend_decode_rows(q, at.kv_rows([(k, v, None, None)] * 2, [5, 6]))
+    torch.testing.assert_close(ring, plain)
+    with pytest.raises(ValueError, match="a ring of 16 rows"):  # past its end, the window would be overwritten
+        at.attend_decode_rows(q, at.kv_rows([(k, v, None, None)] * 2, [15, 16], ring=True), 64)
+
+
 def kernel_model(synth_model, arch: str):
     """A tiny model of ``arch`` with its kernels on (the GPU's default; interpreted on the CPU)."""
     model = load_model(synth_model(arch, "Q4_K_M", skew=1.0), device=DEVICE,

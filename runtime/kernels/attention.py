@@ -247,6 +247,7 @@ class KVRows(NamedTuple):
     dtype: torch.dtype  # the buffers' (int8 codes with Q8_0)
     q8: bool
     ring: bool  # sliding-window rings (position p in row p % S)
+    wraps: tuple[bool, ...] = ()  # per row: its tokens pass the end of its buffer (known for int positions only)
 
     def table(self, rows: "Sequence[int] | range") -> torch.Tensor:
         """The int64 table ``[len(rows), ROW_FIELDS]`` of these rows (batch rows ``rows``)."""
@@ -281,8 +282,10 @@ def kv_rows(caches: "Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | N
         if any(a % 16 for a in addresses):  # (the kernels promise the compiler 16-byte aligned buffers)
             raise ValueError(f"{what}: KV buffers must start 16-byte aligned (fresh tensors do)")
         entries.append((*addresses, k_cache.shape[1]))
+    wraps = tuple(not isinstance(p, torch.Tensor) and int(p) + T > e[4] for p, e in zip(pos, entries)) \
+        if not isinstance(pos, torch.Tensor) else ()
     return KVRows(tuple(entries), _positions(pos, [e[4] for e in entries], k0.device, T, ring, what), H_kv, d,
-                  k0.dtype, q8, ring)
+                  k0.dtype, q8, ring, wraps)
 
 
 def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, fill: torch.Tensor) -> tuple:
@@ -689,8 +692,10 @@ def attend_decode_rows(q: torch.Tensor, rows: KVRows, window: int = 0, gate: tor
                              f"with a contiguous last axis, got {tuple(gate.shape)} {gate.dtype}")
     if q8 and d % QBLOCK:
         raise ValueError(f"{what}: an int8 output needs a head size that is a multiple of {QBLOCK}, got {d}")
-    if rows.ring:  # a ring's rows of one sequence are all written before any attends
-        for key in {e[0] for e in rows.entries}:
+    if rows.ring:  # a ring's rows of one sequence are all written before any attends: once they wrap
+        # around its end, the window of the first must survive the last's write (positions on the
+        # device, a captured step's: not known here, as for one sequence's call)
+        for key in {e[0] for e, w in zip(rows.entries, rows.wraps) if w}:
             n, S = sum(e[0] == key for e in rows.entries), next(e[4] for e in rows.entries if e[0] == key)
             if S < window + n - 1:
                 raise ValueError(f"{what}: a ring of {S} rows cannot take {n} rows of one sequence past a window "
