@@ -91,7 +91,8 @@ for step in $steps; do
       # pytest still prints its summary; the log goes to $OUT/cuda.log.
       # On a machine of several GPUs, 15 workers per GPU (as many as the cores allow), each worker
       # on one of them (tests/conftest.py, SPARKPACK_TEST_GPUS).
-      gpus=$(nvidia-smi -L | grep -c '^GPU')
+      gpus=$(nvidia-smi -L | grep -c '^GPU')  # (or those CUDA_VISIBLE_DEVICES names)
+      [ -z "${CUDA_VISIBLE_DEVICES:-}" ] || gpus=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .)
       workers=$(( 15 * gpus < $(nproc) - 1 ? 15 * gpus : $(nproc) - 1 ))
       echo "== CUDA tests (xdist, one thread a worker: $workers workers on $gpus GPUs)"
       OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 SPARKPACK_TEST_DEVICE=cuda SPARKPACK_TEST_GPUS=$gpus \

@@ -11,7 +11,9 @@ from pathlib import Path
 _GPUS = int(os.environ.get("SPARKPACK_TEST_GPUS", "1") or "1")
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _GPUS > 1 and _WORKER.startswith("gw"):
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(int(_WORKER[2:]) % _GPUS)
+    _VISIBLE = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if os.environ.get("CUDA_VISIBLE_DEVICES") \
+        else [str(i) for i in range(_GPUS)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = _VISIBLE[int(_WORKER[2:]) % len(_VISIBLE)]
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
