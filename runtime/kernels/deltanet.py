@@ -168,9 +168,10 @@ def recurrence_kernel(act_ptr, z_ptr, beta_ptr, alpha_ptr, dt_ptr, a_ptr, seq_pt
     tl.store(state_ptr + head + offs, s, mask=mm)
 
 
-# Warps of a (sequence, value head) program: with 16 a 128x128 state is 32 values a thread, which
-# the row loop holds without spilling much (8 spilled more: ptxas -v for sm_90).
-RECURRENCE_WARPS = 16
+# Warps of a (sequence, value head) program. 16 spill less across the row loop (ptxas -v for
+# sm_90) but made the kernel several times slower on the device, one step and batched steps alike
+# (fewer programs resident per SM): 8, as before the row loop (BENCHMARKS.md, issue 46).
+RECURRENCE_WARPS = 8
 SEQUENCE_COLUMNS = 8  # int64 per sequence (7 used): 64 bytes, so a layer's rows of a table stay aligned
 
 
