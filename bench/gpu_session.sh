@@ -7,7 +7,7 @@
 #   (the server and its test clients; the device has torch, triton, transformers, xxhash, prometheus-client,
 #   pytest-xdist, not these); then carry .whl (and .device/corpus, a copy of ../shared/corpora/lucebox-hub).
 # QUANT=IQ2_M (any repack synth --quant) makes the synthetic models of that mix instead of Q4_K_M.
-# steps: any of synth split compress tests cudatests kernels calib store staged decode draft llama side presets serve parallel conversations learning long lowbit_llama build (default: synth split compress tests)
+# steps: any of synth split compress tests cudatests kernels calib store staged decode draft llama side presets serve parallel batchprof conversations learning long lowbit_llama build (default: synth split compress tests)
 # cudatests: the runtime's CUDA tests (kernels, expert store, pack integrity, graphs, prefix reuse, served
 #   GPU path, generation, learning, calibration replay, staged prefill) on 15 xdist workers (CUDA_TESTS: other files).
 # calib: bench/calibrate_speed.py on BENCH_CORPUS (default: corpora/): repack calibrate's tok/s and peak
@@ -30,6 +30,8 @@
 # serve: served agent session next to llama-server at --vram 14GiB (bench/serve_bench.py, prompts from
 #   .device/corpus/agent_prompts); SERVE_ARGS adds options.
 # parallel: concurrent requests (issue 46): bench/parallel_bench.py, --parallel 4 next to llama-server -np 4.
+# batchprof: how a batched decode step scales with its rows (bench/profile_decode.py --batch 1 2 4): the captured
+#   step's time and each kernel's device time per step, all-GPU and at BATCH_HOT (0.6) of the experts hot.
 # conversations: many conversations, one server (issue 42): A1, A2, side, A3, B1, A4, B2, A5 and a restart
 #   with --cache-dir, next to llama-server at --vram 14GiB (bench/conversations_bench.py; llama-server built
 #   meanwhile when .device/llama.cpp is carried, else its column is left out); CONV_PRESET picks the shape
@@ -196,6 +198,12 @@ for step in $steps; do
       ensure_model "$model" qwen35moe qwen3.6-35b-a3b
       python3 bench/parallel_bench.py "$model" --prompts .device/corpus/agent_prompts --vram "${PAR_VRAM:-all}" \
         --out "${OUT:-$work}" ${PAR_ARGS:-} ;;
+    batchprof)
+      ensure_model "$model" qwen35moe qwen3.6-35b-a3b
+      for hot in 1.0 "${BATCH_HOT:-0.6}"; do
+        echo "== batched steps, hot fraction $hot"
+        python3 bench/profile_decode.py "$model" --batch 1 2 4 --steps 8 --prompt 128 --hot-fraction "$hot"
+      done ;;
     conversations)
       preset="${CONV_PRESET:-qwen35moe:qwen3.6-35b-a3b}"
       m="$model"

@@ -1,15 +1,20 @@
 """Where a decode step's time goes: torch.profiler over a few greedy steps (CUDA).
 
     python bench/profile_decode.py M.gguf [--hot-fraction 1.0] [--steps 8] [--prompt 64] [--prefill 512]
+    python bench/profile_decode.py M.gguf --batch 1 2 4 [--hot-fraction 1.0]
 
 Prints wall time per token, kernel launches per token, and the top operators by host time and
 by device time, so launch overhead and slow kernels can be told apart (``--steps 0`` skips
 decode); then the same for one prefill of ``--prefill`` tokens.
+
+``--batch``: how a batched decode step (issue 46: ``--parallel``'s step, a verify's rows) scales
+with its rows instead: per batch size, the captured step's time (``BatchGraphs``, as the server
+replays it) next to one sequence's, and the device time per kernel of an eager batched step, so
+the kernels whose cost grows with the rows stand out.
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -29,11 +34,15 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--prefill", type=int, default=512, help="prompt length of the profiled prefill (0: none)")
+    ap.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes: profile batched steps instead")
     args = ap.parse_args()
     t0 = time.perf_counter()
     model = load_model(args.model, device="cuda", dtype=torch.bfloat16,
                        store=StoreOptions(hot_fraction=args.hot_fraction, miss_mode=args.mode))
     print(f"load {time.perf_counter() - t0:.1f} s", flush=True)
+    if args.batch:
+        batch_scaling(model, args.batch, args.steps, args.prompt, args.rows)
+        return
     session = Session(model)
     ids = list(range(100, 100 + args.prompt))
     t0 = time.perf_counter()
@@ -194,6 +203,55 @@ def sync_points(fn) -> dict[str, int]:
         if "synchroniz" in str(w.message):
             found[f"{Path(w.filename).name}:{w.lineno}"] += 1
     return dict(found)
+
+
+def batch_scaling(model, sizes: list[int], steps: int, prompt: int, rows: int) -> None:
+    """Per batch size B: B sequences fed ``prompt`` tokens each, then their captured batched step
+    timed (ms a step, and per row against B = 1) and an eager one profiled (device us a step per
+    kernel, the largest first)."""
+    from sparkpack.runtime.graph import BatchGraphs
+
+    def sync() -> None:
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    kernels: dict[int, dict[str, float]] = {}
+    for B in sizes:
+        sessions = [Session(model, ctx=prompt + 4 * steps + 64) for _ in range(B)]
+        for b, s in enumerate(sessions):
+            s.feed(list(range(100 + 7 * b, 100 + 7 * b + prompt)))
+        caches = [s.cache for s in sessions]
+        graphs = BatchGraphs(model, capture=model.device.type == "cuda")  # (the CPU: a smoke run)
+        for _ in range(3):  # the first captures
+            graphs.step([5] * B, caches)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            graphs.step([5] * B, caches)
+        sync()
+        dt = (time.perf_counter() - t0) / steps
+        print(f"B={B}: captured step {dt * 1e3:.2f} ms, {B / dt:.1f} tok/s together", flush=True)
+        model.decode_batch([5] * B, caches)  # (eager: compiled already by the capture's warm-up)
+        sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                model.decode_batch([5] * B, caches)
+            sync()
+        per: dict[str, float] = {}
+        for e in prof.events():
+            if e.device_type.name == "CUDA":
+                name = e.name.split("(")[0][:48]
+                per[name] = per.get(name, 0.0) + e.time_range.elapsed_us() / steps
+        kernels[B] = per
+        del graphs, sessions, caches
+        if model.device.type == "cuda":
+            torch.cuda.empty_cache()
+    names = sorted({n for per in kernels.values() for n in per}, key=lambda n: -max(k.get(n, 0.0) for k in kernels.values()))
+    print("device us per eager batched step, by kernel:")
+    print(f"{'kernel':48} " + " ".join(f"{'B=' + str(B):>9}" for B in sizes))
+    for n in names[:rows]:
+        print(f"{n:48} " + " ".join(f"{kernels[B].get(n, 0.0):9.1f}" for B in sizes))
+    print(f"{'total':48} " + " ".join(f"{sum(kernels[B].values()):9.1f}" for B in sizes))
 
 
 def report(prof, per: int, unit: str, rows: int) -> None:
