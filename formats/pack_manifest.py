@@ -70,7 +70,7 @@ class Gap:
 
 
 @dataclass(frozen=True)
-class Source:
+class SourceGGUF:
     file_name: str
     identity: ModelIdentity
     data_offset: int
@@ -136,7 +136,7 @@ class Manifest:
     algorithm: str  # of every checksum in the pack (header identity aside)
     compression: str | None
     arch: str
-    source: Source
+    source: SourceGGUF
     shards: dict[str, Shard]  # path -> shard
     spec: SpecSummary
     metadata: dict[str, Any]
@@ -263,7 +263,7 @@ def parse_manifest(d: Any, raw: bytes, where: object) -> Manifest:
                     placement)
 
 
-def _source(r: _Reader, s: dict[str, Any]) -> Source:
+def _source(r: _Reader, s: dict[str, Any]) -> SourceGGUF:
     ident = r.obj(r.key(s, "identity", "source"), "source.identity")
     identity = ModelIdentity(r.int(r.key(ident, "file_size", "source.identity"), "source.identity.file_size"),
                              r.int(r.key(ident, "header_bytes", "source.identity"), "source.identity.header_bytes"),
@@ -280,7 +280,7 @@ def _source(r: _Reader, s: dict[str, Any]) -> Source:
             raise r.fail(f"source.gaps[{i}]", "must be [source_offset, nbytes, header_offset or null]")
         stored = None if g[2] is None else r.int(g[2], f"source.gaps[{i}][2]")
         gaps.append(Gap(r.int(g[0], f"source.gaps[{i}][0]"), r.int(g[1], f"source.gaps[{i}][1]", 1), stored))
-    return Source(r.str(r.key(s, "file_name", "source"), "source.file_name"), identity, data_offset, gguf_alignment,
+    return SourceGGUF(r.str(r.key(s, "file_name", "source"), "source.file_name"), identity, data_offset, gguf_alignment,
                   tuple(gaps))
 
 
@@ -372,7 +372,7 @@ def _tensors(r: _Reader, items: list[Any], algorithm: str, spec: SpecSummary) ->
     return out
 
 
-def _check_source_layout(r: _Reader, source: Source, tensors: dict[str, TensorRecord], header: Shard) -> None:
+def _check_source_layout(r: _Reader, source: SourceGGUF, tensors: dict[str, TensorRecord], header: Shard) -> None:
     """Tensors and gaps tile [data_offset, file_size) in order, as split found them; stored gaps
     follow the header in header.bin, one after the other."""
     check_tensor_map(r.where, [(t.name, t.source_offset, t.nbytes) for t in tensors.values()],

@@ -48,7 +48,7 @@ class _SpecTensor:
     shape: tuple[int, ...]
 
 
-class _SpecSource:
+class _ManifestAsGGUF:
     """The manifest seen as the few GGUF members ``formats.archs.model_spec`` reads."""
 
     def __init__(self, path: Path, m: Manifest):
@@ -164,7 +164,7 @@ class Pack:
         """The spec the metadata builds (tensor shapes checked) must agree with the layout."""
         from .archs import model_spec
 
-        spec = model_spec(_SpecSource(self.path / MANIFEST, self.manifest))  # type: ignore[arg-type]
+        spec = model_spec(_ManifestAsGGUF(self.path / MANIFEST, self.manifest))  # type: ignore[arg-type]
         s = self.manifest.spec
         if (spec.n_layer, spec.n_expert, tuple(spec.moe_layers), spec.expert_tensors) != \
                 (s.n_layer, s.n_expert, s.moe_layers, s.expert_tensors):

@@ -29,7 +29,7 @@ class ExpertSource(Protocol):
         ...
 
 
-class GGUFSource:
+class GGUFExpertSource:
     """Experts of a plain GGUF: each expert's parts are gathered from the 3-D expert tensors."""
 
     def __init__(self, gguf: GGUFModel, spec: ModelSpec):

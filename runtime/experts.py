@@ -26,7 +26,7 @@ from sparkpack.formats.gguf_file import GGUFModel
 
 from .decode_rows import each_row
 from .layers import swiglu
-from .weights import PackSource, dequantize_bytes
+from .weights import PackAsGGUF, dequantize_bytes
 
 if TYPE_CHECKING:
     from .kernels.q8dot import Int8Rows
@@ -125,11 +125,11 @@ class GGUFExperts(PlainProvider):
     ``.sparkpack``'s expert ranges (read through the store's sources, ``runtime.expert_source``:
     a pack's ranges are checked against their checksums)."""
 
-    def __init__(self, gguf: GGUFModel | PackSource, spec: ModelSpec, device: torch.device | str = "cpu",
+    def __init__(self, gguf: GGUFModel | PackAsGGUF, spec: ModelSpec, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, max_bytes: int | None = None):
-        from .expert_source import GGUFSource, PackExpertSource
+        from .expert_source import GGUFExpertSource, PackExpertSource
 
-        self.source = PackExpertSource(gguf.pack, spec) if isinstance(gguf, PackSource) else GGUFSource(gguf, spec)
+        self.source = PackExpertSource(gguf.pack, spec) if isinstance(gguf, PackAsGGUF) else GGUFExpertSource(gguf, spec)
         self.spec = spec
         self.device, self.dtype = torch.device(device), dtype
         self.max_bytes = max_bytes

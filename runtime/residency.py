@@ -56,9 +56,9 @@ def start_profile(opts: StoreOptions, model_path: Path, identity, spec: ModelSpe
 
 def identity_of(source) -> object:
     """The GGUF identity a profile must match: a pack carries its source GGUF's."""
-    from .weights import PackSource
+    from .weights import PackAsGGUF
 
-    return source.pack.identity if isinstance(source, PackSource) else model_identity(source)
+    return source.pack.identity if isinstance(source, PackAsGGUF) else model_identity(source)
 
 
 def memory_target(device: torch.device | str, dtype: torch.dtype, spec: ModelSpec, opts: StoreOptions,

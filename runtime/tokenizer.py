@@ -61,7 +61,7 @@ _EOG_TEXTS = frozenset({
 _UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
 
 class ModelMetadata(Protocol):
-    """A model file's metadata by key: ``formats.gguf_file.GGUFModel``, ``runtime.weights.PackSource``."""
+    """A model file's metadata by key: ``formats.gguf_file.GGUFModel``, ``runtime.weights.PackAsGGUF``."""
 
     path: os.PathLike[str]
 

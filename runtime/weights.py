@@ -68,7 +68,7 @@ class Weights:
     ``int8_activations`` (held matrices, one token): the products take the activation as int8,
     the runtime's choice; False keeps it in float (slower, no activation rounding; comparisons)."""
 
-    def __init__(self, gguf: "GGUFModel | PackSource", device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+    def __init__(self, gguf: "GGUFModel | PackAsGGUF", device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  quantized: bool = False, int8_activations: bool = True):
         self.gguf = gguf
         self.device = torch.device(device)
@@ -175,7 +175,7 @@ class Weights:
         return t
 
 
-class PackSource:
+class PackAsGGUF:
     """A ``.sparkpack`` seen through the few ``GGUFModel`` members the runtime and
     ``formats.archs.model_spec`` use (path, arch, metadata, tensor index, non-expert bytes), so
     the model files need not know which container they run from. Experts come through

@@ -12,7 +12,7 @@ import torch
 from sparkpack.formats.archs import model_spec
 from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.runtime.conversation_cache import ConversationCache
-from sparkpack.runtime.expert_source import GGUFSource
+from sparkpack.runtime.expert_source import GGUFExpertSource
 from sparkpack.runtime.expert_store import ExpertStore
 from sparkpack.runtime.generate import GENERATED, Session
 from sparkpack.runtime.models import load_model
@@ -157,7 +157,7 @@ def test_staged_groups_stay_whole(synth_model, arch):
 
     def staged_session() -> Session:
         model = load_model(gguf)
-        store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot, mode="zerocopy")
+        store = ExpertStore(GGUFExpertSource(gguf, spec), spec, "cpu", torch.float32, hot, mode="zerocopy")
         store.staged_prefill = lambda n_tokens: n_tokens >= 2
         model.experts = model.store = store
         return Session(model, prefill_chunk=CALL, ctx=128, breaks=frozenset({BREAK}))

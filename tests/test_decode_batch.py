@@ -15,7 +15,7 @@ import torch
 from sparkpack.formats.archs import model_spec
 from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.runtime.batch_step import decode_together
-from sparkpack.runtime.expert_source import GGUFSource
+from sparkpack.runtime.expert_source import GGUFExpertSource
 from sparkpack.runtime.expert_store import ExpertStore
 from sparkpack.runtime.generate import GENERATED, Session
 from sparkpack.runtime.graph import BatchGraphs, capturable, kv_addresses
@@ -59,7 +59,7 @@ def test_fused_moe_kernels_batched(synth_model, arch):
     hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
     hot[list(spec.moe_layers), :max(1, spec.n_expert // 10)] = True
     model = load_model(gguf, device=DEVICE, dtype=DTYPE)
-    model.experts = model.store = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, DTYPE, hot, 0, "zerocopy", fused=True)
+    model.experts = model.store = ExpertStore(GGUFExpertSource(gguf, spec), spec, DEVICE, DTYPE, hot, 0, "zerocopy", fused=True)
     assert all(la.fused for la in model.experts.layers.values())
     prompts, fed = ([3, 14], [7], [46, 26, 43]), ([5, 9], [53, 58], [23])
     assert_same(batched(model, prompts, fed, ((0, 1, 2), (1, 0))), alone(model, prompts, fed))

@@ -16,7 +16,7 @@ import torch
 from bench.naive_store import NaiveStore
 from sparkpack.formats.sparkpack import Pack
 from sparkpack.runtime.expert_pools import DiskTier, HostPool
-from sparkpack.runtime.expert_source import GGUFSource
+from sparkpack.runtime.expert_source import GGUFExpertSource
 from sparkpack.runtime.expert_store import ExpertStore
 from sparkpack.runtime.generate import Session, generate
 from sparkpack.runtime.models import StoreOptions, load_model, plan_store
@@ -131,7 +131,7 @@ def test_fused_kernel_path_is_residency_independent(model_path):
         hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
         n = max(1, int(hot_fraction * spec.n_expert))
         hot[list(spec.moe_layers), :n] = True
-        store = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, torch.float32, hot, cache, mode, fused=True)
+        store = ExpertStore(GGUFExpertSource(gguf, spec), spec, DEVICE, torch.float32, hot, cache, mode, fused=True)
         assert all(la.fused for la in store.layers.values())
         if isinstance(store.cold, HostPool) and store.cold.tensor.numel():
             assert store.cold.tensor.is_pinned() == (DEVICE == "cuda")
@@ -186,7 +186,7 @@ def test_low_bit_files_run_on_the_kernels_at_any_residency(synth_model, mix, mon
     def steps(hot_fraction: float, mode: str, cache: int, int8: bool = True) -> tuple[torch.Tensor, ExpertStore]:
         hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
         hot[list(spec.moe_layers), :max(1, int(hot_fraction * spec.n_expert))] = True
-        store = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, torch.float32, hot, cache, mode, fused=True)
+        store = ExpertStore(GGUFExpertSource(gguf, spec), spec, DEVICE, torch.float32, hot, cache, mode, fused=True)
         assert all(la.fused for la in store.layers.values())
         model = load_model(gguf, device=DEVICE)
         model.w.int8_activations = int8  # the dense matrices' products (held as bytes on a GPU)
@@ -270,7 +270,7 @@ def test_zero_copy_cache_admits_repeat_traffic_only(model_path):
     il = spec.moe_layers[0]
     hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
     hot[list(spec.moe_layers), :4] = True
-    store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot, 2, "zerocopy")
+    store = ExpertStore(GGUFExpertSource(gguf, spec), spec, "cpu", torch.float32, hot, 2, "zerocopy")
 
     def step(*experts: int) -> None:
         for e in experts:
@@ -301,7 +301,7 @@ def test_small_host_budget_falls_back_to_disk_tier(model_path, reference):
     spec = model_spec(gguf)
     hot = np.zeros((spec.n_layer, spec.n_expert), dtype=bool)
     hot[list(spec.moe_layers), :2] = True
-    store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot, 4, "auto",
+    store = ExpertStore(GGUFExpertSource(gguf, spec), spec, "cpu", torch.float32, hot, 4, "auto",
                         host_bytes=3 * 200_000, warn=warnings.append)
     assert isinstance(store.cold, DiskTier) and store.cold.cap >= 1
     assert len(warnings) == 1 and "disk tier" in warnings[0] and model_path.name in warnings[0]
@@ -403,7 +403,7 @@ def test_experts_without_a_kernel_are_named_once(synth_model, model_path):
         spec = model_spec(gguf)
         hot = np.ones((spec.n_layer, spec.n_expert), dtype=bool)
         said: list[str] = []
-        store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot, 0, "auto", fused=fused,
+        store = ExpertStore(GGUFExpertSource(gguf, spec), spec, "cpu", torch.float32, hot, 0, "auto", fused=fused,
                             warn=said.append)
         assert store.fused_all == (fused and path == model_path)
         return said
@@ -430,7 +430,7 @@ def test_deferred_bookkeeping_is_the_same_one_step_later(model_path):
     steps = [(10,), (10, 10, 10), (11, 11, 11, 11), (13,), (12,) * 5, (1, 12)]
 
     def run(defer: bool) -> tuple[ExpertStore, list[np.ndarray]]:
-        store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot, 2, "zerocopy")
+        store = ExpertStore(GGUFExpertSource(gguf, spec), spec, "cpu", torch.float32, hot, 2, "zerocopy")
         tables = []
         for experts in steps:
             for e in experts:

@@ -170,7 +170,7 @@ def test_split_plans_what_the_runtime_allocates(synth_model, tmp_path, monkeypat
     from sparkpack.repack.cli import main
     from sparkpack.runtime.expert_store import ExpertStore
     from sparkpack.runtime.models import SessionOptions, StoreOptions, plan_store
-    from sparkpack.runtime.weights import PackSource
+    from sparkpack.runtime.weights import PackAsGGUF
 
     path = synth_model(arch, quant)
     gguf = GGUFModel(path)
@@ -190,7 +190,7 @@ def test_split_plans_what_the_runtime_allocates(synth_model, tmp_path, monkeypat
     split = placement["budget"]
     pack = Pack.open(out)
     opts, session = StoreOptions(vram=vram), SessionOptions(ctx=512)
-    src, plan = plan_store(PackSource(pack), pack, spec, "cuda", torch.bfloat16, opts, session=session)
+    src, plan = plan_store(PackAsGGUF(pack), pack, spec, "cuda", torch.bfloat16, opts, session=session)
     assert np.array_equal(plan.hot, pack.hot) and 0 < plan.hot.sum() < len(spec.moe_layers) * spec.n_expert
     assert (plan.hot_bytes, plan.cache_slots, plan.cache_slot_bytes, plan.dense_bytes, plan.expert_budget,
             plan.overhead_bytes, plan.staging_bytes) == \

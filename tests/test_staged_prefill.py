@@ -24,7 +24,7 @@ from sparkpack.formats.placement import Budget, default_cache_slots, plan_reside
 from sparkpack.runtime.expert_pools import layout_pool
 from sparkpack.runtime.expert_slots import NOT_RESIDENT
 from sparkpack.runtime.expert_staging import cold_spans, staged_row, staging_units
-from sparkpack.runtime.expert_source import GGUFSource
+from sparkpack.runtime.expert_source import GGUFExpertSource
 from sparkpack.runtime.expert_store import ExpertStore
 from sparkpack.runtime.generate import Session
 from sparkpack.runtime.models import SessionOptions, StoreOptions, load_model
@@ -83,8 +83,8 @@ def test_staged_bytes_are_the_bytes_each_expert_has_on_the_device(synth_model, a
     bytes in an all-hot store's device pool; consecutive staged layers take turns in the two
     buffers, and hot or cached experts keep their device slots."""
     gguf, spec = opened(synth_model(arch, "Q4_K_M", skew=1.0))
-    ref = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, torch.float32, hot_mask(spec, 1.0), fused=True)
-    store = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, torch.float32, hot_mask(spec, fraction), cache_slots=2,
+    ref = ExpertStore(GGUFExpertSource(gguf, spec), spec, DEVICE, torch.float32, hot_mask(spec, 1.0), fused=True)
+    store = ExpertStore(GGUFExpertSource(gguf, spec), spec, DEVICE, torch.float32, hot_mask(spec, fraction), cache_slots=2,
                         mode="zerocopy", fused=True, stage_tokens=8)
     staging = store.staging
     assert staging is not None and staging.order == list(spec.moe_layers)
@@ -125,12 +125,12 @@ def test_a_staged_call_through_the_fused_kernel_gives_the_same_bits(synth_model)
     def run(store: ExpertStore, n: int) -> torch.Tensor:
         return torch.stack([store.moe(il, x[:n], w[:n], ids[:n]) for il in layers])
 
-    ref = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, torch.float32, hot_mask(spec, 1.0), mode="zerocopy",
+    ref = ExpertStore(GGUFExpertSource(gguf, spec), spec, DEVICE, torch.float32, hot_mask(spec, 1.0), mode="zerocopy",
                       fused=True, stage_tokens=2)
     assert ref.staging is None  # nothing cold: nothing to stage
     want = {n: run(ref, n) for n in (2, 1)}
     for fraction in (0.6, 0.1):
-        store = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, torch.float32, hot_mask(spec, fraction),
+        store = ExpertStore(GGUFExpertSource(gguf, spec), spec, DEVICE, torch.float32, hot_mask(spec, fraction),
                             mode="zerocopy", fused=True, stage_tokens=2)
         assert torch.equal(run(store, 2), want[2])
         store.end_step(2)
@@ -155,7 +155,7 @@ def test_sessions_stage_where_the_store_does(synth_model, monkeypatch):
     for short in (True, False):
         monkeypatch.setattr(call_plan, "feeds_short_calls", lambda model, cache, short=short: short)
         for stage_tokens, chunk, staged in ((1024, 2048, True), (256, 2048, True), (None, 2048, False), (4096, 2048, False)):
-            model.experts = model.store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32,
+            model.experts = model.store = ExpertStore(GGUFExpertSource(gguf, spec), spec, "cpu", torch.float32,
                                                       hot_mask(spec, 0.6), mode="zerocopy", fused=True,
                                                       stage_tokens=stage_tokens)
             session = Session(model, prefill_chunk=chunk)
@@ -204,7 +204,7 @@ def test_a_staged_groups_deferred_counts_are_no_zero_copy_reads(synth_model):
     weights = torch.full((2, 1), 1.0, device=DEVICE)
     stats = []
     for defer in (False, True):
-        store = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, torch.float32, hot, mode="zerocopy", fused=True,
+        store = ExpertStore(GGUFExpertSource(gguf, spec), spec, DEVICE, torch.float32, hot, mode="zerocopy", fused=True,
                             stage_tokens=2)
         store.stage_calls(2)
         for il in spec.moe_layers:
@@ -236,7 +236,7 @@ def test_a_group_of_calls_gives_the_bits_of_its_calls_one_by_one(synth_model, ar
 
     def session(grouped: bool, trace: str) -> Session:
         model = load_model(gguf)
-        store = ExpertStore(GGUFSource(gguf, spec), spec, "cpu", torch.float32, hot_mask(spec, 0.5), mode="zerocopy")
+        store = ExpertStore(GGUFExpertSource(gguf, spec), spec, "cpu", torch.float32, hot_mask(spec, 0.5), mode="zerocopy")
         if grouped:
             store.staged_prefill = lambda n_tokens: n_tokens >= 2
         model.experts = model.store = store
@@ -551,7 +551,7 @@ def test_re_placement_keeps_a_staging_stores_layer_ranges(synth_model):
     from sparkpack.formats.placement import Swaps, plan_swaps_in_place
 
     gguf, spec = opened(synth_model("qwen35moe", "Q4_K_M", skew=1.0))
-    store = ExpertStore(GGUFSource(gguf, spec), spec, DEVICE, torch.float32, hot_mask(spec, 0.5), cache_slots=2,
+    store = ExpertStore(GGUFExpertSource(gguf, spec), spec, DEVICE, torch.float32, hot_mask(spec, 0.5), cache_slots=2,
                         mode="zerocopy", fused=True, stage_tokens=2)
     layers = list(spec.moe_layers)
     x = torch.randn(6, spec.n_embd, generator=torch.Generator().manual_seed(3)).to(DEVICE)

@@ -12,7 +12,7 @@ from sparkpack.formats.gguf_file import GGUFModel
 
 from ..experts import ExpertProvider, GGUFExperts
 from ..options import SessionOptions, StoreOptions
-from ..weights import PackSource
+from ..weights import PackAsGGUF
 from .base import MoEModel
 from .laguna import Laguna
 from .qwen3moe import Qwen3MoE
@@ -38,7 +38,7 @@ def load_model(path: str | os.PathLike[str] | GGUFModel, device: torch.device | 
     pack = None
     if not isinstance(path, GGUFModel) and is_pack(path):
         pack = Pack.open(path)
-        source = PackSource(pack)
+        source = PackAsGGUF(pack)
     else:
         source = path if isinstance(path, GGUFModel) else GGUFModel(path)
     spec = model_spec(source)  # type: ignore[arg-type]
@@ -88,10 +88,10 @@ def plan_store(source, pack, spec, device, dtype: torch.dtype, opts: StoreOption
     (``runtime.residency.StartProfile``; None: the one ``opts`` names or finds)."""
     from sparkpack.formats.placement import plan_residency
 
-    from ..expert_source import GGUFSource, PackExpertSource
+    from ..expert_source import GGUFExpertSource, PackExpertSource
     from ..residency import identity_of, memory_target, start_profile
 
-    experts_src = PackExpertSource(pack, spec) if pack is not None else GGUFSource(source, spec)
+    experts_src = PackExpertSource(pack, spec) if pack is not None else GGUFExpertSource(source, spec)
     if start is None:
         start = start_profile(opts, Path(source.path), identity_of(source), spec)
     residency = plan_residency(spec, source.tensors, opts.budget, memory_target(device, dtype, spec, opts, session),
