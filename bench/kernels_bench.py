@@ -9,6 +9,7 @@ shape, so a fast wrong kernel cannot pass.
     python bench/kernels_bench.py --only moe --block-n 0 2 4 8   # sweep rows per program (0 = default)
     python bench/kernels_bench.py --only prefill --moe-tiles 16,32,4 64,64,8   # grouped MoE tiles
     python bench/kernels_bench.py --only dense --gemv-tiles 4,4 8,4 2,2   # one-token dense GEMV
+    python bench/kernels_bench.py --only dense --act q8 --gemv-rows 1 2 4   # the GEMV of a batched step
     python bench/kernels_bench.py --only moe dense --act float q8   # float vs int8 activations
     python bench/kernels_bench.py --only moe prefill --moe-types IQ2_S,IQ2_S IQ2_XXS,Q2_K IQ3_XXS,IQ3_XXS
     python bench/kernels_bench.py --only attention --attn-buffers 4096 32768   # decode attention
@@ -192,36 +193,38 @@ def _dense_weight(rows: int, qtype: int, K: int, gen: torch.Generator) -> tuple[
 
 def bench_dense(args: argparse.Namespace, copy_gbs: float, gen: torch.Generator) -> bool:
     """The one-token GEMV over a layer's stacked projections against cuBLAS on the same weights
-    held in bf16 (what the runtime kept before)."""
+    held in bf16 (what the runtime kept before), for each ``--gemv-rows`` B: the rows of a batched
+    decode step or a draft verify in one launch (B = 1: a single step)."""
     ok = True
     # ROWS,WARPS[,CHUNKS]: chunks of 256 per loop iteration, 0 or left out = the default
     tiles = [tuple(int(v) for v in (t + ",0").split(",")[:3]) for t in args.gemv_tiles] or [None]
     tiles = [t if t and t[0] else None for t in tiles]  # 0,0: the default
-    print(f"{'shape':16} {'tile':10} {'us':>8} {'GB/s':>7} {'%copy':>6} {'bf16 us':>8} {'rel-L2':>9}")
+    print(f"{'shape':16} {'B':>2} {'tile':10} {'us':>8} {'us/row':>7} {'GB/s':>7} {'%copy':>6} {'bf16 us':>8} {'rel-L2':>9}")
     for name, K, parts in DENSE_SHAPES:
         segs = [_dense_weight(rows, qt, K, gen) for rows, qt in parts]
-        x = torch.randn(1, K, generator=gen, device="cuda").to(torch.bfloat16)
-        ref = x.float() @ torch.cat([w for _, w in segs]).T
-        out = torch.empty(1, ref.shape[1], dtype=torch.bfloat16, device="cuda")
-        w16 = torch.cat([w for _, w in segs]).to(torch.bfloat16)
-        bf16_ms = median_ms(lambda: torch.nn.functional.linear(x, w16))
-        del w16
         qs = [(raw, qt) for (raw, _), (_, qt) in zip(segs, parts)]
-        nbytes = sum(raw.numel() for raw, _ in qs) + x.numel() * 2 + out.numel() * 2
-        for tile, act in [(t, a) for t in tiles for a in args.act]:
-            # int8 activations: the time includes quantizing x (one launch, as the runtime pays it)
-            run = (lambda: dense.gemv(x, qs, out, tile=tile, q8=quantize(x))) if act == "q8" else \
-                (lambda: dense.gemv(x, qs, out, tile=tile))
-            run()
-            err = rel_l2(out.float(), ref)
-            good = err < (2e-2 if act == "q8" else 1e-2)  # bf16 output; int8 adds the activations' rounding
-            ok &= good
-            ms = median_ms(run)
-            gbs = nbytes / ms / 1e6
-            label = ("auto" if tile is None else "x".join(map(str, tile))) + ("/q8" if act == "q8" else "")
-            print(f"{name:16} {label:10} {ms * 1e3:8.1f} {gbs:7.0f} {100 * gbs / copy_gbs:5.0f}% {bf16_ms * 1e3:8.1f} "
-                  f"{err:9.2e}{'' if good else '  FAIL'}")
-        del segs, qs
+        w = torch.cat([w for _, w in segs])
+        w16 = w.to(torch.bfloat16)
+        for B in args.gemv_rows:
+            x = torch.randn(B, K, generator=gen, device="cuda").to(torch.bfloat16)
+            ref = x.float() @ w.T
+            out = torch.empty(B, ref.shape[1], dtype=torch.bfloat16, device="cuda")
+            bf16_ms = median_ms(lambda: torch.nn.functional.linear(x, w16))
+            nbytes = sum(raw.numel() for raw, _ in qs) + x.numel() * 2 + out.numel() * 2
+            for tile, act in [(t, a) for t in tiles for a in args.act]:
+                # int8 activations: the time includes quantizing x (one launch, as the runtime pays it)
+                run = (lambda: dense.gemv(x, qs, out, tile=tile, q8=quantize(x))) if act == "q8" else \
+                    (lambda: dense.gemv(x, qs, out, tile=tile))
+                run()
+                err = rel_l2(out.float(), ref)
+                good = err < (2e-2 if act == "q8" else 1e-2)  # bf16 output; int8 adds the activations' rounding
+                ok &= good
+                ms = median_ms(run)
+                gbs = nbytes / ms / 1e6
+                label = ("auto" if tile is None else "x".join(map(str, tile))) + ("/q8" if act == "q8" else "")
+                print(f"{name:16} {B:2d} {label:10} {ms * 1e3:8.1f} {ms * 1e3 / B:7.1f} {gbs:7.0f} "
+                      f"{100 * gbs / copy_gbs:5.0f}% {bf16_ms * 1e3:8.1f} {err:9.2e}{'' if good else '  FAIL'}")
+        del segs, qs, w, w16
     return ok
 
 
@@ -403,6 +406,8 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", nargs="+", type=int, default=[16, 128, 512, 2048])
     ap.add_argument("--moe-tiles", nargs="*", default=[], help="grouped tiles to try, as BLOCK_M,BLOCK_N,WARPS")
     ap.add_argument("--gemv-tiles", nargs="*", default=[], help="dense GEMV tiles to try, as ROWS,WARPS[,CHUNKS]")
+    ap.add_argument("--gemv-rows", nargs="+", type=int, default=[1],
+                    help="dense GEMV: activation rows per launch (a batched decode step's or a draft verify's)")
     ap.add_argument("--moe-types", nargs="+", default=["Q4_K,Q6_K"],
                     help="expert types to time, as GATE_UP,DOWN GGML names (IQ2_M files: IQ2_S,IQ2_S)")
     ap.add_argument("--moe-cpi", nargs="+", type=int, default=[8], help="MoE q8: chunks of 256 per iteration")
