@@ -4,6 +4,7 @@ per commit and round, each importing that commit's ``sparkpack`` (a tree unpacke
 ``bench/prefill_bisect.sh``). Prints one line per commit and round.
 
     python3 bench/prefill_bisect.py M.gguf TREE... [--tokens 512 4096] [--rounds 2] [--budget 520]
+                                    [--profile] [--batch 1 2 4]
 
 Why one machine and fresh processes: an eager 512-token call is launch-bound, and its time
 differs by machine and by process, so a figure from another session's machine tells nothing;
@@ -11,7 +12,11 @@ rounds run the commits in alternating order (ABBA), so a drift of the machine sh
 disagreement between rounds rather than as a commit's cost. Each line also gives an eager
 one-token step (host-bound: a proxy for launch overhead) and, with ``--profile``, what one
 512-token prompt makes the host do (kernel launches, synchronizations, copies, allocations),
-so a change in what a call launches or waits for is seen directly.
+so a change in what a call launches or waits for is seen directly. It also gives the captured
+decode (``decode_bench``'s loop) and, with ``--profile``, the device time per kernel of a decode
+step, so a commit that slows one kernel is named; ``--batch`` adds the captured batched decode
+step of each size (``profile_decode.batch_steps``: a ``--parallel`` step, a verify's rows), with
+its kernels under ``--profile``. Packing a branch beside main compares a kernel change on both.
 """
 from __future__ import annotations
 
@@ -81,7 +86,7 @@ def kernel_times(model, ctx: int, steps: int = 4) -> dict[str, float]:
     return dict(sorted(((k, round(v, 1)) for k, v in per.items()), key=lambda kv: -kv[1])[:30])
 
 
-def measure(model_path: Path, tokens: list[int], profile_prompt: bool) -> dict:
+def measure(model_path: Path, tokens: list[int], profile_prompt: bool, batch: list[int]) -> dict:
     """One commit in this process (``sparkpack`` from PYTHONPATH): decode_bench's prefill rates,
     an eager one-token step, and optionally the launch counts of one 512-token prompt."""
     import torch
@@ -106,6 +111,14 @@ def measure(model_path: Path, tokens: list[int], profile_prompt: bool) -> dict:
     tps, _, _ = decode_bench.decode(model, 128, 8, False, ctx)
     out["eager_step_ms"] = 1000 / tps
     out["decode_tok_s"] = decode_bench.decode_ahead(model, 128, 256, ctx)[0]  # (decode_bench's graph row)
+    if batch:  # batched decode steps (issue 46: --parallel's, a verify's rows)
+        import profile_decode
+
+        steps = profile_decode.batch_steps(model, batch, 16, 128, kernels=profile_prompt)
+        out["batch_step_ms"] = {str(B): r["step_ms"] for B, r in steps.items()}
+        if profile_prompt:
+            out["batch_kernels_us"] = {str(B): dict(sorted(((k, round(v, 1)) for k, v in r["kernels"].items()),
+                                                           key=lambda kv: -kv[1])[:30]) for B, r in steps.items()}
     if profile_prompt:
         try:
             out["kernels_us"] = kernel_times(model, ctx)
@@ -127,11 +140,13 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=520.0,
                     help="seconds (from $BISECT_START, a Unix time, else from now) after which no new run starts")
     ap.add_argument("--profile", action="store_true", help="also count one 512-token prompt's launches")
+    ap.add_argument("--batch", type=int, nargs="*", default=[],
+                    help="also time captured batched decode steps of these sizes (e.g. 1 2 4)")
     ap.add_argument("--one", action="store_true", help="(internal) measure this process's commit")
     ap.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "prefill_bisect.json")
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(measure(args.model, args.tokens, args.profile)), flush=True)
+        print(json.dumps(measure(args.model, args.tokens, args.profile, args.batch)), flush=True)
         return
     start = time.perf_counter() - (time.time() - float(os.environ.get("BISECT_START", time.time())))
     results = []
@@ -145,6 +160,7 @@ def main() -> None:
                 [str(tree / "site"), *filter(None, [os.environ.get("PYTHONPATH")])]))
             cmd = [sys.executable, __file__, str(args.model), "--one", "--tokens", *map(str, args.tokens)]
             cmd += ["--profile"] if args.profile and r == 0 else []
+            cmd += ["--batch", *map(str, args.batch)] if args.batch else []
             try:  # (a run cut off by the budget loses that run only)
                 p = subprocess.run(cmd, env=env, capture_output=True, text=True,
                                    timeout=max(60.0, args.budget + 60 - (time.perf_counter() - start)))
@@ -162,7 +178,8 @@ def main() -> None:
             rates = "  ".join(f"prefill {n}: {res[f'prefill_{n}']:8.1f} tok/s ({res[f'prefill_{n}_each']})"
                               for n in args.tokens)
             print(f"{tree.name} round {r + 1}: {rates}  eager step {res['eager_step_ms']:.1f} ms  "
-                  f"decode {res['decode_tok_s']:.1f} tok/s  load {res['load_s']:.0f} s" + (f"  launches {res['launches_512']}" if "launches_512" in res else ""),
+                  f"decode {res['decode_tok_s']:.1f} tok/s  load {res['load_s']:.0f} s" + "".join(
+                      f"  B={B} step {ms:.2f} ms" for B, ms in res.get("batch_step_ms", {}).items()) + (f"  launches {res['launches_512']}" if "launches_512" in res else ""),
                   flush=True)
     args.json.write_text(json.dumps(results, indent=1) + "\n")
 

@@ -205,17 +205,17 @@ def sync_points(fn) -> dict[str, int]:
     return dict(found)
 
 
-def batch_scaling(model, sizes: list[int], steps: int, prompt: int, rows: int) -> None:
+def batch_steps(model, sizes: list[int], steps: int, prompt: int, kernels: bool = True) -> dict[int, dict]:
     """Per batch size B: B sequences fed ``prompt`` tokens each, then their captured batched step
-    timed (ms a step, and per row against B = 1) and an eager one profiled (device us a step per
-    kernel, the largest first)."""
+    timed (``step_ms``, as the server replays it) and, with ``kernels``, an eager one profiled
+    (``kernels``: device us a step by kernel name)."""
     from sparkpack.runtime.graph import BatchGraphs
 
     def sync() -> None:
         if model.device.type == "cuda":
             torch.cuda.synchronize()
 
-    kernels: dict[int, dict[str, float]] = {}
+    out: dict[int, dict] = {}
     for B in sizes:
         sessions = [Session(model, ctx=prompt + 4 * steps + 64) for _ in range(B)]
         for b, s in enumerate(sessions):
@@ -229,23 +229,34 @@ def batch_scaling(model, sizes: list[int], steps: int, prompt: int, rows: int) -
         for _ in range(steps):
             graphs.step([5] * B, caches)
         sync()
-        dt = (time.perf_counter() - t0) / steps
-        print(f"B={B}: captured step {dt * 1e3:.2f} ms, {B / dt:.1f} tok/s together", flush=True)
-        model.decode_batch([5] * B, caches)  # (eager: compiled already by the capture's warm-up)
-        sync()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                model.decode_batch([5] * B, caches)
+        out[B] = {"step_ms": (time.perf_counter() - t0) / steps * 1e3}
+        if kernels:
+            model.decode_batch([5] * B, caches)  # (eager: compiled already by the capture's warm-up)
             sync()
-        per: dict[str, float] = {}
-        for e in prof.events():
-            if e.device_type.name == "CUDA":
-                name = e.name.split("(")[0][:48]
-                per[name] = per.get(name, 0.0) + e.time_range.elapsed_us() / steps
-        kernels[B] = per
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    model.decode_batch([5] * B, caches)
+                sync()
+            per: dict[str, float] = {}
+            for e in prof.events():
+                if e.device_type.name == "CUDA":
+                    name = e.name.split("(")[0][:48]
+                    per[name] = per.get(name, 0.0) + e.time_range.elapsed_us() / steps
+            out[B]["kernels"] = per
         del graphs, sessions, caches
         if model.device.type == "cuda":
             torch.cuda.empty_cache()
+    return out
+
+
+def batch_scaling(model, sizes: list[int], steps: int, prompt: int, rows: int) -> None:
+    """``batch_steps`` printed: each size's captured step, then the ``rows`` kernels that take the
+    most device time, per size, so those whose cost grows with the rows stand out."""
+    res = batch_steps(model, sizes, steps, prompt)
+    for B in sizes:
+        ms = res[B]["step_ms"]
+        print(f"B={B}: captured step {ms:.2f} ms, {B / ms * 1e3:.1f} tok/s together", flush=True)
+    kernels = {B: res[B]["kernels"] for B in sizes}
     names = sorted({n for per in kernels.values() for n in per}, key=lambda n: -max(k.get(n, 0.0) for k in kernels.values()))
     print("device us per eager batched step, by kernel:")
     print(f"{'kernel':48} " + " ".join(f"{'B=' + str(B):>9}" for B in sizes))
