@@ -9,7 +9,8 @@
 # QUANT=IQ2_M (any repack synth --quant) makes the synthetic models of that mix instead of Q4_K_M.
 # steps: any of synth split compress tests cudatests kernels calib store staged decode draft llama side presets serve parallel batchprof conversations learning long lowbit_llama build (default: synth split compress tests)
 # cudatests: the runtime's CUDA tests (kernels, expert store, pack integrity, graphs, prefix reuse, served
-#   GPU path, generation, learning, calibration replay, staged prefill) on 15 xdist workers (CUDA_TESTS: other files).
+#   GPU path, generation, learning, calibration replay, staged prefill, batched steps, drafting) on 15 xdist workers
+#   per GPU (CUDA_TESTS: other files; CUDA_VISIBLE_DEVICES: which GPUs).
 # calib: bench/calibrate_speed.py on BENCH_CORPUS (default: corpora/): repack calibrate's tok/s and peak
 #   RSS all-GPU and at --vram 14GiB next to the all-GPU prefill of the same windows.
 # store: the expert store at partial residency (bench/store_bench.py) on a --skew reference model,
