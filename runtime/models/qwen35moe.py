@@ -109,6 +109,7 @@ def sequences(caches: Sequence[Cache]) -> list[tuple[Cache, int, int]]:
             out.append((c, row, 1))
     return out
 
+
 class Qwen35MoE(MoEModel):
     arch = "qwen35moe"
     ffn_norm = "post_attention_norm"
