@@ -29,8 +29,8 @@ restart under 1 s; the server's RSS within ``--cache-ram`` plus the expert pool 
 A second table splits each sparkpack request's time as its server saw it (``timings.split_*``:
 ``runtime.server.request_split``): the queue, the cache's resume, the prompt's calls, the first
 token, what the cache's threads did beside it, whether the previous turn's copies out were still
-running, the allocator's cudaMallocs and retries, Triton compiles; run with
-``--spark-arg=--parallel=1`` (one session: the server the split is measured in).
+running, the allocator's cudaMallocs and retries, Triton compiles (both engines fill it; with
+``--parallel`` above 1 the process-wide counts cover whatever ran beside the request).
 
 Writes ``conversations_bench.json`` and ``.md`` to ``--out`` and prints the tables. ``--device
 cpu`` with small token counts runs the whole path on a tiny model (tests/test_serve_bench.py).

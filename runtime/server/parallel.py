@@ -52,6 +52,7 @@ from ..graph import BatchGraphs
 from ..options import DEFAULT_STEP_TOKENS
 from .engine import BetweenRequests, Engine, Job, Outcome, own_sampler
 from .metrics import PREFIX
+from .request_split import SplitClock
 
 if TYPE_CHECKING:
     from ..sampling import Sampler
@@ -70,6 +71,7 @@ class Joining:
     feed: PromptFeed
     resume: Resume | None
     prefill0: float
+    clock: SplitClock  # where its time goes (``timings``' split_* keys), as the serial engine's
 
 
 @dataclass
@@ -86,6 +88,7 @@ class Running:
     generated: list[int] = field(default_factory=list)
     decode0: float = 0.0  # the session's decode time when the request joined
     greedy: int | None = None  # argmax of ``logits`` when the batched step already took it
+    clock: SplitClock | None = None
 
     @property
     def plain_greedy(self) -> bool:
@@ -190,14 +193,16 @@ class ParallelEngine(Engine):
             return
         session = self._session_for(job.ids)
         cache = self.conversations
+        clock = SplitClock(cache, session.model.store, session.model.device, job.arrived)
         try:
             resume = cache.prepare(job.ids, session) if cache is not None else None
+            clock.mark("resume")
             feed = session.start_prompt(job.ids, marks=resume.marks if resume is not None else frozenset())
         except Exception as e:  # a bug or an out-of-memory: this request fails, the server goes on
             self._not_joined(job, session, outcome, e)
             return
         with self._lock:
-            self._joining.append(Joining(job, session, outcome, feed, resume, session.timing.prefill_seconds))
+            self._joining.append(Joining(job, session, outcome, feed, resume, session.timing.prefill_seconds, clock))
 
     def _prefill(self) -> None:
         """This step's prefill work: whole call groups of the joining prompts, the one with the
@@ -227,6 +232,7 @@ class ParallelEngine(Engine):
         """``j``'s prompt is in its session: it takes its first token at the step."""
         job, session, outcome, cache = j.job, j.session, j.outcome, self.conversations
         logits = j.feed.logits
+        j.clock.mark("prompt")  # (with the other sequences' steps between its calls)
         if j.resume is not None:
             cache.after_prompt(job.ids, j.resume, session)
         outcome.cached_tokens = session.reused
@@ -236,7 +242,7 @@ class ParallelEngine(Engine):
         outcome.prefill_seconds = session.timing.prefill_seconds - j.prefill0
         outcome.finish = "length"
         r = Running(job, session, outcome, self.sampler(job), logits, list(session.fed),
-                    decode0=session.timing.decode_seconds)
+                    decode0=session.timing.decode_seconds, clock=j.clock)
         with self._lock:
             self._joining.remove(j)
             self._flight.append(r)
@@ -323,6 +329,8 @@ class ParallelEngine(Engine):
         r.generated.append(tok)
         if o.first_token_seconds is None:
             o.first_token_seconds = time.perf_counter() - r.job.arrived
+            if r.clock is not None:
+                r.clock.mark("first_token")
         o.completion_tokens = len(r.generated)
         if r.job.sink.token(tok):
             o.finish = "stop"
@@ -346,6 +354,8 @@ class ParallelEngine(Engine):
             self._flight.remove(r)
         self._free.append(r.session)
         r.outcome.decode_seconds = r.session.timing.decode_seconds - r.decode0
+        if r.clock is not None:
+            r.outcome.split = r.clock.end()
         self._end(r.job, r.outcome)
         self._request_ended(r.session, keep=r.outcome.finish != "error")
 

@@ -3,7 +3,7 @@
 Why: on the GPU the turn right after a cold 40k-token turn took 2.2x a plain turn of the same
 conversation, and nothing said whether it waited for what the previous request left (its state
 copied out of the device, the conversation cache's writer and reserve working beside it), for a
-restore, for its own calls or for the device allocator. The engine fills a ``RequestSplit`` per
+restore, for its own calls or for the device allocator. Each engine (serial or ``--parallel``) fills a ``RequestSplit`` per
 request through a ``SplitClock``; the OpenAI routes hand it out in ``timings`` (``split_*`` keys
 beside llama-server's), and ``bench/conversations_bench.py`` prints it per turn.
 """
