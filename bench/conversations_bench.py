@@ -235,12 +235,14 @@ def split_markdown(result: dict) -> str:
     wall time less all of those (HTTP, the template, tokenizing); ``beside`` the seconds the
     cache's writer and reserve worked meanwhile; whether the previous request's state was still
     being copied out when it began; the device allocator's cudaMallocs and retries; the Triton
-    kernels compiled on its path (their names in the JSON); the expert bytes it streamed."""
+    kernels compiled on its path (their names in the JSON); the expert bytes it streamed; the
+    engine's time in the previous request's state snapshot by phase (``ConversationCache.last_keep``:
+    what a request right after it queues behind)."""
     s = result["sparkpack"]
     rows = [(r["name"], r) for r in s["requests"]] + ([("A6 (restarted)", s["restart"])] if s.get("restart") else [])
     head = ["request", "client"] + [label for _, label in SPLIT_COLUMNS] + ["outside", "beside", "copies running",
                                                                              "allocs / retries", "compiled",
-                                                                             "streamed MB"]
+                                                                             "streamed MB", "previous snapshot"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name, r in rows:
         sp = r.get("split")
@@ -250,7 +252,8 @@ def split_markdown(result: dict) -> str:
         cells = [name, f"{r['seconds'] * 1e3:.1f}"] + [f"{sp.get(k, 0.0):.1f}" for k, _ in SPLIT_COLUMNS]
         cells += [f"{r['seconds'] * 1e3 - inside:.1f}", f"{sp.get('background_ms', 0.0):.1f}",
                   "yes" if sp.get("copies_running") else "no", f"{sp.get('device_allocs', 0)} / {sp.get('alloc_retries', 0)}",
-                  str(len(sp.get("compiled") or [])), f"{sp.get('streamed_bytes', 0) / 1e6:.0f}"]
+                  str(len(sp.get("compiled") or [])), f"{sp.get('streamed_bytes', 0) / 1e6:.0f}",
+                  " ".join(f"{k} {v:.1f}" for k, v in (sp.get("previous_keep_ms") or {}).items()) or "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -123,6 +123,9 @@ class ConversationCache:
         self.disk: FolderTier | None = FolderTier(self.index, self.host, self.key, folder, self.quiet) \
             if folder is not None else None
         self._pending = None  # the event of the last copies out of the device (None: none, or on the CPU)
+        # The engine thread's seconds in the last request's ``_keep`` calls, by phase (a request's
+        # split reports what the one before it left the engine doing: ``last_keep``).
+        self._kept: dict[str, float] = {}
         self.host.open()
 
     @property
@@ -161,6 +164,15 @@ class ConversationCache:
         """Seconds the writer and the reserve's thread have worked so far (a request's split reads
         what ran beside it: ``runtime.server.request_split``)."""
         return self.host.activity.seconds() + (self.disk.activity.seconds() if self.disk is not None else 0.0)
+
+    def last_keep(self) -> dict[str, float]:
+        """The engine thread's seconds in the last request's state snapshots (``_keep``), by phase:
+        ``state`` (finding it, its checkpoint's copy waited for), ``lock`` (the name hashed, the
+        index's lock, which the writer's thread takes too), ``slots`` (the blocks' names, slots
+        taken, evicting), ``wait`` (the copies before them), ``copies`` (queued), ``index``
+        (entries, older turns, the folder's queue). Why: the turn after a cold 40k-token turn waited 0.3-0.4 s in the
+        queue for this work, the copies themselves being asynchronous (issue 42)."""
+        return dict(self._kept)
 
     def copies_running(self) -> bool:
         """Whether the last copies out of the device (the previous request's state) still run."""
@@ -237,6 +249,7 @@ class ConversationCache:
             self._computing = max(0, self._computing - 1)
             if not self._computing:
                 self.quiet.set()
+        self._kept = {}
         if keep:
             self._keep(None, shared=False, session=session if session is not None else self.session)
 
@@ -248,14 +261,23 @@ class ConversationCache:
             self._keep_once(pos, shared, session)
 
     def _keep_once(self, pos: int | None, shared: bool, session: Session) -> bool | None:
+        clock = _Phases(self._kept)
+        try:
+            return self._snapshot(pos, shared, session, clock)
+        finally:
+            clock.mark("index")
+
+    def _snapshot(self, pos: int | None, shared: bool, session: Session, clock: "_Phases") -> bool | None:
         source = session.state_at(pos)
         pools = self.host.open(session=session)
+        clock.mark("state")
         if source is None or pools is None:
             return
         tokens, cuts, saved = source
         pos = len(tokens)
         name = self._name(tokens)
         with self.index.lock:
+            clock.mark("lock")
             e = self.index.entries.get(name)
             if e is not None and e.in_host:
                 e.shared = e.shared or shared
@@ -277,18 +299,21 @@ class ConversationCache:
                 if own_slot is None:
                     pools.blocks.give(slots)
                     slots = None
+            clock.mark("slots")
             if slots is None:  # no room: the state is not kept in host memory
                 self.host.release(want)
                 self.index.stats.evictions += 1
                 return False
             if self._pending is not None:
                 self._pending.synchronize()  # (slots written below on the host may still be read)
+            clock.mark("wait")
             with self.copier.side():
                 copy_blocks_out(session.cache, pools, [(need[k], s) for k, s in enumerate(slots)], pos)
                 if own_need:
                     take_own(session.cache, pools, own_slot[0], pos, saved)
                 event = self.copier.event()
             self._pending = event
+            clock.mark("copies")
             for k, s in enumerate(slots):
                 p = self.index.parts[names[need[k]]]
                 p.slot, p.event = s, event
@@ -342,3 +367,15 @@ class ConversationCache:
 
     def _wait_for_writes(self) -> bool:
         return self.disk is not None and self.disk.wait_for_writes()
+
+
+class _Phases:
+    """Adds the seconds since the last ``mark`` to ``into[phase]``."""
+
+    def __init__(self, into: dict[str, float]):
+        self.into, self.t = into, time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.into[phase] = self.into.get(phase, 0.0) + now - self.t
+        self.t = now

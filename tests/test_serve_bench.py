@@ -124,6 +124,11 @@ def test_conversations_dry_run_on_a_tiny_model(synth_model, tmp_path, prompts):
         inside = sp["queue_ms"] + sp["resume_ms"] + sp["prompt_ms"] + sp["first_token_ms"] + sp["rest_ms"]
         assert 0 < sp["prompt_ms"] < inside <= r["seconds"] * 1e3, r
     assert by["A3"]["split"]["resume_ms"] > 0 and "| request | client | queue | resume | prompt |" in table
+    # what the engine spent on the previous request's snapshot, by phase: none before the first request
+    assert by["A1"]["split"]["previous_keep_ms"] == {}
+    kept = by["A2"]["split"]["previous_keep_ms"]
+    assert set(kept) == {"state", "lock", "slots", "wait", "copies", "index"} and sum(kept.values()) > 0, kept
+    assert "previous snapshot |" in table and "| copies " in table
 
 
 def test_conversations_llama_server_column(tmp_path):

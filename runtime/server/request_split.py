@@ -24,6 +24,8 @@ class Background(Protocol):
 
     def copies_running(self) -> bool: ...
 
+    def last_keep(self) -> dict[str, float]: ...
+
 
 @dataclass
 class RequestSplit:
@@ -34,6 +36,9 @@ class RequestSplit:
     rest_seconds: float = 0.0  # from the first token to the end of the computation (the other tokens)
     background_seconds: float = 0.0  # the cache's writer and reserve thread working while it computed
     copies_running: bool = False  # the previous request's state was still being copied out when it began
+    # the engine's seconds in the previous request's state snapshot by phase (``ConversationCache.last_keep``):
+    # what a request arriving right after it waited for in the queue
+    previous_keep: dict[str, float] = field(default_factory=dict)
     device_allocs: int = 0  # device allocations torch's allocator made (cudaMalloc) while it computed
     alloc_retries: int = 0  # allocations that had to free the allocator's cached blocks and retry
     streamed_bytes: int = 0  # expert bytes the store moved host to device for it (copies, staging, zero-copy)
@@ -45,6 +50,8 @@ class RequestSplit:
         for k, v in asdict(self).items():
             if k.endswith("_seconds"):
                 out["split_" + k.removesuffix("_seconds") + "_ms"] = v * 1e3
+            elif k == "previous_keep":
+                out["split_previous_keep_ms"] = {phase: s * 1e3 for phase, s in v.items()}
             else:
                 out["split_" + k] = v
         return out
@@ -86,6 +93,7 @@ class SplitClock:
         self._bg0 = background.background_seconds() if background is not None else 0.0
         if background is not None:
             self.split.copies_running = background.copies_running()
+            self.split.previous_keep = background.last_keep()
         self._mem0 = self._allocs()
         if self.cuda:
             Compiles.watch()
