@@ -170,8 +170,9 @@ class ConversationCache:
         ``state`` (finding it, its checkpoint's copy waited for), ``lock`` (the name hashed, the
         index's lock, which the writer's thread takes too), ``slots`` (the blocks' names, slots
         taken, evicting), ``wait`` (the copies before them), ``copies`` (queued), ``index``
-        (entries, older turns, the folder's queue). Why: the turn after a cold 40k-token turn waited 0.3-0.4 s in the
-        queue for this work, the copies themselves being asynchronous (issue 42)."""
+        (entries, older turns, the folder's queue). Why: on the GPU the turn right after a cold
+        long one waited in the queue for this work, whose copies are asynchronous (issue 42,
+        BENCHMARKS.md)."""
         return dict(self._kept)
 
     def copies_running(self) -> bool:

@@ -3,9 +3,10 @@
 Why: on the GPU the turn right after a cold 40k-token turn took 2.2x a plain turn of the same
 conversation, and nothing said whether it waited for what the previous request left (its state
 copied out of the device, the conversation cache's writer and reserve working beside it), for a
-restore, for its own calls or for the device allocator. Each engine (serial or ``--parallel``) fills a ``RequestSplit`` per
-request through a ``SplitClock``; the OpenAI routes hand it out in ``timings`` (``split_*`` keys
-beside llama-server's), and ``bench/conversations_bench.py`` prints it per turn.
+restore, for its own calls or for the device allocator. Each engine (serial or ``--parallel``)
+fills a ``RequestSplit`` per request through a ``SplitClock``; the OpenAI routes hand it out in
+``timings`` (``split_*`` keys beside llama-server's), and ``bench/conversations_bench.py`` prints
+it per turn.
 """
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ class RequestSplit:
     rest_seconds: float = 0.0  # from the first token to the end of the computation (the other tokens)
     background_seconds: float = 0.0  # the cache's writer and reserve thread working while it computed
     copies_running: bool = False  # the previous request's state was still being copied out when it began
-    # the engine's seconds in the previous request's state snapshot by phase (``ConversationCache.last_keep``):
-    # what a request arriving right after it waited for in the queue
+    # the engine's seconds in the previous request's state snapshot, by phase
+    # (``ConversationCache.last_keep``): what a request arriving right after it queued behind
     previous_keep: dict[str, float] = field(default_factory=dict)
     device_allocs: int = 0  # device allocations torch's allocator made (cudaMalloc) while it computed
     alloc_retries: int = 0  # allocations that had to free the allocator's cached blocks and retry
