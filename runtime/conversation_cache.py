@@ -185,9 +185,8 @@ class ConversationCache:
         of ``ids`` if that is more than the live sequence keeps; say which positions to mark. The
         request's device work is queued after the copies out of the last request's state (the
         host does not wait), also where it overwrites none of the rows they read: run beside a
-        request, a 40k-token state's copies out and the request slowed each other down, the
-        turn right after a long one taking 2x a plain turn on the GPU (issue 42), where alone
-        they end before the next request arrives."""
+        request, a long state's copies out and the request slowed each other down on the GPU
+        (BENCHMARKS.md, issue 42), where alone they end before the next request arrives."""
         with self.index.lock:
             self._computing += 1
             self.quiet.clear()

@@ -25,7 +25,7 @@ class Activity:
     """The seconds a background thread has spent on its pieces of work (a slab, a file), readable
     at any moment with the piece in flight counted up to then. Why: what the cache does beside a
     request is invisible in the request's own timing, and a turn right after a long one was
-    2x a plain turn with its cause unmeasured (issue 42); the server's per-request split reads
+    slower than a plain turn with its cause unmeasured (issue 42); the server's per-request split reads
     the difference over the request (``runtime.server.request_split``)."""
 
     def __init__(self) -> None:

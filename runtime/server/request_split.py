@@ -1,12 +1,12 @@
 """Where one request's time went beyond the prefill and decode ``Timing`` counts (issue 42).
 
-Why: on the GPU the turn right after a cold 40k-token turn took 2.2x a plain turn of the same
-conversation, and nothing said whether it waited for what the previous request left (its state
-copied out of the device, the conversation cache's writer and reserve working beside it), for a
-restore, for its own calls or for the device allocator. Each engine (serial or ``--parallel``)
-fills a ``RequestSplit`` per request through a ``SplitClock``; the OpenAI routes hand it out in
-``timings`` (``split_*`` keys beside llama-server's), and ``bench/conversations_bench.py`` prints
-it per turn.
+Why: on the GPU the turn right after a cold long turn took much longer than a plain turn of the
+same conversation (BENCHMARKS.md, issue 42), and nothing said whether it waited for what the
+previous request left (its state copied out of the device, the conversation cache's writer and
+reserve working beside it), for a restore, for its own calls or for the device allocator. Each
+engine (serial or ``--parallel``) fills a ``RequestSplit`` per request through a ``SplitClock``;
+the OpenAI routes hand it out in ``timings`` (``split_*`` keys beside llama-server's), and
+``bench/conversations_bench.py`` prints it per turn.
 """
 from __future__ import annotations
 
