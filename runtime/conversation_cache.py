@@ -50,15 +50,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from sparkpack.formats.checksums import PACK_ALGORITHM, new_hasher
 
 from .conversation_folder import FolderTier
 from .conversation_host import HostTier
-from .conversation_index import CacheStats, Entry, Index, Part
+from .conversation_index import CacheStats, Entry, Index
+from .conversation_snapshot import Snapshots
 from .generate import Session
-from .sequence_state import BLOCK_TOKENS, Copier, SequenceState, block_keys, copy_blocks_out, take_own, truncatable
+from .sequence_state import BLOCK_TOKENS, SequenceState, truncatable
 
 log = logging.getLogger("sparkpack.cache")
 
@@ -101,9 +100,10 @@ class ConversationCache:
     the entries; the copies out of any of them are ordered before a later request's prompt
     (one side stream, so the last copy's event covers them all).
 
-    Which entry a request resumes from and what becomes an entry is decided here; the slots are
-    the host tier's (``runtime.conversation_host``), the files the folder tier's
-    (``runtime.conversation_folder``), and all three share one ``Index``."""
+    Which entry a request resumes from and what becomes an entry is decided here; taking a state
+    is ``runtime.conversation_snapshot``'s, the slots are the host tier's
+    (``runtime.conversation_host``), the files the folder tier's (``runtime.conversation_folder``),
+    and all of them share one ``Index``."""
 
     def __init__(self, session: Session, ram_bytes: int, folder: Path | None = None, block: int = BLOCK_TOKENS):
         self.session = session
@@ -112,7 +112,6 @@ class ConversationCache:
         self.key = model_key(session, block)
         self.truncatable = truncatable(session.cache)
         self.index = Index(truncatable=self.truncatable)
-        self.copier = Copier(session.model.device)
         # Set while no request computes: the writer and the reserve's thread work only then, a
         # file or a slab at a time, so what one request leaves behind (its blocks' files, the
         # reserve it used) never slows the next one down, which may come right after.
@@ -122,10 +121,7 @@ class ConversationCache:
         self.host = HostTier(self.index, session, ram_bytes, block, spills=folder is not None, quiet=self.quiet)
         self.disk: FolderTier | None = FolderTier(self.index, self.host, self.key, folder, self.quiet) \
             if folder is not None else None
-        self._pending = None  # the event of the last copies out of the device (None: none, or on the CPU)
-        # The engine thread's seconds in the last request's ``_keep`` calls, by phase (a request's
-        # split reports what the one before it left the engine doing: ``last_keep``).
-        self._kept: dict[str, float] = {}
+        self.snapshots = Snapshots(self.index, self.host, self.disk, self.key, block, session.model.device)
         self.host.open()
 
     @property
@@ -166,18 +162,12 @@ class ConversationCache:
         return self.host.activity.seconds() + (self.disk.activity.seconds() if self.disk is not None else 0.0)
 
     def last_keep(self) -> dict[str, float]:
-        """The engine thread's seconds in the last request's state snapshots (``_keep``), by phase:
-        ``state`` (finding it, its checkpoint's copy waited for), ``lock`` (the name hashed, the
-        index's lock, which the writer's thread takes too), ``slots`` (the blocks' names, slots
-        taken, evicting), ``wait`` (the copies before them), ``copies`` (queued), ``index``
-        (entries, older turns, the folder's queue). Why: on the GPU the turn right after a cold
-        long one waited in the queue for this work, whose copies are asynchronous (issue 42,
-        BENCHMARKS.md)."""
-        return dict(self._kept)
+        """The engine's seconds in the last request's state snapshots, by phase (``Snapshots.last``)."""
+        return self.snapshots.last()
 
     def copies_running(self) -> bool:
         """Whether the last copies out of the device (the previous request's state) still run."""
-        return self._pending is not None and not self._pending.query()
+        return self.snapshots.copies_running()
 
     # -- a request ------------------------------------------------------------------------------
     def prepare(self, ids: list[int], session: Session | None = None) -> Resume:
@@ -191,7 +181,7 @@ class ConversationCache:
             self._computing += 1
             self.quiet.clear()
         session = session if session is not None else self.session
-        self._order_after_copies()
+        self.snapshots.order_after_copies()
         cuts = set(session.cuts_of(ids))
         live = session.reusable(ids)
         best, keep = self.index.best(ids, cuts, live)
@@ -218,12 +208,6 @@ class ConversationCache:
         session = session if session is not None else self.session
         return self.index.best(ids, set(session.cuts_of(ids)), 0)[1]
 
-    def _order_after_copies(self) -> None:
-        """The device's next work after the last copies out of its rows (the host does not wait)."""
-        if self._pending is not None:
-            torch.cuda.current_stream(self.session.model.device).wait_event(self._pending)
-            self._pending = None
-
     def after_prompt(self, ids: list[int], resume: Resume, session: Session | None = None) -> None:
         """After ``Session.prompt``: one log line, the counts, and the marked states as entries."""
         session = session if session is not None else self.session
@@ -239,7 +223,7 @@ class ConversationCache:
             self.index.stats.misses += 1
             log.info("no entry: all %d prompt tokens computed", len(ids))
         for m in sorted(resume.marks):
-            self._keep(m, shared=True, session=session)
+            self.snapshots.keep(m, shared=True, session=session)
 
     def request_ended(self, keep: bool, session: Session | None = None) -> None:
         """After a request (``prepare`` began it): once no request computes, the background work
@@ -249,111 +233,9 @@ class ConversationCache:
             self._computing = max(0, self._computing - 1)
             if not self._computing:
                 self.quiet.set()
-        self._kept = {}
+        self.snapshots.new_request()
         if keep:
-            self._keep(None, shared=False, session=session if session is not None else self.session)
-
-    def _keep(self, pos: int | None, shared: bool, session: Session) -> None:
-        """The session's state at ``pos`` (default: its exact end) as an entry: its blocks that no
-        entry holds copied into free slots (on the device's side stream), its own part too. With
-        no room, once more after the queued files are written (the slots they hold)."""
-        if self._keep_once(pos, shared, session) is False and self._wait_for_writes():
-            self._keep_once(pos, shared, session)
-
-    def _keep_once(self, pos: int | None, shared: bool, session: Session) -> bool | None:
-        clock = _Phases(self._kept)
-        try:
-            return self._snapshot(pos, shared, session, clock)
-        finally:
-            clock.mark("index")
-
-    def _snapshot(self, pos: int | None, shared: bool, session: Session, clock: "_Phases") -> bool | None:
-        source = session.state_at(pos)
-        pools = self.host.open(session=session)
-        clock.mark("state")
-        if source is None or pools is None:
-            return
-        tokens, cuts, saved = source
-        pos = len(tokens)
-        name = self._name(tokens)
-        with self.index.lock:
-            clock.mark("lock")
-            e = self.index.entries.get(name)
-            if e is not None and e.in_host:
-                e.shared = e.shared or shared
-                self.index.touch(e)
-                return
-            names = block_keys(self.key, tokens, cuts, self.block)
-            own = f"{name}-own" if pools.own is not None else None
-            for n in names + ([own] if own else []):
-                if n not in self.index.parts:
-                    self.index.parts[n] = Part(n, own=n == own)
-            want = names + ([own] if own else [])
-            self.host.hold(want)
-            need = [i for i, n in enumerate(names) if self.index.parts[n].slot is None]
-            own_need = own is not None and self.index.parts[own].slot is None  # (else a queued write still holds it)
-            slots = self.host.take(pools.blocks, len(need)) if need else []
-            own_slot = None
-            if slots is not None and own_need:
-                own_slot = self.host.take(pools.own, 1)
-                if own_slot is None:
-                    pools.blocks.give(slots)
-                    slots = None
-            clock.mark("slots")
-            if slots is None:  # no room: the state is not kept in host memory
-                self.host.release(want)
-                self.index.stats.evictions += 1
-                return False
-            if self._pending is not None:
-                self._pending.synchronize()  # (slots written below on the host may still be read)
-            clock.mark("wait")
-            with self.copier.side():
-                copy_blocks_out(session.cache, pools, [(need[k], s) for k, s in enumerate(slots)], pos)
-                if own_need:
-                    take_own(session.cache, pools, own_slot[0], pos, saved)
-                event = self.copier.event()
-            self._pending = event
-            clock.mark("copies")
-            for k, s in enumerate(slots):
-                p = self.index.parts[names[need[k]]]
-                p.slot, p.event = s, event
-            if own_need:
-                p = self.index.parts[own]
-                p.slot, p.event = own_slot[0], event
-            if e is None:
-                e = Entry(name, tuple(tokens), tuple(cuts), want, own is not None, shared=shared)
-                self.index.entries[name] = e
-            else:  # (a disk entry whose parts are in host memory again)
-                e.parts, e.has_own = want, own is not None
-            e.in_host = True
-            e.shared = e.shared or shared
-            if not shared:  # the same conversation's older turn, which this one extends
-                for old in [o for o in self.index.entries.values() if not o.shared and o is not e and o.pos < e.pos
-                            and tokens[:o.pos] == list(o.tokens)]:
-                    self._drop(old)
-            self.index.touch(e)
-            if self.disk is not None and e.path is None:
-                self.disk.queue(e)
-        self.host.wake()
-
-    # -- entries ---------------------------------------------------------------------------------
-    def _drop(self, e: Entry) -> None:
-        """Forget ``e``: its holds, its file, the part files no other entry file names."""
-        with self.index.lock:
-            self.index.entries.pop(e.name, None)
-            if e.in_host:
-                e.in_host = False
-                self.host.release(e.parts)
-            if e.path is not None:
-                e.path.unlink(missing_ok=True)
-                e.path = None
-                self.disk.unname(e.parts)
-
-    def _name(self, tokens) -> str:
-        h = new_hasher(PACK_ALGORITHM)
-        h.update(self.key.encode())
-        h.update(memoryview(torch.tensor(list(tokens), dtype=torch.int64).numpy()))
-        return h.hexdigest()
+            self.snapshots.keep(None, shared=False, session=session if session is not None else self.session)
 
     def state(self, e: Entry) -> SequenceState | None:
         """``e``'s state when it is in host memory."""
@@ -364,18 +246,3 @@ class ConversationCache:
         if e.in_host or self.disk is None:
             return self.host.state(e)
         return self.disk.load(e)
-
-    def _wait_for_writes(self) -> bool:
-        return self.disk is not None and self.disk.wait_for_writes()
-
-
-class _Phases:
-    """Adds the seconds since the last ``mark`` to ``into[phase]``."""
-
-    def __init__(self, into: dict[str, float]):
-        self.into, self.t = into, time.perf_counter()
-
-    def mark(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.into[phase] = self.into.get(phase, 0.0) + now - self.t
-        self.t = now

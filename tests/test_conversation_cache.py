@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from sparkpack.runtime import conversation_cache as cc
+from sparkpack.runtime import conversation_snapshot as snap
 from sparkpack.runtime.conversation_cache import ConversationCache
 from sparkpack.runtime.conversation_files import BLOCK_SUFFIX, BLOCKS, SUFFIX
 from sparkpack.runtime.generate import Session, generate
@@ -93,13 +93,13 @@ def test_conversations_taking_turns_resume_from_their_own_states(synth_model, ar
 
     model = open_model(synth_model(arch, "Q4_K_M" if device == "cuda" else "Q8_0"), device)
     copied: list[int] = []
-    real = cc.copy_blocks_out
+    real = snap.copy_blocks_out
 
     def counting(cache, pools, pairs, pos):  # how many blocks each state copies out of the device
         copied.append(len(pairs))
         real(cache, pools, pairs, pos)
 
-    monkeypatch.setattr(cc, "copy_blocks_out", counting)
+    monkeypatch.setattr(snap, "copy_blocks_out", counting)
     served = Served(model, ram=1 << 30, folder=tmp_path)
     convs = {"A": system(1, 300) + ids_of(2, 40), "B": system(3, 200) + ids_of(4, 30), "side": system(5, 20)}
     seen: dict[str, list[int]] = {}

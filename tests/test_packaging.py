@@ -110,8 +110,9 @@ def test_the_cache_policy_has_one_home():
 # import). The kernels know no server; a tool-call syntax's parser reads the shared streaming
 # machinery through ``CallStream`` only; the models and the conversation cache know no server;
 # the expert store's modules know no model, server or calibration (its policies are formats');
-# the parts a model composes know no arch file; the conversation cache's tiers and files sit
-# below the cache; the output events are a leaf every dialect reads; reading a tool call is text.
+# the parts a model composes know no arch file; the conversation cache's tiers, files and
+# snapshots sit below the cache; the output events are a leaf every dialect reads; reading a
+# tool call is text.
 ARCH_FILES = tuple(f"sparkpack.runtime.models.{a}" for a in ("laguna", "qwen3moe", "qwen35moe", "qwen35moe_mtp"))
 INSIDE = [
     (("runtime/kernels/*.py",), "sparkpack.runtime.kernels", ("sparkpack.runtime.server",)),
@@ -123,7 +124,8 @@ INSIDE = [
       "runtime/models/row_steps.py"), None,
      ARCH_FILES),
     (("runtime/conversation_index.py", "runtime/conversation_files.py", "runtime/conversation_host.py",
-      "runtime/conversation_folder.py"), None, ("sparkpack.runtime.conversation_cache",)),
+      "runtime/conversation_folder.py", "runtime/conversation_snapshot.py"), None,
+     ("sparkpack.runtime.conversation_cache",)),
     (("runtime/server/output_events.py",), None, ("sparkpack",)),
     (("runtime/server/call_stream.py",), None, ("torch", "triton")),
 ]

@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 
-from sparkpack.runtime import conversation_cache as cc
+from sparkpack.runtime import conversation_snapshot as snap
 from sparkpack.runtime.conversation_cache import ConversationCache
 from sparkpack.runtime.conversation_host import Activity
 from sparkpack.runtime.generate import Session
@@ -92,9 +92,9 @@ def test_the_next_turn_uses_the_live_state_after_the_copies_out(synth_model, arc
         events.append(Copies())
         return events[-1]
 
-    monkeypatch.setattr(cache.copier, "event", event)
+    monkeypatch.setattr(cache.snapshots.copier, "event", event)
     stream = Stream()
-    monkeypatch.setattr(cc.torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(snap.torch.cuda, "current_stream", lambda device=None: stream)
     first, second = turns()
     request(cache, first)
     cache.request_ended(keep=True)  # the first turn's state: copied out, still running
@@ -119,7 +119,7 @@ def test_on_the_gpu_the_next_turn_waits_for_the_copies_out_on_the_device_only(sy
 
     model = open_model(synth_model("qwen35moe", "Q4_K_M"), "cuda")
     cache = ConversationCache(new_session(model), 1 << 30, block=BLOCK)
-    real, record = cc.copy_blocks_out, cache.copier.event
+    real, record = snap.copy_blocks_out, cache.snapshots.copier.event
     events = []
 
     def slow(*args):  # (on the side stream: the copies start after a second or so of products)
@@ -132,8 +132,8 @@ def test_on_the_gpu_the_next_turn_waits_for_the_copies_out_on_the_device_only(sy
         events.append(record())
         return events[-1]
 
-    monkeypatch.setattr(cc, "copy_blocks_out", slow)
-    monkeypatch.setattr(cache.copier, "event", event)
+    monkeypatch.setattr(snap, "copy_blocks_out", slow)
+    monkeypatch.setattr(cache.snapshots.copier, "event", event)
     first, second = turns()
     request(cache, first)
     torch.cuda.synchronize()
