@@ -412,6 +412,23 @@ def generate(model: MoEModel, tokenizer: StopTokens | None, prompt_ids: list[int
     yield from continue_tokens(session, logits, sampler, max_new_tokens, stop_ids)
 
 
+def choose_token(logits: torch.Tensor, sampler: TokenSampler | None, constraint: TokenConstraint | None,
+                 history: list[int]) -> int:
+    """The next token of a reply from its last ``logits`` ``[n_vocab]``, as every decode loop
+    chooses it (``continue_tokens``; the ``--parallel`` engine per sequence, so that a batched
+    reply is the serial one): greedy or a history-free sampler's ``pick``, else the grammar's mask
+    (the token then accepted by it) and the sampler's draw given ``history``."""
+    if constraint is None and (sampler is None or sampler.history_free):
+        pick = torch.argmax if sampler is None else sampler.pick
+        return int(pick(logits).reshape(-1)[0])
+    if constraint is not None:
+        logits = constraint.mask(logits)
+    tok = int(torch.argmax(logits)) if sampler is None else int(sampler.sample(logits, history))
+    if constraint is not None:
+        constraint.accept(tok)
+    return tok
+
+
 def continue_tokens(session: Session, logits: torch.Tensor, sampler: TokenSampler | None, max_new_tokens: int,
                     stop_ids: Iterable[int], constraint: TokenConstraint | None = None) -> Iterator[int]:
     """``generate`` after the prompt is in ``session`` (``logits``: its last token's), for
@@ -438,11 +455,7 @@ def continue_tokens(session: Session, logits: torch.Tensor, sampler: TokenSample
             yield tok
         return
     for i in range(max_new_tokens):
-        if constraint is not None:
-            logits = constraint.mask(logits)
-        tok = int(torch.argmax(logits)) if sampler is None else int(sampler.sample(logits, history))
-        if constraint is not None:
-            constraint.accept(tok)
+        tok = choose_token(logits, sampler, constraint, history)
         if tok in stops:
             return
         yield tok

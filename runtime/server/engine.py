@@ -198,22 +198,29 @@ class Engine:
                 finally:
                     with self._lock:
                         self._running = None
-            try:
-                job.sink.end(outcome)
-            except Exception:
-                log.exception("a request's sink failed")
-            if self.conversations is not None:
-                try:
-                    self.conversations.request_ended(keep=outcome.finish != "error")
-                except Exception:  # the cache must never take the server down
-                    log.exception("keeping the conversation's state failed")
-            if self.on_job is not None:
-                self.on_job(job, outcome)
+            self._finish(job, outcome, self.session, keep=outcome.finish != "error")
             if self.between is not None:
                 try:
                     self.between.after_request(self.busy)
                 except Exception:
                     log.exception("work after a request failed")
+
+    def _finish(self, job: Job, outcome: Outcome, session: Session | None, keep: bool) -> None:
+        """``job`` is over (both engines): its client gets the end, the conversation cache the
+        request's end (``session``, None: the request never reached one; ``keep``: it did not
+        fail, its state may become an entry), the metrics the outcome. A failure of any is logged,
+        never raised: the engine goes on."""
+        try:
+            job.sink.end(outcome)
+        except Exception:
+            log.exception("a request's sink failed")
+        if self.conversations is not None and session is not None:
+            try:
+                self.conversations.request_ended(keep=keep, session=session)
+            except Exception:  # the cache must never take the server down
+                log.exception("keeping the conversation's state failed")
+        if self.on_job is not None:
+            self.on_job(job, outcome)
 
     def _run(self, job: Job, outcome: Outcome) -> None:
         session = self.session

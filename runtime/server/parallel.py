@@ -47,7 +47,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily, HistogramMetricFam
 
 from ..batch_step import decode_together
 from ..conversation_cache import ConversationCache, Resume
-from ..generate import PromptFeed, Session
+from ..generate import PromptFeed, Session, choose_token
 from ..graph import BatchGraphs
 from ..options import DEFAULT_STEP_TOKENS
 from .engine import BetweenRequests, Engine, Job, Outcome, own_sampler
@@ -82,7 +82,7 @@ class Running:
     job: Job
     session: Session
     outcome: Outcome
-    sampler: object
+    sampler: Sampler | None
     logits: torch.Tensor
     history: list[int]
     generated: list[int] = field(default_factory=list)
@@ -189,7 +189,7 @@ class ParallelEngine(Engine):
         outcome = Outcome(prompt_tokens=len(job.ids), queued_seconds=time.perf_counter() - job.arrived)
         if job.cancelled.is_set():
             outcome.finish = "cancelled"
-            self._end(job, outcome)
+            self._finish(job, outcome, None, keep=False)
             return
         session = self._session_for(job.ids)
         cache = self.conversations
@@ -257,8 +257,7 @@ class ParallelEngine(Engine):
         j.outcome.finish = "cancelled"
         j.outcome.prefill_seconds = j.session.timing.prefill_seconds - j.prefill0
         self._free.append(j.session)
-        self._end(j.job, j.outcome)
-        self._request_ended(j.session, keep=True)
+        self._finish(j.job, j.outcome, j.session, keep=True)
 
     def _not_joined(self, job: Job, session: Session, outcome: Outcome, e: Exception) -> None:
         """``job`` failed before its first token: its session's state is not trusted."""
@@ -266,25 +265,15 @@ class ParallelEngine(Engine):
         outcome.finish, outcome.error = "error", f"{type(e).__name__}: {e}".splitlines()[0]
         session.reset()
         self._free.append(session)
-        self._end(job, outcome)
-        self._request_ended(session, keep=False)
+        self._finish(job, outcome, session, keep=False)
 
     def _next_token(self, r: Running) -> int:
-        """``continue_tokens``' choice of the next token from ``r.logits`` (the same calls, so the
-        same token as the serial engine's)."""
-        sampler, constraint, logits = r.sampler, r.job.constraint, r.logits
+        """``r``'s next token from ``r.logits``, chosen as the serial engine chooses it
+        (``choose_token``), or the argmax the batched step already took."""
         if r.greedy is not None:
             tok, r.greedy = r.greedy, None
             return tok
-        if constraint is None and (sampler is None or getattr(sampler, "history_free", False)):
-            pick = torch.argmax if sampler is None else sampler.pick
-            return int(pick(logits).reshape(-1)[0])
-        if constraint is not None:
-            logits = constraint.mask(logits)
-        tok = int(torch.argmax(logits)) if sampler is None else int(sampler.sample(logits, r.history))
-        if constraint is not None:
-            constraint.accept(tok)
-        return tok
+        return choose_token(r.logits, r.sampler, r.job.constraint, r.history)
 
     def _step(self) -> None:
         """Each running sequence takes its next token; those that go on decode one batched step."""
@@ -356,24 +345,7 @@ class ParallelEngine(Engine):
         r.outcome.decode_seconds = r.session.timing.decode_seconds - r.decode0
         if r.clock is not None:
             r.outcome.split = r.clock.end()
-        self._end(r.job, r.outcome)
-        self._request_ended(r.session, keep=r.outcome.finish != "error")
-
-    def _request_ended(self, session: Session, keep: bool) -> None:
-        """The conversation cache's end of a request (before the session takes another)."""
-        if self.conversations is not None:
-            try:
-                self.conversations.request_ended(keep=keep, session=session)
-            except Exception:  # the cache must never take the server down
-                log.exception("keeping the conversation's state failed")
-
-    def _end(self, job: Job, outcome: Outcome) -> None:
-        try:
-            job.sink.end(outcome)
-        except Exception:
-            log.exception("a request's sink failed")
-        if self.on_job is not None:
-            self.on_job(job, outcome)
+        self._finish(r.job, r.outcome, r.session, keep=r.outcome.finish != "error")
 
 
 class BatchCollector:
