@@ -208,8 +208,8 @@ class Engine:
     def _finish(self, job: Job, outcome: Outcome, session: Session | None, keep: bool) -> None:
         """``job`` is over (both engines): its client gets the end, the conversation cache the
         request's end (``session``, None: the request never reached one; ``keep``: it did not
-        fail, its state may become an entry), the metrics the outcome. A failure of any is logged,
-        never raised: the engine goes on."""
+        fail, its state may become an entry), the metrics the outcome. A failure of the client's
+        sink or of the cache is logged, never raised: the engine goes on."""
         try:
             job.sink.end(outcome)
         except Exception:
