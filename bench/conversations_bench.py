@@ -24,7 +24,8 @@ user of llama-server gets). llama-server's column comes when its binary is there
 every main turn after a side request or the other conversation within 1.5x of A2 (a
 same-conversation turn); B1 computes only what follows the shared system prompt; A6 after the
 restart under 1 s; the server's RSS within ``--cache-ram`` plus the expert pool (its
-``sparkpack_conversation_cache_bytes`` are reported beside the RSS).
+``sparkpack_conversation_cache_bytes`` and ``sparkpack_expert_host_bytes`` are reported beside
+the RSS).
 
 A second table splits each sparkpack request's time as its server saw it (``timings.split_*``:
 ``runtime.server.request_split``): the queue, the cache's resume, the prompt's calls, the first
@@ -152,12 +153,16 @@ def rss(pid: int) -> int | None:
     return None
 
 
-def cache_bytes(base: str) -> float | None:
+def host_bytes(base: str) -> tuple[float | None, float | None]:
+    """The server's conversation cache in host RAM and its expert store's cold experts' host
+    memory, from /metrics (what its RSS should stay within, besides the process itself)."""
     import httpx
 
     text = httpx.get(base + "/metrics").text
-    m = re.search(r'^sparkpack_conversation_cache_bytes\{tier="host"\} (\S+)', text, re.M)
-    return float(m.group(1)) if m else None
+    found = [re.search(pattern, text, re.M) for pattern in (r'^sparkpack_conversation_cache_bytes\{tier="host"\} (\S+)',
+                                                           r'^sparkpack_expert_host_bytes (\S+)')]
+    cache, experts = (float(m.group(1)) if m else None for m in found)
+    return cache, experts
 
 
 def run_sequence(server: sb.Server, convs: Conversations, restart: bool, pause: float = 0.0) -> dict:
@@ -171,8 +176,8 @@ def run_sequence(server: sb.Server, convs: Conversations, restart: bool, pause: 
             if i and pause:
                 time.sleep(pause)
             requests.append(ask(server.base, convs.messages(name), name))
-        memory = {"rss_bytes": rss(server.proc.pid),
-                  "cache_host_bytes": cache_bytes(server.base) if server.name == "sparkpack" else None}
+        cache, experts = host_bytes(server.base) if server.name == "sparkpack" else (None, None)
+        memory = {"rss_bytes": rss(server.proc.pid), "cache_host_bytes": cache, "expert_host_bytes": experts}
     finally:
         rc = server.stop()
     out = {"server": server.name, "exit": rc, "requests": [r.__dict__ for r in requests], **memory}
@@ -217,10 +222,9 @@ def markdown(result: dict) -> str:
     lines.append(f"| B1 cached / shared system prompt ({result['shared_tokens']} tokens) | "
                  + " | ".join(str(summary(c)["b1_cached"]) for c in cols) + " |")
     s = result["sparkpack"]
-    lines.append(f"| sparkpack RSS after A5 (GiB) / conversation cache host bytes (GiB) | "
-                 f"{sb.num(s['rss_bytes'] and s['rss_bytes'] / 1024**3, '.2f')} / "
-                 f"{sb.num(s['cache_host_bytes'] and s['cache_host_bytes'] / 1024**3, '.2f')} |"
-                 + " - |" * (len(head) - 1))
+    gib = [sb.num(s.get(k) and s[k] / 1024**3, ".2f") for k in ("rss_bytes", "cache_host_bytes", "expert_host_bytes")]
+    lines.append("| sparkpack RSS after A5 / conversation cache in host RAM / cold experts in host RAM (GiB) | "
+                 + " / ".join(gib) + " |" + " - |" * (len(head) - 1))
     return "\n".join(lines)
 
 

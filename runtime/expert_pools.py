@@ -112,6 +112,11 @@ class ColdTier(Protocol):
     pinned: bool  # the bytes are in pinned memory: copies may be asynchronous
     kind: str  # what ``ExpertStore.describe`` calls it: "pinned", "file" (no cold experts), "disk"
 
+    @property
+    def host_bytes(self) -> int:
+        """The host memory the tier holds at most (what a user's RAM must have room for)."""
+        ...
+
     def bytes(self, layer: int, expert: int) -> tuple[torch.Tensor, bool]:
         """The expert's bytes (a buffer at least that long), and whether the file was read for them."""
         ...
@@ -149,6 +154,10 @@ class HostPool:
         read_experts(source, [(il, e, flat[int(layout.offset[il, e]) * U:][: nbytes[il]])
                               for il, e in layout.placed()])
 
+    @property
+    def host_bytes(self) -> int:
+        return self.tensor.numel()
+
     def bytes(self, layer: int, expert: int) -> tuple[torch.Tensor, bool]:
         at = int(self.layout.offset[layer, expert]) * self.layout.unit
         return self.tensor[at: at + self.nbytes[layer]], False
@@ -181,6 +190,10 @@ class DiskTier:
         self.cap, self.pinned = cap, pin
         self.before_reuse = before_reuse  # a buffer about to be rewritten may still feed a copy
         self.cache: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+
+    @property
+    def host_bytes(self) -> int:
+        return self.cap * self.slot_bytes
 
     def bytes(self, layer: int, expert: int) -> tuple[torch.Tensor, bool]:
         key = (layer, expert)

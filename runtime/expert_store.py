@@ -314,6 +314,7 @@ class ExpertStore(ExpertProvider):
         return {"mode": self.mode, "hot_experts": self.n_hot, "experts": n_total,
                 "hot_fraction": self.n_hot / max(n_total, 1), "cache_slots": self.n_cache,
                 "slot_bytes": self.slot_bytes, "device_pool_bytes": self.pool.numel(),
+                "host_pool_bytes": self.cold.host_bytes if not nothing_cold else 0,
                 "staging_bytes": self.staging.nbytes if self.staging is not None else 0,
                 "stage_tokens": self.staging.min_tokens if self.staging is not None else None,
                 "host_tier": self.cold.kind if self.cold.kind == "pinned" or not nothing_cold else "none"}

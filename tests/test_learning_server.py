@@ -118,6 +118,7 @@ def test_trace_metrics_and_restart(model, tmp_path, home):
         assert metric(server, "replaced_bytes_total") > 0 and metric(server, "profile_write_failures_total") == 0
         assert metric(server, "replacement_seconds_total") > 0
         assert metric(server, "expert_routing_share", '{served="missed"}') >= 0
+        assert metric(server, "expert_host_bytes") > 0  # the cold half of the experts, in host memory
     finally:
         assert server.stop() == 0
     err = "".join(server.stderr)

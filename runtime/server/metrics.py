@@ -60,6 +60,9 @@ class ServerMetrics:
                            "expert was served (missed: the miss rate)", ["served"], registry=r)
         self.bytes_streamed = Counter(PREFIX + "expert_bytes_streamed", "Host-to-GPU expert bytes", registry=r)
         self.vram_peak = Gauge(PREFIX + "vram_peak_bytes", "Peak GPU memory allocated by the process", registry=r)
+        host = Gauge(PREFIX + "expert_host_bytes", "Host memory the expert store's cold experts take at most "
+                     "(0: every expert on the device)", registry=r)
+        host.set(model.store.describe()["host_pool_bytes"] if model is not None and model.store is not None else 0)
         self._store_seen: dict[str, int] = self._store_counts()  # loading's own reads are not traffic
         self.conversations = None  # a runtime.conversation_cache.ConversationCache, read at scrape time
         r.register(ConversationCollector(self))
