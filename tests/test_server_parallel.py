@@ -221,3 +221,28 @@ def test_engine_in_process(synth_model, arch):
             assert t.outcome.finish == "error" and t.tokens == s.tokens[:3]
         else:
             assert (t.tokens, t.outcome.finish) == (s.tokens, s.outcome.finish) == (s.tokens, "length")
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_failing_metrics_callback_does_not_stop_the_engine(synth_model, parallel):
+    """``on_job`` (the metrics, with the trace file's sync: a full disk raises there) fails on
+    every job: each job still ends with its tokens and the engine thread takes the next one (it
+    used to die, and the server to hang)."""
+    from sparkpack.runtime.generate import Session
+    from sparkpack.runtime.models import load_model
+    from sparkpack.runtime.options import SamplingOptions
+    from sparkpack.runtime.server.engine import Engine, Job
+    from sparkpack.runtime.server.parallel import ParallelEngine
+
+    def broken(job, outcome) -> None:
+        raise OSError(28, "No space left on device")
+
+    model = load_model(synth_model("qwen3moe"))
+    engine = ParallelEngine([Session(model) for _ in range(2)], frozenset(), on_job=broken) if parallel \
+        else Engine(Session(model), frozenset(), on_job=broken)
+    sinks = [Sink() for _ in range(3)]
+    for i, sink in enumerate(sinks):  # one after the other: each after the previous one's failure
+        engine.submit(Job([3, 14, 15 + i], 3, SamplingOptions(temperature=0), sink))
+        assert sink.done.wait(60), i
+    engine.close()
+    assert [(s.outcome.finish, len(s.tokens)) for s in sinks] == [("length", 3)] * 3

@@ -184,8 +184,9 @@ class Engine:
             if job is None:
                 return
             outcome = Outcome(prompt_tokens=len(job.ids), queued_seconds=time.perf_counter() - job.arrived)
+            session = self.session
             if job.cancelled.is_set():
-                outcome.finish = "cancelled"
+                outcome.finish, session = "cancelled", None  # (never reached the session)
             else:
                 with self._lock:
                     self._running = job
@@ -198,7 +199,7 @@ class Engine:
                 finally:
                     with self._lock:
                         self._running = None
-            self._finish(job, outcome, self.session, keep=outcome.finish != "error")
+            self._finish(job, outcome, session, keep=outcome.finish != "error")
             if self.between is not None:
                 try:
                     self.between.after_request(self.busy)
@@ -208,8 +209,9 @@ class Engine:
     def _finish(self, job: Job, outcome: Outcome, session: Session | None, keep: bool) -> None:
         """``job`` is over (both engines): its client gets the end, the conversation cache the
         request's end (``session``, None: the request never reached one; ``keep``: it did not
-        fail, its state may become an entry), the metrics the outcome. A failure of the client's
-        sink or of the cache is logged, never raised: the engine goes on."""
+        fail, its state may become an entry), the metrics the outcome. A failure of any of them
+        (the client's sink, the cache, the metrics' callback with its trace file on a full disk)
+        is logged, never raised: the engine thread goes on."""
         try:
             job.sink.end(outcome)
         except Exception:
@@ -220,7 +222,10 @@ class Engine:
             except Exception:  # the cache must never take the server down
                 log.exception("keeping the conversation's state failed")
         if self.on_job is not None:
-            self.on_job(job, outcome)
+            try:
+                self.on_job(job, outcome)
+            except Exception:
+                log.exception("a request's metrics failed")
 
     def _run(self, job: Job, outcome: Outcome) -> None:
         session = self.session

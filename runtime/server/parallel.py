@@ -193,8 +193,8 @@ class ParallelEngine(Engine):
             return
         session = self._session_for(job.ids)
         cache = self.conversations
-        clock = SplitClock(cache, session.model.store, session.model.device, job.arrived)
         try:
+            clock = SplitClock(cache, session.model.store, session.model.device, job.arrived)
             resume = cache.prepare(job.ids, session) if cache is not None else None
             clock.mark("resume")
             feed = session.start_prompt(job.ids, marks=resume.marks if resume is not None else frozenset())
@@ -343,8 +343,10 @@ class ParallelEngine(Engine):
             self._flight.remove(r)
         self._free.append(r.session)
         r.outcome.decode_seconds = r.session.timing.decode_seconds - r.decode0
-        if r.clock is not None:
-            r.outcome.split = r.clock.end()
+        try:
+            r.outcome.split = r.clock.end() if r.clock is not None else None
+        except Exception:  # (after a device failure): the request still ends, without its split
+            log.exception("a request's split failed")
         self._finish(r.job, r.outcome, r.session, keep=r.outcome.finish != "error")
 
 
