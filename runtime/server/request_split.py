@@ -46,7 +46,8 @@ class RequestSplit:
     compiled: list[str] = field(default_factory=list)  # Triton kernels compiled (or loaded) on its path
 
     def timings(self) -> dict:
-        """The ``split_*`` keys of a response's ``timings`` (milliseconds, counts, a flag)."""
+        """The ``split_*`` keys of a response's ``timings``: milliseconds (the previous snapshot's
+        by phase, a dict), counts, a flag and the kernels compiled (a list of names)."""
         out = {}
         for k, v in asdict(self).items():
             if k.endswith("_seconds"):
@@ -70,8 +71,12 @@ class Compiles:
 
     @classmethod
     def watch(cls) -> None:
-        from triton import knobs
-
+        """Hold Triton's compile hook from now on (Triton 3.4 and later: ``triton.knobs``; with an
+        older Triton, which pyproject allows, the list stays empty)."""
+        try:
+            from triton import knobs
+        except ImportError:
+            return
         with cls._lock:
             if not cls._on and knobs.runtime.jit_cache_hook is None:
                 knobs.runtime.jit_cache_hook = cls._seen
