@@ -120,9 +120,11 @@ class HostTier:
 
     def _top_up(self, between_requests: bool = False) -> None:
         """Slabs until the reserve is full; ``between_requests``: each one only while no request
-        computes (the reserve's thread: a long turn's successor may come right after it)."""
+        computes (the reserve's thread: a long turn's successor may come right after it). The own
+        parts' few slots first: a budget smaller than a context's blocks would otherwise go to
+        free block slots, and a state (which needs its own part) could never be kept."""
         pools = self.pools
-        for pool, n in ((pools.blocks, self._reserve_blocks), (pools.own, OWN_RESERVE)):
+        for pool, n in ((pools.own, OWN_RESERVE), (pools.blocks, self._reserve_blocks)):
             while pool is not None and len(pool.free) < n and not self._closing:
                 if between_requests:
                     self.quiet.wait()
