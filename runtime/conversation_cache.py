@@ -233,9 +233,10 @@ class ConversationCache:
             self._computing = max(0, self._computing - 1)
             if not self._computing:
                 self.quiet.set()
-        self.snapshots.new_request()
         if keep:
             self.snapshots.keep(None, shared=False, session=session if session is not None else self.session)
+        else:
+            self.snapshots.forget_last()
 
     def state(self, e: Entry) -> SequenceState | None:
         """``e``'s state when it is in host memory."""

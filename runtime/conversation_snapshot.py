@@ -34,7 +34,7 @@ class Snapshots:
         self.device = device
         self.copier = Copier(device)
         self._pending = None  # the event of the last copies out of the device (None: none, or on the CPU)
-        self._kept: dict[str, float] = {}  # the engine thread's seconds in this request's snapshots, by phase
+        self._kept: dict[str, float] = {}  # the engine thread's seconds in the last request end's snapshot, by phase
 
     def copies_running(self) -> bool:
         """Whether the last copies out of the device (the previous request's state) still run."""
@@ -47,27 +47,35 @@ class Snapshots:
             self._pending = None
 
     def last(self) -> dict[str, float]:
-        """The engine thread's seconds in the last request's snapshots, by phase: ``state``
-        (finding it, its checkpoint's copy waited for), ``lock`` (the name hashed, the index's
-        lock, which the writer's thread takes too), ``slots`` (the blocks' names, slots taken,
-        evicting), ``wait`` (the copies before them), ``copies`` (queued), ``index`` (entries,
-        older turns, the folder's queue). Why: on the GPU the turn right after a cold long one
-        waited in the queue for this work, whose copies are asynchronous (issue 42, BENCHMARKS.md)."""
+        """The engine thread's seconds in the snapshot of the last request's end, by phase:
+        ``state`` (finding it, its checkpoint's copy waited for), ``lock`` (the name hashed, the
+        index's lock, which the writer's thread takes too), ``slots`` (the blocks' names, slots
+        taken, evicting), ``wait`` (the copies before them), ``copies`` (queued), ``index``
+        (entries, older turns, the folder's queue), and ``writes`` when no slot was free (the
+        folder's queued files waited for, then the phases again). Why: on the GPU the turn right
+        after a cold long one waited in the queue for this work, whose copies are asynchronous
+        (issue 42, BENCHMARKS.md). Empty after a request whose state was not kept."""
         return dict(self._kept)
-
-    def new_request(self) -> None:
-        """The snapshots from here on are the next request's (``last``)."""
-        self._kept = {}
 
     def keep(self, pos: int | None, shared: bool, session: Session) -> None:
         """The session's state at ``pos`` (default: its exact end) as an entry: its blocks that no
         entry holds copied into free slots (on the device's side stream), its own part too. With
-        no room, once more after the queued files are written (the slots they hold)."""
-        if self._keep_once(pos, shared, session) is False and self._wait_for_writes():
-            self._keep_once(pos, shared, session)
+        no room, once more after the queued files are written (the slots they hold). A request's
+        end (not ``shared``) is what ``last`` reports; a shared prefix's snapshot (a mark, within
+        its request's prompt) is that request's own time."""
+        phases: dict[str, float] = {}
+        if not shared:
+            self._kept = phases
+        clock = _Phases(phases)
+        if self._keep_once(pos, shared, session, clock) is False and self._wait_for_writes():
+            clock.mark("writes")
+            self._keep_once(pos, shared, session, clock)
 
-    def _keep_once(self, pos: int | None, shared: bool, session: Session) -> bool | None:
-        clock = _Phases(self._kept)
+    def forget_last(self) -> None:
+        """A request ended without its state kept: ``last`` is empty."""
+        self._kept = {}
+
+    def _keep_once(self, pos: int | None, shared: bool, session: Session, clock: _Phases) -> bool | None:
         try:
             return self._snapshot(pos, shared, session, clock)
         finally:

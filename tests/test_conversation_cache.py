@@ -225,3 +225,85 @@ def test_the_folder_is_written_only_while_no_request_computes(synth_model, tmp_p
     cache.request_ended(keep=False)
     cache.close()
     assert len(list(tmp_path.glob("*" + SUFFIX))) == 1
+
+
+def _request(cache: ConversationCache, session: Session, ids: list[int], keep: bool = True):
+    """A request as the engine runs it, without its reply (``Served.ask`` checks the bits)."""
+    resume = cache.prepare(ids)
+    session.prompt(ids, marks=resume.marks)
+    cache.after_prompt(ids, resume)
+    cache.request_ended(keep=keep)
+    return resume
+
+
+PHASES = {"state", "lock", "slots", "wait", "copies", "index"}
+
+
+def test_the_previous_snapshot_is_the_last_request_ends(synth_model):
+    """``last_keep``, which the next request's split reports by phase, is the snapshot of the
+    last request's end: a shared prefix's snapshot taken within a later prompt (a mark) is that
+    request's own time and leaves it as it was; a request whose state is not kept empties it."""
+    model = load_model(synth_model("qwen35moe", "Q8_0"))
+    session = new_session(model)
+    cache = ConversationCache(session, 1 << 30, block=BLOCK)
+    _request(cache, session, system(7, 40) + ids_of(8, 20))
+    before = cache.last_keep()
+    assert set(before) == PHASES and all(s >= 0 for s in before.values()), before
+    a = system(1, 100) + ids_of(2, 20)
+    resume = cache.prepare(a)
+    session.prompt(a, marks=resume.marks)
+    cache.after_prompt(a, resume)
+    assert resume.marks and len(cache.entries) == 3  # the first message's state kept on the way...
+    assert cache.last_keep() == before  # ... and not counted as the previous request's end
+    cache.request_ended(keep=True)
+    assert set(cache.last_keep()) == PHASES and cache.last_keep() != before
+    _request(cache, session, a + ids_of(3, 10), keep=False)
+    assert cache.last_keep() == {}
+    cache.close()
+
+
+def test_a_snapshot_waiting_for_the_folders_writes_says_so(synth_model, tmp_path):
+    """A host tier of four blocks and another request computing (so the writer waits): the second
+    state's slots are held by the first one's queued files, its snapshot waits for them, and
+    that wait is a phase of the previous snapshot (``writes``) beside the others."""
+    model = load_model(synth_model("qwen3moe", "Q8_0"))
+    session = new_session(model)
+    probe = ConversationCache(session, 1 << 30, block=BLOCK)
+    c = system(7, 40) + ids_of(8, 20)  # two blocks kept
+    _request(probe, session, c)
+    slot = probe.host.pools.blocks.slot_bytes
+    probe.close()
+    session = new_session(model)
+    cache = ConversationCache(session, 4 * slot, tmp_path, block=BLOCK)
+    cache.prepare(ids_of(9, 20))  # another request (``--parallel``) computes until the end
+    _request(cache, session, c)
+    assert set(cache.last_keep()) == PHASES and not list(tmp_path.glob("*" + SUFFIX))  # (queued)
+    a = system(1, 100) + ids_of(2, 20)  # four blocks: only once c's files are written
+    _request(cache, session, a)
+    assert set(cache.last_keep()) == PHASES | {"writes"}, cache.last_keep()
+    assert [e.pos for e in cache.entries.values() if e.in_host] == [max(session.cuts_of(a))]
+    cache.request_ended(keep=False)
+    cache.close()
+
+
+def test_a_host_tier_smaller_than_a_context_still_keeps_states(synth_model):
+    """The reserve of free slots (a context's blocks) tops up the own parts' few slots first: a
+    budget smaller than the blocks' reserve went to free block slots, and a state, which needs
+    its own part (DeltaNet's recurrent states here), was never kept."""
+    model = load_model(synth_model("qwen35moe", "Q8_0"))
+    session = new_session(model)
+    probe = ConversationCache(session, 1 << 30, block=BLOCK)
+    c = system(7, 40) + ids_of(8, 20)
+    _request(probe, session, c)
+    pools = probe.host.pools
+    ram = 8 * pools.blocks.slot_bytes + 3 * pools.own.slot_bytes  # the reserve wants 64 blocks
+    probe.close()
+    session = new_session(model)
+    cache = ConversationCache(session, ram, block=BLOCK)
+    _request(cache, session, c)
+    assert any(e.in_host for e in cache.entries.values()) and cache.stats.evictions == 0
+    reused = session.reused
+    _request(cache, session, ids_of(11, 30))  # another conversation
+    _request(cache, session, c + ids_of(12, 10))  # back: resumed from the host tier
+    assert cache.stats.hits == 1 and session.reused >= len(c) - CALL > reused
+    cache.close()
