@@ -412,14 +412,24 @@ def generate(model: MoEModel, tokenizer: StopTokens | None, prompt_ids: list[int
     yield from continue_tokens(session, logits, sampler, max_new_tokens, stop_ids)
 
 
+def device_pick(sampler: TokenSampler | None, constraint: TokenConstraint | None
+                ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The pick that needs nothing of the host (greedy, or a history-free sampler's), which a
+    decode loop may run on the device a step ahead; None when a token needs the host first (a
+    grammar's mask, a sampler that reads the history)."""
+    if constraint is None and (sampler is None or sampler.history_free):
+        return torch.argmax if sampler is None else sampler.pick
+    return None
+
+
 def choose_token(logits: torch.Tensor, sampler: TokenSampler | None, constraint: TokenConstraint | None,
                  history: list[int]) -> int:
     """The next token of a reply from its last ``logits`` ``[n_vocab]``, as every decode loop
     chooses it (``continue_tokens``; the ``--parallel`` engine per sequence, so that a batched
-    reply is the serial one): greedy or a history-free sampler's ``pick``, else the grammar's mask
-    (the token then accepted by it) and the sampler's draw given ``history``."""
-    if constraint is None and (sampler is None or sampler.history_free):
-        pick = torch.argmax if sampler is None else sampler.pick
+    reply is the serial one): ``device_pick``'s, else the grammar's mask (the token then accepted
+    by it) and the sampler's draw given ``history``."""
+    pick = device_pick(sampler, constraint)
+    if pick is not None:
         return int(pick(logits).reshape(-1)[0])
     if constraint is not None:
         logits = constraint.mask(logits)
@@ -447,8 +457,8 @@ def continue_tokens(session: Session, logits: torch.Tensor, sampler: TokenSample
                 return
             yield tok
         return
-    if constraint is None and (sampler is None or sampler.history_free):
-        pick = torch.argmax if sampler is None else sampler.pick
+    pick = device_pick(sampler, constraint)
+    if pick is not None:
         for tok in session.decode(logits, max_new_tokens, pick):
             if tok in stops:
                 return
