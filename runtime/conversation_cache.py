@@ -169,6 +169,12 @@ class ConversationCache:
         """Whether the last copies out of the device (the previous request's state) still run."""
         return self.snapshots.copies_running()
 
+    def order_after_copies(self) -> None:
+        """The device's next work after the copies out of the last request's state, which read
+        the session's rows: for work between requests that writes them (a bootstrap replay in
+        the serving session); a request's own is ordered by ``prepare``."""
+        self.snapshots.order_after_copies()
+
     # -- a request ------------------------------------------------------------------------------
     def prepare(self, ids: list[int], session: Session | None = None) -> Resume:
         """Before ``Session.prompt(ids)``: resume the session from the entry that keeps the most

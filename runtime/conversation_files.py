@@ -11,6 +11,7 @@ a reader raises ValueError for a file that is not ours, truncated or corrupted.
 from __future__ import annotations
 
 import json
+import logging
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,6 +32,17 @@ SUFFIX = ".spkv"
 BLOCK_SUFFIX = ".spkb"
 BLOCKS = "blocks"  # the parts' subfolder
 _DIGEST = 32  # hex digits of an XXH3-128 digest, a file's last bytes
+
+
+def remove(path: Path) -> None:
+    """Delete a file the cache no longer names; a failure (a read-only or failing disk) is one
+    log line, never raised: the threads that drop files hold slots and the engine's requests
+    behind them. A file left over costs disk space; a restarted server ignores an entry whose
+    parts are gone (one log line) and computes its prompt."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as err:
+        logging.getLogger("sparkpack.cache").warning("cannot remove conversation cache file %s: %s", path, err)
 
 
 def _head(magic: bytes, meta: dict) -> bytes:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .conversation_files import BLOCK_SUFFIX, BLOCKS, SUFFIX, part_layout, read_entry, read_part, write_entry, \
-    write_part
+from .conversation_files import (BLOCK_SUFFIX, BLOCKS, SUFFIX, part_layout, read_entry, read_part, remove,
+                                 write_entry, write_part)
 from .conversation_host import Activity, HostTier
 from .conversation_index import Entry, Index, Part
 from .host_pool import Layout
@@ -76,7 +76,7 @@ class FolderTier:
                 continue
             p.disk_refs -= 1
             if p.disk_refs <= 0 and p.on_disk and p.queued <= 0:
-                self.part_path(n).unlink(missing_ok=True)
+                remove(self.part_path(n))
                 p.on_disk = False
                 self.index.forget(p)
 
@@ -140,14 +140,16 @@ class FolderTier:
         while (e := self._writes.get()) is not None:
             try:
                 self._write(e)
+            except Exception:  # the thread must go on: a request waiting for the queue would wait forever
+                log.exception("the conversation cache's writer failed")
             finally:
                 self._writes.task_done()
         self._writes.task_done()
 
     def wait_for_writes(self) -> bool:
         """Wait until the queued files are written (their holds on slots released); False when none
-        were queued. Called without the lock (the writer takes it)."""
-        if self._writer is None or self._writes.unfinished_tasks == 0:
+        were queued (or the writer is gone). Called without the lock (the writer takes it)."""
+        if self._writer is None or not self._writer.is_alive() or self._writes.unfinished_tasks == 0:
             return False
         was_quiet = self.quiet.is_set()
         self.quiet.set()  # (the engine waits for them: they may go on during a request)
@@ -182,8 +184,11 @@ class FolderTier:
                         p.on_disk, p.file_bytes = True, path.stat().st_size
             path = self.folder / (name + SUFFIX)
             write_entry(path, self.key, e)
-        except OSError as err:
-            log.warning("cannot write conversation cache file: %s", err)
+        except Exception as err:  # a full or failing disk, the device failing the copy waited for, a bug
+            if isinstance(err, OSError):
+                log.warning("cannot write conversation cache file: %s", err)
+            else:
+                log.exception("writing a conversation state failed")
             with index.lock:
                 for p in parts:
                     p.queued -= 1
@@ -196,7 +201,7 @@ class FolderTier:
             if index.entries.get(name) is e:
                 e.path = path
             else:  # dropped meanwhile (a longer turn of its conversation replaced it)
-                path.unlink(missing_ok=True)
+                remove(path)
                 self.unname(e.parts)
             host.release(e.parts)  # the writer's hold
             if host.ram_bytes == 0 and e.in_host:

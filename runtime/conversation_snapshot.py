@@ -15,6 +15,7 @@ import torch
 
 from sparkpack.formats.checksums import PACK_ALGORITHM, new_hasher
 
+from .conversation_files import remove
 from .conversation_folder import FolderTier
 from .conversation_host import HostTier
 from .conversation_index import Entry, Index, Part
@@ -41,10 +42,10 @@ class Snapshots:
         return self._pending is not None and not self._pending.query()
 
     def order_after_copies(self) -> None:
-        """The device's next work after the last copies out of its rows (the host does not wait)."""
+        """The device's next work after the last copies out of its rows (the host does not wait;
+        ``copies_running`` still says whether they run)."""
         if self._pending is not None:
             torch.cuda.current_stream(self.device).wait_event(self._pending)
-            self._pending = None
 
     def last(self) -> dict[str, float]:
         """The engine thread's seconds in the snapshot of the last request's end, by phase:
@@ -158,7 +159,7 @@ class Snapshots:
                 e.in_host = False
                 self.host.release(e.parts)
             if e.path is not None:
-                e.path.unlink(missing_ok=True)
+                remove(e.path)
                 e.path = None
                 self.disk.unname(e.parts)
 

@@ -47,6 +47,11 @@ class HostBudget:
             self.allocated += nbytes
             return True
 
+    def release(self, nbytes: int) -> None:
+        """Give back a claim whose allocation failed."""
+        with self.lock:
+            self.allocated -= nbytes
+
 
 class SlotPool:
     """Slots of ``layout`` in slabs of ``per_slab`` slots drawn from ``budget``; ``pin``: page-locked
@@ -80,8 +85,12 @@ class SlotPool:
         regions = [_padded(self.per_slab * size) for size in self.sizes]  # each aligned for its dtype
         if not self.budget.claim(sum(regions)):
             return False
-        with REGISTERING:  # (may run in the reserve's thread, never during a capture)
-            raw = pinned_empty(sum(regions), self.pin, tidy=False)
+        try:
+            with REGISTERING:  # (may run in the reserve's thread, never during a capture)
+                raw = pinned_empty(sum(regions), self.pin, tidy=False)
+        except (OSError, RuntimeError):  # (the host is out of memory it can pin): as if over budget
+            self.budget.release(sum(regions))
+            return False
         tensors, at = [], 0
         for (shape, dtype), size, region in zip(self.layout, self.sizes, regions):
             tensors.append(raw[at: at + self.per_slab * size].view(dtype).view(self.per_slab, *shape))

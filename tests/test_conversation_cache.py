@@ -307,3 +307,49 @@ def test_a_host_tier_smaller_than_a_context_still_keeps_states(synth_model):
     _request(cache, session, c + ids_of(12, 10))  # back: resumed from the host tier
     assert cache.stats.hits == 1 and session.reused >= len(c) - CALL > reused
     cache.close()
+
+
+def test_host_memory_that_cannot_be_had_is_no_room(monkeypatch):
+    """A slab the host cannot pin (out of memory) is as if over budget: ``grow`` says no and the
+    budget gets its claim back (it kept it, and the snapshot that asked raised, failing the
+    request and every later one that resumed the same entry)."""
+    from sparkpack.runtime import host_pool
+
+    budget = host_pool.HostBudget(1 << 20)
+    pool = host_pool.SlotPool([((4, 8), torch.float32)], budget, pin=False)
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(host_pool, "pinned_empty", out_of_memory)
+    assert not pool.grow() and budget.allocated == 0 and pool.take(1) is None
+    monkeypatch.undo()
+    assert pool.take(2) is not None and budget.allocated > 0
+
+
+def test_the_writer_goes_on_after_an_unexpected_failure(synth_model, tmp_path, monkeypatch, caplog):
+    """A part's file failing with something other than an OSError (a bug, the device failing the
+    copy it waits for) is logged; the writer thread goes on with the next entry, so a snapshot
+    that waits for the queued files (no free slot) does not wait forever."""
+    from sparkpack.runtime import conversation_folder
+
+    model = load_model(synth_model("qwen3moe", "Q8_0"))
+    session = new_session(model)
+    real, calls = conversation_folder.write_part, []
+
+    def first_fails(*args, **kwargs):
+        calls.append(args[2])
+        if len(calls) == 1:
+            raise ValueError("a bug")
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(conversation_folder, "write_part", first_fails)
+    cache = ConversationCache(session, 1 << 30, tmp_path, block=BLOCK)
+    with caplog.at_level(logging.ERROR, logger="sparkpack.cache"):
+        _request(cache, session, system(7, 40) + ids_of(8, 20))
+        cache.disk.wait_for_writes()
+    assert "writing a conversation state failed" in caplog.text
+    _request(cache, session, system(1, 100) + ids_of(2, 20))
+    cache.close()
+    assert len(list(tmp_path.glob("*" + SUFFIX))) == 1 and len(calls) > 2  # the second entry's files
+    check_index(cache)
