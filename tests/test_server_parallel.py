@@ -246,3 +246,41 @@ def test_a_failing_metrics_callback_does_not_stop_the_engine(synth_model, parall
         assert sink.done.wait(60), i
     engine.close()
     assert [(s.outcome.finish, len(s.tokens)) for s in sinks] == [("length", 3)] * 3
+
+
+def test_a_request_failing_before_it_has_a_session_ends_and_a_stopped_engine_refuses(synth_model):
+    """The --parallel engine: a failure while it picks a request's session (the conversation
+    cache's lookup) ends that request in error and the next one is served (the job was lost and
+    its client waited forever); once the engine has stopped, a job is refused with a 503 rather
+    than queued for no one."""
+    from sparkpack.runtime.conversation_cache import ConversationCache
+    from sparkpack.runtime.generate import Session
+    from sparkpack.runtime.models import load_model
+    from sparkpack.runtime.options import SamplingOptions
+    from sparkpack.runtime.server.engine import Job
+    from sparkpack.runtime.server.errors import ApiError
+    from sparkpack.runtime.server.parallel import ParallelEngine
+
+    class FailingOnce(ConversationCache):
+        failed = False
+
+        def keeps(self, ids, session=None) -> int:
+            if not self.failed:
+                FailingOnce.failed = True
+                raise RuntimeError("the index broke")
+            return super().keeps(ids, session)
+
+    model = load_model(synth_model("qwen3moe"))
+    sessions = [Session(model) for _ in range(2)]
+    engine = ParallelEngine(sessions, frozenset(), conversations=FailingOnce(sessions[0], 1 << 26))
+    sinks = [Sink() for _ in range(2)]
+    for i, sink in enumerate(sinks):
+        engine.submit(Job([3, 14, 15 + i], 3, SamplingOptions(temperature=0), sink))
+        assert sink.done.wait(60), i
+    assert [(s.outcome.finish, len(s.tokens)) for s in sinks] == [("error", 0), ("length", 3)]
+    assert "the index broke" in sinks[0].outcome.error and engine.alive
+    engine.close()
+    assert not engine.alive
+    with pytest.raises(ApiError) as refused:
+        engine.submit(Job([3, 14], 3, SamplingOptions(temperature=0), Sink()))
+    assert refused.value.status == 503

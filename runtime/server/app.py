@@ -23,13 +23,19 @@ local = APIRouter(route_class=DialectRoute)
 
 @local.get("/health")
 async def health(request: Request) -> JSONResponse:
-    if request.app.state.served is None:
+    served = request.app.state.served
+    if served is None:
         return JSONResponse({"status": "loading"}, status_code=503)
+    if not served.engine.alive:  # (a supervisor restarts it; requests are refused meanwhile)
+        return JSONResponse({"status": "error", "error": "the engine has stopped"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
 @local.get("/metrics")
-async def metrics(request: Request) -> Response:
+def metrics(request: Request) -> Response:
+    """A plain function, which FastAPI runs in its thread pool: the counts wait for the
+    conversation cache's lock, which a snapshot holds while it takes slots, and on the event
+    loop that wait would stall every stream."""
     served = served_of(request)
     return Response(served.metrics.render(served.engine.waiting), media_type=CONTENT_TYPE)
 

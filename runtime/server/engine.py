@@ -105,6 +105,16 @@ class BetweenRequests(Protocol):
         """When the queue is empty; returns whether work is left (it is called again)."""
 
 
+def reset_after_failure(session: Session) -> None:
+    """Forget whatever state a failed request left in ``session`` (it is not trusted). A device
+    that fails even that (a sticky CUDA error) is logged, not raised: the engine thread goes on,
+    and the next requests fail with an error their clients see instead of waiting forever."""
+    try:
+        session.reset()
+    except Exception:
+        log.exception("resetting the session after a failure failed")
+
+
 class Engine:
     """``submit`` queues a job (503 past ``max_queue`` waiting); one thread computes them in
     order. ``on_job`` (metrics) sees each finished job's outcome in that thread. ``between``: the
@@ -141,7 +151,15 @@ class Engine:
         """The job being decoded, None between jobs (when ``between`` may move experts)."""
         return self._running
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread still takes jobs (not after ``close``, nor after a failure
+        no guard caught): /health says so, and a job is refused rather than left waiting."""
+        return self._thread.is_alive()
+
     def submit(self, job: Job) -> None:
+        if not self.alive:
+            raise ApiError(503, "the server's engine has stopped (see its log); restart the server")
         if self._queue.qsize() >= self.max_queue:
             raise ApiError(503, f"the server is busy: {self._queue.qsize()} requests are waiting; retry later")
         self._queue.put(job)
@@ -169,6 +187,8 @@ class Engine:
 
     def _next(self) -> Job | None:
         """The next job; while there is none, the work between requests."""
+        if self.between is not None and self.conversations is not None:
+            self.conversations.order_after_copies()  # (a replay writes the session's rows)
         while self.between is not None and not self.busy():
             try:
                 if not self.between.idle(self.busy):
@@ -195,7 +215,7 @@ class Engine:
                 except Exception as e:  # a bug or an out-of-memory: this request fails, the server goes on
                     log.exception("request failed")
                     outcome.finish, outcome.error = "error", f"{type(e).__name__}: {e}".splitlines()[0]
-                    self.session.reset()  # whatever state the failure left is not trusted
+                    reset_after_failure(self.session)
                 finally:
                     with self._lock:
                         self._running = None

@@ -50,7 +50,7 @@ from ..conversation_cache import ConversationCache, Resume
 from ..generate import PromptFeed, Session, choose_token
 from ..graph import BatchGraphs
 from ..options import DEFAULT_STEP_TOKENS
-from .engine import BetweenRequests, Engine, Job, Outcome, own_sampler
+from .engine import BetweenRequests, Engine, Job, Outcome, own_sampler, reset_after_failure
 from .metrics import PREFIX
 from .request_split import SplitClock
 
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("sparkpack.server")
 
 
-@dataclass
+@dataclass(eq=False)  # (one request: the lists find it by identity)
 class Joining:
     """A request whose prompt is being prefilled: its session, the feed in progress, what the
     conversation cache resumed from, the session's prefill time when it began."""
@@ -74,7 +74,7 @@ class Joining:
     clock: SplitClock  # where its time goes (``timings``' split_* keys), as the serial engine's
 
 
-@dataclass
+@dataclass(eq=False)
 class Running:
     """A request in flight: its session, how it samples, what it generated, the logits its next
     token comes from."""
@@ -143,46 +143,54 @@ class ParallelEngine(Engine):
 
     def _loop(self) -> None:
         while not (self._stopping and not self._flight and not self._joining):
-            if not self._flight and not self._joining:
-                self._between()
-                job = self._queue.get()  # nothing in flight: wait for a request
-                if job is None:
+            try:
+                if not self._turn():
                     return
-                self._admit(job)
-            while self._free and not self._stopping:  # the requests that arrived join this step
-                try:
-                    job = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if job is None:
-                    self._stopping = True
-                    break
-                self._admit(job)
-            self._prefill()
-            self._step()
+            except Exception as e:  # outside each request's own guard: those in flight fail, the engine goes on
+                log.exception("the engine's step failed")
+                self._fail_all(e)
+
+    def _turn(self) -> bool:
+        """One turn of the loop: the requests that arrived join, the prompts advance, the running
+        sequences take a step. False: the queue's end (``close``)."""
+        if not self._flight and not self._joining:
+            self._between()
+            job = self._queue.get()  # nothing in flight: wait for a request
+            if job is None:
+                return False
+            self._admit(job)
+        while self._free and not self._stopping:  # the requests that arrived join this step
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                self._stopping = True
+                break
+            self._admit(job)
+        self._prefill()
+        self._step()
+        return True
+
+    def _fail_all(self, e: Exception) -> None:
+        """Every request in flight or joining ends in error (their sessions reset and free)."""
+        for r in list(self._flight):
+            self._failed(r, e)
+        for j in list(self._joining):
+            self._not_joined(j.job, j.session, j.outcome, e, j)
 
     def _between(self) -> None:
         """Work between requests (placement learning) while nothing is in flight."""
         if self.between is None:
             return
+        if self.conversations is not None:
+            self.conversations.order_after_copies()  # (a replay writes a session's rows)
         try:
             self.between.after_request(self.busy)
             while not self.busy() and self.between.idle(self.busy):
                 pass
         except Exception:  # learning must never take the server down
             log.exception("work between requests failed")
-
-    def _session_for(self, ids: list[int]) -> Session:
-        """The free session that keeps the most of ``ids`` (its previous sequence's prefix); when
-        the conversation cache keeps more, the free session left longest ago (``_free`` is in the
-        order sessions were left), which the cache's state then replaces: the live sequences
-        more likely to be continued stay where they are."""
-        live = {id(s): s.reusable(ids) for s in self._free}
-        best = max(self._free, key=lambda s: live[id(s)])
-        if self.conversations is not None and self.conversations.keeps(ids, best) > live[id(best)]:
-            best = self._free[0]
-        self._free.remove(best)
-        return best
 
     def _admit(self, job: Job) -> None:
         """Give ``job`` a free session and start its prompt (``_prefill`` feeds it)."""
@@ -191,9 +199,10 @@ class ParallelEngine(Engine):
             outcome.finish = "cancelled"
             self._finish(job, outcome, None, keep=False)
             return
-        session = self._session_for(job.ids)
-        cache = self.conversations
+        session, cache = None, self.conversations
         try:
+            session = session_for(job.ids, self._free, cache)
+            self._free.remove(session)
             clock = SplitClock(cache, session.model.store, session.model.device, job.arrived)
             resume = cache.prepare(job.ids, session) if cache is not None else None
             clock.mark("resume")
@@ -220,10 +229,7 @@ class ParallelEngine(Engine):
                 if j.feed.done:
                     self._joined(j)
             except Exception as e:  # a bug or an out-of-memory: this request fails, the others go on
-                with self._lock:
-                    if j in self._joining:
-                        self._joining.remove(j)
-                self._not_joined(j.job, j.session, j.outcome, e)
+                self._not_joined(j.job, j.session, j.outcome, e, j)
                 continue
             if budget is not None:
                 budget -= fed
@@ -259,12 +265,18 @@ class ParallelEngine(Engine):
         self._free.append(j.session)
         self._finish(j.job, j.outcome, j.session, keep=True)
 
-    def _not_joined(self, job: Job, session: Session, outcome: Outcome, e: Exception) -> None:
-        """``job`` failed before its first token: its session's state is not trusted."""
+    def _not_joined(self, job: Job, session: Session | None, outcome: Outcome, e: Exception,
+                    joining: Joining | None = None) -> None:
+        """``job`` (``joining``, if its prompt had begun) failed before its first token: its
+        session's state (None: it had none yet) is not trusted."""
+        with self._lock:
+            if joining in self._joining:
+                self._joining.remove(joining)
         log.exception("request failed")
         outcome.finish, outcome.error = "error", f"{type(e).__name__}: {e}".splitlines()[0]
-        session.reset()
-        self._free.append(session)
+        if session is not None:
+            reset_after_failure(session)
+            self._free.append(session)
         self._finish(job, outcome, session, keep=False)
 
     def _next_token(self, r: Running) -> int:
@@ -294,15 +306,16 @@ class ParallelEngine(Engine):
         going.sort(key=lambda g: self.sessions.index(g[0].session))  # a set's rows in one order: one graph
         try:
             logits = decode_together([r.session for r, _ in going], [t for _, t in going], self.graphs)
+            # the greedy rows' argmax in one launch and one read (the same token as each row's own:
+            # argmax is exact, ties to the first index), not a launch and a host wait per row; the
+            # read is where a failure of the step's kernels surfaces
+            greedy = torch.argmax(logits, dim=-1).tolist() if any(r.plain_greedy for r, _ in going) else None
         except Exception as e:  # every sequence of the step fails; the server goes on
             log.exception("a batched step failed")
             for r, _ in going:
                 self._failed(r, e)
             return
         self.batch_sizes[len(going)] += 1
-        # the greedy rows' argmax in one launch and one read (the same token as each row's own:
-        # argmax is exact, ties to the first index), not a launch and a host wait per row
-        greedy = torch.argmax(logits, dim=-1).tolist() if any(r.plain_greedy for r, _ in going) else None
         for i, (r, _) in enumerate(going):
             r.logits = logits[i]
             r.greedy = greedy[i] if greedy is not None and r.plain_greedy else None
@@ -334,7 +347,7 @@ class ParallelEngine(Engine):
 
     def _failed(self, r: Running, e: Exception) -> None:
         r.outcome.finish, r.outcome.error = "error", f"{type(e).__name__}: {e}".splitlines()[0]
-        r.session.reset()  # whatever state the failure left is not trusted
+        reset_after_failure(r.session)
         self._leave(r)
 
     def _leave(self, r: Running) -> None:
@@ -348,6 +361,18 @@ class ParallelEngine(Engine):
         except Exception:  # (after a device failure): the request still ends, without its split
             log.exception("a request's split failed")
         self._finish(r.job, r.outcome, r.session, keep=r.outcome.finish != "error")
+
+
+def session_for(ids: list[int], free: list[Session], cache: ConversationCache | None) -> Session:
+    """The one of the ``free`` sessions that keeps the most of ``ids`` (its previous sequence's
+    prefix); when the conversation ``cache`` keeps more, the one left longest ago (``free`` is
+    in the order sessions were left), which the cache's state then replaces: the live sequences
+    more likely to be continued stay where they are."""
+    live = {id(s): s.reusable(ids) for s in free}
+    best = max(free, key=lambda s: live[id(s)])
+    if cache is not None and cache.keeps(ids, best) > live[id(best)]:
+        best = free[0]
+    return best
 
 
 class BatchCollector:
