@@ -241,3 +241,48 @@ def test_bare_function_opener_needs_a_tool_of_that_name() -> None:
     held = _parser(QWEN, in_reasoning=False)
     assert held.feed("x <function=ba") == [TextDelta("x")]
     assert held.feed("sh2>") == [TextDelta(" <function=bash2>")]
+
+
+def test_a_reply_ends_when_its_parser_fails_at_the_end() -> None:
+    """``EventStream.end`` posts ``Finished`` even when the parser raises there (one that failed
+    on a token fails again at the end): the client's reply ends, it does not wait forever."""
+    import asyncio
+
+    from sparkpack.runtime.server.engine import Outcome
+    from sparkpack.runtime.server.stream import EventStream, Finished
+
+    class Decoder:
+        def push(self, token_id: int) -> str:
+            return "x"
+
+        def flush(self) -> str:
+            return ""
+
+    class Tokenizer:
+        def decoder(self, skip_special: bool) -> Decoder:
+            return Decoder()
+
+    class Broken:
+        def feed(self, text: str) -> list:
+            return [TextDelta(text)] if text else []
+
+        def finish(self) -> list:
+            raise ValueError("the parser broke")
+
+    async def until_finished(stream: EventStream) -> list:
+        items = []
+        async for item in stream.events():
+            items.append(item)
+            if isinstance(item, Finished):
+                return items
+
+    loop = asyncio.new_event_loop()
+    try:
+        stream = EventStream(loop, Tokenizer(), Broken(), stops=[])
+        stream.token(1)
+        with pytest.raises(ValueError):
+            stream.end(Outcome(finish="length", prompt_tokens=1, completion_tokens=1))
+        items = loop.run_until_complete(asyncio.wait_for(until_finished(stream), 5))
+    finally:
+        loop.close()
+    assert items[0] == [TextDelta("x")] and isinstance(items[-1], Finished)

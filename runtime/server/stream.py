@@ -94,15 +94,20 @@ class EventStream:
         return self.stops.matched is not None
 
     def end(self, outcome: Outcome) -> None:
-        events = []
-        if self.stops.matched is None:
-            events = self._cut(self.parser.feed(self.decoder.flush()) + self.parser.finish())
-            rest = self.stops.flush()
-            if rest:
-                events.append(TextDelta(rest))
-        self._post(events)
-        matched = self.stops.matched
-        self._post(Finished(outcome, None if matched in self.implicit else matched))
+        """The held text and the end, posted last whatever happens: a client waits for
+        ``Finished`` (a parser that failed on a token would fail here again, and the reply
+        would never end)."""
+        try:
+            events = []
+            if self.stops.matched is None:
+                events = self._cut(self.parser.feed(self.decoder.flush()) + self.parser.finish())
+                rest = self.stops.flush()
+                if rest:
+                    events.append(TextDelta(rest))
+            self._post(events)
+        finally:
+            matched = self.stops.matched
+            self._post(Finished(outcome, None if matched in self.implicit else matched))
 
     def _cut(self, events: list) -> list:
         """Stop strings apply to the visible text; other events pass (held text goes first)."""
