@@ -317,4 +317,5 @@ class ExpertStore(ExpertProvider):
                 "host_pool_bytes": self.cold.host_bytes if not nothing_cold else 0,
                 "staging_bytes": self.staging.nbytes if self.staging is not None else 0,
                 "stage_tokens": self.staging.min_tokens if self.staging is not None else None,
-                "host_tier": self.cold.kind if self.cold.kind == "pinned" or not nothing_cold else "none"}
+                "host_tier": self.cold.kind if self.cold.kind == "pinned" or not nothing_cold else "none",
+                "host_pinned": self.cold.pinned}

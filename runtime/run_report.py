@@ -21,8 +21,10 @@ def report_residency(model) -> None:
     if d["host_tier"] == "none":  # nothing is cold: no misses, no host tier
         line += ", none cold"
     else:
-        line += (f", {d['cache_slots']} cache slots, misses via {d['mode']}, cold experts in {d['host_tier']} memory "
-                 f"({fmt_size(d['host_pool_bytes'])} of host RAM)")
+        held = fmt_size(d["host_pool_bytes"])
+        cold = (f"cold experts read from disk (a {held} cache in host RAM)" if d["host_tier"] == "disk" else
+                f"cold experts in {'pinned ' if d['host_pinned'] else ''}host RAM ({held})")
+        line += f", {d['cache_slots']} cache slots, misses via {d['mode']}, {cold}"
         if d["staging_bytes"]:  # runtime.expert_staging
             line += f", calls of {d['stage_tokens']}+ tokens staged (2 x {d['staging_bytes'] / 2 / 1024**2:.0f} MiB)"
     if r.expected_cold_rate is not None:

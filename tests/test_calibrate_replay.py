@@ -163,8 +163,8 @@ def test_the_store_at_any_residency_counts_what_all_device_counts(synth_model, t
     whole = counts(name="whole")
     assert whole.sum() > 0
     for i, opts in enumerate(residencies):
-        where = "disk" if "--host-ram" in opts else "pinned"
-        assert np.array_equal(counts(*opts, name=f"r{i}", placed=f"cold experts in {where} memory"), whole), opts
+        where = "read from disk" if "--host-ram" in opts else "in pinned host RAM" if device == "cuda" else "in host RAM"
+        assert np.array_equal(counts(*opts, name=f"r{i}", placed=f"cold experts {where} ("), whole), opts
     if device == "cuda":
         monkeypatch.setenv("SPARKPACK_CUDA_GRAPHS", "0")
         assert np.array_equal(counts(name="eager"), whole)
@@ -202,7 +202,7 @@ def test_peak_rss_through_the_store_is_well_under_the_model(tmp_path):
                           "--hot-fraction", "0.1", "--host-ram", "16MiB", "--ctx", "1024", "--quiet"],
                          capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert res.returncode == 0, res.stderr
-    held = re.search(r"cold experts in disk memory \(([\d.]+) MiB of host RAM\)", res.stderr)
+    held = re.search(r"cold experts read from disk \(a ([\d.]+) MiB cache in host RAM\)", res.stderr)
     assert held is not None and 0 < float(held.group(1)) <= 16, res.stderr  # the --host-ram bound
     rss = json.loads(res.stderr.split("RSS ", 1)[1])
     assert rss["peak"] - rss["base"] < size / 2, (rss, size)
