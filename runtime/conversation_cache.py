@@ -232,17 +232,21 @@ class ConversationCache:
             self.snapshots.keep(m, shared=True, session=session)
 
     def request_ended(self, keep: bool, session: Session | None = None) -> None:
-        """After a request (``prepare`` began it): once no request computes, the background work
-        may go on; ``keep`` (it did not fail): the live sequence's state at its exact end becomes
-        an entry (it replaces the same conversation's older turn, and shares its blocks)."""
-        with self.index.lock:
-            self._computing = max(0, self._computing - 1)
-            if not self._computing:
-                self.quiet.set()
+        """After a request (``prepare`` began it): ``keep`` (it did not fail): the live sequence's
+        state at its exact end becomes an entry (it replaces the same conversation's older turn,
+        and shares its blocks); then, once no request computes, the background work may go on.
+        Why the snapshot first: it is still the request's work on the engine thread. Set free
+        before it, the reserve's thread registered slabs and the writer hashed and wrote files
+        beside it, competing with it for the host and the driver (a slab's registration), while
+        the next request may already queue behind it (issue 42)."""
         if keep:
             self.snapshots.keep(None, shared=False, session=session if session is not None else self.session)
         else:
             self.snapshots.forget_last()
+        with self.index.lock:
+            self._computing = max(0, self._computing - 1)
+            if not self._computing:
+                self.quiet.set()
 
     def state(self, e: Entry) -> SequenceState | None:
         """``e``'s state when it is in host memory."""

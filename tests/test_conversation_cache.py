@@ -353,3 +353,23 @@ def test_the_writer_goes_on_after_an_unexpected_failure(synth_model, tmp_path, m
     cache.close()
     assert len(list(tmp_path.glob("*" + SUFFIX))) == 1 and len(calls) > 2  # the second entry's files
     check_index(cache)
+
+
+def test_the_background_work_waits_for_the_request_ends_snapshot(synth_model, tmp_path, monkeypatch):
+    """The reserve's thread and the writer work while no request computes (``quiet``); a
+    request's end snapshot is still its work: ``quiet`` is set after it, not before (the slabs
+    and files then ran beside it while the next request queued behind it)."""
+    model = load_model(synth_model("qwen3moe", "Q8_0"))
+    session = new_session(model)
+    cache = ConversationCache(session, 1 << 30, tmp_path, block=BLOCK)
+    seen: list[bool] = []
+    real = snap.copy_blocks_out
+
+    def watching(*args):
+        seen.append(cache.quiet.is_set())
+        real(*args)
+
+    monkeypatch.setattr(snap, "copy_blocks_out", watching)
+    _request(cache, session, system(7, 40) + ids_of(8, 20))
+    assert seen == [False] and cache.quiet.is_set()
+    cache.close()
