@@ -29,10 +29,11 @@ session's call ends, so a resumed request gives a fresh run's bits.
   once, refcounted); when no slot is free, the least recently used entries leave the host tier
   (to the disk tier if there) until one is. The pools keep a reserve of a context's worth of free
   slots, topped up by a thread of their own after each request, so a snapshot seldom allocates.
-- Between requests only: the reserve's thread and the folder's writer work while no request
-  computes (``quiet``), a slab or a file at a time: an agent sends its next request right after
-  the last one's reply, and a long turn's files and slabs took longer than that turn's successor
-  (BENCHMARKS.md, issue 42). A request that needs a slot a queued write holds waits for it.
+- Between requests only: the reserve's thread and the folder's writer work once no request has
+  computed for a moment (``runtime.conversation_quiet``), a slab or a file at a time: an agent
+  sends its next request right after the last one's reply, and a long turn's files and slabs
+  took longer than that turn's successor (BENCHMARKS.md, issue 42). A request that needs a slot
+  a queued write holds waits for it.
 - The folder: every part a file (``blocks/NAME.spkb``), every entry a small file naming its
   parts (``NAME.spkv``), each written once by a thread of its own (temp file, fsync, rename;
   an XXH3-128 checksum, several times faster than zlib's crc32: BENCHMARKS.md); a dropped
@@ -45,7 +46,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +55,7 @@ from sparkpack.formats.checksums import PACK_ALGORITHM, new_hasher
 from .conversation_folder import FolderTier
 from .conversation_host import HostTier
 from .conversation_index import CacheStats, Entry, Index
+from .conversation_quiet import Quiet
 from .conversation_snapshot import Snapshots
 from .generate import Session
 from .sequence_state import BLOCK_TOKENS, SequenceState, truncatable
@@ -112,11 +113,11 @@ class ConversationCache:
         self.key = model_key(session, block)
         self.truncatable = truncatable(session.cache)
         self.index = Index(truncatable=self.truncatable)
-        # Set while no request computes: the writer and the reserve's thread work only then, a
-        # file or a slab at a time, so what one request leaves behind (its blocks' files, the
-        # reserve it used) never slows the next one down, which may come right after.
-        self.quiet = threading.Event()
-        self.quiet.set()
+        # Set while no request computes: the writer and the reserve's thread work only once it
+        # has been for a moment, a file or a slab at a time, so what one request leaves behind
+        # (its blocks' files, the reserve it used) does not slow the next one down, which may
+        # come right after.
+        self.quiet = Quiet()
         self._computing = 0  # requests between prepare and request_ended (several under --parallel)
         self.host = HostTier(self.index, session, ram_bytes, block, spills=folder is not None, quiet=self.quiet)
         self.disk: FolderTier | None = FolderTier(self.index, self.host, self.key, folder, self.quiet) \
@@ -139,7 +140,7 @@ class ConversationCache:
 
     def close(self) -> None:
         """Finish the files queued for writing; stop topping up the reserve."""
-        self.quiet.set()
+        self.quiet.set(at_once=True)
         self.host.close()
         if self.disk is not None:
             self.disk.close()

@@ -20,6 +20,7 @@ from .conversation_files import (BLOCK_SUFFIX, BLOCKS, SUFFIX, part_layout, read
                                  write_entry, write_part)
 from .conversation_host import Activity, HostTier
 from .conversation_index import Entry, Index, Part
+from .conversation_quiet import Quiet
 from .host_pool import Layout
 from .pinned import REGISTERING
 from .sequence_state import SequenceState
@@ -31,7 +32,7 @@ class FolderTier:
     """The files of the entries of one model (``key``) in ``folder`` (which other models' files
     may share). ``close`` waits for the queued files."""
 
-    def __init__(self, index: Index, host: HostTier, key: str, folder: Path, quiet: threading.Event):
+    def __init__(self, index: Index, host: HostTier, key: str, folder: Path, quiet: Quiet):
         self.index = index
         self.host = host
         self.key = key
@@ -152,7 +153,7 @@ class FolderTier:
         if self._writer is None or not self._writer.is_alive() or self._writes.unfinished_tasks == 0:
             return False
         was_quiet = self.quiet.is_set()
-        self.quiet.set()  # (the engine waits for them: they may go on during a request)
+        self.quiet.set(at_once=True)  # (the engine waits for them: they may go on during a request)
         try:
             self._writes.join()
         finally:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from .conversation_index import Entry, Index, Part
+from .conversation_quiet import Quiet
 from .generate import Session
 from .host_pool import HostBudget, Layout, SlotPool
 from .sequence_state import SequenceState, StatePools, blocks_of, state_pools
@@ -56,7 +57,7 @@ class HostTier:
     Leaving the host tier, an entry without a file is forgotten unless it ``spills``."""
 
     def __init__(self, index: Index, session: Session, ram_bytes: int, block: int, spills: bool,
-                 quiet: threading.Event):
+                 quiet: Quiet):
         self.index = index
         self.quiet = quiet  # set while no request computes: the reserve grows only then
         self.session = session

@@ -373,3 +373,43 @@ def test_the_background_work_waits_for_the_request_ends_snapshot(synth_model, tm
     _request(cache, session, system(7, 40) + ids_of(8, 20))
     assert seen == [False] and cache.quiet.is_set()
     cache.close()
+
+
+def test_the_background_work_waits_for_a_calm_moment():
+    """``Quiet.wait`` returns once no request has computed for ``calm`` seconds in a row: a
+    request that begins and ends meanwhile starts the calm over; ``at_once`` (the engine waits
+    for the threads itself, or nothing has run yet) lets them through without it."""
+    import threading
+    import time
+
+    from sparkpack.runtime.conversation_quiet import Quiet
+
+    def returns(quiet: Quiet, within: float = 5.0) -> bool:
+        """Whether ``wait`` returns within ``within`` seconds (well before a calm of a minute)."""
+        waiter = threading.Thread(target=quiet.wait, daemon=True)
+        waiter.start()
+        waiter.join(within)
+        return not waiter.is_alive()
+
+    slow = Quiet(calm=60)
+    assert returns(slow)  # nothing has computed yet
+    slow.clear()
+    slow.set()
+    assert not returns(slow, within=1.0)  # a request just ended
+    slow.set(at_once=True)
+    assert returns(slow)
+
+    quiet = Quiet(calm=0.4)
+    quiet.clear()
+    done: list[float] = []
+    waiter = threading.Thread(target=lambda: (quiet.wait(), done.append(time.monotonic())))
+    waiter.start()
+    start = time.monotonic()
+    quiet.set()  # a request ended...
+    time.sleep(0.2)
+    quiet.clear()  # ... the next came right after
+    time.sleep(0.1)
+    again = time.monotonic()
+    quiet.set()
+    waiter.join(10)
+    assert done and done[0] - again >= 0.4 - 0.01 and done[0] - start >= 0.7 - 0.01, (done, start, again)
