@@ -232,6 +232,10 @@ SPLIT_COLUMNS = [("queue_ms", "queue"), ("resume_ms", "resume"), ("prompt_ms", "
                  ("first_token_ms", "first token"), ("rest_ms", "rest")]
 
 
+def _phases(ms: dict | None) -> str:
+    return " ".join(f"{k} {v:.1f}" for k, v in (ms or {}).items()) or "-"
+
+
 def split_markdown(result: dict) -> str:
     """Where each sparkpack request's time went, in ms (the server's ``timings.split_*``): the
     queue (the previous request's after-work included), the cache's resume, ``Session.prompt``
@@ -240,13 +244,15 @@ def split_markdown(result: dict) -> str:
     cache's writer and reserve worked meanwhile; whether the previous request's state was still
     being copied out when it began; the device allocator's cudaMallocs and retries; the Triton
     kernels compiled on its path (their names in the JSON); the expert bytes it streamed; the
-    engine's time in the previous request's state snapshot by phase (``ConversationCache.last_keep``:
-    what a request right after it queues behind)."""
+    engine's work after the previous request by step (``Engine.after_work``: sink, cache,
+    metrics, between) and, within ``cache``, its state snapshot by phase
+    (``ConversationCache.last_keep``): what a request right after it queues behind."""
     s = result["sparkpack"]
     rows = [(r["name"], r) for r in s["requests"]] + ([("A6 (restarted)", s["restart"])] if s.get("restart") else [])
     head = ["request", "client"] + [label for _, label in SPLIT_COLUMNS] + ["outside", "beside", "copies running",
                                                                              "allocs / retries", "compiled",
-                                                                             "streamed MB", "previous snapshot"]
+                                                                             "streamed MB", "previous after-work",
+                                                                             "previous snapshot"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name, r in rows:
         sp = r.get("split")
@@ -257,7 +263,7 @@ def split_markdown(result: dict) -> str:
         cells += [f"{r['seconds'] * 1e3 - inside:.1f}", f"{sp.get('background_ms', 0.0):.1f}",
                   "yes" if sp.get("copies_running") else "no", f"{sp.get('device_allocs', 0)} / {sp.get('alloc_retries', 0)}",
                   str(len(sp.get("compiled") or [])), f"{sp.get('streamed_bytes', 0) / 1e6:.0f}",
-                  " ".join(f"{k} {v:.1f}" for k, v in (sp.get("previous_keep_ms") or {}).items()) or "-"]
+                  _phases(sp.get("previous_after_ms")), _phases(sp.get("previous_keep_ms"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

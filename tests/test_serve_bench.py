@@ -129,9 +129,12 @@ def test_conversations_dry_run_on_a_tiny_model(synth_model, tmp_path, prompts):
     assert by["A1"]["split"]["previous_keep_ms"] == {}
     kept = by["A2"]["split"]["previous_keep_ms"]
     assert set(kept) == {"state", "lock", "slots", "wait", "copies", "index"} and sum(kept.values()) > 0, kept
+    after = by["A2"]["split"]["previous_after_ms"]  # (the bench runs --no-learn: no work between requests)
+    assert set(after) == {"sink", "cache", "metrics"} and after["cache"] >= sum(kept.values()), (after, kept)
     assert "previous snapshot |" in table
     a2 = next(line for line in table.splitlines() if line.startswith("| A2 |") and " state " in line)
-    assert re.search(r"\| state [\d.]+ lock [\d.]+ slots [\d.]+ wait [\d.]+ copies [\d.]+ index [\d.]+ \|$", a2), a2
+    assert re.search(r"\| sink [\d.]+ cache [\d.]+ metrics [\d.]+ \| state [\d.]+ lock [\d.]+ slots [\d.]+ "
+                     r"wait [\d.]+ copies [\d.]+ index [\d.]+ \|$", a2), a2
 
 
 def test_conversations_llama_server_column(tmp_path):

@@ -136,6 +136,11 @@ class Engine:
         self.on_job = on_job
         self.sampler = sampler
         self.after_prefill = after_prefill
+        # the engine thread's seconds after the last request's last token, by step: its client's
+        # end ("sink"), the conversation cache's ("cache": its state snapshot), the metrics', the
+        # work between requests since ("between"); the next request's split reports it (a request
+        # that comes right after another queues behind this work)
+        self.after_work: dict[str, float] = {}
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._running: Job | None = None
         self._lock = threading.Lock()
@@ -190,12 +195,15 @@ class Engine:
         if self.between is not None and self.conversations is not None:
             self.conversations.order_after_copies()  # (a replay writes the session's rows)
         while self.between is not None and not self.busy():
+            t0 = time.perf_counter()
             try:
                 if not self.between.idle(self.busy):
                     break
             except Exception:  # learning must never take the server down
                 log.exception("work between requests failed")
                 break
+            finally:
+                self.after_work["between"] = self.after_work.get("between", 0.0) + time.perf_counter() - t0
         return self._queue.get()
 
     def _loop(self) -> None:
@@ -221,37 +229,44 @@ class Engine:
                         self._running = None
             self._finish(job, outcome, session, keep=outcome.finish != "error")
             if self.between is not None:
+                t0 = time.perf_counter()
                 try:
                     self.between.after_request(self.busy)
                 except Exception:
                     log.exception("work after a request failed")
+                self.after_work["between"] = time.perf_counter() - t0
 
     def _finish(self, job: Job, outcome: Outcome, session: Session | None, keep: bool) -> None:
         """``job`` is over (both engines): its client gets the end, the conversation cache the
         request's end (``session``, None: the request never reached one; ``keep``: it did not
         fail, its state may become an entry), the metrics the outcome. A failure of any of them
         (the client's sink, the cache, the metrics' callback with its trace file on a full disk)
-        is logged, never raised: the engine thread goes on."""
+        is logged, never raised: the engine thread goes on. Each step's seconds: ``after_work``."""
+        t = [time.perf_counter()]
         try:
             job.sink.end(outcome)
         except Exception:
             log.exception("a request's sink failed")
+        t.append(time.perf_counter())
         if self.conversations is not None and session is not None:
             try:
                 self.conversations.request_ended(keep=keep, session=session)
             except Exception:  # the cache must never take the server down
                 log.exception("keeping the conversation's state failed")
+        t.append(time.perf_counter())
         if self.on_job is not None:
             try:
                 self.on_job(job, outcome)
             except Exception:
                 log.exception("a request's metrics failed")
+        t.append(time.perf_counter())
+        self.after_work = {step: b - a for step, a, b in zip(("sink", "cache", "metrics"), t, t[1:])}
 
     def _run(self, job: Job, outcome: Outcome) -> None:
         session = self.session
         timing = session.timing
         prefill0, decode0 = timing.prefill_seconds, timing.decode_seconds
-        clock = SplitClock(self.conversations, session.model.store, session.model.device, job.arrived)
+        clock = SplitClock(self.conversations, session.model.store, session.model.device, job.arrived, self.after_work)
         resume = self.conversations.prepare(job.ids) if self.conversations is not None else None
         clock.mark("resume")
         logits = session.prompt(job.ids, marks=resume.marks if resume is not None else frozenset())

@@ -185,12 +185,14 @@ class ParallelEngine(Engine):
             return
         if self.conversations is not None:
             self.conversations.order_after_copies()  # (a replay writes a session's rows)
+        t0 = time.perf_counter()
         try:
             self.between.after_request(self.busy)
             while not self.busy() and self.between.idle(self.busy):
                 pass
         except Exception:  # learning must never take the server down
             log.exception("work between requests failed")
+        self.after_work["between"] = time.perf_counter() - t0
 
     def _admit(self, job: Job) -> None:
         """Give ``job`` a free session and start its prompt (``_prefill`` feeds it)."""
@@ -203,7 +205,7 @@ class ParallelEngine(Engine):
         try:
             session = session_for(job.ids, self._free, cache)
             self._free.remove(session)
-            clock = SplitClock(cache, session.model.store, session.model.device, job.arrived)
+            clock = SplitClock(cache, session.model.store, session.model.device, job.arrived, self.after_work)
             resume = cache.prepare(job.ids, session) if cache is not None else None
             clock.mark("resume")
             feed = session.start_prompt(job.ids, marks=resume.marks if resume is not None else frozenset())

@@ -40,6 +40,9 @@ class RequestSplit:
     # the engine's seconds in the previous request's state snapshot, by phase
     # (``ConversationCache.last_keep``): what a request arriving right after it queued behind
     previous_keep: dict[str, float] = field(default_factory=dict)
+    # the engine's seconds after the previous request's last token, by step (``Engine.after_work``:
+    # sink, cache, metrics, between), all of which a request right behind it waited for
+    previous_after: dict[str, float] = field(default_factory=dict)
     device_allocs: int = 0  # device allocations torch's allocator made (cudaMalloc) while it computed
     alloc_retries: int = 0  # allocations that had to free the allocator's cached blocks and retry
     streamed_bytes: int = 0  # expert bytes the store moved host to device for it (copies, staging, zero-copy)
@@ -52,8 +55,8 @@ class RequestSplit:
         for k, v in asdict(self).items():
             if k.endswith("_seconds"):
                 out["split_" + k.removesuffix("_seconds") + "_ms"] = v * 1e3
-            elif k == "previous_keep":
-                out["split_previous_keep_ms"] = {phase: s * 1e3 for phase, s in v.items()}
+            elif k.startswith("previous_"):
+                out[f"split_{k}_ms"] = {phase: s * 1e3 for phase, s in v.items()}
             else:
                 out["split_" + k] = v
         return out
@@ -89,9 +92,11 @@ class Compiles:
 
 class SplitClock:
     """Times one request's phases in the engine thread: ``mark(phase)`` ends a phase (the time
-    since the last mark goes to ``RequestSplit.<phase>_seconds``), ``end`` adds what ran beside."""
+    since the last mark goes to ``RequestSplit.<phase>_seconds``), ``end`` adds what ran beside.
+    ``after``: the engine's work after the previous request, by step (``Engine.after_work``)."""
 
-    def __init__(self, background: Background | None, store, device: torch.device, arrived: float):
+    def __init__(self, background: Background | None, store, device: torch.device, arrived: float,
+                 after: dict[str, float] | None = None):
         self.split = RequestSplit()
         self.store = store  # the model's expert store (None: none)
         self.background = background
@@ -100,6 +105,7 @@ class SplitClock:
         if background is not None:
             self.split.copies_running = background.copies_running()
             self.split.previous_keep = background.last_keep()
+        self.split.previous_after = dict(after or {})
         self._mem0 = self._allocs()
         if self.cuda:
             Compiles.watch()
