@@ -141,6 +141,7 @@ class Engine:
         # work between requests since ("between"); the next request's split reports it (a request
         # that comes right after another queues behind this work)
         self.after_work: dict[str, float] = {}
+        self._ended = False  # a request ended since the last work between requests
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._running: Job | None = None
         self._lock = threading.Lock()
@@ -192,19 +193,34 @@ class Engine:
 
     def _next(self) -> Job | None:
         """The next job; while there is none, the work between requests."""
-        if self.between is not None and self.conversations is not None:
-            self.conversations.order_after_copies()  # (a replay writes the session's rows)
-        while self.between is not None and not self.busy():
-            t0 = time.perf_counter()
-            try:
-                if not self.between.idle(self.busy):
-                    break
-            except Exception:  # learning must never take the server down
-                log.exception("work between requests failed")
-                break
-            finally:
-                self.after_work["between"] = self.after_work.get("between", 0.0) + time.perf_counter() - t0
+        self._between()
         return self._queue.get()
+
+    def _between(self) -> None:
+        """Work between requests (both engines, while none is in flight): what follows the
+        requests that ended since (``after_request``, once), then idle work while none waits.
+        Queued on the device after the copies out of the last request's state (a bootstrap
+        replay writes a session's rows). Each piece's seconds go to ``after_work["between"]``:
+        a request that arrives during one waits for it."""
+        if self.between is None:
+            return
+        if self.conversations is not None:
+            self.conversations.order_after_copies()
+        ended, self._ended = self._ended, False
+        try:
+            if ended:
+                self._piece(self.between.after_request)
+            while not self.busy() and self._piece(self.between.idle):
+                pass
+        except Exception:  # learning must never take the server down
+            log.exception("work between requests failed")
+
+    def _piece(self, work: Callable[[Callable[[], bool]], bool | None]) -> bool | None:
+        t0 = time.perf_counter()
+        try:
+            return work(self.busy)
+        finally:
+            self.after_work["between"] = time.perf_counter() - t0
 
     def _loop(self) -> None:
         while True:
@@ -228,13 +244,6 @@ class Engine:
                     with self._lock:
                         self._running = None
             self._finish(job, outcome, session, keep=outcome.finish != "error")
-            if self.between is not None:
-                t0 = time.perf_counter()
-                try:
-                    self.between.after_request(self.busy)
-                except Exception:
-                    log.exception("work after a request failed")
-                self.after_work["between"] = time.perf_counter() - t0
 
     def _finish(self, job: Job, outcome: Outcome, session: Session | None, keep: bool) -> None:
         """``job`` is over (both engines): its client gets the end, the conversation cache the
@@ -261,6 +270,7 @@ class Engine:
                 log.exception("a request's metrics failed")
         t.append(time.perf_counter())
         self.after_work = {step: b - a for step, a, b in zip(("sink", "cache", "metrics"), t, t[1:])}
+        self._ended = True
 
     def _run(self, job: Job, outcome: Outcome) -> None:
         session = self.session

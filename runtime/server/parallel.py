@@ -179,21 +179,6 @@ class ParallelEngine(Engine):
         for j in list(self._joining):
             self._not_joined(j.job, j.session, j.outcome, e, j)
 
-    def _between(self) -> None:
-        """Work between requests (placement learning) while nothing is in flight."""
-        if self.between is None:
-            return
-        if self.conversations is not None:
-            self.conversations.order_after_copies()  # (a replay writes a session's rows)
-        t0 = time.perf_counter()
-        try:
-            self.between.after_request(self.busy)
-            while not self.busy() and self.between.idle(self.busy):
-                pass
-        except Exception:  # learning must never take the server down
-            log.exception("work between requests failed")
-        self.after_work["between"] = time.perf_counter() - t0
-
     def _admit(self, job: Job) -> None:
         """Give ``job`` a free session and start its prompt (``_prefill`` feeds it)."""
         outcome = Outcome(prompt_tokens=len(job.ids), queued_seconds=time.perf_counter() - job.arrived)
