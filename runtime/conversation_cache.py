@@ -240,14 +240,16 @@ class ConversationCache:
         before it, the reserve's thread registered slabs and the writer hashed and wrote files
         beside it, competing with it for the host and the driver (a slab's registration), while
         the next request may already queue behind it (issue 42)."""
-        if keep:
-            self.snapshots.keep(None, shared=False, session=session if session is not None else self.session)
-        else:
-            self.snapshots.forget_last()
-        with self.index.lock:
-            self._computing = max(0, self._computing - 1)
-            if not self._computing:
-                self.quiet.set()
+        try:
+            if keep:
+                self.snapshots.keep(None, shared=False, session=session if session is not None else self.session)
+            else:
+                self.snapshots.forget_last()
+        finally:  # (a failed snapshot still ends the request: the threads would wait forever)
+            with self.index.lock:
+                self._computing = max(0, self._computing - 1)
+                if not self._computing:
+                    self.quiet.set()
 
     def state(self, e: Entry) -> SequenceState | None:
         """``e``'s state when it is in host memory."""

@@ -156,8 +156,10 @@ class FolderTier:
         self.quiet.set(at_once=True)  # (the engine waits for them: they may go on during a request)
         try:
             self._writes.join()
-        finally:
-            if not was_quiet:
+        finally:  # as it was: a request computing, or the calm from now on
+            if was_quiet:
+                self.quiet.set()
+            else:
                 self.quiet.clear()
         return True
 

@@ -35,6 +35,7 @@ class Snapshots:
         self.device = device
         self.copier = Copier(device)
         self._pending = None  # the event of the last copies out of the device (None: none, or on the CPU)
+        self._ordered = False  # the device's work is queued after them already
         self._kept: dict[str, float] = {}  # the engine thread's seconds in the last request end's snapshot, by phase
 
     def copies_running(self) -> bool:
@@ -44,8 +45,9 @@ class Snapshots:
     def order_after_copies(self) -> None:
         """The device's next work after the last copies out of its rows (the host does not wait;
         ``copies_running`` still says whether they run)."""
-        if self._pending is not None:
+        if self._pending is not None and not self._ordered:
             torch.cuda.current_stream(self.device).wait_event(self._pending)
+            self._ordered = True
 
     def last(self) -> dict[str, float]:
         """The engine thread's seconds in the snapshot of the last request's end, by phase:
@@ -127,7 +129,7 @@ class Snapshots:
                 if own_need:
                     take_own(session.cache, pools, own_slot[0], pos, saved)
                 event = self.copier.event()
-            self._pending = event
+            self._pending, self._ordered = event, False
             clock.mark("copies")
             for k, s in enumerate(slots):
                 p = self.index.parts[names[need[k]]]

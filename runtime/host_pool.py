@@ -33,7 +33,8 @@ def _padded(n: int) -> int:
 
 
 class HostBudget:
-    """The bytes all pools of a cache may allocate together (never given back: slabs are reused)."""
+    """The bytes all pools of a cache may allocate together (a slab's stay claimed: slabs are
+    reused; only a claim whose allocation failed is given back)."""
 
     def __init__(self, limit: int):
         self.limit = limit
