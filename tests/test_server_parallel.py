@@ -284,3 +284,45 @@ def test_a_request_failing_before_it_has_a_session_ends_and_a_stopped_engine_ref
     with pytest.raises(ApiError) as refused:
         engine.submit(Job([3, 14], 3, SamplingOptions(temperature=0), Sink()))
     assert refused.value.status == 503
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_the_work_between_requests_follows_their_ends(synth_model, parallel):
+    """Both engines: the learner's ``after_request`` runs once after requests end, never at
+    start-up (the --parallel engine ran it before any request); idle work runs while none
+    waits; the next request's split names the engine's work after the previous one, by step."""
+    import time
+
+    from sparkpack.runtime.generate import Session
+    from sparkpack.runtime.models import load_model
+    from sparkpack.runtime.options import SamplingOptions
+    from sparkpack.runtime.server.engine import BetweenRequests, Engine, Job
+    from sparkpack.runtime.server.parallel import ParallelEngine
+
+    class Recorder(BetweenRequests):
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def after_request(self, busy) -> None:
+            self.calls.append("after")
+
+        def idle(self, busy) -> bool:
+            self.calls.append("idle")
+            return False
+
+    model = load_model(synth_model("qwen3moe"))
+    work = Recorder()
+    engine = ParallelEngine([Session(model) for _ in range(2)], frozenset(), between=work) if parallel \
+        else Engine(Session(model), frozenset(), between=work)
+    deadline = time.monotonic() + 30
+    while not work.calls and time.monotonic() < deadline:  # the engine's start
+        time.sleep(0.01)
+    assert work.calls == ["idle"]
+    sinks = [Sink() for _ in range(2)]
+    for i, sink in enumerate(sinks):  # one after the other
+        engine.submit(Job([3, 14, 15 + i], 3, SamplingOptions(temperature=0), sink))
+        assert sink.done.wait(60), i
+    engine.close()
+    assert work.calls.count("after") == 2 and work.calls[1] == "after", work.calls
+    after = sinks[1].outcome.split.previous_after
+    assert set(after) == {"sink", "cache", "metrics", "between"} and all(s >= 0 for s in after.values()), after

@@ -198,21 +198,22 @@ class Engine:
 
     def _between(self) -> None:
         """Work between requests (both engines, while none is in flight): what follows the
-        requests that ended since (``after_request``, once), then idle work while none waits.
-        Queued on the device after the copies out of the last request's state (a bootstrap
-        replay writes a session's rows). Each piece's seconds go to ``after_work["between"]``:
-        a request that arrives during one waits for it."""
+        requests that ended since (``after_request``, once), then idle work while none waits,
+        queued on the device after the copies out of the last request's state (a bootstrap
+        replay writes a session's rows; the learner's step, which reads its counts back, does
+        not wait for them). Each piece's seconds go to ``after_work["between"]``: a request that
+        arrives during one waits for it (the last piece is kept, whether one did or not)."""
         if self.between is None:
             return
-        if self.conversations is not None:
-            self.conversations.order_after_copies()
         ended, self._ended = self._ended, False
         try:
             if ended:
                 self._piece(self.between.after_request)
+            if not self.busy() and self.conversations is not None:
+                self.conversations.order_after_copies()
             while not self.busy() and self._piece(self.between.idle):
                 pass
-        except Exception:  # learning must never take the server down
+        except Exception:  # learning (or a device gone bad) must never take the engine thread down
             log.exception("work between requests failed")
 
     def _piece(self, work: Callable[[Callable[[], bool]], bool | None]) -> bool | None:

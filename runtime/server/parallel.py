@@ -186,16 +186,17 @@ class ParallelEngine(Engine):
             outcome.finish = "cancelled"
             self._finish(job, outcome, None, keep=False)
             return
-        session, cache = None, self.conversations
+        session, cache, began = None, self.conversations, False
         try:
             session = session_for(job.ids, self._free, cache)
             self._free.remove(session)
             clock = SplitClock(cache, session.model.store, session.model.device, job.arrived, self.after_work)
+            began = True  # (``prepare`` counts the request from its first line)
             resume = cache.prepare(job.ids, session) if cache is not None else None
             clock.mark("resume")
             feed = session.start_prompt(job.ids, marks=resume.marks if resume is not None else frozenset())
         except Exception as e:  # a bug or an out-of-memory: this request fails, the server goes on
-            self._not_joined(job, session, outcome, e)
+            self._not_joined(job, session, outcome, e, began=began)
             return
         with self._lock:
             self._joining.append(Joining(job, session, outcome, feed, resume, session.timing.prefill_seconds, clock))
@@ -253,9 +254,10 @@ class ParallelEngine(Engine):
         self._finish(j.job, j.outcome, j.session, keep=True)
 
     def _not_joined(self, job: Job, session: Session | None, outcome: Outcome, e: Exception,
-                    joining: Joining | None = None) -> None:
+                    joining: Joining | None = None, began: bool = True) -> None:
         """``job`` (``joining``, if its prompt had begun) failed before its first token: its
-        session's state (None: it had none yet) is not trusted."""
+        session's state (None: it had none yet) is not trusted; ``began``: the conversation cache
+        saw it begin (it ends there too)."""
         with self._lock:
             if joining in self._joining:
                 self._joining.remove(joining)
@@ -264,7 +266,7 @@ class ParallelEngine(Engine):
         if session is not None:
             reset_after_failure(session)
             self._free.append(session)
-        self._finish(job, outcome, session, keep=False)
+        self._finish(job, outcome, session if began else None, keep=False)
 
     def _next_token(self, r: Running) -> int:
         """``r``'s next token from ``r.logits``, chosen as the serial engine chooses it
