@@ -24,7 +24,8 @@ user of llama-server gets). llama-server's column comes when its binary is there
 every main turn after a side request or the other conversation within 1.5x of A2 (a
 same-conversation turn); B1 computes only what follows the shared system prompt; A6 after the
 restart under 1 s; the server's RSS within ``--cache-ram`` plus the expert pool (its
-``sparkpack_conversation_cache_bytes`` and ``sparkpack_expert_host_bytes`` are reported beside
+``sparkpack_conversation_cache_bytes``, ``sparkpack_expert_host_bytes`` and
+``sparkpack_state_checkpoint_host_bytes``, the sessions' own state copies, are reported beside
 the RSS).
 
 A second table splits each sparkpack request's time as its server saw it (``timings.split_*``:
@@ -153,16 +154,20 @@ def rss(pid: int) -> int | None:
     return None
 
 
-def host_bytes(base: str) -> tuple[float | None, float | None]:
-    """The server's conversation cache in host RAM and its expert store's cold experts' host
-    memory, from /metrics (what its RSS should stay within, besides the process itself)."""
+HOST_METRICS = {"cache_host_bytes": r'^sparkpack_conversation_cache_bytes\{tier="host"\} (\S+)',
+                "expert_host_bytes": r'^sparkpack_expert_host_bytes (\S+)',
+                "checkpoint_host_bytes": r'^sparkpack_state_checkpoint_host_bytes (\S+)'}
+
+
+def host_bytes(base: str) -> dict[str, float | None]:
+    """The server's conversation cache in host RAM, its expert store's cold experts' host memory
+    and its sessions' state checkpoints, from /metrics (what its RSS should stay within, besides
+    the process itself)."""
     import httpx
 
     text = httpx.get(base + "/metrics").text
-    found = [re.search(pattern, text, re.M) for pattern in (r'^sparkpack_conversation_cache_bytes\{tier="host"\} (\S+)',
-                                                           r'^sparkpack_expert_host_bytes (\S+)')]
-    cache, experts = (float(m.group(1)) if m else None for m in found)
-    return cache, experts
+    found = {k: re.search(pattern, text, re.M) for k, pattern in HOST_METRICS.items()}
+    return {k: float(m.group(1)) if m else None for k, m in found.items()}
 
 
 def run_sequence(server: sb.Server, convs: Conversations, restart: bool, pause: float = 0.0) -> dict:
@@ -176,8 +181,8 @@ def run_sequence(server: sb.Server, convs: Conversations, restart: bool, pause: 
             if i and pause:
                 time.sleep(pause)
             requests.append(ask(server.base, convs.messages(name), name))
-        cache, experts = host_bytes(server.base) if server.name == "sparkpack" else (None, None)
-        memory = {"rss_bytes": rss(server.proc.pid), "cache_host_bytes": cache, "expert_host_bytes": experts}
+        held = host_bytes(server.base) if server.name == "sparkpack" else dict.fromkeys(HOST_METRICS)
+        memory = {"rss_bytes": rss(server.proc.pid), **held}
     finally:
         rc = server.stop()
     out = {"server": server.name, "exit": rc, "requests": [r.__dict__ for r in requests], **memory}
@@ -222,8 +227,8 @@ def markdown(result: dict) -> str:
     lines.append(f"| B1 cached / shared system prompt ({result['shared_tokens']} tokens) | "
                  + " | ".join(str(summary(c)["b1_cached"]) for c in cols) + " |")
     s = result["sparkpack"]
-    gib = [sb.num(s.get(k) and s[k] / 1024**3, ".2f") for k in ("rss_bytes", "cache_host_bytes", "expert_host_bytes")]
-    lines.append("| sparkpack RSS after A5 / conversation cache in host RAM / cold experts in host RAM (GiB) | "
+    gib = [sb.num(s.get(k) and s[k] / 1024**3, ".2f") for k in ("rss_bytes", *HOST_METRICS)]
+    lines.append("| sparkpack RSS after A5 / conversation cache / cold experts / state checkpoints in host RAM (GiB) | "
                  + " / ".join(gib) + " |" + " - |" * (len(head) - 1))
     return "\n".join(lines)
 

@@ -339,6 +339,11 @@ class StateCheckpoints:
     def nbytes(self) -> int:
         return sum(t.nbytes for copy in self.saved.values() for pair in copy if pair is not None for t in pair)
 
+    @property
+    def host_bytes(self) -> int:
+        """The host memory every copy it holds takes, saved or spare (``reserve``)."""
+        return self.nbytes + sum(t.nbytes for copy in self._spare for pair in copy if pair is not None for t in pair)
+
     def reserve(self, cache: Cache) -> None:
         """Allocate every host buffer the copies can take (``limit + 1``: one more is saved
         before the drop) now, while loading. Why: pinned host memory is slow to allocate, and a

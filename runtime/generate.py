@@ -139,6 +139,11 @@ class Session:
         self.model.experts.forget_traffic()
         return time.perf_counter() - t0
 
+    @property
+    def checkpoint_bytes(self) -> int:
+        """The host memory its state checkpoints take (``StateCheckpoints``; 0 without)."""
+        return self.reuse.checkpoints.host_bytes if self.reuse.checkpoints is not None else 0
+
     def reset(self) -> None:
         """Forget the sequence; buffers (and the captured decode step and prefill calls) are kept
         for the next one."""

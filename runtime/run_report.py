@@ -110,6 +110,13 @@ class ServerReport:
     def warmed_up(self, seconds: float) -> None:
         self.say(f"warmed up in {seconds:.2f} s")
 
+    def state_checkpoints(self, sessions: int, nbytes: int) -> None:
+        """The host memory the sessions' state checkpoints hold (``StateCheckpoints.reserve``):
+        beside the expert pool and the conversation cache, what the process's RSS holds."""
+        if nbytes:
+            self.say(f"state checkpoints (to go back to an earlier prefix of a live sequence): "
+                     f"{fmt_size(nbytes)} of pinned host RAM for {sessions} session{'s' * (sessions > 1)}")
+
     def tracing(self, path: Path) -> None:
         self.say(f"recording every token's routing to {path}")
 

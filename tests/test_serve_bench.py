@@ -116,6 +116,7 @@ def test_conversations_dry_run_on_a_tiny_model(synth_model, tmp_path, prompts):
     assert 400 - 32 <= by["B1"]["cached_tokens"] < by["B1"]["prompt_tokens"] - 200  # the shared system prompt only
     assert s["restart"]["cached_tokens"] >= by["A5"]["prompt_tokens"] - 40  # from the folder
     assert s["cache_host_bytes"] > 0 and s["rss_bytes"] > 0 and s["expert_host_bytes"] == 0  # (all experts loaded)
+    assert s["checkpoint_host_bytes"] > 0  # (a qwen35moe session's DeltaNet state copies)
     assert json.loads((out / "conversations_bench.json").read_text()) == result
     table = (out / "conversations_bench.md").read_text()
     assert table.startswith("| qwen35moe") and "| worst main turn after a switch / A2 (target <= 1.5) |" in table

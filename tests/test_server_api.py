@@ -106,6 +106,9 @@ def test_health_models_tokenizer_and_metrics(server, oai):
                  "sparkpack_decode_tokens_per_second_bucket", "sparkpack_prefix_cache_hit_tokens_total"):
         assert name in text, name
     assert 'sparkpack_requests_total{outcome="length",route="chat"}' in text
+    # the host memory the sessions' state checkpoints take (a qwen35moe model's DeltaNet states)
+    held = re.search(r"^sparkpack_state_checkpoint_host_bytes (\S+)$", text, re.M)
+    assert held is not None and float(held.group(1)) > 0, text
 
 
 def test_chat_plain_and_streamed_agree_and_report_usage(server, oai, tokenizer):

@@ -31,8 +31,9 @@ disable_created_metrics()  # the *_created series say when the process started, 
 
 
 class ServerMetrics:
-    def __init__(self, model=None, learning: LearningStats | None = None):
+    def __init__(self, model=None, learning: LearningStats | None = None, sessions: list | None = None):
         self.model = model
+        self.sessions = sessions or []  # (their state checkpoints' host memory, read in the engine thread)
         r = self.registry = CollectorRegistry()
         if learning is not None:
             r.register(LearningCollector(learning))
@@ -63,13 +64,21 @@ class ServerMetrics:
         host = Gauge(PREFIX + "expert_host_bytes", "Host memory the expert store's cold experts take at most "
                      "(0: every expert on the device)", registry=r)
         host.set(model.store.describe()["host_pool_bytes"] if model is not None and model.store is not None else 0)
+        self.checkpoint_bytes = Gauge(PREFIX + "state_checkpoint_host_bytes", "Host memory the sessions' state "
+                                      "checkpoints take (DeltaNet states, sliding windows)", registry=r)
+        self.observe_checkpoints()
         self._store_seen: dict[str, int] = self._store_counts()  # loading's own reads are not traffic
         self.conversations = None  # a runtime.conversation_cache.ConversationCache, read at scrape time
         r.register(ConversationCollector(self))
         self.draft = None  # the session's runtime.speculative.Speculation (--draft), read at scrape time
         r.register(DraftCollector(self))
 
+    def observe_checkpoints(self) -> None:
+        """Called in the engine thread (a session's copies change only there)."""
+        self.checkpoint_bytes.set(sum(s.checkpoint_bytes for s in self.sessions))
+
     def observe_job(self, job: Job, outcome: Outcome) -> None:
+        self.observe_checkpoints()
         if outcome.finish == "error":
             return
         self.queue_wait.observe(outcome.queued_seconds)

@@ -76,6 +76,7 @@ def build_served(model, opts: RunOptions, *, hooks: ServeHooks = ServeHooks(),
     session = sessions[0]
     if model.device.type == "cuda":  # kernels compiled and graphs captured (each session's) before /health says ready
         report.warmed_up(sum(s.warm_up() for s in sessions))
+        report.state_checkpoints(len(sessions), sum(s.checkpoint_bytes for s in sessions))
     learning = (start_learning(model, opts.store.learn, opts.store.generated_weight) if opts.store is not None
                 else None)  # (after the warm-up: dummy tokens teach nothing)
     if trace is not None:
@@ -87,7 +88,7 @@ def build_served(model, opts: RunOptions, *, hooks: ServeHooks = ServeHooks(),
                         os.access(learning.file.path.parent, os.W_OK))
         if start.profile is not None and learning.replace_all():  # a pack's placement moves to the profile's
             report.moved_to_profile(learning.stats.experts_moved)
-    metrics = ServerMetrics(model, learning.stats if learning is not None else None)
+    metrics = ServerMetrics(model, learning.stats if learning is not None else None, sessions)
     metrics.draft = session.draft
     if learning is not None:
         start_bootstrap(flags, learning, session, tok, template, metrics, stopping, report)
