@@ -138,8 +138,8 @@ class Engine:
         self.after_prefill = after_prefill
         # the engine thread's seconds after the last request's last token, by step: its client's
         # end ("sink"), the conversation cache's ("cache": its state snapshot), the metrics', the
-        # work between requests since ("between"); the next request's split reports it (a request
-        # that comes right after another queues behind this work)
+        # last piece of work between requests since ("between"); the next request's split reports
+        # it (a request that comes right after another queues behind this work)
         self.after_work: dict[str, float] = {}
         self._ended = False  # a request ended since the last work between requests
         self._queue: queue.Queue[Job | None] = queue.Queue()
