@@ -119,6 +119,30 @@ def test_while_loading_health_and_routes_answer_503_in_their_dialect():
     assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"
 
 
+def test_a_stopped_engine_makes_health_answer_503(synth_model):
+    """An engine whose thread has stopped (``close``; a failure no guard caught): /health says so
+    with a 503, so that a supervisor restarts the server (the engine refuses jobs then too:
+    test_server_parallel)."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from sparkpack.runtime.generate import Session
+    from sparkpack.runtime.models import load_model
+    from sparkpack.runtime.options import ServeOptions
+    from sparkpack.runtime.server.app import create_app
+    from sparkpack.runtime.server.engine import Engine
+
+    app = create_app(ServeOptions())
+    engine = Engine(Session(load_model(synth_model("qwen3moe"))), frozenset())
+    app.state.served = SimpleNamespace(engine=engine)
+    client = TestClient(app)
+    assert client.get("/health").json() == {"status": "ok"}
+    engine.close()
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json()["status"] == "error"
+
+
 @pytest.mark.parametrize("ctx", [32768, 65536, 131072, 262144])
 def test_claude_code_settings_compact_inside_the_context(ctx):
     """Claude Code's auto-compaction threshold, as it computes it from the printed variables
