@@ -37,7 +37,7 @@ class FolderTier:
         self.host = host
         self.key = key
         self.folder = folder
-        self.quiet = quiet  # set while no request computes: files are written only then
+        self.quiet = quiet  # files are written only once no request has computed for a moment
         self._writes: queue.Queue[Entry | None] = queue.Queue()
         self.activity = Activity()  # the writer's files
         (folder / BLOCKS).mkdir(parents=True, exist_ok=True)

@@ -59,7 +59,7 @@ class HostTier:
     def __init__(self, index: Index, session: Session, ram_bytes: int, block: int, spills: bool,
                  quiet: Quiet):
         self.index = index
-        self.quiet = quiet  # set while no request computes: the reserve grows only then
+        self.quiet = quiet  # the reserve grows only once no request has computed for a moment
         self.session = session
         self.ram_bytes = ram_bytes
         self.block = block
