@@ -230,7 +230,7 @@ def test_a_padded_call_counts_its_real_tokens_alone(synth_model):
     path = synth_model("qwen3moe", "Q4_K_M", skew=1.0)
     opts = StoreOptions(hot_fraction=0.5, miss_mode="zerocopy")
     padded = ModelRouter(load_model(path, store=opts), ctx=128, prefill_chunk=16, record=True)
-    graphs = padded.session.prefill = PrefillGraphs(padded.model, padded.session.cache, capture=False)
+    padded.session.prefill = PrefillGraphs(padded.model, padded.session.cache, capture=False)
     sizes, forward = [], padded.model.forward
     padded.model.forward = lambda ids, *a, **kw: (sizes.append(len(ids)), forward(ids, *a, **kw))[1]
     plain = ModelRouter(load_model(path, store=opts), ctx=128, prefill_chunk=16, record=True)
