@@ -173,20 +173,24 @@ class FolderTier:
                     p.queued -= 1
                 host.release(e.parts)
                 return
+        path = None  # the entry's file, once written
         try:
             for p in parts:
                 if not p.on_disk and p.slot is not None:
                     self.quiet.wait()
+                    if index.entries.get(name) is not e:
+                        break  # dropped while it waited (its conversation's next turn): no more of its files
                     with self.activity.piece():
                         if p.event is not None:
                             with REGISTERING:  # (a wait on the device from this thread would break a capture)
                                 p.event.synchronize()
-                        path = self.part_path(p.name)
-                        write_part(path, self.key, p.name, host.pool_of(p), p.slot)
+                        part = self.part_path(p.name)
+                        write_part(part, self.key, p.name, host.pool_of(p), p.slot)
                     with index.lock:
-                        p.on_disk, p.file_bytes = True, path.stat().st_size
-            path = self.folder / (name + SUFFIX)
-            write_entry(path, self.key, e)
+                        p.on_disk, p.file_bytes = True, part.stat().st_size
+            else:
+                path = self.folder / (name + SUFFIX)
+                write_entry(path, self.key, e)
         except Exception as err:  # a full or failing disk, the device failing the copy waited for, a bug
             if isinstance(err, OSError):
                 log.warning("cannot write conversation cache file: %s", err)
@@ -201,10 +205,11 @@ class FolderTier:
             for p in parts:
                 p.disk_refs += 1
                 p.queued -= 1
-            if index.entries.get(name) is e:
+            if index.entries.get(name) is e and path is not None:
                 e.path = path
             else:  # dropped meanwhile (a longer turn of its conversation replaced it)
-                remove(path)
+                if path is not None:
+                    remove(path)
                 self.unname(e.parts)
             host.release(e.parts)  # the writer's hold
             if host.ram_bytes == 0 and e.in_host:

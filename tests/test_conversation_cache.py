@@ -413,3 +413,42 @@ def test_the_background_work_waits_for_a_calm_moment():
     quiet.set()
     waiter.join(20)
     assert done and done[0] - again >= 2.0 - 0.01, (done, again)  # the calm counted from the last end
+
+
+def test_a_turn_replaced_while_its_files_wait_is_not_written(synth_model, tmp_path, monkeypatch):
+    """Files wait for a calm moment; an agent's quick turns replace each other meanwhile (a turn's
+    entry drops the older one it extends): the writer, waiting inside the dropped turn's files,
+    stops there (it wrote them all and then deleted them, holding their slots until then),
+    writes the surviving turn's, and the folder holds that turn alone, which a restart resumes."""
+    from sparkpack.runtime import conversation_folder
+
+    model = load_model(synth_model("qwen35moe", "Q8_0"))
+    session = new_session(model)
+    written: list[str] = []
+    real = conversation_folder.write_part
+
+    def counting(path, key, name, pool, slot):
+        written.append(name)
+        real(path, key, name, pool, slot)
+
+    monkeypatch.setattr(conversation_folder, "write_part", counting)
+    cache = ConversationCache(session, 1 << 30, tmp_path, block=BLOCK)
+    cache.prepare(ids_of(9, 20))  # another request computes: the writer waits
+    first = ids_of(8, 100)  # (no message break: no shared-prefix entry queued before it)
+    _request(cache, session, first)
+    second = first + ids_of(10, 40)
+    _request(cache, session, second)  # the same conversation's next turn: the first's entry goes
+    cache.request_ended(keep=False)
+    cache.close()
+    kept = [e for e in cache.entries.values() if e.path is not None]
+    assert len(kept) == 1 and sorted(tmp_path.glob("*" + SUFFIX)) == [kept[0].path]
+    # the dropped turn's own part (its DeltaNet states) was never written, nor any part twice
+    owns = [n for n in written if n.endswith("-own")]
+    assert len(owns) == 1 and len(written) == len(set(written)), written
+    again = ConversationCache(new_session(model), 1 << 30, tmp_path, block=BLOCK)
+    resume = again.prepare(second + ids_of(11, 10))
+    assert resume.tier == "disk"  # (a restart: the surviving turn, read from its files)
+    again.session.prompt(second + ids_of(11, 10), marks=resume.marks)
+    assert again.session.reused >= len(second) - CALL
+    again.request_ended(keep=False)
+    again.close()
