@@ -44,7 +44,7 @@ def decode_together(sessions: Sequence[Session], tokens: Sequence[int], graphs: 
     dt = time.perf_counter() - t0
     capturing = graphs is not None and graphs.captures != captures
     for s, t in zip(sessions, ids):
-        s.fed = s.fed + [t]
+        s.fed.append(t)
         if capturing:  # kept out of the decode rate, as ``Session`` keeps its own captures
             s.timing.capture_seconds += dt
         else:

@@ -43,30 +43,38 @@ class Decoding(Protocol):
     def feed(self, ids: list[int], side: str) -> torch.Tensor: ...
 
 
-def decode_ahead(session: Decoding, logits: torch.Tensor, n: int, pick: Callable[[torch.Tensor], torch.Tensor],
-                 seen: list[torch.Tensor] | None = None) -> Iterator[int]:
-    """Up to ``n`` tokens after ``session``'s fed ones, whose last logits are ``logits``; ``pick``
-    chooses each on the device (logits -> a token id tensor, nothing read back). ``seen``
-    collects the logits each token was picked from (benchmarks compare them across
-    residencies). A step launched ahead is timed from one token read to the next, so the
-    consumer's own time between tokens is inside it (``Timing``)."""
-    on_cuda = logits.is_cuda
-    session.model.experts.routing_side(GENERATED)  # the steps launched ahead below too
-    host = torch.empty(1, dtype=torch.long, pin_memory=on_cuda)
-    stream = torch.cuda.current_stream(logits.device) if on_cuda else None
-    last = time.perf_counter()  # when the previous token was read (or a feed returned)
-    queued = None  # the timing account of the step launched ahead last time, not yet read
-    for i in range(n):
-        if seen is not None:
-            seen.append(logits)
+class AheadSteps:
+    """Decode-ahead one token at a time, for a loop that decides after each token whether it goes
+    on (``decode_ahead``; the ``--parallel`` engine while one sequence decodes alone). Holds what
+    spans tokens: the pinned word a token is read into and when the previous token was read (a
+    step launched ahead is timed from one token read to the next, so the consumer's own time
+    between tokens is inside it: ``Timing``)."""
+
+    def __init__(self, session: Decoding, device: torch.device):
+        self.session = session
+        on_cuda = device.type == "cuda"
+        self.host = torch.empty(1, dtype=torch.long, pin_memory=on_cuda)
+        self.stream = torch.cuda.current_stream(device) if on_cuda else None
+        self.last = time.perf_counter()  # when the previous token was read (or a feed returned)
+        self.queued: str | None = None  # the timing account of the step launched ahead last, not yet read
+
+    def next(self, logits: torch.Tensor, pick: Callable[[torch.Tensor], torch.Tensor], launch: bool
+             ) -> tuple[int, torch.Tensor | None]:
+        """The token ``pick`` chooses from ``logits`` (the last fed token's), read back after the
+        step that feeds it is launched (``launch``: a token that may not be the last wanted) and
+        then counted in ``fed``; with that step's logits, or None where no step was launched (not
+        wanted, no captured step, past its KV room: the caller feeds the token itself, then
+        ``fed_now``)."""
+        session = self.session
+        session.model.experts.routing_side(GENERATED)  # (the step launched ahead feeds a generated token)
         token = pick(logits).reshape(1)
         ready = None
-        if stream is not None:
-            host.copy_(token, non_blocking=True)
+        if self.stream is not None:
+            self.host.copy_(token, non_blocking=True)
             ready = torch.cuda.Event()
-            ready.record(stream)
+            ready.record(self.stream)
         ahead = account = None
-        if i + 1 < n and session.graph is not None and session.graph.graph is not None:
+        if launch and session.graph is not None and session.graph.graph is not None:
             captures = session.graph.captures
             ahead = session.graph.step(token)  # None past the graph's KV room
             if ahead is not None:  # a step that captured again (after KV growth) is no decode step
@@ -74,30 +82,54 @@ def decode_ahead(session: Decoding, logits: torch.Tensor, n: int, pick: Callable
         try:
             if ready is not None:
                 ready.synchronize()  # the token, not the step queued behind it
-                tok = int(host[0])
+                tok = int(self.host[0])
             else:
                 tok = int(token[0])
         except BaseException:  # interrupted with a step fed whose token is unknown: start afresh
             if ahead is not None:
                 session.reset()
             raise
-        if queued is not None:  # reading this token waited for the step launched last time
-            now = time.perf_counter()
-            if queued == "decode":
-                session.timing.decode_tokens += 1
-                session.timing.decode_seconds += now - last
-            else:
-                session.timing.capture_seconds += now - last
-            last = now
-        queued = account
+        self.settle()
+        self.queued = account
         if ahead is not None:
             session.fed.append(tok)
             session.timing.ahead_steps += 1
+        return tok, ahead
+
+    def settle(self) -> None:
+        """Count the step launched ahead last (its token was read, or its logits are about to be:
+        the caller waits for them), from the previous token read to now."""
+        if self.queued is None:
+            return
+        now = time.perf_counter()
+        if self.queued == "decode":
+            self.session.timing.decode_tokens += 1
+            self.session.timing.decode_seconds += now - self.last
+        else:
+            self.session.timing.capture_seconds += now - self.last
+        self.last, self.queued = now, None
+
+    def fed_now(self) -> None:
+        """The caller fed a token itself (its own timing): the next step launched ahead is timed from now."""
+        self.last = time.perf_counter()
+
+
+def decode_ahead(session: Decoding, logits: torch.Tensor, n: int, pick: Callable[[torch.Tensor], torch.Tensor],
+                 seen: list[torch.Tensor] | None = None) -> Iterator[int]:
+    """Up to ``n`` tokens after ``session``'s fed ones, whose last logits are ``logits``; ``pick``
+    chooses each on the device (logits -> a token id tensor, nothing read back). ``seen``
+    collects the logits each token was picked from (benchmarks compare them across
+    residencies)."""
+    steps = AheadSteps(session, logits.device)
+    for i in range(n):
+        if seen is not None:
+            seen.append(logits)
+        tok, ahead = steps.next(logits, pick, launch=i + 1 < n)
         yield tok
         if i + 1 == n:
             return
         if ahead is None:
             logits = session.feed(session.fed + [tok], GENERATED)
-            last = time.perf_counter()
+            steps.fed_now()
         else:
             logits = ahead

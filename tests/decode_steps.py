@@ -1,9 +1,16 @@
 """Sequences decoding alone and together, for the batched-step tests (``test_decode_batch``,
 ``test_batch_attention``): three conversations of different lengths, the tokens each is fed after
-its prompt (teacher-forced: the same ids alone and batched), and which decode together at each step."""
+its prompt (teacher-forced: the same ids alone and batched), and which decode together at each step.
+``EagerStep``: a captured decode step's stand-in on the CPU, for the decode-ahead tests
+(``test_generate``, ``test_server_parallel``)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from sparkpack.runtime.generate import Session
 
 ARCHS = ("qwen35moe", "laguna", "qwen3moe")
 PROMPTS = ([3, 14, 15, 92, 65, 35, 89], [7, 1], [46, 26, 43, 38, 32, 79, 50, 28, 84, 19, 71])
@@ -44,3 +51,21 @@ def assert_same(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -
         assert len(g) == len(w) > 0
         for i, (x, y) in enumerate(zip(g, w)):
             assert torch.equal(x, y), f"sequence {b}, fed token {i}: {(x - y).abs().max().item()}"
+
+
+class EagerStep:
+    """Stands in for a captured decode step on the CPU (no CUDA graphs there): feeds a token id
+    tensor without reading it, so ``Session.decode`` takes its step-ahead branch in CI too."""
+
+    graph = True  # "captured"
+
+    def __init__(self, session: Session, room: int, capture_at: int = -1):
+        self.session, self.room, self.capture_at, self.steps, self.captures = session, room, capture_at, 0, 0
+
+    def step(self, token: torch.Tensor) -> torch.Tensor | None:
+        s = self.session
+        if s.cache.pos + 1 > self.room:
+            return None  # past the graph's room: Session.decode falls back to feed
+        self.steps += 1
+        self.captures += s.cache.pos == self.capture_at  # as DecodeGraph captures again after KV growth
+        return s.model.forward(token.as_subclass(torch.Tensor).reshape(1), s.cache, last_only=True)[-1]

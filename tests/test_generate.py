@@ -12,6 +12,7 @@ from sparkpack.runtime.generate import Session, generate
 from sparkpack.runtime.prefix_reuse import shared_len
 from sparkpack.runtime.models import SessionOptions, StoreOptions, load_model
 from tests.commands import run_cli
+from tests.decode_steps import EagerStep
 
 
 @pytest.fixture(scope="module")
@@ -55,24 +56,6 @@ class ScriptedTokens:
 
     def sample(self, logits: torch.Tensor, history: list[int]) -> int:
         return int(torch.argmax(logits)) if self.sampler is None else int(self.sampler.pick(logits))
-
-
-class EagerStep:
-    """Stands in for a captured decode step on the CPU (no CUDA graphs there): feeds a token id
-    tensor without reading it, so ``Session.decode`` takes its step-ahead branch in CI too."""
-
-    graph = True  # "captured"
-
-    def __init__(self, session: Session, room: int, capture_at: int = -1):
-        self.session, self.room, self.capture_at, self.steps, self.captures = session, room, capture_at, 0, 0
-
-    def step(self, token: torch.Tensor) -> torch.Tensor | None:
-        s = self.session
-        if s.cache.pos + 1 > self.room:
-            return None  # past the graph's room: Session.decode falls back to feed
-        self.steps += 1
-        self.captures += s.cache.pos == self.capture_at  # as DecodeGraph captures again after KV growth
-        return s.model.forward(token.as_subclass(torch.Tensor).reshape(1), s.cache, last_only=True)[-1]
 
 
 class Interrupted(torch.Tensor):

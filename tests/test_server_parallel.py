@@ -326,3 +326,80 @@ def test_the_work_between_requests_follows_their_ends(synth_model, parallel):
     assert work.calls.count("after") == 2 and work.calls[1] == "after", work.calls
     after = sinks[1].outcome.split.previous_after
     assert set(after) == {"sink", "cache", "metrics", "between"} and all(s >= 0 for s in after.values()), after
+
+
+@pytest.mark.parametrize("arch", quick_first(["qwen35moe", "laguna", "qwen3moe"]))
+def test_a_sequence_decoding_alone_takes_its_steps_ahead(synth_model, arch):
+    """A --parallel engine with one sequence in flight launches the step that feeds its next token
+    before reading the token, as the serial engine does (the one-user case lost a quarter of its
+    decode speed to the host's work between steps): the serial engine's tokens, greedy and seeded
+    sampling, a stop token, a reply cut by length; a request arriving mid-reply (the first then
+    decodes in batched steps, a step of its already running) changes no token of either; a stop
+    token read after its step was launched stays fed, as the serial engine leaves it. On the CPU
+    a captured step's stand-in (``EagerStep``) takes the launches."""
+    from sparkpack.runtime.generate import Session
+    from sparkpack.runtime.models import load_model
+    from sparkpack.runtime.options import SamplingOptions
+    from sparkpack.runtime.server.engine import Engine, Job
+    from sparkpack.runtime.server.parallel import ParallelEngine
+    from tests.decode_steps import EagerStep
+
+    model = load_model(synth_model(arch))
+    greedy, sampled = SamplingOptions(temperature=0), SamplingOptions(temperature=0.8, seed=5)
+
+    class Joiner(Sink):
+        """Submits ``job`` to ``engine`` from the engine thread at its ``at``-th token."""
+
+        def __init__(self, at: int):
+            super().__init__()
+            self.at, self.engine, self.job = at, None, None
+
+        def token(self, token_id: int) -> bool:
+            if len(self.tokens) == self.at and self.engine is not None:
+                self.engine.submit(self.job)
+            return super().token(token_id)
+
+    def run(engine, stop: int | None = None) -> list[Sink]:
+        """Four replies one after the other, then a fifth joined by a sixth midway."""
+        sinks = []
+        for ids, n, sampling in (([3, 14, 15, 92], 9, greedy), ([7, 1], 8, sampled), ([46, 26, 43], 1, greedy),
+                                 ([5, 9, 2, 6, 5], 12, greedy)):
+            sinks.append(Sink())
+            engine.submit(Job(ids, n, sampling, sinks[-1]))
+            assert sinks[-1].done.wait(120)
+        joiner, second = Joiner(at=3), Sink()
+        joiner.engine, joiner.job = engine, Job([88, 4], 6, sampled, second)
+        engine.submit(Job([61, 62, 63], 10, greedy, joiner))
+        assert joiner.done.wait(120) and second.done.wait(120)
+        engine.close()
+        return [*sinks, joiner, second]
+
+    serial = run(Engine(Session(model), frozenset()))
+    first = serial[0].tokens
+    stop = next(t for i, t in enumerate(first) if i > 0 and t not in first[:i])  # a token first seen mid-reply
+    serial_stopped = Engine(Session(model), frozenset([stop]))
+    stopped_sink = Sink()
+    serial_stopped.submit(Job([3, 14, 15, 92], 9, greedy, stopped_sink))
+    assert stopped_sink.done.wait(120)
+    serial_stopped.close()
+
+    sessions = [Session(model) for _ in range(2)]
+    for s in sessions:
+        s.graph = EagerStep(s, room=1 << 20)
+    engine = ParallelEngine(sessions, frozenset())
+    together = run(engine)
+    for s, t in zip(serial, together):
+        assert (t.tokens, t.outcome.finish) == (s.tokens, s.outcome.finish), (s.tokens, t.tokens)
+    assert [s.outcome.finish for s in serial] == ["length"] * 6
+    assert sum(s.graph.steps for s in sessions) > 0 and sum(s.timing.ahead_steps for s in sessions) > 0
+    assert engine.batch_sizes[2] > 0  # (the fifth and sixth decoded together)
+
+    sessions = [Session(model)]
+    sessions[0].graph = EagerStep(sessions[0], room=1 << 20)
+    engine = ParallelEngine(sessions, frozenset([stop]))
+    sink = Sink()
+    engine.submit(Job([3, 14, 15, 92], 9, greedy, sink))
+    assert sink.done.wait(120)
+    engine.close()
+    assert sink.tokens == stopped_sink.tokens == first[:first.index(stop)] and sink.outcome.finish == "stop"
+    assert sessions[0].fed == [3, 14, 15, 92, *sink.tokens, stop]  # its step was launched before it was read

@@ -28,6 +28,9 @@ prompt whole before the step (the running streams wait for it).
 
 On a GPU the batched step is replayed from a CUDA graph per set of sessions (``runtime.graph.
 BatchGraphs``; the rows in session order, so a set is one graph whatever order its requests came in).
+A sequence decoding alone (the one-user case, the most common) takes its own captured step
+launched ahead of the host, as the serial engine does (``runtime.decode_ahead``): read back first,
+each token's host work (its client's stream, this loop) left the GPU idle between steps.
 
 A structured output's grammar is applied per sequence, as in the serial engine. Work between requests (placement learning) runs when no
 sequence is in flight.
@@ -47,7 +50,8 @@ from prometheus_client.metrics_core import GaugeMetricFamily, HistogramMetricFam
 
 from ..batch_step import decode_together
 from ..conversation_cache import ConversationCache, Resume
-from ..generate import PromptFeed, Session, choose_token
+from ..decode_ahead import AheadSteps
+from ..generate import PromptFeed, Session, choose_token, device_pick
 from ..graph import BatchGraphs
 from ..options import DEFAULT_STEP_TOKENS
 from .engine import BetweenRequests, Engine, Job, Outcome, own_sampler, reset_after_failure
@@ -89,6 +93,7 @@ class Running:
     decode0: float = 0.0  # the session's decode time when the request joined
     greedy: int | None = None  # argmax of ``logits`` when the batched step already took it
     clock: SplitClock | None = None
+    ahead: AheadSteps | None = None  # while it decodes alone, its steps launched ahead (``_pick_ahead``)
 
     @property
     def plain_greedy(self) -> bool:
@@ -271,23 +276,48 @@ class ParallelEngine(Engine):
     def _next_token(self, r: Running) -> int:
         """``r``'s next token from ``r.logits``, chosen as the serial engine chooses it
         (``choose_token``), or the argmax the batched step already took."""
+        if r.ahead is not None:  # it decoded alone until now: its last step launched ahead is counted
+            r.ahead.settle()
+            r.ahead = None
         if r.greedy is not None:
             tok, r.greedy = r.greedy, None
             return tok
         return choose_token(r.logits, r.sampler, r.job.constraint, r.history)
 
+    def _pick_ahead(self, r: Running) -> tuple[int, torch.Tensor | None]:
+        """The next token of ``r``, decoding alone, as the serial engine decodes
+        (``runtime.decode_ahead``): the step that feeds it is launched before the host reads it,
+        so the host's work on each token (the client's stream, this loop's next turn) overlaps a
+        step rather than leaving the GPU idle. With that step's logits (None: no step launched,
+        the token goes to ``decode_together``). Only where the pick needs nothing of the host; a
+        grammar's or a history-reading sampler's reply, or a token the batched step already took,
+        goes through ``_next_token``."""
+        pick = device_pick(r.sampler, r.job.constraint)
+        if pick is None or r.greedy is not None:
+            return self._next_token(r), None
+        if r.ahead is None:
+            r.ahead = AheadSteps(r.session, r.logits.device)
+        # (no step for a token that is the reply's last by length, as the serial engine's)
+        return r.ahead.next(r.logits, pick, launch=r.outcome.completion_tokens + 1 < r.job.max_new)
+
     def _step(self) -> None:
-        """Each running sequence takes its next token; those that go on decode one batched step."""
+        """Each running sequence takes its next token; those that go on decode one batched step
+        (a sequence decoding alone: its own step, launched ahead where it can be)."""
+        alone = len(self._flight) == 1
         going: list[tuple[Running, int]] = []
         for r in list(self._flight):
             try:
-                tok = self._take(r)
+                tok, ahead = self._pick_ahead(r) if alone else (self._next_token(r), None)
+                goes = self._report(r, tok)
             except Exception as e:  # a bug, a sink gone wrong: this request fails, the others go on
                 log.exception("request failed")
                 self._failed(r, e)
                 continue
-            if tok is None:
+            if not goes:
                 self._leave(r)
+            elif ahead is not None:  # its step runs already
+                r.logits = ahead
+                self.batch_sizes[1] += 1
             else:
                 going.append((r, tok))
         if not going:
@@ -308,15 +338,16 @@ class ParallelEngine(Engine):
         for i, (r, _) in enumerate(going):
             r.logits = logits[i]
             r.greedy = greedy[i] if greedy is not None and r.plain_greedy else None
+            if r.ahead is not None:  # (its next step launched ahead is timed from here)
+                r.ahead.fed_now()
 
-    def _take(self, r: Running) -> int | None:
-        """``r``'s next token, reported to its client: the token to feed, or None when ``r`` ends
-        here (its outcome says why), as the serial engine's loop over ``continue_tokens``."""
+    def _report(self, r: Running, tok: int) -> bool:
+        """``r``'s next token ``tok``, reported to its client: whether ``r`` goes on (else its
+        outcome says why it ends here), as the serial engine's loop over ``continue_tokens``."""
         o = r.outcome
-        tok = self._next_token(r)
         if tok in self.stop_ids:
             o.finish = "stop"
-            return None
+            return False
         r.generated.append(tok)
         if o.first_token_seconds is None:
             o.first_token_seconds = time.perf_counter() - r.job.arrived
@@ -331,8 +362,8 @@ class ParallelEngine(Engine):
             o.finish = "length"
         else:
             r.history.append(tok)
-            return tok
-        return None
+            return True
+        return False
 
     def _failed(self, r: Running, e: Exception) -> None:
         r.outcome.finish, r.outcome.error = "error", f"{type(e).__name__}: {e}".splitlines()[0]
