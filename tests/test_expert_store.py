@@ -470,13 +470,20 @@ def test_pinned_host_memory_is_its_own_size_and_copies_both_ways():
     about 300 MiB to the process, reports pinned, round-trips through the GPU asynchronously, and
     gives its pages back once the last tensor over it has gone (at ``release``: never from the
     garbage collector, which may run inside a graph capture)."""
-    from sparkpack.runtime.pinned import pinned_empty
+    import gc
+
+    from sparkpack.runtime.pinned import pinned_empty, release
 
     def rss() -> int:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
     n = 300 * 2**20
+    # buffers an earlier test of this worker left to ``release`` go first: pinned_empty frees them
+    # before it maps, which counted them against this buffer (179 of 300 MiB "grown" on the GPU
+    # machine, in an xdist worker)
+    gc.collect()
+    release()
     before = rss()
     host = pinned_empty(n)
     grown = rss() - before
@@ -490,10 +497,6 @@ def test_pinned_host_memory_is_its_own_size_and_copies_both_ways():
     torch.cuda.synchronize()
     assert torch.equal(back, data[1000:])
     del host, back, data, dev
-    import gc
-
-    from sparkpack.runtime.pinned import release
-
     gc.collect()
     release()
     assert rss() - before < 0.5 * n  # both buffers unregistered and unmapped
