@@ -53,6 +53,15 @@ def decode_together(sessions: Sequence[Session], tokens: Sequence[int], graphs: 
     return logits
 
 
+def launch_together(sessions: Sequence[Session], tokens: torch.Tensor, graphs: BatchGraphs) -> torch.Tensor:
+    """``decode_together`` for token ids still on the device (``tokens [B]``, distinct sessions of
+    ``graphs``' model): the captured batched step launched and not waited for, its logits
+    ``[B, n_vocab]``. The caller appends each token to its session's ``fed`` once it has read it,
+    and times the step (from one token read to the next: ``server.parallel``'s step ahead)."""
+    sessions[0].model.experts.routing_side(GENERATED)
+    return graphs.step(tokens, [s.cache for s in sessions])
+
+
 def captured_in_turn(sessions: Sequence[Session], tokens: Sequence[int]) -> torch.Tensor:
     """``decode_together`` as each session's own (captured) decode step, one after the other."""
     return torch.stack([s.feed(s.fed + [int(t)], GENERATED) for s, t in zip(sessions, tokens)])

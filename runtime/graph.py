@@ -431,9 +431,11 @@ class BatchGraphs:
         self.captures = 0
         self.replays = 0
 
-    def step(self, tokens: Sequence[int], caches: Sequence[Cache]) -> torch.Tensor:
+    def step(self, tokens: Sequence[int] | torch.Tensor, caches: Sequence[Cache]) -> torch.Tensor:
         """The logits ``[B, n_vocab]`` of ``tokens[b]`` fed at ``caches[b].pos`` (distinct caches),
-        each cache advanced by one."""
+        each cache advanced by one. ``tokens``: ints, or an id tensor on the device, whose values
+        nothing here waits for (the ``--parallel`` engine launches a step before it reads the
+        tokens it feeds); then nothing waits for the device, as ``DecodeGraph.step``."""
         if len(tokens) != len(caches) or len({id(c) for c in caches}) != len(caches) or not caches:
             raise ValueError("BatchGraphs.step: one token and one distinct cache per sequence")
         for c in caches:
@@ -447,8 +449,13 @@ class BatchGraphs:
             if not self.graphs:
                 self.pool = None  # (a pool no graph holds any more cannot be captured into: see PrefillGraphs)
             inputs = torch.zeros(2 * len(caches), dtype=torch.long, device=self.model.device)
-        inputs.copy_(torch.tensor([*tokens, *(c.pos for c in caches)], dtype=torch.long))
         n = len(caches)
+        if isinstance(tokens, torch.Tensor):  # on the device, in stream order; the positions as fills
+            inputs[:n].copy_(tokens.reshape(n), non_blocking=True)
+            for b, c in enumerate(caches):
+                inputs[n + b].fill_(c.pos)
+        else:
+            inputs.copy_(torch.tensor([*tokens, *(c.pos for c in caches)], dtype=torch.long))
         # (eagerly, the positions go in as ints: the CPU's torch attention over a ring gathers the
         # rows of a known position, and a device one reads every row, in another order)
         at = tuple(inputs[n + b] for b in range(n)) if self.capture else tuple(c.pos for c in caches)

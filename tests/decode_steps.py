@@ -61,11 +61,13 @@ class EagerStep:
 
     def __init__(self, session: Session, room: int, capture_at: int = -1):
         self.session, self.room, self.capture_at, self.steps, self.captures = session, room, capture_at, 0, 0
+        self.positions: list[int] = []  # where each step fed its token
 
     def step(self, token: torch.Tensor) -> torch.Tensor | None:
         s = self.session
         if s.cache.pos + 1 > self.room:
             return None  # past the graph's room: Session.decode falls back to feed
         self.steps += 1
+        self.positions.append(s.cache.pos)
         self.captures += s.cache.pos == self.capture_at  # as DecodeGraph captures again after KV growth
         return s.model.forward(token.as_subclass(torch.Tensor).reshape(1), s.cache, last_only=True)[-1]

@@ -328,16 +328,20 @@ def test_the_work_between_requests_follows_their_ends(synth_model, parallel):
     assert set(after) == {"sink", "cache", "metrics", "between"} and all(s >= 0 for s in after.values()), after
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["plain", "batched-ahead"])
 @pytest.mark.parametrize("arch", quick_first(["qwen35moe", "laguna", "qwen3moe"]))
-def test_a_sequence_decoding_alone_takes_its_steps_ahead(synth_model, arch):
-    """A --parallel engine with one sequence in flight launches the step that feeds its next token
-    before reading the token, as the serial engine does (the one-user case lost a quarter of its
-    decode speed to the host's work between steps): the serial engine's tokens, greedy and seeded
-    sampling, a stop token, a reply cut by length; a request arriving mid-reply (the first then
-    decodes in batched steps, a step of its already running) changes no token of either; a stop
-    token read after its step was launched stays fed, as the serial engine leaves it. On the CPU
-    a captured step's stand-in (``EagerStep``) takes the launches."""
+def test_steps_launched_before_their_tokens_are_read_change_no_token(synth_model, arch, batched):
+    """A --parallel engine launches the step that feeds a token before it reads the token, as the
+    serial engine does: a sequence decoding alone its own step, several their batched step
+    (``batched``: the batched step as on a GPU, here uncaptured; else each row's plain step). Read
+    back first, the host's work on every token left the GPU idle (the one-user case lost a
+    quarter of its decode speed to it). The serial engine's tokens: greedy and seeded sampling,
+    one request after another, a request joining another midway (which then goes on alone, its
+    steps launched ahead again), a stop token read in a batched step; a stop token read after its
+    step was launched stays fed, as the serial engine leaves it. On the CPU a captured step's
+    stand-in (``EagerStep``) takes a lone sequence's launches."""
     from sparkpack.runtime.generate import Session
+    from sparkpack.runtime.graph import BatchGraphs
     from sparkpack.runtime.models import load_model
     from sparkpack.runtime.options import SamplingOptions
     from sparkpack.runtime.server.engine import Engine, Job
@@ -350,56 +354,61 @@ def test_a_sequence_decoding_alone_takes_its_steps_ahead(synth_model, arch):
     class Joiner(Sink):
         """Submits ``job`` to ``engine`` from the engine thread at its ``at``-th token."""
 
-        def __init__(self, at: int):
+        def __init__(self, at: int, engine, job):
             super().__init__()
-            self.at, self.engine, self.job = at, None, None
+            self.at, self.engine, self.job = at, engine, job
 
         def token(self, token_id: int) -> bool:
-            if len(self.tokens) == self.at and self.engine is not None:
+            if len(self.tokens) == self.at:
                 self.engine.submit(self.job)
             return super().token(token_id)
 
-    def run(engine, stop: int | None = None) -> list[Sink]:
-        """Four replies one after the other, then a fifth joined by a sixth midway."""
+    def run(engine, first_job: tuple, second_job: tuple, at: int) -> list[Sink]:
+        """Four replies one after the other, then ``first_job`` joined by ``second_job`` at its ``at``-th token."""
         sinks = []
         for ids, n, sampling in (([3, 14, 15, 92], 9, greedy), ([7, 1], 8, sampled), ([46, 26, 43], 1, greedy),
                                  ([5, 9, 2, 6, 5], 12, greedy)):
             sinks.append(Sink())
             engine.submit(Job(ids, n, sampling, sinks[-1]))
             assert sinks[-1].done.wait(120)
-        joiner, second = Joiner(at=3), Sink()
-        joiner.engine, joiner.job = engine, Job([88, 4], 6, sampled, second)
-        engine.submit(Job([61, 62, 63], 10, greedy, joiner))
+        second = Sink()
+        joiner = Joiner(at, engine, Job(*second_job, second))
+        engine.submit(Job(*first_job, joiner))
         assert joiner.done.wait(120) and second.done.wait(120)
         engine.close()
         return [*sinks, joiner, second]
 
-    serial = run(Engine(Session(model), frozenset()))
-    first = serial[0].tokens
-    stop = next(t for i, t in enumerate(first) if i > 0 and t not in first[:i])  # a token first seen mid-reply
-    serial_stopped = Engine(Session(model), frozenset([stop]))
-    stopped_sink = Sink()
-    serial_stopped.submit(Job([3, 14, 15, 92], 9, greedy, stopped_sink))
-    assert stopped_sink.done.wait(120)
-    serial_stopped.close()
+    def parallel(stop_ids: frozenset[int]) -> tuple[ParallelEngine, list[Session]]:
+        sessions = [Session(model) for _ in range(2)]
+        for s in sessions:
+            s.graph = EagerStep(s, room=1 << 20)
+        engine = ParallelEngine(sessions, stop_ids)
+        if batched:
+            engine.graphs = BatchGraphs(model, capture=False)
+        return engine, sessions
 
-    sessions = [Session(model) for _ in range(2)]
-    for s in sessions:
-        s.graph = EagerStep(s, room=1 << 20)
-    engine = ParallelEngine(sessions, frozenset())
-    together = run(engine)
+    # a reply of 16 tokens joined at its 3rd by one of 6: together, then the first alone again
+    long, short = ([61, 62, 63], 16, greedy), ([88, 4], 6, sampled)
+    serial = run(Engine(Session(model), frozenset()), long, short, at=2)
+    engine, sessions = parallel(frozenset())
+    together = run(engine, long, short, at=2)
+    for s, t in zip(serial, together):
+        assert (t.tokens, t.outcome.finish) == (s.tokens, s.outcome.finish) == (s.tokens, "length"), (s.tokens, t.tokens)
+    assert engine.batch_sizes[2] > 0 and sum(s.timing.ahead_steps for s in sessions) > 0
+    alone_again = next(s for s in sessions if s.fed[:3] == [61, 62, 63])
+    assert 3 + 14 in alone_again.graph.positions  # its 15th token's step, after the other reply ended
+
+    # the first reply stops at a token first seen mid-reply, read in a step decoded together with another's
+    first = serial[0].tokens
+    stop = next(t for i, t in enumerate(first) if i >= 3 and t not in first[:i])
+    cut = first.index(stop)
+    stopping, other = ([3, 14, 15, 92], 9, greedy), ([5, 9, 2, 6, 5], 12, greedy)
+    serial = run(Engine(Session(model), frozenset([stop])), stopping, other, at=0)
+    engine, sessions = parallel(frozenset([stop]))
+    together = run(engine, stopping, other, at=0)
     for s, t in zip(serial, together):
         assert (t.tokens, t.outcome.finish) == (s.tokens, s.outcome.finish), (s.tokens, t.tokens)
-    assert [s.outcome.finish for s in serial] == ["length"] * 6
-    assert sum(s.graph.steps for s in sessions) > 0 and sum(s.timing.ahead_steps for s in sessions) > 0
-    assert engine.batch_sizes[2] > 0  # (the fifth and sixth decoded together)
-
-    sessions = [Session(model)]
-    sessions[0].graph = EagerStep(sessions[0], room=1 << 20)
-    engine = ParallelEngine(sessions, frozenset([stop]))
-    sink = Sink()
-    engine.submit(Job([3, 14, 15, 92], 9, greedy, sink))
-    assert sink.done.wait(120)
-    engine.close()
-    assert sink.tokens == stopped_sink.tokens == first[:first.index(stop)] and sink.outcome.finish == "stop"
-    assert sessions[0].fed == [3, 14, 15, 92, *sink.tokens, stop]  # its step was launched before it was read
+    assert together[4].tokens == first[:cut] and together[4].outcome.finish == "stop"
+    fed = next(s for s in sessions if s.fed[:4] == [3, 14, 15, 92]).fed
+    # launched before it was read in a batched step ahead; else fed only by the plain step that read it
+    assert fed == [3, 14, 15, 92, *first[:cut], stop] if batched else fed == [3, 14, 15, 92, *first[:cut]]

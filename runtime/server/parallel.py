@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 import torch
 from prometheus_client.metrics_core import GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from ..batch_step import decode_together
+from ..batch_step import decode_together, launch_together
 from ..conversation_cache import ConversationCache, Resume
 from ..decode_ahead import AheadSteps
 from ..generate import PromptFeed, Session, choose_token, device_pick
@@ -94,6 +94,7 @@ class Running:
     greedy: int | None = None  # argmax of ``logits`` when the batched step already took it
     clock: SplitClock | None = None
     ahead: AheadSteps | None = None  # while it decodes alone, its steps launched ahead (``_pick_ahead``)
+    read_at: float = 0.0  # when its last token was read (a step launched ahead is timed from there)
 
     @property
     def plain_greedy(self) -> bool:
@@ -241,7 +242,7 @@ class ParallelEngine(Engine):
         outcome.prefill_seconds = session.timing.prefill_seconds - j.prefill0
         outcome.finish = "length"
         r = Running(job, session, outcome, self.sampler(job), logits, list(session.fed),
-                    decode0=session.timing.decode_seconds, clock=j.clock)
+                    decode0=session.timing.decode_seconds, clock=j.clock, read_at=time.perf_counter())
         with self._lock:
             self._joining.remove(j)
             self._flight.append(r)
@@ -290,20 +291,24 @@ class ParallelEngine(Engine):
         so the host's work on each token (the client's stream, this loop's next turn) overlaps a
         step rather than leaving the GPU idle. With that step's logits (None: no step launched,
         the token goes to ``decode_together``). Only where the pick needs nothing of the host; a
-        grammar's or a history-reading sampler's reply, or a token the batched step already took,
-        goes through ``_next_token``."""
+        grammar's or a history-reading sampler's reply goes through ``_next_token``. (An argmax
+        the plain step read already is taken again on the device: the same token.)"""
         pick = device_pick(r.sampler, r.job.constraint)
-        if pick is None or r.greedy is not None:
+        if pick is None:
             return self._next_token(r), None
+        r.greedy = None
         if r.ahead is None:
             r.ahead = AheadSteps(r.session, r.logits.device)
         # (no step for a token that is the reply's last by length, as the serial engine's)
         return r.ahead.next(r.logits, pick, launch=r.outcome.completion_tokens + 1 < r.job.max_new)
 
     def _step(self) -> None:
-        """Each running sequence takes its next token; those that go on decode one batched step
-        (a sequence decoding alone: its own step, launched ahead where it can be)."""
+        """Each running sequence takes its next token; those that go on decode one batched step,
+        launched before the tokens are read where it can be (``_step_ahead``; a sequence decoding
+        alone: its own step, ``_pick_ahead``)."""
         alone = len(self._flight) == 1
+        if not alone and self._step_ahead():
+            return
         going: list[tuple[Running, int]] = []
         for r in list(self._flight):
             try:
@@ -335,11 +340,73 @@ class ParallelEngine(Engine):
                 self._failed(r, e)
             return
         self.batch_sizes[len(going)] += 1
+        now = time.perf_counter()
         for i, (r, _) in enumerate(going):
             r.logits = logits[i]
             r.greedy = greedy[i] if greedy is not None and r.plain_greedy else None
-            if r.ahead is not None:  # (its next step launched ahead is timed from here)
+            r.read_at = now  # (its next step launched ahead is timed from here)
+            if r.ahead is not None:
                 r.ahead.fed_now()
+
+    def _step_ahead(self) -> bool:
+        """The running sequences' next tokens picked on the device and their batched step launched
+        before the host reads them, as a sequence alone (``_pick_ahead``) and the serial engine
+        decode: the host's work on the tokens (each client's stream, the prompts that join, this
+        loop's next turn) overlaps the step instead of leaving the GPU idle, the tokens and logits
+        those of the plain path (the same picks, the same captured step). A token read that ends
+        its reply (a stop) has been fed, as in the serial engine. Each row's step is timed from
+        its previous token read to this one (prompt calls run between them included). Only where
+        the step is captured (``graphs``), every row's pick needs nothing of the host and none
+        takes its last token by length (its step would be wasted); False: the plain path."""
+        rows = sorted(self._flight, key=lambda r: self.sessions.index(r.session))  # a set: one graph
+        if self.graphs is None or any(r.outcome.completion_tokens + 1 >= r.job.max_new for r in rows):
+            return False
+        picks = [device_pick(r.sampler, r.job.constraint) for r in rows]
+        if any(p is None for p in picks):
+            return False
+        for r in rows:
+            r.greedy = None  # (an argmax the plain step read already: taken again on the device, the same token)
+            if r.ahead is not None:  # it decoded alone until now: its last step launched ahead is counted
+                r.ahead.settle()
+                r.ahead, r.read_at = None, time.perf_counter()
+        try:
+            tokens = torch.cat([pick(r.logits).reshape(1) for pick, r in zip(picks, rows)])
+            host = torch.empty(len(rows), dtype=torch.long, pin_memory=tokens.is_cuda)
+            host.copy_(tokens, non_blocking=True)
+            ready = None
+            if tokens.is_cuda:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(tokens.device))
+            captures = self.graphs.captures
+            logits = launch_together([r.session for r in rows], tokens, self.graphs)
+            if ready is not None:
+                ready.synchronize()  # the tokens, not the step queued behind them
+            ids = host.tolist()
+        except Exception as e:  # every sequence of the step fails (their sessions reset); the server goes on
+            log.exception("a batched step failed")
+            for r in rows:
+                self._failed(r, e)
+            return True
+        capturing, now = self.graphs.captures != captures, time.perf_counter()
+        self.batch_sizes[len(rows)] += 1
+        for i, (r, tok) in enumerate(zip(rows, ids)):
+            timing = r.session.timing
+            r.session.fed.append(tok)
+            if capturing:  # kept out of the decode rate, as a session keeps its own captures
+                timing.capture_seconds += now - r.read_at
+            else:
+                timing.decode_tokens += 1
+                timing.decode_seconds += now - r.read_at
+            r.read_at, r.logits = now, logits[i]
+            try:
+                goes = self._report(r, tok)
+            except Exception as e:  # a bug, a sink gone wrong: this request fails, the others go on
+                log.exception("request failed")
+                self._failed(r, e)
+                continue
+            if not goes:
+                self._leave(r)
+        return True
 
     def _report(self, r: Running, tok: int) -> bool:
         """``r``'s next token ``tok``, reported to its client: whether ``r`` goes on (else its
