@@ -29,7 +29,8 @@
 # presets: side-by-side on the laguna-xs2 and qwen3-30b-a3b shapes (llama-bench built in the background
 #   while the first model is written, unless already built on a machine still warm).
 # serve: served agent session next to llama-server at --vram 14GiB (bench/serve_bench.py, prompts from
-#   .device/corpus/agent_prompts); SERVE_ARGS adds options.
+#   .device/corpus/agent_prompts); SERVE_ARGS adds options (--spark-arg=X: both of ours, --serve-arg=X: the server only,
+#   e.g. --serve-arg=--parallel=1 next to the default --parallel 4).
 # parallel: concurrent requests (issue 46): bench/parallel_bench.py, --parallel 4 next to llama-server -np 4.
 # batchprof: how a batched decode step scales with its rows (bench/profile_decode.py --batch 1 2 4): the captured
 #   step's time and each kernel's device time per step, all-GPU and at BATCH_HOT (0.6) of the experts hot.

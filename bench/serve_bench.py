@@ -64,6 +64,8 @@ def server_arguments(p: argparse.ArgumentParser, ctx: int) -> None:
     p.add_argument("--ctx", type=int, default=ctx)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--spark-arg", action="append", default=[], help="extra spark-run option (repeatable)")
+    p.add_argument("--serve-arg", action="append", default=[],
+                   help="extra option of the server only, not the one-shot run (repeatable; e.g. --serve-arg=--parallel=1)")
     p.add_argument("--llama-server", type=Path, default=None, help="[$LLAMA_BUILD/bin/llama-server when built]")
     p.add_argument("--n-cpu-moe", default="auto", help="llama-server's --n-cpu-moe, or auto: the least that fits --vram")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
@@ -183,7 +185,7 @@ def free_port() -> int:
 def spark_server(args: argparse.Namespace) -> Server:
     cmd = [sys.executable, "-m", "sparkpack.runtime.cli", str(args.model), "--serve", "--port", "0", "--device",
            args.device, "--ctx", str(args.ctx), "--temperature", "0", "--api-key", API_KEY, *placement(args),
-           "--no-learn"]  # a benchmark writes no profile beside the model (later runs would place from it)
+           *args.serve_arg, "--no-learn"]  # a benchmark writes no profile beside the model (later runs would place from it)
     return Server("sparkpack", cmd)
 
 
@@ -433,7 +435,7 @@ def main(argv: list[str] | None = None) -> dict:
     tok = Tokenizer(args.model)
     turns = build_turns(list(args.prompts.glob("*.md")), tok.count, tok.cut, args.turn1_tokens, args.turn2_tokens)
     result: dict = {"model": args.model.name, "device": args.device, "vram": args.vram, "ctx": args.ctx,
-                    "spark_args": args.spark_arg}
+                    "spark_args": args.spark_arg, "serve_args": args.serve_arg}
     log("== sparkpack --serve")
     result["sparkpack"] = measure(spark_server(args), turns, args)
     log("== one-shot spark-run -p")
