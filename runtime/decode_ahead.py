@@ -90,11 +90,17 @@ class AheadSteps:
                 session.reset()
             raise
         self.settle()
-        self.queued = account
         if ahead is not None:
             session.fed.append(tok)
-            session.timing.ahead_steps += 1
+            self.launched(account)
         return tok, ahead
+
+    def launched(self, account: str) -> None:
+        """A step feeding the token just read (and appended to ``fed``) was launched before the
+        read: ``account`` ("decode", or "capture" for a step that captured again) says where its
+        time goes once its logits are used (``settle``)."""
+        self.queued = account
+        self.session.timing.ahead_steps += 1
 
     def settle(self) -> None:
         """Count the step launched ahead last (its token was read, or its logits are about to be:

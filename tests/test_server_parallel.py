@@ -412,3 +412,35 @@ def test_steps_launched_before_their_tokens_are_read_change_no_token(synth_model
     fed = next(s for s in sessions if s.fed[:4] == [3, 14, 15, 92]).fed
     # launched before it was read in a batched step ahead; else fed only by the plain step that read it
     assert fed == [3, 14, 15, 92, *first[:cut], stop] if batched else fed == [3, 14, 15, 92, *first[:cut]]
+
+
+def test_a_prompt_fed_over_several_steps_with_nothing_decoding_runs_no_empty_step(synth_model, caplog):
+    """While a prompt is fed a few calls a step and no sequence decodes, a step has no rows: the
+    batched step launched ahead must not run (it failed on an empty batch and logged a traceback
+    per call of every long prompt on the GPU). The reply is the serial engine's."""
+    import logging
+
+    from sparkpack.runtime.generate import Session
+    from sparkpack.runtime.graph import BatchGraphs
+    from sparkpack.runtime.models import load_model
+    from sparkpack.runtime.options import SamplingOptions
+    from sparkpack.runtime.server.engine import Engine, Job
+    from sparkpack.runtime.server.parallel import ParallelEngine
+
+    model = load_model(synth_model("qwen3moe"))
+    prompt = list(range(40, 70))
+
+    def reply(engine) -> Sink:
+        sink = Sink()
+        engine.submit(Job(prompt, 5, SamplingOptions(temperature=0), sink))
+        assert sink.done.wait(120)
+        engine.close()
+        return sink
+
+    serial = reply(Engine(Session(model, prefill_chunk=4), frozenset()))
+    engine = ParallelEngine([Session(model, prefill_chunk=4) for _ in range(2)], frozenset(), step_tokens=4)
+    engine.graphs = BatchGraphs(model, capture=False)
+    with caplog.at_level(logging.ERROR, logger="sparkpack.server"):
+        together = reply(engine)
+    assert together.tokens == serial.tokens and together.outcome.finish == "length"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

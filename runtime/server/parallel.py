@@ -93,8 +93,8 @@ class Running:
     decode0: float = 0.0  # the session's decode time when the request joined
     greedy: int | None = None  # argmax of ``logits`` when the batched step already took it
     clock: SplitClock | None = None
-    ahead: AheadSteps | None = None  # while it decodes alone, its steps launched ahead (``_pick_ahead``)
-    read_at: float = 0.0  # when its last token was read (a step launched ahead is timed from there)
+    # while its steps are launched ahead (``_pick_ahead``, ``_step_ahead``): their reads and timing
+    ahead: AheadSteps | None = None
 
     @property
     def plain_greedy(self) -> bool:
@@ -242,7 +242,7 @@ class ParallelEngine(Engine):
         outcome.prefill_seconds = session.timing.prefill_seconds - j.prefill0
         outcome.finish = "length"
         r = Running(job, session, outcome, self.sampler(job), logits, list(session.fed),
-                    decode0=session.timing.decode_seconds, clock=j.clock, read_at=time.perf_counter())
+                    decode0=session.timing.decode_seconds, clock=j.clock)
         with self._lock:
             self._joining.remove(j)
             self._flight.append(r)
@@ -307,7 +307,7 @@ class ParallelEngine(Engine):
         launched before the tokens are read where it can be (``_step_ahead``; a sequence decoding
         alone: its own step, ``_pick_ahead``)."""
         alone = len(self._flight) == 1
-        if not alone and self._step_ahead():
+        if len(self._flight) > 1 and self._step_ahead():
             return
         going: list[tuple[Running, int]] = []
         for r in list(self._flight):
@@ -340,12 +340,10 @@ class ParallelEngine(Engine):
                 self._failed(r, e)
             return
         self.batch_sizes[len(going)] += 1
-        now = time.perf_counter()
         for i, (r, _) in enumerate(going):
             r.logits = logits[i]
             r.greedy = greedy[i] if greedy is not None and r.plain_greedy else None
-            r.read_at = now  # (its next step launched ahead is timed from here)
-            if r.ahead is not None:
+            if r.ahead is not None:  # (its next step launched ahead is timed from here)
                 r.ahead.fed_now()
 
     def _step_ahead(self) -> bool:
@@ -354,10 +352,12 @@ class ParallelEngine(Engine):
         decode: the host's work on the tokens (each client's stream, the prompts that join, this
         loop's next turn) overlaps the step instead of leaving the GPU idle, the tokens and logits
         those of the plain path (the same picks, the same captured step). A token read that ends
-        its reply (a stop) has been fed, as in the serial engine. Each row's step is timed from
-        its previous token read to this one (prompt calls run between them included). Only where
-        the step is captured (``graphs``), every row's pick needs nothing of the host and none
-        takes its last token by length (its step would be wasted); False: the plain path."""
+        its reply (a stop) has been fed, as in the serial engine. Each row's steps are timed as
+        ``AheadSteps`` times them: from one token read to the next, once the step's logits are
+        used (the prompt calls run between them included; a joining prompt's call, which waits
+        for the device, includes the rest of the step). Only where the step is captured
+        (``graphs``), every row's pick needs nothing of the host and none takes its last token by
+        length (its step would be wasted); False: the plain path."""
         rows = sorted(self._flight, key=lambda r: self.sessions.index(r.session))  # a set: one graph
         if self.graphs is None or any(r.outcome.completion_tokens + 1 >= r.job.max_new for r in rows):
             return False
@@ -366,9 +366,8 @@ class ParallelEngine(Engine):
             return False
         for r in rows:
             r.greedy = None  # (an argmax the plain step read already: taken again on the device, the same token)
-            if r.ahead is not None:  # it decoded alone until now: its last step launched ahead is counted
-                r.ahead.settle()
-                r.ahead, r.read_at = None, time.perf_counter()
+            if r.ahead is None:
+                r.ahead = AheadSteps(r.session, r.logits.device)
         try:
             tokens = torch.cat([pick(r.logits).reshape(1) for pick, r in zip(picks, rows)])
             host = torch.empty(len(rows), dtype=torch.long, pin_memory=tokens.is_cuda)
@@ -387,17 +386,13 @@ class ParallelEngine(Engine):
             for r in rows:
                 self._failed(r, e)
             return True
-        capturing, now = self.graphs.captures != captures, time.perf_counter()
+        account = "capture" if self.graphs.captures != captures else "decode"  # (captures: out of the decode rate)
         self.batch_sizes[len(rows)] += 1
         for i, (r, tok) in enumerate(zip(rows, ids)):
-            timing = r.session.timing
+            r.ahead.settle()  # the step these tokens were picked from, launched last time, if it was
             r.session.fed.append(tok)
-            if capturing:  # kept out of the decode rate, as a session keeps its own captures
-                timing.capture_seconds += now - r.read_at
-            else:
-                timing.decode_tokens += 1
-                timing.decode_seconds += now - r.read_at
-            r.read_at, r.logits = now, logits[i]
+            r.ahead.launched(account)
+            r.logits = logits[i]
             try:
                 goes = self._report(r, tok)
             except Exception as e:  # a bug, a sink gone wrong: this request fails, the others go on
