@@ -52,9 +52,8 @@ class AheadSteps:
 
     def __init__(self, session: Decoding, device: torch.device):
         self.session = session
-        on_cuda = device.type == "cuda"
-        self.host = torch.empty(1, dtype=torch.long, pin_memory=on_cuda)
-        self.stream = torch.cuda.current_stream(device) if on_cuda else None
+        self.host: torch.Tensor | None = None  # (made at the first read: a batched step reads its own)
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self.last = time.perf_counter()  # when the previous token was read (or a feed returned)
         self.queued: str | None = None  # the timing account of the step launched ahead last, not yet read
 
@@ -70,6 +69,8 @@ class AheadSteps:
         token = pick(logits).reshape(1)
         ready = None
         if self.stream is not None:
+            if self.host is None:
+                self.host = torch.empty(1, dtype=torch.long, pin_memory=True)
             self.host.copy_(token, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(self.stream)
@@ -80,7 +81,7 @@ class AheadSteps:
             if ahead is not None:  # a step that captured again (after KV growth) is no decode step
                 account = "capture" if session.graph.captures != captures else "decode"
         try:
-            if ready is not None:
+            if ready is not None and self.host is not None:
                 ready.synchronize()  # the token, not the step queued behind it
                 tok = int(self.host[0])
             else:
