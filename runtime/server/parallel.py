@@ -313,14 +313,13 @@ class ParallelEngine(Engine):
         for r in list(self._flight):
             try:
                 tok, ahead = self._pick_ahead(r) if alone else (self._next_token(r), None)
-                goes = self._report(r, tok)
-            except Exception as e:  # a bug, a sink gone wrong: this request fails, the others go on
+            except Exception as e:  # a bug, a sampler gone wrong: this request fails, the others go on
                 log.exception("request failed")
                 self._failed(r, e)
                 continue
-            if not goes:
-                self._leave(r)
-            elif ahead is not None:  # its step runs already
+            if not self._goes_on(r, tok):
+                continue
+            if ahead is not None:  # its step runs already
                 r.logits = ahead
                 self.batch_sizes[1] += 1
             else:
@@ -393,15 +392,21 @@ class ParallelEngine(Engine):
             r.session.fed.append(tok)
             r.ahead.launched(account)
             r.logits = logits[i]
-            try:
-                goes = self._report(r, tok)
-            except Exception as e:  # a bug, a sink gone wrong: this request fails, the others go on
-                log.exception("request failed")
-                self._failed(r, e)
-                continue
-            if not goes:
-                self._leave(r)
+            self._goes_on(r, tok)
         return True
+
+    def _goes_on(self, r: Running, tok: int) -> bool:
+        """``_report`` of ``r``'s next token ``tok``; a request that ends there leaves, one whose
+        report fails (a sink gone wrong) fails, the others going on."""
+        try:
+            goes = self._report(r, tok)
+        except Exception as e:  # a bug, a sink gone wrong: this request fails, the others go on
+            log.exception("request failed")
+            self._failed(r, e)
+            return False
+        if not goes:
+            self._leave(r)
+        return goes
 
     def _report(self, r: Running, tok: int) -> bool:
         """``r``'s next token ``tok``, reported to its client: whether ``r`` goes on (else its
