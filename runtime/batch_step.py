@@ -57,7 +57,7 @@ def launch_together(sessions: Sequence[Session], tokens: torch.Tensor, graphs: B
     """``decode_together`` for token ids still on the device (``tokens [B]``, distinct sessions of
     ``graphs``' model): the captured batched step launched and not waited for, its logits
     ``[B, n_vocab]``. The caller appends each token to its session's ``fed`` once it has read it,
-    and times the step (from one token read to the next: ``server.parallel``'s step ahead)."""
+    and times the step (from one token read to the next: ``server.running``'s step ahead)."""
     sessions[0].model.experts.routing_side(GENERATED)
     return graphs.step(tokens, [s.cache for s in sessions])
 

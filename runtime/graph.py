@@ -406,7 +406,7 @@ class BatchGraphs:
     """Batched decode steps (``MoEModel.rows_logits``: one token of each of several sequences) of
     fixed sets of caches, one CUDA graph per set: a ``--parallel`` server's sessions keep their
     caches, so the sets that decode together are few (its subsets, in the order the caller keeps
-    them: ``server.parallel.ParallelEngine`` orders the rows by session). A set's first step runs
+    them: ``server.running.RunningList`` orders the rows by session). A set's first step runs
     eagerly and is captured, later ones replay. The token ids and positions are read from device
     memory (one position per row: the sequences are at different positions), so a step is the
     kernels of the eager batched step, which gives each row its sequence's single step bit for

@@ -211,11 +211,11 @@ def test_engine_in_process(synth_model, arch):
     serial = run(Engine(Session(model), frozenset()))
     engine = ParallelEngine([Session(model) for _ in range(3)], frozenset())
     together = run(engine, fail=1)
-    assert max(engine.batch_sizes) == 3  # (the jobs queued while the first one's prompt was computed)
+    assert max(engine.rows.batch_sizes) == 3  # (the jobs queued while the first one's prompt was computed)
     if cuda:
-        assert engine.graphs is not None and engine.graphs.captures > 0 and engine.graphs.replays > 0
+        assert engine.rows.graphs is not None and engine.rows.graphs.captures > 0 and engine.rows.graphs.replays > 0
     else:
-        assert engine.graphs is None  # (the CPU's batched step runs eagerly)
+        assert engine.rows.graphs is None  # (the CPU's batched step runs eagerly)
     for i, (s, t) in enumerate(zip(serial, together)):
         if i == 1:
             assert t.outcome.finish == "error" and t.tokens == s.tokens[:3]
@@ -384,7 +384,7 @@ def test_steps_launched_before_their_tokens_are_read_change_no_token(synth_model
             s.graph = EagerStep(s, room=1 << 20)
         engine = ParallelEngine(sessions, stop_ids)
         if batched:
-            engine.graphs = BatchGraphs(model, capture=False)
+            engine.rows.graphs = BatchGraphs(model, capture=False)
         return engine, sessions
 
     # a reply of 16 tokens joined at its 3rd by one of 6: together, then the first alone again
@@ -394,7 +394,7 @@ def test_steps_launched_before_their_tokens_are_read_change_no_token(synth_model
     together = run(engine, long, short, at=2)
     for s, t in zip(serial, together):
         assert (t.tokens, t.outcome.finish) == (s.tokens, s.outcome.finish) == (s.tokens, "length"), (s.tokens, t.tokens)
-    assert engine.batch_sizes[2] > 0 and sum(s.timing.ahead_steps for s in sessions) > 0
+    assert engine.rows.batch_sizes[2] > 0 and sum(s.timing.ahead_steps for s in sessions) > 0
     alone_again = next(s for s in sessions if s.fed[:3] == [61, 62, 63])
     assert 3 + 14 in alone_again.graph.positions  # its 15th token's step, after the other reply ended
 
@@ -439,7 +439,7 @@ def test_a_prompt_fed_over_several_steps_with_nothing_decoding_runs_no_empty_ste
 
     serial = reply(Engine(Session(model, prefill_chunk=4), frozenset()))
     engine = ParallelEngine([Session(model, prefill_chunk=4) for _ in range(2)], frozenset(), step_tokens=4)
-    engine.graphs = BatchGraphs(model, capture=False)
+    engine.rows.graphs = BatchGraphs(model, capture=False)
     with caplog.at_level(logging.ERROR, logger="sparkpack.server"):
         together = reply(engine)
     assert together.tokens == serial.tokens and together.outcome.finish == "length"
