@@ -82,7 +82,7 @@ class AttentionRows:
 def _blocked(tmp: torch.Tensor, t: torch.Tensor, row0: int, rows: int, out: bool) -> None:
     """Between ``t``'s rows ``[row0, row0 + rows)`` (``[H, rows, d]``) and ``tmp [k, H, block, d]``
     (whole blocks, then a partial one): ``out`` from ``t`` into ``tmp``, else back."""
-    H, B = t.shape[0], tmp.shape[2]
+    B = tmp.shape[2]
     whole, rest = divmod(rows, B)
     pairs = []
     if whole:
