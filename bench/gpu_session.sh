@@ -29,8 +29,9 @@
 # presets: side-by-side on the laguna-xs2 and qwen3-30b-a3b shapes (llama-bench built in the background
 #   while the first model is written, unless already built on a machine still warm).
 # serve: served agent session next to llama-server at --vram 14GiB (bench/serve_bench.py, prompts from
-#   .device/corpus/agent_prompts); SERVE_ARGS adds options (--spark-arg=X: both of ours, --serve-arg=X: the server only,
-#   e.g. --serve-arg=--parallel=1 next to the default --parallel 4).
+#   .device/corpus/agent_prompts); SERVE_ARGS adds options (--spark-arg=X: both of ours, --serve-arg=X: the server only;
+#   --vram 100GiB: every expert on the GPU); SERVE_PARALLEL="default 1" runs it for the default server and for
+#   --parallel 1, one after the other (the second's files in $OUT/parallel_1).
 # parallel: concurrent requests (issue 46): bench/parallel_bench.py, --parallel 4 next to llama-server -np 4.
 # batchprof: how a batched decode step scales with its rows (bench/profile_decode.py --batch 1 2 4): the captured
 #   step's time and each kernel's device time per step, all-GPU and at BATCH_HOT (0.6) of the experts hot.
@@ -193,7 +194,12 @@ for step in $steps; do
       done ;;
     serve)
       ensure_model "$model" qwen35moe qwen3.6-35b-a3b
-      python3 bench/serve_bench.py "$model" --prompts .device/corpus/agent_prompts --out "${OUT:-$work}" ${SERVE_ARGS:-} ;;
+      for par in ${SERVE_PARALLEL:-default}; do  # e.g. SERVE_PARALLEL="default 1": the default server and --parallel 1
+        out="${OUT:-$work}" extra=""
+        if [ "$par" != default ]; then out="$out/parallel_$par" extra="--serve-arg=--parallel=$par"; fi
+        echo "== served session, --parallel $par"
+        python3 bench/serve_bench.py "$model" --prompts .device/corpus/agent_prompts --out "$out" $extra ${SERVE_ARGS:-}
+      done ;;
     parallel)
       # issue 46: 1, 2 and 4 streams at once and a short request during a long reply, spark-run --serve
       # --parallel 4 next to llama-server -np 4 when built (bench/parallel_bench.py); PAR_VRAM: all (default) or a budget.
