@@ -1,5 +1,5 @@
 """One generated token for each of several sessions in one batched forward (``MoEModel.decode_batch``):
-what a server decoding several sequences at once (``runtime.server.parallel``) steps them with.
+what a server decoding several sequences at once (``runtime.server.running``) steps them with.
 
 Each session keeps its own sequence (its cache, its fed tokens); a row of the step's logits is bit
 for bit what that session's ``feed(fed + [token])`` gives alone, so a session can go on alone, or

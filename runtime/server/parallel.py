@@ -46,8 +46,8 @@ from ..generate import PromptFeed, Session
 from ..options import DEFAULT_STEP_TOKENS
 from .engine import BetweenRequests, Engine, Job, Outcome, own_sampler, reset_after_failure
 from .metrics import PREFIX
-from .running import Running, RunningList
 from .request_split import SplitClock
+from .running import Running, RunningList
 
 if TYPE_CHECKING:
     from ..sampling import Sampler
