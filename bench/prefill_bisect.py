@@ -17,6 +17,11 @@ decode (``decode_bench``'s loop) and, with ``--profile``, the device time per ke
 step, so a commit that slows one kernel is named; ``--batch`` adds the captured batched decode
 step of each size (``profile_decode.batch_steps``: a ``--parallel`` step, a verify's rows), with
 its kernels under ``--profile``. Packing a branch beside main compares a kernel change on both.
+
+``--spark-run ARGS --prompt-file F`` measures instead what a user runs: each commit's own
+``spark-run MODEL -p "$(cat F)" --temperature 0 --no-learn ARGS`` (e.g. ``--vram 14GiB``: decode
+at partial residency, whose options have changed less across commits than the runtime's
+internals), its decode and prefill tok/s from ``--stats-json``.
 """
 from __future__ import annotations
 
@@ -131,6 +136,28 @@ def measure(model_path: Path, tokens: list[int], profile_prompt: bool, batch: li
     return out
 
 
+def one_shot(model_path: Path, tree: Path, prompt_file: Path, spark_args: list[str], timeout: float) -> dict:
+    """``tree``'s ``spark-run -p`` on the prompt in ``prompt_file`` (its stats), checking that the
+    tree's runtime ran."""
+    import tempfile
+
+    stats = Path(tempfile.mkstemp(suffix=".json")[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree / "site"), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    code = ("import sys, sparkpack.runtime as r; print('runtime', r.__file__, file=sys.stderr); "
+            "from sparkpack.runtime.cli import main; sys.argv[0] = 'spark-run'; main()")
+    cmd = [sys.executable, "-c", code, str(model_path), "-p", prompt_file.read_text(), "--temperature", "0",
+           "--no-learn", "--stats-json", str(stats), *spark_args]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if p.returncode:
+        raise RuntimeError(p.stderr[-2000:])
+    ran = next((line.split(" ", 1)[1] for line in p.stderr.splitlines() if line.startswith("runtime ")), "")
+    if not ran.startswith(str(tree)):
+        raise SystemExit(f"{tree.name}: imported {ran}, not the tree's runtime")
+    s = json.loads(stats.read_text())
+    stats.unlink()
+    return {k: s.get(k) for k in ("decode_tok_s", "decode_tokens", "prefill_tok_s", "prefill_tokens")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", type=Path)
@@ -143,8 +170,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="*", default=[],
                     help="also time captured batched decode steps of these sizes (e.g. 1 2 4)")
     ap.add_argument("--one", action="store_true", help="(internal) measure this process's commit")
+    ap.add_argument("--spark-run", default=None,
+                    help="measure each commit's spark-run -p with these options instead (one string, e.g. '--vram 14GiB')")
+    ap.add_argument("--prompt-file", type=Path, default=None, help="--spark-run's prompt (a text file)")
     ap.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "prefill_bisect.json")
     args = ap.parse_args()
+    if args.spark_run is not None and args.prompt_file is None:
+        ap.error("--spark-run needs --prompt-file")
     if args.one:
         print(json.dumps(measure(args.model, args.tokens, args.profile, args.batch)), flush=True)
         return
@@ -155,6 +187,19 @@ def main() -> None:
         for tree in order:
             if time.perf_counter() - start > args.budget:
                 print(f"budget of {args.budget:.0f} s spent: {tree.name} round {r + 1} not run", flush=True)
+                continue
+            if args.spark_run is not None:
+                try:
+                    res = one_shot(args.model, tree, args.prompt_file, args.spark_run.split(),
+                                   max(60.0, args.budget + 60 - (time.perf_counter() - start)))
+                except (RuntimeError, subprocess.TimeoutExpired) as e:
+                    print(f"{tree.name} round {r + 1}: failed\n{e}", flush=True)
+                    continue
+                res.update(commit=tree.name, round=r + 1)
+                results.append(res)
+                print(f"{tree.name} round {r + 1}: spark-run -p {args.spark_run}: decode {res['decode_tok_s']:.1f} tok/s "
+                      f"({res['decode_tokens']} tokens), prefill {res['prefill_tok_s']:.1f} tok/s "
+                      f"({res['prefill_tokens']} tokens)", flush=True)
                 continue
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(
                 [str(tree / "site"), *filter(None, [os.environ.get("PYTHONPATH")])]))

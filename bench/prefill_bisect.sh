@@ -5,6 +5,8 @@
 #     writes .device/bisect/NN-HASH.tar (each commit's four package folders) and clears older ones;
 #   on the GPU machine, carrying .device/bisect (and .whl where the steps need it):
 #     bash bench/prefill_bisect.sh run [prefill_bisect.py options, e.g. --rounds 1 --profile]
+#     (or each commit's one-shot spark-run: run --spark-run "--vram 14GiB --max-tokens 256"
+#      --prompt-file .device/corpus/agent_prompts/codex_gpt5_codex.md)
 #     unpacks each commit under /var/tmp/sparkpack-bisect, reuses (or synthesizes) the gpu_session
 #     model, and prints one line per commit and round; JSON to $OUT/prefill_bisect.json.
 set -euo pipefail
