@@ -77,6 +77,9 @@ class RunningList:
         self.batch_sizes: Counter[int] = Counter()  # batched steps run, by their number of sequences
         self.rows: list[Running] = []
         self._lock = threading.Lock()  # (``cancel_all`` reads the list from another thread)
+        # the tokens of a step launched ahead are read into it (a row per session; read before the
+        # next step's are copied in, so one buffer serves every step)
+        self._host: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -190,7 +193,9 @@ class RunningList:
                 r.ahead = AheadSteps(r.session, r.logits.device)
         try:
             tokens = torch.cat([pick(r.logits).reshape(1) for pick, r in zip(picks, rows)])
-            host = torch.empty(len(rows), dtype=torch.long, pin_memory=tokens.is_cuda)
+            if self._host is None:
+                self._host = torch.empty(len(self.sessions), dtype=torch.long, pin_memory=tokens.is_cuda)
+            host = self._host[:len(rows)]
             host.copy_(tokens, non_blocking=True)
             ready = None
             if tokens.is_cuda:
