@@ -63,8 +63,8 @@ class HotSetMover:
             return 0
         store = self.store
         store.flush()  # counts read so far were served by the hot set as it was
+        store.tables.wait_sent()  # (the flush may have queued an upload of the table settle rewrites)
         store.misses.settle()
-        store.tables.wait_sent()
         slots, U, pool, cold = store.slots, store.unit, store.pool, store.cold
         for p, _ in pairs:  # a promoted expert held in a cache slot leaves it
             if slots.slot_of[p] >= 0:

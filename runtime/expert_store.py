@@ -174,8 +174,9 @@ class ExpertStore(ExpertProvider):
 
     def routing_side(self, side: str) -> None:
         """The calls from now on run tokens of ``side``. An all-hot store's counts of the other
-        side, still on the device, are read first (only when a learner needs them apart: the
-        session has just read a result of theirs, so the device is idle)."""
+        side, still on the device, are read first (only when a learner needs them apart; the read
+        waits for a decode step launched ahead, one step at most: a prompt joining a ``--parallel``
+        server's running sequences)."""
         if side not in SIDES:
             raise ValueError(f"side must be one of {SIDES}, got {side!r}")
         if side != self.side and self.counts.unread and self.observer is not None:
