@@ -414,6 +414,36 @@ def test_steps_launched_before_their_tokens_are_read_change_no_token(synth_model
     assert fed == [3, 14, 15, 92, *first[:cut], stop] if batched else fed == [3, 14, 15, 92, *first[:cut]]
 
 
+def test_every_step_launched_ahead_is_in_the_batch_histogram(synth_model):
+    """/metrics' batch-size histogram counts each step that ran, the one launched ahead with a stop
+    token fed included (the batched step launched ahead counted it, a lone sequence's did not)."""
+    from sparkpack.runtime.generate import Session
+    from sparkpack.runtime.models import load_model
+    from sparkpack.runtime.options import SamplingOptions
+    from sparkpack.runtime.server.engine import Engine, Job
+    from sparkpack.runtime.server.parallel import ParallelEngine
+    from tests.decode_steps import EagerStep
+
+    model = load_model(synth_model("qwen3moe"))
+    prompt, greedy = [3, 14, 15, 92], SamplingOptions(temperature=0)
+    free = Sink()
+    serial = Engine(Session(model), frozenset())
+    serial.submit(Job(prompt, 9, greedy, free))
+    assert free.done.wait(60)
+    serial.close()
+    stop = free.tokens[4]  # (a token first seen mid-reply stops it there)
+    assert stop not in free.tokens[:4]
+    session = Session(model)
+    session.graph = EagerStep(session, room=1 << 20)
+    engine = ParallelEngine([session], frozenset([stop]))
+    sink = Sink()
+    engine.submit(Job(prompt, 9, greedy, sink))
+    assert sink.done.wait(60)
+    engine.close()
+    assert sink.tokens == free.tokens[:4] and sink.outcome.finish == "stop"
+    assert session.timing.ahead_steps == 5 and dict(engine.rows.batch_sizes) == {1: 5}
+
+
 def test_a_prompt_fed_over_several_steps_with_nothing_decoding_runs_no_empty_step(synth_model, caplog):
     """While a prompt is fed a few calls a step and no sequence decodes, a step has no rows: the
     batched step launched ahead must not run (it failed on an empty batch and logged a traceback

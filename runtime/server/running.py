@@ -141,11 +141,12 @@ class RunningList:
                 log.exception("request failed")
                 self.fail(r, e)
                 continue
+            if ahead is not None:  # its step runs already (counted as a batched step's is, stop or not)
+                self.batch_sizes[1] += 1
             if not self._goes_on(r, tok):
                 continue
-            if ahead is not None:  # its step runs already
+            if ahead is not None:
                 r.logits = ahead
-                self.batch_sizes[1] += 1
             else:
                 going.append((r, tok))
         if not going:
