@@ -173,7 +173,9 @@ def scan_header(buf: memoryview | bytes, where: object, *, file_size: int | None
         offset = cur.unpack("<Q", f"tensor {label} offset")
         raw.append((name, tuple(int(d) for d in shape), qtype, offset))
     data_offset = -(-cur.pos // alignment) * alignment
-    if data_offset > size:
+    # (a file without tensors, such as a vocab-only GGUF, may end before the alignment padding:
+    # ggml and gguf-py read it, as an empty data section)
+    if raw and data_offset > size:
         raise FormatError(where, f"the tensor data section would start at byte {data_offset}, past the end of "
                                  f"the file ({size} bytes): the file is truncated")
     tensors = [_tensor(where, name, shape, qtype, offset, alignment, data_offset, size)

@@ -120,3 +120,26 @@ def test_fifo_is_refused_without_blocking(tmp_path):
     os.mkfifo(fifo)
     r = _open_in_child(fifo)
     assert r.returncode == 1 and "is a FIFO" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_vocab_only_file_without_padding_opens(synth_model, tmp_path):
+    """llama.cpp ships tokenizers as GGUFs without tensors (models/ggml-vocab-*.gguf) that end right
+    after their header, before the alignment padding: ggml and gguf-py read them (an empty data
+    section), so we do; a file with tensors cut there is still truncated (``HOSTILE``)."""
+    src = GGUFModel(synth_model("qwen3moe"))
+    path = tmp_path / "vocab.gguf"
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+        value = src.get(key)
+        w.add_array(key, value) if isinstance(value, list) else w.add_string(key, value)
+    w.add_string("general.name", "vocab")  # (last: its bytes end the header, and none is zero)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    path.write_bytes(path.read_bytes().rstrip(b"\0"))
+    ref = gguf.GGUFReader(path)
+    assert ref.data_offset > path.stat().st_size and not ref.tensors  # (the padding is not there)
+    model = GGUFModel(path)
+    assert not model.tensors and model.get("general.name") == "vocab"
+    assert model.get("tokenizer.ggml.tokens") == src.get("tokenizer.ggml.tokens")
