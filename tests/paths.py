@@ -24,3 +24,21 @@ def sdist_candidates() -> list[Path]:
     if cache.is_dir():
         found += sorted(cache.rglob("llama_cpp_python-*.tar.gz"))
     return found
+
+
+def llama_cpp_model_file(name: str) -> bytes | None:
+    """llama.cpp's ``models/NAME`` (its vocabulary-only GGUFs and their tokenizer test vectors)
+    from the first source package that has it; None where none does."""
+    import tarfile
+
+    for source in sdist_candidates():
+        if source.is_dir():
+            found = next(source.rglob(f"models/{name}"), None)
+            if found is not None:
+                return found.read_bytes()
+        elif source.is_file():
+            with tarfile.open(source) as tar:
+                member = next((m for m in tar if m.name.endswith(f"/models/{name}")), None)
+                if member is not None:
+                    return tar.extractfile(member).read()
+    return None

@@ -142,24 +142,15 @@ def test_a_schema_the_library_cannot_compile_is_a_grammar_error(synth_model, sch
 
 def real_vocab(tmp_path, name: str) -> GGUFTokenizer:
     """A real model's tokenizer: llama.cpp's vocabulary-only GGUF (``models/ggml-vocab-NAME.gguf``)
-    from the llama-cpp-python source package the README's test command downloads. Those files end
-    without the alignment padding before their (empty) tensor data, which is added here."""
-    import tarfile
+    from the llama-cpp-python source package the README's test command downloads."""
+    from tests.paths import SDIST_HINT, llama_cpp_model_file
 
-    from tests.paths import SDIST_HINT, sdist_candidates
-
-    for source in sdist_candidates():
-        found = next(source.rglob(f"models/{name}"), None) if source.is_dir() else None
-        data = found.read_bytes() if found is not None else None
-        if source.is_file():
-            with tarfile.open(source) as tar:
-                member = next((m for m in tar if m.name.endswith(f"/models/{name}")), None)
-                data = tar.extractfile(member).read() if member is not None else None
-        if data is not None:
-            path = tmp_path / name
-            path.write_bytes(data + bytes(-len(data) % 32 + 32))
-            return GGUFTokenizer.from_metadata(GGUFModel(path))
-    pytest.skip(SDIST_HINT)
+    data = llama_cpp_model_file(name)
+    if data is None:
+        pytest.skip(SDIST_HINT)
+    path = tmp_path / name
+    path.write_bytes(data)
+    return GGUFTokenizer.from_metadata(GGUFModel(path))
 
 
 @pytest.mark.slow

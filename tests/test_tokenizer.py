@@ -194,3 +194,25 @@ def test_converted_gguf_matches_its_hf_tokenizer(tiny_hf_gguf):
     for text in TEXTS:
         assert tok.encode(text) == hf.encode(text, add_special_tokens=False).ids, text
     assert tok.decode(hf.encode(TEXTS[6]).ids, skip_special=True) == hf.decode(hf.encode(TEXTS[6]).ids)
+
+
+@pytest.mark.parametrize("vocab", ["qwen2", "qwen35"])
+def test_real_vocabularies_give_llama_cpps_own_test_ids(vocab, tmp_path):
+    """llama.cpp's tokenizer test vectors (``models/ggml-vocab-NAME.gguf.inp`` / ``.out``, what its
+    test-tokenizer-0 checks): Qwen2's BPE (Qwen3-30B-A3B's) and the qwen35 pre-tokenizer on real
+    vocabularies, every text to the ids llama.cpp expects, edge cases of whitespace, digits,
+    accents, emoji and scripts included."""
+    from sparkpack.formats.gguf_file import GGUFModel
+    from tests.paths import SDIST_HINT, llama_cpp_model_file
+
+    name = f"ggml-vocab-{vocab}.gguf"
+    files = [llama_cpp_model_file(name + end) for end in ("", ".inp", ".out")]
+    if any(f is None for f in files):
+        pytest.skip(SDIST_HINT)
+    (tmp_path / name).write_bytes(files[0])
+    tok = GGUFTokenizer.from_metadata(GGUFModel(tmp_path / name))
+    texts = files[1].decode().split("\n__ggml_vocab_test__\n")
+    expected = [[int(t) for t in line.split()] for line in files[2].decode().split("\n")]
+    assert len(texts) == len(expected) > 40
+    for text, ids in zip(texts, expected):
+        assert tok.encode(text) == ids, text
