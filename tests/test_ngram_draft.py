@@ -77,8 +77,10 @@ def test_accepted_prefix() -> None:
 
 def test_bench_replays_real_assistant_turns(synth_model) -> None:
     """bench/ngram_acceptance.py on the repo's agent sessions (and lucebox-hub's agent prompts with
-    their SWE-bench gold patches, when ../shared has them): every target token is replayed once,
-    steps take one to k+1 tokens, and accepted tokens are drafted ones."""
+    their SWE-bench gold patches, when ../shared has them): the runtime's drafting loop replayed on
+    fixed text. Every token after a target's first is one plain step's or one verify's (its kept
+    drafts and its own token); drafts are at most ``--draft-tokens`` long; at equal step costs the
+    speed-up is the tokens per step."""
     import json
     import subprocess
     import sys
@@ -87,21 +89,45 @@ def test_bench_replays_real_assistant_turns(synth_model) -> None:
     repo = Path(__file__).resolve().parents[1]
     lucebox = repo.parent / "shared" / "corpora" / "lucebox-hub"
     args = [sys.executable, str(repo / "bench" / "ngram_acceptance.py"), str(synth_model("qwen35moe")),
-            "--corpus", str(repo / "corpora"), "--k", "1", "4", "--json"]
+            "--corpus", str(repo / "corpora"), "--draft-tokens", "1", "4", "--ngram", "1:3", "2:4",
+            "--step-ms", "flat=1,1,1,1,1", "--step-ms", "dear=1,9,9,9,9", "--json"]
     sources = 1
     if (lucebox / "bench_agent.jsonl").is_file():
         args += ["--lucebox", str(lucebox)]
-        sources += 1
+        sources += 2  # the fixes as diffs and as edit calls
     out = json.loads(subprocess.run(args, capture_output=True, text=True, check=True, timeout=600).stdout)
     assert out["synthetic_tokenizer"] is True
     rows = out["rows"]
-    assert {r["k"] for r in rows} == {1, 4} and len({r["source"] for r in rows}) == sources
+    assert {r["draft_tokens"] for r in rows} == {1, 4} and len({r["source"] for r in rows}) == sources
+    assert len(rows) == sources * 4
     for r in rows:
-        assert r["targets"] > 0 and r["tokens"] > 0
-        assert r["tokens"] / (r["k"] + 1) <= r["steps"] <= r["tokens"]
-        assert r["accepted"] <= r["drafted"] <= r["k"] * r["steps"]
-        # a step takes its kept drafts and one token of its own, except where a target ends on a draft
-        assert r["steps"] + r["accepted"] - r["targets"] <= r["tokens"] <= r["steps"] + r["accepted"]
-    by = {(r["source"], r["k"]): r for r in rows}
-    for source in {r["source"] for r in rows}:  # the same text whatever k
-        assert by[source, 1]["tokens"] == by[source, 4]["tokens"]
+        verifies = {int(d): c for d, c in r["verifies"].items()}
+        assert r["targets"] > 0 and r["tokens"] > r["targets"]
+        assert max(verifies, default=0) <= r["draft_tokens"]
+        assert r["drafted"] == sum(d * c for d, c in verifies.items()) and r["accepted"] <= r["drafted"]
+        steps = r["plain_steps"] + sum(verifies.values())
+        assert r["tokens"] == r["targets"] + steps + r["accepted"]
+        assert r["speedup"]["flat"] == pytest.approx(r["tokens_per_step"])
+        assert r["speedup"]["dear"] <= 1.0  # a verify dearer than any run of drafts never pays
+        if verifies:
+            assert r["break_even"] == pytest.approx((r["tokens"] - r["targets"] - r["plain_steps"]) / sum(verifies.values()))
+    by = {(r["source"], r["ngram"], r["draft_tokens"]): r for r in rows}
+    for source in {r["source"] for r in rows}:  # the same text whatever the drafting
+        assert len({by[source, n, k]["tokens"] for n in ("1:3", "2:4") for k in (1, 4)}) == 1
+
+
+def test_a_fix_as_edit_calls_quotes_what_it_replaces() -> None:
+    """The bench's second form of a gold patch: one Edit call a hunk, old string = context and
+    removed lines, new string = context and added lines."""
+    import json
+
+    from bench.ngram_acceptance import patch_as_edits
+
+    patch = ("diff --git a/pkg/mod.py b/pkg/mod.py\nindex 1..2 100644\n--- a/pkg/mod.py\n+++ b/pkg/mod.py\n"
+             "@@ -1,3 +1,3 @@\n def f(x):\n-    return x\n+    return x + 1\n \n@@ -9,2 +9,3 @@\n a = 1\n+b = 2\n"
+             "\\ No newline at end of file\n")
+    calls = patch_as_edits(patch).split("\n</tool_call>")
+    args = [json.loads(c.split("<tool_call>\n")[1])["arguments"] for c in calls if c.strip()]
+    assert args == [{"file_path": "pkg/mod.py", "old_string": "def f(x):\n    return x\n",
+                     "new_string": "def f(x):\n    return x + 1\n"},
+                    {"file_path": "pkg/mod.py", "old_string": "a = 1", "new_string": "a = 1\nb = 2"}]
