@@ -234,3 +234,94 @@ def test_streaming_keeps_memory_bounded(tmp_path: Path) -> None:
     # interpreter + numpy/gguf baseline is ~100 MiB; holding the tensors would need > the file size
     assert r["peak_rss"] < 200 * 2**20, r
     assert r["peak_rss"] < r["size"] / 2
+
+
+LOW_BIT = ["Q2_K", "Q2_K_S", "Q3_K_S", "Q3_K_M", "Q3_K_L", "IQ3_XXS", "IQ3_S", "IQ3_M", "IQ2_M", "IQ2_S",
+           "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S", "Q4_1", "Q5_1"]
+
+
+def _header_only_f16(path: Path, arch: str, preset: str) -> tuple[list, list]:
+    """An F16 GGUF of ``preset``'s real tensor list (what llama-quantize starts from) whose data is
+    left sparse: written as ``repack synth`` writes, without the bytes. Returns the plan and the
+    F16 mix's types."""
+    import gguf
+
+    from sparkpack.formats.quant_mix import mix_qtypes
+    from sparkpack.formats.quants import tensor_nbytes
+    from sparkpack.repack.synth.metadata import add_metadata
+
+    p = get_preset(arch, preset)
+    plans = tensor_plan(p)
+    qtypes = mix_qtypes([(t.name, t.shape) for t in plans], "F16", p.n_layer, p.n_head[0] // p.n_head_kv)
+    w = gguf.GGUFWriter(str(path), arch)
+    add_metadata(w, p, "F16", 0.0, 0)
+    for t, q in zip(plans, qtypes):
+        w.add_tensor_info(t.name, tuple(reversed(t.shape)), np.dtype(np.float32), tensor_nbytes(t.shape, q), raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    f = w.fout[0]
+    w.write_padding(f, f.tell())
+    align = w.data_alignment
+    f.truncate(f.tell() + sum(n + (-n % align) for n in (tensor_nbytes(t.shape, q) for t, q in zip(plans, qtypes))))
+    w.close()
+    return plans, qtypes
+
+
+@pytest.mark.parametrize("arch, preset", [("qwen35moe", "qwen3.6-35b-a3b"), ("laguna", "laguna-xs2"),
+                                          ("qwen3moe", "qwen3-30b-a3b"), ("qwen35moe", "tiny")])
+def test_llama_quantize_picks_the_types_synth_writes(tmp_path: Path, arch: str, preset: str) -> None:
+    """The referee of every mix: llama.cpp's own llama-quantize (``--dry-run``: the per-tensor
+    types without quantizing) on an F16 file of the preset's real tensors gives each tensor the
+    type ``repack synth --quant`` writes, for every file type synth takes. With an importance
+    matrix, as llama.cpp requires for the IQ1/IQ2 types and the hubs' low-bit files are made
+    (without one, IQ3_XXS keeps more bits in attn_v and ffn_down). Needs a llama.cpp
+    ``llama-quantize`` binary in SPARKPACK_LLAMA_QUANTIZE."""
+    import os
+    import re
+    import struct
+
+    from sparkpack.formats.quant_mix import MIXES, mix_qtypes
+
+    exe = os.environ.get("SPARKPACK_LLAMA_QUANTIZE")
+    if not exe:
+        pytest.skip("SPARKPACK_LLAMA_QUANTIZE is not set (path to a llama.cpp llama-quantize binary); "
+                    "test_quant_blocks checks the rules one by one")
+    f16 = tmp_path / "f16.gguf"
+    plans, _ = _header_only_f16(f16, arch, preset)
+    imatrix = tmp_path / "imatrix.dat"  # (llama.cpp's legacy format: one entry of no tensor here)
+    name = b"unused.weight"
+    imatrix.write_bytes(struct.pack("<ii", 1, len(name)) + name + struct.pack("<iif", 1, 1, 1.0))
+    p = get_preset(arch, preset)
+    line = re.compile(r"\]\s+(\S+)\s+- \[.*?type =\s+(\w+),.*?(?:-> .*\((\w+)\))?\s*$")
+    mixes = [m for m in MIXES if m not in ("F32", "F16", "BF16")]
+    assert set(LOW_BIT) <= set(mixes)
+    for mix in mixes:
+        r = subprocess.run([exe, "--dry-run", "--imatrix", str(imatrix), str(f16), str(tmp_path / "q.gguf"), mix, "1"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (mix, r.stderr[-2000:])
+        theirs = {m.group(1): (m.group(3) or m.group(2)).upper()
+                  for m in map(line.search, (r.stdout + r.stderr).splitlines()) if m}
+        ours = mix_qtypes([(t.name, t.shape) for t in plans], mix, p.n_layer, p.n_head[0] // p.n_head_kv)
+        assert {t.name: q.name for t, q in zip(plans, ours)} == theirs, mix
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_llama_cpp_runs_every_low_bit_file(synth_model, arch: str) -> None:
+    """llama.cpp loads and runs every low-bit file ``repack synth`` writes (the block layouts and
+    types it reads back): a prompt and a few decode steps of ``llama-bench``. Needs a llama.cpp
+    ``llama-bench`` binary in SPARKPACK_LLAMA_BENCH."""
+    import os
+
+    exe = os.environ.get("SPARKPACK_LLAMA_BENCH")
+    if not exe:
+        pytest.skip("SPARKPACK_LLAMA_BENCH is not set (path to a llama.cpp llama-bench binary); "
+                    "test_dequant checks the blocks against gguf-py")
+    for mix in LOW_BIT:
+        path = synth_model(arch, quant=mix)
+        r = subprocess.run([exe, "-m", str(path), "-p", "16", "-n", "4", "-r", "1", "-t", "2", "-o", "json"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (mix, r.stderr[-2000:])
+        rows = json.loads(r.stdout)
+        assert [(row["n_prompt"], row["n_gen"]) for row in rows] == [(16, 0), (0, 4)], mix
+        assert all(row["avg_ts"] > 0 for row in rows), mix
