@@ -17,11 +17,12 @@ the drafting loop of ``runtime.speculative`` is replayed on it with the runtime'
 first token comes from the prompt's logits; then each step either has no draft (a plain decode
 step, one token) or verifies its drafts (the longest prefix equal to the text is kept, plus the
 verify's own token). Counted: plain steps, verify steps by their number of drafts, drafted and
-accepted tokens. Reported: acceptance (accepted / drafted), tokens per step, the share of
-steps that drafted and the verify cost (in plain steps) under which drafting pays; with ``--step-ms LABEL=PLAIN,V1,V2,...`` (a plain step's and a verify of 1, 2,
-... drafts' milliseconds, as ``bench/draft_bench.py`` measures them on the GPU) the speed the
-replay would decode at, as a multiple of plain decode. Drafts longer than the costs given are
-refused: a verify's cost is measured, never extrapolated.
+accepted tokens. Reported: acceptance (accepted / drafted), tokens per step, the share of steps
+that drafted and the verify cost (in plain steps) under which drafting pays; with ``--step-ms
+LABEL=PLAIN,V1,V2,...`` (a plain step's and a verify of 1, 2, ... drafts' milliseconds, as
+``bench/draft_bench.py`` measures them on the GPU) the speed the replay would decode at, as a
+multiple of plain decode. Drafts longer than the costs given are refused: a verify's cost is
+measured, never extrapolated.
 
 Targets:
 

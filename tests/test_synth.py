@@ -256,7 +256,8 @@ def _header_only_f16(path: Path, arch: str, preset: str) -> tuple[list, list]:
     w = gguf.GGUFWriter(str(path), arch)
     add_metadata(w, p, "F16", 0.0, 0)
     for t, q in zip(plans, qtypes):
-        w.add_tensor_info(t.name, tuple(reversed(t.shape)), np.dtype(np.float32), tensor_nbytes(t.shape, q), raw_dtype=q)
+        w.add_tensor_info(t.name, tuple(reversed(t.shape)), np.dtype(np.float32), tensor_nbytes(t.shape, q),
+                          raw_dtype=q)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
