@@ -62,10 +62,18 @@ def test_readme_walkthrough_places_experts_by_the_calibration(tmp_path):
     assert "the pack's placement" in run_line and "expected cold-hit rate" in run_line
     learned = Profile.load(tmp_path / "model.profile.json")  # the runs learned on from the calibration
     assert learned.decay is not None and learned.decay.tokens_seen > sum(prof.tokens.values())
-    # one reply, then /exit (never sent to the model): the chat samples, and a sampled reply may hold
-    # any character, line breaks included, so count the replies by their one stats line each
+    # one reply, then /exit (never sent to the model): the run's prompt tokens are those of the one
+    # "hello" turn (a second turn would add its own). The chat samples, and a sampled reply may hold
+    # any character, line breaks included, so its stdout's lines say nothing
+    from sparkpack.runtime.chat_template import ChatTemplate
+    from sparkpack.runtime.tokenizer import GGUFTokenizer
+
     chat = shown["spark-run model.sparkpack chat"]
-    assert chat.stdout.strip() and chat.stderr.count("[prefill ") == 1, chat.stderr
+    tok = GGUFTokenizer.from_metadata(gguf)
+    turn = ChatTemplate.from_tokenizer(gguf.get("tokenizer.chat_template"), tok).render(
+        [{"role": "user", "content": "hello"}], add_generation_prompt=True)
+    prefilled = re.findall(r"\[prefill (\d+) tok", chat.stderr)
+    assert chat.stdout.strip() and prefilled == [str(len(tok.encode(turn, add_special=False)))], chat.stderr
     assert "skew" in shown["repack inspect"].stdout and "this model" in shown["repack inspect"].stdout
     # calibrate's progress bar ended at its total
     assert re.search(r"replay: 100%", shown["repack calibrate"].stderr)
