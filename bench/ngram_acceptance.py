@@ -132,35 +132,44 @@ class Replay:
                 "speedup": {label: self.speedup(c) for label, c in costs.items()}}
 
 
+HUNK = re.compile(r"^@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
+
+
 def patch_as_edits(patch: str) -> str:
     """A unified diff as an agent writes the same fix: one ``Edit`` tool call a hunk, its old
-    string the hunk's context and removed lines, its new string the context and added ones."""
-    calls, path, old, new = [], None, None, None
-
-    def close() -> None:
-        if old is not None:
-            args = {"file_path": path, "old_string": "\n".join(old), "new_string": "\n".join(new)}
-            calls.append("<tool_call>\n" + json.dumps({"name": "Edit", "arguments": args}) + "\n</tool_call>")
-
-    for line in patch.splitlines():
+    string the hunk's context and removed lines, its new string the context and added ones. A
+    hunk's lines are as many as its header counts (a line of code that starts like a file header,
+    ``-- `` or ``++ ``, is still the hunk's)."""
+    calls, path = [], None
+    lines = patch.split("\n")
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        i += 1
         if line.startswith("+++ "):
-            close()
-            path, old, new = line[4:].removeprefix("b/"), None, None
-        elif line.startswith(("diff --git", "index ", "--- ", "\\")):
+            path = line[4:].removeprefix("b/")
             continue
-        elif line.startswith("@@"):
-            close()
-            old, new = [], []
-        elif old is not None:
-            mark, text = line[:1], line[1:]
+        m = HUNK.match(line)
+        if not m:
+            continue
+        left, right = (int(c) if c is not None else 1 for c in m.groups())
+        old: list[str] = []
+        new: list[str] = []
+        while (left or right) and i < len(lines):
+            mark, text = lines[i][:1], lines[i][1:]
+            i += 1
             if mark in (" ", ""):
                 old.append(text)
                 new.append(text)
+                left, right = left - 1, right - 1
             elif mark == "-":
                 old.append(text)
+                left -= 1
             elif mark == "+":
                 new.append(text)
-    close()
+                right -= 1
+        args = {"file_path": path, "old_string": "\n".join(old), "new_string": "\n".join(new)}
+        calls.append("<tool_call>\n" + json.dumps({"name": "Edit", "arguments": args}) + "\n</tool_call>")
     return "\n".join(calls)
 
 

@@ -119,16 +119,22 @@ def test_bench_replays_real_assistant_turns(synth_model) -> None:
 
 def test_a_fix_as_edit_calls_quotes_what_it_replaces() -> None:
     """The bench's second form of a gold patch: one Edit call a hunk, old string = context and
-    removed lines, new string = context and added lines."""
+    removed lines, new string = context and added lines, a hunk as long as its header says (a
+    removed SQL comment reads like a file header), the file from the last ``+++`` header."""
     import json
 
     from bench.ngram_acceptance import patch_as_edits
 
-    patch = ("diff --git a/pkg/mod.py b/pkg/mod.py\nindex 1..2 100644\n--- a/pkg/mod.py\n+++ b/pkg/mod.py\n"
-             "@@ -1,3 +1,3 @@\n def f(x):\n-    return x\n+    return x + 1\n \n@@ -9,2 +9,3 @@\n a = 1\n+b = 2\n"
-             "\\ No newline at end of file\n")
+    patch = "\n".join([
+        "diff --git a/pkg/mod.py b/pkg/mod.py", "index 1..2 100644", "--- a/pkg/mod.py", "+++ b/pkg/mod.py",
+        "@@ -1,3 +1,3 @@", " def f(x):", "-    return x", "+    return x + 1", " ",
+        "@@ -9 +9,2 @@", " a = 1", "+b = 2", "\\ No newline at end of file",
+        "diff --git a/db/q.sql b/db/q.sql", "--- a/db/q.sql", "+++ b/db/q.sql",
+        "@@ -1,2 +1,2 @@", "--- old comment", "+++ new comment", " select 1;", ""])
     calls = patch_as_edits(patch).split("\n</tool_call>")
     args = [json.loads(c.split("<tool_call>\n")[1])["arguments"] for c in calls if c.strip()]
     assert args == [{"file_path": "pkg/mod.py", "old_string": "def f(x):\n    return x\n",
                      "new_string": "def f(x):\n    return x + 1\n"},
-                    {"file_path": "pkg/mod.py", "old_string": "a = 1", "new_string": "a = 1\nb = 2"}]
+                    {"file_path": "pkg/mod.py", "old_string": "a = 1", "new_string": "a = 1\nb = 2"},
+                    {"file_path": "db/q.sql", "old_string": "-- old comment\nselect 1;",
+                     "new_string": "++ new comment\nselect 1;"}]
