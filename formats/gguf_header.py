@@ -53,7 +53,7 @@ class HeaderIndex:
     fields: dict[str, tuple[int, int]]  # metadata key -> (value type, byte offset of its value), file order
     tensors: list[TensorEntry]  # in index order
     alignment: int
-    data_offset: int  # where the data section starts
+    data_offset: int  # where the data section starts (past the end only in a file without tensors)
 
     def value(self, buf: memoryview | bytes, key: str, where: object = None) -> Any:
         """A metadata value decoded from the walked buffer: int, float, bool, str, or a list of

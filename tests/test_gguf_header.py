@@ -88,8 +88,15 @@ HOSTILE = {
     "unknown tensor type": lambda p: _patch(p, _tensor_info_pos(p, "output_norm.weight") + 8 + 18 + 4 + 8, "<I", 99),
     "tensor past the end": lambda p: _patch(p, tensor_offset_field(p.read_bytes(), "output_norm.weight"), "<Q", 2**40),
     "truncated header": lambda p: p.write_bytes(p.read_bytes()[:4000]),
+    "cut after the tensor index": lambda p: p.write_bytes(p.read_bytes()[:_tensor_index_end(p)]),
     "control characters in a key": lambda p: _rename_key(p, "general.architecture", "general\narch\x00tecture", 77),
 }
+
+
+def _tensor_index_end(path: Path) -> int:
+    """The byte after the last tensor info record (where the alignment padding begins)."""
+    ref = gguf.GGUFReader(path)
+    return max(t.field.offset + sum(part.nbytes for part in t.field.parts) for t in ref.tensors)
 
 
 def _rename_key(path: Path, key: str, new: str, vtype: int) -> None:
