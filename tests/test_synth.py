@@ -240,33 +240,22 @@ LOW_BIT = ["Q2_K", "Q2_K_S", "Q3_K_S", "Q3_K_M", "Q3_K_L", "IQ3_XXS", "IQ3_S", "
            "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S", "Q4_1", "Q5_1"]
 
 
-def _header_only_f16(path: Path, arch: str, preset: str) -> tuple[list, list]:
+def _header_only_f16(path: Path, arch: str, preset: str) -> list:
     """An F16 GGUF of ``preset``'s real tensor list (what llama-quantize starts from) whose data is
-    left sparse: written as ``repack synth`` writes, without the bytes. Returns the plan and the
-    F16 mix's types."""
+    left sparse: ``repack synth``'s header and index, without the bytes. Returns the plan."""
     import gguf
 
     from sparkpack.formats.quant_mix import mix_qtypes
-    from sparkpack.formats.quants import tensor_nbytes
     from sparkpack.repack.synth.metadata import add_metadata
 
     p = get_preset(arch, preset)
     plans = tensor_plan(p)
-    qtypes = mix_qtypes([(t.name, t.shape) for t in plans], "F16", p.n_layer, p.n_head[0] // p.n_head_kv)
     w = gguf.GGUFWriter(str(path), arch)
     add_metadata(w, p, "F16", 0.0, 0)
-    for t, q in zip(plans, qtypes):
-        w.add_tensor_info(t.name, tuple(reversed(t.shape)), np.dtype(np.float32), tensor_nbytes(t.shape, q),
-                          raw_dtype=q)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    f = w.fout[0]
-    w.write_padding(f, f.tell())
-    align = w.data_alignment
-    f.truncate(f.tell() + sum(n + (-n % align) for n in (tensor_nbytes(t.shape, q) for t, q in zip(plans, qtypes))))
+    synth_writer.write_index(w, plans, mix_qtypes([(t.name, t.shape) for t in plans], "F16", p.n_layer,
+                                                  p.n_head[0] // p.n_head_kv))
     w.close()
-    return plans, qtypes
+    return plans
 
 
 @pytest.mark.parametrize("arch, preset", [("qwen35moe", "qwen3.6-35b-a3b"), ("laguna", "laguna-xs2"),
@@ -289,7 +278,7 @@ def test_llama_quantize_picks_the_types_synth_writes(tmp_path: Path, arch: str, 
         pytest.skip("SPARKPACK_LLAMA_QUANTIZE is not set (path to a llama.cpp llama-quantize binary); "
                     "test_quant_blocks checks the rules one by one")
     f16 = tmp_path / "f16.gguf"
-    plans, _ = _header_only_f16(f16, arch, preset)
+    plans = _header_only_f16(f16, arch, preset)
     imatrix = tmp_path / "imatrix.dat"  # (llama.cpp's legacy format: one entry of no tensor here)
     name = b"unused.weight"
     imatrix.write_bytes(struct.pack("<ii", 1, len(name)) + name + struct.pack("<iif", 1, 1, 1.0))

@@ -144,6 +144,25 @@ def _run_parallel(path: str, jobs_list: list[Job], jobs: int, bar) -> None:
             raise
 
 
+def write_index(w: gguf.GGUFWriter, plans: list[TensorPlan], qtypes: list[T]) -> int:
+    """The header, the metadata ``w`` holds and the tensor index of ``plans`` in ``qtypes``, the
+    file then sized for their data, left sparse (its padding stays zero; ``write_data`` fills the
+    rest in place). Returns where the data section starts."""
+    for t, q in zip(plans, qtypes):
+        w.add_tensor_info(t.name, tuple(reversed(t.shape)), np.dtype(np.float32), tensor_nbytes(t.shape, q),
+                          raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    assert w.fout is not None
+    f = w.fout[0]
+    w.write_padding(f, f.tell())
+    data_start = f.tell()
+    align = w.data_alignment
+    f.truncate(data_start + sum(n + (-n % align) for n in (tensor_nbytes(t.shape, q) for t, q in zip(plans, qtypes))))
+    return data_start
+
+
 def write_gguf(path: Path, writer_setup, plans: list[TensorPlan], qtypes: list[T], *, arch: str, seed: int,
                skew: float, jobs: int, progress: bool) -> Path:
     """Write the whole file to a temp name next to ``path`` and rename it into place."""
@@ -152,19 +171,8 @@ def write_gguf(path: Path, writer_setup, plans: list[TensorPlan], qtypes: list[T
     w = gguf.GGUFWriter(str(tmp), arch)
     try:
         writer_setup(w)
-        for t, q in zip(plans, qtypes):
-            w.add_tensor_info(t.name, tuple(reversed(t.shape)), np.dtype(np.float32), tensor_nbytes(t.shape, q),
-                              raw_dtype=q)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        assert w.fout is not None
-        f = w.fout[0]
-        w.write_padding(f, f.tell())
-        data_start = f.tell()
+        data_start = write_index(w, plans, qtypes)
         align = w.data_alignment
-        data_size = sum(n + (-n % align) for n in (tensor_nbytes(t.shape, q) for t, q in zip(plans, qtypes)))
-        f.truncate(data_start + data_size)  # padding stays zero; chunks fill the rest in place
         w.close()
         write_data(tmp, data_start, plans, qtypes, seed=seed, skew=skew, alignment=align, jobs=jobs,
                    progress=progress)
