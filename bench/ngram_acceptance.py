@@ -12,8 +12,8 @@ which Qwen3-30B-A3B uses); a ``repack synth`` file's small BPE splits text into 
 tokens than Qwen's, so matches run longer in tokens (the script says so).
 
 Teacher-forced: the continuation is fixed text standing for the main model's greedy output, and
-the drafting loop of ``runtime.speculative`` is replayed on it with the runtime's own drafter
-(``NgramDrafter``) and draft-length rule (``DraftLength``, starting at ``--draft-tokens``): the
+the runtime's drafting loop (``runtime.speculative.speculative_tokens``, with its ``NgramDrafter``
+and draft-length rule from ``--draft-tokens``) runs on a session whose model writes that text: the
 first token comes from the prompt's logits; then each step either has no draft (a plain decode
 step, one token) or verifies its drafts (the longest prefix equal to the text is kept, plus the
 verify's own token). Counted: plain steps, verify steps by their number of drafts, drafted and
@@ -51,20 +51,57 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from sparkpack.calibrate.readers import read_corpus
 from sparkpack.calibrate.render import ChatRenderer
 from sparkpack.formats.gguf_file import GGUFModel
 from sparkpack.runtime.chat_template import ChatTemplate
-from sparkpack.runtime.drafting import DraftLength, NgramDrafter
-from sparkpack.runtime.ngram_draft import accepted_prefix
+from sparkpack.runtime.drafting import NgramDrafter
+from sparkpack.runtime.speculative import Speculation, speculative_tokens
 from sparkpack.runtime.tokenizer import GGUFTokenizer
 
 Pair = tuple[list[int], list[int]]  # (context ids, continuation ids)
 
 
+class TeacherForced:
+    """A session (what ``runtime.speculative.speculative_tokens`` drives) whose model writes
+    ``target`` after ``context``: a plain step's logits and each verify row pick the target's
+    token at that position. Counts the plain steps and the verifies by their number of drafts."""
+
+    def __init__(self, context: list[int], target: list[int], max_k: int, min_n: int, max_n: int):
+        self.fed = list(context)
+        self.start, self.target, self.vocab = len(context), target, max(target) + 1
+        self.draft = Speculation(NgramDrafter(max_n, min_n), max_k)
+        self.plain_steps = 0
+        self.verifies: Counter = Counter()
+        self._verified = 0
+
+    def logits(self, pos: int) -> torch.Tensor:
+        """The logits after the first ``pos`` tokens: one-hot on the target's token there."""
+        row = torch.zeros(self.vocab)
+        row[self.target[pos - self.start]] = 1
+        return row
+
+    def feed(self, ids: list[int], side: str) -> torch.Tensor:
+        self.plain_steps += 1
+        self.fed = list(ids)
+        return self.logits(len(self.fed))
+
+    def verify(self, tokens: list[int]) -> tuple[torch.Tensor, None]:
+        self.verifies[len(tokens) - 1] += 1
+        self._verified = len(self.fed)
+        self.fed.extend(tokens)
+        return torch.stack([self.logits(self._verified + 1 + i) for i in range(len(tokens))]), None
+
+    def keep(self, k: int) -> None:
+        del self.fed[self._verified + k:]
+
+
 @dataclass
 class Replay:
-    """The drafting loop's steps over a set of continuations (``runtime.speculative_tokens``)."""
+    """The drafting loop's steps over a set of continuations: ``speculative_tokens`` itself, run
+    on a ``TeacherForced`` session per continuation (greedy, as the runtime drafts)."""
 
     targets: int = 0
     tokens: int = 0
@@ -74,30 +111,15 @@ class Replay:
     accepted: int = 0
 
     def add(self, context: list[int], target: list[int], max_k: int, min_n: int, max_n: int) -> None:
-        drafter, length = NgramDrafter(max_n, min_n), DraftLength(max_k)
-        seq, n = list(context), len(target)
-        produced, tok = 0, target[0]  # (the first token: the prompt's logits, no step)
-        while True:
-            seq.append(tok)
-            produced += 1
-            if produced >= n:
-                break
-            k = min(length.k, n - produced - 1)  # the kept drafts and the token after them fit in n
-            drafts = drafter.propose(seq, k)[:k] if k > 0 else []
-            if not drafts:
-                self.plain_steps += 1
-                tok = target[produced]
-                continue
-            a = accepted_prefix(drafts, target[produced:])
-            self.verifies[len(drafts)] += 1
-            self.drafted += len(drafts)
-            self.accepted += a
-            length.update(len(drafts), a)
-            seq += drafts[:a]
-            produced += a
-            tok = target[produced]
+        s = TeacherForced(context, target, max_k, min_n, max_n)
+        out = list(speculative_tokens(s, s.logits(len(context)), len(target), None))  # type: ignore[arg-type]
+        assert out == target, "the drafting loop wrote other tokens than the target"
+        self.plain_steps += s.plain_steps
+        self.verifies += s.verifies
+        self.drafted += s.draft.stats.drafted
+        self.accepted += s.draft.stats.accepted
         self.targets += 1
-        self.tokens += n
+        self.tokens += len(target)
 
     @property
     def steps(self) -> int:
